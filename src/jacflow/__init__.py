@@ -1,0 +1,1 @@
+"""jacflow: Jacobian-based autodiff and Jacobian descent for PyTorch."""

@@ -1,0 +1,178 @@
+"""The two abstractions of aggregation and the two ways of composing them.
+
+* :class:`Aggregator` maps a Jacobian ``J`` of shape ``[m, n]`` to an update of shape ``[n]``.
+* :class:`Weighting` maps a statistic of ``J`` (``J`` itself or its Gramian) to weights ``[m]``.
+
+Most methods only depend on ``J`` through its Gramian ``G = J J^T``; they are written once as a
+:class:`GramianWeighting` and wrapped by :class:`GramianWeightedAggregator`. That split is what
+lets the Gramian engine (:mod:`jacflow.autogram`) run them without ever forming ``J``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import ClassVar
+
+from torch import Tensor, nn
+
+from jacflow.aggregation._properties import Property
+from jacflow.linalg import compute_gramian
+
+
+def _check_matrix(value: object, name: str, owner: str) -> Tensor:
+    if not isinstance(value, Tensor):
+        raise TypeError(f"{owner} expects `{name}` to be a torch.Tensor, received {type(value)}.")
+    if value.ndim != 2:
+        raise ValueError(
+            f"{owner} expects `{name}` to be a 2-D matrix of shape [m, n], received a tensor of "
+            f"shape {tuple(value.shape)}. Flatten a Jacobian with `J.flatten(1)` first."
+        )
+    return value
+
+
+class Aggregator(nn.Module, ABC):
+    """Maps a Jacobian matrix ``[m, n]`` (one row per objective) to one update vector ``[n]``.
+
+    Subclasses implement :meth:`forward`; calling the aggregator validates the input first.
+    ``m = 0`` is allowed and gives the zero vector for every method that is weighted.
+
+    Example:
+        >>> import torch
+        >>> from jacflow.aggregation import Mean
+        >>> Mean()(torch.tensor([[1., 2.], [3., 4.]]))
+        tensor([2., 3.])
+    """
+
+    properties: ClassVar[frozenset[Property]] = frozenset()
+    """The :class:`Property` claims of this method, each asserted by the test suite."""
+
+    def __call__(self, matrix: Tensor) -> Tensor:
+        _check_matrix(matrix, "matrix", type(self).__name__)
+        return super().__call__(matrix)
+
+    @abstractmethod
+    def forward(self, matrix: Tensor) -> Tensor:
+        """Return the aggregation of the rows of ``matrix``."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.extra_repr()})"
+
+    def __str__(self) -> str:
+        return type(self).__name__
+
+
+class Weighting(nn.Module, ABC):
+    """Maps a matrix statistic (``J`` or ``J J^T``) of shape ``[m, k]`` to ``m`` weights.
+
+    Example:
+        >>> import torch
+        >>> from jacflow.aggregation import MeanWeighting
+        >>> MeanWeighting()(torch.eye(4))
+        tensor([0.2500, 0.2500, 0.2500, 0.2500])
+    """
+
+    def __call__(self, stat: Tensor) -> Tensor:
+        self._check_input(stat)
+        return super().__call__(stat)
+
+    def _check_input(self, stat: Tensor) -> None:
+        _check_matrix(stat, "stat", type(self).__name__)
+
+    @abstractmethod
+    def forward(self, stat: Tensor) -> Tensor:
+        """Return the ``[m]`` weights."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.extra_repr()})"
+
+    def __str__(self) -> str:
+        return type(self).__name__
+
+
+class GramianWeighting(Weighting):
+    """A :class:`Weighting` whose input is a Gramian ``G = J J^T`` of shape ``[m, m]``.
+
+    These are the weightings usable with :mod:`jacflow.autogram`, which computes ``G`` without
+    the Jacobian.
+
+    Example:
+        >>> import torch
+        >>> from jacflow.aggregation import UPGradWeighting
+        >>> UPGradWeighting()(torch.tensor([[1., 0.], [0., 1.]]))
+        tensor([0.5000, 0.5000])
+    """
+
+    def _check_input(self, stat: Tensor) -> None:
+        gramian = _check_matrix(stat, "gramian", type(self).__name__)
+        if gramian.shape[0] != gramian.shape[1]:
+            raise ValueError(
+                f"{type(self).__name__} expects a square Gramian [m, m], received shape "
+                f"{tuple(gramian.shape)}. Pass `J @ J.T`, or use the aggregator form on `J`."
+            )
+
+
+class WeightedAggregator(Aggregator):
+    """Aggregates by ``weighting(J) @ J`` for a weighting that reads the Jacobian itself.
+
+    Args:
+        weighting: maps the ``[m, n]`` Jacobian to ``[m]`` weights.
+
+    Example:
+        >>> import torch
+        >>> from jacflow.aggregation import MeanWeighting, WeightedAggregator
+        >>> WeightedAggregator(MeanWeighting())(torch.tensor([[0., 2.], [2., 0.]]))
+        tensor([1., 1.])
+    """
+
+    properties: ClassVar[frozenset[Property]] = frozenset({Property.WEIGHTED})
+
+    def __init__(self, weighting: Weighting) -> None:
+        super().__init__()
+        if not isinstance(weighting, Weighting):
+            raise TypeError(
+                f"`weighting` must be a jacflow.aggregation.Weighting, received {type(weighting)}."
+            )
+        self.weighting = weighting
+
+    def weights(self, matrix: Tensor) -> Tensor:
+        """Weights that this aggregator gives to the rows of ``matrix``."""
+        return self.weighting(matrix)
+
+    def forward(self, matrix: Tensor) -> Tensor:
+        return self.weights(matrix).to(matrix.dtype) @ matrix
+
+    def extra_repr(self) -> str:
+        return repr(self.weighting) if type(self) in (WeightedAggregator,) else ""
+
+
+class GramianWeightedAggregator(WeightedAggregator):
+    """Aggregates by ``gramian_weighting(J J^T) @ J``.
+
+    Named Gramian-based methods (:class:`UPGrad`, ...) are presets of this class; any
+    :class:`GramianWeighting` of your own composes with it the same way.
+
+    Args:
+        gramian_weighting: maps the ``[m, m]`` Gramian to ``[m]`` weights.
+
+    Example:
+        >>> import torch
+        >>> from jacflow.aggregation import GramianWeightedAggregator, UPGradWeighting
+        >>> J = torch.tensor([[-4., 1., 1.], [6., 1., 1.]])
+        >>> GramianWeightedAggregator(UPGradWeighting())(J)
+        tensor([0.2924, 1.9006, 1.9006])
+    """
+
+    def __init__(self, gramian_weighting: GramianWeighting) -> None:
+        if not isinstance(gramian_weighting, GramianWeighting):
+            raise TypeError(
+                "`gramian_weighting` must be a jacflow.aggregation.GramianWeighting, received "
+                f"{type(gramian_weighting)}."
+            )
+        super().__init__(gramian_weighting)
+        self.gramian_weighting = gramian_weighting
+
+    def weights(self, matrix: Tensor) -> Tensor:
+        return self.gramian_weighting(compute_gramian(matrix))
+
+    def extra_repr(self) -> str:
+        return repr(self.gramian_weighting) if type(self) is GramianWeightedAggregator else ""

@@ -1,0 +1,35 @@
+"""Preference vectors shared by the methods that take ``pref_vector``."""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from jacflow.aggregation._mean import mean_weights
+
+
+def check_pref_vector(pref_vector: Tensor | None) -> Tensor | None:
+    """Validate a user-given preference vector at construction time."""
+    if pref_vector is None:
+        return None
+    if not isinstance(pref_vector, Tensor):
+        raise TypeError(
+            f"`pref_vector` must be a torch.Tensor or None, received {type(pref_vector)}."
+        )
+    if pref_vector.ndim != 1:
+        raise ValueError(
+            "`pref_vector` must be a vector (1-D tensor) with one entry per objective, received "
+            f"shape {tuple(pref_vector.shape)}."
+        )
+    return pref_vector
+
+
+def resolve_pref_vector(pref_vector: Tensor | None, m: int, like: Tensor) -> Tensor:
+    """The preference weights for ``m`` rows: the given vector, or ``1/m`` each by default."""
+    if pref_vector is None:
+        return mean_weights(m, like)
+    if pref_vector.shape[0] != m:
+        raise ValueError(
+            f"`pref_vector` has {pref_vector.shape[0]} entries but the matrix has {m} rows; give "
+            "one preference per objective."
+        )
+    return pref_vector.to(device=like.device, dtype=like.dtype)

@@ -1,0 +1,67 @@
+"""Gramians of Jacobian matrices and the PSD helpers every Gramian weighting shares."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import Tensor
+
+
+def compute_gramian(matrix: Tensor) -> Tensor:
+    """Return ``matrix @ matrix.T``: the Gramian of the rows of a ``[m, n]`` matrix.
+
+    Entry ``(i, j)`` is the inner product of rows ``i`` and ``j``; the diagonal holds the
+    squared norms. A negative off-diagonal entry means that two gradients conflict.
+
+    Example:
+        >>> import torch
+        >>> from jacflow.linalg import compute_gramian
+        >>> compute_gramian(torch.tensor([[1., 0.], [-1., 2.]]))
+        tensor([[ 1., -1.],
+                [-1.,  5.]])
+    """
+    return matrix @ matrix.T
+
+
+def sum_gramians(matrices: Iterable[Tensor]) -> Tensor:
+    """Gramian of the column-wise concatenation of ``matrices`` without concatenating them.
+
+    Each matrix has shape ``[m, *any]``; they must share ``m``. Saves the copy that
+    ``torch.cat`` would make of a Jacobian split over several parameters.
+
+    Example:
+        >>> import torch
+        >>> from jacflow.linalg import sum_gramians
+        >>> a, b = torch.tensor([[1., 2.], [0., 1.]]), torch.tensor([[3.], [4.]])
+        >>> sum_gramians([a, b])
+        tensor([[14., 14.],
+                [14., 17.]])
+    """
+    total: Tensor | None = None
+    for matrix in matrices:
+        flat = matrix.reshape(matrix.shape[0], -1)
+        term = flat @ flat.T
+        total = term if total is None else total + term
+    if total is None:
+        raise ValueError("`sum_gramians` needs at least one matrix, received none.")
+    return total
+
+
+def normalize_gramian(gramian: Tensor, eps: float) -> Tensor:
+    """Divide a Gramian (or a batch of them) by its trace; a trace ``<= eps`` gives zeros.
+
+    Uses ``torch.where`` rather than a Python ``if`` so that no host synchronisation happens
+    on an accelerator.
+    """
+    trace = gramian.diagonal(dim1=-2, dim2=-1).sum(-1)[..., None, None]
+    keep = trace > eps
+    safe = torch.where(keep, trace, torch.ones_like(trace))
+    return torch.where(keep, gramian / safe, torch.zeros_like(gramian))
+
+
+def regularize_gramian(gramian: Tensor, eps: float) -> Tensor:
+    """Return ``gramian + eps * I`` (batched over leading dimensions)."""
+    m = gramian.shape[-1]
+    eye = torch.eye(m, dtype=gramian.dtype, device=gramian.device)
+    return gramian + eps * eye

@@ -1,0 +1,98 @@
+"""Mean, Sum and UPGrad: claimed properties, degenerate inputs, and the documented values."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from jacflow.aggregation import (
+    Aggregator,
+    GramianWeightedAggregator,
+    Mean,
+    MeanWeighting,
+    Sum,
+    UPGrad,
+    UPGradWeighting,
+    WeightedAggregator,
+)
+from jacflow.linalg._dual_cone import project_weights_reference
+from tests.aggregation._properties import check_claimed_properties, check_degenerate_inputs
+
+FACTORIES: list[Callable[[], Aggregator]] = [Mean, Sum, UPGrad]
+
+
+@pytest.mark.parametrize("make", FACTORIES, ids=lambda f: f.__name__)
+def test_claimed_properties(make: Callable[[], Aggregator]) -> None:
+    check_claimed_properties(make)
+
+
+@pytest.mark.parametrize("make", FACTORIES, ids=lambda f: f.__name__)
+def test_degenerate_inputs(make: Callable[[], Aggregator]) -> None:
+    check_degenerate_inputs(make)
+
+
+def test_documented_values() -> None:
+    J = torch.tensor([[-4.0, 1.0, 1.0], [6.0, 1.0, 1.0]])
+    torch.testing.assert_close(
+        UPGrad()(J), torch.tensor([0.2924, 1.9006, 1.9006]), atol=1e-4, rtol=0
+    )
+    torch.testing.assert_close(
+        UPGradWeighting()(J @ J.T), torch.tensor([1.1111, 0.7895]), atol=1e-4, rtol=0
+    )
+    torch.testing.assert_close(Mean()(J), torch.tensor([1.0, 1.0, 1.0]))
+    # TorchJD 0.18 normalises and regularises by 1e-4; the same settings give its numbers.
+    torchjd_like = UPGrad(norm_eps=1e-4, reg_eps=1e-4)(J)
+    torch.testing.assert_close(
+        torchjd_like, torch.tensor([0.2929, 1.9004, 1.9004]), atol=1e-4, rtol=0
+    )
+    torch.testing.assert_close(Sum()(J), torch.tensor([2.0, 2.0, 2.0]))
+
+
+def test_upgrad_matches_its_definition() -> None:
+    """UPGrad = mean of the projections of each row onto the dual cone, checked by KKT."""
+    torch.manual_seed(1)
+    J = torch.randn(5, 7, dtype=torch.float64)
+    G = J @ J.T
+    V = project_weights_reference(
+        torch.eye(5, dtype=torch.float64) / 5, G, norm_eps=0.0, reg_eps=0.0
+    )
+    for i in range(5):
+        v = V[i]
+        u = torch.eye(5, dtype=torch.float64)[i] / 5
+        assert bool((v >= u - 1e-12).all())  # primal feasibility
+        multipliers = 2 * G @ v  # stationarity: 2 G v = lambda, lambda >= 0
+        assert bool((multipliers >= -1e-9).all())
+        assert abs(float(multipliers @ (v - u))) < 1e-9  # complementary slackness
+    expected = V.sum(0) @ J
+    got = UPGrad(norm_eps=0.0, reg_eps=0.0)(J)
+    torch.testing.assert_close(got, expected)
+
+
+def test_aggregator_rejects_non_matrix() -> None:
+    with pytest.raises(ValueError, match="2-D matrix"):
+        UPGrad()(torch.ones(3))
+    with pytest.raises(TypeError, match="torch.Tensor"):
+        UPGrad()([[1.0]])  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="square Gramian"):
+        UPGradWeighting()(torch.ones(2, 3))
+
+
+def test_bad_hyperparameters() -> None:
+    with pytest.raises(ValueError, match="norm_eps"):
+        UPGrad(norm_eps=-1.0)
+    with pytest.raises(ValueError, match="pref_vector"):
+        UPGrad(pref_vector=torch.ones(2, 2))
+    with pytest.raises(ValueError, match="one preference per objective"):
+        UPGrad(pref_vector=torch.ones(3))(torch.ones(2, 2))
+    with pytest.raises(TypeError, match="GramianWeighting"):
+        GramianWeightedAggregator(object())  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="Weighting"):
+        WeightedAggregator(object())  # type: ignore[arg-type]
+
+
+def test_weighting_and_aggregator_agree() -> None:
+    J = torch.randn(6, 9, dtype=torch.float64)
+    torch.testing.assert_close(UPGrad()(J), UPGradWeighting()(J @ J.T) @ J)
+    torch.testing.assert_close(GramianWeightedAggregator(MeanWeighting())(J), Mean()(J))

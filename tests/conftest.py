@@ -1,0 +1,38 @@
+"""Test-wide settings: one torch thread, deterministic seeds, and the devices to test on."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+
+torch.set_num_threads(1)
+
+settings.register_profile(
+    "jacflow",
+    max_examples=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+settings.load_profile("jacflow")
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+DTYPES = [torch.float32, torch.float64]
+
+
+@pytest.fixture(autouse=True)
+def _seed() -> None:
+    random.seed(0)
+    torch.manual_seed(0)
+
+
+@pytest.fixture(params=DEVICES)
+def device(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture(params=DTYPES, ids=["float32", "float64"])
+def dtype(request: pytest.FixtureRequest) -> torch.dtype:
+    return request.param  # type: ignore[no-any-return]
