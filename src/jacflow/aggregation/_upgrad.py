@@ -8,7 +8,7 @@ from torch import Tensor
 from jacflow.aggregation._bases import GramianWeightedAggregator, GramianWeighting
 from jacflow.aggregation._pref_vector import check_pref_vector, resolve_pref_vector
 from jacflow.aggregation._properties import Property
-from jacflow.linalg._dual_cone import project_weights_reference
+from jacflow.linalg._dual_cone import project_weights
 
 
 def _check_eps(value: float, name: str) -> float:
@@ -30,7 +30,7 @@ def upgrad_weights(gramian: Tensor, pref: Tensor, norm_eps: float, reg_eps: floa
     if not bool((off_diagonal < 0).any()):
         return pref
     u = torch.diag(pref)
-    return project_weights_reference(u, gramian, norm_eps=norm_eps, reg_eps=reg_eps).sum(dim=0)
+    return project_weights(u, gramian, norm_eps=norm_eps, reg_eps=reg_eps).sum(dim=0)
 
 
 class UPGradWeighting(GramianWeighting):

@@ -9,6 +9,7 @@ Example:
             [-22.,  38.]])
 """
 
+from jacflow.linalg._dual_cone import project_weights
 from jacflow.linalg._gramian import (
     compute_gramian,
     normalize_gramian,
@@ -16,4 +17,10 @@ from jacflow.linalg._gramian import (
     sum_gramians,
 )
 
-__all__ = ["compute_gramian", "normalize_gramian", "regularize_gramian", "sum_gramians"]
+__all__ = [
+    "compute_gramian",
+    "normalize_gramian",
+    "project_weights",
+    "regularize_gramian",
+    "sum_gramians",
+]

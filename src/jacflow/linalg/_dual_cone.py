@@ -79,3 +79,28 @@ def project_weights_reference(
         rows.append(row + x)
     result = torch.stack(rows) if rows else flat_u.clone()
     return result.reshape(u.shape).to(device=device, dtype=dtype)
+
+
+def project_weights(
+    u: Tensor, gramian: Tensor, *, norm_eps: float = 0.0, reg_eps: float = 0.0
+) -> Tensor:
+    """Weights of the projection of ``J^T u`` onto the dual cone of the rows of ``J``.
+
+    For every row ``u`` of ``u`` (shape ``[..., m]``) returns ``v`` (same shape) solving
+    ``minimize v^T G v subject to v >= u`` with ``G = gramian`` (``[m, m]``), so that
+    ``J^T v`` is the projection of ``J^T u`` onto ``{x : J x >= 0}``.
+
+    Args:
+        u: the weights to project, ``[..., m]``.
+        gramian: the Gramian ``J J^T``, ``[m, m]``.
+        norm_eps: ``G`` is divided by its trace; a trace ``<= norm_eps`` counts as zero.
+        reg_eps: ``reg_eps * I`` is added to the normalised ``G`` (0: the exact problem).
+
+    Example:
+        >>> import torch
+        >>> from jacflow.linalg import project_weights
+        >>> G = torch.tensor([[1., -1.], [-1., 4.]], dtype=torch.float64)
+        >>> project_weights(torch.tensor([1., 0.], dtype=torch.float64), G)
+        tensor([1.0000, 0.2500], dtype=torch.float64)
+    """
+    return project_weights_reference(u, gramian, norm_eps=norm_eps, reg_eps=reg_eps)
