@@ -73,7 +73,7 @@ def test_upgrad_matches_its_definition() -> None:
 def test_aggregator_rejects_non_matrix() -> None:
     with pytest.raises(ValueError, match="2-D matrix"):
         UPGrad()(torch.ones(3))
-    with pytest.raises(TypeError, match="torch.Tensor"):
+    with pytest.raises(TypeError, match=r"torch\.Tensor"):
         UPGrad()([[1.0]])  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="square Gramian"):
         UPGradWeighting()(torch.ones(2, 3))
