@@ -17,6 +17,7 @@ from jacflow.aggregation._bases import (
     WeightedAggregator,
     Weighting,
 )
+from jacflow.aggregation._loss_aware import LossAware
 from jacflow.aggregation._mean import Mean, MeanWeighting
 from jacflow.aggregation._properties import Property
 from jacflow.aggregation._sum import Sum, SumWeighting
@@ -26,6 +27,7 @@ __all__ = [
     "Aggregator",
     "GramianWeightedAggregator",
     "GramianWeighting",
+    "LossAware",
     "Mean",
     "MeanWeighting",
     "Property",
