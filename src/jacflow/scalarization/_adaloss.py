@@ -1,0 +1,68 @@
+"""AdaLoss: weights inversely proportional to the running average of each loss."""
+
+from __future__ import annotations
+
+from typing import final
+
+from torch import Tensor
+
+from jacflow._stateful import Stateful
+from jacflow.scalarization._base import Scalarizer, check_real, check_same_shape
+
+
+@final
+class AdaLoss(Scalarizer, Stateful):
+    r"""AdaLoss: :math:`\sum_i L_i / (\bar L_i + \epsilon)`, where :math:`\bar L_i` is an
+    exponential moving average of :math:`L_i` (no gradient through the weights).
+
+    .. math::
+        \bar L_i \leftarrow \beta \bar L_i + (1 - \beta) L_i \quad
+        (\bar L_i = L_i \text{ at the first call}),
+
+    updated before the weights are computed. This is gradient descent on
+    :math:`\sum_i \log L_i` with each loss replaced by its running average in the denominator:
+    every task's relative improvement counts the same, whatever its scale.
+
+    Paper: H. Hu, D. Dey, M. Hebert, J. A. Bagnell, *Learning Anytime Predictions in Neural
+    Networks via Adaptive Loss Balancing*, AAAI 2019 (arXiv 1708.06832).
+
+    State: the running averages :math:`\bar L`; each call is one step. :meth:`reset` forgets
+    them.
+
+    Args:
+        momentum: :math:`\beta \in [0, 1)`; 0 uses the current losses only.
+        eps: :math:`\epsilon \ge 0`, keeps the weights finite for a zero average.
+
+    Example:
+        >>> import torch
+        >>> from jacflow.scalarization import AdaLoss
+        >>> ada = AdaLoss(momentum=0.5)
+        >>> ada(torch.tensor([1.0, 10.0]))  # each loss over itself
+        tensor(2.)
+        >>> ada(torch.tensor([3.0, 10.0]))  # averages [2, 10]: 3 / 2 + 10 / 10
+        tensor(2.5000)
+    """
+
+    def __init__(self, momentum: float = 0.9, eps: float = 1e-8) -> None:
+        super().__init__()
+        self.momentum = check_real(
+            momentum, "momentum", "AdaLoss", low=0.0, high=1.0, high_open=True
+        )
+        self.eps = check_real(eps, "eps", "AdaLoss", low=0.0)
+        self._average: Tensor | None = None
+
+    def forward(self, losses: Tensor, /) -> Tensor:
+        detached = losses.detach()
+        if self._average is None:
+            self._average = detached.clone()
+        else:
+            check_same_shape(self._average, losses, "AdaLoss")
+            self._average = self.momentum * self._average + (1 - self.momentum) * detached
+        weights = 1.0 / (self._average.to(losses.dtype) + self.eps)
+        return (weights * losses).sum()
+
+    def reset(self) -> None:
+        self._average = None
+
+    def extra_repr(self) -> str:
+        return f"momentum={self.momentum}, eps={self.eps}"

@@ -1,0 +1,161 @@
+"""The :class:`Scalarizer` contract and the checks shared by every scalarization method."""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, nn
+
+
+def check_losses(losses: object, owner: str) -> Tensor:
+    """Check that ``losses`` is a non-empty floating-point tensor and return it."""
+    if not isinstance(losses, Tensor):
+        raise TypeError(
+            f"{owner} expects `losses` to be a torch.Tensor of loss values, received "
+            f"{type(losses)}. Stack a list of scalar losses with `torch.stack(losses)`."
+        )
+    if not losses.is_floating_point():
+        raise TypeError(
+            f"{owner} expects `losses` to have a floating dtype, received {losses.dtype}. "
+            "Convert them with `losses.float()`."
+        )
+    if losses.numel() == 0:
+        raise ValueError(
+            f"{owner} expects at least one loss, received a tensor of shape {tuple(losses.shape)}."
+        )
+    return losses
+
+
+def check_real(
+    value: object,
+    name: str,
+    owner: str,
+    *,
+    low: float | None = None,
+    high: float | None = None,
+    low_open: bool = False,
+    high_open: bool = False,
+) -> float:
+    """Check that ``value`` is a finite real number in the given interval and return it."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{owner}: `{name}` must be a real number, received {type(value)}.")
+    number = float(value)
+    interval = (
+        ("(" if low_open else "[")
+        + ("-inf" if low is None else f"{low:g}")
+        + ", "
+        + ("+inf" if high is None else f"{high:g}")
+        + (")" if high_open or high is None else "]")
+    )
+    if not math.isfinite(number):
+        raise ValueError(f"{owner}: `{name}` must be finite, received {value}.")
+    too_low = low is not None and (number <= low if low_open else number < low)
+    too_high = high is not None and (number >= high if high_open else number > high)
+    if too_low or too_high:
+        raise ValueError(f"{owner}: `{name}` must lie in {interval}, received {value}.")
+    return number
+
+
+def check_int(value: object, name: str, owner: str, *, low: int) -> int:
+    """Check that ``value`` is an integer ``>= low`` and return it."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{owner}: `{name}` must be an int, received {type(value)}.")
+    if value < low:
+        raise ValueError(f"{owner}: `{name}` must be at least {low}, received {value}.")
+    return value
+
+
+def check_shape(shape: object, owner: str) -> torch.Size:
+    """Normalise ``shape`` (an ``int`` or a sequence of ``int``) to a ``torch.Size``."""
+    dims = (shape,) if isinstance(shape, int) and not isinstance(shape, bool) else shape
+    if not isinstance(dims, Sequence) or not all(
+        isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in dims
+    ):
+        raise TypeError(
+            f"{owner}: `shape` must be an int or a sequence of non-negative ints (the shape of "
+            f"the losses), received {shape!r}."
+        )
+    size = torch.Size(dims)
+    if size.numel() == 0:
+        raise ValueError(f"{owner}: `shape` must hold at least one loss, received {shape!r}.")
+    return size
+
+
+def check_optional_tensor(value: object, name: str, owner: str) -> Tensor | None:
+    """Check that ``value`` is ``None`` or a tensor."""
+    if value is not None and not isinstance(value, Tensor):
+        raise TypeError(
+            f"{owner}: `{name}` must be a torch.Tensor or None, received {type(value)}."
+        )
+    return value
+
+
+def check_tensor(value: object, name: str, owner: str) -> Tensor:
+    """Check that ``value`` is a tensor."""
+    if not isinstance(value, Tensor):
+        raise TypeError(f"{owner}: `{name}` must be a torch.Tensor, received {type(value)}.")
+    return value
+
+
+def matching(tensor: Tensor, name: str, losses: Tensor, owner: str) -> Tensor:
+    """``tensor`` on the losses' device and dtype, after checking that the shapes are equal."""
+    if tensor.shape != losses.shape:
+        raise ValueError(
+            f"{owner}: `{name}` has shape {tuple(tensor.shape)} but `losses` has shape "
+            f"{tuple(losses.shape)}; give one entry of `{name}` per loss."
+        )
+    return tensor.to(device=losses.device, dtype=losses.dtype)
+
+
+def check_same_shape(state: Tensor, losses: Tensor, owner: str) -> None:
+    """Check that the losses have the shape of the state kept from previous calls."""
+    if state.shape != losses.shape:
+        raise ValueError(
+            f"{owner} keeps state for losses of shape {tuple(state.shape)} but received "
+            f"`losses` of shape {tuple(losses.shape)}. Call `reset()` before changing the shape."
+        )
+
+
+def follow_losses(tensors: Sequence[Tensor], losses: Tensor) -> None:
+    """Move parameters or buffers in place to the losses' device (and dtype when it is float32 or
+    float64), keeping the tensor objects so that optimizers holding them stay valid."""
+    dtype = losses.dtype if losses.dtype in (torch.float32, torch.float64) else None
+    for tensor in tensors:
+        target_dtype = tensor.dtype if dtype is None else dtype
+        if tensor.device == losses.device and tensor.dtype == target_dtype:
+            continue
+        tensor.data = tensor.data.to(device=losses.device, dtype=target_dtype)
+        if tensor.grad is not None:
+            tensor.grad = tensor.grad.to(device=losses.device, dtype=target_dtype)
+
+
+class Scalarizer(nn.Module, ABC):
+    """Reduces a tensor of losses of any shape to one scalar, to call ``.backward()`` on.
+
+    Calling a scalarizer checks that ``losses`` is a non-empty floating-point tensor, then runs
+    :meth:`forward`. Stateful methods also subclass :class:`jacflow.Stateful`; learnable ones
+    hold ``nn.Parameter`` s to add to the optimizer.
+
+    Example:
+        >>> import torch
+        >>> from jacflow.scalarization import Mean
+        >>> Mean()(torch.tensor([1.0, 2.0, 6.0]))
+        tensor(3.)
+    """
+
+    def __call__(self, losses: Tensor, /) -> Tensor:
+        check_losses(losses, type(self).__name__)
+        return super().__call__(losses)
+
+    @abstractmethod
+    def forward(self, losses: Tensor, /) -> Tensor:
+        """Return the scalarization of ``losses`` (a 0-dim tensor)."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.extra_repr()})"
+
+    def __str__(self) -> str:
+        return type(self).__name__

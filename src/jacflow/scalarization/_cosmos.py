@@ -1,0 +1,58 @@
+"""COSMOS: linear scalarization with a cosine-similarity reward."""
+
+from __future__ import annotations
+
+from typing import final
+
+import torch
+from torch import Tensor
+
+from jacflow.scalarization._base import Scalarizer, check_real, check_tensor, matching
+
+_NORM_FLOOR = 1e-8
+
+
+def cosmos(losses: Tensor, weights: Tensor, lambda_: float) -> Tensor:
+    """``r.L - lambda_ * cos(r, L)``; the product of norms is floored at ``1e-8``."""
+    r, f = weights.flatten(), losses.flatten()
+    dot = r @ f
+    norms = torch.linalg.vector_norm(r) * torch.linalg.vector_norm(f)
+    return dot - lambda_ * dot / norms.clamp_min(_NORM_FLOOR)
+
+
+@final
+class COSMOS(Scalarizer):
+    r"""COSMOS scalarization: :math:`\sum_i r_i L_i - \lambda \cos(r, L)`, with
+    :math:`\cos(r, L) = r^\top L / (\lVert r \rVert \lVert L \rVert)`.
+
+    The cosine term pulls the vector of losses towards the preference ray :math:`r`, which
+    spreads the solutions obtained for different preferences over the Pareto front.
+
+    Paper: M. Ruchte, J. Grabocka, *Scalable Pareto Front Approximation for Deep Multi-Objective
+    Learning*, ICDM 2021 (arXiv 2103.13392). The full method also feeds :math:`r` to the network
+    as an input; that is the user's model, this class is the objective. Same names, parameters
+    and defaults as TorchJD 0.18's ``COSMOS``.
+
+    Args:
+        lambda_: the weight :math:`\lambda \ge 0` of the cosine term (the paper uses 0.01 to 8).
+        weights: the preference :math:`r`, one entry per loss; resample it from a Dirichlet
+            distribution and reassign ``cosmos.weights`` at each step as in the paper.
+
+    Example:
+        >>> import torch
+        >>> from jacflow.scalarization import COSMOS
+        >>> COSMOS(lambda_=1.0, weights=torch.tensor([0.5, 0.5]))(torch.tensor([3.0, 4.0]))
+        tensor(2.5101)
+    """
+
+    def __init__(self, lambda_: float, weights: Tensor) -> None:
+        super().__init__()
+        self.lambda_ = check_real(lambda_, "lambda_", "COSMOS", low=0.0)
+        self.weights = check_tensor(weights, "weights", "COSMOS")
+
+    def forward(self, losses: Tensor, /) -> Tensor:
+        r = matching(self.weights, "weights", losses, "COSMOS")
+        return cosmos(losses, r, self.lambda_)
+
+    def extra_repr(self) -> str:
+        return f"lambda_={self.lambda_}, weights={self.weights!r}"

@@ -1,0 +1,102 @@
+"""DWA: dynamic weight average."""
+
+from __future__ import annotations
+
+from typing import final
+
+import torch
+from torch import Tensor
+
+from jacflow._stateful import Stateful
+from jacflow.scalarization._base import Scalarizer, check_real, check_same_shape
+
+
+def dwa_weights(older: Tensor, newer: Tensor, temperature: float) -> Tensor:
+    """``K * softmax((newer / older) / T)`` over all entries, reshaped like ``newer``."""
+    rates = (newer / older).flatten()
+    return newer.numel() * torch.softmax(rates / temperature, dim=0).reshape(newer.shape)
+
+
+@final
+class DWA(Scalarizer, Stateful):
+    r"""Dynamic weight average: weights each loss by how slowly it decreased over the last epochs.
+
+    At epoch :math:`t`, the losses :math:`\ell_k` of each batch are combined as
+
+    .. math::
+        \sum_k \lambda_k(t)\, \ell_k, \qquad
+        \lambda_k(t) = \frac{K \exp(w_k(t-1) / T)}{\sum_i \exp(w_i(t-1) / T)}, \qquad
+        w_k(t-1) = \frac{L_k(t-1)}{L_k(t-2)},
+
+    where :math:`L_k(t)` is the average of :math:`\ell_k` over the batches of epoch :math:`t`
+    and :math:`K` the number of losses (the weights sum to :math:`K`). During the first two
+    epochs the weights are all 1. The weights carry no gradient.
+
+    Paper: S. Liu, E. Johns, A. J. Davison, *End-to-End Multi-Task Learning with Attention*,
+    CVPR 2019 (arXiv 1803.10704). Same names, parameters and defaults as TorchJD 0.18's ``DWA``.
+
+    State: the running sum and count of this epoch's losses, and the averages of the last two
+    epochs. Each call adds its (detached) losses to the epoch's sum; call :meth:`step` once at
+    the end of each epoch. :meth:`reset` forgets everything.
+
+    Args:
+        temperature: :math:`T > 0`; larger is more uniform (the paper uses 2).
+
+    Example:
+        >>> import torch
+        >>> from jacflow.scalarization import DWA
+        >>> dwa = DWA()
+        >>> for epoch_losses in ([4.0, 2.0], [2.0, 1.5]):
+        ...     _ = dwa(torch.tensor(epoch_losses))
+        ...     dwa.step()
+        >>> dwa(torch.tensor([1.0, 1.0]))  # weights 2 softmax([0.5, 0.75] / 2)
+        tensor(2.)
+        >>> dwa.weights(torch.tensor([1.0, 1.0]))
+        tensor([0.9376, 1.0624])
+    """
+
+    def __init__(self, temperature: float = 2.0) -> None:
+        super().__init__()
+        self.temperature = check_real(temperature, "temperature", "DWA", low=0.0, low_open=True)
+        self._epoch_sum: Tensor | None = None
+        self._epoch_batches = 0
+        self._averages: list[Tensor] = []
+
+    def weights(self, losses: Tensor) -> Tensor:
+        """The weights the next call gives to losses of this shape (no state change)."""
+        if len(self._averages) < 2:
+            return torch.ones_like(losses)
+        older, newer = self._averages
+        check_same_shape(older, losses, "DWA")
+        return dwa_weights(older, newer, self.temperature).to(losses.dtype)
+
+    def forward(self, losses: Tensor, /) -> Tensor:
+        weights = self.weights(losses)
+        detached = losses.detach()
+        if self._epoch_sum is None:
+            self._epoch_sum = detached.clone()
+        else:
+            check_same_shape(self._epoch_sum, losses, "DWA")
+            self._epoch_sum = self._epoch_sum + detached
+        self._epoch_batches += 1
+        return (weights * losses).sum()
+
+    def step(self) -> None:
+        """End the epoch: its average loss becomes the newest of the two kept averages.
+
+        An epoch without any call is ignored.
+        """
+        if self._epoch_sum is None:
+            return
+        average = self._epoch_sum / self._epoch_batches
+        self._averages = [*self._averages, average][-2:]
+        self._epoch_sum = None
+        self._epoch_batches = 0
+
+    def reset(self) -> None:
+        self._epoch_sum = None
+        self._epoch_batches = 0
+        self._averages = []
+
+    def extra_repr(self) -> str:
+        return f"temperature={self.temperature}"

@@ -1,0 +1,170 @@
+"""FAMO: fast adaptive multitask optimization."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import final
+
+import torch
+from torch import Tensor
+
+from jacflow._stateful import Stateful
+from jacflow.scalarization._base import (
+    Scalarizer,
+    check_optional_tensor,
+    check_real,
+    check_shape,
+    follow_losses,
+)
+
+_EPS = 1e-8
+_BETAS = (0.9, 0.999)
+_ADAM_EPS = 1e-8
+
+
+def famo_objective(losses: Tensor, logits: Tensor, min_losses: Tensor) -> Tensor:
+    """``c * sum(z * log(L - b + eps))`` with ``z = softmax(logits)`` and the constant
+    ``c = 1 / sum(z / (L - b + eps))`` (both detached)."""
+    z = torch.softmax(logits.flatten(), dim=0).reshape(losses.shape)
+    gap = losses - min_losses + _EPS
+    c = 1.0 / (z / gap.detach()).sum()
+    return c * (z * torch.log(gap)).sum()
+
+
+def famo_logit_gradient(logits: Tensor, delta: Tensor) -> Tensor:
+    """``J_softmax(logits)^T delta = z * (delta - z . delta)``, the gradient FAMO feeds to Adam."""
+    z = torch.softmax(logits.flatten(), dim=0)
+    d = delta.flatten()
+    return (z * (d - z @ d)).reshape(logits.shape)
+
+
+@final
+class FAMO(Scalarizer, Stateful):
+    r"""FAMO: decreases all losses at about the same rate, using only the loss values.
+
+    The losses are combined as
+
+    .. math::
+        c \sum_i z_i \log(L_i - b_i + \epsilon), \qquad z = \mathrm{softmax}(w), \qquad
+        c = \Big(\sum_i \frac{z_i}{L_i - b_i + \epsilon}\Big)^{-1},
+
+    with :math:`c` and :math:`z` treated as constants, so the gradient is the convex
+    combination :math:`\sum_i \frac{c z_i}{L_i - b_i + \epsilon} \nabla L_i` and
+    :math:`\epsilon = 10^{-8}`. After the model's step, :meth:`update` receives the losses
+    recomputed on the same batch and moves the logits :math:`w` by one Adam step
+    (:math:`\beta = (0.9, 0.999)`, L2 weight decay) on the gradient
+    :math:`J_{\mathrm{softmax}}(w)^\top \delta`, where
+    :math:`\delta_i = \log(L_i^{\text{before}} - b_i + \epsilon) - \log(L_i^{\text{after}} - b_i
+    + \epsilon)`: losses that improved a lot lose weight.
+
+    Paper: B. Liu, Y. Feng, P. Stone, Q. Liu, *FAMO: Fast Adaptive Multitask Optimization*,
+    NeurIPS 2023 (arXiv 2306.03792). Same names, parameters and defaults as TorchJD 0.18's
+    ``FAMO``.
+
+    State: the logits :math:`w` (a buffer, not a parameter: FAMO steps them itself, do not give
+    them to your optimizer), Adam's moments and step count, and the losses of the last call.
+    They move to the losses' device and dtype on the first call. :meth:`reset` restores zeros.
+
+    Args:
+        shape: the shape of the losses (an ``int`` ``m`` means ``(m,)``).
+        min_losses: lower bounds :math:`b` of the losses (default zeros; then the losses must be
+            positive).
+        lr: Adam's learning rate for the logits, :math:`\ge 0` (paper: 0.025).
+        weight_decay: L2 weight decay of the logits, :math:`\ge 0` (paper: 1e-3).
+
+    Example:
+        >>> import torch
+        >>> from jacflow.scalarization import FAMO
+        >>> famo = FAMO(2)
+        >>> famo(torch.tensor([1.0, 4.0]))  # z = [.5, .5]: c = 1.6, 0.8 * log(4)
+        tensor(1.1090)
+        >>> famo.update(torch.tensor([0.5, 4.0]))  # loss 0 improved: its weight goes down
+        >>> torch.softmax(famo.logits, dim=0)
+        tensor([0.4875, 0.5125])
+    """
+
+    logits: Tensor
+    min_losses: Tensor
+    _exp_avg: Tensor
+    _exp_avg_sq: Tensor
+
+    def __init__(
+        self,
+        shape: int | Sequence[int],
+        min_losses: Tensor | None = None,
+        lr: float = 0.025,
+        weight_decay: float = 1e-3,
+    ) -> None:
+        super().__init__()
+        size = check_shape(shape, "FAMO")
+        self.lr = check_real(lr, "lr", "FAMO", low=0.0)
+        self.weight_decay = check_real(weight_decay, "weight_decay", "FAMO", low=0.0)
+        bounds = check_optional_tensor(min_losses, "min_losses", "FAMO")
+        if bounds is None:
+            bounds = torch.zeros(size)
+        elif bounds.shape != size:
+            raise ValueError(
+                f"FAMO: `min_losses` must have the shape of the losses {tuple(size)}, received "
+                f"{tuple(bounds.shape)}."
+            )
+        self.register_buffer("logits", torch.zeros(size))
+        self.register_buffer("min_losses", bounds.clone())
+        self.register_buffer("_exp_avg", torch.zeros(size))
+        self.register_buffer("_exp_avg_sq", torch.zeros(size))
+        self._steps = 0
+        self._before: Tensor | None = None
+
+    def _check(self, losses: Tensor, name: str) -> None:
+        if losses.shape != self.logits.shape:
+            raise ValueError(
+                f"FAMO was built for losses of shape {tuple(self.logits.shape)} but `{name}` "
+                f"has shape {tuple(losses.shape)}."
+            )
+        follow_losses([self.logits, self.min_losses, self._exp_avg, self._exp_avg_sq], losses)
+
+    def forward(self, losses: Tensor, /) -> Tensor:
+        self._check(losses, "losses")
+        self._before = losses.detach().clone()
+        return famo_objective(losses, self.logits, self.min_losses)
+
+    @torch.no_grad()
+    def update(self, new_losses: Tensor, /) -> None:
+        """One Adam step on the logits from the change of the losses across the model's step.
+
+        Args:
+            new_losses: the losses recomputed on the same batch after the optimizer step.
+
+        Raises:
+            ValueError: if the scalarizer was not called on this step's losses first.
+        """
+        if self._before is None:
+            raise ValueError(
+                "FAMO.update(new_losses) must follow a call `famo(losses)` on the same batch; "
+                "call the scalarizer, step the model, then update with the new losses."
+            )
+        if not isinstance(new_losses, Tensor):
+            raise TypeError(f"FAMO: `new_losses` must be a torch.Tensor, got {type(new_losses)}.")
+        self._check(new_losses, "new_losses")
+        after = new_losses.detach().to(self._before.dtype)
+        delta = torch.log(self._before - self.min_losses + _EPS) - torch.log(
+            after - self.min_losses + _EPS
+        )
+        self._before = None
+        grad = famo_logit_gradient(self.logits, delta) + self.weight_decay * self.logits
+        beta1, beta2 = _BETAS
+        self._steps += 1
+        self._exp_avg.mul_(beta1).add_(grad, alpha=1 - beta1)
+        self._exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        step_size = self.lr / (1 - beta1**self._steps)
+        denom = (self._exp_avg_sq / (1 - beta2**self._steps)).sqrt_().add_(_ADAM_EPS)
+        self.logits.addcdiv_(self._exp_avg, denom, value=-step_size)
+
+    def reset(self) -> None:
+        for buffer in (self.logits, self._exp_avg, self._exp_avg_sq):
+            buffer.zero_()
+        self._steps = 0
+        self._before = None
+
+    def extra_repr(self) -> str:
+        shape = tuple(self.logits.shape)
+        return f"shape={shape}, lr={self.lr}, weight_decay={self.weight_decay}"

@@ -1,0 +1,68 @@
+"""LBTW: loss-balanced task weighting."""
+
+from __future__ import annotations
+
+from typing import final
+
+from torch import Tensor
+
+from jacflow._stateful import Stateful
+from jacflow.scalarization._base import Scalarizer, check_real, check_same_shape
+
+
+def lbtw_weights(losses: Tensor, initial: Tensor, alpha: float) -> Tensor:
+    """``(losses / initial) ** alpha``."""
+    return (losses / initial) ** alpha
+
+
+@final
+class LBTW(Scalarizer, Stateful):
+    r"""Loss-balanced task weighting: :math:`\sum_i w_i L_i` with
+    :math:`w_i = \big(L_i / L_i^{(0)}\big)^{\alpha}` (no gradient through :math:`w`).
+
+    A task whose loss has already dropped a lot relative to its initial value
+    :math:`L_i^{(0)}` gets a small weight, which limits negative transfer to the others.
+
+    Paper: S. Liu, Y. Liang, A. Gitter, *Loss-Balanced Task Weighting to Reduce Negative
+    Transfer in Multi-Task Learning*, AAAI 2019 (student abstract). In the paper
+    :math:`L^{(0)}` is the loss of the first batch of each epoch: call :meth:`step` at the end
+    of each epoch for that behaviour; without it :math:`L^{(0)}` is the first batch of training.
+
+    State: :math:`L^{(0)}`, taken from the first call after construction, :meth:`step` or
+    :meth:`reset`.
+
+    Args:
+        alpha: the exponent :math:`\alpha \ge 0` (the paper uses 0.1 and 0.5; 0 is the sum).
+
+    Example:
+        >>> import torch
+        >>> from jacflow.scalarization import LBTW
+        >>> lbtw = LBTW(alpha=0.5)
+        >>> lbtw(torch.tensor([4.0, 2.0]))  # first call: weights 1
+        tensor(6.)
+        >>> lbtw(torch.tensor([1.0, 2.0]))  # weights sqrt(1/4), sqrt(2/2)
+        tensor(2.5000)
+    """
+
+    def __init__(self, alpha: float = 0.5) -> None:
+        super().__init__()
+        self.alpha = check_real(alpha, "alpha", "LBTW", low=0.0)
+        self._initial: Tensor | None = None
+
+    def forward(self, losses: Tensor, /) -> Tensor:
+        detached = losses.detach()
+        if self._initial is None:
+            self._initial = detached.clone()
+        check_same_shape(self._initial, losses, "LBTW")
+        weights = lbtw_weights(detached, self._initial.to(losses.dtype), self.alpha)
+        return (weights * losses).sum()
+
+    def step(self) -> None:
+        """End the epoch: the next call's losses become the new :math:`L^{(0)}`."""
+        self._initial = None
+
+    def reset(self) -> None:
+        self._initial = None
+
+    def extra_repr(self) -> str:
+        return f"alpha={self.alpha}"

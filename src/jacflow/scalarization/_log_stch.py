@@ -1,0 +1,116 @@
+"""LogSTCH: LibMTL's smooth Tchebycheff on log-normalised losses, after a warm-up."""
+
+from __future__ import annotations
+
+from typing import final
+
+import torch
+from torch import Tensor
+
+from jacflow._stateful import Stateful
+from jacflow.scalarization._base import (
+    Scalarizer,
+    check_int,
+    check_real,
+    check_same_shape,
+)
+from jacflow.scalarization._stch import smooth_max
+
+_LOG_EPS = 1e-20
+
+
+def log_sum(losses: Tensor) -> Tensor:
+    """``sum(log(losses + 1e-20))``, the warm-up objective."""
+    return torch.log(losses + _LOG_EPS).sum()
+
+
+def log_stch(losses: Tensor, nadir: Tensor, mu: float) -> Tensor:
+    """``m * mu * logsumexp(log(losses / nadir + 1e-20) / mu)``."""
+    return losses.numel() * smooth_max(torch.log(losses / nadir + _LOG_EPS), mu)
+
+
+@final
+class LogSTCH(Scalarizer, Stateful):
+    r"""Smooth Tchebycheff on log-losses normalised by a nadir point, after a warm-up (LibMTL).
+
+    A separate class rather than options of :class:`STCH` because it is stateful (epochs, a
+    measured nadir point) while :class:`STCH` is a pure function. With :math:`e` the epoch
+    index (starting at 0, advanced by :meth:`step`) and :math:`W` = ``warmup_epochs``:
+
+    * epochs :math:`e < W`: :math:`\sum_i \log(L_i + 10^{-20})` (the geometric loss strategy);
+    * epoch :math:`e = W` (calibration): the same objective, and the nadir point
+      :math:`z_i` is the average of :math:`L_i` over this epoch's calls;
+    * epochs :math:`e > W`:
+      :math:`m \mu \log \sum_i \exp\big(\log(L_i / z_i + 10^{-20}) / \mu\big)`.
+
+    This is LibMTL's ``STCH`` weighting with ``STCH_warmup_epoch = W`` (its value is shifted by
+    the constant largest term, which changes no gradient; here the exact value is returned).
+    The log makes the method invariant to the scale of each loss.
+
+    Paper: X. Lin, X. Zhang, Z. Yang, F. Liu, Z. Wang, Q. Zhang, *Smooth Tchebycheff
+    Scalarization for Multi-Objective Optimization*, ICML 2024 (arXiv 2402.19078), in the form
+    of its multi-task experiments (official code, ported to LibMTL).
+
+    State: the epoch index, the sum and count of the losses of the calibration epoch, and the
+    nadir point. Call :meth:`step` at the end of every epoch; :meth:`reset` starts over.
+
+    Args:
+        mu: the smoothing parameter :math:`\mu > 0`.
+        warmup_epochs: the number :math:`W \ge 0` of log-sum epochs before the calibration
+            epoch (LibMTL uses 4).
+
+    Example:
+        >>> import torch
+        >>> from jacflow.scalarization import LogSTCH
+        >>> stch = LogSTCH(mu=1.0, warmup_epochs=0)
+        >>> stch(torch.tensor([2.0, 8.0]))  # calibration epoch: log 2 + log 8
+        tensor(2.7726)
+        >>> stch.step()
+        >>> stch(torch.tensor([1.0, 8.0]))  # 2 * log(1/2 + 8/8)
+        tensor(0.8109)
+    """
+
+    def __init__(self, mu: float, warmup_epochs: int = 4) -> None:
+        super().__init__()
+        self.mu = check_real(mu, "mu", "LogSTCH", low=0.0, low_open=True)
+        self.warmup_epochs = check_int(warmup_epochs, "warmup_epochs", "LogSTCH", low=0)
+        self.epoch = 0
+        self._sum: Tensor | None = None
+        self._count = 0
+        self.nadir: Tensor | None = None
+
+    def forward(self, losses: Tensor, /) -> Tensor:
+        if self.epoch < self.warmup_epochs:
+            self._count += 1
+            return log_sum(losses)
+        if self.nadir is None:
+            detached = losses.detach()
+            if self._sum is None:
+                self._sum = detached.clone()
+            else:
+                check_same_shape(self._sum, losses, "LogSTCH")
+                self._sum = self._sum + detached
+            self._count += 1
+            return log_sum(losses)
+        check_same_shape(self.nadir, losses, "LogSTCH")
+        return log_stch(losses, self.nadir.to(losses.dtype), self.mu)
+
+    def step(self) -> None:
+        """End the epoch (an epoch without any call is ignored); the calibration epoch's end
+        fixes the nadir point."""
+        if self._count == 0 and self.nadir is None:
+            return
+        if self._sum is not None and self.nadir is None:
+            self.nadir = self._sum / self._count
+            self._sum = None
+        self._count = 0
+        self.epoch += 1
+
+    def reset(self) -> None:
+        self.epoch = 0
+        self._sum = None
+        self._count = 0
+        self.nadir = None
+
+    def extra_repr(self) -> str:
+        return f"mu={self.mu}, warmup_epochs={self.warmup_epochs}"

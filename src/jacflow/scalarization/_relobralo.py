@@ -1,0 +1,95 @@
+"""ReLoBRaLo: relative loss balancing with random lookback."""
+
+from __future__ import annotations
+
+from typing import final
+
+import torch
+from torch import Tensor
+
+from jacflow._stateful import Stateful
+from jacflow.scalarization._base import Scalarizer, check_real, check_same_shape
+
+_EPS = 1e-12
+
+
+def balancing(losses: Tensor, reference: Tensor, temperature: float) -> Tensor:
+    """``m * softmax(L / (T * L_ref + 1e-12))``: the relative balancing weights."""
+    ratios = (losses / (temperature * reference + _EPS)).flatten()
+    return losses.numel() * torch.softmax(ratios, dim=0).reshape(losses.shape)
+
+
+@final
+class ReLoBRaLo(Scalarizer, Stateful):
+    r"""ReLoBRaLo: :math:`\sum_i \lambda_i(t) L_i`, the weights (summing to :math:`m`, no
+    gradient) following
+
+    .. math::
+        \hat\lambda_i(t, t') &= \frac{m \exp\big(L_i(t) / (T L_i(t'))\big)}
+            {\sum_j \exp\big(L_j(t) / (T L_j(t'))\big)}, \\
+        \lambda_i(t) &= \alpha \big(\rho\, \lambda_i(t-1) + (1 - \rho)\, \hat\lambda_i(t, 0)\big)
+            + (1 - \alpha)\, \hat\lambda_i(t, t-1),
+
+    with :math:`\rho \sim \mathrm{Bernoulli}(\mathbb{E}[\rho])` drawn at each call (the random
+    lookback to the initial losses :math:`L(0)`) and :math:`\lambda(0) = 1`. A
+    :math:`10^{-12}` is added to the denominators :math:`T L_i(t')`.
+
+    Paper: R. Bischof, M. Kraus, *Multi-Objective Loss Balancing for Physics-Informed Deep
+    Learning*, arXiv 2110.09813, 2021. :math:`\rho` is drawn from torch's global generator
+    (``torch.rand(()) < rho``), so ``torch.manual_seed`` makes runs reproducible.
+
+    State: :math:`L(0)` (the first call's losses), :math:`L(t-1)` and :math:`\lambda(t-1)`; each
+    call is one step. :meth:`reset` forgets them.
+
+    Args:
+        alpha: the exponential decay :math:`\alpha \in [0, 1]` (paper: 0.999).
+        rho: the expected lookback value :math:`\mathbb{E}[\rho] \in [0, 1]` (paper: 0.999).
+        temperature: :math:`T > 0` (paper: 0.1).
+
+    Example:
+        >>> import torch
+        >>> from jacflow.scalarization import ReLoBRaLo
+        >>> rl = ReLoBRaLo(alpha=0.5, rho=1.0, temperature=1.0)
+        >>> rl(torch.tensor([1.0, 1.0]))  # first call: weights 1
+        tensor(2.)
+        >>> rl(torch.tensor([2.0, 1.0]))  # 0.5 * 1 + 0.5 * 2 softmax([2, 1])
+        tensor(3.2311)
+    """
+
+    def __init__(self, alpha: float = 0.999, rho: float = 0.999, temperature: float = 0.1):
+        super().__init__()
+        self.alpha = check_real(alpha, "alpha", "ReLoBRaLo", low=0.0, high=1.0)
+        self.rho = check_real(rho, "rho", "ReLoBRaLo", low=0.0, high=1.0)
+        self.temperature = check_real(
+            temperature, "temperature", "ReLoBRaLo", low=0.0, low_open=True
+        )
+        self._initial: Tensor | None = None
+        self._previous: Tensor | None = None
+        self._lambda: Tensor | None = None
+
+    def forward(self, losses: Tensor, /) -> Tensor:
+        detached = losses.detach()
+        if self._initial is None or self._previous is None or self._lambda is None:
+            self._initial = detached.clone()
+            weights = torch.ones_like(detached)
+        else:
+            check_same_shape(self._initial, losses, "ReLoBRaLo")
+            initial = self._initial.to(losses.dtype)
+            previous = self._previous.to(losses.dtype)
+            lookback = (torch.rand((), device=losses.device) < self.rho).to(losses.dtype)
+            history = lookback * self._lambda.to(losses.dtype) + (1 - lookback) * balancing(
+                detached, initial, self.temperature
+            )
+            recent = balancing(detached, previous, self.temperature)
+            weights = self.alpha * history + (1 - self.alpha) * recent
+        self._previous = detached.clone()
+        self._lambda = weights
+        return (weights * losses).sum()
+
+    def reset(self) -> None:
+        self._initial = None
+        self._previous = None
+        self._lambda = None
+
+    def extra_repr(self) -> str:
+        return f"alpha={self.alpha}, rho={self.rho}, temperature={self.temperature}"

@@ -1,0 +1,94 @@
+"""SoftAdapt: softmax of the losses' rates of change."""
+
+from __future__ import annotations
+
+from typing import final
+
+import torch
+from torch import Tensor
+
+from jacflow._stateful import Stateful
+from jacflow.scalarization._base import Scalarizer, check_real, check_same_shape
+
+_SLOPE_FLOOR = 1e-8
+
+
+def softadapt_weights(
+    losses: Tensor, slopes: Tensor, beta: float, normalized: bool, loss_weighted: bool
+) -> Tensor:
+    """SoftAdapt's weights (summing to 1) from the current losses and their slopes."""
+    s = slopes.flatten()
+    if normalized:
+        s = s / s.abs().sum().clamp_min(_SLOPE_FLOOR)
+    weights = torch.softmax(beta * s, dim=0)
+    if loss_weighted:
+        weights = losses.flatten() * weights
+        weights = weights / weights.sum()
+    return weights.reshape(losses.shape)
+
+
+@final
+class SoftAdapt(Scalarizer, Stateful):
+    r"""SoftAdapt: :math:`\sum_i \alpha_i L_i` with
+    :math:`\alpha = \mathrm{softmax}(\beta s)`, where
+    :math:`s_i = L_i(t) - L_i(t-1)` is the rate of change of loss :math:`i` since the last call.
+
+    With :math:`\beta > 0` the losses that decrease slowest (or grow) get the largest weights.
+    Two variants of the paper are options and combine:
+
+    * ``normalized=True``: :math:`s \leftarrow s / \max(\lVert s \rVert_1, 10^{-8})`;
+    * ``loss_weighted=True``:
+      :math:`\alpha_i = L_i e^{\beta s_i} / \sum_j L_j e^{\beta s_j}`.
+
+    The weights sum to 1 and carry no gradient; at the first call :math:`s = 0`.
+
+    Paper: A. A. Heydari, C. A. Thompson, A. Mehmood, *SoftAdapt: Techniques for Adaptive Loss
+    Weighting of Neural Networks with Multi-Part Loss Functions*, arXiv 1912.12355, 2019. The
+    slope is the first-order finite difference between consecutive calls.
+
+    State: the losses of the previous call; each call is one step. :meth:`reset` forgets them.
+
+    Args:
+        beta: the inverse temperature :math:`\beta` (paper: 0.1; negative favours the losses
+            that decrease fastest).
+        normalized: divide the slopes by their L1 norm.
+        loss_weighted: multiply the exponentials by the current losses.
+
+    Example:
+        >>> import torch
+        >>> from jacflow.scalarization import SoftAdapt
+        >>> sa = SoftAdapt(beta=1.0)
+        >>> sa(torch.tensor([2.0, 2.0]))  # first call: weights 1/2
+        tensor(2.)
+        >>> sa(torch.tensor([1.0, 2.0]))  # slopes [-1, 0]: weights softmax([-1, 0])
+        tensor(1.7311)
+    """
+
+    def __init__(self, beta: float = 0.1, normalized: bool = False, loss_weighted: bool = False):
+        super().__init__()
+        self.beta = check_real(beta, "beta", "SoftAdapt")
+        for name, flag in (("normalized", normalized), ("loss_weighted", loss_weighted)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"SoftAdapt: `{name}` must be a bool, received {type(flag)}.")
+        self.normalized = normalized
+        self.loss_weighted = loss_weighted
+        self._previous: Tensor | None = None
+
+    def forward(self, losses: Tensor, /) -> Tensor:
+        detached = losses.detach()
+        if self._previous is None:
+            slopes = torch.zeros_like(detached)
+        else:
+            check_same_shape(self._previous, losses, "SoftAdapt")
+            slopes = detached - self._previous.to(losses.dtype)
+        self._previous = detached.clone()
+        weights = softadapt_weights(
+            detached, slopes, self.beta, self.normalized, self.loss_weighted
+        )
+        return (weights * losses).sum()
+
+    def reset(self) -> None:
+        self._previous = None
+
+    def extra_repr(self) -> str:
+        return f"beta={self.beta}, normalized={self.normalized}, loss_weighted={self.loss_weighted}"
