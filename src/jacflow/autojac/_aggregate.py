@@ -1,0 +1,47 @@
+"""Aggregation of a Jacobian split into blocks (one per input tensor) without concatenating it."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from jacflow.aggregation import (
+    Aggregator,
+    GramianWeightedAggregator,
+    Mean,
+    Sum,
+    WeightedAggregator,
+)
+from jacflow.linalg import sum_gramians
+
+
+def _combine(weights: Tensor, blocks: Sequence[Tensor]) -> list[Tensor]:
+    return [torch.tensordot(weights.to(b.dtype), b, dims=1) for b in blocks]
+
+
+def aggregate_blocks(
+    aggregator: Aggregator, blocks: Sequence[Tensor]
+) -> tuple[list[Tensor], Tensor | None]:
+    """Aggregate the Jacobian whose column blocks are ``blocks`` (each ``[m, *shape]``).
+
+    Returns one update per block (shape ``shape``) and the weights when the aggregator is
+    weighted. Gramian-based aggregators get ``G = sum_k J_k J_k^T`` and never see the
+    concatenated matrix, which saves a copy of the whole Jacobian.
+    """
+    m = blocks[0].shape[0]
+    if isinstance(aggregator, (Mean, Sum)):
+        # Their weights only depend on m: skip the Gramian entirely.
+        weights = aggregator.weights(blocks[0].new_empty((m, 0)))
+        return _combine(weights, blocks), weights
+    if isinstance(aggregator, GramianWeightedAggregator):
+        weights = aggregator.gramian_weighting(sum_gramians(blocks))
+        return _combine(weights, blocks), weights
+    matrix = torch.cat([b.reshape(m, -1) for b in blocks], dim=1)
+    if isinstance(aggregator, WeightedAggregator):
+        weights = aggregator.weights(matrix)
+        return _combine(weights, blocks), weights
+    flat = aggregator(matrix)
+    sizes = [b[0].numel() for b in blocks]
+    return [piece.reshape(b.shape[1:]) for piece, b in zip(torch.split(flat, sizes), blocks)], None

@@ -1,0 +1,95 @@
+"""``backward``: Jacobians accumulated into ``.jac``, or aggregated into ``.grad``."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from torch import Tensor
+
+from jacflow.aggregation import Aggregator
+from jacflow.autojac._accumulate import accumulate_grads, accumulate_jacs, check_jac_accumulable
+from jacflow.autojac._aggregate import aggregate_blocks
+from jacflow.autojac._checks import (
+    as_tensor_tuple,
+    check_aggregator,
+    check_chunk_size,
+    check_jac_outputs,
+    check_non_empty,
+    check_unique,
+)
+from jacflow.autojac._jac import compute_jacobians, resolve_inputs
+
+
+def store(
+    inputs: Sequence[Tensor], jacobians: Sequence[Tensor], aggregator: Aggregator | None
+) -> None:
+    """Aggregate into ``.grad`` (with an aggregator) or accumulate into ``.jac``; write last."""
+    if aggregator is None:
+        accumulate_jacs(inputs, jacobians)
+        return
+    updates, _ = aggregate_blocks(aggregator, jacobians)
+    accumulate_grads(inputs, updates)
+
+
+def backward(
+    tensors: Tensor | Sequence[Tensor],
+    inputs: Iterable[Tensor] | None = None,
+    A: Aggregator | None = None,
+    retain_graph: bool | None = None,
+    parallel_chunk_size: int | None = None,
+    *,
+    jac_tensors: Tensor | Sequence[Tensor] | None = None,
+    create_graph: bool = False,
+) -> None:
+    """Jacobian of all values of ``tensors`` w.r.t. ``inputs``, stored or aggregated.
+
+    Without an aggregator, the Jacobian with respect to each input ``t`` (shape
+    ``[m, *t.shape]``) is accumulated into ``t.jac``; aggregate it later with
+    :func:`jac_to_grad`. With an aggregator ``A``, the Jacobian (one row per value of
+    ``tensors``) is aggregated into one vector that is accumulated into ``t.grad``, as
+    ``loss.backward()`` would do with the gradient.
+
+    Args:
+        tensors: the tensor or tensors to differentiate; non-empty, distinct.
+        inputs: tensors to differentiate with respect to. Default: every leaf tensor requiring
+            grad behind ``tensors``.
+        A: aggregator reducing the Jacobian to one update; ``None`` stores ``.jac`` instead.
+        retain_graph: keep the graph for another differentiation. Default: ``create_graph``.
+        parallel_chunk_size: rows differentiated per vmapped call (``None``: all; ``1``: a loop
+            without vmap).
+        jac_tensors: left-multiplies the Jacobian (chain rule, the analog of ``grad_tensors``):
+            one ``[m, *tensor.shape]`` tensor per element of ``tensors``.
+        create_graph: keep the result differentiable, for higher-order derivatives.
+
+    If the call fails, every ``.grad`` and ``.jac`` is left as it was.
+
+    Example:
+        >>> import torch
+        >>> from jacflow import backward
+        >>> from jacflow.aggregation import UPGrad
+        >>> param = torch.tensor([1., 2.], requires_grad=True)
+        >>> y1 = torch.tensor([-1., 1.]) @ param
+        >>> y2 = (param ** 2).sum()
+        >>> backward([y1, y2], [param], A=UPGrad())
+        >>> param.grad
+        tensor([0.5000, 2.5000])
+    """
+    outs = as_tensor_tuple(tensors, "tensors")
+    check_non_empty(outs, "tensors")
+    check_unique(outs, "tensors")
+    aggregator = check_aggregator(A)
+    chunk_size = check_chunk_size(parallel_chunk_size, "parallel_chunk_size")
+    ins = resolve_inputs(outs, inputs, "tensors", "inputs")
+    check_non_empty(ins, "inputs")
+    check_unique(ins, "inputs")
+    if jac_tensors is None:
+        cotangents = None
+        rows = sum(o.numel() for o in outs)
+    else:
+        cotangents = as_tensor_tuple(jac_tensors, "jac_tensors")
+        rows = check_jac_outputs(cotangents, outs, "jac_tensors", "tensors")
+    if aggregator is None:
+        check_jac_accumulable(ins, rows, "inputs")
+    retain = create_graph if retain_graph is None else retain_graph
+    jacobians = compute_jacobians(outs, ins, cotangents, rows, retain, create_graph, chunk_size)
+    store(ins, jacobians, aggregator)

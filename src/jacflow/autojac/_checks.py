@@ -1,0 +1,117 @@
+"""Argument normalisation and validation shared by the public autojac functions.
+
+Every check runs before any computation so that a failed call leaves ``.grad`` and ``.jac``
+untouched; messages name the argument, what was expected and what was received.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+from torch import Tensor
+
+from jacflow.aggregation import Aggregator
+
+
+def as_tensor_tuple(value: Tensor | Iterable[Tensor], name: str) -> tuple[Tensor, ...]:
+    """``value`` as a tuple of tensors; a single tensor becomes a 1-tuple."""
+    if isinstance(value, Tensor):
+        return (value,)
+    try:
+        items = tuple(value)
+    except TypeError:
+        raise TypeError(
+            f"`{name}` must be a Tensor or a sequence of Tensors, received {type(value)}."
+        ) from None
+    for i, item in enumerate(items):
+        if not isinstance(item, Tensor):
+            raise TypeError(f"`{name}[{i}]` must be a Tensor, received {type(item)}.")
+    return items
+
+
+def check_non_empty(tensors: tuple[Tensor, ...], name: str) -> None:
+    if not tensors:
+        raise ValueError(f"`{name}` cannot be empty: pass at least one tensor.")
+
+
+def check_unique(tensors: tuple[Tensor, ...], name: str) -> None:
+    seen: dict[int, int] = {}
+    for i, tensor in enumerate(tensors):
+        if id(tensor) in seen:
+            raise ValueError(
+                f"`{name}` must contain distinct tensors, but `{name}[{seen[id(tensor)]}]` and "
+                f"`{name}[{i}]` are the same tensor. Pass each tensor once."
+            )
+        seen[id(tensor)] = i
+
+
+def check_chunk_size(value: object, name: str) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"`{name}` must be None or a positive int, received {value!r}.")
+    if value < 1:
+        raise ValueError(
+            f"`{name}` must be None (all rows at once) or an int >= 1, received {value}. Use 1 "
+            "for a sequential loop without vmap."
+        )
+    return value
+
+
+def check_inputs_require_grad(inputs: tuple[Tensor, ...], name: str) -> None:
+    for i, tensor in enumerate(inputs):
+        if not tensor.requires_grad:
+            raise ValueError(
+                f"`{name}[{i}]` (shape {tuple(tensor.shape)}) does not require grad, so no "
+                "Jacobian can be computed with respect to it. Call `.requires_grad_()` on it or "
+                f"remove it from `{name}`."
+            )
+
+
+def check_aggregator(aggregator: object) -> Aggregator | None:
+    if aggregator is None or isinstance(aggregator, Aggregator):
+        return aggregator
+    raise TypeError(
+        f"`A` must be a jacflow.aggregation.Aggregator (e.g. UPGrad()) or None, received "
+        f"{type(aggregator)}."
+    )
+
+
+def check_jac_outputs(
+    jac_outputs: Sequence[Tensor],
+    outputs: tuple[Tensor, ...],
+    jac_name: str,
+    out_name: str,
+) -> int:
+    """Check that ``jac_outputs[i]`` has shape ``[m, *outputs[i].shape]``; return ``m``."""
+    if len(jac_outputs) != len(outputs):
+        raise ValueError(
+            f"`{jac_name}` must have one tensor per element of `{out_name}`: expected "
+            f"{len(outputs)}, received {len(jac_outputs)}."
+        )
+    rows: int | None = None
+    for i, (jac, out) in enumerate(zip(jac_outputs, outputs)):
+        if jac.ndim != out.ndim + 1 or jac.shape[1:] != out.shape:
+            raise ValueError(
+                f"`{jac_name}[{i}]` must have shape [m, *{out_name}[{i}].shape] = "
+                f"[m, {', '.join(map(str, out.shape))}], received {tuple(jac.shape)}. Its first "
+                "dimension is the number of rows of the Jacobian."
+            )
+        if rows is None:
+            rows = jac.shape[0]
+        elif jac.shape[0] != rows:
+            raise ValueError(
+                f"All tensors of `{jac_name}` must have the same number of rows m (first "
+                f"dimension): `{jac_name}[0]` has {rows}, `{jac_name}[{i}]` has {jac.shape[0]}."
+            )
+    assert rows is not None
+    return rows
+
+
+def float_like(tensor: Tensor) -> bool:
+    return tensor.is_floating_point() or tensor.is_complex()
+
+
+def zeros_rows(rows: int, like: Tensor) -> Tensor:
+    return torch.zeros((rows, *like.shape), dtype=like.dtype, device=like.device)

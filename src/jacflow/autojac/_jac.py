@@ -1,0 +1,112 @@
+"""``jac``: the Jacobians of outputs with respect to inputs, returned as a tuple."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from torch import Tensor
+
+from jacflow.autojac._checks import (
+    as_tensor_tuple,
+    check_chunk_size,
+    check_inputs_require_grad,
+    check_jac_outputs,
+    check_non_empty,
+    check_unique,
+)
+from jacflow.autojac._graph import leaf_tensors
+from jacflow.autojac._rows import autograd_vjp, stacked_vjps
+
+
+def resolve_inputs(
+    outputs: tuple[Tensor, ...], inputs: Iterable[Tensor] | None, out_name: str, in_name: str
+) -> tuple[Tensor, ...]:
+    """Explicit inputs validated, or every leaf requiring grad behind ``outputs``."""
+    if inputs is None:
+        for i, out in enumerate(outputs):
+            if out.grad_fn is None:
+                raise ValueError(
+                    f"`{out_name}[{i}]` has no grad_fn, so the leaves it depends on cannot be "
+                    f"found. Pass `{in_name}` explicitly, or make sure `{out_name}[{i}]` is "
+                    "computed from tensors that require grad."
+                )
+        return leaf_tensors(outputs)
+    resolved = as_tensor_tuple(inputs, in_name)
+    check_inputs_require_grad(resolved, in_name)
+    return resolved
+
+
+def compute_jacobians(
+    outputs: tuple[Tensor, ...],
+    inputs: tuple[Tensor, ...],
+    jac_outputs: Sequence[Tensor] | None,
+    rows: int,
+    retain_graph: bool,
+    create_graph: bool,
+    chunk_size: int | None,
+) -> tuple[Tensor, ...]:
+    """The validated core call shared by ``jac``, ``backward`` and ``mtl_backward``."""
+    cotangents = (
+        None if jac_outputs is None else tuple(j.to(o.dtype) for j, o in zip(jac_outputs, outputs))
+    )
+    vjp = autograd_vjp(outputs, inputs, retain_graph, create_graph)
+    return stacked_vjps(
+        vjp, outputs, inputs, rows, chunk_size, cotangents, preallocate=not create_graph
+    )
+
+
+def jac(
+    outputs: Tensor | Sequence[Tensor],
+    inputs: Iterable[Tensor] | None = None,
+    jac_outputs: Tensor | Sequence[Tensor] | None = None,
+    retain_graph: bool | None = None,
+    parallel_chunk_size: int | None = None,
+    *,
+    create_graph: bool = False,
+) -> tuple[Tensor, ...]:
+    """Jacobians of ``outputs`` with respect to ``inputs``, one per input.
+
+    The Jacobian has one row per element of ``outputs`` (flattened and concatenated in order),
+    so the result for input ``t`` has shape ``[m, *t.shape]``. With ``jac_outputs``, the
+    Jacobian is left-multiplied by them (the chain rule, like ``grad_outputs`` of
+    :func:`torch.autograd.grad`).
+
+    Args:
+        outputs: the tensor or tensors to differentiate; must be non-empty and distinct.
+        inputs: tensors to differentiate with respect to (leaves or not); each must require
+            grad. Default: every leaf tensor requiring grad that ``outputs`` depend on.
+            Inputs that ``outputs`` do not depend on get zero Jacobians.
+        jac_outputs: one tensor per output, of shape ``[m, *output.shape]`` with the same
+            ``m`` for all; default: the identity (``m = total numel of outputs``).
+        retain_graph: keep the graph for another differentiation. Default: ``create_graph``.
+        parallel_chunk_size: rows differentiated per vmapped call; ``None`` = all at once,
+            ``1`` = one plain call per row without vmap. Results are identical for every value;
+            memory scales with the chunk.
+        create_graph: build the graph of the result, for higher-order derivatives.
+
+    Returns:
+        A tuple with one ``[m, *input.shape]`` tensor per input.
+
+    Example:
+        >>> import torch
+        >>> from jacflow import jac
+        >>> param = torch.tensor([1., 2.], requires_grad=True)
+        >>> y1 = torch.tensor([-1., 1.]) @ param
+        >>> y2 = (param ** 2).sum()
+        >>> jac([y1, y2], [param])
+        (tensor([[-1.,  1.],
+                [ 2.,  4.]]),)
+    """
+    outs = as_tensor_tuple(outputs, "outputs")
+    check_non_empty(outs, "outputs")
+    check_unique(outs, "outputs")
+    chunk_size = check_chunk_size(parallel_chunk_size, "parallel_chunk_size")
+    ins = resolve_inputs(outs, inputs, "outputs", "inputs")
+    if jac_outputs is None:
+        cotangents = None
+        rows = sum(o.numel() for o in outs)
+    else:
+        cotangents = as_tensor_tuple(jac_outputs, "jac_outputs")
+        rows = check_jac_outputs(cotangents, outs, "jac_outputs", "outputs")
+    retain = create_graph if retain_graph is None else retain_graph
+    return compute_jacobians(outs, ins, cotangents, rows, retain, create_graph, chunk_size)

@@ -1,0 +1,148 @@
+"""``mtl_backward``: one step of multi-task Jacobian descent on a shared trunk with task heads."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+from torch import Tensor
+
+from jacflow.aggregation import Aggregator
+from jacflow.autojac._accumulate import accumulate_grads, check_jac_accumulable
+from jacflow.autojac._backward import store
+from jacflow.autojac._checks import (
+    as_tensor_tuple,
+    check_aggregator,
+    check_chunk_size,
+    check_inputs_require_grad,
+    check_non_empty,
+    check_unique,
+)
+from jacflow.autojac._graph import leaf_tensors
+from jacflow.autojac._jac import compute_jacobians
+
+
+def _check_scalar_losses(losses: tuple[Tensor, ...]) -> None:
+    for i, loss in enumerate(losses):
+        if loss.numel() != 1:
+            raise ValueError(
+                f"`losses[{i}]` must be a scalar (one loss per task), received shape "
+                f"{tuple(loss.shape)}. Reduce it first, e.g. with `.mean()`."
+            )
+        if not loss.requires_grad:
+            raise ValueError(
+                f"`losses[{i}]` does not require grad: it does not depend on any parameter."
+            )
+
+
+def _resolve_params(
+    losses: tuple[Tensor, ...],
+    features: tuple[Tensor, ...],
+    tasks_params: Sequence[Iterable[Tensor]] | None,
+    shared_params: Iterable[Tensor] | None,
+) -> tuple[list[tuple[Tensor, ...]], tuple[Tensor, ...]]:
+    if shared_params is None:
+        shared = leaf_tensors(features)
+    else:
+        shared = as_tensor_tuple(shared_params, "shared_params")
+        check_inputs_require_grad(shared, "shared_params")
+    if tasks_params is None:
+        heads = [leaf_tensors([loss], exclude=features) for loss in losses]
+    else:
+        task_list = list(tasks_params)
+        if len(task_list) != len(losses):
+            raise ValueError(
+                "`tasks_params` must have one iterable of parameters per loss: expected "
+                f"{len(losses)}, received {len(task_list)}."
+            )
+        heads = [as_tensor_tuple(p, f"tasks_params[{i}]") for i, p in enumerate(task_list)]
+        for i, params in enumerate(heads):
+            check_inputs_require_grad(params, f"tasks_params[{i}]")
+    shared_ids = {id(p) for p in shared}
+    for i, params in enumerate(heads):
+        for p in params:
+            if id(p) in shared_ids:
+                raise ValueError(
+                    f"A tensor of shape {tuple(p.shape)} is both in `tasks_params[{i}]` and in "
+                    "`shared_params`; each parameter belongs either to a task head or to the "
+                    "shared trunk. Pass disjoint `tasks_params` and `shared_params`."
+                )
+    return heads, shared
+
+
+def mtl_backward(
+    losses: Sequence[Tensor],
+    features: Tensor | Sequence[Tensor],
+    A: Aggregator | None = None,
+    *,
+    tasks_params: Sequence[Iterable[Tensor]] | None = None,
+    shared_params: Iterable[Tensor] | None = None,
+    retain_graph: bool = False,
+    parallel_chunk_size: int | None = None,
+) -> None:
+    """One step of multi-task Jacobian descent: heads get gradients, the trunk a Jacobian.
+
+    Each task ``i`` has a scalar loss computed by a head from the shared ``features``. The head
+    parameters of task ``i`` receive the ordinary gradient of ``losses[i]`` in ``.grad``. The
+    shared parameters (the trunk, behind ``features``) receive the ``[m, *p.shape]``
+    Jacobian of the ``m`` losses in ``.jac``, or its aggregation by ``A`` in ``.grad``. Each
+    head is differentiated once; the trunk is differentiated once per task, through the
+    features (vmapped over tasks, in chunks of ``parallel_chunk_size``).
+
+    Args:
+        losses: one scalar loss per task.
+        features: the last shared representation(s) that the heads read.
+        A: aggregator of the trunk's Jacobian; ``None`` stores ``.jac`` instead.
+        tasks_params: per task, the head parameters. Default: the leaves behind each loss that
+            are not behind ``features``.
+        shared_params: the trunk parameters. Default: the leaves behind ``features``.
+        retain_graph: keep the graph for another differentiation.
+        parallel_chunk_size: tasks differentiated per vmapped trunk call (``1``: no vmap).
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> from jacflow import mtl_backward
+        >>> from jacflow.aggregation import UPGrad
+        >>> _ = torch.manual_seed(0)
+        >>> trunk, head1, head2 = nn.Linear(3, 4), nn.Linear(4, 1), nn.Linear(4, 1)
+        >>> x = torch.randn(8, 3)
+        >>> features = trunk(x)
+        >>> loss1, loss2 = head1(features).pow(2).mean(), head2(features).abs().mean()
+        >>> mtl_backward([loss1, loss2], features, A=UPGrad())
+        >>> trunk.weight.grad.shape, head1.weight.grad.shape
+        (torch.Size([4, 3]), torch.Size([1, 4]))
+    """
+    loss_tuple = as_tensor_tuple(losses, "losses")
+    check_non_empty(loss_tuple, "losses")
+    check_unique(loss_tuple, "losses")
+    _check_scalar_losses(loss_tuple)
+    feature_tuple = as_tensor_tuple(features, "features")
+    check_non_empty(feature_tuple, "features")
+    check_unique(feature_tuple, "features")
+    check_inputs_require_grad(feature_tuple, "features")
+    aggregator = check_aggregator(A)
+    chunk_size = check_chunk_size(parallel_chunk_size, "parallel_chunk_size")
+    heads, shared = _resolve_params(loss_tuple, feature_tuple, tasks_params, shared_params)
+    check_non_empty(shared, "shared_params")
+    if aggregator is None:
+        check_jac_accumulable(shared, len(loss_tuple), "shared_params")
+
+    head_grads: dict[int, tuple[Tensor, Tensor]] = {}
+    feature_rows: list[list[Tensor]] = [[] for _ in feature_tuple]
+    for loss, params in zip(loss_tuple, heads):
+        grads = torch.autograd.grad(
+            loss, [*params, *feature_tuple], retain_graph=True, allow_unused=True
+        )
+        for p, g in zip(params, grads[: len(params)]):
+            if g is not None:
+                previous = head_grads.get(id(p))
+                head_grads[id(p)] = (p, g if previous is None else previous[1] + g)
+        for rows, f, g in zip(feature_rows, feature_tuple, grads[len(params) :]):
+            rows.append(torch.zeros_like(f) if g is None else g)
+    cotangents = tuple(torch.stack(rows) for rows in feature_rows)
+    jacobians = compute_jacobians(
+        feature_tuple, shared, cotangents, len(loss_tuple), retain_graph, False, chunk_size
+    )
+    store(shared, jacobians, aggregator)
+    accumulate_grads([p for p, _ in head_grads.values()], [g for _, g in head_grads.values()])

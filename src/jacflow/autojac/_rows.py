@@ -1,0 +1,156 @@
+"""The one core routine: the rows of a Jacobian as vector-Jacobian products, chunk by chunk.
+
+Row ``r`` of the Jacobian of outputs ``y`` is the VJP of the cotangent ``e_r`` (or of row ``r`` of
+user-given cotangents). Rows are differentiated ``chunk_size`` at a time with one vmapped VJP per
+chunk, or one plain VJP per row when ``chunk_size == 1`` (no vmap at all: the escape hatch for
+compiled graphs and ops without batching rules). The identity cotangents of a chunk are built
+for that chunk only, so memory follows the chunk, never ``m x m``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+
+class VJP(Protocol):
+    """``cotangents -> gradients`` for one row (``batched=False``) or a chunk of rows."""
+
+    def __call__(
+        self, cotangents: tuple[Tensor, ...], *, batched: bool, last: bool
+    ) -> Sequence[Tensor | None]: ...
+
+
+_VMAP_HINT = (
+    "\n\njacflow: differentiating several rows at once with vmap failed. If the graph comes from "
+    "a torch.compile'd model, an RNN on CUDA or an operation without a batching rule, pass "
+    "`parallel_chunk_size=1` (or `chunk_size=1` for jacrev) to differentiate row by row "
+    "without vmap."
+)
+
+
+def row_chunks(rows: int, chunk_size: int | None) -> list[tuple[int, int]]:
+    size = rows if chunk_size is None else chunk_size
+    size = max(size, 1)
+    return [(start, min(start + size, rows)) for start in range(0, rows, size)]
+
+
+def basis_chunk(outputs: Sequence[Tensor], start: int, stop: int) -> tuple[Tensor, ...]:
+    """Rows ``start:stop`` of the identity over the flattened outputs, split per output."""
+    numels = [o.numel() for o in outputs]
+    total = sum(numels)
+    count = stop - start
+    device = outputs[0].device
+    # One [count, total] matrix per chunk; slicing per output keeps one allocation.
+    flat = torch.zeros(count, total, dtype=outputs[0].dtype, device=device)
+    flat[torch.arange(count, device=device), torch.arange(start, stop, device=device)] = 1
+    pieces = torch.split(flat, numels, dim=1)
+    return tuple(p.reshape(count, *o.shape).to(o.dtype) for p, o in zip(pieces, outputs))
+
+
+def stacked_vjps(
+    vjp: VJP,
+    outputs: Sequence[Tensor],
+    inputs: Sequence[Tensor],
+    rows: int,
+    chunk_size: int | None,
+    cotangents: Sequence[Tensor] | None = None,
+    preallocate: bool = True,
+) -> tuple[Tensor, ...]:
+    """The ``rows`` x input Jacobians ``[rows, *input.shape]`` of ``outputs``, one per input.
+
+    Args:
+        vjp: differentiates a (batch of) cotangent(s) for the outputs into input gradients.
+        outputs: tensors whose shapes define the cotangents.
+        inputs: tensors whose shapes define the results.
+        rows: number of Jacobian rows (``sum(numel)`` for the identity).
+        chunk_size: rows per VJP call (``None``: all at once; ``1``: a loop without vmap).
+        cotangents: ``[rows, *output.shape]`` each, or ``None`` for the identity.
+        preallocate: write chunks into one preallocated result (not differentiable; off when
+            the result must carry a graph or run under function transforms).
+    """
+    if rows == 0:
+        return tuple(torch.zeros((0, *i.shape), dtype=i.dtype, device=i.device) for i in inputs)
+    chunks = row_chunks(rows, chunk_size)
+    sequential = chunk_size == 1
+    results: list[list[Tensor]] = [[] for _ in inputs]
+    buffers = (
+        [torch.empty((rows, *i.shape), dtype=i.dtype, device=i.device) for i in inputs]
+        if preallocate and len(chunks) > 1
+        else None
+    )
+
+    def cotangents_of(start: int, stop: int) -> tuple[Tensor, ...]:
+        if cotangents is None:
+            return basis_chunk(outputs, start, stop)
+        return tuple(c[start:stop] for c in cotangents)
+
+    for k, (start, stop) in enumerate(chunks):
+        last = k == len(chunks) - 1
+        chunk = cotangents_of(start, stop)
+        if sequential:
+            grads = vjp(tuple(c[0] for c in chunk), batched=False, last=last)
+            grads = [None if g is None else g.unsqueeze(0) for g in grads]
+        else:
+            try:
+                grads = list(vjp(chunk, batched=True, last=last))
+            except RuntimeError as error:
+                raise RuntimeError(f"{error}{_VMAP_HINT}") from error
+        for j, (grad, inp) in enumerate(zip(grads, inputs)):
+            block = (
+                torch.zeros((stop - start, *inp.shape), dtype=inp.dtype, device=inp.device)
+                if grad is None
+                else grad
+            )
+            if buffers is not None:
+                buffers[j][start:stop].copy_(block)
+            else:
+                results[j].append(block)
+    if buffers is not None:
+        return tuple(buffers)
+    return tuple(r[0] if len(r) == 1 else torch.cat(r) for r in results)
+
+
+def autograd_vjp(
+    outputs: Sequence[Tensor],
+    inputs: Sequence[Tensor],
+    retain_graph: bool,
+    create_graph: bool,
+) -> VJP:
+    """A :class:`VJP` over the autograd graph (``torch.autograd.grad``)."""
+    differentiable = [i for i, o in enumerate(outputs) if o.requires_grad]
+    targets = [outputs[i] for i in differentiable]
+
+    def vjp(
+        cotangents: tuple[Tensor, ...], *, batched: bool, last: bool
+    ) -> Sequence[Tensor | None]:
+        if not targets or not inputs:
+            return [None] * len(inputs)
+        return torch.autograd.grad(
+            targets,
+            list(inputs),
+            grad_outputs=[cotangents[i] for i in differentiable],
+            retain_graph=retain_graph or not last,
+            create_graph=create_graph,
+            allow_unused=True,
+            is_grads_batched=batched,
+        )
+
+    return vjp
+
+
+def functional_vjp(pullback: Callable[..., tuple[Tensor, ...]]) -> VJP:
+    """A :class:`VJP` from a ``torch.func.vjp`` pullback (composable with function transforms)."""
+
+    def vjp(
+        cotangents: tuple[Tensor, ...], *, batched: bool, last: bool
+    ) -> Sequence[Tensor | None]:
+        del last  # functional pullbacks can be called any number of times
+        if batched:
+            return torch.vmap(pullback)(cotangents)  # type: ignore[no-any-return, unused-ignore]
+        return pullback(cotangents)
+
+    return vjp

@@ -1,0 +1,112 @@
+"""Graphs to differentiate: each case gives leaf inputs and a pure function of them.
+
+The reference Jacobian comes from ``torch.func.jacrev`` on the pure function, independently of
+jacflow's autograd-based path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    build: Callable[[torch.dtype], tuple[list[Tensor], Callable[..., tuple[Tensor, ...]]]]
+
+
+def _leaves(dtype: torch.dtype, *shapes: tuple[int, ...]) -> list[Tensor]:
+    gen = torch.Generator().manual_seed(len(shapes))
+    return [torch.randn(s, generator=gen, dtype=dtype).requires_grad_() for s in shapes]
+
+
+def _mlp(dtype: torch.dtype) -> tuple[list[Tensor], Callable[..., tuple[Tensor, ...]]]:
+    x = torch.randn(6, 4, dtype=dtype, generator=torch.Generator().manual_seed(1))
+    target = torch.randint(0, 3, (6,), generator=torch.Generator().manual_seed(2))
+
+    def fn(w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor) -> tuple[Tensor, ...]:
+        hidden = torch.tanh(x @ w1.T + b1)
+        return (F.cross_entropy(hidden @ w2.T + b2, target, reduction="none"),)
+
+    return _leaves(dtype, (5, 4), (5,), (3, 5), (3,)), fn
+
+
+def _conv(dtype: torch.dtype) -> tuple[list[Tensor], Callable[..., tuple[Tensor, ...]]]:
+    x = torch.randn(3, 2, 6, 6, dtype=dtype, generator=torch.Generator().manual_seed(3))
+
+    def fn(k: Tensor, kb: Tensor, w: Tensor) -> tuple[Tensor, ...]:
+        h = F.relu(F.conv2d(x, k, kb, padding=1))
+        return (F.avg_pool2d(h, 2).flatten(1) @ w.T,)
+
+    return _leaves(dtype, (4, 2, 3, 3), (4,), (2, 36)), fn
+
+
+def _shared(dtype: torch.dtype) -> tuple[list[Tensor], Callable[..., tuple[Tensor, ...]]]:
+    x = torch.randn(3, dtype=dtype, generator=torch.Generator().manual_seed(4))
+
+    def fn(w: Tensor, v: Tensor) -> tuple[Tensor, ...]:
+        h = torch.tanh(w @ x)
+        return h.sum(), (h**2) @ v, h[:2] * w[0, 0]
+
+    return _leaves(dtype, (4, 3), (4,)), fn
+
+
+def _shapes(dtype: torch.dtype) -> tuple[list[Tensor], Callable[..., tuple[Tensor, ...]]]:
+    def fn(a: Tensor, b: Tensor) -> tuple[Tensor, ...]:
+        return (a * b).sum(), torch.outer(a, b)[:3, 0], (a[:2, None] * b[None, :2]).sin()
+
+    return _leaves(dtype, (3,), (3,)), fn
+
+
+def _unused(dtype: torch.dtype) -> tuple[list[Tensor], Callable[..., tuple[Tensor, ...]]]:
+    def fn(a: Tensor, unused: Tensor) -> tuple[Tensor, ...]:
+        return (a.exp(), a.sum() * 2)
+
+    return _leaves(dtype, (3,), (2, 2)), fn
+
+
+def _paths(dtype: torch.dtype) -> tuple[list[Tensor], Callable[..., tuple[Tensor, ...]]]:
+    def fn(a: Tensor, b: Tensor) -> tuple[Tensor, ...]:
+        return (a * b + a**2 + torch.sin(a) * b.sum(), (a @ b) * a)
+
+    return _leaves(dtype, (4,), (4,)), fn
+
+
+def _attention(dtype: torch.dtype) -> tuple[list[Tensor], Callable[..., tuple[Tensor, ...]]]:
+    x = torch.randn(2, 5, 4, dtype=dtype, generator=torch.Generator().manual_seed(5))
+
+    def fn(wq: Tensor, wk: Tensor, wv: Tensor) -> tuple[Tensor, ...]:
+        q, k, v = x @ wq, x @ wk, x @ wv
+        att = torch.softmax(q @ k.transpose(1, 2) / 2.0, dim=-1)
+        return ((att @ v).pow(2).mean(dim=(1, 2)),)
+
+    return _leaves(dtype, (4, 4), (4, 4), (4, 4)), fn
+
+
+ZOO = [
+    Case("mlp", _mlp),
+    Case("conv", _conv),
+    Case("shared_subgraph", _shared),
+    Case("output_shapes", _shapes),
+    Case("unused_input", _unused),
+    Case("several_paths", _paths),
+    Case("attention", _attention),
+]
+
+
+def reference_jacobians(
+    fn: Callable[..., tuple[Tensor, ...]], inputs: list[Tensor]
+) -> tuple[Tensor, ...]:
+    """``[m, *input.shape]`` per input, rows ordered as the flattened outputs."""
+    detached = [i.detach() for i in inputs]
+    nested = torch.func.jacrev(fn, argnums=tuple(range(len(inputs))))(*detached)
+    outputs = fn(*detached)
+    return tuple(
+        torch.cat([nested[o][k].reshape(out.numel(), *inp.shape) for o, out in enumerate(outputs)])
+        for k, inp in enumerate(inputs)
+    )

@@ -1,0 +1,115 @@
+"""``backward``: ``.jac`` accumulation, aggregation into ``.grad``, and the seeds' examples."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from jacflow import backward, jac_to_grad
+from jacflow.aggregation import Mean, Sum, UPGrad
+from tests.autojac._zoo import ZOO, Case, reference_jacobians
+
+
+def test_seed_000_upgrad_example() -> None:
+    param = torch.tensor([1.0, 2.0], requires_grad=True)
+    y1 = torch.tensor([-1.0, 1.0]) @ param
+    y2 = (param**2).sum()
+    backward([y1, y2], [param], A=UPGrad())
+    torch.testing.assert_close(param.grad, torch.tensor([0.5, 2.5]))
+
+
+def test_seed_003_004_sum_of_gradients() -> None:
+    """OneFlow / R torch ``backward(list(y, b))``: sum of gradients, x.grad == 2, a.grad == 3."""
+    x = torch.tensor([1.0], requires_grad=True)
+    y = 2 * x
+    a = torch.tensor([1.0], requires_grad=True)
+    b = 3 * a
+    backward([y, b], A=Sum())
+    torch.testing.assert_close(x.grad, torch.tensor([2.0]))
+    torch.testing.assert_close(a.grad, torch.tensor([3.0]))
+
+
+def test_grad_tensors_as_jac_tensors() -> None:
+    """``grad_tensors`` of seeds 003/004 is ``jac_tensors`` with a single row."""
+    x = torch.tensor([1.0, -2.0, 0.5], requires_grad=True)
+    y = x**2
+    v = torch.tensor([1.0, 0.1, -3.0])
+    backward(y, jac_tensors=v[None], A=Sum())
+    torch.testing.assert_close(x.grad, 2 * x.detach() * v)
+
+
+@pytest.mark.parametrize("case", ZOO, ids=lambda c: c.name)
+@pytest.mark.parametrize("chunk", [None, 1, 3])
+def test_jac_fields_match_reference(case: Case, chunk: int | None) -> None:
+    inputs, fn = case.build(torch.float64)
+    backward(fn(*inputs), inputs, parallel_chunk_size=chunk)
+    for t, expected in zip(inputs, reference_jacobians(fn, inputs)):
+        torch.testing.assert_close(t.jac, expected)  # type: ignore[attr-defined]
+        assert t.grad is None
+
+
+def test_jac_accumulates() -> None:
+    w = torch.tensor([1.0, 2.0], requires_grad=True)
+    backward([w.sum(), (w**2).sum()], [w])
+    backward([w.sum(), (w**2).sum()], [w])
+    torch.testing.assert_close(w.jac, 2 * torch.tensor([[1.0, 1.0], [2.0, 4.0]]))  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("case", ZOO, ids=lambda c: c.name)
+@pytest.mark.parametrize("aggregator", [Mean(), UPGrad()], ids=str)
+def test_aggregated_grad_matches_reference(case: Case, aggregator: object) -> None:
+    inputs, fn = case.build(torch.float64)
+    for t in inputs:
+        t.grad = torch.ones_like(t)  # accumulation onto an existing gradient
+    backward(fn(*inputs), inputs, A=aggregator)  # type: ignore[arg-type]
+    expected = reference_jacobians(fn, inputs)
+    matrix = torch.cat([e.flatten(1) for e in expected], dim=1)
+    update = aggregator(matrix)  # type: ignore[operator]
+    offset = 0
+    for t in inputs:
+        piece = update[offset : offset + t.numel()].reshape(t.shape)
+        offset += t.numel()
+        torch.testing.assert_close(t.grad, 1 + piece)
+
+
+def test_backward_then_jac_to_grad_equals_backward_with_aggregator() -> None:
+    inputs, fn = ZOO[0].build(torch.float64)
+    backward(fn(*inputs), inputs)
+    weights = jac_to_grad(inputs, UPGrad())
+    assert weights is not None and weights.shape == (6,)
+    via_jac = [t.grad.clone() for t in inputs]  # type: ignore[union-attr]
+    assert all(not hasattr(t, "jac") for t in inputs)
+    for t in inputs:
+        t.grad = None
+    backward(fn(*inputs), inputs, A=UPGrad())
+    for t, g in zip(inputs, via_jac):
+        torch.testing.assert_close(t.grad, g)
+
+
+def test_create_graph_makes_grad_differentiable() -> None:
+    x = torch.tensor([0.5, -1.0], dtype=torch.float64, requires_grad=True)
+    backward([(x**3).sum(), x.sin().sum()], [x], A=Mean(), create_graph=True)
+    grad = x.grad
+    assert grad is not None and grad.requires_grad
+    (second,) = torch.autograd.grad(grad.sum(), x)
+    expected = torch.autograd.functional.hessian(
+        lambda t: 0.5 * ((t**3).sum() + t.sin().sum()), x.detach()
+    ).sum(0)
+    torch.testing.assert_close(second, expected)
+
+
+def test_non_leaf_inputs_receive_grad() -> None:
+    x = torch.tensor([1.0, 2.0], requires_grad=True)
+    h = x * 3
+    backward([h.sum(), (h**2).sum()], [h], A=Sum())
+    torch.testing.assert_close(h.grad, 1 + 2 * h.detach())
+    assert x.grad is None
+
+
+def test_retain_graph() -> None:
+    x = torch.tensor([1.0, 2.0], requires_grad=True)
+    y = [x.exp().sum(), x.prod()]
+    backward(y, [x], retain_graph=True, parallel_chunk_size=1)
+    backward(y, [x], parallel_chunk_size=1)
+    with pytest.raises(RuntimeError, match="second time"):
+        backward(y, [x])

@@ -1,0 +1,168 @@
+"""Bad input: a clear error that names the argument, and nothing lost in ``.grad``/``.jac``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import Tensor
+
+from jacflow import backward, jac, jac_to_grad, mtl_backward
+from jacflow.aggregation import Aggregator, Mean
+
+
+class _Exploding(Aggregator):
+    def forward(self, matrix: Tensor) -> Tensor:
+        raise RuntimeError("aggregator failed midway")
+
+
+def _setup() -> tuple[Tensor, Tensor, list[Tensor]]:
+    w = torch.tensor([1.0, 2.0], requires_grad=True)
+    v = torch.tensor([0.5], requires_grad=True)
+    w.grad = torch.tensor([7.0, 7.0])
+    w.jac = torch.ones(2, 2)  # type: ignore[attr-defined]
+    outputs = [(w * v).sum(), (w**2).sum()]
+    return w, v, outputs
+
+
+def _snapshot(*tensors: Tensor) -> list[tuple[Tensor | None, Tensor | None]]:
+    out = []
+    for t in tensors:
+        grad = None if t.grad is None else t.grad.clone()
+        jac_field = getattr(t, "jac", None)
+        out.append((grad, None if jac_field is None else jac_field.clone()))
+    return out
+
+
+CASES: list[tuple[str, type[Exception], str, Callable[[Tensor, Tensor, list[Tensor]], object]]] = [
+    ("empty tensors", ValueError, "`tensors` cannot be empty", lambda w, v, o: backward([])),
+    ("empty outputs", ValueError, "`outputs` cannot be empty", lambda w, v, o: jac([], [w])),
+    ("no grad_fn", ValueError, "has no grad_fn", lambda w, v, o: backward([w.detach() * 2])),
+    (
+        "input without grad",
+        ValueError,
+        r"`inputs\[0\]`.*does not require grad",
+        lambda w, v, o: backward(o, [torch.ones(2)]),
+    ),
+    (
+        "duplicated tensors",
+        ValueError,
+        "distinct tensors",
+        lambda w, v, o: backward([o[0], o[0]], [w], A=Mean()),
+    ),
+    (
+        "duplicated inputs",
+        ValueError,
+        "distinct tensors",
+        lambda w, v, o: backward(o, [w, w], A=Mean()),
+    ),
+    (
+        "jac_tensors length",
+        ValueError,
+        "one tensor per element of `tensors`",
+        lambda w, v, o: backward(o, [w], jac_tensors=[torch.ones(1)], A=Mean()),
+    ),
+    (
+        "jac_tensors trailing shape",
+        ValueError,
+        r"`jac_tensors\[0\]` must have shape",
+        lambda w, v, o: backward(o, [w], jac_tensors=[torch.ones(1, 2), torch.ones(1)], A=Mean()),
+    ),
+    (
+        "jac_tensors rows",
+        ValueError,
+        "same number of rows",
+        lambda w, v, o: backward(o, [w], jac_tensors=[torch.ones(1), torch.ones(2)], A=Mean()),
+    ),
+    (
+        "chunk 0",
+        ValueError,
+        "parallel_chunk_size",
+        lambda w, v, o: backward(o, [w], parallel_chunk_size=0),
+    ),
+    (
+        "chunk -1",
+        ValueError,
+        "parallel_chunk_size",
+        lambda w, v, o: jac(o, [w], parallel_chunk_size=-1),
+    ),
+    (
+        "chunk float",
+        TypeError,
+        "parallel_chunk_size",
+        lambda w, v, o: backward(o, [w], parallel_chunk_size=2.0),  # type: ignore[arg-type]
+    ),
+    ("A not aggregator", TypeError, "`A` must be", lambda w, v, o: backward(o, [w], A="upgrad")),  # type: ignore[arg-type]
+    ("A raises", RuntimeError, "midway", lambda w, v, o: backward(o, [w, v], A=_Exploding())),
+    (
+        ".jac rows mismatch",
+        ValueError,
+        "Cannot accumulate",
+        lambda w, v, o: backward([*o, (w**3).sum()], [w]),
+    ),
+    (
+        "jac_to_grad without jac",
+        ValueError,
+        r"`tensors\[1\]`.*no `.jac`",
+        lambda w, v, o: jac_to_grad([w, v], Mean()),
+    ),
+    ("jac_to_grad empty", ValueError, "cannot be empty", lambda w, v, o: jac_to_grad([], Mean())),
+    (
+        "jac_to_grad bad A",
+        TypeError,
+        "`A` must be",
+        lambda w, v, o: jac_to_grad([w], None),  # type: ignore[arg-type]
+    ),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_error_and_nothing_lost(
+    case: tuple[str, type[Exception], str, Callable[[Tensor, Tensor, list[Tensor]], object]],
+) -> None:
+    _, error, pattern, call = case
+    w, v, outputs = _setup()
+    before = _snapshot(w, v)
+    with pytest.raises(error, match=pattern):
+        call(w, v, outputs)
+    for (g0, j0), (g1, j1) in zip(before, _snapshot(w, v)):
+        assert (g0 is None and g1 is None) or torch.equal(g0, g1)  # type: ignore[arg-type]
+        assert (j0 is None and j1 is None) or torch.equal(j0, j1)  # type: ignore[arg-type]
+
+
+def test_jac_to_grad_differing_rows() -> None:
+    a, b = torch.ones(2, requires_grad=True), torch.ones(3, requires_grad=True)
+    a.jac, b.jac = torch.ones(2, 2), torch.ones(3, 3)  # type: ignore[attr-defined]
+    with pytest.raises(ValueError, match="same number of rows"):
+        jac_to_grad([a, b], Mean())
+    assert a.grad is None and b.grad is None and hasattr(a, "jac")
+
+
+def _mtl_setup() -> tuple[torch.nn.Linear, torch.nn.Linear, Tensor, list[Tensor]]:
+    trunk, head = torch.nn.Linear(2, 3), torch.nn.Linear(3, 1)
+    features = trunk(torch.ones(4, 2))
+    losses = [head(features).mean(), features.pow(2).mean()]
+    return trunk, head, features, losses
+
+
+def test_mtl_errors_and_nothing_lost() -> None:
+    trunk, head, features, losses = _mtl_setup()
+    with pytest.raises(ValueError, match="`features` cannot be empty"):
+        mtl_backward(losses, [], A=Mean())
+    with pytest.raises(ValueError, match="one iterable of parameters per loss"):
+        mtl_backward(losses, features, A=Mean(), tasks_params=[list(head.parameters())])
+    with pytest.raises(ValueError, match="both in `tasks_params"):
+        mtl_backward(
+            losses,
+            features,
+            A=Mean(),
+            tasks_params=[[trunk.weight], []],
+            shared_params=trunk.parameters(),
+        )
+    with pytest.raises(ValueError, match="must be a scalar"):
+        mtl_backward([features.sum(1), losses[1]], features)
+    with pytest.raises(TypeError, match="`A` must be"):
+        mtl_backward(losses, features, A=3)  # type: ignore[arg-type]
+    for p in [*trunk.parameters(), *head.parameters()]:
+        assert p.grad is None and not hasattr(p, "jac")

@@ -1,0 +1,139 @@
+"""``jac`` against torch.func.jacrev on a zoo of graphs, chunk invariance, and higher order."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from jacflow import jac
+from tests.autojac._zoo import ZOO, Case, reference_jacobians
+
+
+@pytest.mark.parametrize("case", ZOO, ids=lambda c: c.name)
+@pytest.mark.parametrize("chunk", [None, 1, 2, 3, "m"])
+def test_matches_jacrev(case: Case, chunk: int | str | None, dtype: torch.dtype) -> None:
+    inputs, fn = case.build(dtype)
+    outputs = fn(*inputs)
+    m = sum(o.numel() for o in outputs)
+    size = m if chunk == "m" else chunk
+    got = jac(outputs, inputs, parallel_chunk_size=size)  # type: ignore[arg-type]
+    expected = reference_jacobians(fn, inputs)
+    tol = 1e-5 if dtype == torch.float32 else 1e-12
+    for g, e in zip(got, expected):
+        assert g.shape == e.shape and g.dtype == dtype
+        torch.testing.assert_close(g, e, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("case", ZOO, ids=lambda c: c.name)
+def test_default_inputs_are_the_leaves(case: Case) -> None:
+    inputs, fn = case.build(torch.float64)
+    outputs = fn(*inputs)
+    # The unused leaf of "unused_input" is not behind the outputs, so it is not discovered.
+    used = [i for i in inputs if case.name != "unused_input" or i.shape != (2, 2)]
+    got = jac(outputs)
+    assert len(got) == len(used)
+    expected = dict(zip(map(id, inputs), reference_jacobians(fn, inputs)))
+    # Discovery order is not specified: match each Jacobian to its leaf by shape and value.
+    remaining = list(used)
+    for jacobian in got:
+        match = [
+            t
+            for t in remaining
+            if t.shape == jacobian.shape[1:] and torch.allclose(jacobian, expected[id(t)])
+        ]
+        assert match, "a discovered Jacobian matches no leaf"
+        remaining = [t for t in remaining if t is not match[0]]
+    assert not remaining
+
+
+def test_non_leaf_input_and_chain_rule() -> None:
+    x = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64, requires_grad=True)
+    h = x**2
+    y1, y2 = h.sum(), torch.tensor([1.0, -1.0, 2.0], dtype=torch.float64) @ h.sin()
+    (jac_h,) = jac([y1, y2], [h], retain_graph=True)
+    expected_h = torch.func.jacrev(
+        lambda h_: torch.stack(
+            [h_.sum(), torch.tensor([1.0, -1.0, 2.0], dtype=h_.dtype) @ h_.sin()]
+        )
+    )(h.detach())
+    torch.testing.assert_close(jac_h, expected_h)
+    (jac_x,) = jac(h, [x], jac_outputs=jac_h)
+    direct = torch.func.jacrev(
+        lambda x_: torch.stack(
+            [(x_**2).sum(), torch.tensor([1.0, -1.0, 2.0], dtype=x_.dtype) @ (x_**2).sin()]
+        )
+    )(x.detach())
+    torch.testing.assert_close(jac_x, direct)
+
+
+def test_jac_outputs_rows_and_chunks() -> None:
+    torch.manual_seed(0)
+    w = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(4, dtype=torch.float64)
+    y = torch.tanh(w @ v)
+    cot = torch.randn(7, 3, dtype=torch.float64)
+    reference = torch.func.jacrev(lambda w_: torch.tanh(w_ @ v))(w.detach()).reshape(3, -1)
+    for size in [None, 1, 2, 7, 100]:
+        (got,) = jac(y, [w], jac_outputs=cot, retain_graph=True, parallel_chunk_size=size)
+        torch.testing.assert_close(got.reshape(7, -1), cot @ reference)
+
+
+def test_zero_rows() -> None:
+    w = torch.ones(2, requires_grad=True)
+    y = w * 2
+    (got,) = jac(y, [w], jac_outputs=torch.zeros(0, 2))
+    assert got.shape == (0, 2)
+
+
+def test_create_graph_gives_hessians() -> None:
+    x = torch.tensor([0.3, -1.2, 2.0], dtype=torch.float64, requires_grad=True)
+    y = (x.sin() * x.roll(1)).sum() + (x**3).prod()
+    (grad,) = jac(y, [x], create_graph=True)
+    (hessian,) = jac(grad[0], [x])
+    expected = torch.autograd.functional.hessian(
+        lambda t: (t.sin() * t.roll(1)).sum() + (t**3).prod(), x.detach()
+    )
+    torch.testing.assert_close(hessian, expected)
+
+
+@pytest.mark.parametrize("chunk", [None, 1, 2])
+def test_create_graph_gradcheck(chunk: int | None) -> None:
+    def f(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        out = torch.stack([(a * b).sum(), (a.sin() * b.exp()).sum(), a.pow(2) @ b])
+        (ja,) = jac(out, [a], create_graph=True, parallel_chunk_size=chunk)
+        return ja
+
+    a = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(f, (a, b))
+    assert torch.autograd.gradgradcheck(f, (a, b))
+
+
+def test_memory_follows_the_chunk() -> None:
+    """The identity cotangents are built per chunk: one chunk never holds m x m entries."""
+    from jacflow.autojac._rows import basis_chunk
+
+    outputs = [torch.empty(3, 5), torch.empty(7)]
+    chunk = basis_chunk(outputs, 4, 9)
+    assert [c.shape for c in chunk] == [(5, 3, 5), (5, 7)]
+    flat = torch.cat([c.reshape(5, -1) for c in chunk], dim=1)
+    torch.testing.assert_close(flat, torch.eye(22)[4:9])
+
+
+def test_vmap_failure_hint() -> None:
+    class NoBatching(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+            return x * 2
+
+        @staticmethod
+        def backward(ctx: object, g: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+            # A data-dependent Python branch: impossible under vmap.
+            return g * 2 if float(g.abs().sum()) >= 0 else g
+
+    x = torch.ones(3, requires_grad=True)
+    y = NoBatching.apply(x)
+    with pytest.raises(RuntimeError, match="parallel_chunk_size=1"):
+        jac(y, [x], retain_graph=True)
+    (got,) = jac(y, [x], parallel_chunk_size=1)
+    torch.testing.assert_close(got, 2 * torch.eye(3))
