@@ -17,19 +17,26 @@ from jacflow.aggregation._bases import (
     WeightedAggregator,
     Weighting,
 )
+from jacflow.aggregation._gradnorm import GradNorm, GradNormWeighting
+from jacflow.aggregation._log_loss import LogLoss
 from jacflow.aggregation._loss_aware import LossAware
 from jacflow.aggregation._mean import Mean, MeanWeighting
+from jacflow.aggregation._periodic import Periodic
 from jacflow.aggregation._properties import Property
 from jacflow.aggregation._sum import Sum, SumWeighting
 from jacflow.aggregation._upgrad import UPGrad, UPGradWeighting
 
 __all__ = [
     "Aggregator",
+    "GradNorm",
+    "GradNormWeighting",
     "GramianWeightedAggregator",
     "GramianWeighting",
+    "LogLoss",
     "LossAware",
     "Mean",
     "MeanWeighting",
+    "Periodic",
     "Property",
     "Sum",
     "SumWeighting",

@@ -1,0 +1,153 @@
+"""GradNorm: learnable task weights that balance the weighted gradient norms (Chen et al., 2018)."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from jacflow._stateful import Stateful
+from jacflow.aggregation._bases import GramianWeightedAggregator, GramianWeighting
+from jacflow.aggregation._hyperparameters import check_float
+from jacflow.aggregation._loss_aware import LossAware
+from jacflow.aggregation._properties import Property
+
+_MIN_WEIGHT = 1e-8
+
+
+def gradnorm_step(
+    weights: Tensor,
+    gramian: Tensor,
+    losses: Tensor,
+    initial_losses: Tensor,
+    alpha: float,
+    lr: float,
+) -> Tensor:
+    r"""One GradNorm update of the task weights; returns the renormalised new weights.
+
+    With :math:`n_i = \sqrt{G_{ii}}`, weighted norms :math:`w_i n_i`, their mean :math:`\bar n`,
+    loss ratios :math:`\tilde L_i = L_i / L_i(0)` and :math:`r_i = \tilde L_i / \mathrm{mean}
+    (\tilde L)`, the targets :math:`T_i = \bar n\, r_i^\alpha` are constants and the gradient of
+    :math:`\sum_i |w_i n_i - T_i|` is :math:`\mathrm{sign}(w_i n_i - T_i)\, n_i`. After the step
+    the weights are floored at 1e-8 and rescaled to sum to ``m``.
+    """
+    m = weights.shape[0]
+    norms = gramian.diagonal().clamp_min(0).sqrt()
+    weighted = weights * norms
+    ratios = losses / initial_losses
+    targets = weighted.mean() * (ratios / ratios.mean()) ** alpha
+    gap = weighted - targets
+    new = weights - lr * (torch.sign(gap) + 0 * gap) * norms  # 0 * gap keeps NaN (sign(NaN) = 0)
+    new = new.clamp_min(_MIN_WEIGHT)
+    return m * new / new.sum()
+
+
+class GradNormWeighting(GramianWeighting, LossAware, Stateful):
+    r"""Gramian weighting of :class:`GradNorm`; reads only the diagonal of the Gramian.
+
+    Args:
+        alpha: restoring-force strength :math:`\alpha \ge 0` (1.5 in the paper's NYUv2 setup).
+        lr: step size :math:`> 0` of the plain gradient step on the weights.
+
+    State: the weights (initially 1) and the losses of the first call :math:`L(0)`; reset by
+    :meth:`reset`. Call :meth:`set_losses` before every call.
+
+    Example:
+        >>> import torch
+        >>> from jacflow.aggregation import GradNormWeighting
+        >>> W = GradNormWeighting(alpha=1.5, lr=0.1)
+        >>> G = torch.tensor([[4., 0.], [0., 1.]])
+        >>> W.set_losses(torch.tensor([1., 1.])); W(G)
+        tensor([1., 1.])
+        >>> W.set_losses(torch.tensor([0.5, 1.])); W(G)
+        tensor([0.8421, 1.1579])
+    """
+
+    def __init__(self, alpha: float = 1.5, lr: float = 0.025) -> None:
+        super().__init__()
+        self.alpha = check_float(alpha, "alpha", low=0.0)
+        self.lr = check_float(lr, "lr", low=0.0, low_open=True)
+        self._weights: Tensor | None = None
+        self._initial_losses: Tensor | None = None
+
+    def forward(self, stat: Tensor) -> Tensor:
+        m = stat.shape[0]
+        losses = self.losses_like(m, stat)
+        with torch.no_grad():
+            if self._weights is None or self._initial_losses is None:
+                self._weights = torch.ones(m, dtype=stat.dtype, device=stat.device)
+                self._initial_losses = losses
+            elif self._weights.shape[0] != m:
+                raise ValueError(
+                    f"GradNormWeighting holds {self._weights.shape[0]} weights but received a "
+                    f"Gramian of {m} rows; call `reset()` when the number of objectives changes."
+                )
+            current = self._weights.to(dtype=stat.dtype, device=stat.device)
+            initial = self._initial_losses.to(dtype=stat.dtype, device=stat.device)
+            self._weights = gradnorm_step(current, stat, losses, initial, self.alpha, self.lr)
+            return current
+
+    def reset(self) -> None:
+        self._weights = None
+        self._initial_losses = None
+
+    def extra_repr(self) -> str:
+        return f"alpha={self.alpha}, lr={self.lr}"
+
+
+class GradNorm(GramianWeightedAggregator, LossAware, Stateful):
+    r"""GradNorm: adaptive loss weights that equalise the training rates of the tasks.
+
+    Chen, Badrinarayanan, Lee & Rabinovich, *GradNorm: Gradient Normalization for Adaptive Loss
+    Balancing in Deep Multitask Networks*, ICML 2018 (arXiv 1711.02257). The update at step
+    :math:`t` is :math:`d_t = J_t^\top w_t`; then the weights take one gradient step on
+    :math:`\sum_i |w_i \|g_i\| - \overline{w\|g\|}\, r_i^\alpha|` with the targets held
+    constant, where :math:`r_i` is the loss ratio :math:`L_i(t)/L_i(0)` divided by its mean:
+
+    .. math:: w_{t+1} \propto \max\!\big(w_t - \eta\, \mathrm{sign}(w_t \odot n - T) \odot n,
+              10^{-8}\big), \quad \textstyle\sum_i w_{t+1,i} = m, \quad n_i = \sqrt{G_{ii}}.
+
+    The paper takes the norms on the last shared layer; here they are those of the rows given
+    (pass that layer's Jacobian, or use :func:`representation_weights`). Weights start at 1, so
+    the first step is :class:`Sum`. The weights are updated by this plain step rather than by
+    the model's optimizer, and are floored at 1e-8 to stay positive.
+
+    Args:
+        alpha: restoring-force strength :math:`\alpha \ge 0` (default 1.5).
+        lr: step size :math:`\eta > 0` on the weights (default 0.025).
+
+    State: the weights and the first losses :math:`L(0)`; :meth:`reset` forgets them.
+    Call :meth:`set_losses` with the ``m`` losses before each call.
+
+    Example:
+        >>> import torch
+        >>> from jacflow.aggregation import GradNorm
+        >>> A = GradNorm(alpha=1.5, lr=0.1)
+        >>> J = torch.tensor([[2., 0.], [0., 1.]])
+        >>> A.set_losses(torch.tensor([1., 1.])); A(J)
+        tensor([2., 1.])
+        >>> A.set_losses(torch.tensor([0.5, 1.])); A(J)
+        tensor([1.6842, 1.1579])
+    """
+
+    properties = frozenset({Property.WEIGHTED})
+
+    def __init__(self, alpha: float = 1.5, lr: float = 0.025) -> None:
+        super().__init__(GradNormWeighting(alpha, lr))
+
+    def set_losses(self, losses: Tensor) -> None:
+        self._weighting().set_losses(losses)
+
+    def reset(self) -> None:
+        self._weighting().reset()
+
+    def _weighting(self) -> GradNormWeighting:
+        weighting = self.gramian_weighting
+        assert isinstance(weighting, GradNormWeighting)
+        return weighting
+
+    def forward(self, matrix: Tensor) -> Tensor:
+        with torch.no_grad():
+            return super().forward(matrix)
+
+    def extra_repr(self) -> str:
+        return self.gramian_weighting.extra_repr()

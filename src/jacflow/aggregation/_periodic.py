@@ -1,0 +1,85 @@
+"""Periodic: recompute a Gramian weighting every ``k`` calls and reuse its weights in between."""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from jacflow._stateful import Stateful
+from jacflow.aggregation._bases import GramianWeighting
+from jacflow.aggregation._hyperparameters import check_gramian_weighting, check_int
+
+
+class Periodic(GramianWeighting, Stateful):
+    r"""Amortised weighting: call the wrapped weighting on every ``every``-th call only.
+
+    The periodic recomputation of PSMGD (*Periodic Stochastic Multi-Gradient Descent*, AAAI
+    2025) and of Nash-MTL's ``update_weights_every`` (Navon et al., ICML 2022), for any
+    :class:`GramianWeighting` :math:`W`. With call counter :math:`t = 0, 1, \dots`:
+
+    .. math:: w_t = \begin{cases} W(G_t) & t \equiv 0 \pmod k \\ w_{t-1} & \text{otherwise.}
+              \end{cases}
+
+    On a reuse step the Gramian is not read (only its size is checked against the cached
+    weights), so a caller that forms the Gramian itself can skip that work:
+    :meth:`needs_gramian` says whether the next call recomputes, and :meth:`cached_weights`
+    returns the weights that a reuse step gives. With :class:`GramianWeightedAggregator` the
+    Gramian is always formed, so the saving is then only the weighting's own cost.
+
+    Args:
+        weighting: the Gramian weighting to amortise.
+        every: recompute period ``k >= 1`` (``1`` recomputes on every call).
+
+    State: the number of calls so far and the last weights. :meth:`reset` forgets both and
+    resets the wrapped weighting too when it is :class:`~jacflow.Stateful`.
+
+    Example:
+        >>> import torch
+        >>> from jacflow.aggregation import Periodic, UPGradWeighting
+        >>> W = Periodic(UPGradWeighting(), every=2)
+        >>> G1 = torch.tensor([[18., -22.], [-22., 38.]])
+        >>> W(G1)
+        tensor([1.1111, 0.7895])
+        >>> W.needs_gramian()
+        False
+        >>> W(torch.eye(2))  # reuse step: the Gramian is not read
+        tensor([1.1111, 0.7895])
+        >>> W.needs_gramian(), W(torch.eye(2))
+        (True, tensor([0.5000, 0.5000]))
+    """
+
+    def __init__(self, weighting: GramianWeighting, every: int) -> None:
+        super().__init__()
+        self.weighting = check_gramian_weighting(weighting)
+        self.every = check_int(every, "every", low=1)
+        self._calls = 0
+        self._weights: Tensor | None = None
+
+    def needs_gramian(self) -> bool:
+        """Whether the next call recomputes the weights (and so reads its Gramian)."""
+        return self._weights is None or self._calls % self.every == 0
+
+    def cached_weights(self) -> Tensor:
+        """The weights of the last recomputation, that every reuse step returns."""
+        if self._weights is None:
+            raise ValueError("Periodic has no cached weights yet: call it on a Gramian first.")
+        return self._weights
+
+    def forward(self, stat: Tensor) -> Tensor:
+        if self.needs_gramian():
+            self._weights = self.weighting(stat)
+        elif self._weights is not None and self._weights.shape[0] != stat.shape[0]:
+            raise ValueError(
+                f"Periodic cached {self._weights.shape[0]} weights but received a Gramian of "
+                f"{stat.shape[0]} rows; call `reset()` when the number of objectives changes."
+            )
+        self._calls += 1
+        return self.cached_weights()
+
+    def reset(self) -> None:
+        self._calls = 0
+        self._weights = None
+        if isinstance(self.weighting, Stateful):
+            self.weighting.reset()
+
+    def extra_repr(self) -> str:
+        return f"{self.weighting!r}, every={self.every}"

@@ -1,0 +1,95 @@
+"""Periodic: recomputation schedule, reuse without reading the Gramian, reset and errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from jacflow.aggregation import (
+    GramianWeightedAggregator,
+    GramianWeighting,
+    MeanWeighting,
+    Periodic,
+    UPGradWeighting,
+)
+from tests.aggregation._properties import check_claimed_properties, check_degenerate_inputs
+
+
+class _CountingWeighting(GramianWeighting):
+    """Weights = diag(G), counting how often it is called (an observable reference)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, stat: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return stat.diagonal().clone()
+
+
+def test_recomputes_every_k_calls_and_reuses_in_between() -> None:
+    inner = _CountingWeighting()
+    W = Periodic(inner, every=3)
+    grams = [torch.eye(2) * (t + 1) for t in range(7)]
+    outs = []
+    flags = []
+    for G in grams:
+        flags.append(W.needs_gramian())
+        outs.append(W(G))
+    # Reference schedule: the weights of call t are diag(G_{3 * floor(t / 3)}).
+    for t, out in enumerate(outs):
+        torch.testing.assert_close(out, grams[3 * (t // 3)].diagonal())
+    assert flags == [True, False, False, True, False, False, True]
+    assert inner.calls == 3
+
+
+def test_reuse_step_ignores_the_gramian_values() -> None:
+    W = Periodic(UPGradWeighting(), every=2)
+    G = torch.tensor([[18.0, -22.0], [-22.0, 38.0]])
+    first = W(G)
+    torch.testing.assert_close(W(torch.full((2, 2), float("nan"))), first)
+    torch.testing.assert_close(W.cached_weights(), first)
+
+
+def test_every_one_equals_the_wrapped_weighting() -> None:
+    torch.manual_seed(0)
+    W = Periodic(UPGradWeighting(), every=1)
+    for _ in range(3):
+        J = torch.randn(4, 6, dtype=torch.float64)
+        torch.testing.assert_close(W(J @ J.T), UPGradWeighting()(J @ J.T))
+
+
+def test_reset_restores_first_call_behaviour() -> None:
+    W = Periodic(_CountingWeighting(), every=5)
+    W(torch.eye(2))
+    W.reset()
+    assert W.needs_gramian()
+    torch.testing.assert_close(W(2 * torch.eye(2)), torch.tensor([2.0, 2.0]))
+    with pytest.raises(ValueError, match="no cached weights"):
+        Periodic(MeanWeighting(), every=2).cached_weights()
+
+
+def test_changed_number_of_objectives_on_reuse_step_is_an_error() -> None:
+    W = Periodic(MeanWeighting(), every=2)
+    W(torch.eye(2))
+    with pytest.raises(ValueError, match="reset"):
+        W(torch.eye(3))
+
+
+def test_construction_errors() -> None:
+    with pytest.raises(ValueError, match="every"):
+        Periodic(MeanWeighting(), every=0)
+    with pytest.raises(TypeError, match="every"):
+        Periodic(MeanWeighting(), every=1.5)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="GramianWeighting"):
+        Periodic(object(), every=2)  # type: ignore[arg-type]
+    assert repr(Periodic(MeanWeighting(), every=2)) == "Periodic(MeanWeighting(), every=2)"
+    assert str(Periodic(MeanWeighting(), every=2)) == "Periodic"
+
+
+def test_as_aggregator_properties_and_degenerate_inputs() -> None:
+    def make() -> GramianWeightedAggregator:
+        return GramianWeightedAggregator(Periodic(MeanWeighting(), every=2))
+
+    check_claimed_properties(make)
+    check_degenerate_inputs(make)
