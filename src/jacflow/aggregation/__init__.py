@@ -10,6 +10,7 @@ Example:
     tensor([1.1111, 0.7895])
 """
 
+from jacflow.aggregation._aligned_mtl import AlignedMTL, AlignedMTLWeighting
 from jacflow.aggregation._bases import (
     Aggregator,
     GramianWeightedAggregator,
@@ -17,29 +18,60 @@ from jacflow.aggregation._bases import (
     WeightedAggregator,
     Weighting,
 )
+from jacflow.aggregation._config import ConFIG
+from jacflow.aggregation._constant import Constant, ConstantWeighting
+from jacflow.aggregation._crmogm import CRMOGMWeighting
+from jacflow.aggregation._graddrop import GradDrop
 from jacflow.aggregation._gradnorm import GradNorm, GradNormWeighting
+from jacflow.aggregation._gradvac import GradVac, GradVacWeighting
+from jacflow.aggregation._imtlg import IMTLG, IMTLGWeighting
+from jacflow.aggregation._krum import Krum, KrumWeighting
 from jacflow.aggregation._log_loss import LogLoss
 from jacflow.aggregation._loss_aware import LossAware
 from jacflow.aggregation._mean import Mean, MeanWeighting
+from jacflow.aggregation._mgda import MGDA, MGDAWeighting
+from jacflow.aggregation._pcgrad import PCGrad, PCGradWeighting
 from jacflow.aggregation._periodic import Periodic
 from jacflow.aggregation._properties import Property
+from jacflow.aggregation._random import Random, RandomWeighting
 from jacflow.aggregation._sum import Sum, SumWeighting
+from jacflow.aggregation._trimmed_mean import TrimmedMean
 from jacflow.aggregation._upgrad import UPGrad, UPGradWeighting
 
 __all__ = [
+    "IMTLG",
+    "MGDA",
     "Aggregator",
+    "AlignedMTL",
+    "AlignedMTLWeighting",
+    "CRMOGMWeighting",
+    "ConFIG",
+    "Constant",
+    "ConstantWeighting",
+    "GradDrop",
     "GradNorm",
     "GradNormWeighting",
+    "GradVac",
+    "GradVacWeighting",
     "GramianWeightedAggregator",
     "GramianWeighting",
+    "IMTLGWeighting",
+    "Krum",
+    "KrumWeighting",
     "LogLoss",
     "LossAware",
+    "MGDAWeighting",
     "Mean",
     "MeanWeighting",
+    "PCGrad",
+    "PCGradWeighting",
     "Periodic",
     "Property",
+    "Random",
+    "RandomWeighting",
     "Sum",
     "SumWeighting",
+    "TrimmedMean",
     "UPGrad",
     "UPGradWeighting",
     "WeightedAggregator",

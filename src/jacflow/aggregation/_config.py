@@ -1,0 +1,94 @@
+"""ConFIG: conflict-free updates through the pseudo-inverse of the unit gradients (Liu et al.)."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from jacflow.aggregation._bases import Aggregator
+from jacflow.aggregation._nonfinite import has_nonfinite
+from jacflow.aggregation._pref_vector import check_pref_vector
+from jacflow.aggregation._properties import Property
+from jacflow.linalg import compute_gramian
+
+
+def config_weights(gramian: Tensor, pref: Tensor) -> Tensor:
+    r"""Weights :math:`w` with :math:`J^\top w` = ConFIG's update, from the Gramian only.
+
+    With :math:`D = \mathrm{diag}(1/\|g_i\|)` (0 for zero rows), the unit rows are :math:`DJ`
+    and their Gramian :math:`\hat G = DGD`. The least-norm solution of :math:`(DJ)x = p` is
+    :math:`x = J^\top D y`, :math:`y = \hat G^+ p`; with :math:`\|x\|^2 = y^\top \hat G y` and
+    :math:`\sum_i \langle g_i, x\rangle = \mathbf 1^\top G D y`, the update
+    :math:`(\sum_i \langle g_i, \hat x\rangle)\hat x`, :math:`\hat x = x/\|x\|`, is
+    :math:`J^\top w` for :math:`w = \frac{\mathbf 1^\top G D y}{y^\top \hat G y} D y`.
+
+    Example:
+        >>> import torch
+        >>> from jacflow.aggregation._config import config_weights
+        >>> config_weights(torch.tensor([[18., -22.], [-22., 38.]]), torch.ones(2))
+        tensor([1.2265, 0.8441])
+    """
+    m = gramian.shape[0]
+    if m == 0:
+        return gramian.new_zeros(0)
+    if has_nonfinite(gramian):
+        return torch.full((m,), float("nan"), dtype=gramian.dtype, device=gramian.device)
+    norms = gramian.diagonal().clamp(min=0).sqrt()
+    inverse = torch.where(norms > 0, 1.0 / torch.where(norms > 0, norms, 1.0), 0.0)
+    unit_gramian = gramian * inverse[:, None] * inverse[None, :]
+    y = torch.linalg.pinv(unit_gramian, hermitian=True) @ pref
+    dy = inverse * y
+    squared_norm = y @ unit_gramian @ y
+    magnitude = (gramian @ dy).sum()
+    safe = torch.where(squared_norm > 0, squared_norm, torch.ones_like(squared_norm))
+    return torch.where(squared_norm > 0, magnitude / safe, 0.0) * dy
+
+
+class ConFIG(Aggregator):
+    r"""ConFIG (conflict-free inverse gradients).
+
+    Liu, Chu & Thuerey, *ConFIG: Towards Conflict-free Training of Physics Informed Neural
+    Networks*, ICLR 2025 (arXiv 2408.11104). With the unit rows :math:`U = [g_i/\|g_i\|]_i`
+    and preference :math:`p` (ones by default):
+
+    .. math:: x = U^+ p, \qquad \hat x = x / \|x\|, \qquad
+              A(J) = \Big(\sum_i \langle g_i, \hat x\rangle\Big) \hat x.
+
+    When the rows are linearly independent, :math:`\langle g_i, \hat x\rangle \propto p_i
+    \|g_i\| > 0` for every row. Linear under scaling and invariant to the rows' order. Computed
+    from the Gramian :math:`JJ^\top` (an ``m x m`` pseudo-inverse) and one product with
+    :math:`J^\top`, never a pseudo-inverse of the ``[m, n]`` matrix.
+
+    Args:
+        pref_vector: the right-hand side :math:`p` (default: ones).
+
+    Example:
+        >>> import torch
+        >>> from jacflow.aggregation import ConFIG
+        >>> ConFIG()(torch.tensor([[-4., 1., 1.], [6., 1., 1.]]))
+        tensor([0.1588, 2.0706, 2.0706])
+    """
+
+    properties = frozenset({Property.LINEAR_UNDER_SCALING, Property.PERMUTATION_INVARIANT})
+
+    def __init__(self, pref_vector: Tensor | None = None) -> None:
+        super().__init__()
+        self.pref_vector = check_pref_vector(pref_vector)
+
+    def forward(self, matrix: Tensor) -> Tensor:
+        m = matrix.shape[0]
+        if self.pref_vector is None:
+            pref = torch.ones(m, dtype=matrix.dtype, device=matrix.device)
+        elif self.pref_vector.shape[0] != m:
+            raise ValueError(
+                f"`pref_vector` has {self.pref_vector.shape[0]} entries but the matrix has {m} "
+                "rows; give one preference per objective."
+            )
+        else:
+            pref = self.pref_vector.to(device=matrix.device, dtype=matrix.dtype)
+        with torch.no_grad():
+            weights = config_weights(compute_gramian(matrix), pref)
+        return weights @ matrix
+
+    def extra_repr(self) -> str:
+        return f"pref_vector={self.pref_vector!r}"

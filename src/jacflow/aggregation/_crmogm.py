@@ -1,0 +1,101 @@
+"""CR-MOGM: exponential moving average of the weights of any weighting (Zhou et al., 2022)."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from jacflow._stateful import Stateful
+from jacflow.aggregation._bases import GramianWeighting, Weighting
+from jacflow.aggregation._hyperparameters import check_float
+
+
+class CRMOGMWeighting(GramianWeighting, Stateful):
+    r"""Correlation-reduced weights: an exponential moving average of a weighting's output.
+
+    Zhou, Zhang, Jiang, Yang, Ji & Yang, *On the Convergence of Stochastic Multi-Objective
+    Gradient Manipulation and Beyond*, NeurIPS 2022. For the wrapped weighting :math:`W`:
+
+    .. math:: \lambda_t = \alpha\, \lambda_{t-1} + (1 - \alpha)\, W(\text{stat}_t),
+
+    with :math:`\lambda_0` = ``initial_weights``, or :math:`\lambda_0 = W(\text{stat}_1)` (so
+    the first output is :math:`W`'s own) when it is ``None``. Accepts whatever the wrapped
+    weighting accepts: wrap a Gramian weighting to use it with
+    :class:`~jacflow.aggregation.GramianWeightedAggregator`.
+
+    Args:
+        weighting: the weighting whose weights are smoothed.
+        alpha: weight of the past, in [0, 1] (default 0.9).
+        initial_weights: :math:`\lambda_0` (1-D tensor), or ``None``.
+
+    State: the last weights :math:`\lambda_{t-1}`. :meth:`reset` forgets them and resets the
+    wrapped weighting when it is :class:`~jacflow.Stateful`. The number of objectives may only
+    change after a reset.
+
+    Example:
+        >>> import torch
+        >>> from jacflow.aggregation import CRMOGMWeighting, ConstantWeighting
+        >>> W = CRMOGMWeighting(ConstantWeighting(torch.tensor([1., 0.])), alpha=0.5,
+        ...                     initial_weights=torch.tensor([0., 1.]))
+        >>> W(torch.eye(2)), W(torch.eye(2))
+        (tensor([0.5000, 0.5000]), tensor([0.7500, 0.2500]))
+        >>> W.reset(); W(torch.eye(2))
+        tensor([0.5000, 0.5000])
+    """
+
+    def __init__(
+        self, weighting: Weighting, alpha: float = 0.9, initial_weights: Tensor | None = None
+    ) -> None:
+        super().__init__()
+        if not isinstance(weighting, Weighting):
+            raise TypeError(
+                f"`weighting` must be a jacflow.aggregation.Weighting, received {type(weighting)}."
+            )
+        self.weighting = weighting
+        self.alpha = check_float(alpha, "alpha", low=0.0, high=1.0)
+        if initial_weights is not None and (
+            not isinstance(initial_weights, Tensor) or initial_weights.ndim != 1
+        ):
+            raise ValueError(
+                "`initial_weights` must be None or a vector (1-D tensor) with one weight per "
+                f"objective, received {initial_weights!r}."
+            )
+        self.initial_weights = initial_weights
+        self._previous: Tensor | None = None
+
+    def _check_input(self, stat: Tensor) -> None:
+        self.weighting._check_input(stat)
+
+    def reset(self) -> None:
+        self._previous = None
+        if isinstance(self.weighting, Stateful):
+            self.weighting.reset()
+
+    def forward(self, stat: Tensor) -> Tensor:
+        m = stat.shape[0]
+        previous = self._previous if self._previous is not None else self.initial_weights
+        if previous is not None and previous.shape[0] != m:
+            source = "`initial_weights`" if self._previous is None else "the previous call"
+            raise ValueError(
+                f"CRMOGMWeighting has {previous.shape[0]} weights from {source} but the input "
+                f"has {m} rows; give one weight per objective, or call `.reset()` before "
+                "changing the number of objectives."
+            )
+        current = self.weighting(stat)
+        with torch.no_grad():
+            if previous is None:
+                smoothed = current.detach().clone()
+            else:
+                previous = previous.to(current)
+                smoothed = self.alpha * previous + (1 - self.alpha) * current.detach()
+        self._previous = smoothed
+        return smoothed
+
+    def extra_repr(self) -> str:
+        return f"alpha={self.alpha}, initial_weights={self.initial_weights!r}"
+
+    def __repr__(self) -> str:
+        return f"CRMOGMWeighting({self.weighting!r}, {self.extra_repr()})"
+
+    def __str__(self) -> str:
+        return f"CRMOGM({self.weighting})"

@@ -1,0 +1,102 @@
+"""GradDrop: gradient sign dropout (Chen et al., 2020)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from jacflow.aggregation._bases import Aggregator
+
+
+def identity(purity: Tensor) -> Tensor:
+    """The default transform of the sign purity: ``purity`` itself."""
+    return purity
+
+
+def graddrop(matrix: Tensor, f: Callable[[Tensor], Tensor], leak: Tensor | None) -> Tensor:
+    r"""One GradDrop combination of the rows of ``matrix`` (uniform draws from torch's RNG).
+
+    Per coordinate :math:`k`: purity :math:`P_k = \frac12(1 + \sum_i J_{ik} / \sum_i |J_{ik}|)`
+    (:math:`\frac12` for an all-zero column), one draw :math:`U_k \sim \mathcal U(0, 1)`, masks
+    :math:`M_{ik} = [f(P_k) > U_k][J_{ik} > 0] + [f(P_k) < U_k][J_{ik} < 0]`, and
+    :math:`A(J)_k = \sum_i (\ell_i + (1 - \ell_i) M_{ik}) J_{ik}` with leak :math:`\ell`
+    (0 by default).
+
+    Example:
+        >>> import torch
+        >>> from jacflow.aggregation._graddrop import graddrop, identity
+        >>> graddrop(torch.tensor([[1., -1.], [2., -3.]]), identity, None)
+        tensor([ 3., -4.])
+    """
+    positive = matrix.sum(dim=0)
+    total = matrix.abs().sum(dim=0)
+    safe = torch.where(total > 0, total, torch.ones_like(total))
+    purity = torch.where(total > 0, 0.5 * (1 + positive / safe), torch.full_like(total, 0.5))
+    transformed = f(purity)
+    draws = torch.rand(matrix.shape[1], dtype=matrix.dtype, device=matrix.device)
+    masks = ((transformed > draws) & (matrix > 0)) | ((transformed < draws) & (matrix < 0))
+    coefficients = masks.to(matrix.dtype)
+    if leak is not None:
+        leak_column = leak.to(matrix)[:, None]
+        coefficients = leak_column + (1 - leak_column) * coefficients
+    result = (coefficients * matrix).sum(dim=0)
+    return torch.where(torch.isfinite(positive), result, torch.full_like(result, float("nan")))
+
+
+class GradDrop(Aggregator):
+    r"""GradDrop (gradient sign dropout).
+
+    Chen, Ngiam, Huang, Luong, Kretzschmar, Chai & Anguelov, *Just Pick a Sign: Optimizing
+    Deep Multitask Models with Gradient Sign Dropout*, NeurIPS 2020 (arXiv 2010.06808),
+    Algorithm 1 lines 10-15. For every coordinate, the positive or the negative entries of
+    the column are kept at random, the positive ones with probability :math:`f(P)` where
+    :math:`P = \frac12(1 + \sum_i J_{ik}/\sum_i |J_{ik}|)` is the sign purity:
+
+    .. math:: A(J)_k = \sum_i \big(\ell_i + (1-\ell_i) M_{ik}\big) J_{ik}, \quad
+              M_{ik} = [f(P_k) > U_k][J_{ik} > 0] + [f(P_k) < U_k][J_{ik} < 0].
+
+    The draws :math:`U_k \sim \mathcal U(0,1)` come from torch's global RNG. Not a weighted
+    combination of the rows; no property claimed.
+
+    Args:
+        f: monotonically increasing map applied to the purity (default: identity).
+        leak: per-row leak :math:`\ell \in [0, 1]^m` (1-D tensor) or ``None`` (no leak).
+
+    Example:
+        >>> import torch
+        >>> from jacflow.aggregation import GradDrop
+        >>> _ = torch.manual_seed(0)
+        >>> GradDrop()(torch.tensor([[-4., 1., 1.], [6., 1., 1.]]))
+        tensor([6., 2., 2.])
+    """
+
+    def __init__(
+        self, f: Callable[[Tensor], Tensor] = identity, leak: Tensor | None = None
+    ) -> None:
+        super().__init__()
+        if not callable(f):
+            raise TypeError(f"`f` must be callable (Tensor -> Tensor), received {type(f)}.")
+        if leak is not None:
+            if not isinstance(leak, Tensor) or leak.ndim != 1:
+                raise ValueError(
+                    "`leak` must be None or a vector (1-D tensor) with one value per objective, "
+                    f"received {leak!r}."
+                )
+            if not bool(((leak >= 0) & (leak <= 1)).all()):
+                raise ValueError(f"`leak` values must lie in [0, 1], received {leak.tolist()}.")
+        self.f = f
+        self.leak = leak
+
+    def forward(self, matrix: Tensor) -> Tensor:
+        if self.leak is not None and self.leak.shape[0] != matrix.shape[0]:
+            raise ValueError(
+                f"`leak` has {self.leak.shape[0]} entries but the matrix has "
+                f"{matrix.shape[0]} rows; give one leak value per objective."
+            )
+        return graddrop(matrix, self.f, self.leak)
+
+    def extra_repr(self) -> str:
+        name = getattr(self.f, "__name__", repr(self.f))
+        return f"f={name}, leak={self.leak!r}"

@@ -1,0 +1,126 @@
+"""Krum and Multi-Krum: Byzantine-robust selection of rows (Blanchard et al., 2017)."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from jacflow.aggregation._bases import GramianWeightedAggregator, GramianWeighting
+from jacflow.aggregation._hyperparameters import check_int
+from jacflow.aggregation._nonfinite import propagate_nonfinite
+from jacflow.aggregation._properties import Property
+
+
+def krum_weights(gramian: Tensor, n_byzantine: int, n_selected: int) -> Tensor:
+    r"""Multi-Krum weights: ``1/n_selected`` on the rows of lowest Krum score, 0 elsewhere.
+
+    The score of row ``i`` is the sum of its squared distances
+    :math:`\|g_i - g_j\|^2 = G_{ii} + G_{jj} - 2G_{ij}` to its ``m - n_byzantine - 2`` nearest
+    other rows. Ties are broken by row index. ``m = 0`` gives no weights.
+
+    Example:
+        >>> import torch
+        >>> from jacflow.aggregation._krum import krum_weights
+        >>> J = torch.tensor([[0., 0.], [1., 0.], [0., 1.], [9., 9.]])
+        >>> krum_weights(J @ J.T, 1, 1)
+        tensor([1., 0., 0., 0.])
+    """
+    m = gramian.shape[0]
+    if m == 0:
+        return gramian.new_zeros(0)
+    _check_rows(m, n_byzantine, n_selected)
+    diagonal = gramian.diagonal()
+    distances = (diagonal[:, None] + diagonal[None, :] - 2 * gramian).clamp(min=0)
+    distances = distances + torch.diag(torch.full_like(diagonal, float("inf")))
+    k = m - n_byzantine - 2
+    scores = distances.topk(k, dim=1, largest=False).values.sum(dim=1)
+    selected = torch.argsort(scores, stable=True)[:n_selected]
+    weights = torch.zeros_like(diagonal)
+    weights[selected] = 1.0 / n_selected
+    return propagate_nonfinite(weights, gramian)
+
+
+def _check_rows(m: int, n_byzantine: int, n_selected: int) -> None:
+    if m < n_byzantine + 3:
+        raise ValueError(
+            f"Krum with n_byzantine={n_byzantine} needs at least n_byzantine + 3 = "
+            f"{n_byzantine + 3} rows, received {m}; lower `n_byzantine` or aggregate more rows."
+        )
+    if m < n_selected:
+        raise ValueError(
+            f"Krum with n_selected={n_selected} needs at least that many rows, received {m}; "
+            "lower `n_selected`."
+        )
+
+
+class KrumWeighting(GramianWeighting):
+    """Gramian weighting of :class:`Krum`.
+
+    Args:
+        n_byzantine: number of rows that may be adversarial, >= 0.
+        n_selected: number of rows averaged, >= 1 (1: Krum; more: Multi-Krum).
+
+    Example:
+        >>> import torch
+        >>> from jacflow.aggregation import KrumWeighting
+        >>> J = torch.tensor([[0., 0.], [1., 0.], [0., 1.], [9., 9.]])
+        >>> KrumWeighting(1, 2)(J @ J.T)
+        tensor([0.5000, 0.5000, 0.0000, 0.0000])
+    """
+
+    def __init__(self, n_byzantine: int, n_selected: int = 1) -> None:
+        super().__init__()
+        self.n_byzantine = check_int(n_byzantine, "n_byzantine", low=0)
+        self.n_selected = check_int(n_selected, "n_selected", low=1)
+
+    def forward(self, stat: Tensor) -> Tensor:
+        with torch.no_grad():
+            return krum_weights(stat, self.n_byzantine, self.n_selected)
+
+    def extra_repr(self) -> str:
+        return f"n_byzantine={self.n_byzantine}, n_selected={self.n_selected}"
+
+    def __str__(self) -> str:
+        return f"KrumWeighting{self.n_byzantine}-{self.n_selected}"
+
+
+class Krum(GramianWeightedAggregator):
+    r"""Krum / Multi-Krum.
+
+    Blanchard, El Mhamdi, Guerraoui & Stainer, *Machine Learning with Adversaries: Byzantine
+    Tolerant Gradient Descent*, NeurIPS 2017 (arXiv 1703.02757). With
+    :math:`f` = ``n_byzantine``, the score of row :math:`i` is
+    :math:`s(i) = \sum_{j \in N_i} \|g_i - g_j\|^2` over its :math:`m - f - 2` nearest other
+    rows :math:`N_i`; the update is the mean of the ``n_selected`` rows of lowest score:
+
+    .. math:: A(J) = \frac{1}{k} \sum_{i \in S} g_i, \qquad S = k \text{ rows of lowest } s,
+              \ k = \texttt{n\_selected}.
+
+    Needs :math:`m \ge f + 3` and :math:`m \ge k` rows (the paper's guarantee assumes
+    :math:`m > 2f + 2`); ``m = 0`` gives the zero vector. Invariant to the rows' order (up to
+    ties in the scores).
+
+    Args:
+        n_byzantine: number of possibly adversarial rows, >= 0.
+        n_selected: number of rows averaged, >= 1 (default 1).
+
+    Example:
+        >>> import torch
+        >>> from jacflow.aggregation import Krum
+        >>> J = torch.tensor([[0., 0.], [1., 0.], [0., 1.], [9., 9.]])
+        >>> Krum(n_byzantine=1, n_selected=2)(J)
+        tensor([0.5000, 0.0000])
+    """
+
+    properties = frozenset({Property.PERMUTATION_INVARIANT, Property.WEIGHTED})
+
+    def __init__(self, n_byzantine: int, n_selected: int = 1) -> None:
+        super().__init__(KrumWeighting(n_byzantine, n_selected))
+
+    def extra_repr(self) -> str:
+        return self.gramian_weighting.extra_repr()
+
+    def __str__(self) -> str:
+        weighting = self.gramian_weighting
+        assert isinstance(weighting, KrumWeighting)
+        return f"Krum{weighting.n_byzantine}-{weighting.n_selected}"

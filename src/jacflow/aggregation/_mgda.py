@@ -1,0 +1,191 @@
+"""MGDA: the minimum-norm point of the convex hull of the gradients (Désidéri; Sener & Koltun)."""
+
+from __future__ import annotations
+
+from typing import ClassVar, Literal
+
+import torch
+from torch import Tensor
+
+from jacflow.aggregation._bases import GramianWeightedAggregator, GramianWeighting
+from jacflow.aggregation._hyperparameters import check_float, check_int
+from jacflow.aggregation._loss_aware import LossAware
+from jacflow.aggregation._nonfinite import propagate_nonfinite
+from jacflow.aggregation._properties import Property
+
+Normalization = Literal["none", "l2", "loss", "loss+"]
+_NORMALIZATIONS: tuple[str, ...] = ("none", "l2", "loss", "loss+")
+
+
+def mgda_weights(gramian: Tensor, epsilon: float, max_iters: int) -> Tensor:
+    r"""Frank-Wolfe solution of :math:`\min_{\lambda \in \Delta_m} \lambda^\top G \lambda`.
+
+    Algorithm 2 of Sener & Koltun (2018): start at :math:`\lambda = 1/m`; at each step move
+    towards the vertex :math:`e_t`, :math:`t = \arg\min_r (G\lambda)_r`, by the exact line
+    search :math:`\gamma = \mathrm{clip}((\lambda^\top G \lambda - (G\lambda)_t) /
+    (\lambda^\top G \lambda - 2 (G\lambda)_t + G_{tt}), 0, 1)`; stop when the step changes
+    :math:`\lambda` by less than ``epsilon`` in :math:`\ell_1` norm or after ``max_iters`` steps.
+
+    Example:
+        >>> import torch
+        >>> from jacflow.aggregation._mgda import mgda_weights
+        >>> mgda_weights(torch.tensor([[18., -22.], [-22., 38.]]), 1e-3, 100)
+        tensor([0.6000, 0.4000])
+    """
+    m = gramian.shape[0]
+    lam = torch.full((m,), 1.0 / max(m, 1), dtype=gramian.dtype, device=gramian.device)
+    if m <= 1:
+        return propagate_nonfinite(lam, gramian)
+    diagonal = gramian.diagonal()
+    for _ in range(max_iters):
+        g_lam = gramian @ lam
+        t = torch.argmin(g_lam)
+        a = lam @ g_lam  # <v, v> with v = J^T lambda
+        b = g_lam[t]  # <v, g_t>
+        denominator = a - 2 * b + diagonal[t]  # |v - g_t|^2
+        safe = torch.where(denominator > 0, denominator, torch.ones_like(denominator))
+        gamma = torch.where(denominator > 0, ((a - b) / safe).clamp(0.0, 1.0), 0.0)
+        step = -gamma * lam
+        step[t] += gamma
+        lam = lam + step
+        if bool(step.abs().sum() < epsilon):
+            break
+    return propagate_nonfinite(lam, gramian)
+
+
+def normalization_scales(
+    gramian: Tensor, normalization: str, losses: Tensor | None
+) -> Tensor | None:
+    """The row scales :math:`c_i` of a normalization mode (``None`` for ``"none"``)."""
+    if normalization == "none":
+        return None
+    norms = gramian.diagonal().clamp(min=0).sqrt()
+    if normalization == "l2":
+        return norms
+    assert losses is not None
+    if bool((losses <= 0).any()):
+        raise ValueError(
+            f"MGDA normalization={normalization!r} divides the rows by the losses, which must "
+            f"be positive; received {losses.tolist()}. Use normalization='l2' or 'none' for "
+            "losses that can be zero or negative."
+        )
+    return losses if normalization == "loss" else losses * norms
+
+
+def normalized_mgda_weights(
+    gramian: Tensor, epsilon: float, max_iters: int, scales: Tensor | None
+) -> Tensor:
+    r"""MGDA on :math:`G' = DGD`, :math:`D = \mathrm{diag}(1/c)`, mapped back: :math:`\lambda/c`.
+
+    Rows with :math:`c_i = 0` (zero gradients under ``l2``) keep scale 1.
+
+    Example:
+        >>> import torch
+        >>> from jacflow.aggregation._mgda import normalized_mgda_weights
+        >>> G = torch.tensor([[4., 0.], [0., 1.]])
+        >>> normalized_mgda_weights(G, 1e-3, 100, G.diagonal().sqrt())
+        tensor([0.2500, 0.5000])
+    """
+    if scales is None:
+        return mgda_weights(gramian, epsilon, max_iters)
+    inverse = torch.where(scales != 0, 1.0 / scales, torch.ones_like(scales))
+    lam = mgda_weights(gramian * inverse[:, None] * inverse[None, :], epsilon, max_iters)
+    return lam * inverse
+
+
+class MGDAWeighting(GramianWeighting, LossAware):
+    r"""Gramian weighting of :class:`MGDA`.
+
+    Args:
+        epsilon: stop when a Frank-Wolfe step changes the weights by less than this
+            (:math:`\ell_1`); must be > 0.
+        max_iters: cap on the number of Frank-Wolfe steps; must be >= 1.
+        normalization: ``"none"``, ``"l2"``, ``"loss"`` or ``"loss+"``; see :class:`MGDA`.
+            The loss modes need :meth:`set_losses` before each call.
+
+    Example:
+        >>> import torch
+        >>> from jacflow.aggregation import MGDAWeighting
+        >>> MGDAWeighting()(torch.tensor([[18., -22.], [-22., 38.]]))
+        tensor([0.6000, 0.4000])
+    """
+
+    def __init__(
+        self, epsilon: float = 0.001, max_iters: int = 100, normalization: Normalization = "none"
+    ) -> None:
+        super().__init__()
+        self.epsilon = check_float(epsilon, "epsilon", low=0.0, low_open=True)
+        self.max_iters = check_int(max_iters, "max_iters", low=1)
+        if normalization not in _NORMALIZATIONS:
+            raise ValueError(
+                f"`normalization` must be one of {_NORMALIZATIONS}, received {normalization!r}."
+            )
+        self.normalization = normalization
+
+    def forward(self, stat: Tensor) -> Tensor:
+        with torch.no_grad():
+            losses = None
+            if self.normalization in ("loss", "loss+"):
+                losses = self.losses_like(stat.shape[0], stat)
+            scales = normalization_scales(stat, self.normalization, losses)
+            return normalized_mgda_weights(stat, self.epsilon, self.max_iters, scales)
+
+    def extra_repr(self) -> str:
+        return (
+            f"epsilon={self.epsilon}, max_iters={self.max_iters}, "
+            f"normalization={self.normalization!r}"
+        )
+
+
+class MGDA(GramianWeightedAggregator, LossAware):
+    r"""Multiple Gradient Descent Algorithm: the minimum-norm element of the convex hull.
+
+    Désidéri, *Multiple-gradient descent algorithm (MGDA) for multiobjective optimization*,
+    C. R. Math. 2012; solved with the Frank-Wolfe method of Sener & Koltun, *Multi-Task Learning
+    as Multi-Objective Optimization*, NeurIPS 2018 (arXiv 1810.04650):
+
+    .. math:: A(J) = J^\top \lambda^*, \qquad
+              \lambda^* = \arg\min_{\lambda \in \Delta_m} \lambda^\top D G D \lambda \text{ mapped
+              to } w_i = \lambda^*_i / c_i,
+
+    with :math:`G = J J^\top`, :math:`D = \mathrm{diag}(1/c)` and the row scales :math:`c` of
+    the ``normalization`` mode of Sener & Koltun's code: ``"none"`` :math:`c_i = 1`, ``"l2"``
+    :math:`c_i = \|g_i\|`, ``"loss"`` :math:`c_i = L_i`, ``"loss+"`` :math:`c_i = L_i \|g_i\|`
+    (losses given with :meth:`set_losses`, positive). The update has a non-negative inner product
+    with every row (exactly at the optimum, up to the solver tolerance otherwise) and does not
+    depend on the rows' order.
+
+    Args:
+        epsilon: Frank-Wolfe stopping tolerance (> 0).
+        max_iters: maximum number of Frank-Wolfe steps (>= 1).
+        normalization: ``"none"`` (default), ``"l2"``, ``"loss"`` or ``"loss+"``.
+
+    Example:
+        >>> import torch
+        >>> from jacflow.aggregation import MGDA
+        >>> J = torch.tensor([[-4., 1., 1.], [6., 1., 1.]])
+        >>> MGDA()(J)
+        tensor([0., 1., 1.])
+        >>> agg = MGDA(normalization="loss")
+        >>> agg.set_losses(torch.tensor([1.0, 2.0]))
+        >>> agg(J)
+        tensor([0.1010, 0.7071, 0.7071])
+    """
+
+    properties: ClassVar[frozenset[Property]] = frozenset(
+        {Property.NON_CONFLICTING, Property.PERMUTATION_INVARIANT, Property.WEIGHTED}
+    )
+
+    def __init__(
+        self, epsilon: float = 0.001, max_iters: int = 100, normalization: Normalization = "none"
+    ) -> None:
+        super().__init__(MGDAWeighting(epsilon, max_iters, normalization))
+
+    def set_losses(self, losses: Tensor) -> None:
+        """Record the losses read by the ``"loss"`` and ``"loss+"`` modes (see ``LossAware``)."""
+        weighting = self.gramian_weighting
+        assert isinstance(weighting, MGDAWeighting)
+        weighting.set_losses(losses)
+
+    def extra_repr(self) -> str:
+        return self.gramian_weighting.extra_repr()
