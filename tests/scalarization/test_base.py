@@ -1,0 +1,238 @@
+"""Shared behaviour of every scalarizer: input checks, dtypes, gradients, non-finite values,
+``reset``, ``repr``/``str``, and the hyper-parameter checks of every constructor."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from jacflow import Stateful
+from jacflow.scalarization import (
+    COSMOS,
+    DWA,
+    FAMO,
+    IMTLL,
+    LBTW,
+    PBI,
+    STCH,
+    UW,
+    AdaLoss,
+    AugmentedTchebycheff,
+    Constant,
+    LogSTCH,
+    Mean,
+    ReLoBRaLo,
+    RevisedUW,
+    Scalarizer,
+    SoftAdapt,
+    Tchebycheff,
+)
+from tests.scalarization._table import DIFFERENTIABLE, FACTORIES, STATEFUL, M, frozen
+
+NAMES = list(FACTORIES)
+LOSSES = [[1.0, 2.0, 0.5], [0.8, 1.5, 0.6], [0.7, 1.6, 0.4], [0.6, 1.2, 0.45]]
+
+
+def _run(scalarizer: Scalarizer, rows: list[list[float]], dtype: torch.dtype) -> list[float]:
+    """Call on each row of losses as one training step (stepping epochs / FAMO after each)."""
+    outputs = []
+    for row in rows:
+        losses = torch.tensor(row, dtype=dtype)
+        outputs.append(float(scalarizer(losses).detach()))
+        if isinstance(scalarizer, FAMO):
+            scalarizer.update(losses * 0.9)
+        if isinstance(scalarizer, (DWA, LogSTCH)):
+            scalarizer.step()
+    return outputs
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_returns_a_scalar_of_the_losses_dtype(name: str, dtype: torch.dtype, device: str) -> None:
+    losses = torch.tensor(LOSSES[0], dtype=dtype, device=device, requires_grad=True)
+    scalarizer = FACTORIES[name]()
+    out = scalarizer(losses)
+    assert out.shape == ()
+    assert out.dtype == dtype
+    assert out.device == losses.device
+    assert torch.isfinite(out)
+    out.backward()
+    assert losses.grad is not None and torch.isfinite(losses.grad).all()
+    for tensor in [*scalarizer.parameters(), *scalarizer.buffers()]:
+        assert tensor.device == losses.device
+        assert tensor.dtype == dtype
+
+
+@pytest.mark.parametrize("name", DIFFERENTIABLE)
+def test_gradient_matches_finite_differences(name: str) -> None:
+    scalarizer = FACTORIES[name]()
+    _run(scalarizer, LOSSES[:3], torch.float64)  # move the stateful ones past their warm-up
+    losses = torch.tensor(LOSSES[3], dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(frozen(scalarizer), (losses,))
+
+
+@pytest.mark.parametrize("name", ["IMTLL", "UW", "RevisedUW"])
+def test_gradient_wrt_parameters_matches_finite_differences(name: str) -> None:
+    scalarizer = FACTORIES[name]()
+    losses = torch.tensor(LOSSES[0], dtype=torch.float64)
+    scalarizer(losses)  # the parameter follows the losses to float64
+    (param,) = scalarizer.parameters()
+    with torch.no_grad():
+        param.copy_(torch.tensor([0.3, -0.2, 1.1]))
+
+    def of_param(p: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            param.copy_(p)
+        return scalarizer(losses)
+
+    # d/dp of the scalarization, by autograd at p, against central differences
+    p0 = param.detach().clone()
+    grad = torch.autograd.grad(scalarizer(losses), param)[0]
+    numeric = torch.empty_like(p0)
+    for i in range(M):
+        step = torch.zeros_like(p0)
+        step[i] = 1e-6
+        numeric[i] = (of_param(p0 + step) - of_param(p0 - step)) / 2e-6
+    torch.testing.assert_close(grad, numeric, rtol=1e-6, atol=1e-8)
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_losses_propagate(name: str, bad: float) -> None:
+    scalarizer = FACTORIES[name]()
+    _run(scalarizer, LOSSES[:3], torch.float32)
+    losses = torch.tensor(LOSSES[3])
+    losses[1] = bad
+    out = scalarizer(losses)
+    assert not torch.isfinite(out)
+
+
+@pytest.mark.parametrize("name", STATEFUL)
+def test_reset_restores_initial_behaviour(name: str) -> None:
+    fresh = FACTORIES[name]()
+    used = FACTORIES[name]()
+    torch.manual_seed(3)
+    expected = _run(fresh, LOSSES, torch.float64)
+    _run(used, LOSSES[::-1], torch.float64)
+    if list(used.parameters()):  # learnable: move the parameters away from their start
+        (used(torch.tensor(LOSSES[0], dtype=torch.float64)) * 10).backward()
+        torch.optim.SGD(used.parameters(), lr=1.0).step()
+    assert isinstance(used, Stateful)
+    used.reset()
+    torch.manual_seed(3)
+    assert _run(used, LOSSES, torch.float64) == pytest.approx(expected, rel=1e-12)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_rejects_bad_losses(name: str) -> None:
+    scalarizer = FACTORIES[name]()
+    with pytest.raises(TypeError, match=r"`losses` to be a torch\.Tensor"):
+        scalarizer([1.0, 2.0, 3.0])  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="floating dtype"):
+        scalarizer(torch.tensor([1, 2, 3]))
+    with pytest.raises(ValueError, match="at least one loss"):
+        scalarizer(torch.zeros(0))
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["Constant", "STCH", "Tchebycheff", "PBI", "COSMOS", "FAMO", "IMTLL", "UW", "RevisedUW"],
+)
+def test_rejects_losses_of_the_wrong_shape(name: str) -> None:
+    with pytest.raises(ValueError, match=r"shape.*\(3,\).*\(4,\)|\(4,\).*\(3,\)"):
+        FACTORIES[name]()(torch.ones(4))
+
+
+@pytest.mark.parametrize("name", ["DWA", "LBTW", "AdaLoss", "SoftAdapt", "ReLoBRaLo", "LogSTCH"])
+def test_rejects_a_shape_change_without_reset(name: str) -> None:
+    scalarizer = FACTORIES[name]()
+    scalarizer(torch.ones(3))
+    scalarizer(torch.ones(3))
+    with pytest.raises(ValueError, match=r"reset\(\)"):
+        scalarizer(torch.ones(4))
+    if isinstance(scalarizer, Stateful):
+        scalarizer.reset()
+    assert torch.isfinite(scalarizer(torch.ones(4)))
+
+
+BAD_HYPERPARAMETERS: list[tuple[Callable[[], object], type[Exception], str]] = [
+    (lambda: STCH(0.0), ValueError, "mu"),
+    (lambda: STCH(-1.0), ValueError, "mu"),
+    (lambda: STCH(float("nan")), ValueError, "mu"),
+    (lambda: STCH("1"), TypeError, "mu"),  # type: ignore[arg-type]
+    (lambda: STCH(1.0, weights=[1.0, 2.0]), TypeError, "weights"),  # type: ignore[arg-type]
+    (lambda: STCH(1.0, reference=3.0), TypeError, "reference"),  # type: ignore[arg-type]
+    (lambda: AugmentedTchebycheff(-0.1), ValueError, "rho"),
+    (lambda: Tchebycheff(weights=(1, 2)), TypeError, "weights"),  # type: ignore[arg-type]
+    (lambda: PBI(-1.0, torch.ones(2)), ValueError, "theta"),
+    (lambda: PBI(1.0, None), TypeError, "weights"),  # type: ignore[arg-type]
+    (lambda: COSMOS(-1.0, torch.ones(2)), ValueError, "lambda_"),
+    (lambda: Constant([1.0]), TypeError, "weights"),  # type: ignore[arg-type]
+    (lambda: DWA(0.0), ValueError, "temperature"),
+    (lambda: DWA(True), TypeError, "temperature"),
+    (lambda: FAMO(2, lr=-1.0), ValueError, "lr"),
+    (lambda: FAMO(2, weight_decay=-1.0), ValueError, "weight_decay"),
+    (lambda: FAMO(2, min_losses=torch.zeros(3)), ValueError, "min_losses"),
+    (lambda: FAMO(0), ValueError, "shape"),
+    (lambda: FAMO(2.5), TypeError, "shape"),  # type: ignore[arg-type]
+    (lambda: UW((2, -1)), TypeError, "shape"),
+    (lambda: IMTLL("3"), TypeError, "shape"),  # type: ignore[arg-type]
+    (lambda: RevisedUW((2, 0)), ValueError, "shape"),
+    (lambda: LogSTCH(0.0), ValueError, "mu"),
+    (lambda: LogSTCH(1.0, warmup_epochs=-1), ValueError, "warmup_epochs"),
+    (lambda: LogSTCH(1.0, warmup_epochs=1.5), TypeError, "warmup_epochs"),  # type: ignore[arg-type]
+    (lambda: LBTW(-0.5), ValueError, "alpha"),
+    (lambda: AdaLoss(momentum=1.0), ValueError, "momentum"),
+    (lambda: AdaLoss(eps=-1.0), ValueError, "eps"),
+    (lambda: SoftAdapt(beta=float("inf")), ValueError, "beta"),
+    (lambda: SoftAdapt(normalized=1), TypeError, "normalized"),  # type: ignore[arg-type]
+    (lambda: ReLoBRaLo(alpha=1.5), ValueError, "alpha"),
+    (lambda: ReLoBRaLo(rho=-0.1), ValueError, "rho"),
+    (lambda: ReLoBRaLo(temperature=0.0), ValueError, "temperature"),
+]
+
+
+@pytest.mark.parametrize(("make", "error", "name"), BAD_HYPERPARAMETERS)
+def test_rejects_bad_hyperparameters(
+    make: Callable[[], object], error: type[Exception], name: str
+) -> None:
+    with pytest.raises(error, match=f"`{name}`"):
+        make()
+
+
+def test_repr_and_str() -> None:
+    assert repr(Mean()) == "Mean()"
+    assert str(STCH(0.5)) == "STCH"
+    assert repr(STCH(0.5)) == "STCH(mu=0.5, weights=None, reference=None)"
+    assert repr(DWA()) == "DWA(temperature=2.0)"
+    assert repr(FAMO((2, 3))) == "FAMO(shape=(2, 3), lr=0.025, weight_decay=0.001)"
+    assert repr(UW(2)) == "UW(shape=(2,))"
+    assert repr(ReLoBRaLo()) == "ReLoBRaLo(alpha=0.999, rho=0.999, temperature=0.1)"
+    for name, make in FACTORIES.items():
+        assert str(make()) == name
+        assert repr(make()).startswith(f"{name}(")
+
+
+SHAPE_FREE = [
+    name
+    for name in NAMES
+    if name not in ("Constant", "STCH", "Tchebycheff", "AugmentedTchebycheff", "PBI", "COSMOS")
+]
+
+
+@pytest.mark.parametrize("name", SHAPE_FREE)
+def test_losses_of_any_shape(name: str) -> None:
+    """Losses [3] and the same losses as [1, 3] give the same values (methods with weights of a
+    given shape are covered in their own tests); methods built for a shape accept 0-dim losses."""
+    if name in ("FAMO", "IMTLL", "UW", "RevisedUW"):
+        make = {"FAMO": FAMO, "IMTLL": IMTLL, "UW": UW, "RevisedUW": RevisedUW}[name]
+        assert make(())(torch.tensor(2.0)).shape == ()
+        flat, grid = make(3), make((1, 3))
+    else:
+        flat, grid = FACTORIES[name](), FACTORIES[name]()
+    torch.manual_seed(0)
+    a = _run(flat, LOSSES, torch.float64)
+    torch.manual_seed(0)
+    b = _run(grid, [[row] for row in LOSSES], torch.float64)  # type: ignore[list-item]
+    assert a == pytest.approx(b, rel=1e-12)

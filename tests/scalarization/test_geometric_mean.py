@@ -1,0 +1,37 @@
+"""GeometricMean against the product formula, its scale behaviour and its errors."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from jacflow.scalarization import GeometricMean
+
+positive = st.floats(1e-3, 1e3)
+
+
+@settings(max_examples=30)
+@given(st.lists(positive, min_size=1, max_size=6), st.floats(1e-2, 1e2))
+def test_product_formula_and_homogeneity(values: list[float], c: float) -> None:
+    losses = torch.tensor(values, dtype=torch.float64)
+    expected = math.prod(values) ** (1 / len(values))
+    assert math.isclose(GeometricMean()(losses).item(), expected, rel_tol=1e-10)
+    assert math.isclose(GeometricMean()(c * losses).item(), c * expected, rel_tol=1e-10)
+
+
+def test_gradient_weights_each_loss_by_its_inverse(dtype: torch.dtype) -> None:
+    losses = torch.tensor([1.0, 4.0, 16.0], dtype=dtype, requires_grad=True)
+    out = GeometricMean()(losses)
+    out.backward()
+    expected = 4.0 / 3 / torch.tensor([1.0, 4.0, 16.0], dtype=dtype)  # G / (m L_i)
+    torch.testing.assert_close(losses.grad, expected)
+
+
+def test_zero_loss_gives_zero_and_negative_raises() -> None:
+    assert GeometricMean()(torch.tensor([0.0, 3.0])).item() == 0.0
+    with pytest.raises(ValueError, match="non-negative"):
+        GeometricMean()(torch.tensor([1.0, -2.0]))
