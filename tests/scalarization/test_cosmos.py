@@ -1,0 +1,36 @@
+"""COSMOS against a NumPy computation of r.L - lambda cos(r, L)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from jacflow.scalarization import COSMOS, Constant
+
+
+def test_value(dtype: torch.dtype) -> None:
+    f, r = np.array([1.0, 3.0, 2.0]), np.array([0.5, 0.2, 0.3])
+    expected = f @ r - 2.0 * (f @ r) / (np.linalg.norm(f) * np.linalg.norm(r))
+    out = COSMOS(2.0, torch.tensor(r))(torch.tensor(f, dtype=dtype))
+    assert out.dtype == dtype
+    assert math.isclose(out.item(), float(expected), rel_tol=1e-6)
+
+
+def test_lambda_zero_is_linear_scalarization() -> None:
+    losses, r = torch.tensor([1.0, 3.0]), torch.tensor([0.25, 0.75])
+    assert COSMOS(0.0, r)(losses).item() == Constant(r)(losses).item()
+
+
+def test_aligned_losses_get_the_full_reward() -> None:
+    r = torch.tensor([1.0, 2.0])
+    assert math.isclose(COSMOS(3.0, r)(2 * r).item(), (2 * r @ r).item() - 3.0, rel_tol=1e-6)
+
+
+def test_zero_losses_give_a_finite_value_and_gradient() -> None:
+    f = torch.zeros(2, requires_grad=True)
+    out = COSMOS(1.0, torch.tensor([0.5, 0.5]))(f)
+    out.backward()
+    assert out.item() == 0.0
+    assert torch.isfinite(f.grad).all()
