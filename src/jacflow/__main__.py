@@ -1,0 +1,8 @@
+"""``python -m jacflow``: the ``jacflow`` command."""
+
+import sys
+
+from jacflow.cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())

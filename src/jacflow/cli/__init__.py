@@ -1,0 +1,253 @@
+"""The ``jacflow`` command: train with Jacobian descent on bundled data, compare, benchmark.
+
+Sub-commands:
+
+* ``jacflow train``: the main job. A 3-task network (digit class, parity, reconstruction) on the
+  bundled digits data, trained with ``mtl_backward`` and an aggregator (``upgrad`` by default),
+  or, with ``--mode iwrm``, instance-wise risk minimization comparing ``mean`` with ``upgrad``.
+  Writes a run folder with metrics (CSV, JSON) and plots (PNG, when matplotlib is installed).
+* ``jacflow compare --aggregators mean,upgrad,...``: trains each with the same seed and writes a
+  comparison table (CSV, markdown) and plot.
+* ``jacflow bench``: runs the benchmark scripts of ``benchmarks/`` (or a built-in subset).
+
+User errors (unknown aggregator, unwritable folder, bad numbers, missing extra) print one message
+and return exit code 2.
+
+Example:
+    >>> from jacflow.cli import main
+    >>> main(["train", "--epochs", "-1"])
+    2
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+
+from jacflow.cli._errors import CLIError
+from jacflow.monitor import Logger
+
+__all__ = ["main"]
+
+
+def _int_at_least(minimum: int, what: str) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, received {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected {what}, received {value}")
+        return value
+
+    return parse
+
+
+_positive_int = _int_at_least(1, "a positive integer")
+_non_negative_int = _int_at_least(0, "a non-negative integer")
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, received {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"expected a positive finite number, received {text}")
+    return value
+
+
+def _add_run_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--epochs", type=_positive_int, help="epochs (train: 30, iwrm: 10)")
+    parser.add_argument("--seed", type=_non_negative_int, default=0, help="random seed")
+    parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
+    parser.add_argument(
+        "--lr", type=_positive_float, help="learning rate (Adam 3e-3; iwrm SGD 0.1)"
+    )
+    parser.add_argument("--batch-size", type=_positive_int, help="batch size (64; iwrm: 32)")
+    parser.add_argument("--out", type=Path, help="run folder (default: runs/<name>-<time>)")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.add_argument("--no-plots", action="store_true", help="do not draw PNG plots")
+    parser.add_argument("--threads", type=_positive_int, default=1, help="torch threads (1)")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="jacflow", description="Jacobian descent on bundled offline data."
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    train = commands.add_parser("train", help="train a network with Jacobian descent")
+    train.add_argument("--aggregator", default="upgrad", help="aggregator name (default upgrad)")
+    train.add_argument(
+        "--mode",
+        choices=["mtl", "iwrm"],
+        default="mtl",
+        help="mtl: 3 tasks on a shared trunk; iwrm: one objective per sample, mean vs upgrad",
+    )
+    train.add_argument("--tensorboard", action="store_true", help="also log to TensorBoard")
+    _add_run_options(train)
+    compare = commands.add_parser("compare", help="train several aggregators with one seed")
+    compare.add_argument(
+        "--aggregators", default="mean,upgrad,mgda", help="comma-separated aggregator names"
+    )
+    compare.add_argument("--mode", choices=["mtl", "iwrm"], default="mtl")
+    _add_run_options(compare)
+    bench = commands.add_parser("bench", help="run the benchmark suite and print ratio tables")
+    bench.add_argument("--builtin", action="store_true", help="run the quick built-in subset")
+    bench.add_argument("--filter", help="only scripts whose name contains this text")
+    bench.add_argument("--list", action="store_true", help="list the scripts and exit")
+    bench.add_argument(
+        "--timeout", type=_positive_float, default=600.0, help="seconds per script (600)"
+    )
+    commands.add_parser("aggregators", help="list the aggregator names")
+    return parser
+
+
+def _check_device(name: str) -> str:
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError) as error:
+        raise CLIError(f"invalid --device {name!r}: {error}") from error
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise CLIError(f"--device {name!r} requested but CUDA is not available; use --device cpu.")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise CLIError(f"--device {name!r} requested but MPS is not available; use --device cpu.")
+    return name
+
+
+def _run_config(args: argparse.Namespace, aggregator: str) -> object:
+    from jacflow.cli._train import IWRM_BATCH, RunConfig
+
+    iwrm = args.mode == "iwrm"
+    return RunConfig(
+        aggregator=aggregator,
+        epochs=args.epochs or (10 if iwrm else 30),
+        seed=args.seed,
+        device=_check_device(args.device),
+        lr=args.lr or (0.1 if iwrm else 3e-3),
+        batch_size=args.batch_size or (IWRM_BATCH if iwrm else 64),
+    )
+
+
+def _out_dir(args: argparse.Namespace, name: str) -> Path:
+    from jacflow.cli._train import check_out_dir
+
+    out = args.out or Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    return check_out_dir(out)
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from jacflow.cli._registry import make_aggregator
+
+    if args.mode == "iwrm":
+        names = ["mean", args.aggregator if args.aggregator != "mean" else "upgrad"]
+        args.aggregators = ",".join(names)
+        return _cmd_compare(args, title="iwrm")
+    make_aggregator(args.aggregator, 3)  # fail early on a bad name
+    loggers: list[Logger] = []
+    config = _run_config(args, args.aggregator)
+    out = _out_dir(args, f"train-{args.aggregator}")
+    if args.tensorboard:
+        from jacflow.monitor import TensorBoardLogger
+
+        try:
+            loggers.append(TensorBoardLogger(out / "tensorboard"))
+        except ImportError as error:
+            raise CLIError(str(error)) from error
+    from jacflow.cli._report import (
+        PLOT_NOTICE,
+        format_summary,
+        matplotlib_available,
+        plot_run,
+        write_run,
+    )
+    from jacflow.cli._train import RunConfig, train_mtl
+
+    assert isinstance(config, RunConfig)
+    result = train_mtl(config, loggers=loggers, progress=not args.quiet)
+    for logger in loggers:
+        logger.close()
+    files = write_run(result, out)
+    if args.no_plots:
+        pass
+    elif matplotlib_available():
+        files += plot_run(result, out)
+    else:
+        print(PLOT_NOTICE)
+    print(f"\nRun folder: {out}")
+    print(format_summary(result.summary))
+    print(f"Files: {', '.join(p.name for p in files)}")
+    return 0
+
+
+def _cmd_compare(args: argparse.Namespace, title: str = "compare") -> int:
+    from jacflow.cli._compare import compare
+
+    names = [name.strip() for name in args.aggregators.split(",") if name.strip()]
+    if not names:
+        raise CLIError("--aggregators is empty; give comma-separated names, e.g. mean,upgrad.")
+    from jacflow.cli._registry import make_aggregator
+
+    m = 3 if args.mode == "mtl" else (args.batch_size or 32)
+    for name in names:
+        make_aggregator(name, m)  # fail early on a bad name
+    configs = [_run_config(args, name) for name in names]
+    out = _out_dir(args, f"{title}-{'-'.join(names)}")
+    return compare(configs, args.mode, out, progress=not args.quiet, plots=not args.no_plots)
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from jacflow.cli._bench import benchmark_scripts, builtin_bench, find_benchmarks, run_scripts
+
+    folder = None if args.builtin else find_benchmarks()
+    scripts = benchmark_scripts(folder, args.filter) if folder is not None else []
+    if args.list:
+        for script in scripts:
+            print(script)
+        if not scripts:
+            print("no benchmark scripts found; `jacflow bench` runs the built-in subset")
+        return 0
+    if folder is not None and args.filter and not scripts:
+        raise CLIError(f"no benchmark script in {folder} matches --filter {args.filter!r}.")
+    if scripts:
+        print(f"Running {len(scripts)} benchmark script(s) from {folder}")
+        return 1 if run_scripts(scripts, args.timeout) else 0
+    print("Built-in benchmark subset (no benchmarks/ folder found or --builtin given)\n")
+    print(builtin_bench())
+    return 0
+
+
+def _cmd_aggregators() -> int:
+    from jacflow.cli._registry import aggregator_classes
+
+    for name, cls in sorted(aggregator_classes().items()):
+        print(f"{name:16s} {cls.__module__.rsplit('.', 1)[0]}.{cls.__name__}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``jacflow`` command with ``argv`` (default ``sys.argv[1:]``); return the exit
+    code: 0 on success, 2 on a user error."""
+    parser = _parser()
+    try:
+        args = parser.parse_args(None if argv is None else list(argv))
+    except SystemExit as exit_:
+        return int(exit_.code or 0) if not isinstance(exit_.code, str) else 2
+    torch.set_num_threads(getattr(args, "threads", 1))
+    try:
+        if args.command == "train":
+            return _cmd_train(args)
+        if args.command == "compare":
+            return _cmd_compare(args)
+        if args.command == "bench":
+            return _cmd_bench(args)
+        return _cmd_aggregators()
+    except CLIError as error:
+        print(f"jacflow {args.command}: error: {error}", file=sys.stderr)
+        return 2

@@ -1,0 +1,92 @@
+"""``jacflow compare`` (and ``train --mode iwrm``): several aggregators, one seed, one table."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from jacflow.cli._model import TASKS
+from jacflow.cli._report import (
+    PLOT_NOTICE,
+    markdown_table,
+    matplotlib_available,
+    write_csv,
+    write_json,
+    write_run,
+)
+from jacflow.cli._train import RunConfig, RunResult, train_iwrm, train_mtl
+
+MTL_COLUMNS = [
+    "aggregator",
+    "digit_acc",
+    "parity_acc",
+    "recon_mse",
+    "test_loss/digit",
+    "test_loss/parity",
+    "mean_conflict_fraction",
+    "mean_min_update_cos",
+    "seconds",
+]
+IWRM_COLUMNS = [
+    "aggregator",
+    "train_loss",
+    "train_acc",
+    "test_loss",
+    "test_acc",
+    "mean_conflict_fraction",
+    "mean_min_update_cos",
+    "seconds",
+]
+
+
+def _plot(results: Sequence[RunResult], mode: str, path: Path) -> None:
+    from matplotlib.figure import Figure
+
+    keys = [f"test_loss/{name}" for name in TASKS] if mode == "mtl" else ["train_loss", "test_loss"]
+    figure = Figure(figsize=(4.0 * len(keys), 3.5), layout="constrained")
+    axes = figure.subplots(1, len(keys), squeeze=False)[0]
+    for ax, key in zip(axes, keys):
+        for result in results:
+            epochs = [row["epoch"] for row in result.epochs]
+            ax.plot(epochs, [row[key] for row in result.epochs], label=result.config.aggregator)
+        ax.set_title(key)
+        ax.set_xlabel("epoch")
+        ax.set_yscale("log")
+        ax.legend(fontsize=8)
+    figure.savefig(path, dpi=110)
+
+
+def compare(
+    configs: Sequence[Any], mode: str, out: Path, *, progress: bool = True, plots: bool = True
+) -> int:
+    """Train one run per config into ``out/<aggregator>/`` and write the comparison table."""
+    results: list[RunResult] = []
+    for config in configs:
+        assert isinstance(config, RunConfig)
+        if mode == "mtl":
+            result = train_mtl(config, progress=progress, label=config.aggregator)
+        else:
+            result = train_iwrm(config, progress=progress, label=config.aggregator)
+        run_dir = out / config.aggregator
+        run_dir.mkdir(parents=True, exist_ok=True)
+        write_run(result, run_dir)
+        results.append(result)
+    columns = MTL_COLUMNS if mode == "mtl" else IWRM_COLUMNS
+    rows = [result.summary for result in results]
+    write_csv(out / "comparison.csv", [{c: row.get(c, "") for c in columns} for row in rows])
+    table = markdown_table(rows, columns)
+    first = configs[0]
+    header = (
+        f"# {mode} comparison: seed {first.seed}, {first.epochs} epochs, "
+        f"batch {first.batch_size}, lr {first.lr}\n\n"
+    )
+    (out / "comparison.md").write_text(header + table + "\n")
+    write_json(out / "comparison.json", {"mode": mode, "runs": rows})
+    if plots and matplotlib_available():
+        _plot(results, mode, out / "comparison.png")
+    elif plots:
+        print(PLOT_NOTICE)
+    print(f"\nRun folder: {out}\n")
+    print(header + table)
+    return 0

@@ -1,0 +1,137 @@
+"""Writing a run folder: metrics as CSV and JSON, plots as PNG, and the printed summary."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from jacflow.cli._train import RunResult
+
+
+def write_csv(path: Path, rows: Sequence[dict[str, Any]]) -> None:
+    """Rows with possibly different keys, as one CSV (union of the keys, in order of appearance).
+
+    Example:
+        >>> import tempfile
+        >>> from pathlib import Path
+        >>> from jacflow.cli._report import write_csv
+        >>> path = Path(tempfile.mkdtemp()) / "t.csv"
+        >>> write_csv(path, [{"a": 1}, {"a": 2, "b": 3}])
+        >>> path.read_text().split()
+        ['a,b', '1,', '2,3']
+    """
+    fields: dict[str, None] = {}
+    for row in rows:
+        fields.update(dict.fromkeys(row))
+    with path.open("w", newline="") as file:
+        writer = csv.DictWriter(file, list(fields), restval="")
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {key: _jsonable(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_jsonable(item) for item in value]
+    return value
+
+
+def write_json(path: Path, payload: dict[str, Any]) -> None:
+    """``payload`` as indented JSON, with NaN and infinities written as ``null``."""
+    path.write_text(json.dumps(_jsonable(payload), indent=2) + "\n")
+
+
+def write_run(result: RunResult, out: Path) -> list[Path]:
+    """Write the metrics of ``result`` into ``out`` and return the written files."""
+    steps, epochs = out / "metrics_steps.csv", out / "metrics_epochs.csv"
+    write_csv(steps, result.steps)
+    write_csv(epochs, result.epochs)
+    payload = {
+        "config": vars(result.config),
+        "summary": result.summary,
+        "epochs": result.epochs,
+        "steps": result.steps,
+    }
+    write_json(out / "metrics.json", payload)
+    return [steps, epochs, out / "metrics.json"]
+
+
+def matplotlib_available() -> bool:
+    """Whether matplotlib can be imported."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+PLOT_NOTICE = 'plots skipped: matplotlib is not installed (pip install "jacflow[plot]")'
+
+
+def plot_run(result: RunResult, out: Path) -> list[Path]:
+    """PNG plots of a multi-task run: losses, cosine heatmaps, weights (needs matplotlib)."""
+    from jacflow.monitor import plot_cosines_over_training, plot_curves
+
+    written: list[Path] = []
+
+    def save(figure: Any, name: str) -> None:
+        path = out / name
+        figure.savefig(path, dpi=110)
+        written.append(path)
+
+    history = result.steps
+    save(plot_curves(history, "loss/", title="Training loss per task", log=True), "losses.png")
+    test_rows = [{"step": row["epoch"], **row} for row in result.epochs]
+    figure = plot_curves(test_rows, "test_loss/", title="Test loss per task", log=True)
+    figure.axes[0].set_xlabel("epoch")
+    save(figure, "test_losses.png")
+    if any(key.startswith("cos/") for key in history[-1]):
+        save(plot_cosines_over_training(history), "cosine_over_training.png")
+    if any(key.startswith("weight/") for key in history[-1]):
+        save(plot_curves(history, "weight/", title="Weights over training"), "weights.png")
+    if any(key.startswith("norm/") for key in history[-1]):
+        save(plot_curves(history, "norm/", title="Gradient norms", log=True), "norms.png")
+    return written
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    """The summary as aligned ``key: value`` lines.
+
+    Example:
+        >>> from jacflow.cli._report import format_summary
+        >>> print(format_summary({"aggregator": "upgrad", "digit_acc": 0.91234}))
+        aggregator : upgrad
+        digit_acc  : 0.9123
+    """
+    width = max(len(key) for key in summary)
+    lines = []
+    for key, value in summary.items():
+        text = f"{value:.4f}" if isinstance(value, float) else str(value)
+        lines.append(f"{key.ljust(width)} : {text}")
+    return "\n".join(lines)
+
+
+def markdown_table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
+    """A markdown table of ``rows`` restricted to ``columns`` (floats with 4 decimals).
+
+    Example:
+        >>> from jacflow.cli._report import markdown_table
+        >>> print(markdown_table([{"name": "mean", "acc": 0.5}], ["name", "acc"]))
+        | name | acc |
+        |---|---|
+        | mean | 0.5000 |
+    """
+
+    def cell(value: Any) -> str:
+        return f"{value:.4f}" if isinstance(value, float) else str(value)
+
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(cell(row.get(c, "")) for c in columns) + " |" for row in rows]
+    return "\n".join(lines)

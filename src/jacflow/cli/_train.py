@@ -1,0 +1,253 @@
+"""The training runs of the command line: multi-task (default) and instance-wise (IWRM)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.nn import functional as F
+
+from jacflow import autojac
+from jacflow.aggregation import Aggregator, LossAware
+from jacflow.cli._data import load_digits, split
+from jacflow.cli._model import TASKS, DigitsMTL, mlp_classifier
+from jacflow.cli._progress import Progress
+from jacflow.cli._registry import make_aggregator
+from jacflow.monitor import AggregatorWatch, Logger, Monitor
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """What to train; the command-line options of ``jacflow train``."""
+
+    aggregator: str = "upgrad"
+    epochs: int = 30
+    seed: int = 0
+    device: str = "cpu"
+    lr: float = 3e-3
+    batch_size: int = 64
+    test_fraction: float = 0.2
+    noise: float = 0.1
+
+
+@dataclass
+class RunResult:
+    """What a run produced: per-step rows, per-epoch evaluations and the final summary."""
+
+    config: RunConfig
+    steps: list[dict[str, float]] = field(default_factory=list)
+    epochs: list[dict[str, float]] = field(default_factory=list)
+    summary: dict[str, Any] = field(default_factory=dict)
+    names: tuple[str, ...] = TASKS
+
+
+def _task_losses(
+    model: DigitsMTL, images: Tensor, labels: Tensor, noise: Tensor
+) -> tuple[Tensor, list[Tensor]]:
+    features = model.trunk(images + noise)
+    digit, parity, recon = model.heads_forward(features)
+    losses = [
+        F.cross_entropy(digit, labels),
+        F.binary_cross_entropy_with_logits(parity, (labels % 2).to(parity.dtype)),
+        F.mse_loss(recon, images),
+    ]
+    return features, losses
+
+
+@torch.no_grad()
+def _evaluate_mtl(model: DigitsMTL, images: Tensor, labels: Tensor) -> dict[str, float]:
+    digit, parity, recon = model(images)
+    return {
+        "test_loss/digit": float(F.cross_entropy(digit, labels)),
+        "test_loss/parity": float(
+            F.binary_cross_entropy_with_logits(parity, (labels % 2).to(parity.dtype))
+        ),
+        "test_loss/recon": float(F.mse_loss(recon, images)),
+        "digit_acc": float((digit.argmax(-1) == labels).float().mean()),
+        "parity_acc": float(((parity > 0).long() == labels % 2).float().mean()),
+        "recon_mse": float(F.mse_loss(recon, images)),
+    }
+
+
+def _mean(rows: list[dict[str, float]], key: str) -> float:
+    values = [row[key] for row in rows if key in row]
+    return sum(values) / len(values) if values else float("nan")
+
+
+def _summary(result: RunResult, mode: str, seconds: float) -> dict[str, Any]:
+    return {
+        "mode": mode,
+        "aggregator": result.config.aggregator,
+        "seconds": seconds,
+        "steps": len(result.steps),
+        **{key: value for key, value in result.epochs[-1].items() if key != "epoch"},
+        "mean_conflict_fraction": _mean(result.steps, "conflict_fraction"),
+        "mean_min_update_cos": _mean(result.steps, "min_update_cos"),
+    }
+
+
+def train_mtl(
+    config: RunConfig,
+    *,
+    loggers: list[Logger] | None = None,
+    progress: bool = True,
+    label: str | None = None,
+) -> RunResult:
+    """Train the 3-task network of :class:`~jacflow.cli._model.DigitsMTL` with Jacobian descent.
+
+    Each step calls ``jacflow.autojac.mtl_backward(losses, features, A=aggregator)``: the heads
+    get their own gradients and the trunk gets the aggregation of its ``[3, n]`` Jacobian. The
+    Gramian and weights of every step are monitored with :class:`jacflow.monitor.Monitor`.
+    """
+    torch.manual_seed(config.seed)
+    device = torch.device(config.device)
+    images, labels = load_digits()
+    images, labels = images.to(device), labels.to(device)
+    train_idx, test_idx = split(len(labels), config.test_fraction, config.seed, device)
+    model = DigitsMTL().to(device)
+    aggregator = make_aggregator(config.aggregator, len(TASKS))
+    aggregator.to(device)
+    optimizer = torch.optim.Adam(model.parameters(), lr=config.lr)
+    heads = [list(model.digit.parameters()), list(model.parity.parameters())]
+    heads.append(list(model.recon.parameters()))
+    shared = list(model.trunk.parameters())
+    generator = torch.Generator(device=device).manual_seed(config.seed + 1)
+    watch = AggregatorWatch(aggregator)
+    monitor = Monitor(loggers or [], names=TASKS)
+    result = RunResult(config)
+    result.epochs.append({"epoch": 0.0, **_evaluate_mtl(model, images[test_idx], labels[test_idx])})
+    steps_per_epoch = -(-len(train_idx) // config.batch_size)
+    start = time.perf_counter()
+    step = 0
+    with Progress(
+        config.epochs * steps_per_epoch, label or config.aggregator, enabled=progress
+    ) as bar:
+        for epoch in range(1, config.epochs + 1):
+            order = train_idx[torch.randperm(len(train_idx), generator=generator, device=device)]
+            for batch in order.split(config.batch_size):
+                x, y = images[batch], labels[batch]
+                noise = config.noise * torch.randn(x.shape, generator=generator, device=device)
+                features, losses = _task_losses(model, x, y, noise)
+                if isinstance(aggregator, LossAware):
+                    aggregator.set_losses(torch.stack(losses).detach())
+                optimizer.zero_grad(set_to_none=True)
+                autojac.mtl_backward(
+                    losses, features, A=aggregator, tasks_params=heads, shared_params=shared
+                )
+                optimizer.step()
+                values = [float(loss.detach()) for loss in losses]
+                row = {"step": float(step), "epoch": float(epoch)}
+                row |= {f"loss/{name}": v for name, v in zip(TASKS, values)}
+                gramian, weights = watch.pop()
+                if gramian is not None:
+                    metrics = monitor.record(gramian, weights, step, losses=values)
+                    row |= metrics or {}
+                result.steps.append(row)
+                bar.update(dict(zip(TASKS, values)))
+                step += 1
+            evaluation = _evaluate_mtl(model, images[test_idx], labels[test_idx])
+            epoch_rows = [r for r in result.steps if r["epoch"] == epoch]
+            train_losses = {f"train_loss/{n}": _mean(epoch_rows, f"loss/{n}") for n in TASKS}
+            result.epochs.append({"epoch": float(epoch), **train_losses, **evaluation})
+            bar.epoch_done(epoch, {k: v for k, v in evaluation.items() if "/" not in k})
+    watch.remove()
+    monitor.close()
+    result.summary = _summary(result, "mtl", time.perf_counter() - start)
+    result.summary |= {f"mean_weight/{n}": _mean(result.steps, f"weight/{n}") for n in TASKS}
+    return result
+
+
+IWRM_SAMPLES = 1024
+IWRM_BATCH = 32
+
+
+def train_iwrm(config: RunConfig, *, progress: bool = True, label: str | None = None) -> RunResult:
+    """Instance-wise risk minimization: every sample of a batch is its own objective.
+
+    Trains :func:`~jacflow.cli._model.mlp_classifier` on 1024 digits with batches of 32 and
+    plain SGD; each step calls ``jacflow.autojac.backward(losses, A=aggregator)`` on the ``[32]``
+    per-sample cross-entropy losses. With ``mean`` this is ordinary SGD on the average loss.
+    """
+    torch.manual_seed(config.seed)
+    device = torch.device(config.device)
+    images, labels = load_digits()
+    images, labels = images.to(device), labels.to(device)
+    train_all, test_idx = split(len(labels), config.test_fraction, config.seed, device)
+    train_idx = train_all[:IWRM_SAMPLES]
+    model = mlp_classifier().to(device)
+    params = list(model.parameters())
+    aggregator: Aggregator = make_aggregator(config.aggregator, config.batch_size)
+    aggregator.to(device)
+    optimizer = torch.optim.SGD(params, lr=config.lr)
+    generator = torch.Generator(device=device).manual_seed(config.seed + 1)
+    watch = AggregatorWatch(aggregator)
+    monitor = Monitor(per_objective=False, pairwise=False)
+    result = RunResult(config, names=("loss",))
+
+    @torch.no_grad()
+    def evaluate() -> dict[str, float]:
+        out: dict[str, float] = {}
+        for name, idx in (("train", train_idx), ("test", test_idx)):
+            logits = model(images[idx])
+            out[f"{name}_loss"] = float(F.cross_entropy(logits, labels[idx]))
+            out[f"{name}_acc"] = float((logits.argmax(-1) == labels[idx]).float().mean())
+        return out
+
+    result.epochs.append({"epoch": 0.0, **evaluate()})
+    steps_per_epoch = -(-len(train_idx) // config.batch_size)
+    start = time.perf_counter()
+    step = 0
+    with Progress(
+        config.epochs * steps_per_epoch, label or config.aggregator, enabled=progress
+    ) as bar:
+        for epoch in range(1, config.epochs + 1):
+            order = train_idx[torch.randperm(len(train_idx), generator=generator, device=device)]
+            for batch in order.split(config.batch_size):
+                losses = F.cross_entropy(model(images[batch]), labels[batch], reduction="none")
+                if isinstance(aggregator, LossAware):
+                    aggregator.set_losses(losses.detach())
+                optimizer.zero_grad(set_to_none=True)
+                autojac.backward(losses, inputs=params, A=aggregator)
+                optimizer.step()
+                row = {
+                    "step": float(step),
+                    "epoch": float(epoch),
+                    "loss": float(losses.detach().mean()),
+                }
+                gramian, weights = watch.pop()
+                if gramian is not None:
+                    row |= monitor.record(gramian, weights, step) or {}
+                result.steps.append(row)
+                bar.update({"loss": row["loss"]})
+                step += 1
+            evaluation = evaluate()
+            result.epochs.append({"epoch": float(epoch), **evaluation})
+            bar.epoch_done(epoch, evaluation)
+    watch.remove()
+    result.summary = _summary(result, "iwrm", time.perf_counter() - start)
+    return result
+
+
+def check_out_dir(path: Path) -> Path:
+    """Create ``path`` and check that files can be written in it.
+
+    Raises:
+        CLIError: with the reason, when the folder cannot be created or written.
+    """
+    from jacflow.cli._errors import CLIError
+
+    probe = path / ".jacflow-write-test"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as error:
+        raise CLIError(
+            f"cannot write the run folder --out {str(path)!r}: {error.strerror or error}. "
+            "Choose a writable folder."
+        ) from error
+    return path

@@ -1,0 +1,60 @@
+"""Aggregator names of the command line and the built-in benchmark."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from jacflow import aggregation
+from jacflow.aggregation import Aggregator, UPGrad
+from jacflow.cli import main
+from jacflow.cli._bench import benchmark_scripts, find_benchmarks
+from jacflow.cli._errors import CLIError
+from jacflow.cli._registry import aggregator_classes, make_aggregator
+
+
+def test_registry_holds_every_concrete_exported_aggregator_with_buildable_defaults() -> None:
+    classes = aggregator_classes()
+    exported = {name.lower() for name in aggregation.__all__}
+    assert set(classes) <= exported
+    assert {"mean", "sum", "upgrad"} <= set(classes)
+    J = torch.randn(3, 5)
+    for name in classes:
+        try:
+            aggregator = make_aggregator(name, 3)
+        except CLIError as error:  # an optional dependency that is not installed
+            assert "unavailable" in str(error)
+            continue
+        assert isinstance(aggregator, Aggregator)
+        if isinstance(aggregator, aggregation.LossAware):
+            aggregator.set_losses(torch.ones(3))
+        assert aggregator(J).shape == (5,)
+
+
+def test_mean_and_upgrad_from_registry_give_the_reference_updates() -> None:
+    J = torch.tensor([[-4.0, 1.0, 1.0], [6.0, 1.0, 1.0]])
+    torch.testing.assert_close(make_aggregator("mean", 2)(J), J.mean(dim=0))
+    torch.testing.assert_close(make_aggregator("UPGRAD", 2)(J), UPGrad()(J))
+
+
+def test_bench_list_finds_repository_scripts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "pyproject.toml").write_text("")
+    (tmp_path / "benchmarks").mkdir()
+    for name in ("bench_a.py", "_helper.py", "bench_b.py"):
+        (tmp_path / "benchmarks" / name).write_text("print('ratio 1.0')\n")
+    folder = find_benchmarks(tmp_path / "benchmarks")
+    assert folder == tmp_path / "benchmarks"
+    assert [p.name for p in benchmark_scripts(folder)] == ["bench_a.py", "bench_b.py"]
+    assert [p.name for p in benchmark_scripts(folder, "h_b")] == ["bench_b.py"]
+
+
+def test_bench_builtin_prints_ratio_tables(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "--builtin"]) == 0
+    out = capsys.readouterr().out
+    assert "| sum().backward() |" in out and "| jacflow UPGrad |" in out
+    baseline = next(line for line in out.splitlines() if line.startswith("| sum().backward()"))
+    assert baseline.rstrip(" |").endswith("1.0000")  # the baseline's ratio to itself

@@ -1,0 +1,117 @@
+"""Monitor, loggers and the aggregator watch on real training steps."""
+
+from __future__ import annotations
+
+import csv
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from jacflow.aggregation import Mean, UPGrad
+from jacflow.monitor import (
+    AggregatorWatch,
+    CSVLogger,
+    Logger,
+    Monitor,
+    TensorBoardLogger,
+    conflict_metrics,
+)
+
+
+class _Collect(Logger):
+    def __init__(self) -> None:
+        self.rows: list[tuple[int, dict[str, float]]] = []
+        self.closed = False
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        self.rows.append((step, metrics))
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_monitor_logs_every_kth_step_and_closes_loggers() -> None:
+    collect = _Collect()
+    J = torch.tensor([[1.0, 0.0], [-1.0, 1.0]])
+    with Monitor([collect], names=["a", "b"], every=2) as monitor:
+        results = [monitor.record(J @ J.T, losses=torch.tensor([1.0, 2.0])) for _ in range(5)]
+    assert [step for step, _ in collect.rows] == [0, 2, 4]
+    assert results[1] is None and results[0] is not None
+    assert collect.closed
+    assert [row["step"] for row in monitor.history] == [0.0, 2.0, 4.0]
+    assert collect.rows[0][1]["loss/b"] == 2.0
+    assert collect.rows[0][1] == conflict_metrics(J @ J.T).to_dict(["a", "b"]) | {
+        "loss/a": 1.0,
+        "loss/b": 2.0,
+    }
+
+
+def test_monitor_validates_arguments() -> None:
+    with pytest.raises(ValueError, match="`every` must be a positive int"):
+        Monitor(every=0)
+    with pytest.raises(TypeError, match=r"`loggers\[0\]`"):
+        Monitor([object()])  # type: ignore[list-item]
+    with pytest.raises(ValueError, match="`losses` must hold 2 values"):
+        Monitor().record(torch.eye(2), losses=[1.0])
+
+
+def test_csv_logger_extends_header_on_new_keys(tmp_path: Path) -> None:
+    path = tmp_path / "sub" / "m.csv"
+    logger = CSVLogger(path)
+    logger.log({"a": 1.0}, 0)
+    logger.log({"a": 2.0}, 1)
+    logger.log({"a": 3.0, "b": 4.0}, 2)
+    logger.close()
+    with path.open() as file:
+        rows = list(csv.DictReader(file))
+    assert rows == [
+        {"step": "0", "a": "1.0", "b": ""},
+        {"step": "1", "a": "2.0", "b": ""},
+        {"step": "2", "a": "3.0", "b": "4.0"},
+    ]
+
+
+def test_tensorboard_logger_missing_dependency_names_install_line(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setitem(sys.modules, "tensorboard", None)
+    with pytest.raises(ImportError, match=r'pip install "jacflow\[tensorboard\]"'):
+        TensorBoardLogger("unused")
+
+
+def test_tensorboard_logger_writes_events(tmp_path: Path) -> None:
+    pytest.importorskip("tensorboard", reason="the tensorboard extra is not installed")
+    logger = TensorBoardLogger(tmp_path)
+    logger.log({"a": 1.0}, 0)
+    logger.close()
+    assert list(tmp_path.glob("events.out.tfevents.*"))
+
+
+def _jacobian_step(aggregator: torch.nn.Module) -> torch.Tensor:
+    torch.manual_seed(0)
+    J = torch.randn(3, 6, dtype=torch.float64)
+    J[1] = -J[0] + 0.1 * J[2]  # force a conflict
+    return J
+
+
+@pytest.mark.parametrize("make", [UPGrad, Mean])
+def test_watch_captures_gramian_and_weights_of_the_update(make: type) -> None:
+    aggregator = make()
+    watch = AggregatorWatch(aggregator)
+    J = _jacobian_step(aggregator)
+    update = aggregator(J)
+    gramian, weights = watch.pop()
+    assert gramian is not None and weights is not None
+    torch.testing.assert_close(gramian, J @ J.T)
+    torch.testing.assert_close(J.T @ weights, update)
+    assert watch.pop() == (None, None)
+    watch.remove()
+    aggregator(J)
+    assert watch.pop() == (None, None)
+
+
+def test_watch_rejects_non_aggregators() -> None:
+    with pytest.raises(TypeError, match=r"`aggregator` must be a jacflow\.aggregation\.Aggregator"):
+        AggregatorWatch(torch.nn.Linear(1, 1))  # type: ignore[arg-type]

@@ -1,0 +1,44 @@
+"""Plots: the drawn data equals the metrics."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("matplotlib", reason="the plot extra (matplotlib) is not installed")
+
+from jacflow.monitor import (
+    cosine_similarities,
+    plot_cosine_matrix,
+    plot_cosines_over_training,
+    plot_curves,
+)
+
+
+def test_cosine_matrix_image_holds_the_cosines() -> None:
+    J = torch.randn(4, 5, dtype=torch.float64)
+    figure = plot_cosine_matrix(J @ J.T, list("abcd"))
+    image = figure.axes[0].get_images()[0].get_array()
+    assert torch.allclose(torch.as_tensor(image), cosine_similarities(J @ J.T))
+
+
+def test_curves_and_training_heatmap() -> None:
+    history = [
+        {"step": float(s), "loss/a": 1.0 / (s + 1), "cos/a-b": -1.0 + s / 5} for s in range(10)
+    ]
+    lines = plot_curves(history, "loss/").axes[0].get_lines()
+    assert list(lines[0].get_ydata()) == [1.0 / (s + 1) for s in range(10)]
+    image = plot_cosines_over_training(history, max_columns=5).axes[0].get_images()[0]
+    # 10 steps in 5 bins: each bin averages two consecutive steps
+    expected = [(-1.0 + s / 5 + -1.0 + (s + 1) / 5) / 2 for s in range(0, 10, 2)]
+    assert list(image.get_array()[0]) == pytest.approx(expected)
+    with pytest.raises(ValueError, match="No metric starts with 'weight/'"):
+        plot_curves(history, "weight/")
+
+
+def test_missing_matplotlib_gives_install_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
+    with pytest.raises(ImportError, match=r'pip install "jacflow\[plot\]"'):
+        plot_cosine_matrix(torch.eye(2))
