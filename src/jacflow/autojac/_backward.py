@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+import torch
 from torch import Tensor
 
-from jacflow.aggregation import Aggregator
+from jacflow.aggregation import Aggregator, Mean, Sum
 from jacflow.autojac._accumulate import accumulate_grads, accumulate_jacs, check_jac_accumulable
 from jacflow.autojac._aggregate import aggregate_blocks
 from jacflow.autojac._checks import (
@@ -18,6 +19,7 @@ from jacflow.autojac._checks import (
     check_unique,
 )
 from jacflow.autojac._jac import compute_jacobians, resolve_inputs
+from jacflow.autojac._rows import autograd_vjp
 
 
 def store(
@@ -29,6 +31,33 @@ def store(
         return
     updates, _ = aggregate_blocks(aggregator, jacobians)
     accumulate_grads(inputs, updates)
+
+
+def _fixed_weight_update(
+    aggregator: Aggregator,
+    outputs: tuple[Tensor, ...],
+    inputs: tuple[Tensor, ...],
+    cotangents: tuple[Tensor, ...] | None,
+    rows: int,
+    retain_graph: bool,
+    create_graph: bool,
+) -> list[Tensor] | None:
+    """For Mean and Sum, whose weights do not depend on J: ``J^T w`` as one VJP, exactly.
+
+    ``w^T (C J) = (C^T w)^T J``, so the weighted cotangent is differentiated once instead of
+    forming the m rows. Returns ``None`` for every other aggregator.
+    """
+    if type(aggregator) not in (Mean, Sum) or rows == 0:
+        return None
+    weight = 1.0 / rows if isinstance(aggregator, Mean) else 1.0
+    if cotangents is None:
+        combined = tuple(torch.full_like(o, weight) for o in outputs)
+    else:
+        combined = tuple(weight * c.to(o.dtype).sum(0) for c, o in zip(cotangents, outputs))
+    grads = autograd_vjp(outputs, inputs, retain_graph, create_graph)(
+        combined, batched=False, last=True
+    )
+    return [torch.zeros_like(i) if g is None else g for g, i in zip(grads, inputs)]
 
 
 def backward(
@@ -91,5 +120,12 @@ def backward(
     if aggregator is None:
         check_jac_accumulable(ins, rows, "inputs")
     retain = create_graph if retain_graph is None else retain_graph
+    if aggregator is not None:
+        updates = _fixed_weight_update(
+            aggregator, outs, ins, cotangents, rows, retain, create_graph
+        )
+        if updates is not None:
+            accumulate_grads(ins, updates)
+            return
     jacobians = compute_jacobians(outs, ins, cotangents, rows, retain, create_graph, chunk_size)
     store(ins, jacobians, aggregator)

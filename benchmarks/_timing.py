@@ -1,0 +1,35 @@
+"""Shared timing helpers for the benchmarks: 1 thread, interleaved rounds, CPU-time medians."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+
+def setup() -> None:
+    torch.set_num_threads(1)
+
+
+def interleaved_medians(
+    steps: dict[str, Callable[[], object]], rounds: int = 15, warmup: int = 3
+) -> dict[str, float]:
+    """Median process CPU time (ms) of each step, methods interleaved round-robin.
+
+    The order alternates every round so that no method always runs after the same one; CPU time
+    (not wall time) is robust to other processes on a shared machine.
+    """
+    names = list(steps)
+    for _ in range(warmup):
+        for name in names:
+            steps[name]()
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(rounds):
+        order = names if r % 2 == 0 else names[::-1]
+        for name in order:
+            start = time.process_time()
+            steps[name]()
+            samples[name].append((time.process_time() - start) * 1e3)
+    return {name: statistics.median(values) for name, values in samples.items()}

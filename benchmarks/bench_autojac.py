@@ -1,0 +1,141 @@
+"""autojac speed and memory: jacflow vs plain PyTorch vs TorchJD 0.18, in one run.
+
+Speed: one step = zero grads + forward + backward, on a 3-layer MLP of width 1024 with m
+losses; ``sum(losses).backward()`` (SGD) vs ``jacflow.backward(losses, A=Mean())`` vs TorchJD's
+``backward(losses)`` + ``jac_to_grad(params, Mean())``.
+Memory: peak RSS increase of ``jacflow.jac`` with m = 100 rows for ``parallel_chunk_size``
+None vs 10, each in a fresh process.
+
+Run: ``.venv/bin/python benchmarks/bench_autojac.py`` (TorchJD from the ``bench`` extra).
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import subprocess
+import sys
+
+import torch
+from torch import nn
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from _timing import interleaved_medians, setup
+
+import jacflow
+from jacflow.aggregation import Mean
+
+WIDTH, BATCH = 1024, 64
+
+
+def _mlp(m: int) -> nn.Module:
+    return nn.Sequential(
+        nn.Linear(WIDTH, WIDTH), nn.ReLU(), nn.Linear(WIDTH, WIDTH), nn.ReLU(), nn.Linear(WIDTH, m)
+    )
+
+
+def speed(m: int) -> dict[str, float]:
+    torch.manual_seed(0)
+    model = _mlp(m)
+    params = list(model.parameters())
+    x, y = torch.randn(BATCH, WIDTH), torch.randn(BATCH, m)
+
+    def losses() -> list[torch.Tensor]:
+        out = model(x)
+        return [((out[:, i] - y[:, i]) ** 2).mean() for i in range(m)]
+
+    def sgd() -> None:
+        model.zero_grad()
+        torch.stack(losses()).sum().backward()
+
+    def ours() -> None:
+        model.zero_grad()
+        jacflow.backward(losses(), params, A=Mean())
+
+    def ours_jacobian() -> None:
+        # The full Jacobian path: every row is differentiated, then aggregated.
+        model.zero_grad()
+        jacflow.backward(losses(), params)
+        jacflow.jac_to_grad(params, Mean())
+
+    steps = {"sgd": sgd, "jacflow": ours, "jacflow_jacobian": ours_jacobian}
+    try:
+        import torchjd.aggregation as tagg
+        import torchjd.autojac as tjd
+
+        mean = tagg.Mean()
+
+        def theirs() -> None:
+            model.zero_grad()
+            tjd.backward(losses(), inputs=params)
+            tjd.jac_to_grad(params, mean)
+
+        steps["torchjd"] = theirs
+    except ImportError:
+        pass
+    return interleaved_medians(steps)
+
+
+def _peak_child(chunk: str) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 100)
+    )
+    x = torch.randn(2048, 256)
+    out = model(x).mean(0)
+    result_mb = 0.0
+    if chunk != "baseline":
+        size = None if chunk == "None" else int(chunk)
+        jacobians = jacflow.jac(out, list(model.parameters()), parallel_chunk_size=size)
+        result_mb = sum(j.numel() * j.element_size() for j in jacobians) / 2**20
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    print(json.dumps({"peak_mb": peak / 1024, "result_mb": result_mb}))
+
+
+def memory(chunk: str) -> dict[str, float]:
+    out = subprocess.run(
+        [sys.executable, __file__, "--peak", chunk], capture_output=True, text=True, check=True
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+
+def main() -> None:
+    setup()
+    print("## backward(losses, A=Mean()) step time, MLP width 1024, batch 64, 1 thread\n")
+    print(
+        "jacflow: `backward(losses, A=Mean())` (one weighted VJP, exact since Mean's weights do "
+        "not depend on J); jacflow (Jacobian): `backward(losses)` + `jac_to_grad(params, Mean())`;"
+        " TorchJD: its `backward(losses)` + `jac_to_grad(params, Mean())`.\n"
+    )
+    print(
+        "| m | SGD ms | jacflow / SGD | jacflow (Jacobian) / SGD | TorchJD / SGD "
+        "| jacflow (Jacobian) / TorchJD |"
+    )
+    print("|---|---|---|---|---|---|")
+    for m in (2, 10):
+        t = speed(m)
+        tj = t.get("torchjd", float("nan"))
+        print(
+            f"| {m} | {t['sgd']:.1f} | {t['jacflow'] / t['sgd']:.2f} "
+            f"| {t['jacflow_jacobian'] / t['sgd']:.2f} | {tj / t['sgd']:.2f} "
+            f"| {t['jacflow_jacobian'] / tj:.2f} |"
+        )
+    print("\n## Peak memory of jac(), m = 100 rows, batch 2048, width-256 MLP\n")
+    print(
+        "Peak RSS of a fresh process that calls jac(), minus the peak of the same process "
+        "without the call.\n"
+    )
+    print("| parallel_chunk_size | peak increase MB | size of the returned Jacobian MB |")
+    print("|---|---|---|")
+    baseline = memory("baseline")["peak_mb"]
+    for chunk in ("None", "10", "1"):
+        r = memory(chunk)
+        print(f"| {chunk} | {r['peak_mb'] - baseline:.0f} | {r['result_mb']:.0f} |")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--peak":
+        setup()
+        _peak_child(sys.argv[2])
+    else:
+        main()
