@@ -1,0 +1,93 @@
+"""Embedding: sparse per-row gradients, Gramian by token equality.
+
+Row ``r``'s gradient of the table is ``sum_t e_{x_rt} b_rt^T``: at most ``T`` nonzero rows. After
+summing the backprops of equal tokens within each row (``c_{r,v}``), the Gramian is
+``G[r, q] = sum_v c_{r,v} . c_{q,v}``. Two exact ways are used, the cheaper one chosen:
+
+* dense over the ``n_v`` distinct tokens of the batch: ``M [R, n_v, p]``, ``G = M M^T``;
+* pairwise over the ``U`` (row, token) pairs: ``(C C^T) * [v_a = v_b]`` scattered to rows.
+
+``padding_idx`` receives no gradient and is excluded, like in ``nn.Embedding``'s backward.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from jacflow.autogram._rules import Call, Contribution, Rows, Rule, register_rule
+
+
+class EmbeddingContribution(Contribution):
+    """Contribution of an embedding table from its ids ``[S, T]`` and backprops ``[R, T, p]``."""
+
+    def __init__(self, ids: Tensor, bp: Tensor, rows: Rows, module: nn.Embedding) -> None:
+        self.ids, self.bp, self.rows = ids, bp, rows
+        self.num_embeddings = module.num_embeddings
+        self.padding_idx = module.padding_idx
+        self.sparse = module.sparse
+
+    def _valid(self, ids: Tensor) -> Tensor:
+        if self.padding_idx is None:
+            return torch.ones_like(ids, dtype=torch.bool)
+        return ids != self.padding_idx
+
+    def _pairs(self) -> tuple[Tensor, Tensor, Tensor]:
+        """Distinct (row, token) pairs and their summed backprops ``c`` ``[U, p]``."""
+        r, t, p = self.bp.shape
+        ids = self.rows.gather(self.ids)
+        row_of = torch.arange(r, device=ids.device).unsqueeze(1).expand(r, t)
+        valid = self._valid(ids)
+        keys = row_of[valid] * self.num_embeddings + ids[valid]
+        unique, inverse = torch.unique(keys, return_inverse=True)
+        c = self.bp.new_zeros(unique.shape[0], p).index_add_(0, inverse, self.bp[valid])
+        return unique // self.num_embeddings, unique % self.num_embeddings, c
+
+    def gramian(self, names: set[str]) -> Tensor | None:
+        if "weight" not in names:
+            return None
+        r, _, p = self.bp.shape
+        row, token, c = self._pairs()
+        tokens, position = torch.unique(token, return_inverse=True)
+        n_pairs, n_tokens = c.shape[0], tokens.shape[0]
+        if r * r * n_tokens * p <= n_pairs * n_pairs * (p + r):
+            dense = c.new_zeros(r, n_tokens, p)
+            dense[row, position] = c
+            flat = dense.reshape(r, -1)
+            return flat @ flat.T
+        same = (position.unsqueeze(1) == position.unsqueeze(0)).to(c.dtype)
+        pair_gram = (c @ c.T) * same
+        onehot = torch.nn.functional.one_hot(row, r).to(c.dtype)  # [U, R]
+        return onehot.T @ pair_gram @ onehot
+
+    def per_row_grads(self, name: str) -> Tensor:
+        r, _, p = self.bp.shape
+        row, token, c = self._pairs()
+        out = c.new_zeros(r, self.num_embeddings, p)
+        out[row, token] = c
+        return out
+
+    def weighted_grads(self, weights: Tensor) -> dict[str, Tensor]:
+        y = self.rows.reduce(weights, self.bp)  # [S, T, p]
+        valid = self._valid(self.ids)
+        grad = y.new_zeros(self.num_embeddings, y.shape[-1])
+        grad.index_add_(0, self.ids[valid], y[valid])
+        return {"weight": grad.to_sparse() if self.sparse else grad}
+
+
+class EmbeddingRule(Rule):
+    """``nn.Embedding`` (``scale_grad_by_freq=True`` is rejected by the engine)."""
+
+    def prepare(
+        self, module: nn.Module, params: dict[str, Tensor], calls: list[Call], rows: Rows
+    ) -> Contribution:
+        assert isinstance(module, nn.Embedding)
+        ids, bps = [], []
+        for call in calls:
+            x = rows.samples(call.input())
+            ids.append(x.reshape(rows.num_samples, -1))
+            bps.append(call.grad().reshape(rows.num_rows, -1, module.embedding_dim))
+        return EmbeddingContribution(torch.cat(ids, 1), torch.cat(bps, 1), rows, module)
+
+
+register_rule(nn.Embedding, EmbeddingRule())

@@ -1,0 +1,448 @@
+"""The Gramian engine: hooks, one activation-only backward, per-layer closed forms, book-keeping."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterable, Sequence
+from types import TracebackType
+
+import torch
+from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from jacflow.aggregation import GramianWeighting
+from jacflow.autogram._hooks import Recorder, Unit, find_units
+from jacflow.autogram._rules import Call, Contribution, Rows
+
+_COMPILE_HINT = (
+    "torch.compile'd modules cannot be hooked (their layers run inside one fused graph node). "
+    "Create the Engine on the uncompiled module, or use jacflow.autojac.backward with "
+    "parallel_chunk_size=1."
+)
+
+
+def _check_modules(modules: tuple[nn.Module, ...], batch_dim: int | None) -> None:
+    if not modules:
+        raise ValueError("Engine needs at least one module, received none.")
+    for i, module in enumerate(modules):
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"Engine expects nn.Module arguments, modules[{i}] is {type(module)}.")
+        for name, sub in module.named_modules():
+            where = f"modules[{i}]" + (f".{name}" if name else "")
+            if type(sub).__name__ == "OptimizedModule" or getattr(sub, "_compiled_call_impl", None):
+                raise ValueError(f"{where} is compiled. {_COMPILE_HINT}")
+            if isinstance(sub, nn.Embedding) and sub.scale_grad_by_freq:
+                raise ValueError(
+                    f"{where} is an Embedding with scale_grad_by_freq=True, whose gradient "
+                    "depends on token counts over the whole batch; set scale_grad_by_freq=False."
+                )
+            if batch_dim is None:
+                continue
+            if isinstance(sub, nn.RNNBase):
+                raise ValueError(
+                    f"{where} is a {type(sub).__name__}, which the per-sample engine "
+                    "(batch_dim=0) cannot re-run sample by sample. Use batch_dim=None, or "
+                    "jacflow.autojac.backward."
+                )
+            if isinstance(sub, _BatchNorm) and sub.training:
+                raise ValueError(
+                    f"{where} is a {type(sub).__name__} in training mode: it mixes the samples "
+                    "of a batch, so per-sample gradients cannot be read from one backward. "
+                    "Replace it (e.g. by GroupNorm or LayerNorm), call .eval() on it, or use "
+                    "batch_dim=None."
+                )
+
+
+def _check_losses(losses: object, batch_dim: int | None) -> Tensor:
+    if not isinstance(losses, Tensor):
+        raise TypeError(f"`losses` must be a torch.Tensor, received {type(losses)}.")
+    if losses.numel() == 0:
+        raise ValueError(f"`losses` must have at least one element, received shape {losses.shape}.")
+    if not losses.requires_grad:
+        raise ValueError(
+            "`losses` does not require grad: compute it from the hooked modules with grad enabled."
+        )
+    if batch_dim is not None and losses.ndim == 0:
+        raise ValueError(
+            "With batch_dim=0, `losses` must have a batch dimension (shape [B, ...]), received a "
+            "scalar. Pass the per-sample losses (reduction='none'), or use batch_dim=None."
+        )
+    return losses
+
+
+def _check_weights(weights: object, m: int, weighting: GramianWeighting) -> Tensor:
+    if not isinstance(weights, Tensor) or weights.shape != (m,):
+        shape = tuple(weights.shape) if isinstance(weights, Tensor) else type(weights)
+        raise ValueError(f"{weighting} returned {shape}, expected weights of shape ({m},).")
+    return weights
+
+
+class Engine:
+    """Gramian of the Jacobian of many losses w.r.t. the parameters of some modules, without
+    the Jacobian; and the whole Jacobian-descent step with one activation-only backward.
+
+    Create the engine *before* the forward pass: it hooks every module that has a closed-form
+    rule (Linear, Conv1d/2d/3d, Embedding, LayerNorm, RMSNorm, GroupNorm), or, for other
+    modules, each one with direct trainable parameters (a generic ``torch.func`` rule covering it
+    and its children). Each grad-enabled forward call is recorded; the calls that the losses do
+    not reach (stray or evaluation forwards) are ignored and dropped at the next step.
+
+    Args:
+        modules: the modules whose parameters define the Jacobian. Parameters of other modules
+            get no gradient from :meth:`backward` unless passed as ``other_params``.
+        batch_dim: ``0``: ``losses[i, ...]`` depend only on sample ``i`` of every hooked
+            module's batch (dimension 0 of its inputs and outputs); one backward then gives every
+            sample's output gradients. ``None``: no such structure (e.g. one loss per task on a
+            shared trunk); one batched backward over the ``m`` losses.
+
+    Raises:
+        ValueError: a module mixes the samples (BatchNorm in training mode, RNNs) while
+            ``batch_dim=0``; a module is compiled; an Embedding uses ``scale_grad_by_freq``.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> from jacflow.autogram import Engine
+        >>> from jacflow.aggregation import UPGradWeighting
+        >>> _ = torch.manual_seed(0)
+        >>> model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 1))
+        >>> x, y = torch.randn(5, 3), torch.randn(5, 1)
+        >>> with Engine(model, batch_dim=0) as engine:
+        ...     losses = ((model(x) - y) ** 2).squeeze(1)
+        ...     weights = engine.backward(losses, UPGradWeighting())
+        >>> weights.shape, model[0].weight.grad.shape
+        (torch.Size([5]), torch.Size([4, 3]))
+    """
+
+    def __init__(self, *modules: nn.Module, batch_dim: int | None) -> None:
+        if batch_dim is not None and (isinstance(batch_dim, bool) or batch_dim != 0):
+            raise ValueError(
+                f"`batch_dim` must be 0 or None, received {batch_dim!r}. Move the batch "
+                "dimension of your inputs and losses to 0."
+            )
+        _check_modules(modules, batch_dim)
+        self.batch_dim = batch_dim
+        self._units: list[Unit] = find_units(modules)
+        self._recorder = Recorder()
+        self._removed = False
+        for index, unit in enumerate(self._units):
+            self._recorder.hook(index, unit)
+        if batch_dim is not None:
+            for i, module in enumerate(modules):
+                for name, sub in module.named_modules():
+                    if isinstance(sub, _BatchNorm):
+                        self._recorder.watch_coupling(f"modules[{i}].{name}", sub)
+
+    # ----------------------------------------------------------------------------- lifecycle
+    def remove(self) -> None:
+        """Remove every hook and drop the recorded calls. Calling it twice is harmless."""
+        self._recorder.remove()
+        self._removed = True
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.remove()
+
+    def clear(self) -> None:
+        """Drop the calls recorded so far (e.g. after grad-enabled forwards you won't use)."""
+        self._recorder.take()
+
+    # ----------------------------------------------------------------------------- public API
+    def compute_gramian(self, losses: Tensor, *, retain_graph: bool = True) -> Tensor:
+        """The ``[m, m]`` Gramian ``J J^T`` of the Jacobian of ``losses.flatten()`` w.r.t. the
+        hooked parameters.
+
+        Args:
+            losses: any shape, ``m = losses.numel()``; with ``batch_dim=0`` its dimension 0 is
+                the batch.
+            retain_graph: keep the graph (default ``True``) so that ``losses.backward(weights)``
+                can follow, as in TorchJD.
+
+        Example:
+            >>> import torch
+            >>> from torch import nn
+            >>> from jacflow.autogram import Engine
+            >>> layer = nn.Linear(2, 1, bias=False)
+            >>> with torch.no_grad():
+            ...     _ = layer.weight.copy_(torch.tensor([[1.0, 1.0]]))
+            >>> engine = Engine(layer, batch_dim=0)
+            >>> x = torch.tensor([[1.0, 0.0], [0.0, 2.0]])
+            >>> engine.compute_gramian(layer(x).squeeze(1))
+            tensor([[1., 0.],
+                    [0., 4.]])
+        """
+        contributions, rows, order = self._prepare(losses, retain_graph, ())[:3]
+        return _to_loss_order(_assemble(contributions, rows), order)
+
+    def backward(
+        self,
+        losses: Tensor,
+        weighting: GramianWeighting,
+        *,
+        other_params: Iterable[Tensor] = (),
+    ) -> Tensor:
+        """One Jacobian-descent step: ``G``, ``w = weighting(G)``, and ``.grad += w @ J``.
+
+        The weighted gradient of each hooked layer comes from its stored inputs and output
+        gradients (book-keeping), so there is no second backward. Parameters outside the hooked
+        modules are left untouched unless listed in ``other_params``, which then receive
+        ``sum_i w_i grad(losses_i)`` through one ordinary autograd call.
+
+        Returns:
+            The weights, with the shape of ``losses``.
+
+        Example:
+            >>> import torch
+            >>> from torch import nn
+            >>> from jacflow.autogram import Engine
+            >>> from jacflow.aggregation import MeanWeighting
+            >>> layer = nn.Linear(2, 1)
+            >>> engine = Engine(layer, batch_dim=0)
+            >>> losses = layer(torch.eye(2)).squeeze(1)
+            >>> engine.backward(losses, MeanWeighting())
+            tensor([0.5000, 0.5000])
+            >>> layer.weight.grad, layer.bias.grad
+            (tensor([[0.5000, 0.5000]]), tensor([1.]))
+        """
+        return self._step(losses, weighting, other_params, ())
+
+    # ----------------------------------------------------------------------------- internals
+    def _step(
+        self,
+        losses: Tensor,
+        weighting: GramianWeighting,
+        other_params: Iterable[Tensor],
+        tasks_params: Iterable[Tensor],
+    ) -> Tensor:
+        """Gramian, weights, weighted grads; ``tasks_params`` get the plain gradient of
+        ``losses.sum()`` from the same batched backward (per-task mode only)."""
+        if not isinstance(weighting, GramianWeighting):
+            raise TypeError(
+                "`weighting` must be a jacflow.aggregation.GramianWeighting (e.g. "
+                f"UPGradWeighting()), received {type(weighting)}."
+            )
+        others, tasks = list(other_params), list(tasks_params)
+        contributions, rows, order, task_grads = self._prepare(losses, bool(others), tasks)
+        gramian = _to_loss_order(_assemble(contributions, rows), order)
+        weights = _check_weights(weighting(gramian), gramian.shape[0], weighting)
+        row_weights = weights if order is None else weights[order[1]]
+        updates = _weighted_grads(contributions, row_weights)
+        for param, grad in zip(tasks, task_grads, strict=True):
+            if grad is not None:
+                updates.append((param, grad.sum(0) if grad.shape != param.shape else grad))
+        if others:
+            extra = torch.autograd.grad(
+                losses,
+                others,
+                grad_outputs=weights.reshape(losses.shape).to(losses.dtype),
+                allow_unused=True,
+            )
+            for param, grad in zip(others, extra, strict=True):
+                if grad is not None:
+                    updates.append((param, grad))
+        _accumulate(updates)
+        return weights.reshape(losses.shape)
+
+    def _prepare(
+        self, losses: Tensor, retain_graph: bool, extra_inputs: Sequence[Tensor]
+    ) -> tuple[
+        list[tuple[Unit, Contribution]],
+        Rows,
+        tuple[Tensor, Tensor] | None,
+        tuple[Tensor | None, ...],
+    ]:
+        """Capture the output gradients, then build every unit's contribution.
+
+        Returns the contributions, the row layout, the row<->loss permutations (``None`` when
+        they are the identity) and the per-row gradients of ``extra_inputs``.
+        """
+        if self._removed:
+            raise RuntimeError("This Engine was removed; create a new one before the forward.")
+        losses = _check_losses(losses, self.batch_dim)
+        coupled = self._recorder.coupled
+        calls = self._recorder.take()
+        if coupled is not None:
+            raise ValueError(
+                f"{coupled} ran in training mode during the forward: it mixes the samples, so "
+                "the per-sample engine (batch_dim=0) cannot be used. Call .eval() on it, replace "
+                "it (e.g. by GroupNorm), or use batch_dim=None."
+            )
+        for _, call in calls:
+            for tensor, version in call.versions:
+                if tensor._version != version:
+                    raise RuntimeError(
+                        "An input of a hooked module was modified in place after the forward; "
+                        "the Gramian needs it unchanged. Avoid in-place operations on it."
+                    )
+        rows, cotangents, order = self._rows(losses)
+        batched = cotangents.ndim > losses.ndim
+        edges = [edge for _, call in calls for edge in call.edges]
+        inputs = [*edges, *extra_inputs]
+        grads = _capture(losses, inputs, cotangents, batched, retain_graph)
+        extra_grads = grads[len(edges) :]
+        reached: dict[int, list[Call]] = {}
+        cursor = 0
+        for index, call in calls:
+            call_grads = list(grads[cursor : cursor + len(call.edges)])
+            cursor += len(call.edges)
+            if all(g is None for g in call_grads):
+                continue
+            call.grads = _rows_shaped(call_grads, call, rows)
+            reached.setdefault(index, []).append(call)
+        if not reached:
+            raise RuntimeError(
+                "No forward call of the hooked modules is in the graph of `losses`. Create the "
+                "Engine before the forward, run the forward with grad enabled, and make the "
+                f"losses depend on the hooked modules' outputs. {_COMPILE_HINT}"
+            )
+        contributions = []
+        with torch.no_grad():
+            for index, unit_calls in reached.items():
+                unit = self._units[index]
+                params = unit.params()
+                if not params:
+                    continue
+                _check_batch(unit, unit_calls, rows)
+                contributions.append(
+                    (unit, unit.rule.prepare(unit.module, params, unit_calls, rows))
+                )
+        return contributions, rows, order, extra_grads
+
+    def _rows(self, losses: Tensor) -> tuple[Rows, Tensor, tuple[Tensor, Tensor] | None]:
+        """Row layout, backward cotangents and the row<->loss permutations."""
+        m = losses.numel()
+        device = losses.device
+        if self.batch_dim is None:
+            eye = torch.eye(m, dtype=losses.dtype, device=device).reshape(m, *losses.shape)
+            if m == 1:
+                eye = eye[0]
+            return Rows(m, 1, None, per_task=True), eye, None
+        b = losses.shape[0]
+        k = m // b
+        if k == 1:
+            return Rows(b, b, None, per_task=False), torch.ones_like(losses), None
+        columns = torch.eye(k, dtype=losses.dtype, device=device)  # [k, k]
+        cot = columns.unsqueeze(1).expand(k, b, k).reshape(k, *losses.shape)
+        index = torch.arange(b, device=device).repeat(k)  # row r = c * B + i -> sample i
+        r = torch.arange(m, device=device)
+        loss_of_row = (r % b) * k + r // b
+        row_of_loss = torch.empty_like(loss_of_row)
+        row_of_loss[loss_of_row] = r
+        return Rows(m, b, index, per_task=False), cot, (row_of_loss, loss_of_row)
+
+
+def _capture(
+    losses: Tensor,
+    inputs: list[object],
+    cotangents: Tensor,
+    batched: bool,
+    retain_graph: bool,
+) -> tuple[Tensor | None, ...]:
+    """Gradients of the losses w.r.t. the recorded output edges: activation gradients only."""
+    if not inputs:
+        return ()
+    with warnings.catch_warnings():
+        # The batched backward falls back to a loop for ops without a batching rule; that is
+        # only slower, and the per-task mode accepts it.
+        warnings.filterwarnings("ignore", message=".*performance drop because we have not yet")
+        grads = torch.autograd.grad(
+            losses,
+            inputs,  # type: ignore[arg-type]
+            grad_outputs=cotangents,
+            retain_graph=retain_graph,
+            allow_unused=True,
+            is_grads_batched=batched,
+            materialize_grads=False,
+        )
+    return tuple(grads)
+
+
+def _rows_shaped(call_grads: list[Tensor | None], call: Call, rows: Rows) -> list[Tensor | None]:
+    """Gradients of every row w.r.t. each output, ``[R, *sample_shape]``; zeros for outputs
+    that the losses do not reach (the call has at least one reached output)."""
+    reference = next(g for g in call_grads if g is not None)
+    shaped: list[Tensor | None] = []
+    for grad, shape in zip(call_grads, call.output_shapes, strict=True):
+        sample_shape = shape if rows.per_task else shape[1:]
+        if grad is None:
+            shaped.append(reference.new_zeros(rows.num_rows, *sample_shape))
+        else:
+            shaped.append(grad.reshape(rows.num_rows, *sample_shape))
+    return shaped
+
+
+def _check_batch(unit: Unit, calls: list[Call], rows: Rows) -> None:
+    if rows.per_task:
+        return
+    for call in calls:
+        for shape in call.output_shapes:
+            if len(shape) == 0 or shape[0] != rows.num_samples:
+                raise ValueError(
+                    f"With batch_dim=0, the outputs of {unit.name} ({type(unit.module).__name__}) "
+                    f"must have the batch size {rows.num_samples} of `losses` on dimension 0, "
+                    f"received shape {tuple(shape)}. Use batch_dim=None for modules that do not "
+                    "batch on dimension 0."
+                )
+
+
+def _assemble(contributions: list[tuple[Unit, Contribution]], rows: Rows) -> Tensor:
+    """Sum the contributions; parameters shared between units are combined exactly."""
+    owners: dict[int, list[tuple[Contribution, str]]] = {}
+    for unit, contribution in contributions:
+        for name, param in unit.params().items():
+            owners.setdefault(id(param), []).append((contribution, name))
+    shared = {key for key, users in owners.items() if len(users) > 1}
+    total: Tensor | None = None
+    for unit, contribution in contributions:
+        names = {n for n, p in unit.params().items() if id(p) not in shared}
+        term = contribution.gramian(names)
+        if term is not None:
+            total = term if total is None else total + term
+    for key in shared:
+        summed = sum(c.per_row_grads(n).reshape(rows.num_rows, -1) for c, n in owners[key])
+        assert isinstance(summed, Tensor)
+        total = summed @ summed.T if total is None else total + summed @ summed.T
+    if total is None:
+        raise RuntimeError("internal: no parameter contributed to the Gramian")
+    return total
+
+
+def _to_loss_order(gramian: Tensor, order: tuple[Tensor, Tensor] | None) -> Tensor:
+    if order is None:
+        return gramian
+    row_of_loss = order[0]
+    return gramian[row_of_loss][:, row_of_loss]
+
+
+def _weighted_grads(
+    contributions: list[tuple[Unit, Contribution]], weights: Tensor
+) -> list[tuple[Tensor, Tensor]]:
+    updates = []
+    with torch.no_grad():
+        for unit, contribution in contributions:
+            params = unit.params()
+            for name, grad in contribution.weighted_grads(weights).items():
+                updates.append((params[name], grad))
+    return updates
+
+
+def _accumulate(updates: list[tuple[Tensor, Tensor]]) -> None:
+    """Write last: ``.grad`` is untouched if anything before failed."""
+    with torch.no_grad():
+        for param, grad in updates:
+            grad = grad.to(param.dtype)
+            if not grad.is_sparse:
+                grad = grad.reshape(param.shape)
+            if param.grad is None:
+                param.grad = grad.clone()
+            elif grad.is_sparse or param.grad.is_sparse:
+                param.grad = param.grad + grad
+            else:
+                param.grad.add_(grad)

@@ -1,0 +1,96 @@
+"""Any other module with parameters: per-row gradients through ``torch.func``.
+
+Per-sample mode re-runs the module on each sample (``functional_call`` on a batch of one) and
+pulls every row's output gradient back with ``vjp``, all under ``vmap``. Per-task mode runs the
+module once on the stored inputs and ``vmap``s the ``vjp`` over the rows. The per-row gradients
+are materialised (``R x P_module``), so this rule suits small modules (attention projections,
+custom layers); register a closed form for big ones.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call, vjp, vmap
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from jacflow.autogram._rules import (
+    Call,
+    Contribution,
+    MaterializedContribution,
+    Rows,
+    Rule,
+    add_grads,
+)
+
+
+def _selected_outputs(out: Any, positions: list[int]) -> tuple[Tensor, ...]:
+    leaves, _ = tree_flatten(out)
+    return tuple(leaves[i] for i in positions)
+
+
+def _per_task_grads(
+    module: nn.Module, params: dict[str, Tensor], call: Call, cots: tuple[Tensor, ...]
+) -> dict[str, Tensor]:
+    def forward(p: dict[str, Tensor]) -> tuple[Tensor, ...]:
+        out = functional_call(module, p, call.args, call.kwargs)
+        return _selected_outputs(out, call.output_positions)
+
+    pullback = vjp(forward, params)[1]
+    grads: dict[str, Tensor] = vmap(pullback)(cots)[0]
+    return grads
+
+
+def _per_sample_grads(
+    module: nn.Module,
+    params: dict[str, Tensor],
+    call: Call,
+    cots: tuple[Tensor, ...],
+    rows: Rows,
+) -> dict[str, Tensor]:
+    leaves, spec = tree_flatten((call.args, call.kwargs))
+    batched = [
+        isinstance(leaf, Tensor) and leaf.ndim >= 1 and leaf.shape[0] == rows.num_samples
+        for leaf in leaves
+    ]
+    row_leaves = [rows.gather(leaf) for leaf, b in zip(leaves, batched, strict=True) if b]
+
+    def per_row(row_inputs: list[Tensor], cot: tuple[Tensor, ...]) -> dict[str, Tensor]:
+        it = iter(row_inputs)
+        full = [next(it).unsqueeze(0) if b else leaf for leaf, b in zip(leaves, batched)]
+        args, kwargs = tree_unflatten(full, spec)
+
+        def forward(p: dict[str, Tensor]) -> tuple[Tensor, ...]:
+            out = functional_call(module, p, tuple(args), dict(kwargs))
+            return tuple(o.squeeze(0) for o in _selected_outputs(out, call.output_positions))
+
+        pullback = vjp(forward, params)[1]
+        result: dict[str, Tensor] = pullback(cot)[0]
+        return result
+
+    grads: dict[str, Tensor] = vmap(per_row)(row_leaves, cots)
+    return grads
+
+
+class FallbackRule(Rule):
+    """Generic rule: the module and all its children's parameters, via ``torch.func``."""
+
+    def covers_children(self) -> bool:
+        return True
+
+    def prepare(
+        self, module: nn.Module, params: dict[str, Tensor], calls: list[Call], rows: Rows
+    ) -> Contribution:
+        detached = {name: p.detach() for name, p in params.items()}
+        total: dict[str, Tensor] = {}
+        for call in calls:
+            cots = tuple(call.grad(j) for j in range(len(call.grads)))
+            with torch.enable_grad():
+                if rows.per_task:
+                    new = _per_task_grads(module, detached, call, cots)
+                else:
+                    new = _per_sample_grads(module, detached, call, cots, rows)
+            add_grads(total, new)
+        return MaterializedContribution(total)

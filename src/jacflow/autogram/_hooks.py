@@ -1,0 +1,119 @@
+"""Module hooks: which modules to hook, and the record of their forward calls.
+
+A forward hook stores each grad-enabled call's inputs and the autograd *edges* of its outputs
+(the node that produced each output, taken at forward time, so later in-place operations on the
+output do not move it). Nothing is added to the graph, so several engines can hook one model and
+un-hooked code paths are unaffected. Calls whose edges the losses do not reach (stray forwards,
+forwards of other graphs) are ignored when the Gramian is computed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.autograd.graph import get_gradient_edge
+from torch.utils._pytree import tree_flatten
+from torch.utils.hooks import RemovableHandle
+
+from jacflow.autogram._fallback import FallbackRule
+from jacflow.autogram._rules import Call, Rule, find_rule
+
+_FALLBACK = FallbackRule()
+
+
+@dataclass(frozen=True)
+class Unit:
+    """A hooked module and the rule that computes its contribution."""
+
+    name: str
+    module: nn.Module
+    rule: Rule
+
+    def params(self) -> dict[str, Tensor]:
+        """Trainable parameters covered, by name within the module (checked at every step)."""
+        recurse = self.rule.covers_children()
+        return {n: p for n, p in self.module.named_parameters(recurse=recurse) if p.requires_grad}
+
+
+def find_units(modules: tuple[nn.Module, ...]) -> list[Unit]:
+    """Hook points: a module with a closed-form rule, else a module with direct trainable
+    parameters (fallback rule, covering its children too), else recurse into the children."""
+    units: list[Unit] = []
+    seen: set[int] = set()
+
+    def visit(name: str, module: nn.Module) -> None:
+        if id(module) in seen:
+            return
+        seen.add(id(module))
+        direct = [p for p in module.parameters(recurse=False) if p.requires_grad]
+        rule = find_rule(module)
+        if rule is not None and direct:
+            units.append(Unit(name, module, rule))
+        elif direct:
+            units.append(Unit(name, module, _FALLBACK))
+        else:
+            for child_name, child in module.named_children():
+                visit(f"{name}.{child_name}" if name else child_name, child)
+
+    for i, module in enumerate(modules):
+        visit(f"modules[{i}]" if len(modules) > 1 else type(module).__name__, module)
+    return units
+
+
+class Recorder:
+    """Holds the hooks and the calls recorded since the last Gramian."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, Call]] = []
+        self.handles: list[RemovableHandle] = []
+        self.coupled: str | None = None
+
+    def hook(self, index: int, unit: Unit) -> None:
+        handle = unit.module.register_forward_hook(partial(self._record, index), with_kwargs=True)
+        self.handles.append(handle)
+
+    def watch_coupling(self, name: str, module: nn.Module) -> None:
+        """Flag training-mode, grad-enabled forwards of a module that mixes the samples."""
+        self.handles.append(module.register_forward_pre_hook(partial(self._flag, name)))
+
+    def _flag(self, name: str, module: nn.Module, args: Any) -> None:
+        if module.training and torch.is_grad_enabled():
+            self.coupled = f"{name} ({type(module).__name__})"
+
+    def _record(self, index: int, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        if not torch.is_grad_enabled():
+            return
+        leaves, _ = tree_flatten(output)
+        positions = [
+            j
+            for j, leaf in enumerate(leaves)
+            if isinstance(leaf, Tensor) and leaf.requires_grad and leaf.grad_fn is not None
+        ]
+        if not positions:
+            return
+        inputs, _ = tree_flatten((args, kwargs))
+        call = Call(
+            args=tuple(args),
+            kwargs=dict(kwargs),
+            output_positions=positions,
+            output_shapes=[leaves[j].shape for j in positions],
+            edges=[get_gradient_edge(leaves[j]) for j in positions],
+            versions=[(t, t._version) for t in inputs if isinstance(t, Tensor)],
+        )
+        self.calls.append((index, call))
+
+    def take(self) -> list[tuple[int, Call]]:
+        """The recorded calls; the record starts afresh."""
+        calls, self.calls = self.calls, []
+        self.coupled = None
+        return calls
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+        self.calls = []

@@ -1,0 +1,171 @@
+"""Closed forms for layers whose per-row gradient is ``g_r = sum_t b_rt a_rt^T``.
+
+Linear (with or without sequence dimensions) and, after unfolding, every convolution share this
+form. With ``U`` the unfolded inputs ``[S, T, g, d]`` (``g`` independent groups of weights) and
+``Bp`` the output gradients ``[R, T, g, p]``:
+
+* ghost: ``<g_r, g_q> = sum_{t,s} (a_rt . a_qs)(b_rt . b_qs)``, from the two Gram matrices of
+  the positions (cost about ``(ST)^2 d + (RT)^2 p``, or ``T^2 d + R T^2 p + R^2 T p`` when the
+  whole batch is one sample, per-task mode);
+* materialised: form ``g_r`` (``R T d p``) then ``g g^T`` (``R^2 d p``).
+
+The cheaper of the two is chosen per layer. The bias gradient is ``sum_t b_rt``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from jacflow.autogram._rules import Call, Contribution, Rows, Rule, register_rule
+
+
+def ghost_cost(rows: Rows, positions: int, groups: int, d: int, p: int) -> int:
+    """Multiply-adds of the ghost Gramian of one layer."""
+    r, s, t = rows.num_rows, rows.num_samples, positions
+    if rows.per_task:
+        return groups * (t * t * d + r * t * t * p + r * r * t * p)
+    return groups * ((s * t) ** 2 * d + (r * t) ** 2 * p)
+
+
+def materialized_cost(rows: Rows, positions: int, groups: int, d: int, p: int) -> int:
+    """Multiply-adds of materialising the per-row gradients and their Gramian."""
+    r = rows.num_rows
+    return groups * (r * positions * d * p + r * r * d * p)
+
+
+def ghost_gramian(u: Tensor, bp: Tensor, rows: Rows) -> Tensor:
+    """Gramian of ``g_r = sum_t Bp[r, t, j]^T U[sample(r), t, j]`` summed over groups ``j``."""
+    s, t, groups, d = u.shape
+    r, p = bp.shape[0], bp.shape[3]
+    total = bp.new_zeros(r, r)
+    for j in range(groups):
+        uj = u[:, :, j].reshape(s * t, d)
+        bj = bp[:, :, j]
+        kernel = uj @ uj.T
+        if rows.per_task:
+            mixed = torch.matmul(kernel, bj)  # [R, T, p]
+            total = total + mixed.reshape(r, -1) @ bj.reshape(r, -1).T
+            continue
+        flat_b = bj.reshape(r * t, p)
+        back = flat_b @ flat_b.T
+        if t == 1:
+            if rows.index is not None:
+                kernel = kernel[rows.index][:, rows.index]
+            total = total + kernel * back
+            continue
+        kernel4 = kernel.view(s, t, s, t)
+        if rows.index is not None:
+            kernel4 = kernel4[rows.index][:, :, rows.index]
+        total = total + (kernel4 * back.view(r, t, r, t)).sum(dim=(1, 3))
+    return total
+
+
+def per_row_weight_grads(u: Tensor, bp: Tensor, rows: Rows) -> Tensor:
+    """Per-row weight gradients ``[R, g, p, d]``."""
+    return torch.einsum("rtgp,rtgd->rgpd", bp, rows.gather(u))
+
+
+def weighted_weight_grad(u: Tensor, bp: Tensor, rows: Rows, weights: Tensor) -> Tensor:
+    """``sum_r w_r g_r`` as ``[g, p, d]``: one weight-gradient product on reduced backprops."""
+    y = rows.reduce(weights, bp)
+    if u.shape[2] == 1:
+        return (y.reshape(-1, y.shape[3]).T @ u.reshape(-1, u.shape[3])).unsqueeze(0)
+    return torch.einsum("stgp,stgd->gpd", y, u)
+
+
+class UnfoldedContribution(Contribution):
+    """Contribution of a weight acting on unfolded inputs, plus an optional bias.
+
+    Args:
+        u: unfolded inputs ``[S, T, g, d]``.
+        bp: output gradients ``[R, T, g, p]``.
+        rows: the row layout.
+        weight_shape: shape of the weight parameter (``g * p * d`` elements).
+        weight_name / bias_name: parameter names, ``None`` when absent or frozen.
+    """
+
+    def __init__(
+        self,
+        u: Tensor,
+        bp: Tensor,
+        rows: Rows,
+        weight_shape: torch.Size,
+        weight_name: str | None,
+        bias_name: str | None,
+    ) -> None:
+        self.u, self.bp, self.rows = u, bp, rows
+        self.weight_shape = weight_shape
+        self.weight_name, self.bias_name = weight_name, bias_name
+
+    def _bias_rows(self) -> Tensor:
+        return self.bp.sum(dim=1).reshape(self.bp.shape[0], -1)
+
+    def gramian(self, names: set[str]) -> Tensor | None:
+        total: Tensor | None = None
+        if self.weight_name is not None and self.weight_name in names:
+            _, t, g, d = self.u.shape
+            p = self.bp.shape[3]
+            if ghost_cost(self.rows, t, g, d, p) <= materialized_cost(self.rows, t, g, d, p):
+                total = ghost_gramian(self.u, self.bp, self.rows)
+            else:
+                flat = per_row_weight_grads(self.u, self.bp, self.rows).flatten(1)
+                total = flat @ flat.T
+        if self.bias_name is not None and self.bias_name in names:
+            s = self._bias_rows()
+            total = s @ s.T if total is None else total + s @ s.T
+        return total
+
+    def per_row_grads(self, name: str) -> Tensor:
+        if name == self.weight_name:
+            grads = per_row_weight_grads(self.u, self.bp, self.rows)
+            return grads.reshape(grads.shape[0], *self.weight_shape)
+        return self._bias_rows()
+
+    def weighted_grads(self, weights: Tensor) -> dict[str, Tensor]:
+        out = {}
+        if self.weight_name is not None:
+            out[self.weight_name] = weighted_weight_grad(
+                self.u, self.bp, self.rows, weights
+            ).reshape(self.weight_shape)
+        if self.bias_name is not None:
+            y = self.rows.reduce(weights, self.bp)
+            out[self.bias_name] = y.sum(dim=(0, 1)).reshape(-1)
+        return out
+
+
+def unfolded_contribution(
+    us: list[Tensor], bps: list[Tensor], rows: Rows, module: nn.Module, params: dict[str, Tensor]
+) -> UnfoldedContribution:
+    """Join the calls of one module along the position axis (exact for repeated calls: their
+    per-row gradients add up) and wrap them with the module's ``weight`` and ``bias``."""
+    u = us[0] if len(us) == 1 else torch.cat(us, dim=1)
+    bp = bps[0] if len(bps) == 1 else torch.cat(bps, dim=1)
+    weight = module.get_parameter("weight")
+    return UnfoldedContribution(
+        u,
+        bp,
+        rows,
+        weight.shape,
+        "weight" if "weight" in params else None,
+        "bias" if "bias" in params else None,
+    )
+
+
+class LinearRule(Rule):
+    """``nn.Linear`` with any number of leading dimensions (sequence, heads, ...)."""
+
+    def prepare(
+        self, module: nn.Module, params: dict[str, Tensor], calls: list[Call], rows: Rows
+    ) -> Contribution:
+        assert isinstance(module, nn.Linear)
+        d, p = module.in_features, module.out_features
+        us, bps = [], []
+        for call in calls:
+            x = rows.samples(call.input())
+            us.append(x.reshape(rows.num_samples, -1, 1, d))
+            bps.append(call.grad().reshape(rows.num_rows, -1, 1, p))
+        return unfolded_contribution(us, bps, rows, module, params)
+
+
+register_rule(nn.Linear, LinearRule())

@@ -1,0 +1,68 @@
+"""LayerNorm, RMSNorm and GroupNorm: materialise the (small) per-row affine gradients.
+
+With ``x_hat`` the normalised input (recomputed from the saved input), row ``r``'s gradients are
+``g_gamma = sum x_hat * b_r`` and ``g_beta = sum b_r``, summed over every axis except the
+affine one. They have the size of the affine parameters, so ``G = Gamma Gamma^T + Beta Beta^T``.
+"""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from jacflow.autogram._rules import (
+    Call,
+    Contribution,
+    MaterializedContribution,
+    Rows,
+    Rule,
+    add_grads,
+    register_rule,
+)
+
+
+def _normalized(module: nn.Module, x: Tensor) -> tuple[Tensor, int]:
+    """``x_hat`` and the number of trailing axes that the affine parameters span."""
+    if isinstance(module, nn.LayerNorm):
+        shape = tuple(module.normalized_shape)
+        return F.layer_norm(x, shape, None, None, module.eps), len(shape)
+    if isinstance(module, nn.RMSNorm):
+        shape = tuple(module.normalized_shape)
+        return F.rms_norm(x, shape, None, module.eps), len(shape)
+    assert isinstance(module, nn.GroupNorm)
+    return F.group_norm(x, module.num_groups, None, None, module.eps), 0
+
+
+def _keep_axes(module: nn.Module, x: Tensor, trailing: int) -> tuple[int, ...]:
+    """Axes of a per-row ``[R, *sample]`` tensor that the affine parameters index (from the
+    end)."""
+    if isinstance(module, nn.GroupNorm):
+        return (-(x.ndim - 1),)  # the channel axis of [N, C, *spatial]
+    return tuple(range(-trailing, 0))
+
+
+class NormRule(Rule):
+    """Affine parameters (``weight``, ``bias``) of LayerNorm, RMSNorm and GroupNorm."""
+
+    def prepare(
+        self, module: nn.Module, params: dict[str, Tensor], calls: list[Call], rows: Rows
+    ) -> Contribution:
+        total: dict[str, Tensor] = {}
+        for call in calls:
+            raw = call.input()
+            x_hat, trailing = _normalized(module, raw)
+            keep = _keep_axes(module, raw, trailing)
+            grad = call.grad()
+            dims = [a for a in range(1, grad.ndim) if a - grad.ndim not in keep]
+            new: dict[str, Tensor] = {}
+            if "weight" in params:
+                product = rows.gather(rows.samples(x_hat.detach())) * grad
+                new["weight"] = product.sum(dim=dims) if dims else product
+            if "bias" in params:
+                new["bias"] = grad.sum(dim=dims) if dims else grad
+            add_grads(total, new)
+        return MaterializedContribution(total)
+
+
+for _norm_type in (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm):
+    register_rule(_norm_type, NormRule())

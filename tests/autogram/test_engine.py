@@ -1,0 +1,117 @@
+"""The engine's Gramian and update against a brute-force Jacobian (one autograd.grad per loss)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from jacflow.aggregation import MeanWeighting, UPGradWeighting
+from jacflow.autogram import Engine
+from tests.autogram._zoo import CASES, Case
+
+
+def hooked_params(modules: tuple[nn.Module, ...]) -> list[Tensor]:
+    seen: dict[int, Tensor] = {}
+    for module in modules:
+        for p in module.parameters():
+            if p.requires_grad:
+                seen.setdefault(id(p), p)
+    return list(seen.values())
+
+
+def reference_jacobian(losses: Tensor, params: list[Tensor]) -> Tensor:
+    """``[m, n]``: one ``autograd.grad`` per loss element."""
+    rows = []
+    for loss in losses.flatten():
+        grads = torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)
+        rows.append(
+            torch.cat(
+                [(torch.zeros_like(p) if g is None else g).flatten() for g, p in zip(grads, params)]
+            )
+        )
+    return torch.stack(rows)
+
+
+def tolerances(dtype: torch.dtype) -> dict[str, float]:
+    return {"rtol": 1e-6, "atol": 1e-6} if dtype == torch.float64 else {"rtol": 2e-3, "atol": 2e-4}
+
+
+def check_case(case: Case, dtype: torch.dtype) -> None:
+    model, modules, forward = case.build(dtype)
+    params = hooked_params(modules)
+    outside = [p for p in model.parameters() if all(p is not q for q in params)]
+    tol = tolerances(dtype)
+    with Engine(*modules, batch_dim=case.batch_dim) as engine:
+        losses = forward()
+        jacobian = reference_jacobian(losses, params)
+        gramian = engine.compute_gramian(losses)
+        scale = jacobian.pow(2).sum(1).max().item() + 1.0
+        torch.testing.assert_close(gramian / scale, jacobian @ jacobian.T / scale, **tol)
+
+        weights = engine.backward(forward(), UPGradWeighting())
+        assert weights.shape == losses.shape
+        expected = weights.flatten().to(dtype) @ jacobian
+        actual = torch.cat(
+            [(torch.zeros_like(p) if p.grad is None else p.grad).flatten() for p in params]
+        )
+        gscale = expected.abs().max().item() + 1.0
+        torch.testing.assert_close(actual / gscale, expected / gscale, **tol)
+        assert all(p.grad is None for p in outside)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_gramian_and_update_float64(case: Case) -> None:
+    check_case(case, torch.float64)
+
+
+FLOAT32 = ["mlp", "cnn", "transformer_block", "weight_tying", "tasks_mlp", "embedding_padding"]
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.name in FLOAT32], ids=FLOAT32)
+def test_gramian_and_update_float32(case: Case) -> None:
+    check_case(case, torch.float32)
+
+
+def test_weights_match_weighting_of_reference_gramian() -> None:
+    model = nn.Sequential(nn.Linear(3, 6), nn.Tanh(), nn.Linear(6, 2)).double()
+    x = torch.randn(6, 3, dtype=torch.float64)
+    engine = Engine(model, batch_dim=0)
+    losses = (model(x) - 1).pow(2).sum(1)
+    jacobian = reference_jacobian(losses, list(model.parameters()))
+    weights = engine.backward(losses, UPGradWeighting())
+    expected = UPGradWeighting()(jacobian @ jacobian.T)
+    torch.testing.assert_close(weights, expected, rtol=1e-6, atol=1e-8)
+
+
+def test_backward_accumulates_into_existing_grad() -> None:
+    layer = nn.Linear(2, 1).double()
+    layer.weight.grad = torch.ones_like(layer.weight)
+    x = torch.randn(3, 2, dtype=torch.float64)
+    engine = Engine(layer, batch_dim=0)
+    losses = layer(x).squeeze(1)
+    engine.backward(losses, MeanWeighting())
+    torch.testing.assert_close(layer.weight.grad, 1 + x.mean(0, keepdim=True))
+    torch.testing.assert_close(layer.bias.grad, torch.ones(1, dtype=torch.float64))
+
+
+def test_other_params_get_weighted_gradient() -> None:
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2)).double()
+    x = torch.randn(5, 3, dtype=torch.float64)
+    engine = Engine(model[2], batch_dim=0)
+    losses = model(x).pow(2).sum(1)
+    first = list(model[0].parameters())
+    jacobian = reference_jacobian(losses, first)
+    weights = engine.backward(losses, UPGradWeighting(), other_params=first)
+    expected = weights @ jacobian
+    actual = torch.cat([p.grad.flatten() for p in first])  # type: ignore[union-attr]
+    torch.testing.assert_close(actual, expected)
+
+
+def test_large_vocabulary_embedding_uses_pairwise_form() -> None:
+    embedding = nn.Embedding(1000, 2).double()
+    ids = torch.tensor([[3, 999, 3], [5, 6, 7]])
+    engine = Engine(embedding, batch_dim=0)
+    losses = embedding(ids).sin().sum((1, 2))
+    jacobian = reference_jacobian(losses, [embedding.weight])
+    torch.testing.assert_close(engine.compute_gramian(losses), jacobian @ jacobian.T)
