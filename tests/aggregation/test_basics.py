@@ -17,6 +17,7 @@ from jacflow.aggregation import (
     UPGradWeighting,
     WeightedAggregator,
 )
+from jacflow.linalg import QuadprogProjector, TorchProjector
 from jacflow.linalg._dual_cone import project_weights_reference
 from tests.aggregation._properties import check_claimed_properties, check_degenerate_inputs
 
@@ -43,7 +44,7 @@ def test_documented_values() -> None:
     )
     torch.testing.assert_close(Mean()(J), torch.tensor([1.0, 1.0, 1.0]))
     # TorchJD 0.18 normalises and regularises by 1e-4; the same settings give its numbers.
-    torchjd_like = UPGrad(norm_eps=1e-4, reg_eps=1e-4)(J)
+    torchjd_like = UPGrad(projector=QuadprogProjector())(J)
     torch.testing.assert_close(
         torchjd_like, torch.tensor([0.2929, 1.9004, 1.9004]), atol=1e-4, rtol=0
     )
@@ -66,7 +67,7 @@ def test_upgrad_matches_its_definition() -> None:
         assert bool((multipliers >= -1e-9).all())
         assert abs(float(multipliers @ (v - u))) < 1e-9  # complementary slackness
     expected = V.sum(0) @ J
-    got = UPGrad(norm_eps=0.0, reg_eps=0.0)(J)
+    got = UPGrad()(J)
     torch.testing.assert_close(got, expected)
 
 
@@ -81,7 +82,9 @@ def test_aggregator_rejects_non_matrix() -> None:
 
 def test_bad_hyperparameters() -> None:
     with pytest.raises(ValueError, match="norm_eps"):
-        UPGrad(norm_eps=-1.0)
+        UPGrad(projector=TorchProjector(norm_eps=-1.0))
+    with pytest.raises(TypeError, match="projector"):
+        UPGrad(projector=object())  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="pref_vector"):
         UPGrad(pref_vector=torch.ones(2, 2))
     with pytest.raises(ValueError, match="one preference per objective"):

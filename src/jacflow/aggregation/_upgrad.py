@@ -8,16 +8,21 @@ from torch import Tensor
 from jacflow.aggregation._bases import GramianWeightedAggregator, GramianWeighting
 from jacflow.aggregation._pref_vector import check_pref_vector, resolve_pref_vector
 from jacflow.aggregation._properties import Property
-from jacflow.linalg._dual_cone import project_weights
+from jacflow.linalg._projectors import DualConeProjector, TorchProjector
 
 
-def _check_eps(value: float, name: str) -> float:
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
-        raise ValueError(f"`{name}` must be a non-negative float, received {value!r}.")
-    return float(value)
+def _check_projector(projector: DualConeProjector | None) -> DualConeProjector:
+    if projector is None:
+        return TorchProjector()
+    if not isinstance(projector, DualConeProjector):
+        raise TypeError(
+            "`projector` must be a jacflow.linalg.DualConeProjector (e.g. TorchProjector() or "
+            f"QuadprogProjector()) or None, received {type(projector)}."
+        )
+    return projector
 
 
-def upgrad_weights(gramian: Tensor, pref: Tensor, norm_eps: float, reg_eps: float) -> Tensor:
+def upgrad_weights(gramian: Tensor, pref: Tensor, projector: DualConeProjector) -> Tensor:
     """UPGrad weights: ``sum_i v_i`` where ``v_i`` solves ``min v^T G v s.t. v >= pref_i e_i``.
 
     Short-circuits when no off-diagonal entry of ``G`` is negative: then no row conflicts
@@ -29,8 +34,7 @@ def upgrad_weights(gramian: Tensor, pref: Tensor, norm_eps: float, reg_eps: floa
     off_diagonal = gramian - torch.diag(gramian.diagonal())
     if not bool((off_diagonal < 0).any()):
         return pref
-    u = torch.diag(pref)
-    return project_weights(u, gramian, norm_eps=norm_eps, reg_eps=reg_eps).sum(dim=0)
+    return projector(torch.diag(pref), gramian).sum(dim=0)
 
 
 class UPGradWeighting(GramianWeighting):
@@ -38,13 +42,13 @@ class UPGradWeighting(GramianWeighting):
 
     Args:
         pref_vector: preference weight of each objective (default ``1/m`` each).
-        norm_eps: the Gramian is divided by its trace; a trace at or below ``norm_eps`` counts
-            as 0. The default 0 keeps UPGrad scale-free (TorchJD's 1e-4 makes Jacobians with
-            entries below about 1e-2 fall back to the mean, which conflicts).
-        reg_eps: ``reg_eps * I`` is added to the normalised Gramian before solving. The default
-            0 solves the exact problem (the solver handles singular Gramians); TorchJD's 1e-4
-            reproduces its results but lets the update conflict by up to about 1% of its norm
-            near stationary points.
+        projector: the dual-cone projection solver (default ``TorchProjector()``: the exact
+            problem, batched, on the Gramian's device, handling singular Gramians). TorchJD's
+            normalisation and regularisation (``norm_eps = reg_eps = 1e-4``), e.g.
+            ``QuadprogProjector()`` or ``TorchProjector(norm_eps=1e-4, reg_eps=1e-4)``,
+            reproduce its results but let the update conflict by up to about 1% of its norm
+            near stationary points, and make Jacobians with entries below about 1e-2 fall back
+            to the mean.
 
     Example:
         >>> import torch
@@ -55,20 +59,19 @@ class UPGradWeighting(GramianWeighting):
     """
 
     def __init__(
-        self, pref_vector: Tensor | None = None, norm_eps: float = 0.0, reg_eps: float = 0.0
+        self, pref_vector: Tensor | None = None, projector: DualConeProjector | None = None
     ) -> None:
         super().__init__()
         self.pref_vector = check_pref_vector(pref_vector)
-        self.norm_eps = _check_eps(norm_eps, "norm_eps")
-        self.reg_eps = _check_eps(reg_eps, "reg_eps")
+        self.projector = _check_projector(projector)
 
     def forward(self, stat: Tensor) -> Tensor:
         with torch.no_grad():
             pref = resolve_pref_vector(self.pref_vector, stat.shape[0], stat)
-            return upgrad_weights(stat, pref, self.norm_eps, self.reg_eps)
+            return upgrad_weights(stat, pref, self.projector)
 
     def extra_repr(self) -> str:
-        return f"pref_vector={self.pref_vector}, norm_eps={self.norm_eps}, reg_eps={self.reg_eps}"
+        return f"pref_vector={self.pref_vector}, projector={self.projector}"
 
 
 class UPGrad(GramianWeightedAggregator):
@@ -87,14 +90,17 @@ class UPGrad(GramianWeightedAggregator):
 
     Args:
         pref_vector: preference weight of each objective (default ``1/m`` each).
-        norm_eps: see :class:`UPGradWeighting`.
-        reg_eps: see :class:`UPGradWeighting`.
+        projector: the dual-cone projection solver; see :class:`UPGradWeighting`.
 
     Example:
         >>> import torch
         >>> from jacflow.aggregation import UPGrad
-        >>> UPGrad()(torch.tensor([[-4., 1., 1.], [6., 1., 1.]]))
+        >>> from jacflow.linalg import QuadprogProjector
+        >>> J = torch.tensor([[-4., 1., 1.], [6., 1., 1.]])
+        >>> UPGrad()(J)
         tensor([0.2924, 1.9006, 1.9006])
+        >>> UPGrad(projector=QuadprogProjector())(J)  # TorchJD 0.18's numbers
+        tensor([0.2929, 1.9004, 1.9004])
     """
 
     properties = frozenset(
@@ -107,9 +113,9 @@ class UPGrad(GramianWeightedAggregator):
     )
 
     def __init__(
-        self, pref_vector: Tensor | None = None, norm_eps: float = 0.0, reg_eps: float = 0.0
+        self, pref_vector: Tensor | None = None, projector: DualConeProjector | None = None
     ) -> None:
-        super().__init__(UPGradWeighting(pref_vector, norm_eps, reg_eps))
+        super().__init__(UPGradWeighting(pref_vector, projector))
 
     def forward(self, matrix: Tensor) -> Tensor:
         with torch.no_grad():

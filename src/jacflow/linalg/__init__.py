@@ -9,15 +9,20 @@ Example:
             [-22.,  38.]])
 """
 
-from jacflow.linalg._dual_cone import project_weights
+from jacflow.linalg._dual_cone import SolverWarning, project_weights
 from jacflow.linalg._gramian import (
     compute_gramian,
     normalize_gramian,
     regularize_gramian,
     sum_gramians,
 )
+from jacflow.linalg._projectors import DualConeProjector, QuadprogProjector, TorchProjector
 
 __all__ = [
+    "DualConeProjector",
+    "QuadprogProjector",
+    "SolverWarning",
+    "TorchProjector",
     "compute_gramian",
     "normalize_gramian",
     "project_weights",

@@ -5,16 +5,22 @@ For a Jacobian ``J`` with Gramian ``G = J J^T`` and a weight vector ``u``, the p
 
     minimize  v^T G v   subject to  v >= u            (Quinton & Rey, 2024, Prop. 1)
 
-This module holds the reference solver: an exact primal active-set method, one problem at a
-time, in float64. It is small and obviously correct; it is the oracle of the tests.
+This module holds the public entry point :func:`project_weights` (batched PDAS / FISTA solvers
+in ``_pdas`` and ``_first_order``) and the reference solver :func:`project_weights_reference`:
+an exact primal active-set method, one problem at a time, in float64. It is small and obviously
+correct; it is the oracle of the tests.
 """
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import Tensor
 
+from jacflow.linalg._first_order import fista_solve
 from jacflow.linalg._gramian import normalize_gramian, regularize_gramian
+from jacflow.linalg._pdas import kkt_residual, multiplier_scale, pdas_solve
 
 
 def _solve_nonnegative_qp(q: Tensor, c: Tensor, max_iter: int) -> Tensor:
@@ -81,20 +87,166 @@ def project_weights_reference(
     return result.reshape(u.shape).to(device=device, dtype=dtype)
 
 
+METHODS = ("auto", "pdas", "fista")
+_AUTO_PDAS_MAX_M = 64  # "auto" uses PDAS up to this size, FISTA + PDAS polish above
+_FISTA_TOL = 1e-7  # FISTA stops here (at the latest) and hands over to the exact PDAS polish
+_POLISH_ITER = 10
+# Polish only when its batched Cholesky (k * s^3 for free sets of size s) is cheap.
+_POLISH_MAX_FLOP = 3e7
+_DEFAULT_TOL = {torch.float64: 1e-10}  # other dtypes: 1e-6 (their Gramians are that inexact)
+
+
+class SolverWarning(UserWarning):
+    """Warned by :func:`project_weights` when a solver stops before meeting its tolerance.
+
+    The result is then the best iterate found (lowest KKT residual), which is feasible
+    (``v >= u``) but not optimal to the requested tolerance.
+
+    Example:
+        >>> import warnings
+        >>> from jacflow.linalg import SolverWarning
+        >>> issubclass(SolverWarning, UserWarning)
+        True
+    """
+
+
+def check_solver_settings(
+    norm_eps: float, reg_eps: float, method: str, max_iter: int | None, tol: float | None
+) -> None:
+    """Validate the settings of :func:`project_weights` (shared with ``TorchProjector``)."""
+    for name, eps in (("norm_eps", norm_eps), ("reg_eps", reg_eps)):
+        if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not eps >= 0:
+            raise ValueError(f"`{name}` must be a non-negative float, received {eps!r}.")
+    if method not in METHODS:
+        raise ValueError(f"`method` must be one of {METHODS}, received {method!r}.")
+    if max_iter is not None and (
+        not isinstance(max_iter, int) or isinstance(max_iter, bool) or max_iter < 1
+    ):
+        raise ValueError(f"`max_iter` must be a positive int or None, received {max_iter!r}.")
+    if tol is not None and (
+        not isinstance(tol, (int, float)) or isinstance(tol, bool) or not tol > 0
+    ):
+        raise ValueError(f"`tol` must be a positive float or None, received {tol!r}.")
+
+
+def _check_inputs(u: Tensor, gramian: Tensor) -> None:
+    for name, value in (("u", u), ("gramian", gramian)):
+        if not isinstance(value, Tensor):
+            raise TypeError(f"`{name}` must be a torch.Tensor, received {type(value)}.")
+        if not value.is_floating_point():
+            raise TypeError(
+                f"`{name}` must have a floating dtype (float32 or float64), received "
+                f"{value.dtype}; convert it with `.double()`."
+            )
+    if gramian.ndim < 2 or gramian.shape[-1] != gramian.shape[-2]:
+        raise ValueError(
+            "`gramian` must be a square matrix [m, m] or a batch of them [..., m, m], received "
+            f"shape {tuple(gramian.shape)}."
+        )
+    m = gramian.shape[-1]
+    if u.ndim < 1 or u.shape[-1] != m:
+        raise ValueError(
+            f"`u` must have shape [..., m] with m = {m} (the size of `gramian`), received shape "
+            f"{tuple(u.shape)}."
+        )
+    if gramian.ndim > 2 and (u.ndim != gramian.ndim or u.shape[:-2] != gramian.shape[:-2]):
+        raise ValueError(
+            "With a batch of Gramians [*batch, m, m], `u` must have shape [*batch, k, m], "
+            f"received `u` of shape {tuple(u.shape)} for `gramian` of shape "
+            f"{tuple(gramian.shape)}; add the k dimension with `u.unsqueeze(-2)`."
+        )
+    if u.device != gramian.device:
+        raise ValueError(
+            f"`u` is on {u.device} but `gramian` on {gramian.device}; move them to one device."
+        )
+
+
+def _solve(u: Tensor, g: Tensor, method: str, max_iter: int | None, tol: float) -> Tensor:
+    """Solve the normalised problems (float64, ``u`` ``[B, k, m]``, ``g`` ``[B, m, m]``)."""
+    c = multiplier_scale(g)
+    residual = kkt_residual(u, u, 2 * torch.bmm(u, g), c)
+    if bool((residual <= tol).all()):  # nothing conflicts: v = u solves every problem
+        return u
+    m = u.shape[-1]
+    if method == "auto":
+        method = "pdas" if m <= _AUTO_PDAS_MAX_M else "fista"
+    if method == "pdas":
+        v, residual = pdas_solve(u, g, u, 50 if max_iter is None else max_iter, tol)
+        if max_iter is None and not bool((residual <= tol).all()):
+            # PDAS may cycle on some Gramians: restart from a first-order solution.
+            method = "fista"
+    if method == "fista":
+        cap = 20_000 if max_iter is None else max_iter
+        v, residual = fista_solve(u, g, u, cap, max(tol, _FISTA_TOL))
+        free = int((v > u).sum(-1).amax())
+        if u.shape[0] * u.shape[1] * free**3 <= _POLISH_MAX_FLOP:
+            polished, polished_residual = pdas_solve(u, g, v, min(cap, _POLISH_ITER), tol)
+            better = polished_residual <= residual
+            v = torch.where(better[..., None], polished, v)
+            residual = torch.where(better, polished_residual, residual)
+        if not bool((residual <= tol).all()):  # polish too costly or unfinished: keep going
+            v, residual = fista_solve(u, g, v, cap, tol)
+    worst = float(residual.amax())
+    if not worst <= tol:
+        warnings.warn(
+            f"`project_weights` (method={method!r}) stopped with a KKT residual of {worst:.2e} "
+            f"> tol = {tol:.1e}; returning the best iterate. Raise `max_iter` (or `tol`).",
+            SolverWarning,
+            stacklevel=3,
+        )
+    return v
+
+
 def project_weights(
-    u: Tensor, gramian: Tensor, *, norm_eps: float = 0.0, reg_eps: float = 0.0
+    u: Tensor,
+    gramian: Tensor,
+    *,
+    norm_eps: float = 0.0,
+    reg_eps: float = 0.0,
+    method: str = "auto",
+    max_iter: int | None = None,
+    tol: float | None = None,
 ) -> Tensor:
     """Weights of the projection of ``J^T u`` onto the dual cone of the rows of ``J``.
 
-    For every row ``u`` of ``u`` (shape ``[..., m]``) returns ``v`` (same shape) solving
-    ``minimize v^T G v subject to v >= u`` with ``G = gramian`` (``[m, m]``), so that
-    ``J^T v`` is the projection of ``J^T u`` onto ``{x : J x >= 0}``.
+    For every row ``u`` of ``u`` returns ``v`` solving ``minimize v^T G v subject to v >= u``
+    with ``G = gramian``, so that ``J^T v`` is the projection of ``J^T u`` onto
+    ``{x : J x >= 0}``. All problems are solved at once, in torch, on ``gramian``'s device.
+
+    Problem statement. ``G`` is first divided by its trace (a trace ``<= norm_eps`` gives
+    ``G = 0``, hence ``v = u``) and ``reg_eps * I`` is added. With the defaults
+    ``norm_eps = reg_eps = 0`` the problem solved is exactly the one above (dividing by the trace
+    does not change the solution). TorchJD uses ``norm_eps = reg_eps = 1e-4``.
+
+    Solvers. ``"pdas"``: exact primal-dual active set (a few batched Cholesky solves; exact also
+    for singular ``G``). ``"fista"``: accelerated projected gradient with restart (one batched
+    ``V @ G`` per iteration), then polished by PDAS. ``"auto"``: PDAS for ``m <= 64``, FISTA
+    above, and FISTA + polish if PDAS fails to converge. Problems with ``G u >= 0`` need no
+    projection (``v = u``); when this holds for every problem (e.g. no negative entry in ``G``
+    and ``u >= 0``) nothing is solved.
+
+    Accuracy. Computation is in float64 whatever the input dtype (the systems are small and
+    float32 loses the active set on ill-conditioned Gramians); the result has the promoted
+    dtype of ``u`` and ``gramian``. A problem counts as solved when its KKT residual
+    ``max_i |min(v_i - u_i, lam_i / c)| / max(1, |v|_inf)`` (with ``u`` scaled to max-norm 1,
+    ``lam = 2 G v`` and ``c = 2 max_i G_ii``, ``G`` of trace 1) is at most ``tol``. If some
+    problem does not meet ``tol`` within ``max_iter``, a :class:`SolverWarning` is issued and
+    the best iterate is returned. NaN or infinite entries in ``G`` (or in a row of ``u``) give
+    NaN rows. The result is detached from the autograd graph.
 
     Args:
-        u: the weights to project, ``[..., m]``.
-        gramian: the Gramian ``J J^T``, ``[m, m]``.
+        u: the weights to project, ``[..., m]``; with a batch of Gramians ``[*batch, k, m]``.
+        gramian: the Gramian ``J J^T`` (symmetric PSD), ``[m, m]`` or ``[*batch, m, m]``.
         norm_eps: ``G`` is divided by its trace; a trace ``<= norm_eps`` counts as zero.
         reg_eps: ``reg_eps * I`` is added to the normalised ``G`` (0: the exact problem).
+        method: ``"auto"``, ``"pdas"`` or ``"fista"``.
+        max_iter: iteration cap of the chosen method (default: 50 PDAS or 20 000 FISTA
+            iterations); an explicit cap also disables the PDAS-to-FISTA fallback.
+        tol: KKT residual at which a problem counts as solved (default: 1e-10 for float64
+            inputs, 1e-6 for float32 ones, whose rounded Gramians may be slightly indefinite).
+
+    Returns:
+        ``v`` with the shape of ``u``.
 
     Example:
         >>> import torch
@@ -102,5 +254,27 @@ def project_weights(
         >>> G = torch.tensor([[1., -1.], [-1., 4.]], dtype=torch.float64)
         >>> project_weights(torch.tensor([1., 0.], dtype=torch.float64), G)
         tensor([1.0000, 0.2500], dtype=torch.float64)
+        >>> project_weights(torch.eye(2, dtype=torch.float64), G)  # UPGrad's problems
+        tensor([[1.0000, 0.2500],
+                [1.0000, 1.0000]], dtype=torch.float64)
     """
-    return project_weights_reference(u, gramian, norm_eps=norm_eps, reg_eps=reg_eps)
+    _check_inputs(u, gramian)
+    check_solver_settings(norm_eps, reg_eps, method, max_iter, tol)
+    m = gramian.shape[-1]
+    dtype = torch.promote_types(u.dtype, gramian.dtype)
+    g = gramian.detach().to(torch.float64).reshape(-1, m, m)
+    flat_u = u.detach().to(torch.float64).reshape(g.shape[0], -1, m)
+    if m == 0 or flat_u.numel() == 0:
+        return u.detach().to(dtype).clone()
+    bad_g = ~torch.isfinite(g).all(-1).all(-1)
+    bad = ~torch.isfinite(flat_u).all(-1) | bad_g[:, None]
+    g = torch.where(bad_g[:, None, None], torch.zeros_like(g), g)
+    flat_u = torch.where(bad[..., None], torch.zeros_like(flat_u), flat_u)
+    g = regularize_gramian(normalize_gramian(g, norm_eps), reg_eps)
+    g = normalize_gramian((g + g.mT) / 2, 0.0)  # v^T G v only sees the symmetric part
+    scale = flat_u.abs().amax(-1, keepdim=True)
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    tol = _DEFAULT_TOL.get(dtype, 1e-6) if tol is None else float(tol)
+    v = _solve(flat_u / scale, g, method, max_iter, tol) * scale
+    v = torch.where(bad[..., None], torch.full_like(v, float("nan")), v)
+    return v.reshape(u.shape).to(dtype)

@@ -1,0 +1,117 @@
+"""Batched primal-dual active-set (PDAS) solver of ``min v^T G v  s.t.  v >= u``.
+
+Hintermüller, Ito & Kunisch (2002), *The primal-dual active set strategy as a semismooth Newton
+method*. With multipliers ``lam = 2 G v`` the optimality (KKT) conditions are
+
+    v >= u,   lam >= 0,   lam * (v - u) = 0,
+
+equivalently ``min(v - u, lam / c) = 0`` for any ``c > 0``. Given a guess ``A`` of the active set
+(``v_A = u_A``), the free part solves ``G_FF v_F = -G_FA u_A`` and the next guess is
+``{i : lam_i + c (u_i - v_i) > 0}``. Once the guess is right one solve gives the exact answer.
+
+All problems are solved at once: each free system is gathered into a padded ``s x s`` block
+(``s`` = the largest free set), factorised by a batched Cholesky and scattered back.
+
+Singular Gramians. For ``G = J J^T`` the free system is always consistent
+(``G_FA u_A = J_F (J_A^T u_A)`` lies in the range of ``G_FF = J_F J_F^T``), so it is solved
+exactly up to rounding: the Cholesky factor is taken of ``G_FF + delta I`` with a tiny
+``delta`` (only to make the factorisation exist) followed by a step of iterative refinement
+against the unshifted ``G_FF``. The problem itself is never changed: convergence is decided by
+the KKT residual evaluated with the exact ``G``.
+
+Internal conventions (see :func:`jacflow.linalg.project_weights`): float64 tensors, ``u`` of
+shape ``[B, k, m]`` scaled so that each row has max-norm 1 (or 0), ``g`` of shape ``[B, m, m]``
+finite, symmetric, with trace 1 (or 0).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+_SHIFT = 1e-13  # relative diagonal shift that makes the Cholesky factor of G_FF exist
+
+
+def multiplier_scale(g: Tensor) -> Tensor:
+    """``c = 2 max_i G_ii`` per Gramian, ``[B, 1, 1]``: puts ``lam / c`` in the units of ``v``."""
+    c = 2 * g.diagonal(dim1=-2, dim2=-1).amax(-1)
+    return torch.where(c > 0, c, torch.ones_like(c))[:, None, None]
+
+
+def kkt_residual(v: Tensor, u: Tensor, lam: Tensor, c: Tensor) -> Tensor:
+    """Relative natural residual ``max_i |min(v_i - u_i, lam_i / c)| / max(1, |v|_inf)``.
+
+    It is 0 exactly at the solution (it is the size of a projected-gradient step of length
+    ``1/c``); shape ``[B, k]``.
+    """
+    natural = torch.minimum(v - u, lam / c).abs().amax(-1)
+    scale = v.abs().amax(-1).clamp_min(1.0)
+    return natural / scale
+
+
+def _solve_free(u: Tensor, g: Tensor, active: Tensor) -> Tensor:
+    """``v`` with ``v_A = u_A`` and ``G_FF v_F = -G_FA u_A`` for every problem's active set."""
+    b, k, m = u.shape
+    v = torch.where(active, u, torch.zeros_like(u))
+    free = ~active
+    s = int(free.sum(-1).amax()) if free.numel() else 0
+    if s == 0:
+        return v
+    p = b * k
+    rhs_full = -torch.bmm(v, g).reshape(p, m)  # row form of -G (u restricted to A)
+    flat_free = free.reshape(p, m)
+    flat_v = v.reshape(p, m)
+    order = torch.argsort(flat_free.to(torch.int8), dim=-1, descending=True, stable=True)[:, :s]
+    valid = torch.gather(flat_free, 1, order)
+    batch = torch.arange(b, device=u.device).repeat_interleave(k)
+    sub = g[batch[:, None, None], order[:, :, None], order[:, None, :]]
+    sub = torch.where(valid[:, :, None] & valid[:, None, :], sub, torch.zeros_like(sub))
+    off = (~valid).to(sub.dtype)
+    shift = _SHIFT * s * g.diagonal(dim1=-2, dim2=-1).amax(-1).clamp_min(1e-300)[batch]
+    system = sub + torch.diag_embed(off + shift[:, None] * valid.to(sub.dtype))
+    rhs = torch.where(valid, torch.gather(rhs_full, 1, order), torch.zeros_like(off))[..., None]
+    factor, info = torch.linalg.cholesky_ex(system)
+    if bool((info != 0).any()):  # not PSD (e.g. a rounded float32 Gramian): LU instead
+        x = torch.linalg.solve(system, rhs)
+        x = x + torch.linalg.solve(system, rhs - (sub @ x + off[..., None] * x))
+    else:
+        x = torch.cholesky_solve(rhs, factor)
+        x = x + torch.cholesky_solve(rhs - (sub @ x + off[..., None] * x), factor)
+    values = torch.where(valid, x.squeeze(-1), torch.gather(flat_v, 1, order))
+    return flat_v.scatter(1, order, values).reshape(b, k, m)
+
+
+def pdas_solve(
+    u: Tensor, g: Tensor, v0: Tensor, max_iter: int, tol: float
+) -> tuple[Tensor, Tensor]:
+    """Run PDAS from ``v0`` until every KKT residual is ``<= tol`` or ``max_iter`` solves.
+
+    Returns the best iterate of each problem (lowest residual) and its residual ``[B, k]``.
+    Problems already solved keep their active set, so no converged problem can cycle.
+
+    Example:
+        >>> import torch
+        >>> from jacflow.linalg._pdas import pdas_solve
+        >>> g = torch.tensor([[[0.2, -0.2], [-0.2, 0.8]]], dtype=torch.float64)
+        >>> u = torch.tensor([[[1.0, 0.0]]], dtype=torch.float64)
+        >>> v, residual = pdas_solve(u, g, u, max_iter=10, tol=1e-12)
+        >>> v
+        tensor([[[1.0000, 0.2500]]], dtype=torch.float64)
+    """
+    c = multiplier_scale(g)
+    lam = 2 * torch.bmm(v0, g)
+    best_v = v0
+    best_res = kkt_residual(v0, u, lam, c)
+    active = lam + c * (u - v0) > 0
+    for _ in range(max_iter):
+        done = best_res <= tol
+        if bool(done.all()):
+            break
+        v = _solve_free(u, g, active)
+        lam = 2 * torch.bmm(v, g)
+        res = kkt_residual(v, u, lam, c)
+        better = res < best_res
+        best_v = torch.where(better[..., None], v, best_v)
+        best_res = torch.where(better, res, best_res)
+        active = torch.where(done[..., None], active, lam + c * (u - v) > 0)
+    return best_v, best_res

@@ -1,0 +1,163 @@
+"""Dual-cone projectors: interchangeable solvers of ``min v^T G v  s.t.  v >= u``.
+
+UPGrad takes a projector so that the solver (and its normalisation / regularisation) is a
+choice of the user: :class:`TorchProjector` (default, exact, batched, on the Gramian's device) or
+:class:`QuadprogProjector` (quadprog on the CPU, TorchJD's numbers).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, final
+
+import torch
+from torch import Tensor
+
+from jacflow.linalg._dual_cone import check_solver_settings, project_weights
+from jacflow.linalg._gramian import normalize_gramian, regularize_gramian
+
+
+class DualConeProjector(ABC):
+    """Maps weights ``u`` ``[..., m]`` and a Gramian ``G`` ``[m, m]`` to ``v`` (``u``'s shape).
+
+    ``v`` solves ``minimize v^T G v subject to v >= u`` row by row, so that ``J^T v`` is the
+    projection of ``J^T u`` onto the dual cone ``{x : J x >= 0}``.
+
+    Example:
+        >>> import torch
+        >>> from jacflow.linalg import DualConeProjector, TorchProjector
+        >>> isinstance(TorchProjector(), DualConeProjector)
+        True
+    """
+
+    @abstractmethod
+    def __call__(self, u: Tensor, gramian: Tensor) -> Tensor:
+        """Project every row of ``u``."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self._repr_args()})"
+
+    @abstractmethod
+    def _repr_args(self) -> str:
+        """The constructor arguments, as they appear in ``repr``."""
+
+
+@final
+class TorchProjector(DualConeProjector):
+    """The default projector: :func:`jacflow.linalg.project_weights` with fixed settings.
+
+    Args:
+        norm_eps: see :func:`~jacflow.linalg.project_weights` (default 0).
+        reg_eps: see :func:`~jacflow.linalg.project_weights` (default 0: the exact problem).
+        method: ``"auto"``, ``"pdas"`` or ``"fista"``.
+        max_iter: iteration cap (``None``: the solver's default).
+        tol: KKT residual tolerance (``None``: the solver's default for the dtype).
+
+    Example:
+        >>> import torch
+        >>> from jacflow.linalg import TorchProjector
+        >>> G = torch.tensor([[1., -1.], [-1., 4.]])
+        >>> TorchProjector()(torch.tensor([1., 0.]), G)
+        tensor([1.0000, 0.2500])
+    """
+
+    def __init__(
+        self,
+        norm_eps: float = 0.0,
+        reg_eps: float = 0.0,
+        method: str = "auto",
+        max_iter: int | None = None,
+        tol: float | None = None,
+    ) -> None:
+        check_solver_settings(norm_eps, reg_eps, method, max_iter, tol)
+        self.norm_eps = float(norm_eps)
+        self.reg_eps = float(reg_eps)
+        self.method = method
+        self.max_iter = max_iter
+        self.tol = tol
+
+    def __call__(self, u: Tensor, gramian: Tensor) -> Tensor:
+        return project_weights(
+            u,
+            gramian,
+            norm_eps=self.norm_eps,
+            reg_eps=self.reg_eps,
+            method=self.method,
+            max_iter=self.max_iter,
+            tol=self.tol,
+        )
+
+    def _repr_args(self) -> str:
+        return (
+            f"norm_eps={self.norm_eps}, reg_eps={self.reg_eps}, method={self.method!r}, "
+            f"max_iter={self.max_iter}, tol={self.tol}"
+        )
+
+
+@final
+class QuadprogProjector(DualConeProjector):
+    """Projector solving one quadprog QP per row on the CPU in float64 (TorchJD's numbers).
+
+    ``G`` is divided by its trace (a trace ``<= norm_eps`` gives ``G = 0``) and ``reg_eps * I``
+    is added, as in TorchJD 0.18; quadprog (Goldfarb-Idnani) then needs that regularised ``G``
+    to be positive definite. Requires the ``quadprog`` package.
+
+    Args:
+        norm_eps: trace threshold of the normalisation (TorchJD: 1e-4).
+        reg_eps: diagonal regularisation of the normalised Gramian (TorchJD: 1e-4); must be
+            positive for singular Gramians.
+
+    Raises:
+        ImportError: at construction, if ``quadprog`` is not installed.
+
+    Example:
+        >>> import torch
+        >>> from jacflow.linalg import QuadprogProjector
+        >>> G = torch.tensor([[18., -22.], [-22., 38.]])
+        >>> QuadprogProjector()(torch.eye(2), G)  # the exact solution has 1.2222
+        tensor([[1.0000, 0.5789],
+                [1.2218, 1.0000]])
+    """
+
+    def __init__(self, norm_eps: float = 1e-4, reg_eps: float = 1e-4) -> None:
+        check_solver_settings(norm_eps, reg_eps, "auto", None, None)
+        self.norm_eps = float(norm_eps)
+        self.reg_eps = float(reg_eps)
+        try:
+            import quadprog
+        except ImportError as error:
+            raise ImportError(
+                "`QuadprogProjector` needs the quadprog package: `pip install quadprog` (or use "
+                "the default `TorchProjector`)."
+            ) from error
+        self._quadprog: Any = quadprog
+
+    def __call__(self, u: Tensor, gramian: Tensor) -> Tensor:
+        m = gramian.shape[-1]
+        if gramian.ndim != 2 or gramian.shape[0] != m or u.shape[-1:] != (m,):
+            raise ValueError(
+                "`QuadprogProjector` expects `u` [..., m] and `gramian` [m, m], received shapes "
+                f"{tuple(u.shape)} and {tuple(gramian.shape)}."
+            )
+        dtype = torch.promote_types(u.dtype, gramian.dtype)
+        g = normalize_gramian(gramian.detach().cpu().double(), self.norm_eps)
+        g = regularize_gramian(g, self.reg_eps)
+        g_np = ((g + g.T) / 2).numpy()
+        rows = u.detach().cpu().double().reshape(-1, m).numpy()
+        identity = torch.eye(m, dtype=torch.float64).numpy()
+        zeros = torch.zeros(m, dtype=torch.float64).numpy()
+        solutions = []
+        for row in rows:
+            try:
+                solution = self._quadprog.solve_qp(g_np, zeros, identity, row)[0]
+            except ValueError as error:
+                raise ValueError(
+                    f"quadprog could not solve the projection ({error}); the regularised "
+                    f"Gramian must be positive definite: use `reg_eps > 0` (now {self.reg_eps})."
+                ) from error
+            solutions.append(torch.from_numpy(solution))
+        v = (torch.stack(solutions) if solutions else torch.from_numpy(rows)).reshape(u.shape)
+        return v.to(device=gramian.device, dtype=dtype)
+
+    def _repr_args(self) -> str:
+        return f"norm_eps={self.norm_eps}, reg_eps={self.reg_eps}"
