@@ -10,8 +10,8 @@ import torch
 from torch import Tensor
 
 _GEN = torch.Generator().manual_seed(1234)
-_X = torch.randn(2, 4, 3, generator=_GEN, dtype=torch.float64)  # 2 batches of 4 inputs
-_Y = torch.randn(2, 4, 3, generator=_GEN, dtype=torch.float64)  # one target column per task
+_X = torch.randn(3, 4, 3, generator=_GEN, dtype=torch.float64)  # 3 batches of 4 inputs
+_Y = torch.randn(3, 4, 3, generator=_GEN, dtype=torch.float64)  # one target column per task
 
 
 def task_losses(theta: Tensor, batch: int) -> Tensor:

@@ -1,0 +1,46 @@
+"""LBTW over a short training loop against a hand-written reference; gradient = weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import Tensor
+
+from jacflow.scalarization import LBTW
+from tests.scalarization._training import train, weighted
+
+
+class LBTWReference:
+    def __init__(self, alpha: float) -> None:
+        self.alpha = alpha
+        self.initial: list[float] | None = None
+
+    def __call__(self, losses: Tensor) -> Tensor:
+        current = losses.detach().tolist()
+        if self.initial is None:
+            self.initial = current
+        weights = [(c / i) ** self.alpha for c, i in zip(current, self.initial)]
+        return weighted(losses, weights)
+
+    def end_epoch(self) -> None:
+        self.initial = None
+
+
+@pytest.mark.parametrize("alpha", [0.5, 0.1, 1.0])
+@pytest.mark.parametrize("per_epoch", [True, False])
+def test_training_loop_matches_reference(alpha: float, per_epoch: bool) -> None:
+    lbtw, ref = LBTW(alpha), LBTWReference(alpha)
+    values, theta = train(lbtw, epochs=3, batches=3, end_epoch=lbtw.step if per_epoch else None)
+    ref_values, ref_theta = train(
+        ref, epochs=3, batches=3, end_epoch=ref.end_epoch if per_epoch else None
+    )
+    assert values == pytest.approx(ref_values, rel=1e-12)
+    torch.testing.assert_close(theta, ref_theta)
+
+
+def test_gradient_is_the_weights(dtype: torch.dtype) -> None:
+    lbtw = LBTW(0.5)
+    lbtw(torch.tensor([4.0, 1.0], dtype=dtype))
+    losses = torch.tensor([1.0, 4.0], dtype=dtype, requires_grad=True)
+    (grad,) = torch.autograd.grad(lbtw(losses), losses)
+    torch.testing.assert_close(grad, torch.tensor([0.5, 2.0], dtype=dtype))

@@ -1,0 +1,58 @@
+"""SoftAdapt's four variants over a short training loop against a hand-written reference."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import Tensor
+
+from jacflow.scalarization import SoftAdapt
+from tests.scalarization._training import train, weighted
+
+
+class SoftAdaptReference:
+    def __init__(self, beta: float, normalized: bool, loss_weighted: bool) -> None:
+        self.beta, self.normalized, self.loss_weighted = beta, normalized, loss_weighted
+        self.previous: list[float] | None = None
+
+    def __call__(self, losses: Tensor) -> Tensor:
+        current = losses.detach().tolist()
+        slopes = (
+            [0.0] * len(current)
+            if self.previous is None
+            else [c - p for c, p in zip(current, self.previous)]
+        )
+        self.previous = current
+        if self.normalized:
+            total = max(sum(abs(s) for s in slopes), 1e-8)
+            slopes = [s / total for s in slopes]
+        top = max(self.beta * s for s in slopes)
+        exps = [math.exp(self.beta * s - top) for s in slopes]
+        if self.loss_weighted:
+            exps = [c * e for c, e in zip(current, exps)]
+        return weighted(losses, [e / sum(exps) for e in exps])
+
+
+@pytest.mark.parametrize("normalized", [False, True])
+@pytest.mark.parametrize("loss_weighted", [False, True])
+@pytest.mark.parametrize("beta", [0.1, 5.0, -2.0])
+def test_training_loop_matches_reference(
+    beta: float, normalized: bool, loss_weighted: bool
+) -> None:
+    sa = SoftAdapt(beta, normalized=normalized, loss_weighted=loss_weighted)
+    ref = SoftAdaptReference(beta, normalized, loss_weighted)
+    values, theta = train(sa, epochs=3)
+    ref_values, ref_theta = train(ref, epochs=3)
+    assert values == pytest.approx(ref_values, rel=1e-12)
+    torch.testing.assert_close(theta, ref_theta)
+
+
+def test_gradient_is_the_weights_and_favours_the_slowest_loss() -> None:
+    sa = SoftAdapt(beta=1.0)
+    sa(torch.tensor([2.0, 2.0, 2.0]))
+    losses = torch.tensor([1.0, 2.0, 3.0], requires_grad=True)
+    (grad,) = torch.autograd.grad(sa(losses), losses)
+    torch.testing.assert_close(grad, torch.softmax(torch.tensor([-1.0, 0.0, 1.0]), dim=0))
+    assert grad.sum().item() == pytest.approx(1.0)
