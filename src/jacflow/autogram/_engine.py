@@ -179,7 +179,8 @@ class Engine:
                     [0., 4.]])
         """
         contributions, rows, order = self._prepare(losses, retain_graph, ())[:3]
-        return _to_loss_order(_assemble(contributions, rows), order)
+        with torch.no_grad():
+            return _to_loss_order(_assemble(contributions, rows), order)
 
     def backward(
         self,
@@ -230,7 +231,8 @@ class Engine:
             )
         others, tasks = list(other_params), list(tasks_params)
         contributions, rows, order, task_grads = self._prepare(losses, bool(others), tasks)
-        gramian = _to_loss_order(_assemble(contributions, rows), order)
+        with torch.no_grad():
+            gramian = _to_loss_order(_assemble(contributions, rows), order)
         weights = _check_weights(weighting(gramian), gramian.shape[0], weighting)
         row_weights = weights if order is None else weights[order[1]]
         updates = _weighted_grads(contributions, row_weights)
@@ -294,6 +296,7 @@ class Engine:
             cursor += len(call.edges)
             if all(g is None for g in call_grads):
                 continue
+            _check_batch(self._units[index], call, rows)
             call.grads = _rows_shaped(call_grads, call, rows)
             reached.setdefault(index, []).append(call)
         if not reached:
@@ -309,7 +312,6 @@ class Engine:
                 params = unit.params()
                 if not params:
                     continue
-                _check_batch(unit, unit_calls, rows)
                 contributions.append(
                     (unit, unit.rule.prepare(unit.module, params, unit_calls, rows))
                 )
@@ -378,18 +380,17 @@ def _rows_shaped(call_grads: list[Tensor | None], call: Call, rows: Rows) -> lis
     return shaped
 
 
-def _check_batch(unit: Unit, calls: list[Call], rows: Rows) -> None:
+def _check_batch(unit: Unit, call: Call, rows: Rows) -> None:
     if rows.per_task:
         return
-    for call in calls:
-        for shape in call.output_shapes:
-            if len(shape) == 0 or shape[0] != rows.num_samples:
-                raise ValueError(
-                    f"With batch_dim=0, the outputs of {unit.name} ({type(unit.module).__name__}) "
-                    f"must have the batch size {rows.num_samples} of `losses` on dimension 0, "
-                    f"received shape {tuple(shape)}. Use batch_dim=None for modules that do not "
-                    "batch on dimension 0."
-                )
+    for shape in call.output_shapes:
+        if len(shape) == 0 or shape[0] != rows.num_samples:
+            raise ValueError(
+                f"With batch_dim=0, the outputs of {unit.name} ({type(unit.module).__name__}) "
+                f"must have the batch size {rows.num_samples} of `losses` on dimension 0, "
+                f"received shape {tuple(shape)}. Use batch_dim=None for modules that do not "
+                "batch on dimension 0."
+            )
 
 
 def _assemble(contributions: list[tuple[Unit, Contribution]], rows: Rows) -> Tensor:

@@ -1,0 +1,204 @@
+"""Engine lifecycle (hooks, stray forwards, several engines) and its error messages."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from jacflow.aggregation import MeanWeighting, UPGradWeighting
+from jacflow.autogram import Engine
+from tests.autogram.test_engine import reference_jacobian
+
+
+def _mlp() -> nn.Sequential:
+    return nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 2)).double()
+
+
+def _losses(model: nn.Module, x: Tensor) -> Tensor:
+    return model(x).pow(2).sum(1)
+
+
+def _expected(model: nn.Module, x: Tensor) -> Tensor:
+    losses = _losses(model, x)
+    jacobian = reference_jacobian(losses, list(model.parameters()))
+    return jacobian @ jacobian.T
+
+
+X = torch.linspace(-1, 1, 12, dtype=torch.float64).reshape(4, 3)
+
+
+def test_stray_grad_forwards_are_ignored() -> None:
+    model = _mlp()
+    engine = Engine(model, batch_dim=0)
+    _losses(model, torch.randn(7, 3, dtype=torch.float64))  # never backpropagated
+    model.eval()
+    _losses(model, X[:2])  # evaluation forward with grad enabled
+    model.train()
+    losses = _losses(model, X)
+    torch.testing.assert_close(engine.compute_gramian(losses), _expected(model, X))
+
+
+def test_no_grad_forwards_are_not_recorded() -> None:
+    model = _mlp()
+    engine = Engine(model, batch_dim=0)
+    with torch.no_grad():
+        model(X)
+    assert engine._recorder.calls == []
+    torch.testing.assert_close(engine.compute_gramian(_losses(model, X)), _expected(model, X))
+
+
+def test_losses_from_older_forward_after_a_newer_one() -> None:
+    model = _mlp()
+    engine = Engine(model, batch_dim=0)
+    losses = _losses(model, X)
+    _losses(model, torch.randn(5, 3, dtype=torch.float64))
+    torch.testing.assert_close(engine.compute_gramian(losses), _expected(model, X))
+
+
+def test_two_engines_on_one_model() -> None:
+    model = _mlp()
+    whole = Engine(model, batch_dim=0)
+    last = Engine(model[2], batch_dim=0)
+    losses = _losses(model, X)
+    jacobian = reference_jacobian(losses, list(model.parameters()))
+    torch.testing.assert_close(whole.compute_gramian(losses), jacobian @ jacobian.T)
+    tail = jacobian[:, -model[2].weight.numel() - model[2].bias.numel() :]
+    torch.testing.assert_close(last.compute_gramian(losses), tail @ tail.T)
+
+
+def test_remove_and_context_manager() -> None:
+    model = _mlp()
+    with Engine(model, batch_dim=0) as engine:
+        assert len(engine._recorder.handles) == 2
+    assert all(not module._forward_hooks for module in model.modules())
+    engine.remove()  # twice is harmless
+    with pytest.raises(RuntimeError, match=r"removed"):
+        engine.compute_gramian(_losses(model, X))
+
+
+def test_clear_drops_recorded_calls() -> None:
+    model = _mlp()
+    engine = Engine(model, batch_dim=0)
+    losses = _losses(model, X)
+    engine.clear()
+    with pytest.raises(RuntimeError, match=r"No forward call of the hooked modules"):
+        engine.compute_gramian(losses)
+
+
+def test_gramian_then_plain_backward_like_torchjd() -> None:
+    model = _mlp()
+    engine = Engine(model, batch_dim=0)
+    losses = _losses(model, X)
+    gramian = engine.compute_gramian(losses)
+    assert not gramian.requires_grad
+    weights = UPGradWeighting()(gramian)
+    losses.backward(weights)
+    jacobian = reference_jacobian(_losses(model, X), list(model.parameters()))
+    actual = torch.cat([p.grad.flatten() for p in model.parameters()])  # type: ignore[union-attr]
+    torch.testing.assert_close(actual, weights @ jacobian)
+
+
+def test_nothing_written_when_weighting_fails() -> None:
+    class Broken(MeanWeighting.__mro__[1]):  # type: ignore[misc, name-defined]
+        def forward(self, stat: Tensor) -> Tensor:
+            raise RuntimeError("solver failed")
+
+    model = _mlp()
+    engine = Engine(model, batch_dim=0)
+    with pytest.raises(RuntimeError, match="solver failed"):
+        engine.backward(_losses(model, X), Broken())
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_training_batchnorm_rejected_at_construction() -> None:
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
+    with pytest.raises(ValueError, match=r"modules\[0\]\.1 is a BatchNorm1d in training mode"):
+        Engine(model, batch_dim=0)
+    Engine(model, batch_dim=None).remove()  # per-task mode allows it
+
+
+def test_batchnorm_switched_to_training_rejected_at_step() -> None:
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4)).double().eval()
+    engine = Engine(model, batch_dim=0)
+    model.train()
+    losses = model(X).sum(1)
+    with pytest.raises(ValueError, match=r"ran in training mode during the forward"):
+        engine.compute_gramian(losses)
+
+
+def test_rnn_rejected_with_batch_dim() -> None:
+    with pytest.raises(ValueError, match=r"is a GRU.*batch_dim=None"):
+        Engine(nn.GRU(3, 4, batch_first=True), batch_dim=0)
+
+
+def test_compiled_module_rejected_with_workaround() -> None:
+    compiled = torch.compile(_mlp())
+    with pytest.raises(ValueError, match=r"is compiled.*uncompiled module.*parallel_chunk_size=1"):
+        Engine(compiled, batch_dim=0)
+
+
+def test_scale_grad_by_freq_rejected() -> None:
+    with pytest.raises(ValueError, match=r"scale_grad_by_freq"):
+        Engine(nn.Embedding(5, 2, scale_grad_by_freq=True), batch_dim=0)
+
+
+@pytest.mark.parametrize("batch_dim", [1, -1, True, "0"])
+def test_bad_batch_dim(batch_dim: object) -> None:
+    with pytest.raises(ValueError, match=r"`batch_dim` must be 0 or None"):
+        Engine(_mlp(), batch_dim=batch_dim)  # type: ignore[arg-type]
+
+
+def test_bad_modules() -> None:
+    with pytest.raises(ValueError, match=r"at least one module"):
+        Engine(batch_dim=0)
+    with pytest.raises(TypeError, match=r"modules\[0\] is <class 'int'>"):
+        Engine(3, batch_dim=0)  # type: ignore[arg-type]
+
+
+def test_bad_losses() -> None:
+    model = _mlp()
+    engine = Engine(model, batch_dim=0)
+    with pytest.raises(TypeError, match=r"`losses` must be a torch.Tensor"):
+        engine.compute_gramian([1.0])  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"does not require grad"):
+        engine.compute_gramian(torch.ones(3))
+    with pytest.raises(ValueError, match=r"received a scalar"):
+        engine.compute_gramian(_losses(model, X).sum())
+    with pytest.raises(ValueError, match=r"at least one element"):
+        engine.compute_gramian(torch.ones(0, requires_grad=True))
+
+
+def test_batch_size_mismatch() -> None:
+    model = _mlp()
+    engine = Engine(model, batch_dim=0)
+    losses = model(X).pow(2).sum(0)  # [2]: not per-sample
+    with pytest.raises(ValueError, match=r"batch size 2 of `losses`.*received shape \(4, 5\)"):
+        engine.compute_gramian(losses)
+
+
+def test_bad_weighting() -> None:
+    model = _mlp()
+    engine = Engine(model, batch_dim=0)
+    with pytest.raises(TypeError, match=r"GramianWeighting"):
+        engine.backward(_losses(model, X), lambda g: g.sum(0))  # type: ignore[arg-type]
+
+
+def test_input_modified_in_place_after_forward() -> None:
+    model = nn.Sequential(nn.Linear(3, 3)).double()
+    engine = Engine(model, batch_dim=0)
+    x = X.clone()
+    losses = model(x).sum(1)
+    x.mul_(2)
+    with pytest.raises(RuntimeError, match=r"modified in place"):
+        engine.compute_gramian(losses)
+
+
+def test_returned_weights_follow_losses_layout() -> None:
+    model = _mlp()
+    engine = Engine(model, batch_dim=0)
+    losses = model(X).pow(2)  # [4, 2]
+    jacobian = reference_jacobian(losses, list(model.parameters()))
+    weights = engine.backward(losses, UPGradWeighting())
+    assert weights.shape == (4, 2)
+    torch.testing.assert_close(weights.flatten(), UPGradWeighting()(jacobian @ jacobian.T))

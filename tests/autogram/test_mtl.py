@@ -1,0 +1,68 @@
+"""``mtl_gramian_step`` against the brute-force per-task Jacobian of the shared trunk."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from jacflow.aggregation import UPGradWeighting
+from jacflow.autogram import Engine, mtl_gramian_step
+from tests.autogram.test_engine import reference_jacobian
+
+
+def _setup(m: int, seq: bool) -> tuple[nn.Module, nn.ModuleList, torch.Tensor]:
+    trunk = nn.Sequential(nn.Linear(4, 6), nn.LayerNorm(6), nn.ReLU(), nn.Linear(6, 5)).double()
+    heads = nn.ModuleList([nn.Linear(5, 1) for _ in range(m)]).double()
+    x = torch.randn(3, 2, 4, dtype=torch.float64) if seq else torch.randn(7, 4, dtype=torch.float64)
+    return trunk, heads, x
+
+
+@pytest.mark.parametrize(("m", "seq"), [(1, False), (2, False), (4, True)])
+def test_mtl_gramian_step(m: int, seq: bool) -> None:
+    trunk, heads, x = _setup(m, seq)
+    engine = Engine(trunk, batch_dim=None)
+    features = trunk(x)
+    losses = torch.stack([head(features).sin().mean() for head in heads])
+    shared, specific = list(trunk.parameters()), list(heads.parameters())
+    jacobian = reference_jacobian(losses, shared)
+    head_grads = torch.autograd.grad(losses.sum(), specific, retain_graph=True)
+    weights = mtl_gramian_step(losses, engine, UPGradWeighting(), tasks_params=specific)
+    torch.testing.assert_close(weights, UPGradWeighting()(jacobian @ jacobian.T))
+    actual = torch.cat([p.grad.flatten() for p in shared])  # type: ignore[union-attr]
+    torch.testing.assert_close(actual, weights @ jacobian)
+    for param, expected in zip(specific, head_grads, strict=True):
+        torch.testing.assert_close(param.grad, expected)
+
+
+def test_mtl_gramian_step_needs_per_task_engine() -> None:
+    trunk, heads, x = _setup(2, False)
+    engine = Engine(trunk, batch_dim=0)
+    losses = torch.stack([head(trunk(x)).mean() for head in heads])
+    with pytest.raises(ValueError, match=r"batch_dim=None"):
+        mtl_gramian_step(losses, engine, UPGradWeighting())
+    with pytest.raises(TypeError, match=r"`engine` must be"):
+        mtl_gramian_step(losses, trunk, UPGradWeighting())  # type: ignore[arg-type]
+
+
+@settings(max_examples=15)
+@given(
+    batch=st.integers(1, 5),
+    k=st.integers(1, 3),
+    width=st.integers(1, 6),
+    seq=st.integers(0, 3),
+    per_task=st.booleans(),
+)
+def test_random_mlps(batch: int, k: int, width: int, seq: int, per_task: bool) -> None:
+    """Random shapes: the Gramian equals J J^T for per-sample ``[B, k]`` and per-task losses."""
+    torch.manual_seed(batch * 100 + width)
+    model = nn.Sequential(nn.Linear(3, width), nn.Tanh(), nn.Linear(width, k)).double()
+    shape = (batch, seq, 3) if seq else (batch, 3)
+    x = torch.randn(*shape, dtype=torch.float64)
+    engine = Engine(model, batch_dim=None if per_task else 0)
+    out = model(x)
+    losses = out.pow(2).sum(1) if seq else out.pow(2)
+    jacobian = reference_jacobian(losses, list(model.parameters()))
+    torch.testing.assert_close(engine.compute_gramian(losses), jacobian @ jacobian.T)
