@@ -11,6 +11,7 @@ Example:
 """
 
 from jacflow.aggregation._aligned_mtl import AlignedMTL, AlignedMTLWeighting
+from jacflow.aggregation._auxinash import AuxiNash, AuxiNashWeighting
 from jacflow.aggregation._bases import (
     Aggregator,
     GramianWeightedAggregator,
@@ -44,6 +45,8 @@ __all__ = [
     "Aggregator",
     "AlignedMTL",
     "AlignedMTLWeighting",
+    "AuxiNash",
+    "AuxiNashWeighting",
     "CRMOGMWeighting",
     "ConFIG",
     "Constant",
