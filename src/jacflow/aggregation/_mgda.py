@@ -10,15 +10,15 @@ from torch import Tensor
 from jacflow.aggregation._bases import GramianWeightedAggregator, GramianWeighting
 from jacflow.aggregation._hyperparameters import check_float, check_int
 from jacflow.aggregation._loss_aware import LossAware
-from jacflow.aggregation._nonfinite import propagate_nonfinite
+from jacflow.aggregation._nonfinite import has_nonfinite, nan_weights
 from jacflow.aggregation._properties import Property
 
 Normalization = Literal["none", "l2", "loss", "loss+"]
 _NORMALIZATIONS: tuple[str, ...] = ("none", "l2", "loss", "loss+")
 
 
-def mgda_weights(gramian: Tensor, epsilon: float, max_iters: int) -> Tensor:
-    r"""Frank-Wolfe solution of :math:`\min_{\lambda \in \Delta_m} \lambda^\top G \lambda`.
+def frank_wolfe_min_norm(gramian: Tensor, epsilon: float, max_iters: int) -> Tensor:
+    r"""Frank-Wolfe iterate for :math:`\min_{\lambda \in \Delta_m} \lambda^\top G \lambda`.
 
     Algorithm 2 of Sener & Koltun (2018): start at :math:`\lambda = 1/m`; at each step move
     towards the vertex :math:`e_t`, :math:`t = \arg\min_r (G\lambda)_r`, by the exact line
@@ -28,14 +28,14 @@ def mgda_weights(gramian: Tensor, epsilon: float, max_iters: int) -> Tensor:
 
     Example:
         >>> import torch
-        >>> from jacflow.aggregation._mgda import mgda_weights
-        >>> mgda_weights(torch.tensor([[18., -22.], [-22., 38.]]), 1e-3, 100)
+        >>> from jacflow.aggregation._mgda import frank_wolfe_min_norm
+        >>> frank_wolfe_min_norm(torch.tensor([[18., -22.], [-22., 38.]]), 1e-3, 100)
         tensor([0.6000, 0.4000])
     """
     m = gramian.shape[0]
     lam = torch.full((m,), 1.0 / max(m, 1), dtype=gramian.dtype, device=gramian.device)
     if m <= 1:
-        return propagate_nonfinite(lam, gramian)
+        return lam
     diagonal = gramian.diagonal()
     for _ in range(max_iters):
         g_lam = gramian @ lam
@@ -50,7 +50,87 @@ def mgda_weights(gramian: Tensor, epsilon: float, max_iters: int) -> Tensor:
         lam = lam + step
         if bool(step.abs().sum() < epsilon):
             break
-    return propagate_nonfinite(lam, gramian)
+    return lam
+
+
+def refine_min_norm(gramian: Tensor, lam: Tensor, max_steps: int) -> Tensor:
+    r"""Primal active-set method for :math:`\min_{\lambda \in \Delta_m} \lambda^\top G \lambda`.
+
+    Starts from the feasible ``lam`` with the free set :math:`F = \{i : \lambda_i > 0\}`. Each
+    step solves the equality-constrained problem on :math:`F` (the KKT system
+    :math:`[G_{FF}\ \mathbf 1; \mathbf 1^\top\ 0]`, by pseudo-inverse so that singular Gramians
+    are fine); if its solution is non-negative it is taken and the most violated optimality
+    condition :math:`(G\lambda)_i \ge \lambda^\top G\lambda` outside :math:`F` frees its
+    index, otherwise a ratio test moves as far as feasibility allows and fixes one index at 0.
+    Stops when the KKT conditions hold (relative tolerance ``8 m eps``) or after
+    ``max_steps`` steps; every step keeps :math:`\lambda` feasible and does not increase the
+    objective.
+
+    Example:
+        >>> import torch
+        >>> from jacflow.aggregation._mgda import refine_min_norm
+        >>> G = torch.tensor([[1., 0., 0.], [0., 4., 0.], [0., 0., 100.]])
+        >>> refine_min_norm(G, torch.full((3,), 1 / 3), 10)
+        tensor([0.7937, 0.1984, 0.0079])
+    """
+    m = gramian.shape[0]
+    scale = gramian.diagonal().max().clamp(min=torch.finfo(gramian.dtype).tiny)
+    normalized = gramian / scale
+    tol = 8 * m * torch.finfo(gramian.dtype).eps
+    free = lam > 0
+    for _ in range(max_steps):
+        index = free.nonzero().squeeze(1)
+        k = index.shape[0]
+        kkt = torch.zeros(k + 1, k + 1, dtype=gramian.dtype, device=gramian.device)
+        kkt[:k, :k] = normalized[index][:, index]
+        kkt[:k, k] = 1
+        kkt[k, :k] = 1
+        rhs = torch.zeros(k + 1, dtype=gramian.dtype, device=gramian.device)
+        rhs[k] = 1
+        solution = (torch.linalg.pinv(kkt, hermitian=True) @ rhs)[:k]
+        target = torch.zeros_like(lam)
+        target[index] = solution
+        if bool((solution >= 0).all()):
+            lam = target
+            g_lam = normalized @ lam
+            slack = torch.where(free, torch.full_like(g_lam, float("inf")), g_lam - lam @ g_lam)
+            j = torch.argmin(slack)
+            if bool(slack[j] >= -tol):
+                return lam
+            free[j] = True
+        else:
+            direction = target - lam
+            shrinking = free & (direction < 0)
+            safe = torch.where(shrinking, -direction, torch.ones_like(direction))
+            ratios = torch.where(shrinking, lam / safe, float("inf"))
+            j = torch.argmin(ratios)
+            lam = (lam + ratios[j].clamp(max=1.0) * direction).clamp(min=0)
+            lam[j] = 0
+            free[j] = False
+            lam = lam / lam.sum()
+    return lam
+
+
+def mgda_weights(gramian: Tensor, epsilon: float, max_iters: int) -> Tensor:
+    r"""The minimiser of :math:`\lambda^\top G \lambda` on the simplex :math:`\Delta_m`.
+
+    :func:`frank_wolfe_min_norm` (``epsilon``, ``max_iters``) gives a starting point that
+    :func:`refine_min_norm` (at most ``4m + 10`` steps) turns into the exact minimiser, so the
+    result satisfies the KKT conditions to rounding. NaN/inf in ``gramian`` give NaN weights.
+
+    Example:
+        >>> import torch
+        >>> from jacflow.aggregation._mgda import mgda_weights
+        >>> mgda_weights(torch.tensor([[18., -22.], [-22., 38.]]), 1e-3, 100)
+        tensor([0.6000, 0.4000])
+    """
+    m = gramian.shape[0]
+    if m == 0:
+        return gramian.new_zeros(0)
+    if has_nonfinite(gramian):
+        return nan_weights(m, gramian)
+    lam = frank_wolfe_min_norm(gramian, epsilon, max_iters)
+    return refine_min_norm(gramian, lam, 4 * m + 10) if m > 1 else lam
 
 
 def normalization_scales(
@@ -97,8 +177,8 @@ class MGDAWeighting(GramianWeighting, LossAware):
     r"""Gramian weighting of :class:`MGDA`.
 
     Args:
-        epsilon: stop when a Frank-Wolfe step changes the weights by less than this
-            (:math:`\ell_1`); must be > 0.
+        epsilon: stop the Frank-Wolfe warm start when a step changes the weights by less than
+            this (:math:`\ell_1`); must be > 0.
         max_iters: cap on the number of Frank-Wolfe steps; must be >= 1.
         normalization: ``"none"``, ``"l2"``, ``"loss"`` or ``"loss+"``; see :class:`MGDA`.
             The loss modes need :meth:`set_losses` before each call.
@@ -152,8 +232,11 @@ class MGDA(GramianWeightedAggregator, LossAware):
     the ``normalization`` mode of Sener & Koltun's code: ``"none"`` :math:`c_i = 1`, ``"l2"``
     :math:`c_i = \|g_i\|`, ``"loss"`` :math:`c_i = L_i`, ``"loss+"`` :math:`c_i = L_i \|g_i\|`
     (losses given with :meth:`set_losses`, positive). The update has a non-negative inner product
-    with every row (exactly at the optimum, up to the solver tolerance otherwise) and does not
-    depend on the rows' order.
+    with every row and does not depend on the rows' order.
+
+    The Frank-Wolfe iterations (``epsilon``, ``max_iters``, as in TorchJD) only give a starting
+    point: an active-set refinement then solves the problem exactly (to rounding), so the KKT
+    conditions hold and the non-conflict is not limited by the Frank-Wolfe tolerance.
 
     Args:
         epsilon: Frank-Wolfe stopping tolerance (> 0).
@@ -165,7 +248,7 @@ class MGDA(GramianWeightedAggregator, LossAware):
         >>> from jacflow.aggregation import MGDA
         >>> J = torch.tensor([[-4., 1., 1.], [6., 1., 1.]])
         >>> MGDA()(J)
-        tensor([0., 1., 1.])
+        tensor([0.0000, 1.0000, 1.0000])
         >>> agg = MGDA(normalization="loss")
         >>> agg.set_losses(torch.tensor([1.0, 2.0]))
         >>> agg(J)

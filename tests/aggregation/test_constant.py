@@ -1,0 +1,52 @@
+"""Constant / ConstantWeighting."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from jacflow.aggregation import Constant, ConstantWeighting, GramianWeightedAggregator
+from tests.aggregation._properties import check_claimed_properties, jacobians
+
+WEIGHTS = torch.tensor([0.3, -1.2, 2.0])
+
+
+def test_claimed_properties() -> None:
+    check_claimed_properties(lambda: Constant(WEIGHTS), jacobians(min_m=3, max_m=3))
+
+
+def test_degenerate_inputs() -> None:
+    assert torch.equal(Constant(torch.zeros(0))(torch.zeros(0, 5)), torch.zeros(5))
+    assert Constant(WEIGHTS)(torch.zeros(3, 0)).shape == (0,)
+    out = Constant(WEIGHTS)(torch.tensor([[1.0, float("nan")], [0.5, 2.0], [1.0, 1.0]]))
+    assert not bool(torch.isfinite(out).all())
+
+
+def test_values() -> None:
+    J = torch.tensor([[-4.0, 1.0, 1.0], [6.0, 1.0, 1.0]])
+    torch.testing.assert_close(Constant(torch.tensor([1.0, 2.0]))(J), torch.tensor([8.0, 3.0, 3.0]))
+    J64 = torch.randn(3, 7, dtype=torch.float64)
+    expected = sum(float(WEIGHTS[i]) * J64[i] for i in range(3))
+    torch.testing.assert_close(Constant(WEIGHTS)(J64), expected)
+
+
+def test_weighting_and_aggregator_agree() -> None:
+    J = torch.randn(3, 5)
+    weighting = ConstantWeighting(WEIGHTS)
+    torch.testing.assert_close(weighting(J @ J.T) @ J, Constant(WEIGHTS)(J))
+    torch.testing.assert_close(GramianWeightedAggregator(weighting)(J), Constant(WEIGHTS)(J))
+
+
+def test_errors() -> None:
+    with pytest.raises(ValueError, match=r"`weights` must be a vector"):
+        Constant(torch.ones(2, 2))
+    with pytest.raises(TypeError, match=r"`weights` must be a torch\.Tensor"):
+        Constant([1.0, 2.0])  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="one weight per objective"):
+        Constant(WEIGHTS)(torch.ones(2, 4))
+
+
+def test_repr_and_str() -> None:
+    agg = Constant(torch.tensor([1.0, 2.0]))
+    assert repr(agg) == "Constant(weights=tensor([1., 2.]))"
+    assert str(agg) == "Constant([1.0, 2.0])"

@@ -1,0 +1,146 @@
+"""MGDA / MGDAWeighting: KKT optimality, a generic-solver reference, normalization modes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from scipy.optimize import minimize
+
+from jacflow.aggregation import MGDA, LossAware, MGDAWeighting
+from tests.aggregation._properties import (
+    check_claimed_properties,
+    check_degenerate_inputs,
+    jacobians,
+    make_jacobian,
+)
+
+J_DOC = torch.tensor([[-4.0, 1.0, 1.0], [6.0, 1.0, 1.0]])
+
+
+def min_norm_reference(gramian: np.ndarray) -> np.ndarray:
+    """min x^T G x on the simplex by scipy's SLSQP (an independent generic solver)."""
+    m = gramian.shape[0]
+    result = minimize(
+        lambda x: x @ gramian @ x,
+        np.full(m, 1.0 / m),
+        jac=lambda x: 2 * gramian @ x,
+        bounds=[(0.0, 1.0)] * m,
+        constraints=[{"type": "eq", "fun": lambda x: x.sum() - 1.0}],
+        method="SLSQP",
+        options={"ftol": 1e-15, "maxiter": 1000},
+    )
+    return np.asarray(result.x)
+
+
+def test_claimed_properties() -> None:
+    check_claimed_properties(MGDA)
+
+
+def test_claimed_properties_l2() -> None:
+    # The "l2" update combines unit rows: its size does not follow the scale of J, so float32
+    # rounding (~1e-7) exceeds the check's tolerance (1e-3 |J|^2) for rows smaller than ~1e-4.
+    strategy = jacobians(max_m=12, scales=(1e-3, 1.0, 1e3, 1e6))
+    check_claimed_properties(lambda: MGDA(normalization="l2"), strategy)
+
+
+def test_degenerate_inputs() -> None:
+    check_degenerate_inputs(MGDA)
+    check_degenerate_inputs(lambda: MGDA(normalization="l2"))
+
+
+@settings(max_examples=25)
+@given(st.integers(1, 8), st.integers(1, 10), st.integers(0, 8), st.integers(0, 2**31 - 1))
+def test_kkt_on_the_simplex(m: int, n: int, rank: int, seed: int) -> None:
+    """lambda in the simplex, (G lambda)_i >= lambda^T G lambda for all i, = on the support."""
+    J = make_jacobian(m, n, rank, 1.0, torch.float64, seed)
+    G = J @ J.T
+    lam = MGDAWeighting(epsilon=1e-10, max_iters=200)(G)
+    assert bool((lam >= 0).all())
+    assert abs(float(lam.sum()) - 1.0) < 1e-12
+    g_lam = G @ lam
+    value = float(lam @ g_lam)
+    tol = 2e-3 * float(G.diagonal().max()) + 1e-12
+    assert bool((g_lam >= value - tol).all())  # stationarity + dual feasibility
+    assert float((lam * (g_lam - value)).abs().sum()) < tol  # complementary slackness
+
+
+@settings(max_examples=20)
+@given(st.integers(2, 6), st.integers(1, 8), st.integers(0, 2**31 - 1))
+def test_objective_matches_a_generic_solver(m: int, n: int, seed: int) -> None:
+    J = make_jacobian(m, n, min(m, n), 1.0, torch.float64, seed)
+    G = J @ J.T
+    ours = MGDAWeighting(epsilon=1e-9, max_iters=200)(G)
+    reference = torch.from_numpy(min_norm_reference(G.numpy()))
+    scale = float(G.diagonal().max())
+    assert float(ours @ G @ ours) <= float(reference @ G @ reference) + 1e-4 * scale
+    # The min-norm point itself is unique.
+    torch.testing.assert_close(ours @ J, reference @ J, atol=1e-2 * scale**0.5, rtol=0)
+
+
+def test_documented_values() -> None:
+    torch.testing.assert_close(MGDA()(J_DOC), torch.tensor([0.0, 1.0, 1.0]), atol=1e-6, rtol=0)
+    torch.testing.assert_close(MGDAWeighting()(J_DOC @ J_DOC.T), torch.tensor([0.6, 0.4]))
+
+
+@pytest.mark.parametrize("mode", ["l2", "loss", "loss+"])
+def test_normalization_modes_match_their_definition(mode: str) -> None:
+    """G' = D G D solved by SLSQP, then w = lambda / c."""
+    J = make_jacobian(4, 6, 4, 1.0, torch.float64, 11) * torch.tensor([[1.0], [5.0], [0.2], [3]])
+    G = J @ J.T
+    losses = torch.tensor([0.5, 2.0, 1.0, 4.0], dtype=torch.float64)
+    norms = G.diagonal().sqrt()
+    c = {"l2": norms, "loss": losses, "loss+": losses * norms}[mode]
+    lam = torch.from_numpy(min_norm_reference((G / c[:, None] / c[None, :]).numpy()))
+    expected = lam / c
+    weighting = MGDAWeighting(epsilon=1e-10, max_iters=200, normalization=mode)  # type: ignore[arg-type]
+    weighting.set_losses(losses)
+    torch.testing.assert_close(weighting(G), expected, atol=2e-3, rtol=0)
+    agg = MGDA(epsilon=1e-10, max_iters=200, normalization=mode)  # type: ignore[arg-type]
+    assert isinstance(agg, LossAware)
+    agg.set_losses(losses)
+    torch.testing.assert_close(agg(J), weighting(G) @ J)
+
+
+def test_l2_mode_is_invariant_to_row_scales() -> None:
+    J = torch.randn(5, 8, dtype=torch.float64)
+    scaled = torch.tensor([[1e-3], [1.0], [10.0], [2.0], [1e3]], dtype=torch.float64) * J
+    torch.testing.assert_close(MGDA(normalization="l2")(J), MGDA(normalization="l2")(scaled))
+
+
+def test_loss_modes_need_losses() -> None:
+    with pytest.raises(ValueError, match="set_losses"):
+        MGDA(normalization="loss")(J_DOC)
+    agg = MGDA(normalization="loss+")
+    agg.set_losses(torch.tensor([1.0, 2.0, 3.0]))
+    with pytest.raises(ValueError, match="one loss per row"):
+        agg(J_DOC)
+    agg.set_losses(torch.tensor([1.0, -2.0]))
+    with pytest.raises(ValueError, match="must be positive"):
+        agg(J_DOC)
+
+
+def test_nan_never_hangs_and_propagates() -> None:
+    G = torch.tensor([[1.0, float("nan")], [float("nan"), 2.0]])
+    assert bool(MGDAWeighting(max_iters=10**9)(G).isnan().all())
+
+
+def test_weighting_and_aggregator_agree() -> None:
+    J = torch.randn(6, 9, dtype=torch.float64)
+    torch.testing.assert_close(MGDA()(J), MGDAWeighting()(J @ J.T) @ J)
+
+
+def test_constructor_errors() -> None:
+    with pytest.raises(ValueError, match=r"`epsilon` must be a float in \(0.0, inf\)"):
+        MGDA(epsilon=0.0)
+    with pytest.raises(ValueError, match=r"`max_iters` must be an int >= 1"):
+        MGDA(max_iters=0)
+    with pytest.raises(ValueError, match=r"`normalization` must be one of"):
+        MGDA(normalization="l1")  # type: ignore[arg-type]
+
+
+def test_repr_and_str() -> None:
+    assert repr(MGDA()) == "MGDA(epsilon=0.001, max_iters=100, normalization='none')"
+    assert str(MGDA()) == "MGDA"
