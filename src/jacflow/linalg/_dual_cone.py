@@ -194,7 +194,7 @@ def _solve(u: Tensor, g: Tensor, method: str, max_iter: int | None, tol: float) 
             SolverWarning,
             stacklevel=3,
         )
-    return v
+    return torch.maximum(v, u)  # exactly feasible; moves a converged v by at most ~tol
 
 
 def project_weights(
@@ -262,10 +262,10 @@ def project_weights(
     check_solver_settings(norm_eps, reg_eps, method, max_iter, tol)
     m = gramian.shape[-1]
     dtype = torch.promote_types(u.dtype, gramian.dtype)
+    if m == 0 or u.numel() == 0:
+        return u.detach().to(dtype).clone()
     g = gramian.detach().to(torch.float64).reshape(-1, m, m)
     flat_u = u.detach().to(torch.float64).reshape(g.shape[0], -1, m)
-    if m == 0 or flat_u.numel() == 0:
-        return u.detach().to(dtype).clone()
     bad_g = ~torch.isfinite(g).all(-1).all(-1)
     bad = ~torch.isfinite(flat_u).all(-1) | bad_g[:, None]
     g = torch.where(bad_g[:, None, None], torch.zeros_like(g), g)

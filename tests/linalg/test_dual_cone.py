@@ -1,0 +1,273 @@
+"""``project_weights``: KKT certificates, agreement with quadprog and the reference, edge cases.
+
+The optimality certificate of ``min v^T G v s.t. v >= u`` is the KKT system with multipliers
+``lam = 2 G v`` (stationarity): ``v >= u``, ``lam >= 0`` and ``lam . (v - u) = 0``. It is checked
+independently of the solver on hypothesis-generated Gramians.
+"""
+
+from __future__ import annotations
+
+import pytest
+import quadprog
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import Tensor
+
+from jacflow.linalg import SolverWarning, project_weights
+from jacflow.linalg._dual_cone import project_weights_reference
+
+KINDS = ("psd", "rank_deficient", "duplicated", "zero_rows", "conflicting")
+METHODS = ("auto", "pdas", "fista")
+
+
+def make_gramian(m: int, kind: str, scale: float, seed: int) -> Tensor:
+    """A float64 Gramian ``J J^T`` of the given structure, scaled by ``scale``."""
+    gen = torch.Generator().manual_seed(seed)
+    n = 2 * m + 1
+    if kind == "rank_deficient":
+        rank = max(1, m // 3)
+        j = torch.randn(m, rank, generator=gen, dtype=torch.float64)
+        j = j @ torch.randn(rank, n, generator=gen, dtype=torch.float64)
+    elif kind == "conflicting":  # rows around a common direction and its opposite: many conflicts
+        base = torch.randn(1, n, generator=gen, dtype=torch.float64)
+        signs = torch.where(torch.rand(m, 1, generator=gen) < 0.5, -1.0, 1.0).double()
+        j = signs * base + 0.3 * torch.randn(m, n, generator=gen, dtype=torch.float64)
+    else:
+        j = torch.randn(m, n, generator=gen, dtype=torch.float64)
+    if kind == "duplicated" and m > 1:
+        index = torch.randint(0, m, (m,), generator=gen)
+        index[: m // 2] = torch.arange(m // 2)
+        j = j[index]
+    if kind == "zero_rows":
+        j[torch.rand(m, generator=gen) < 0.3] = 0.0
+    return scale * (j @ j.T)
+
+
+def assert_kkt(v: Tensor, u: Tensor, gramian: Tensor, rtol: float = 1e-6) -> None:
+    """Primal/dual feasibility and complementary slackness, relative to the problem's scales."""
+    s = torch.maximum(u.abs().amax(-1, keepdim=True), v.abs().amax(-1, keepdim=True))
+    s = s.clamp_min(1e-300)
+    g_scale = gramian.diagonal(dim1=-2, dim2=-1).amax(-1)[..., None, None].clamp_min(1e-300)
+    lam = v @ gramian  # = (G v)^T for a symmetric G
+    primal = ((u - v) / s).amax()
+    dual = (-lam / (g_scale * s)).amax()
+    slack = ((lam * (v - u)).sum(-1, keepdim=True) / (g_scale * s * s)).abs().amax()
+    assert float(primal) <= rtol, f"primal infeasibility {float(primal):.2e}"
+    assert float(dual) <= rtol, f"dual infeasibility {float(dual):.2e}"
+    assert float(slack) <= rtol, f"complementary slackness {float(slack):.2e}"
+
+
+def upgrad_rows(m: int) -> Tensor:
+    return torch.eye(m, dtype=torch.float64) / max(m, 1)
+
+
+@st.composite
+def problems(draw: st.DrawFn, max_m: int = 24) -> tuple[Tensor, Tensor]:
+    m = draw(st.integers(1, max_m))
+    kind = draw(st.sampled_from(KINDS))
+    scale = 10.0 ** draw(st.integers(-8, 8))
+    gramian = make_gramian(m, kind, scale, draw(st.integers(0, 2**31 - 1)))
+    if draw(st.booleans()):
+        u = upgrad_rows(m)
+    else:
+        gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+        k = draw(st.integers(1, 4))
+        u = torch.randn(k, m, generator=gen, dtype=torch.float64) * 10.0 ** draw(st.integers(-3, 3))
+    return u, gramian
+
+
+@settings(max_examples=80)
+@given(problem=problems(), method=st.sampled_from(METHODS))
+def test_kkt_conditions(problem: tuple[Tensor, Tensor], method: str) -> None:
+    u, gramian = problem
+    v = project_weights(u, gramian, method=method)
+    assert v.shape == u.shape and v.dtype == torch.float64
+    assert_kkt(v, u, gramian)
+
+
+@pytest.mark.parametrize(
+    ("m", "kind"), [(128, "psd"), (128, "conflicting"), (200, "rank_deficient"), (512, "psd")]
+)
+def test_kkt_conditions_large(m: int, kind: str) -> None:
+    gramian = make_gramian(m, kind, 1e3, seed=m)
+    v = project_weights(upgrad_rows(m), gramian)
+    assert_kkt(v, upgrad_rows(m), gramian)
+
+
+def test_methods_agree_large() -> None:
+    gramian = make_gramian(96, "conflicting", 1.0, seed=3)
+    u = upgrad_rows(96)
+    pdas = project_weights(u, gramian, method="pdas")
+    fista = project_weights(u, gramian, method="fista")
+    assert_kkt(pdas, u, gramian)
+    assert_kkt(fista, u, gramian)
+    torch.testing.assert_close(fista.sum(0), pdas.sum(0), rtol=1e-6, atol=1e-9)
+
+
+@settings(max_examples=40)
+@given(problem=problems(max_m=10), method=st.sampled_from(METHODS))
+def test_agrees_with_reference(problem: tuple[Tensor, Tensor], method: str) -> None:
+    """Against the one-problem-at-a-time active-set oracle; ``G v`` and ``v^T G v`` are unique
+    even when ``v`` is not (singular ``G``)."""
+    u, gramian = problem
+    v = project_weights(u, gramian, method=method)
+    ref = project_weights_reference(u, gramian)
+    g_scale = float(gramian.diagonal().max())
+    s = float(torch.maximum(ref.abs().max(), u.abs().max()))
+    torch.testing.assert_close(v @ gramian, ref @ gramian, rtol=0, atol=1e-6 * g_scale * s)
+    objective = ((v @ gramian) * v).sum(-1)
+    ref_objective = ((ref @ gramian) * ref).sum(-1)
+    torch.testing.assert_close(objective, ref_objective, rtol=0, atol=1e-6 * g_scale * s * s)
+
+
+def quadprog_solve(u: Tensor, gramian: Tensor) -> Tensor:
+    """quadprog on each row: minimize v^T G v / 2 subject to I^T v >= u."""
+    m = gramian.shape[0]
+    g = gramian.numpy()
+    rows = [
+        torch.from_numpy(
+            quadprog.solve_qp(
+                g, torch.zeros(m).double().numpy(), torch.eye(m).double().numpy(), row.numpy()
+            )[0]
+        )
+        for row in u
+    ]
+    return torch.stack(rows)
+
+
+@settings(max_examples=40)
+@given(problem=problems(max_m=16), method=st.sampled_from(METHODS))
+def test_agrees_with_quadprog(problem: tuple[Tensor, Tensor], method: str) -> None:
+    """With ``reg_eps > 0`` the problem is strictly convex: ``v`` itself is unique."""
+    u, gramian = problem
+    reg = 1e-3
+    v = project_weights(u, gramian, reg_eps=reg, method=method)
+    trace = gramian.trace()
+    normalised = gramian / trace if trace > 0 else torch.zeros_like(gramian)
+    expected = quadprog_solve(u, normalised + reg * torch.eye(u.shape[-1], dtype=torch.float64))
+    s = float(torch.maximum(expected.abs().max(), u.abs().max()))
+    torch.testing.assert_close(v, expected, rtol=0, atol=1e-6 * s)
+
+
+def test_batch_dimensions() -> None:
+    kinds = ("psd", "conflicting", "psd", "conflicting")  # non-singular: v is unique
+    gramians = torch.stack(
+        [make_gramian(6, kind, 1.0, seed=i) for i, kind in enumerate(kinds)]
+    ).reshape(2, 2, 6, 6)
+    u = torch.randn(2, 2, 3, 6, dtype=torch.float64)
+    v = project_weights(u, gramians)
+    assert v.shape == u.shape
+    for i in range(2):
+        for j in range(2):
+            torch.testing.assert_close(v[i, j], project_weights(u[i, j], gramians[i, j]))
+            assert_kkt(v[i, j], u[i, j], gramians[i, j])
+    # Several leading dimensions of u with one Gramian.
+    u = torch.randn(2, 3, 6, dtype=torch.float64)
+    v = project_weights(u, gramians[0, 0])
+    torch.testing.assert_close(v.reshape(6, 6), project_weights(u.reshape(6, 6), gramians[0, 0]))
+
+
+def test_float32() -> None:
+    gramian = make_gramian(20, "conflicting", 1.0, seed=1)
+    u = upgrad_rows(20)
+    v32 = project_weights(u.float(), gramian.float())
+    assert v32.dtype == torch.float32
+    v64 = project_weights(u, gramian)
+    torch.testing.assert_close(v32.double().sum(0), v64.sum(0), rtol=1e-4, atol=1e-4)
+    assert_kkt(v32.double(), u, gramian.float().double(), rtol=1e-5)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_inputs_give_nan(bad: float) -> None:
+    gramians = torch.stack([make_gramian(5, "conflicting", 1.0, seed=s) for s in range(2)])
+    u = upgrad_rows(5).expand(2, 5, 5).clone()
+    gramians[0, 1, 2] = bad
+    v = project_weights(u, gramians)
+    assert bool(v[0].isnan().all())
+    torch.testing.assert_close(v[1], project_weights(u[1], gramians[1]))
+    u[1, 3, 0] = bad
+    v = project_weights(u, gramians)
+    assert bool(v[1, 3].isnan().all())
+    assert bool(v[1, [0, 1, 2, 4]].isfinite().all())
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_warns_when_stopped_early(method: str) -> None:
+    gramian = make_gramian(30, "conflicting", 1.0, seed=2)
+    u = upgrad_rows(30)
+    with pytest.warns(SolverWarning, match="KKT residual"):
+        v = project_weights(u, gramian, method=method, max_iter=1)
+    assert bool((v >= u).all())  # the best iterate is still feasible
+    with pytest.warns(SolverWarning):  # an unreachable tolerance
+        project_weights(u, gramian, method=method, max_iter=5, tol=1e-300)
+
+
+def test_edge_sizes() -> None:
+    empty = project_weights(torch.zeros(0), torch.zeros(0, 0))
+    assert empty.shape == (0,)
+    assert project_weights(torch.zeros(0, 3), torch.eye(3)).shape == (0, 3)
+    u = torch.tensor([[2.0], [-3.0]], dtype=torch.float64)
+    torch.testing.assert_close(
+        project_weights(u, torch.tensor([[4.0]]).double()), torch.tensor([[2.0], [0.0]]).double()
+    )
+    torch.testing.assert_close(project_weights(u, torch.zeros(1, 1).double()), u)
+    # A zero Gramian: every v >= u is optimal, and u itself is returned.
+    u = torch.randn(3, 4, dtype=torch.float64)
+    torch.testing.assert_close(project_weights(u, torch.zeros(4, 4).double()), u)
+
+
+def test_two_opposite_rows_closed_form() -> None:
+    """J = [g, -a g]: projecting e_1 must cancel the update, v = (1, 1/a)."""
+    g = torch.tensor([[1.0, 2.0, -1.0]], dtype=torch.float64)
+    j = torch.cat([g, -3.0 * g])
+    v = project_weights(torch.tensor([1.0, 0.0], dtype=torch.float64), j @ j.T)
+    torch.testing.assert_close(v, torch.tensor([1.0, 1.0 / 3.0], dtype=torch.float64))
+
+
+def test_no_conflict_returns_u() -> None:
+    j = torch.rand(5, 7, dtype=torch.float64)  # non-negative entries: G >= 0 entrywise
+    u = torch.rand(4, 5, dtype=torch.float64)
+    assert torch.equal(project_weights(u, j @ j.T), u)
+
+
+def test_invariances() -> None:
+    gramian = make_gramian(12, "conflicting", 1.0, seed=4)
+    u = torch.randn(3, 12, dtype=torch.float64)
+    v = project_weights(u, gramian)
+    torch.testing.assert_close(project_weights(u, 1e6 * gramian), v)
+    torch.testing.assert_close(project_weights(7.0 * u, gramian), 7.0 * v)
+    perm = torch.randperm(12)
+    torch.testing.assert_close(project_weights(u[:, perm], gramian[perm][:, perm]), v[:, perm])
+
+
+def test_norm_and_reg_eps() -> None:
+    gramian = make_gramian(4, "conflicting", 1e-6, seed=5)
+    u = upgrad_rows(4)
+    # A trace at or below norm_eps counts as zero: nothing is projected.
+    torch.testing.assert_close(project_weights(u, gramian, norm_eps=1.0), u)
+    regularised = project_weights(u, gramian, reg_eps=0.1)
+    normalised = gramian / gramian.trace() + 0.1 * torch.eye(4, dtype=torch.float64)
+    torch.testing.assert_close(regularised, project_weights_reference(u, normalised))
+
+
+def test_invalid_inputs() -> None:
+    g = torch.eye(3)
+    with pytest.raises(ValueError, match=r"`gramian` must be a square"):
+        project_weights(torch.ones(3), torch.ones(3, 2))
+    with pytest.raises(ValueError, match=r"`u` must have shape \[..., m\] with m = 3"):
+        project_weights(torch.ones(2), g)
+    with pytest.raises(ValueError, match=r"\[\*batch, k, m\]"):
+        project_weights(torch.ones(2, 3), torch.eye(3).expand(2, 3, 3))
+    with pytest.raises(TypeError, match="floating dtype"):
+        project_weights(torch.ones(3, dtype=torch.int64), g)
+    with pytest.raises(TypeError, match=r"torch\.Tensor"):
+        project_weights([1.0, 0.0, 0.0], g)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="`method` must be one of"):
+        project_weights(torch.ones(3), g, method="newton")
+    with pytest.raises(ValueError, match="`max_iter`"):
+        project_weights(torch.ones(3), g, max_iter=0)
+    with pytest.raises(ValueError, match="`tol`"):
+        project_weights(torch.ones(3), g, tol=-1.0)
+    with pytest.raises(ValueError, match="`reg_eps`"):
+        project_weights(torch.ones(3), g, reg_eps=-1.0)
