@@ -21,7 +21,7 @@ def task_losses(theta: Tensor, batch: int) -> Tensor:
 
 
 class Method(Protocol):
-    def __call__(self, losses: Tensor) -> Tensor: ...
+    def __call__(self, losses: Tensor, /) -> Tensor: ...
 
 
 def train(

@@ -15,6 +15,7 @@ def test_value_gradient_and_dtype(dtype: torch.dtype) -> None:
     assert out.dtype == dtype
     assert out.item() == 1.0 * 2.0 + 0.5 * 4.0 + 0.0 * 8.0 + 2.0 * 3.0
     out.backward()
+    assert losses.grad is not None
     assert torch.equal(losses.grad, weights.to(dtype))
 
 

@@ -32,5 +32,6 @@ def test_zero_losses_give_a_finite_value_and_gradient() -> None:
     f = torch.zeros(2, requires_grad=True)
     out = COSMOS(1.0, torch.tensor([0.5, 0.5]))(f)
     out.backward()
+    assert f.grad is not None
     assert out.item() == 0.0
     assert torch.isfinite(f.grad).all()

@@ -18,6 +18,7 @@ def test_value_and_gradient(dtype: torch.dtype) -> None:
     out = Mean()(losses)
     assert out.item() == (1.0 + 2.0 + 4.0 + 9.0) / 4
     out.backward()
+    assert losses.grad is not None
     assert torch.equal(losses.grad, torch.full((2, 2), 0.25, dtype=dtype))
 
 

@@ -18,6 +18,7 @@ def test_value_and_gradient(dtype: torch.dtype) -> None:
     out = Sum()(losses)
     assert out.item() == 7.0
     out.backward()
+    assert losses.grad is not None
     assert torch.equal(losses.grad, torch.ones(3, dtype=dtype))
 
 

@@ -27,9 +27,11 @@ def test_value_with_weights_and_reference(dtype: torch.dtype) -> None:
 def test_gradient_goes_to_the_worst_term_and_ties_share_it() -> None:
     f = torch.tensor([1.0, 3.0, 2.0], requires_grad=True)
     Tchebycheff()(f).backward()
+    assert f.grad is not None
     assert f.grad.tolist() == pytest.approx([0.0, 1 / 3, 0.0], rel=1e-6)
     g = torch.tensor([3.0, 3.0, 2.0], requires_grad=True)
     AugmentedTchebycheff(0.5)(g).backward()
+    assert g.grad is not None
     assert torch.allclose(g.grad, torch.tensor([1 / 6 + 0.5, 1 / 6 + 0.5, 0.5]))
 
 

@@ -7,7 +7,7 @@ from typing import final
 from torch import Tensor
 
 from jacflow._stateful import Stateful
-from jacflow.scalarization._base import Scalarizer, check_real, check_same_shape
+from jacflow.scalarization._base import Scalarizer, check_float, check_same_shape
 
 
 @final
@@ -45,10 +45,8 @@ class AdaLoss(Scalarizer, Stateful):
 
     def __init__(self, momentum: float = 0.9, eps: float = 1e-8) -> None:
         super().__init__()
-        self.momentum = check_real(
-            momentum, "momentum", "AdaLoss", low=0.0, high=1.0, high_open=True
-        )
-        self.eps = check_real(eps, "eps", "AdaLoss", low=0.0)
+        self.momentum = check_float(momentum, "momentum", low=0.0, high=1.0, high_open=True)
+        self.eps = check_float(eps, "eps", low=0.0)
         self._average: Tensor | None = None
 
     def forward(self, losses: Tensor, /) -> Tensor:

@@ -2,12 +2,26 @@
 
 from __future__ import annotations
 
-import math
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
+
+from jacflow.aggregation._hyperparameters import check_float, check_int
+
+__all__ = [
+    "Scalarizer",
+    "check_float",
+    "check_int",
+    "check_losses",
+    "check_optional_tensor",
+    "check_same_shape",
+    "check_shape",
+    "check_tensor",
+    "follow_losses",
+    "matching",
+]
 
 
 def check_losses(losses: object, owner: str) -> Tensor:
@@ -27,45 +41,6 @@ def check_losses(losses: object, owner: str) -> Tensor:
             f"{owner} expects at least one loss, received a tensor of shape {tuple(losses.shape)}."
         )
     return losses
-
-
-def check_real(
-    value: object,
-    name: str,
-    owner: str,
-    *,
-    low: float | None = None,
-    high: float | None = None,
-    low_open: bool = False,
-    high_open: bool = False,
-) -> float:
-    """Check that ``value`` is a finite real number in the given interval and return it."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{owner}: `{name}` must be a real number, received {type(value)}.")
-    number = float(value)
-    interval = (
-        ("(" if low_open else "[")
-        + ("-inf" if low is None else f"{low:g}")
-        + ", "
-        + ("+inf" if high is None else f"{high:g}")
-        + (")" if high_open or high is None else "]")
-    )
-    if not math.isfinite(number):
-        raise ValueError(f"{owner}: `{name}` must be finite, received {value}.")
-    too_low = low is not None and (number <= low if low_open else number < low)
-    too_high = high is not None and (number >= high if high_open else number > high)
-    if too_low or too_high:
-        raise ValueError(f"{owner}: `{name}` must lie in {interval}, received {value}.")
-    return number
-
-
-def check_int(value: object, name: str, owner: str, *, low: int) -> int:
-    """Check that ``value`` is an integer ``>= low`` and return it."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{owner}: `{name}` must be an int, received {type(value)}.")
-    if value < low:
-        raise ValueError(f"{owner}: `{name}` must be at least {low}, received {value}.")
-    return value
 
 
 def check_shape(shape: object, owner: str) -> torch.Size:

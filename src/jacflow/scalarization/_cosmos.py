@@ -7,7 +7,7 @@ from typing import final
 import torch
 from torch import Tensor
 
-from jacflow.scalarization._base import Scalarizer, check_real, check_tensor, matching
+from jacflow.scalarization._base import Scalarizer, check_float, check_tensor, matching
 
 _NORM_FLOOR = 1e-8
 
@@ -47,7 +47,7 @@ class COSMOS(Scalarizer):
 
     def __init__(self, lambda_: float, weights: Tensor) -> None:
         super().__init__()
-        self.lambda_ = check_real(lambda_, "lambda_", "COSMOS", low=0.0)
+        self.lambda_ = check_float(lambda_, "lambda_", low=0.0)
         self.weights = check_tensor(weights, "weights", "COSMOS")
 
     def forward(self, losses: Tensor, /) -> Tensor:

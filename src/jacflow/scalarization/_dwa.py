@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from jacflow._stateful import Stateful
-from jacflow.scalarization._base import Scalarizer, check_real, check_same_shape
+from jacflow.scalarization._base import Scalarizer, check_float, check_same_shape
 
 
 def dwa_weights(older: Tensor, newer: Tensor, temperature: float) -> Tensor:
@@ -57,7 +57,7 @@ class DWA(Scalarizer, Stateful):
 
     def __init__(self, temperature: float = 2.0) -> None:
         super().__init__()
-        self.temperature = check_real(temperature, "temperature", "DWA", low=0.0, low_open=True)
+        self.temperature = check_float(temperature, "temperature", low=0.0, low_open=True)
         self._epoch_sum: Tensor | None = None
         self._epoch_batches = 0
         self._averages: list[Tensor] = []

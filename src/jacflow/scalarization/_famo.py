@@ -11,8 +11,8 @@ from torch import Tensor
 from jacflow._stateful import Stateful
 from jacflow.scalarization._base import (
     Scalarizer,
+    check_float,
     check_optional_tensor,
-    check_real,
     check_shape,
     follow_losses,
 )
@@ -97,8 +97,8 @@ class FAMO(Scalarizer, Stateful):
     ) -> None:
         super().__init__()
         size = check_shape(shape, "FAMO")
-        self.lr = check_real(lr, "lr", "FAMO", low=0.0)
-        self.weight_decay = check_real(weight_decay, "weight_decay", "FAMO", low=0.0)
+        self.lr = check_float(lr, "lr", low=0.0)
+        self.weight_decay = check_float(weight_decay, "weight_decay", low=0.0)
         bounds = check_optional_tensor(min_losses, "min_losses", "FAMO")
         if bounds is None:
             bounds = torch.zeros(size)

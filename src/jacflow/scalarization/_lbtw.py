@@ -7,7 +7,7 @@ from typing import final
 from torch import Tensor
 
 from jacflow._stateful import Stateful
-from jacflow.scalarization._base import Scalarizer, check_real, check_same_shape
+from jacflow.scalarization._base import Scalarizer, check_float, check_same_shape
 
 
 def lbtw_weights(losses: Tensor, initial: Tensor, alpha: float) -> Tensor:
@@ -46,7 +46,7 @@ class LBTW(Scalarizer, Stateful):
 
     def __init__(self, alpha: float = 0.5) -> None:
         super().__init__()
-        self.alpha = check_real(alpha, "alpha", "LBTW", low=0.0)
+        self.alpha = check_float(alpha, "alpha", low=0.0)
         self._initial: Tensor | None = None
 
     def forward(self, losses: Tensor, /) -> Tensor:

@@ -10,8 +10,8 @@ from torch import Tensor
 from jacflow._stateful import Stateful
 from jacflow.scalarization._base import (
     Scalarizer,
+    check_float,
     check_int,
-    check_real,
     check_same_shape,
 )
 from jacflow.scalarization._stch import smooth_max
@@ -72,8 +72,8 @@ class LogSTCH(Scalarizer, Stateful):
 
     def __init__(self, mu: float, warmup_epochs: int = 4) -> None:
         super().__init__()
-        self.mu = check_real(mu, "mu", "LogSTCH", low=0.0, low_open=True)
-        self.warmup_epochs = check_int(warmup_epochs, "warmup_epochs", "LogSTCH", low=0)
+        self.mu = check_float(mu, "mu", low=0.0, low_open=True)
+        self.warmup_epochs = check_int(warmup_epochs, "warmup_epochs", low=0)
         self.epoch = 0
         self._sum: Tensor | None = None
         self._count = 0

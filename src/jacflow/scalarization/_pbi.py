@@ -9,8 +9,8 @@ from torch import Tensor
 
 from jacflow.scalarization._base import (
     Scalarizer,
+    check_float,
     check_optional_tensor,
-    check_real,
     check_tensor,
     matching,
 )
@@ -57,7 +57,7 @@ class PBI(Scalarizer):
 
     def __init__(self, theta: float, weights: Tensor, reference: Tensor | None = None) -> None:
         super().__init__()
-        self.theta = check_real(theta, "theta", "PBI", low=0.0)
+        self.theta = check_float(theta, "theta", low=0.0)
         self.weights = check_tensor(weights, "weights", "PBI")
         self.reference = check_optional_tensor(reference, "reference", "PBI")
 

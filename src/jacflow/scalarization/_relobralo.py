@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from jacflow._stateful import Stateful
-from jacflow.scalarization._base import Scalarizer, check_real, check_same_shape
+from jacflow.scalarization._base import Scalarizer, check_float, check_same_shape
 
 _EPS = 1e-12
 
@@ -58,11 +58,9 @@ class ReLoBRaLo(Scalarizer, Stateful):
 
     def __init__(self, alpha: float = 0.999, rho: float = 0.999, temperature: float = 0.1):
         super().__init__()
-        self.alpha = check_real(alpha, "alpha", "ReLoBRaLo", low=0.0, high=1.0)
-        self.rho = check_real(rho, "rho", "ReLoBRaLo", low=0.0, high=1.0)
-        self.temperature = check_real(
-            temperature, "temperature", "ReLoBRaLo", low=0.0, low_open=True
-        )
+        self.alpha = check_float(alpha, "alpha", low=0.0, high=1.0)
+        self.rho = check_float(rho, "rho", low=0.0, high=1.0)
+        self.temperature = check_float(temperature, "temperature", low=0.0, low_open=True)
         self._initial: Tensor | None = None
         self._previous: Tensor | None = None
         self._lambda: Tensor | None = None

@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from jacflow._stateful import Stateful
-from jacflow.scalarization._base import Scalarizer, check_real, check_same_shape
+from jacflow.scalarization._base import Scalarizer, check_float, check_same_shape
 
 _SLOPE_FLOOR = 1e-8
 
@@ -66,7 +66,7 @@ class SoftAdapt(Scalarizer, Stateful):
 
     def __init__(self, beta: float = 0.1, normalized: bool = False, loss_weighted: bool = False):
         super().__init__()
-        self.beta = check_real(beta, "beta", "SoftAdapt")
+        self.beta = check_float(beta, "beta")
         for name, flag in (("normalized", normalized), ("loss_weighted", loss_weighted)):
             if not isinstance(flag, bool):
                 raise TypeError(f"SoftAdapt: `{name}` must be a bool, received {type(flag)}.")

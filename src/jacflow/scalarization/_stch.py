@@ -9,8 +9,8 @@ from torch import Tensor
 
 from jacflow.scalarization._base import (
     Scalarizer,
+    check_float,
     check_optional_tensor,
-    check_real,
     matching,
 )
 
@@ -75,7 +75,7 @@ class STCH(Scalarizer):
         self, mu: float, weights: Tensor | None = None, reference: Tensor | None = None
     ) -> None:
         super().__init__()
-        self.mu = check_real(mu, "mu", "STCH", low=0.0, low_open=True)
+        self.mu = check_float(mu, "mu", low=0.0, low_open=True)
         self.weights = check_optional_tensor(weights, "weights", "STCH")
         self.reference = check_optional_tensor(reference, "reference", "STCH")
 

@@ -9,8 +9,8 @@ from torch import Tensor
 
 from jacflow.scalarization._base import (
     Scalarizer,
+    check_float,
     check_optional_tensor,
-    check_real,
 )
 from jacflow.scalarization._stch import preference, shifted
 
@@ -89,7 +89,7 @@ class AugmentedTchebycheff(Scalarizer):
         self, rho: float, weights: Tensor | None = None, reference: Tensor | None = None
     ) -> None:
         super().__init__()
-        self.rho = check_real(rho, "rho", "AugmentedTchebycheff", low=0.0)
+        self.rho = check_float(rho, "rho", low=0.0)
         self.weights = check_optional_tensor(weights, "weights", "AugmentedTchebycheff")
         self.reference = check_optional_tensor(reference, "reference", "AugmentedTchebycheff")
 
