@@ -35,6 +35,7 @@ from jacflow.aggregation._pcgrad import PCGrad, PCGradWeighting
 from jacflow.aggregation._periodic import Periodic
 from jacflow.aggregation._properties import Property
 from jacflow.aggregation._random import Random, RandomWeighting
+from jacflow.aggregation._representation import representation_gramian, representation_weights
 from jacflow.aggregation._sum import Sum, SumWeighting
 from jacflow.aggregation._trimmed_mean import TrimmedMean
 from jacflow.aggregation._upgrad import UPGrad, UPGradWeighting
@@ -79,4 +80,6 @@ __all__ = [
     "UPGradWeighting",
     "WeightedAggregator",
     "Weighting",
+    "representation_gramian",
+    "representation_weights",
 ]
