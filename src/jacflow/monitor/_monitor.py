@@ -71,7 +71,7 @@ class Monitor:
         gramian: Tensor,
         weights: Tensor | None = None,
         step: int | None = None,
-        losses: Tensor | Sequence[float] | None = None,
+        losses: Tensor | Sequence[float | Tensor] | None = None,
     ) -> dict[str, float] | None:
         """Compute the metrics of one step, log them and return them.
 
@@ -79,7 +79,8 @@ class Monitor:
             gramian: the ``[m, m]`` Gramian of the step's Jacobian.
             weights: the ``[m]`` weights of the update, or ``None``.
             step: the step number (default: one more than the previous call's).
-            losses: the ``m`` loss values, logged as ``loss/<name>``.
+            losses: the ``m`` loss values (a tensor, or floats or scalar tensors), logged as
+                ``loss/<name>``.
 
         Returns:
             The flat metrics, or ``None`` when ``step`` is skipped by ``every``.
@@ -93,7 +94,11 @@ class Monitor:
         names = self.names if self.names is not None else [str(i) for i in range(metrics.m)]
         flat = metrics.to_dict(names, per_objective=self.per_objective, pairwise=self.pairwise)
         if losses is not None:
-            values = losses.detach().reshape(-1).tolist() if isinstance(losses, Tensor) else losses
+            values = (
+                losses.detach().reshape(-1).tolist()
+                if isinstance(losses, Tensor)
+                else [float(v.detach()) if isinstance(v, Tensor) else float(v) for v in losses]
+            )
             if len(values) != metrics.m:
                 raise ValueError(
                     f"`losses` must hold {metrics.m} values (one per objective), received "
