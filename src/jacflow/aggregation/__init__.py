@@ -22,6 +22,7 @@ from jacflow.aggregation._bases import (
 from jacflow.aggregation._config import ConFIG
 from jacflow.aggregation._constant import Constant, ConstantWeighting
 from jacflow.aggregation._crmogm import CRMOGMWeighting
+from jacflow.aggregation._dbmtl import DBMTL
 from jacflow.aggregation._graddrop import GradDrop
 from jacflow.aggregation._gradnorm import GradNorm, GradNormWeighting
 from jacflow.aggregation._gradvac import GradVac, GradVacWeighting
@@ -41,6 +42,7 @@ from jacflow.aggregation._trimmed_mean import TrimmedMean
 from jacflow.aggregation._upgrad import UPGrad, UPGradWeighting
 
 __all__ = [
+    "DBMTL",
     "IMTLG",
     "MGDA",
     "Aggregator",

@@ -1,0 +1,95 @@
+"""DB-MTL: dual balancing of log-losses and gradient magnitudes (Lin B. et al., 2023)."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from jacflow._stateful import Stateful
+from jacflow.aggregation._bases import Aggregator
+from jacflow.aggregation._hyperparameters import check_float
+from jacflow.aggregation._loss_aware import LossAware
+
+_EPS = 1e-8
+
+
+def dbmtl_step(
+    buffer: Tensor, matrix: Tensor, losses: Tensor, beta_t: float
+) -> tuple[Tensor, Tensor]:
+    r"""One DB-MTL step: the new EMA buffer and the update.
+
+    :math:`\hat G \leftarrow \beta_t \hat G + (1-\beta_t)\,\mathrm{diag}(1/(L+10^{-8}))\,J`,
+    then :math:`d = \sum_i \alpha_i \hat G_i` with
+    :math:`\alpha_i = \max_j \|\hat G_j\| / (\|\hat G_i\| + 10^{-8})`.
+    """
+    log_jacobian = matrix / (losses + _EPS)[:, None]
+    buffer = beta_t * buffer + (1 - beta_t) * log_jacobian
+    norms = buffer.norm(dim=1)
+    scales = norms.max() / (norms + _EPS)
+    return buffer, scales @ buffer
+
+
+class DBMTL(Aggregator, LossAware, Stateful):
+    r"""DB-MTL: an EMA of the log-loss gradients, each rescaled to the largest norm.
+
+    Lin B., Jiang, Ye, Zhang, Ren, Kwok & Zhang, *Dual-Balancing for Multi-Task Learning*,
+    arXiv 2308.12029, 2023 (published in *Neural Networks*). At step :math:`t = 1, 2, \dots`,
+    with :math:`\beta_t = \beta / t^{\sigma}`:
+
+    .. math:: \hat G_t = \beta_t \hat G_{t-1} + (1 - \beta_t)\,
+              \mathrm{diag}\big(\tfrac{1}{L + 10^{-8}}\big) J_t, \qquad
+              d_t = \sum_i \frac{\max_j \|\hat G_{t,j}\|}{\|\hat G_{t,i}\| + 10^{-8}}
+              \hat G_{t,i},
+
+    with :math:`\hat G_0 = 0` (the log transform is the loss-scale balancing, the rescaling to
+    the largest norm the gradient-scale balancing). Task-specific parameters should receive
+    :math:`\nabla \sum_i \log L_i` (outside of this aggregator). The update is not of the form
+    :math:`J_t^\top w` (it mixes past Jacobians), so no property is claimed.
+
+    Args:
+        beta: EMA coefficient :math:`\beta \in [0, 1)` (default 0.9).
+        beta_sigma: decay exponent :math:`\sigma \ge 0` of :math:`\beta_t` (default 0).
+
+    State: the EMA matrix :math:`\hat G` (``[m, n]``) and the step :math:`t`; :meth:`reset`
+    forgets them. Call :meth:`set_losses` with the ``m`` positive losses before each call.
+
+    Example:
+        >>> import torch
+        >>> from jacflow.aggregation import DBMTL
+        >>> A = DBMTL()
+        >>> A.set_losses(torch.tensor([2., 0.5]))
+        >>> A(torch.tensor([[4., 0.], [0., 1.]]))
+        tensor([0.2000, 0.2000])
+    """
+
+    def __init__(self, beta: float = 0.9, beta_sigma: float = 0.0) -> None:
+        super().__init__()
+        self.beta = check_float(beta, "beta", low=0.0, high=1.0, high_open=True)
+        self.beta_sigma = check_float(beta_sigma, "beta_sigma", low=0.0)
+        self._buffer: Tensor | None = None
+        self._step = 0
+
+    def forward(self, matrix: Tensor) -> Tensor:
+        losses = self.losses_like(matrix.shape[0], matrix)
+        if self._buffer is None:
+            self._buffer = torch.zeros_like(matrix)
+        elif self._buffer.shape != matrix.shape:
+            raise ValueError(
+                f"DBMTL holds an EMA of shape {tuple(self._buffer.shape)} but received a matrix "
+                f"of shape {tuple(matrix.shape)}; call `reset()` when the shape changes."
+            )
+        if matrix.shape[0] == 0:
+            return matrix.new_zeros(matrix.shape[1])
+        self._step += 1
+        beta_t = self.beta / self._step**self.beta_sigma
+        with torch.no_grad():
+            buffer = self._buffer.to(matrix)
+            self._buffer, update = dbmtl_step(buffer, matrix, losses, beta_t)
+        return update
+
+    def reset(self) -> None:
+        self._buffer = None
+        self._step = 0
+
+    def extra_repr(self) -> str:
+        return f"beta={self.beta}, beta_sigma={self.beta_sigma}"
