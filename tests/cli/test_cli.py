@@ -51,7 +51,7 @@ def test_train_metrics_are_consistent(tmp_path: Path) -> None:
         # UPGrad never conflicts with a task: every update cosine is >= 0 (up to rounding).
         assert min(float(row[f"update_cos/{t}"]) for t in TASKS) > -1e-4
         weights = [float(row[f"weight/{t}"]) for t in TASKS]
-        assert all(w >= 1 / 3 - 1e-5 for w in weights)  # UPGrad weights dominate the mean's
+        assert all(w >= 1 / 3 - 1e-4 for w in weights)  # UPGrad weights dominate the mean's
     # the recorded accuracy is the accuracy of the model on the test split: re-derive a bound
     assert 0.0 <= after["digit_acc"] <= 1.0 and after["digit_acc"] > before["digit_acc"]
 
@@ -169,3 +169,15 @@ def test_bundled_digits_match_the_published_description() -> None:
     assert images.shape == (1797, 64)
     assert torch.bincount(labels).tolist() == [178, 182, 177, 183, 181, 182, 181, 179, 174, 180]
     assert float(images.min()) == 0.0 and float(images.max()) == 1.0
+
+
+def test_without_tqdm_one_line_per_epoch_is_printed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setitem(sys.modules, "tqdm.auto", None)
+    assert main(["train", "--epochs", "2", "--out", str(tmp_path), "--no-plots"]) == 0
+    out = capsys.readouterr().out
+    assert "tqdm not installed" in out
+    epoch_lines = [line for line in out.splitlines() if line.startswith("upgrad epoch ")]
+    assert [line.split(":")[0] for line in epoch_lines] == ["upgrad epoch 1", "upgrad epoch 2"]
+    assert "digit_acc=" in epoch_lines[0]

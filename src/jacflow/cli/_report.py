@@ -119,7 +119,8 @@ def format_summary(summary: dict[str, Any]) -> str:
 
 
 def markdown_table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
-    """A markdown table of ``rows`` restricted to ``columns`` (floats with 4 decimals).
+    """A markdown table of ``rows`` restricted to ``columns`` (floats with 4 decimals, ``n/a``
+    for NaN: e.g. the update cosines of an aggregator that exposes no weights).
 
     Example:
         >>> from jacflow.cli._report import markdown_table
@@ -127,10 +128,14 @@ def markdown_table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> st
         | name | acc |
         |---|---|
         | mean | 0.5000 |
+        >>> print(markdown_table([{"acc": float("nan")}], ["acc"]).splitlines()[-1])
+        | n/a |
     """
 
     def cell(value: Any) -> str:
-        return f"{value:.4f}" if isinstance(value, float) else str(value)
+        if isinstance(value, float):
+            return f"{value:.4f}" if math.isfinite(value) else "n/a"
+        return str(value)
 
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(cell(row.get(c, "")) for c in columns) + " |" for row in rows]
