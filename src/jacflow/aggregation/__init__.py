@@ -23,6 +23,7 @@ from jacflow.aggregation._config import ConFIG
 from jacflow.aggregation._constant import Constant, ConstantWeighting
 from jacflow.aggregation._crmogm import CRMOGMWeighting
 from jacflow.aggregation._dbmtl import DBMTL
+from jacflow.aggregation._epo import EPO, EPOWeighting
 from jacflow.aggregation._graddrop import GradDrop
 from jacflow.aggregation._gradnorm import GradNorm, GradNormWeighting
 from jacflow.aggregation._gradvac import GradVac, GradVacWeighting
@@ -43,6 +44,7 @@ from jacflow.aggregation._upgrad import UPGrad, UPGradWeighting
 
 __all__ = [
     "DBMTL",
+    "EPO",
     "IMTLG",
     "MGDA",
     "Aggregator",
@@ -54,6 +56,7 @@ __all__ = [
     "ConFIG",
     "Constant",
     "ConstantWeighting",
+    "EPOWeighting",
     "GradDrop",
     "GradNorm",
     "GradNormWeighting",
