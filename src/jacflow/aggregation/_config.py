@@ -40,8 +40,12 @@ def config_weights(gramian: Tensor, pref: Tensor) -> Tensor:
     dy = inverse * y
     squared_norm = y @ unit_gramian @ y
     magnitude = (gramian @ dy).sum()
-    safe = torch.where(squared_norm > 0, squared_norm, torch.ones_like(squared_norm))
-    return torch.where(squared_norm > 0, magnitude / safe, 0.0) * dy
+    # ||x||^2 >= |p_R|^2 / m when p has a part p_R in the range of U; below rounding level,
+    # p is orthogonal to it (e.g. opposite rows) and there is no direction: the update is 0.
+    floor = 100 * m * torch.finfo(gramian.dtype).eps * (pref @ pref)
+    defined = squared_norm > floor
+    safe = torch.where(defined, squared_norm, torch.ones_like(squared_norm))
+    return torch.where(defined, magnitude / safe, 0.0) * dy
 
 
 class ConFIG(Aggregator):
@@ -55,7 +59,8 @@ class ConFIG(Aggregator):
               A(J) = \Big(\sum_i \langle g_i, \hat x\rangle\Big) \hat x.
 
     When the rows are linearly independent, :math:`\langle g_i, \hat x\rangle \propto p_i
-    \|g_i\| > 0` for every row. Linear under scaling and invariant to the rows' order. Computed
+    \|g_i\| > 0` for every row. When :math:`x` vanishes (e.g. two opposite rows) there is no
+    direction and the update is 0. Linear under scaling and invariant to the rows' order. Computed
     from the Gramian :math:`JJ^\top` (an ``m x m`` pseudo-inverse) and one product with
     :math:`J^\top`, never a pseudo-inverse of the ``[m, n]`` matrix.
 

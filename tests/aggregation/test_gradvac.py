@@ -1,0 +1,114 @@
+"""GradVac / GradVacWeighting: literal reference over several steps, state and reset."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import Tensor
+
+from jacflow.aggregation import GradVac, GradVacWeighting, PCGrad
+from jacflow.aggregation._gradvac import gradvac_weights
+from tests.aggregation._properties import check_claimed_properties, check_degenerate_inputs
+from tests.aggregation._seeded import seeded
+
+J_DOC = torch.tensor([[-4.0, 1.0, 1.0], [6.0, 1.0, 1.0]])
+
+
+def literal_gradvac(J: Tensor, targets: Tensor, orders: Tensor, beta: float) -> Tensor:
+    """Wang et al. (2021), Algorithm 2, on explicit vectors; updates ``targets`` in place."""
+    total = torch.zeros(J.shape[1], dtype=J.dtype)
+    for i in range(J.shape[0]):
+        g = J[i].clone()
+        for j in orders[i].tolist():
+            if j == i:
+                continue
+            phi = float(g @ J[j]) / (float(g.norm()) * float(J[j].norm()))
+            target = float(targets[i, j])
+            if phi < target:
+                coefficient = (
+                    float(g.norm())
+                    * (target * math.sqrt(1 - phi**2) - phi * math.sqrt(1 - target**2))
+                    / (float(J[j].norm()) * math.sqrt(1 - target**2))
+                )
+                g = g + coefficient * J[j]
+            targets[i, j] = (1 - beta) * target + beta * phi
+        total += g
+    return total
+
+
+def test_claimed_properties() -> None:
+    check_claimed_properties(seeded(GradVac, reset=True))
+
+
+def test_degenerate_inputs() -> None:
+    check_degenerate_inputs(GradVac)
+
+
+def test_several_steps_match_the_literal_algorithm() -> None:
+    gen = torch.Generator().manual_seed(0)
+    targets_ours = torch.zeros(4, 4, dtype=torch.float64)
+    targets_ref = torch.zeros(4, 4, dtype=torch.float64)
+    for _ in range(5):
+        J = torch.randn(4, 6, generator=gen, dtype=torch.float64)
+        orders = torch.stack([torch.randperm(4, generator=gen) for _ in range(4)])
+        weights, targets_ours = gradvac_weights(J @ J.T, targets_ours, orders, 0.3, 0.0)
+        expected = literal_gradvac(J, targets_ref, orders, 0.3)
+        torch.testing.assert_close(weights @ J, expected)
+        torch.testing.assert_close(targets_ours, targets_ref)
+    assert bool((targets_ref != 0).any())  # the targets moved, so later steps differ from PCGrad
+
+
+def test_first_call_equals_pcgrad() -> None:
+    J = torch.randn(5, 7, dtype=torch.float64)
+    torch.manual_seed(2)
+    expected = PCGrad()(J)
+    torch.manual_seed(2)
+    torch.testing.assert_close(GradVac(eps=0.0)(J), expected)
+
+
+def test_documented_values_over_three_steps() -> None:
+    agg = GradVac()
+    expected = [[0.5848, 3.8012, 3.8012], [1.0065, 3.2644, 3.2644], [1.3245, 2.8597, 2.8597]]
+    for row in expected:
+        torch.testing.assert_close(agg(J_DOC), torch.tensor(row), atol=1e-4, rtol=0)
+
+
+def test_reset_restores_the_initial_behaviour() -> None:
+    agg = GradVac()
+    first = agg(J_DOC)
+    assert not torch.allclose(agg(J_DOC), first)
+    agg.reset()
+    torch.testing.assert_close(agg(J_DOC), first)
+
+
+def test_number_of_objectives_may_change_only_after_reset() -> None:
+    agg = GradVac()
+    agg(J_DOC)
+    with pytest.raises(ValueError, match="reset"):
+        agg(torch.randn(3, 3))
+    agg.reset()
+    assert agg(torch.randn(3, 3)).shape == (3,)
+
+
+def test_weighting_and_aggregator_agree() -> None:
+    J = torch.randn(4, 6, dtype=torch.float64)
+    weighting, agg = GradVacWeighting(), GradVac()
+    for seed in range(3):
+        torch.manual_seed(seed)
+        a = agg(J)
+        torch.manual_seed(seed)
+        torch.testing.assert_close(weighting(J @ J.T) @ J, a)
+
+
+def test_constructor_errors() -> None:
+    with pytest.raises(ValueError, match=r"`beta` must be a float in \[0.0, 1.0\]"):
+        GradVac(beta=1.5)
+    with pytest.raises(ValueError, match=r"`eps` must be a float in \[0.0, inf\)"):
+        GradVac(eps=-1.0)
+
+
+def test_repr_and_str() -> None:
+    assert repr(GradVac()) == "GradVac(beta=0.5, eps=1e-08)"
+    assert str(GradVac()) == "GradVac"

@@ -1,0 +1,69 @@
+"""IMTLG / IMTLGWeighting against the closed form of the IMTL paper."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import Tensor
+
+from jacflow.aggregation import IMTLG, IMTLGWeighting
+from tests.aggregation._properties import (
+    check_claimed_properties,
+    check_degenerate_inputs,
+    make_jacobian,
+)
+
+
+def paper_imtlg(J: Tensor) -> Tensor:
+    """Liu et al. (2021), IMTL-G closed form: alpha_{2:} = g_1 U^T (D U^T)^{-1}."""
+    units = J / J.norm(dim=1, keepdim=True)
+    D = J[0] - J[1:]  # rows g_1 - g_i
+    U = units[0] - units[1:]  # rows u_1 - u_i
+    rest = J[0] @ U.T @ torch.linalg.inv(D @ U.T)
+    alpha = torch.cat([(1 - rest.sum()).reshape(1), rest])
+    return alpha @ J
+
+
+def test_claimed_properties() -> None:
+    check_claimed_properties(IMTLG)
+
+
+def test_degenerate_inputs() -> None:
+    check_degenerate_inputs(IMTLG)
+
+
+@settings(max_examples=30)
+@given(st.integers(2, 6), st.integers(0, 3), st.integers(0, 2**31 - 1))
+def test_matches_the_paper_closed_form(m: int, extra: int, seed: int) -> None:
+    J = make_jacobian(m, m + extra, m, 1.0, torch.float64, seed)
+    expected = paper_imtlg(J)
+    out = IMTLG()(J)
+    torch.testing.assert_close(out, expected, atol=1e-6 * float(J.norm()), rtol=1e-6)
+    # Equal projections on the unit gradients.
+    projections = (J / J.norm(dim=1, keepdim=True)) @ out
+    torch.testing.assert_close(projections, projections[0].expand(m), atol=1e-8, rtol=1e-6)
+
+
+def test_zero_matrix_gives_zero() -> None:
+    assert torch.equal(IMTLG()(torch.zeros(3, 4)), torch.zeros(4))
+
+
+def test_opposite_rows_give_zero() -> None:
+    g = torch.tensor([1.0, 2.0, -1.0], dtype=torch.float64)
+    torch.testing.assert_close(IMTLG()(torch.stack([g, -g])), torch.zeros(3, dtype=torch.float64))
+
+
+def test_documented_values() -> None:
+    J = torch.tensor([[-4.0, 1.0, 1.0], [6.0, 1.0, 1.0]])
+    torch.testing.assert_close(IMTLG()(J), torch.tensor([0.0767, 1.0, 1.0]), atol=1e-4, rtol=0)
+
+
+def test_weighting_and_aggregator_agree() -> None:
+    J = torch.randn(5, 8, dtype=torch.float64)
+    torch.testing.assert_close(IMTLG()(J), IMTLGWeighting()(J @ J.T) @ J)
+
+
+def test_repr_and_str() -> None:
+    assert repr(IMTLG()) == "IMTLG()"
+    assert str(IMTLG()) == "IMTLG"

@@ -1,0 +1,76 @@
+"""Krum / KrumWeighting against a brute-force implementation on explicit vectors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import Tensor
+
+from jacflow.aggregation import Krum, KrumWeighting
+from tests.aggregation._properties import check_claimed_properties, jacobians
+
+
+def brute_force_krum(J: Tensor, n_byzantine: int, n_selected: int) -> Tensor:
+    m = J.shape[0]
+    scores = []
+    for i in range(m):
+        distances = sorted(float((J[i] - J[j]).square().sum()) for j in range(m) if j != i)
+        scores.append(sum(distances[: m - n_byzantine - 2]))
+    chosen = sorted(range(m), key=lambda i: (scores[i], i))[:n_selected]
+    return J[chosen].mean(dim=0)
+
+
+def test_claimed_properties() -> None:
+    check_claimed_properties(lambda: Krum(1, 2), jacobians(min_m=4, max_m=16))
+
+
+def test_degenerate_inputs() -> None:
+    assert torch.equal(Krum(1)(torch.zeros(0, 5)), torch.zeros(5))
+    assert Krum(1)(torch.zeros(4, 0)).shape == (0,)
+    nan_matrix = torch.tensor([[1.0, float("nan")], [0.5, 2.0], [0.0, 1.0], [1.0, 1.0]])
+    assert not bool(torch.isfinite(Krum(1)(nan_matrix)).all())
+
+
+@settings(max_examples=30)
+@given(
+    st.integers(3, 10),
+    st.integers(1, 6),
+    st.integers(0, 3),
+    st.integers(1, 4),
+    st.integers(0, 2**31 - 1),
+)
+def test_matches_brute_force(m: int, n: int, f: int, k: int, seed: int) -> None:
+    f, k = min(f, m - 3), min(k, m)
+    J = torch.randn(m, n, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    torch.testing.assert_close(Krum(f, k)(J), brute_force_krum(J, f, k))
+
+
+def test_rejects_the_outlier() -> None:
+    J = torch.cat([torch.randn(6, 3) * 0.1, torch.full((1, 3), 100.0)])
+    out = Krum(n_byzantine=1, n_selected=3)(J)
+    assert float(out.abs().max()) < 1.0
+
+
+def test_weighting_and_aggregator_agree() -> None:
+    J = torch.randn(7, 5, dtype=torch.float64)
+    torch.testing.assert_close(Krum(2, 3)(J), KrumWeighting(2, 3)(J @ J.T) @ J)
+
+
+def test_errors() -> None:
+    with pytest.raises(ValueError, match=r"`n_byzantine` must be an int >= 0"):
+        Krum(-1)
+    with pytest.raises(ValueError, match=r"`n_selected` must be an int >= 1"):
+        Krum(1, 0)
+    with pytest.raises(TypeError, match="`n_byzantine` must be an int"):
+        Krum(1.5)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"at least n_byzantine \+ 3 = 4 rows, received 3"):
+        Krum(1)(torch.ones(3, 2))
+    with pytest.raises(ValueError, match="lower `n_selected`"):
+        Krum(0, 5)(torch.ones(4, 2))
+
+
+def test_repr_and_str() -> None:
+    assert repr(Krum(1, 4)) == "Krum(n_byzantine=1, n_selected=4)"
+    assert str(Krum(1, 4)) == "Krum1-4"
