@@ -62,19 +62,19 @@ def linprog_max(
         ...             torch.zeros(0, 2), torch.zeros(0))
         tensor([0., 1.], dtype=torch.float64)
     """
-    opts = {"dtype": torch.float64, "device": c.device}
+    f64, device = torch.float64, c.device
     n, n_ub, n_eq = c.shape[0], A_ub.shape[0], A_eq.shape[0]
     rows = n_ub + n_eq
     # Columns: x (n), slacks (n_ub), artificials (rows), right-hand side.
-    tableau = torch.zeros(rows + 1, n + n_ub + rows + 1, **opts)
-    tableau[:n_ub, :n] = A_ub.to(**opts)
-    tableau[:n_ub, n : n + n_ub] = torch.eye(n_ub, **opts)
-    tableau[n_ub:rows, :n] = A_eq.to(**opts)
-    tableau[:n_ub, -1] = b_ub.to(**opts)
-    tableau[n_ub:rows, -1] = b_eq.to(**opts)
+    tableau = torch.zeros(rows + 1, n + n_ub + rows + 1, dtype=f64, device=device)
+    tableau[:n_ub, :n] = A_ub.to(dtype=f64, device=device)
+    tableau[:n_ub, n : n + n_ub] = torch.eye(n_ub, dtype=f64, device=device)
+    tableau[n_ub:rows, :n] = A_eq.to(dtype=f64, device=device)
+    tableau[:n_ub, -1] = b_ub.to(dtype=f64, device=device)
+    tableau[n_ub:rows, -1] = b_eq.to(dtype=f64, device=device)
     flip = tableau[:rows, -1] < 0
     tableau[:rows][flip] *= -1
-    tableau[:rows, n + n_ub : n + n_ub + rows] = torch.eye(rows, **opts)
+    tableau[:rows, n + n_ub : n + n_ub + rows] = torch.eye(rows, dtype=f64, device=device)
     basis = list(range(n + n_ub, n + n_ub + rows))
     # Phase 1: minimise the sum of the artificials.
     tableau[-1, : n + n_ub] = -tableau[:rows, : n + n_ub].sum(0)
@@ -91,14 +91,14 @@ def linprog_max(
                 _pivot(tableau, row, col)
                 basis[row] = col
     # Phase 2: minimise -c^T x.
-    costs = torch.zeros(n + n_ub + rows + 1, **opts)
-    costs[:n] = -c.to(**opts)
+    costs = torch.zeros(n + n_ub + rows + 1, dtype=f64, device=device)
+    costs[:n] = -c.to(dtype=f64, device=device)
     for row, var in enumerate(basis):
         costs -= costs[var].clone() * tableau[row]
     tableau[-1] = costs
     if _run_simplex(tableau, basis, n + n_ub, max_iter) != "optimal":
         return None
-    x = torch.zeros(n, **opts)
+    x = torch.zeros(n, dtype=f64, device=device)
     for row, var in enumerate(basis):
         if var < n:
             x[var] = tableau[row, -1]
