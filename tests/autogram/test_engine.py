@@ -8,6 +8,8 @@ from torch import Tensor, nn
 
 from jacflow.aggregation import MeanWeighting, UPGradWeighting
 from jacflow.autogram import Engine
+from jacflow.autogram._conv import ConvContribution
+from jacflow.autogram._linear import UnfoldedContribution
 from tests.autogram._zoo import CASES, Case
 
 
@@ -115,3 +117,33 @@ def test_large_vocabulary_embedding_uses_pairwise_form() -> None:
     losses = embedding(ids).sin().sum((1, 2))
     jacobian = reference_jacobian(losses, [embedding.weight])
     torch.testing.assert_close(engine.compute_gramian(losses), jacobian @ jacobian.T)
+
+
+ROUTE_CASES = [
+    c
+    for c in CASES
+    if c.name
+    in {
+        "conv1d",
+        "conv2d_dilation_groups",
+        "conv2d_same_reflect",
+        "conv3d",
+        "cnn",
+        "linear_seq_ghost",
+        "linear_seq_materialized",
+        "mlp_losses_Bk",
+        "tasks_mlp",
+        "tasks_cnn",
+        "called_twice",
+        "weight_tying",
+    }
+]
+
+
+@pytest.mark.parametrize("ghost", [True, False], ids=["ghost", "materialized"])
+@pytest.mark.parametrize("case", ROUTE_CASES, ids=[c.name for c in ROUTE_CASES])
+def test_both_routes_agree(case: Case, ghost: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Force each of the two exact Gramian routes of Linear and Conv layers."""
+    monkeypatch.setattr(ConvContribution, "_ghost_cheaper", lambda self: ghost)
+    monkeypatch.setattr(UnfoldedContribution, "_ghost_cheaper", lambda self: ghost)
+    check_case(case, torch.float64)

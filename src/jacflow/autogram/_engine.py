@@ -442,7 +442,8 @@ def _accumulate(updates: list[tuple[Tensor, Tensor]]) -> None:
             if not grad.is_sparse:
                 grad = grad.reshape(param.shape)
             if param.grad is None:
-                param.grad = grad.clone()
+                # Every update is a fresh tensor of ours: no copy needed.
+                param.grad = grad if grad.is_sparse else grad.contiguous()
             elif grad.is_sparse or param.grad.is_sparse:
                 param.grad = param.grad + grad
             else:

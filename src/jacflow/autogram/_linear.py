@@ -101,12 +101,15 @@ class UnfoldedContribution(Contribution):
     def _bias_rows(self) -> Tensor:
         return self.bp.sum(dim=1).reshape(self.bp.shape[0], -1)
 
+    def _ghost_cheaper(self) -> bool:
+        _, t, g, d = self.u.shape
+        p = self.bp.shape[3]
+        return ghost_cost(self.rows, t, g, d, p) <= materialized_cost(self.rows, t, g, d, p)
+
     def gramian(self, names: set[str]) -> Tensor | None:
         total: Tensor | None = None
         if self.weight_name is not None and self.weight_name in names:
-            _, t, g, d = self.u.shape
-            p = self.bp.shape[3]
-            if ghost_cost(self.rows, t, g, d, p) <= materialized_cost(self.rows, t, g, d, p):
+            if self._ghost_cheaper():
                 total = ghost_gramian(self.u, self.bp, self.rows)
             else:
                 flat = per_row_weight_grads(self.u, self.bp, self.rows).flatten(1)

@@ -1,0 +1,360 @@
+"""autogram speed and memory: jacflow's Gramian engine vs an SGD step vs TorchJD 0.18, one run.
+
+Per-sample losses (IWRM, m = B): one step = zero grads + forward + JD update + ``SGD.step``.
+
+* ``sgd``: ``cross_entropy(reduction="mean").backward()``;
+* ``jacflow``: ``jacflow.autogram.Engine(model, batch_dim=0).backward(losses, UPGradWeighting())``
+  (one activation-only backward, closed-form Gramian, book-keeping update);
+* ``tjd_autogram``: TorchJD ``autogram.Engine`` + ``compute_gramian`` + its ``UPGradWeighting`` +
+  ``losses.backward(weights)``;
+* ``tjd_autojac``: TorchJD ``autojac.backward(losses)`` + ``jac_to_grad(params, UPGrad())``.
+
+Multi-task (m heads on a shared trunk, MSE): ``sgd`` = ``losses.sum().backward()``; ``jacflow`` =
+per-task ``Engine(trunk, batch_dim=None)`` + ``mtl_gramian_step`` (heads get the plain gradient);
+``tjd_mtl`` = TorchJD ``mtl_backward(losses, features)`` + ``jac_to_grad(trunk, UPGrad())``;
+``tjd_autogram`` = TorchJD ``Engine(trunk, batch_dim=None)`` + ``losses.backward(weights)``.
+
+Timing: process CPU time, 1 torch thread, median of interleaved rounds (``_timing.py``).
+Memory: each (config, method) runs 3 steps in a fresh subprocess; we report the peak
+``ru_maxrss`` minus the RSS just before the first step (model, data and engine already built),
+in MB. (``tracemalloc`` does not see torch's allocations and no GPU is used.)
+
+Run: ``.venv/bin/python benchmarks/bench_autogram.py [--quick] [--no-memory]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F  # noqa: N812
+from torch import nn
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from _timing import interleaved_medians, setup
+
+import torchjd
+from torchjd import autogram as tjd_autogram
+from torchjd import autojac as tjd_autojac
+from torchjd.aggregation import UPGrad as TjdUPGrad
+from torchjd.aggregation import UPGradWeighting as TjdUPGradWeighting
+
+from jacflow.aggregation import UPGradWeighting
+from jacflow.autogram import Engine, mtl_gramian_step
+
+Step = Callable[[], None]
+
+
+def mlp(width: int) -> nn.Module:
+    return nn.Sequential(
+        nn.Linear(width, width),
+        nn.ReLU(),
+        nn.Linear(width, width),
+        nn.ReLU(),
+        nn.Linear(width, width),
+        nn.ReLU(),
+        nn.Linear(width, 10),
+    )
+
+
+def cnn() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(16, 32, 3, stride=2, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(32, 32, 3, stride=2, padding=1),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(32 * 8 * 8, 10),
+    )
+
+
+def iwrm_steps(model_name: str, batch: int, methods: list[str]) -> dict[str, Step]:
+    """Fresh model per method (same init), so that hooks of one never touch another."""
+    steps: dict[str, Step] = {}
+    for method in methods:
+        torch.manual_seed(0)
+        if model_name == "cnn":
+            model, x = cnn(), torch.randn(batch, 3, 32, 32)
+        else:
+            width = int(model_name.removeprefix("mlp"))
+            model, x = mlp(width), torch.randn(batch, width)
+        y = torch.randint(0, 10, (batch,))
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        steps[method] = _iwrm_step(method, model, x, y, opt)
+    return steps
+
+
+def _iwrm_step(
+    method: str, model: nn.Module, x: torch.Tensor, y: torch.Tensor, opt: torch.optim.Optimizer
+) -> Step:
+    params = list(model.parameters())
+    if method == "sgd":
+
+        def step() -> None:
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+
+    elif method == "jacflow":
+        engine, weighting = Engine(model, batch_dim=0), UPGradWeighting()
+
+        def step() -> None:
+            opt.zero_grad()
+            engine.backward(F.cross_entropy(model(x), y, reduction="none"), weighting)
+            opt.step()
+
+    elif method == "tjd_autogram":
+        tengine, tweighting = tjd_autogram.Engine(model, batch_dim=0), TjdUPGradWeighting()
+
+        def step() -> None:
+            opt.zero_grad()
+            losses = F.cross_entropy(model(x), y, reduction="none")
+            weights = tweighting(tengine.compute_gramian(losses))
+            losses.backward(weights)
+            opt.step()
+
+    else:
+        aggregator = TjdUPGrad()
+
+        def step() -> None:
+            opt.zero_grad()
+            tjd_autojac.backward(F.cross_entropy(model(x), y, reduction="none"))
+            tjd_autojac.jac_to_grad(params, aggregator)
+            opt.step()
+
+    return step
+
+
+def mtl_steps(width: int, batch: int, m: int, methods: list[str]) -> dict[str, Step]:
+    steps: dict[str, Step] = {}
+    for method in methods:
+        torch.manual_seed(0)
+        trunk = nn.Sequential(
+            nn.Linear(width, width),
+            nn.ReLU(),
+            nn.Linear(width, width),
+            nn.ReLU(),
+            nn.Linear(width, width),
+            nn.ReLU(),
+        )
+        heads = nn.ModuleList([nn.Linear(width, 1) for _ in range(m)])
+        x, y = torch.randn(batch, width), torch.randn(batch, m)
+        params = [*trunk.parameters(), *heads.parameters()]
+        opt = torch.optim.SGD(params, lr=1e-3)
+        steps[method] = _mtl_step(method, trunk, heads, x, y, opt)
+    return steps
+
+
+def _mtl_step(
+    method: str,
+    trunk: nn.Module,
+    heads: nn.ModuleList,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    opt: torch.optim.Optimizer,
+) -> Step:
+    def forward() -> tuple[torch.Tensor, torch.Tensor]:
+        features = trunk(x)
+        losses = [F.mse_loss(h(features).squeeze(1), y[:, i]) for i, h in enumerate(heads)]
+        return features, torch.stack(losses)
+
+    shared = list(trunk.parameters())
+    if method == "sgd":
+
+        def step() -> None:
+            opt.zero_grad()
+            forward()[1].sum().backward()
+            opt.step()
+
+    elif method == "jacflow":
+        engine, weighting = Engine(trunk, batch_dim=None), UPGradWeighting()
+        head_params = list(heads.parameters())
+
+        def step() -> None:
+            opt.zero_grad()
+            mtl_gramian_step(forward()[1], engine, weighting, tasks_params=head_params)
+            opt.step()
+
+    elif method == "tjd_autogram":
+        tengine, tweighting = tjd_autogram.Engine(trunk, batch_dim=None), TjdUPGradWeighting()
+
+        def step() -> None:
+            opt.zero_grad()
+            losses = forward()[1]
+            losses.backward(tweighting(tengine.compute_gramian(losses)))
+            opt.step()
+
+    else:
+        aggregator = TjdUPGrad()
+
+        def step() -> None:
+            opt.zero_grad()
+            features, losses = forward()
+            tjd_autojac.mtl_backward(list(losses), features)
+            tjd_autojac.jac_to_grad(shared, aggregator)
+            opt.step()
+
+    return step
+
+
+def _current_rss_kb() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize() // 1024
+
+
+def memory_child(spec: dict[str, object]) -> None:
+    """Runs in a fresh process: 3 steps of one method, prints the peak RSS increase (MB)."""
+    setup()
+    method = str(spec["method"])
+    if spec["kind"] == "iwrm":
+        step = iwrm_steps(str(spec["model"]), int(spec["batch"]), [method])[method]  # type: ignore[call-overload]
+    else:
+        step = mtl_steps(int(spec["width"]), int(spec["batch"]), int(spec["m"]), [method])[method]  # type: ignore[call-overload]
+    before = _current_rss_kb()
+    for _ in range(3):
+        step()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    print(json.dumps({"delta_mb": max(0, peak - before) / 1024}))
+
+
+def memory(spec: dict[str, object]) -> float:
+    out = subprocess.run(
+        [sys.executable, __file__, "--child", json.dumps(spec)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return float(json.loads(out.stdout.strip().splitlines()[-1])["delta_mb"])
+
+
+def _table(title: str, header: list[str], rows: list[list[str]]) -> None:
+    print(f"\n{title}\n")
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    for row in rows:
+        print("| " + " | ".join(row) + " |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true", help="fewer rounds and configurations")
+    parser.add_argument("--no-memory", action="store_true")
+    parser.add_argument("--child")
+    args = parser.parse_args()
+    if args.child:
+        memory_child(json.loads(args.child))
+        return
+    setup()
+    rounds = 5 if args.quick else 9
+    print(f"torch {torch.__version__}, torchjd {getattr(torchjd, '__version__', '0.18')}, 1 thread")
+
+    iwrm_rows, iwrm_mem = [], []
+    models = ["mlp256", "mlp1024", "cnn"]
+    batches = [32, 64] if args.quick else [32, 64, 128]
+    for model_name in models:
+        for batch in batches:
+            methods = ["sgd", "jacflow", "tjd_autogram"]
+            if model_name != "mlp1024" or batch <= 64:
+                methods.append("tjd_autojac")
+            times = interleaved_medians(
+                iwrm_steps(model_name, batch, methods), rounds=rounds, warmup=2
+            )
+            sgd = times["sgd"]
+            ratio = {k: f"{v / sgd:.2f}x" for k, v in times.items()}
+            iwrm_rows.append(
+                [
+                    model_name,
+                    str(batch),
+                    f"{sgd:.1f}",
+                    f"{times['jacflow']:.1f}",
+                    ratio["jacflow"],
+                    ratio["tjd_autogram"],
+                    ratio.get("tjd_autojac", "-"),
+                    f"{times['tjd_autogram'] / times['jacflow']:.0f}x",
+                ]
+            )
+            print(iwrm_rows[-1], flush=True)
+            if not args.no_memory:
+                spec = {"kind": "iwrm", "model": model_name, "batch": batch}
+                iwrm_mem.append(
+                    [model_name, str(batch)]
+                    + [f"{memory({**spec, 'method': m}):.0f}" for m in methods]
+                    + (["-"] if len(methods) == 3 else [])
+                )
+                print(iwrm_mem[-1], flush=True)
+
+    mtl_rows, mtl_mem = [], []
+    configs = [(256, 64), (1024, 256)]
+    ms = [2, 6] if args.quick else [2, 6, 10]
+    for width, batch in configs:
+        for m in ms:
+            methods = ["sgd", "jacflow", "tjd_autogram", "tjd_mtl"]
+            times = interleaved_medians(
+                mtl_steps(width, batch, m, methods), rounds=rounds, warmup=2
+            )
+            sgd = times["sgd"]
+            mtl_rows.append(
+                [str(width), str(batch), str(m), f"{sgd:.1f}"]
+                + [f"{times[k] / sgd:.2f}x" for k in methods[1:]]
+                + [f"{(m + 2) / 3:.2f}x", f"{1.25 * (m + 2) / 3:.2f}x"]
+            )
+            print(mtl_rows[-1], flush=True)
+            if not args.no_memory:
+                spec = {"kind": "mtl", "width": width, "batch": batch, "m": m}
+                mtl_mem.append(
+                    [str(width), str(batch), str(m)]
+                    + [f"{memory({**spec, 'method': k}):.0f}" for k in methods]
+                )
+
+    _table(
+        "Per-sample losses (m = B), CPU ms and ratios to the SGD step",
+        [
+            "model",
+            "B",
+            "SGD ms",
+            "jacflow ms",
+            "jacflow",
+            "TorchJD autogram",
+            "TorchJD autojac",
+            "autogram / jacflow",
+        ],
+        iwrm_rows,
+    )
+    _table(
+        "Multi-task (shared trunk of 3 Linear+ReLU), ratios to the SGD step",
+        [
+            "width",
+            "B",
+            "m",
+            "SGD ms",
+            "jacflow",
+            "TorchJD autogram",
+            "TorchJD mtl_backward",
+            "floor (m+2)/3",
+            "goal 1.25(m+2)/3",
+        ],
+        mtl_rows,
+    )
+    if iwrm_mem:
+        _table(
+            "Peak memory increase (MB, ru_maxrss, fresh process, 3 steps), per-sample",
+            ["model", "B", "SGD", "jacflow", "TorchJD autogram", "TorchJD autojac"],
+            iwrm_mem,
+        )
+    if mtl_mem:
+        _table(
+            "Peak memory increase (MB), multi-task",
+            ["width", "B", "m", "SGD", "jacflow", "TorchJD autogram", "TorchJD mtl_backward"],
+            mtl_mem,
+        )
+
+
+if __name__ == "__main__":
+    main()
