@@ -42,3 +42,13 @@ def test_missing_matplotlib_gives_install_line(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
     with pytest.raises(ImportError, match=r'pip install "jacflow\[plot\]"'):
         plot_cosine_matrix(torch.eye(2))
+
+
+def test_smoothing_is_a_trailing_mean() -> None:
+    history = [{"step": float(s), "w/a": float(s * s)} for s in range(6)]
+    ydata = list(plot_curves(history, "w/", smooth=3).axes[0].get_lines()[0].get_ydata())
+    values = [float(s * s) for s in range(6)]
+    expected = [sum(values[max(0, i - 2) : i + 1]) / min(i + 1, 3) for i in range(6)]
+    assert ydata == pytest.approx(expected)
+    with pytest.raises(ValueError, match="`smooth` must be a positive int"):
+        plot_curves(history, "w/", smooth=0)

@@ -87,7 +87,12 @@ def plot_run(result: RunResult, out: Path) -> list[Path]:
         written.append(path)
 
     history = result.steps
-    save(plot_curves(history, "loss/", title="Training loss per task", log=True), "losses.png")
+    # smooth the per-step curves over about half an epoch
+    smooth = max(1, len(history) // max(1, 2 * (len(result.epochs) - 1)))
+    save(
+        plot_curves(history, "loss/", title="Training loss per task", log=True, smooth=smooth),
+        "losses.png",
+    )
     test_rows = [{"step": row["epoch"], **row} for row in result.epochs]
     figure = plot_curves(test_rows, "test_loss/", title="Test loss per task", log=True)
     figure.axes[0].set_xlabel("epoch")
@@ -95,9 +100,11 @@ def plot_run(result: RunResult, out: Path) -> list[Path]:
     if any(key.startswith("cos/") for key in history[-1]):
         save(plot_cosines_over_training(history), "cosine_over_training.png")
     if any(key.startswith("weight/") for key in history[-1]):
-        save(plot_curves(history, "weight/", title="Weights over training"), "weights.png")
+        figure = plot_curves(history, "weight/", title="Weights over training", smooth=smooth)
+        save(figure, "weights.png")
     if any(key.startswith("norm/") for key in history[-1]):
-        save(plot_curves(history, "norm/", title="Gradient norms", log=True), "norms.png")
+        figure = plot_curves(history, "norm/", title="Gradient norms", log=True, smooth=smooth)
+        save(figure, "norms.png")
     return written
 
 

@@ -56,8 +56,20 @@ def _steps(history: Sequence[dict[str, float]]) -> list[float]:
     return [row.get("step", float(index)) for index, row in enumerate(history)]
 
 
+def _moving_average(values: list[float], window: int) -> list[float]:
+    """Trailing mean over the last ``window`` values (fewer at the start)."""
+    return [
+        sum(values[max(0, i - window + 1) : i + 1]) / min(i + 1, window) for i in range(len(values))
+    ]
+
+
 def plot_curves(
-    history: Sequence[dict[str, float]], prefix: str, *, title: str | None = None, log: bool = False
+    history: Sequence[dict[str, float]],
+    prefix: str,
+    *,
+    title: str | None = None,
+    log: bool = False,
+    smooth: int = 1,
 ) -> Any:
     """Line plot over steps of every metric whose key starts with ``prefix``.
 
@@ -66,6 +78,7 @@ def plot_curves(
         prefix: e.g. ``"loss/"``, ``"weight/"``, ``"norm/"`` or ``"cos/"``.
         title: the title (default: the prefix).
         log: logarithmic y axis.
+        smooth: plot the trailing mean over this many points (1: the raw values).
 
     Example:
         >>> from jacflow.monitor import plot_curves
@@ -73,7 +86,12 @@ def plot_curves(
         >>> figure = plot_curves(history, "loss/")
         >>> [line.get_label() for line in figure.axes[0].get_lines()]
         ['a']
+        >>> line = plot_curves(history, "loss/", smooth=2).axes[0].get_lines()[0]
+        >>> [float(y) for y in line.get_ydata()]
+        [1.0, 0.75]
     """
+    if not isinstance(smooth, int) or isinstance(smooth, bool) or smooth < 1:
+        raise ValueError(f"`smooth` must be a positive int, received {smooth!r}.")
     keys = sorted({key for row in history for key in row if key.startswith(prefix)})
     if not keys:
         raise ValueError(
@@ -85,7 +103,8 @@ def plot_curves(
     steps = _steps(history)
     for key in keys:
         points = [(s, row[key]) for s, row in zip(steps, history) if key in row]
-        ax.plot([p[0] for p in points], [p[1] for p in points], label=key[len(prefix) :])
+        values = _moving_average([p[1] for p in points], smooth)
+        ax.plot([p[0] for p in points], values, label=key[len(prefix) :])
     if log:
         ax.set_yscale("log")
     ax.set_xlabel("step")
