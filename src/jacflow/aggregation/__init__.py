@@ -33,6 +33,7 @@ from jacflow.aggregation._log_loss import LogLoss
 from jacflow.aggregation._loss_aware import LossAware
 from jacflow.aggregation._mean import Mean, MeanWeighting
 from jacflow.aggregation._mgda import MGDA, MGDAWeighting
+from jacflow.aggregation._pareto_mtl import ParetoMTL, ParetoMTLWeighting
 from jacflow.aggregation._pcgrad import PCGrad, PCGradWeighting
 from jacflow.aggregation._periodic import Periodic
 from jacflow.aggregation._properties import Property
@@ -74,6 +75,8 @@ __all__ = [
     "MeanWeighting",
     "PCGrad",
     "PCGradWeighting",
+    "ParetoMTL",
+    "ParetoMTLWeighting",
     "Periodic",
     "Property",
     "Random",
