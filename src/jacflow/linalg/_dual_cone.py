@@ -5,10 +5,10 @@ For a Jacobian ``J`` with Gramian ``G = J J^T`` and a weight vector ``u``, the p
 
     minimize  v^T G v   subject to  v >= u            (Quinton & Rey, 2024, Prop. 1)
 
-This module holds the public entry point :func:`project_weights` (batched PDAS / FISTA solvers
-in ``_pdas`` and ``_first_order``) and the reference solver :func:`project_weights_reference`:
-an exact primal active-set method, one problem at a time, in float64. It is small and obviously
-correct; it is the oracle of the tests.
+This module holds the public entry point :func:`project_weights` (batched PDAS / ADMM / FISTA
+solvers in ``_pdas`` and ``_first_order``) and the reference solver
+:func:`project_weights_reference`: an exact primal active-set method, one problem at a time, in
+float64. It is small and obviously correct; it is the oracle of the tests.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import warnings
 import torch
 from torch import Tensor
 
-from jacflow.linalg._first_order import fista_solve
+from jacflow.linalg._first_order import admm_solve, fista_solve
 from jacflow.linalg._gramian import normalize_gramian, regularize_gramian
 from jacflow.linalg._pdas import kkt_residual, multiplier_scale, pdas_solve
 
@@ -87,9 +87,11 @@ def project_weights_reference(
     return result.reshape(u.shape).to(device=device, dtype=dtype)
 
 
-METHODS = ("auto", "pdas", "fista")
-_AUTO_PDAS_MAX_M = 64  # "auto" uses PDAS up to this size, FISTA + PDAS polish above
-_FISTA_TOL = 1e-7  # FISTA stops here (at the latest) and hands over to the exact PDAS polish
+METHODS = ("auto", "pdas", "fista", "admm")
+_AUTO_PDAS_MAX_M = 48  # "auto" uses PDAS up to this size, ADMM + PDAS polish above
+_FISTA_TOL = 1e-7  # FISTA stops here and hands over to the exact PDAS polish
+_PDAS_MAX_ITER = 50
+_FIRST_ORDER_MAX_ITER = 20_000
 _POLISH_ITER = 10
 # Polish only when its batched Cholesky (k * s^3 for free sets of size s) is cheap.
 _POLISH_MAX_FLOP = 3e7
@@ -169,14 +171,16 @@ def _solve(u: Tensor, g: Tensor, method: str, max_iter: int | None, tol: float) 
         return u
     m = u.shape[-1]
     if method == "auto":
-        method = "pdas" if m <= _AUTO_PDAS_MAX_M else "fista"
+        method = "pdas" if m <= _AUTO_PDAS_MAX_M else "admm"
+    cap = max_iter
     if method == "pdas":
-        v, residual = pdas_solve(u, g, u, 50 if max_iter is None else max_iter, tol)
-        if max_iter is None and not bool((residual <= tol).all()):
-            # PDAS may cycle on some Gramians: restart from a first-order solution.
-            method = "fista"
-    if method == "fista":
-        cap = 20_000 if max_iter is None else max_iter
+        v, residual = pdas_solve(u, g, u, _PDAS_MAX_ITER if cap is None else cap, tol)
+        if cap is None and not bool((residual <= tol).all()):
+            method = "admm"  # PDAS may cycle on some Gramians: ADMM always converges
+    if method == "admm":
+        v, residual = admm_solve(u, g, _FIRST_ORDER_MAX_ITER if cap is None else cap, tol)
+    elif method == "fista":
+        cap = _FIRST_ORDER_MAX_ITER if cap is None else cap
         v, residual = fista_solve(u, g, u, cap, max(tol, _FISTA_TOL))
         free = int((v > u).sum(-1).amax())
         if u.shape[0] * u.shape[1] * free**3 <= _POLISH_MAX_FLOP:
@@ -219,11 +223,12 @@ def project_weights(
     does not change the solution). TorchJD uses ``norm_eps = reg_eps = 1e-4``.
 
     Solvers. ``"pdas"``: exact primal-dual active set (a few batched Cholesky solves; exact also
-    for singular ``G``). ``"fista"``: accelerated projected gradient with restart (one batched
-    ``V @ G`` per iteration), then polished by PDAS. ``"auto"``: PDAS for ``m <= 64``, FISTA
-    above, and FISTA + polish if PDAS fails to converge. Problems with ``G u >= 0`` need no
-    projection (``v = u``); when this holds for every problem (e.g. no negative entry in ``G``
-    and ``u >= 0``) nothing is solved.
+    for singular ``G``). ``"admm"``: ADMM with one eigendecomposition of ``G`` shared by all
+    problems (one batched product per iteration). ``"fista"``: accelerated projected gradient
+    with restart (one batched ``V @ G`` per iteration), polished by PDAS when that is cheap.
+    ``"auto"``: PDAS for ``m <= 48``, ADMM above, and ADMM if PDAS fails to converge. Problems
+    with ``G u >= 0`` need no projection (``v = u``); when this holds for every problem (e.g. no
+    negative entry in ``G`` and ``u >= 0``) nothing is solved.
 
     Accuracy. Computation is in float64 whatever the input dtype (the systems are small and
     float32 loses the active set on ill-conditioned Gramians); the result has the promoted
@@ -239,9 +244,9 @@ def project_weights(
         gramian: the Gramian ``J J^T`` (symmetric PSD), ``[m, m]`` or ``[*batch, m, m]``.
         norm_eps: ``G`` is divided by its trace; a trace ``<= norm_eps`` counts as zero.
         reg_eps: ``reg_eps * I`` is added to the normalised ``G`` (0: the exact problem).
-        method: ``"auto"``, ``"pdas"`` or ``"fista"``.
-        max_iter: iteration cap of the chosen method (default: 50 PDAS or 20 000 FISTA
-            iterations); an explicit cap also disables the PDAS-to-FISTA fallback.
+        method: ``"auto"``, ``"pdas"``, ``"admm"`` or ``"fista"``.
+        max_iter: iteration cap of the chosen method (default: 50 PDAS or 20 000 ADMM / FISTA
+            iterations); an explicit cap also disables the PDAS-to-ADMM fallback.
         tol: KKT residual at which a problem counts as solved (default: 1e-10 for float64
             inputs, 1e-6 for float32 ones, whose rounded Gramians may be slightly indefinite).
 

@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 
 _SHIFT = 1e-13  # relative diagonal shift that makes the Cholesky factor of G_FF exist
+_MASKED_MAX_M = 48  # up to this size, full masked systems beat gathering the free blocks
 
 
 def multiplier_scale(g: Tensor) -> Tensor:
@@ -49,9 +50,34 @@ def kkt_residual(v: Tensor, u: Tensor, lam: Tensor, c: Tensor) -> Tensor:
     return natural / scale
 
 
+def _factor_and_solve(system: Tensor, unshifted: Tensor, rhs: Tensor) -> Tensor:
+    """Solve ``system x = rhs`` (Cholesky, LU if not PD), refined once against ``unshifted``."""
+    factor, info = torch.linalg.cholesky_ex(system)
+    if bool((info != 0).any()):  # not PSD (e.g. a rounded float32 Gramian): LU instead
+        x = torch.linalg.solve(system, rhs)
+        return x + torch.linalg.solve(system, rhs - unshifted @ x)
+    x = torch.cholesky_solve(rhs, factor)
+    return x + torch.cholesky_solve(rhs - unshifted @ x, factor)
+
+
+def _solve_masked(u: Tensor, g: Tensor, active: Tensor) -> Tensor:
+    """As :func:`_solve_free`, with full-size ``m x m`` masked systems (fewer, larger ops)."""
+    m = u.shape[-1]
+    free = (~active).to(u.dtype)
+    v = u * (1 - free)
+    rhs = v - free * torch.bmm(v, g)
+    pair = free[..., :, None] * free[..., None, :]
+    unshifted = g[:, None] * pair + torch.diag_embed(1 - free)
+    shift = _SHIFT * m * g.diagonal(dim1=-2, dim2=-1).amax(-1).clamp_min(1e-300)
+    system = unshifted + torch.diag_embed(shift[:, None, None] * free)
+    return _factor_and_solve(system, unshifted, rhs[..., None]).squeeze(-1)
+
+
 def _solve_free(u: Tensor, g: Tensor, active: Tensor) -> Tensor:
     """``v`` with ``v_A = u_A`` and ``G_FF v_F = -G_FA u_A`` for every problem's active set."""
     b, k, m = u.shape
+    if m <= _MASKED_MAX_M:
+        return _solve_masked(u, g, active)
     v = torch.where(active, u, torch.zeros_like(u))
     free = ~active
     s = int(free.sum(-1).amax()) if free.numel() else 0
@@ -68,15 +94,10 @@ def _solve_free(u: Tensor, g: Tensor, active: Tensor) -> Tensor:
     sub = torch.where(valid[:, :, None] & valid[:, None, :], sub, torch.zeros_like(sub))
     off = (~valid).to(sub.dtype)
     shift = _SHIFT * s * g.diagonal(dim1=-2, dim2=-1).amax(-1).clamp_min(1e-300)[batch]
-    system = sub + torch.diag_embed(off + shift[:, None] * valid.to(sub.dtype))
+    unshifted = sub + torch.diag_embed(off)
+    system = unshifted + torch.diag_embed(shift[:, None] * valid.to(sub.dtype))
     rhs = torch.where(valid, torch.gather(rhs_full, 1, order), torch.zeros_like(off))[..., None]
-    factor, info = torch.linalg.cholesky_ex(system)
-    if bool((info != 0).any()):  # not PSD (e.g. a rounded float32 Gramian): LU instead
-        x = torch.linalg.solve(system, rhs)
-        x = x + torch.linalg.solve(system, rhs - (sub @ x + off[..., None] * x))
-    else:
-        x = torch.cholesky_solve(rhs, factor)
-        x = x + torch.cholesky_solve(rhs - (sub @ x + off[..., None] * x), factor)
+    x = _factor_and_solve(system, unshifted, rhs)
     values = torch.where(valid, x.squeeze(-1), torch.gather(flat_v, 1, order))
     return flat_v.scatter(1, order, values).reshape(b, k, m)
 

@@ -49,7 +49,7 @@ class TorchProjector(DualConeProjector):
     Args:
         norm_eps: see :func:`~jacflow.linalg.project_weights` (default 0).
         reg_eps: see :func:`~jacflow.linalg.project_weights` (default 0: the exact problem).
-        method: ``"auto"``, ``"pdas"`` or ``"fista"``.
+        method: ``"auto"``, ``"pdas"``, ``"admm"`` or ``"fista"``.
         max_iter: iteration cap (``None``: the solver's default).
         tol: KKT residual tolerance (``None``: the solver's default for the dtype).
 
