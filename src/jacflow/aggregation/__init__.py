@@ -27,6 +27,7 @@ from jacflow.aggregation._epo import EPO, EPOWeighting
 from jacflow.aggregation._graddrop import GradDrop
 from jacflow.aggregation._gradnorm import GradNorm, GradNormWeighting
 from jacflow.aggregation._gradvac import GradVac, GradVacWeighting
+from jacflow.aggregation._imtl import IMTL
 from jacflow.aggregation._imtlg import IMTLG, IMTLGWeighting
 from jacflow.aggregation._krum import Krum, KrumWeighting
 from jacflow.aggregation._log_loss import LogLoss
@@ -46,6 +47,7 @@ from jacflow.aggregation._upgrad import UPGrad, UPGradWeighting
 __all__ = [
     "DBMTL",
     "EPO",
+    "IMTL",
     "IMTLG",
     "MGDA",
     "Aggregator",
