@@ -60,7 +60,7 @@ class IMTL(GramianWeightedAggregator, Stateful):
         """The IMTL-L scaled losses :math:`e^{s_i} L_i - s_i`, one per task (differentiable)."""
         if not isinstance(losses, Tensor):
             raise TypeError(f"`losses` must be a torch.Tensor, received {type(losses)}.")
-        scales = self.imtl_l.log_scale
+        scales: Tensor = self.imtl_l.log_scale
         if losses.shape != scales.shape:
             raise ValueError(
                 f"IMTL was built for {tuple(scales.shape)} losses but received shape "
