@@ -15,9 +15,10 @@ per-task ``Engine(trunk, batch_dim=None)`` + ``mtl_gramian_step`` (heads get the
 ``tjd_autogram`` = TorchJD ``Engine(trunk, batch_dim=None)`` + ``losses.backward(weights)``.
 
 Timing: process CPU time, 1 torch thread, median of interleaved rounds (``_timing.py``).
-Memory: each (config, method) runs 3 steps in a fresh subprocess; we report the peak
-``ru_maxrss`` minus the RSS just before the first step (model, data and engine already built),
-in MB. (``tracemalloc`` does not see torch's allocations and no GPU is used.)
+Memory: each (config, method) runs 3 steps in a fresh subprocess; we report the peak RSS of
+those steps (VmHWM, reset through ``/proc/self/clear_refs`` right before them) minus the RSS just
+before the first step (model, data and engine already built), in MB. (``tracemalloc`` does not
+see torch's allocations and no GPU is used.)
 
 Run: ``.venv/bin/python benchmarks/bench_autogram.py [--quick] [--no-memory]``.
 """
@@ -26,19 +27,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import subprocess
 import sys
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F  # noqa: N812
+import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from _timing import interleaved_medians, setup
-
 import torchjd
+from _timing import interleaved_medians, setup
 from torchjd import autogram as tjd_autogram
 from torchjd import autojac as tjd_autojac
 from torchjd.aggregation import UPGrad as TjdUPGrad
@@ -204,23 +203,33 @@ def _mtl_step(
     return step
 
 
-def _current_rss_kb() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * resource.getpagesize() // 1024
+def _status_kb(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
 
 
 def memory_child(spec: dict[str, object]) -> None:
-    """Runs in a fresh process: 3 steps of one method, prints the peak RSS increase (MB)."""
+    """Runs in a fresh process: 3 steps of one method, prints the peak RSS increase (MB).
+
+    The peak-RSS counter (VmHWM) is reset through ``/proc/self/clear_refs`` just before the
+    steps, so that import-time peaks do not mask the steps' own peak.
+    """
     setup()
     method = str(spec["method"])
     if spec["kind"] == "iwrm":
-        step = iwrm_steps(str(spec["model"]), int(spec["batch"]), [method])[method]  # type: ignore[call-overload]
+        steps = iwrm_steps(str(spec["model"]), int(str(spec["batch"])), [method])
     else:
-        step = mtl_steps(int(spec["width"]), int(spec["batch"]), int(spec["m"]), [method])[method]  # type: ignore[call-overload]
-    before = _current_rss_kb()
+        width, batch, m = (int(str(spec[k])) for k in ("width", "batch", "m"))
+        steps = mtl_steps(width, batch, m, [method])
+    before = _status_kb("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
     for _ in range(3):
-        step()
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        steps[method]()
+    peak = _status_kb("VmHWM")
     print(json.dumps({"delta_mb": max(0, peak - before) / 1024}))
 
 

@@ -63,16 +63,18 @@ def check_case(case: Case, dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
-def test_gramian_and_update_float64(case: Case) -> None:
-    check_case(case, torch.float64)
+def test_gramian_and_update_float64(case: Case, device: str) -> None:
+    with torch.device(device):
+        check_case(case, torch.float64)
 
 
 FLOAT32 = ["mlp", "cnn", "transformer_block", "weight_tying", "tasks_mlp", "embedding_padding"]
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c.name in FLOAT32], ids=FLOAT32)
-def test_gramian_and_update_float32(case: Case) -> None:
-    check_case(case, torch.float32)
+def test_gramian_and_update_float32(case: Case, device: str) -> None:
+    with torch.device(device):
+        check_case(case, torch.float32)
 
 
 def test_weights_match_weighting_of_reference_gramian() -> None:

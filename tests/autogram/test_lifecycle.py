@@ -202,3 +202,25 @@ def test_returned_weights_follow_losses_layout() -> None:
     weights = engine.backward(losses, UPGradWeighting())
     assert weights.shape == (4, 2)
     torch.testing.assert_close(weights.flatten(), UPGradWeighting()(jacobian @ jacobian.T))
+
+
+def test_random_ops_in_generic_module_get_clear_error() -> None:
+    attention = nn.MultiheadAttention(4, 2, dropout=0.5, batch_first=True).double()
+    engine = Engine(attention, batch_dim=0)
+    x = torch.randn(3, 2, 4, dtype=torch.float64)
+    losses = attention(x, x, x)[0].sum((1, 2))
+    with pytest.raises(RuntimeError, match=r"cannot replay its random operations"):
+        engine.compute_gramian(losses)
+
+
+def test_sparse_embedding_gets_sparse_grad() -> None:
+    embedding = nn.Embedding(6, 2, sparse=True, padding_idx=1).double()
+    ids = torch.tensor([[0, 1, 1], [4, 4, 5]])
+    engine = Engine(embedding, batch_dim=0)
+    dense = nn.Embedding(6, 2, padding_idx=1).double()
+    dense.load_state_dict(embedding.state_dict())
+    jacobian = reference_jacobian(dense(ids).pow(2).sum((1, 2)), [dense.weight])
+    weights = engine.backward(embedding(ids).pow(2).sum((1, 2)), UPGradWeighting())
+    grad = embedding.weight.grad
+    assert grad is not None and grad.is_sparse
+    torch.testing.assert_close(grad.to_dense().flatten(), weights @ jacobian)

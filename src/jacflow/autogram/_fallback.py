@@ -87,10 +87,20 @@ class FallbackRule(Rule):
         total: dict[str, Tensor] = {}
         for call in calls:
             cots = tuple(call.grad(j) for j in range(len(call.grads)))
-            with torch.enable_grad():
-                if rows.per_task:
-                    new = _per_task_grads(module, detached, call, cots)
-                else:
-                    new = _per_sample_grads(module, detached, call, cots, rows)
+            try:
+                with torch.enable_grad():
+                    if rows.per_task:
+                        new = _per_task_grads(module, detached, call, cots)
+                    else:
+                        new = _per_sample_grads(module, detached, call, cots, rows)
+            except RuntimeError as error:
+                if "random" not in str(error):
+                    raise
+                raise RuntimeError(
+                    f"{type(module).__name__} has no closed-form Gramian rule, so the engine "
+                    "re-runs it with torch.func, which cannot replay its random operations "
+                    "(dropout). Set its dropout to 0 (e.g. nn.MultiheadAttention(dropout=0.0)), "
+                    "put the randomness in a separate parameter-free module, or call .eval()."
+                ) from error
             add_grads(total, new)
         return MaterializedContribution(total)
