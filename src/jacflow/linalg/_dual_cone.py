@@ -88,7 +88,7 @@ def project_weights_reference(
 
 
 METHODS = ("auto", "pdas", "fista", "admm")
-_AUTO_PDAS_MAX_M = 48  # "auto" uses PDAS up to this size, ADMM + PDAS polish above
+_AUTO_PDAS_MAX_M = 32  # "auto" uses PDAS up to this size, ADMM above
 _FISTA_TOL = 1e-7  # FISTA stops here and hands over to the exact PDAS polish
 _PDAS_MAX_ITER = 50
 _FIRST_ORDER_MAX_ITER = 20_000
@@ -226,7 +226,7 @@ def project_weights(
     for singular ``G``). ``"admm"``: ADMM with one eigendecomposition of ``G`` shared by all
     problems (one batched product per iteration). ``"fista"``: accelerated projected gradient
     with restart (one batched ``V @ G`` per iteration), polished by PDAS when that is cheap.
-    ``"auto"``: PDAS for ``m <= 48``, ADMM above, and ADMM if PDAS fails to converge. Problems
+    ``"auto"``: PDAS for ``m <= 32``, ADMM above, and ADMM if PDAS fails to converge. Problems
     with ``G u >= 0`` need no projection (``v = u``); when this holds for every problem (e.g. no
     negative entry in ``G`` and ``u >= 0``) nothing is solved.
 

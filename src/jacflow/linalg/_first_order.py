@@ -102,12 +102,12 @@ def admm_solve(
     out_res = kkt_residual(u, u, 2 * torch.bmm(u, g), c)
     rows = torch.arange(u.shape[1], device=u.device)
     uu, z = u, u
-    w = torch.zeros_like(u)
+    w = torch.zeros_like(u)  # the scaled dual variable, updated in place
     for it in range(max_iter):
-        v = torch.bmm(z - w, step)
-        relaxed = relax * v + (1 - relax) * z
-        z = torch.maximum(relaxed + w, uu)
-        w = w + relaxed - z
+        relaxed = torch.lerp(z, torch.bmm(z - w, step), relax)  # over-relaxed v-update
+        w = w.add_(relaxed)
+        z = torch.maximum(w, uu)
+        w = w.sub_(z)
         if (it + 1) % check_every == 0 or it + 1 == max_iter:
             res = kkt_residual(z, uu, 2 * torch.bmm(z, g), c)
             out_v = out_v.index_copy(1, rows, z)

@@ -1,0 +1,136 @@
+"""Time to UPGrad weights: jacflow's batched solver against TorchJD 0.18, 1 CPU thread, float64.
+
+For each m and each Gramian structure, times ``jacflow.aggregation.UPGradWeighting()(G)`` (the
+default exact ``TorchProjector``) and ``torchjd.aggregation.UPGradWeighting()(G)`` (quadprog per
+row, regularised by 1e-4) with interleaved repeats (median of the CPU time of the calling thread, robust to other
+processes on a shared machine; with one torch thread all the work runs there), and reports the relative error
+``|w - w_exact|_inf / |w_exact|_inf`` of both against an exact solution (PDAS, exact to rounding
+once its active set is right, certified by its KKT residual).
+
+Gramians: ``gauss`` = J J^T with J Gaussian m x 4m; ``mlp`` = per-sample Gramian of a small MLP
+classifier (20-64-64-10, 6 154 parameters) at initialisation.
+
+Usage::
+
+    .venv/bin/python benchmarks/bench_upgrad_solver.py [--sizes 2 8 32] [--torchjd-max-m 512]
+
+TorchJD at m = 512 takes about a minute per call: it is timed once there (and three times at
+m = 256); ``--torchjd-max-m`` skips it above a size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call, grad, vmap
+
+from jacflow.aggregation import UPGradWeighting
+from jacflow.linalg import project_weights
+from jacflow.linalg._pdas import kkt_residual, multiplier_scale, pdas_solve
+
+torch.set_num_threads(1)
+
+
+def gauss_gramian(m: int, seed: int = 0) -> Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    j = torch.randn(m, 4 * m, generator=gen, dtype=torch.float64)
+    return j @ j.T
+
+
+def mlp_gramian(m: int, seed: int = 0) -> Tensor:
+    torch.manual_seed(seed)
+    model = nn.Sequential(
+        nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10)
+    ).double()
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, 20, generator=gen, dtype=torch.float64)
+    y = torch.randint(0, 10, (m,), generator=gen)
+    params = {name: p.detach() for name, p in model.named_parameters()}
+
+    def loss(p: dict[str, Tensor], xi: Tensor, yi: Tensor) -> Tensor:
+        return nn.functional.cross_entropy(functional_call(model, p, (xi[None],)), yi[None])
+
+    grads = vmap(grad(loss), in_dims=(None, 0, 0))(params, x, y)
+    j = torch.cat([g.reshape(m, -1) for g in grads.values()], dim=1)
+    return j @ j.T
+
+
+def exact_weights(gramian: Tensor) -> tuple[Tensor, float]:
+    """UPGrad weights with a full PDAS polish (no cost limit) and their KKT residual."""
+    m = gramian.shape[0]
+    u = torch.eye(m, dtype=torch.float64)[None] / m
+    g = (gramian / gramian.trace())[None]
+    v = project_weights(u, g, tol=1e-13)
+    v, residual = pdas_solve(u * m, g, v * m, max_iter=20, tol=1e-14)
+    c = multiplier_scale(g)
+    residual = kkt_residual(v, u * m, 2 * torch.bmm(v, g), c)
+    return v[0].sum(0) / m, float(residual.max())
+
+
+def median_times(fns: dict[str, Callable[[], Tensor]], repeats: dict[str, int]) -> dict[str, float]:
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for fn in fns.values():  # warm-up
+        fn()
+    for r in range(max(repeats.values())):
+        for name, fn in fns.items():
+            if r < repeats[name]:
+                start = time.thread_time()
+                fn()
+                times[name].append(time.thread_time() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sizes", type=int, nargs="+", default=[2, 8, 32, 64, 128, 256, 512])
+    parser.add_argument("--torchjd-max-m", type=int, default=512)
+    parser.add_argument("--gramians", nargs="+", default=["gauss", "mlp"])
+    args = parser.parse_args()
+    from torchjd.aggregation import UPGradWeighting as TorchJDUPGradWeighting
+
+    ours, theirs = UPGradWeighting(), TorchJDUPGradWeighting()
+    makers = {"gauss": gauss_gramian, "mlp": mlp_gramian}
+    header = (
+        "| m | Gramian | jacflow (ms) | TorchJD 0.18 (ms) | speed-up | jacflow err | TorchJD err |"
+    )
+    print(header)
+    print("|---|---|---|---|---|---|---|")
+    for m in args.sizes:
+        for kind in args.gramians:
+            gramian = makers[kind](m)
+            exact, residual = exact_weights(gramian)
+            assert residual < 1e-11, f"reference not converged: {residual}"
+            fns: dict[str, Callable[[], Tensor]] = {"ours": lambda g=gramian: ours(g)}
+            repeats = {"ours": 15 if m <= 64 else 5}
+            with_torchjd = m <= args.torchjd_max_m
+            if with_torchjd:
+                fns["torchjd"] = lambda g=gramian: theirs(g)
+                repeats["torchjd"] = 15 if m <= 64 else (5 if m <= 128 else (3 if m <= 256 else 1))
+                if m >= 512:  # a minute per call: no warm-up call, timed once
+                    start = time.thread_time()
+                    w_theirs = theirs(gramian)
+                    t_theirs = time.thread_time() - start
+                    del fns["torchjd"], repeats["torchjd"]
+                else:
+                    w_theirs = theirs(gramian)
+            t = median_times(fns, repeats)
+            if with_torchjd and m < 512:
+                t_theirs = t["torchjd"]
+            scale = float(exact.abs().max())
+            err_ours = float((ours(gramian) - exact).abs().max()) / scale
+            if with_torchjd:
+                err_theirs = float((w_theirs - exact).abs().max()) / scale
+                cols = f"{t_theirs * 1e3:.2f} | {t_theirs / t['ours']:.1f}x | "
+                tail = f"{err_ours:.1e} | {err_theirs:.1e} |"
+            else:
+                cols, tail = "- | - | ", f"{err_ours:.1e} | - |"
+            print(f"| {m} | {kind} | {t['ours'] * 1e3:.2f} | {cols}{tail}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
