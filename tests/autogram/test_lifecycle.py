@@ -224,3 +224,22 @@ def test_sparse_embedding_gets_sparse_grad() -> None:
     grad = embedding.weight.grad
     assert grad is not None and grad.is_sparse
     torch.testing.assert_close(grad.to_dense().flatten(), weights @ jacobian)
+
+
+def test_all_hooked_parameters_frozen_after_construction() -> None:
+    model = _mlp()
+    engine = Engine(model[2], batch_dim=0)
+    model[2].requires_grad_(False)
+    losses = _losses(model, X)
+    torch.testing.assert_close(
+        engine.compute_gramian(losses), torch.zeros(4, 4, dtype=torch.float64)
+    )
+
+
+def test_in_place_change_after_stray_forward_is_harmless() -> None:
+    model = _mlp()
+    engine = Engine(model, batch_dim=0)
+    stray = X.clone()
+    model(stray)
+    stray.add_(1)
+    torch.testing.assert_close(engine.compute_gramian(_losses(model, X)), _expected(model, X))

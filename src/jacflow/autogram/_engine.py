@@ -180,7 +180,7 @@ class Engine:
         """
         contributions, rows, order = self._prepare(losses, retain_graph, ())[:3]
         with torch.no_grad():
-            return _to_loss_order(_assemble(contributions, rows), order)
+            return _to_loss_order(_assemble(contributions, rows, losses), order)
 
     def backward(
         self,
@@ -232,7 +232,7 @@ class Engine:
         others, tasks = list(other_params), list(tasks_params)
         contributions, rows, order, task_grads = self._prepare(losses, bool(others), tasks)
         with torch.no_grad():
-            gramian = _to_loss_order(_assemble(contributions, rows), order)
+            gramian = _to_loss_order(_assemble(contributions, rows, losses), order)
         weights = _check_weights(weighting(gramian), gramian.shape[0], weighting)
         row_weights = weights if order is None else weights[order[1]]
         updates = _weighted_grads(contributions, row_weights)
@@ -276,13 +276,6 @@ class Engine:
                 "the per-sample engine (batch_dim=0) cannot be used. Call .eval() on it, replace "
                 "it (e.g. by GroupNorm), or use batch_dim=None."
             )
-        for _, call in calls:
-            for tensor, version in call.versions:
-                if tensor._version != version:
-                    raise RuntimeError(
-                        "An input of a hooked module was modified in place after the forward; "
-                        "the Gramian needs it unchanged. Avoid in-place operations on it."
-                    )
         rows, cotangents, order = self._rows(losses)
         batched = cotangents.ndim > losses.ndim
         edges = [edge for _, call in calls for edge in call.edges]
@@ -297,6 +290,7 @@ class Engine:
             if all(g is None for g in call_grads):
                 continue
             _check_batch(self._units[index], call, rows)
+            _check_versions(call)
             call.grads = _rows_shaped(call_grads, call, rows)
             reached.setdefault(index, []).append(call)
         if not reached:
@@ -380,6 +374,15 @@ def _rows_shaped(call_grads: list[Tensor | None], call: Call, rows: Rows) -> lis
     return shaped
 
 
+def _check_versions(call: Call) -> None:
+    for tensor, version in call.versions:
+        if tensor._version != version:
+            raise RuntimeError(
+                "An input of a hooked module was modified in place after the forward; the "
+                "Gramian needs it unchanged. Avoid in-place operations on it."
+            )
+
+
 def _check_batch(unit: Unit, call: Call, rows: Rows) -> None:
     if rows.per_task:
         return
@@ -393,7 +396,7 @@ def _check_batch(unit: Unit, call: Call, rows: Rows) -> None:
             )
 
 
-def _assemble(contributions: list[tuple[Unit, Contribution]], rows: Rows) -> Tensor:
+def _assemble(contributions: list[tuple[Unit, Contribution]], rows: Rows, losses: Tensor) -> Tensor:
     """Sum the contributions; parameters shared between units are combined exactly."""
     owners: dict[int, list[tuple[Contribution, str]]] = {}
     for unit, contribution in contributions:
@@ -410,8 +413,8 @@ def _assemble(contributions: list[tuple[Unit, Contribution]], rows: Rows) -> Ten
         summed = sum(c.per_row_grads(n).reshape(rows.num_rows, -1) for c, n in owners[key])
         assert isinstance(summed, Tensor)
         total = summed @ summed.T if total is None else total + summed @ summed.T
-    if total is None:
-        raise RuntimeError("internal: no parameter contributed to the Gramian")
+    if total is None:  # every hooked parameter is frozen
+        return losses.new_zeros(rows.num_rows, rows.num_rows)
     return total
 
 
