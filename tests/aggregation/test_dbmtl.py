@@ -79,3 +79,14 @@ def test_construction_errors_and_repr() -> None:
         DBMTL()(torch.eye(2))
     assert repr(DBMTL()) == "DBMTL(beta=0.9, beta_sigma=0.0)"
     assert str(DBMTL()) == "DBMTL"
+
+
+def test_nan_gives_nan_and_leaves_the_state_untouched() -> None:
+    J = torch.tensor([[2.0, 0.0], [-1.0, 1.0]])
+    reference, A = DBMTL(), DBMTL()
+    for _ in range(2):
+        A.set_losses(torch.tensor([2.0, 0.5]))
+        reference.set_losses(torch.tensor([2.0, 0.5]))
+        expected = reference(J)
+        assert bool(torch.isnan(A(torch.tensor([[float("nan"), 0.0], [0.0, 1.0]]))).all())
+        torch.testing.assert_close(A(J), expected)

@@ -75,14 +75,21 @@ def test_changed_number_of_objectives_is_an_error() -> None:
         W(torch.eye(3))
 
 
-def test_nan_propagates() -> None:
-    A = GradNorm()
+def test_nan_propagates_and_leaves_the_state_untouched() -> None:
+    J = torch.tensor([[3.0, 0.0], [0.0, 1.0]])
+    reference, A = GradNorm(), GradNorm()
+    for L in (torch.ones(2), torch.tensor([0.5, 1.0])):
+        reference.set_losses(L)
+        reference(J)
+        A.set_losses(L)
+        A(J)
+        A.set_losses(torch.tensor([1.0, float("nan")]))
+        assert bool(torch.isnan(A(J)).all())
+        A.set_losses(L)
+        assert bool(torch.isnan(A(torch.tensor([[float("inf"), 0.0], [0.0, 1.0]]))).all())
+    reference.set_losses(torch.ones(2))
     A.set_losses(torch.ones(2))
-    A(torch.eye(2))
-    A.set_losses(torch.tensor([1.0, float("nan")]))
-    A(torch.eye(2))  # the NaN enters the weights for the next step
-    A.set_losses(torch.ones(2))
-    assert bool(torch.isnan(A(torch.eye(2))).all())
+    torch.testing.assert_close(A(J), reference(J))  # the skipped steps changed nothing
 
 
 def test_construction_errors_and_repr() -> None:

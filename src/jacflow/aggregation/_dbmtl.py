@@ -9,6 +9,7 @@ from jacflow._stateful import Stateful
 from jacflow.aggregation._bases import Aggregator
 from jacflow.aggregation._hyperparameters import check_float
 from jacflow.aggregation._loss_aware import LossAware
+from jacflow.aggregation._nonfinite import has_nonfinite
 
 _EPS = 1e-8
 
@@ -51,7 +52,9 @@ class DBMTL(Aggregator, LossAware, Stateful):
         beta_sigma: decay exponent :math:`\sigma \ge 0` of :math:`\beta_t` (default 0).
 
     State: the EMA matrix :math:`\hat G` (``[m, n]``) and the step :math:`t`; :meth:`reset`
-    forgets them. Call :meth:`set_losses` with the ``m`` positive losses before each call.
+    forgets them. A NaN or infinite Jacobian or loss gives a NaN update and leaves the state
+    untouched (so a step that an AMP ``GradScaler`` skips does not poison it). Call
+    :meth:`set_losses` with the ``m`` positive losses before each call.
 
     Example:
         >>> import torch
@@ -80,6 +83,8 @@ class DBMTL(Aggregator, LossAware, Stateful):
             )
         if matrix.shape[0] == 0:
             return matrix.new_zeros(matrix.shape[1])
+        if has_nonfinite(matrix) or has_nonfinite(losses):  # skipped step: state unchanged
+            return torch.full_like(matrix[0], float("nan"))
         self._step += 1
         beta_t = self.beta / self._step**self.beta_sigma
         with torch.no_grad():

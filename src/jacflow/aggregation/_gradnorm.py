@@ -9,6 +9,7 @@ from jacflow._stateful import Stateful
 from jacflow.aggregation._bases import GramianWeightedAggregator, GramianWeighting
 from jacflow.aggregation._hyperparameters import check_float
 from jacflow.aggregation._loss_aware import LossAware
+from jacflow.aggregation._nonfinite import has_nonfinite, nan_weights
 from jacflow.aggregation._properties import Property
 
 _MIN_WEIGHT = 1e-8
@@ -72,6 +73,8 @@ class GradNormWeighting(GramianWeighting, LossAware, Stateful):
     def forward(self, stat: Tensor) -> Tensor:
         m = stat.shape[0]
         losses = self.losses_like(m, stat)
+        if has_nonfinite(stat) or has_nonfinite(losses):
+            return nan_weights(m, stat)  # a skipped step: the state is left as it was
         with torch.no_grad():
             if self._weights is None or self._initial_losses is None:
                 self._weights = torch.ones(m, dtype=stat.dtype, device=stat.device)
@@ -115,8 +118,10 @@ class GradNorm(GramianWeightedAggregator, LossAware, Stateful):
         alpha: restoring-force strength :math:`\alpha \ge 0` (default 1.5).
         lr: step size :math:`\eta > 0` on the weights (default 0.025).
 
-    State: the weights and the first losses :math:`L(0)`; :meth:`reset` forgets them.
-    Call :meth:`set_losses` with the ``m`` losses before each call.
+    State: the weights and the first losses :math:`L(0)`; :meth:`reset` forgets them. A NaN or
+    infinite Gramian or loss gives NaN weights and leaves the state untouched (so a step that
+    an AMP ``GradScaler`` skips does not poison it). Call :meth:`set_losses` with the ``m``
+    losses before each call.
 
     Example:
         >>> import torch
