@@ -135,3 +135,9 @@ def test_nan_propagates_and_errors() -> None:
         AuxiNash(torch.ones(2), max_iter=0)
     assert repr(_uniform(2)) == "AuxiNash(preferences=tensor([1., 1.]), max_norm=1.0, max_iter=100)"
     assert str(_uniform(2)) == "AuxiNash"
+
+
+def test_weighting_and_aggregator_agree() -> None:
+    J = torch.randn(4, 7, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    prefs = torch.tensor([1.0, 2.0, 0.5, 1.0])
+    torch.testing.assert_close(AuxiNash(prefs)(J), AuxiNashWeighting(prefs)(J @ J.T) @ J)

@@ -133,3 +133,12 @@ def test_errors_and_repr() -> None:
     assert bool(torch.isnan(A(torch.eye(2))).all())
     assert repr(A) == "EPO(preference=tensor([1., 1.]), eps=0.0001, relax=False)"
     assert str(A) == "EPO"
+
+
+def test_weighting_and_aggregator_agree() -> None:
+    J = torch.randn(4, 7, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    r, L = torch.tensor([1.0, 2.0, 0.5, 1.0]), torch.tensor([1.0, 0.3, 2.0, 1.0])
+    A, W = EPO(r), EPOWeighting(r)
+    A.set_losses(L)
+    W.set_losses(L)
+    torch.testing.assert_close(A(J), W(J @ J.T) @ J)

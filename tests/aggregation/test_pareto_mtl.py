@@ -145,3 +145,15 @@ def test_errors_nan_and_repr() -> None:
     assert bool(torch.isnan(A(torch.eye(2))).all())
     assert repr(A) == "ParetoMTL(preferences=[[1.0, 0.0], [0.0, 1.0]], index=0, n_warmup_steps=100)"
     assert str(A) == "ParetoMTL"
+
+
+def test_weighting_and_aggregator_agree_over_steps() -> None:
+    gen = torch.Generator().manual_seed(5)
+    U = torch.rand(4, 3, generator=gen) + 0.1
+    A, W = ParetoMTL(U, index=1, n_warmup_steps=2), ParetoMTLWeighting(U, 1, n_warmup_steps=2)
+    for _ in range(4):
+        J = torch.randn(3, 6, generator=gen, dtype=torch.float64)
+        L = torch.rand(3, generator=gen, dtype=torch.float64) + 0.1
+        A.set_losses(L)
+        W.set_losses(L)
+        torch.testing.assert_close(A(J), W(J @ J.T) @ J)
