@@ -19,11 +19,15 @@ from jacflow.aggregation._bases import (
     WeightedAggregator,
     Weighting,
 )
+from jacflow.aggregation._cagrad import CAGrad, CAGradWeighting
 from jacflow.aggregation._config import ConFIG
 from jacflow.aggregation._constant import Constant, ConstantWeighting
 from jacflow.aggregation._crmogm import CRMOGMWeighting
 from jacflow.aggregation._dbmtl import DBMTL
+from jacflow.aggregation._dualproj import DualProj, DualProjWeighting
 from jacflow.aggregation._epo import EPO, EPOWeighting
+from jacflow.aggregation._excess_mtl import ExcessMTL, ExcessMTLWeighting
+from jacflow.aggregation._fairgrad import FairGrad, FairGradWeighting
 from jacflow.aggregation._graddrop import GradDrop
 from jacflow.aggregation._gradnorm import GradNorm, GradNormWeighting
 from jacflow.aggregation._gradvac import GradVac, GradVacWeighting
@@ -34,12 +38,15 @@ from jacflow.aggregation._log_loss import LogLoss
 from jacflow.aggregation._loss_aware import LossAware
 from jacflow.aggregation._mean import Mean, MeanWeighting
 from jacflow.aggregation._mgda import MGDA, MGDAWeighting
+from jacflow.aggregation._modo import MoDo, MoDoWeighting
+from jacflow.aggregation._nash_mtl import NashMTL, NashMTLWeighting
 from jacflow.aggregation._pareto_mtl import ParetoMTL, ParetoMTLWeighting
 from jacflow.aggregation._pcgrad import PCGrad, PCGradWeighting
 from jacflow.aggregation._periodic import Periodic
 from jacflow.aggregation._properties import Property
 from jacflow.aggregation._random import Random, RandomWeighting
 from jacflow.aggregation._representation import representation_gramian, representation_weights
+from jacflow.aggregation._sdmgrad import SDMGrad, SDMGradWeighting
 from jacflow.aggregation._sum import Sum, SumWeighting
 from jacflow.aggregation._trimmed_mean import TrimmedMean
 from jacflow.aggregation._upgrad import UPGrad, UPGradWeighting
@@ -55,11 +62,19 @@ __all__ = [
     "AlignedMTLWeighting",
     "AuxiNash",
     "AuxiNashWeighting",
+    "CAGrad",
+    "CAGradWeighting",
     "CRMOGMWeighting",
     "ConFIG",
     "Constant",
     "ConstantWeighting",
+    "DualProj",
+    "DualProjWeighting",
     "EPOWeighting",
+    "ExcessMTL",
+    "ExcessMTLWeighting",
+    "FairGrad",
+    "FairGradWeighting",
     "GradDrop",
     "GradNorm",
     "GradNormWeighting",
@@ -75,6 +90,10 @@ __all__ = [
     "MGDAWeighting",
     "Mean",
     "MeanWeighting",
+    "MoDo",
+    "MoDoWeighting",
+    "NashMTL",
+    "NashMTLWeighting",
     "PCGrad",
     "PCGradWeighting",
     "ParetoMTL",
@@ -83,6 +102,8 @@ __all__ = [
     "Property",
     "Random",
     "RandomWeighting",
+    "SDMGrad",
+    "SDMGradWeighting",
     "Sum",
     "SumWeighting",
     "TrimmedMean",

@@ -1,0 +1,184 @@
+"""CAGrad: Conflict-Averse Gradient descent (Liu, Liu, Jin, Stone & Liu, NeurIPS 2021)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from jacflow.aggregation._bases import GramianWeighting
+from jacflow.aggregation._hyperparameters import check_float
+from jacflow.aggregation._preset import NoGradGramianPreset
+from jacflow.aggregation._properties import Property
+from jacflow.aggregation._simplex import min_norm_weights
+
+_RESCALES = (0, 1, 2)
+
+
+def _hull_weights(gramian: Tensor, s: float, zero: float = 0.0) -> Tensor:
+    """Simplex weights ``w`` of ``x* = argmin_{x in conv(g_i)} g0.x + s ||x||``.
+
+    For ``tau >= 0`` let ``x(tau)`` be the projection of ``-tau g0`` onto the hull, i.e. the
+    min-norm point of the translated points ``g_i + tau g0`` (Wolfe's algorithm). Writing
+    ``||x|| = min_l (||x||^2 / l + l) / 2`` shows that ``x* = x(tau*)`` where ``tau*`` is the
+    unique sign change of ``h(tau) = ||x(tau)|| - s tau`` (positive before, negative after).
+    ``tau*`` lies in ``[0, max_i ||g_i|| / s]`` and is found by safeguarded false position.
+    """
+    m = gramian.shape[0]
+    u = torch.full((m,), 1.0 / m, dtype=gramian.dtype, device=gramian.device)
+    b = gramian @ u
+    q = float(u @ b)
+    cross = b[:, None] + b[None, :]
+
+    def evaluate(tau: float, start: Tensor | None) -> tuple[Tensor, float]:
+        w = min_norm_weights(gramian + tau * cross + tau * tau * q, start)
+        return w, math.sqrt(max(float(w @ gramian @ w), 0.0)) - s * tau
+
+    radius = math.sqrt(float(gramian.diagonal().max()))
+    lo, hi = 0.0, radius / s
+    w, h_lo = evaluate(lo, None)
+    w_hi, h_hi = evaluate(hi, w)
+    if h_hi >= 0:  # only when every point has the same norm and x(hi) is one of them
+        return w_hi
+    side = 0
+    for _ in range(200):
+        tau = lo + (hi - lo) * h_lo / (h_lo - h_hi) if h_lo > 0 else 0.5 * (lo + hi)
+        if not lo < tau < hi:
+            tau = 0.5 * (lo + hi)
+        w, h = evaluate(tau, w)
+        if abs(h) <= 1e-13 * radius or hi - lo <= 1e-13 * hi:
+            break
+        if h <= 0 and h + s * tau <= zero:
+            break  # tau >= tau* and ||x|| grows with tau, so ||x*|| <= ||x(tau)|| <= zero
+        # Illinois rule: when the same end moves twice, halve the stale end's value.
+        if h > 0:
+            lo, h_lo = tau, h
+            h_hi = 0.5 * h_hi if side == 1 else h_hi
+            side = 1
+        else:
+            hi, h_hi = tau, h
+            h_lo = 0.5 * h_lo if side == -1 else h_lo
+            side = -1
+    return w
+
+
+def cagrad_weights(gramian: Tensor, c: float, norm_eps: float, rescale: int) -> Tensor:
+    r"""CAGrad weights of the Gramian (any scale; solved in float64 on its device).
+
+    With :math:`G` divided by its trace, :math:`u = 1/m`, :math:`g_0 = J^\top u` and
+    :math:`s = c\|g_0\|`, solve :math:`\min_{w \in \Delta} g_w^\top g_0 + s\|g_w\|` and return
+    :math:`(u + s\, w / \|g_w\|) / r` with :math:`r = 1, 1 + c^2, 1 + c` for ``rescale`` 0, 1, 2.
+    Returns zeros when :math:`\|g_w\|` is below ``norm_eps`` or below the resolution of the
+    Gramian's dtype (``10 sqrt(eps)`` of the largest row norm), both on the trace-normalised
+    scale, and NaN weights for a non-finite Gramian.
+    """
+    m = gramian.shape[0]
+    dtype, device = gramian.dtype, gramian.device
+    if m == 0:
+        return torch.zeros(0, dtype=dtype, device=device)
+    G = gramian.detach().to(torch.float64)
+    if not bool(torch.isfinite(G).all()):
+        return torch.full((m,), math.nan, dtype=dtype, device=device)
+    trace = float(G.trace())
+    if trace <= 0:
+        return torch.zeros(m, dtype=dtype, device=device)
+    G = (G + G.T) / (2 * trace)
+    u = torch.full((m,), 1.0 / m, dtype=torch.float64, device=device)
+    s = c * math.sqrt(max(float(u @ G @ u), 0.0))
+    if s == 0:
+        weights = u
+    else:
+        # Rounding errors of the Gramian (relative eps of its dtype) move x* by about sqrt(eps)
+        # of the rows' norm: below 10 times that, x* = 0 and its direction is noise.
+        resolution = 10 * math.sqrt(torch.finfo(dtype).eps) * math.sqrt(float(G.diagonal().max()))
+        w = _hull_weights(G, s, resolution)
+        norm = math.sqrt(max(float(w @ G @ w), 0.0))
+        if norm < max(norm_eps, resolution):
+            return torch.zeros(m, dtype=dtype, device=device)
+        weights = u + (s / norm) * w
+    divisor = (1.0, 1.0 + c * c, 1.0 + c)[rescale]
+    return (weights / divisor).to(dtype)
+
+
+def _check_rescale(rescale: object) -> int:
+    if isinstance(rescale, bool) or rescale not in _RESCALES:
+        raise ValueError(
+            f"`rescale` must be 0 (none), 1 (divide by 1 + c^2) or 2 (divide by 1 + c), received "
+            f"{rescale!r}."
+        )
+    return int(rescale)
+
+
+class CAGradWeighting(GramianWeighting):
+    r"""Gramian weighting of :class:`CAGrad`.
+
+    Args:
+        c: radius of the ball around the mean gradient, relative to its norm; ``c >= 0``.
+        norm_eps: below this norm of :math:`g_w` (Gramian divided by its trace, so relative to
+            the rows' scale), the point is treated as Pareto-stationary and the weights are 0.
+        rescale: 0 (default, TorchJD's behaviour): no rescaling; 1: divide by :math:`1 + c^2`
+            (the official code's default); 2: divide by :math:`1 + c`.
+
+    Example:
+        >>> import torch
+        >>> from jacflow.aggregation import CAGradWeighting
+        >>> J = torch.tensor([[-4., 1., 1.], [6., 1., 1.]])
+        >>> CAGradWeighting(c=0.5)(J @ J.T)
+        tensor([0.7041, 0.5000])
+    """
+
+    def __init__(self, c: float, norm_eps: float = 1e-4, rescale: int = 0) -> None:
+        super().__init__()
+        self.c = check_float(c, "c", low=0.0)
+        self.norm_eps = check_float(norm_eps, "norm_eps", low=0.0)
+        self.rescale = _check_rescale(rescale)
+
+    def forward(self, stat: Tensor) -> Tensor:
+        with torch.no_grad():
+            return cagrad_weights(stat, self.c, self.norm_eps, self.rescale)
+
+    def extra_repr(self) -> str:
+        return f"c={self.c}, norm_eps={self.norm_eps}, rescale={self.rescale}"
+
+    def __str__(self) -> str:
+        return f"CAGrad{self.c:g}"
+
+
+class CAGrad(NoGradGramianPreset):
+    r"""Conflict-Averse Gradient descent (CAGrad).
+
+    Liu, Liu, Jin, Stone & Liu, *Conflict-Averse Gradient Descent for Multi-task Learning*,
+    NeurIPS 2021 (arXiv 2110.14048), Algorithm 1. The update maximises the worst improvement
+    among the objectives in a ball around the mean gradient :math:`g_0 = \frac1m \sum_i g_i`:
+
+    .. math:: d = \arg\max_{\|d - g_0\| \le c\|g_0\|} \min_i g_i^\top d
+              = g_0 + c\|g_0\| \frac{g_w}{\|g_w\|},\quad
+              w = \arg\min_{w \in \Delta_m} g_w^\top g_0 + c\|g_0\|\,\|g_w\|,
+
+    with :math:`g_w = J^\top w`. The dual problem is solved exactly in torch, from the Gramian
+    only (a one-dimensional root search over projections onto the convex hull of the rows).
+    For :math:`c \ge 1` the update conflicts with no objective. Permutation invariant.
+
+    Args:
+        c: radius of the ball, relative to :math:`\|g_0\|`; ``c >= 0`` (``c = 0`` is the mean).
+        norm_eps: :math:`\|g_w\|` below which the update is 0 (relative to the rows' scale;
+            TorchJD compares the same quantity, but also zeroes Jacobians whose squared norm is
+            below it, which this implementation does not).
+        rescale: 0 (default, as TorchJD): :math:`d`; 1: :math:`d / (1 + c^2)` (the official
+            code's default); 2: :math:`d / (1 + c)`.
+
+    Example:
+        >>> import torch
+        >>> from jacflow.aggregation import CAGrad
+        >>> CAGrad(c=0.5)(torch.tensor([[-4., 1., 1.], [6., 1., 1.]]))
+        tensor([0.1835, 1.2041, 1.2041])
+    """
+
+    properties = frozenset({Property.PERMUTATION_INVARIANT, Property.WEIGHTED})
+
+    def __init__(self, c: float, norm_eps: float = 1e-4, rescale: int = 0) -> None:
+        super().__init__(CAGradWeighting(c, norm_eps, rescale))
+
+    def __str__(self) -> str:
+        return str(self.gramian_weighting)

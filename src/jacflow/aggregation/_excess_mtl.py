@@ -1,0 +1,136 @@
+"""ExcessMTL: robust multi-task learning with excess risks (He et al., ICML 2024)."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from jacflow._stateful import Stateful
+from jacflow.aggregation._bases import WeightedAggregator, Weighting
+from jacflow.aggregation._hyperparameters import check_float, check_int
+from jacflow.aggregation._nonfinite import has_nonfinite, nan_weights
+from jacflow.aggregation._properties import Property
+
+_EPS = 1e-7
+
+
+class ExcessMTLWeighting(Weighting, Stateful):
+    r"""Weighting of :class:`ExcessMTL`; reads the Jacobian itself (its state is ``[m, n]``).
+
+    Args:
+        robust_step_size: step size :math:`\eta` of the exponentiated-gradient update, ``> 0``.
+        n_warmup_steps: calls during which the weights stay ``1/m`` while the excess risks are
+            averaged into the baseline, ``>= 0``. With 0 (default, as the official code), the
+            first call's excess risks are the baseline and are used unscaled on that call.
+
+    State:
+        the running sum :math:`S` of squared Jacobians (``[m, n]``), the weights (initially
+        ``1/m``), the baseline excess risks, the warm-up sum and the call counter. All are
+        re-initialised when the Jacobian's shape changes.
+
+    Example:
+        >>> import torch
+        >>> from jacflow.aggregation import ExcessMTLWeighting
+        >>> ExcessMTLWeighting()(torch.tensor([[-4., 1., 1.], [6., 1., 1.]]))
+        tensor([0.1192, 0.8808])
+    """
+
+    def __init__(self, robust_step_size: float = 1.0, n_warmup_steps: int = 0) -> None:
+        super().__init__()
+        self.robust_step_size = check_float(
+            robust_step_size, "robust_step_size", low=0.0, low_open=True
+        )
+        self.n_warmup_steps = check_int(n_warmup_steps, "n_warmup_steps", low=0)
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget every statistic: the next call starts from uniform weights and warm-up."""
+        self._sq_sum: Tensor | None = None
+        self._weights: Tensor | None = None
+        self._baseline: Tensor | None = None
+        self._warmup_sum: Tensor | None = None
+        self._calls = 0
+
+    def forward(self, stat: Tensor) -> Tensor:
+        m, n = stat.shape
+        with torch.no_grad():
+            if m == 0:
+                return stat.new_zeros(0)
+            if has_nonfinite(stat):
+                return nan_weights(m, stat)
+            if self._sq_sum is None or self._sq_sum.shape != stat.shape:
+                self.reset()
+                self._sq_sum = stat.new_zeros(m, n)
+                self._weights = stat.new_full((m,), 1.0 / m)
+                self._warmup_sum = stat.new_zeros(m)
+            assert self._weights is not None and self._warmup_sum is not None
+            squares = stat.detach() ** 2
+            self._sq_sum = self._sq_sum.to(stat) + squares
+            # Excess risk of task i ~ g_i^T H_i^{-1} g_i with the AdaGrad diagonal H_i (Eqs 6-7).
+            excess = (squares / (self._sq_sum + _EPS).sqrt()).sum(dim=1)
+            self._calls += 1
+            if self._calls <= self.n_warmup_steps:
+                self._warmup_sum = self._warmup_sum.to(stat) + excess
+                return self._weights.to(stat)
+            if self._baseline is None:
+                if self.n_warmup_steps > 0:
+                    self._baseline = self._warmup_sum.to(stat) / self.n_warmup_steps
+                    excess = excess / (self._baseline + _EPS)
+                else:
+                    self._baseline = excess
+            else:
+                excess = excess / (self._baseline.to(stat) + _EPS)
+            # Exponentiated gradient (Eq. 9), in log space so that huge risks saturate.
+            logits = self._weights.to(stat).log() + self.robust_step_size * excess
+            self._weights = torch.softmax(logits, dim=0)
+            return self._weights
+
+    def extra_repr(self) -> str:
+        return f"robust_step_size={self.robust_step_size}, n_warmup_steps={self.n_warmup_steps}"
+
+
+class ExcessMTL(WeightedAggregator, Stateful):
+    r"""ExcessMTL: weights driven up for the objectives with the largest excess risk.
+
+    He, Zhou, Zhao, Wang & Lin (He Y. et al.), *Robust Multi-Task Learning with Excess Risks*,
+    ICML 2024 (arXiv 2402.02009). The excess risk of objective :math:`i` is estimated by the
+    second-order Taylor term :math:`E_i = g_i^\top H_i^{-1} g_i` with the AdaGrad diagonal
+    :math:`H_i = \mathrm{diag}(\sqrt{\sum_{s \le t} g_{i,s}^2})` (Eqs. 6-7), divided by its
+    baseline :math:`E_i^0` (Sec. 3.2), and the weights move by exponentiated gradient (Eq. 9):
+
+    .. math:: w_{t+1} = \mathrm{softmax}\big(\log w_t + \eta\, E / E^0\big),\qquad
+              d = J^\top w_{t+1}.
+
+    The weights stay on the simplex (initially ``1/m``, as in the paper). Permutation
+    invariant. The state holds an ``[m, n]`` matrix, as large as the Jacobian.
+
+    Args:
+        robust_step_size: :math:`\eta`, ``> 0``.
+        n_warmup_steps: see :class:`ExcessMTLWeighting`.
+
+    State:
+        see :class:`ExcessMTLWeighting`; :meth:`reset` forgets it.
+
+    Example:
+        >>> import torch
+        >>> from jacflow.aggregation import ExcessMTL
+        >>> ExcessMTL()(torch.tensor([[-4., 1., 1.], [6., 1., 1.]]))
+        tensor([4.8080, 1.0000, 1.0000])
+    """
+
+    properties = frozenset({Property.PERMUTATION_INVARIANT, Property.WEIGHTED})
+
+    def __init__(self, robust_step_size: float = 1.0, n_warmup_steps: int = 0) -> None:
+        super().__init__(ExcessMTLWeighting(robust_step_size, n_warmup_steps))
+
+    def reset(self) -> None:
+        """Forget every statistic."""
+        assert isinstance(self.weighting, ExcessMTLWeighting)
+        self.weighting.reset()
+
+    def forward(self, matrix: Tensor) -> Tensor:
+        with torch.no_grad():
+            return super().forward(matrix)
+
+    def extra_repr(self) -> str:
+        return self.weighting.extra_repr()
