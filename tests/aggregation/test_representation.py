@@ -82,5 +82,7 @@ def test_errors() -> None:
         representation_weights(z.sum()[None], z, MeanWeighting())
     with pytest.raises(TypeError, match="GramianWeighting"):
         representation_weights(z, z, object())  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="at least one loss"):
+        representation_gramian([], z.requires_grad_())
     with pytest.raises(TypeError, match=r"features\[1\]"):
         representation_gramian(z, [z.requires_grad_(), 3])  # type: ignore[list-item]

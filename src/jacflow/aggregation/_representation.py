@@ -20,6 +20,15 @@ def _as_tuple(value: Tensor | Sequence[Tensor], name: str) -> tuple[Tensor, ...]
     return items
 
 
+def _loss_vector(losses: Tensor | Sequence[Tensor]) -> Tensor:
+    items = _as_tuple(losses, "losses")
+    if len(items) == 1:
+        return items[0].reshape(-1)
+    if not items:
+        raise ValueError("`losses` must hold at least one loss, received an empty sequence.")
+    return torch.stack([item.reshape(()) for item in items])
+
+
 def representation_gramian(
     losses: Tensor | Sequence[Tensor], features: Tensor | Sequence[Tensor]
 ) -> Tensor:
@@ -36,10 +45,7 @@ def representation_gramian(
         tensor([[ 2.,  6.],
                 [ 6., 20.]])
     """
-    flat = _as_tuple(losses, "losses")
-    flat_losses = (
-        flat[0].reshape(-1) if len(flat) == 1 else torch.stack([x.reshape(()) for x in flat])
-    )
+    flat_losses = _loss_vector(losses)
     feats = _as_tuple(features, "features")
     if not all(f.requires_grad for f in feats):
         raise ValueError(
@@ -106,7 +112,5 @@ def representation_weights(
     weighting = check_gramian_weighting(weighting)
     gramian = representation_gramian(losses, features)
     if isinstance(weighting, LossAware):
-        flat = _as_tuple(losses, "losses")
-        values = flat[0] if len(flat) == 1 else torch.stack([x.reshape(()) for x in flat])
-        weighting.set_losses(values)
+        weighting.set_losses(_loss_vector(losses))
     return weighting(gramian).detach()
