@@ -4,8 +4,9 @@ For each m and each Gramian structure, times ``jacflow.aggregation.UPGradWeighti
 default exact ``TorchProjector``) and ``torchjd.aggregation.UPGradWeighting()(G)`` (quadprog per
 row, regularised by 1e-4) with interleaved repeats (median of the CPU time of the calling
 thread, robust to other processes on a shared machine; with one torch thread all the work runs
-there), and reports the relative error ``|w - w_exact|_inf / |w_exact|_inf`` of both against an exact solution (PDAS, exact to rounding
-once its active set is right, certified by its KKT residual).
+there), and reports the relative error ``|w - w_exact|_inf / |w_exact|_inf`` of both against
+an exact solution (PDAS, exact to rounding once its active set is right, certified by its KKT
+residual).
 
 Gramians: ``gauss`` = J J^T with J Gaussian m x 4m; ``mlp`` = per-sample Gramian of a small MLP
 classifier (20-64-64-10, 6 154 parameters) at initialisation.
