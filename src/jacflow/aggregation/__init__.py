@@ -38,6 +38,7 @@ from jacflow.aggregation._log_loss import LogLoss
 from jacflow.aggregation._loss_aware import LossAware
 from jacflow.aggregation._mean import Mean, MeanWeighting
 from jacflow.aggregation._mgda import MGDA, MGDAWeighting
+from jacflow.aggregation._moco import MoCo
 from jacflow.aggregation._modo import MoDo, MoDoWeighting
 from jacflow.aggregation._nash_mtl import NashMTL, NashMTLWeighting
 from jacflow.aggregation._pareto_mtl import ParetoMTL, ParetoMTLWeighting
@@ -90,6 +91,7 @@ __all__ = [
     "MGDAWeighting",
     "Mean",
     "MeanWeighting",
+    "MoCo",
     "MoDo",
     "MoDoWeighting",
     "NashMTL",
