@@ -11,7 +11,9 @@ from jacflow.aggregation import (
     CRMOGMWeighting,
     GradVacWeighting,
     GramianWeightedAggregator,
+    IMTLGWeighting,
     MeanWeighting,
+    MGDAWeighting,
     UPGradWeighting,
     WeightedAggregator,
 )
@@ -20,7 +22,7 @@ from tests.aggregation._properties import check_claimed_properties, check_degene
 
 
 def make() -> GramianWeightedAggregator:
-    return GramianWeightedAggregator(CRMOGMWeighting(UPGradWeighting()))
+    return GramianWeightedAggregator(CRMOGMWeighting(MGDAWeighting()))
 
 
 def test_claimed_properties() -> None:
@@ -33,8 +35,8 @@ def test_degenerate_inputs() -> None:
 
 @pytest.mark.parametrize("initial", [None, torch.tensor([0.2, 0.3, 0.5], dtype=torch.float64)])
 def test_follows_the_ema_recurrence(initial: torch.Tensor | None) -> None:
-    inner = UPGradWeighting()
-    smoothed = CRMOGMWeighting(UPGradWeighting(), alpha=0.7, initial_weights=initial)
+    inner = IMTLGWeighting()
+    smoothed = CRMOGMWeighting(IMTLGWeighting(), alpha=0.7, initial_weights=initial)
     previous = initial
     for _ in range(5):
         J = torch.randn(3, 4, dtype=torch.float64)

@@ -41,6 +41,15 @@ def test_matches_brute_force(m: int, n: int, trim: int, seed: int) -> None:
     torch.testing.assert_close(TrimmedMean(trim)(J), brute_force(J, trim))
 
 
+@pytest.mark.parametrize(("trim", "m"), [(1, 5), (1, 40), (3, 33), (8, 40), (9, 40), (12, 30)])
+def test_both_selection_paths_handle_ties_and_huge_outliers(trim: int, m: int) -> None:
+    gen = torch.Generator().manual_seed(trim)
+    J = torch.randint(-2, 3, (m, 6), generator=gen).double()  # many ties
+    J[0, 0], J[1, 1] = 1e300, -1e300  # Byzantine rows must not cancel the others out
+    torch.testing.assert_close(TrimmedMean(trim)(J), brute_force(J, trim))
+    torch.testing.assert_close(TrimmedMean(trim)(torch.zeros(m, 3)), torch.zeros(3))
+
+
 def test_no_trimming_is_the_mean() -> None:
     J = torch.randn(5, 4, dtype=torch.float64)
     torch.testing.assert_close(TrimmedMean(0)(J), Mean()(J))

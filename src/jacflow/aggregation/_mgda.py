@@ -23,8 +23,8 @@ def frank_wolfe_min_norm(gramian: Tensor, epsilon: float, max_iters: int) -> Ten
     Algorithm 2 of Sener & Koltun (2018): start at :math:`\lambda = 1/m`; at each step move
     towards the vertex :math:`e_t`, :math:`t = \arg\min_r (G\lambda)_r`, by the exact line
     search :math:`\gamma = \mathrm{clip}((\lambda^\top G \lambda - (G\lambda)_t) /
-    (\lambda^\top G \lambda - 2 (G\lambda)_t + G_{tt}), 0, 1)`; stop when the step changes
-    :math:`\lambda` by less than ``epsilon`` in :math:`\ell_1` norm or after ``max_iters`` steps.
+    (\lambda^\top G \lambda - 2 (G\lambda)_t + G_{tt}), 0, 1)`; stop after a step with
+    :math:`\gamma` below ``epsilon`` (as TorchJD) or after ``max_iters`` steps.
 
     Example:
         >>> import torch
@@ -36,21 +36,41 @@ def frank_wolfe_min_norm(gramian: Tensor, epsilon: float, max_iters: int) -> Ten
     lam = torch.full((m,), 1.0 / max(m, 1), dtype=gramian.dtype, device=gramian.device)
     if m <= 1:
         return lam
-    diagonal = gramian.diagonal()
+    diagonal = gramian.diagonal().tolist()
+    g_lam = gramian @ lam  # kept equal to G lambda by the same convex update as lambda
+    a = float(lam @ g_lam)  # <v, v> with v = J^T lambda
+    # Scalars live on the host: each step needs its argmin there anyway (one sync per step).
     for _ in range(max_iters):
-        g_lam = gramian @ lam
-        t = torch.argmin(g_lam)
-        a = lam @ g_lam  # <v, v> with v = J^T lambda
-        b = g_lam[t]  # <v, g_t>
-        denominator = a - 2 * b + diagonal[t]  # |v - g_t|^2
-        safe = torch.where(denominator > 0, denominator, torch.ones_like(denominator))
-        gamma = torch.where(denominator > 0, ((a - b) / safe).clamp(0.0, 1.0), 0.0)
-        step = -gamma * lam
-        step[t] += gamma
-        lam = lam + step
-        if bool(step.abs().sum() < epsilon):
+        t = int(torch.argmin(g_lam))
+        b = float(g_lam[t])  # <v, g_t>
+        c = diagonal[t]  # <g_t, g_t>
+        denominator = a - 2 * b + c  # |v - g_t|^2
+        gamma = min(max((a - b) / denominator, 0.0), 1.0) if denominator > 0 else 0.0
+        lam.mul_(1 - gamma)
+        lam[t] += gamma
+        g_lam.mul_(1 - gamma).add_(gramian[t], alpha=gamma)
+        a = (1 - gamma) ** 2 * a + 2 * gamma * (1 - gamma) * b + gamma**2 * c
+        if gamma < epsilon:
             break
     return lam
+
+
+def two_row_min_norm(gramian: Tensor) -> Tensor:
+    r"""Closed form for ``m = 2``: :math:`\lambda_1 = \mathrm{clip}((G_{22} - G_{12}) /
+    (G_{11} + G_{22} - 2G_{12}), 0, 1)`, :math:`\lambda_2 = 1 - \lambda_1` (1/2 each when the
+    rows are equal).
+
+    Example:
+        >>> import torch
+        >>> from jacflow.aggregation._mgda import two_row_min_norm
+        >>> two_row_min_norm(torch.tensor([[18., -22.], [-22., 38.]]))
+        tensor([0.6000, 0.4000])
+    """
+    g11, g12, g22 = gramian[0, 0], gramian[0, 1], gramian[1, 1]
+    denominator = g11 + g22 - 2 * g12
+    safe = torch.where(denominator > 0, denominator, torch.ones_like(denominator))
+    first = torch.where(denominator > 0, ((g22 - g12) / safe).clamp(0.0, 1.0), 0.5)
+    return torch.stack([first, 1 - first])
 
 
 def refine_min_norm(gramian: Tensor, lam: Tensor, max_steps: int) -> Tensor:
@@ -116,7 +136,8 @@ def mgda_weights(gramian: Tensor, epsilon: float, max_iters: int) -> Tensor:
 
     :func:`frank_wolfe_min_norm` (``epsilon``, ``max_iters``) gives a starting point that
     :func:`refine_min_norm` (at most ``4m + 10`` steps) turns into the exact minimiser, so the
-    result satisfies the KKT conditions to rounding. NaN/inf in ``gramian`` give NaN weights.
+    result satisfies the KKT conditions to rounding; ``m = 2`` uses the closed form
+    :func:`two_row_min_norm`. NaN/inf in ``gramian`` give NaN weights.
 
     Example:
         >>> import torch
@@ -129,8 +150,12 @@ def mgda_weights(gramian: Tensor, epsilon: float, max_iters: int) -> Tensor:
         return gramian.new_zeros(0)
     if has_nonfinite(gramian):
         return nan_weights(m, gramian)
+    if m == 1:
+        return gramian.new_ones(1)
+    if m == 2:
+        return two_row_min_norm(gramian)
     lam = frank_wolfe_min_norm(gramian, epsilon, max_iters)
-    return refine_min_norm(gramian, lam, 4 * m + 10) if m > 1 else lam
+    return refine_min_norm(gramian, lam, 4 * m + 10)
 
 
 def normalization_scales(
@@ -177,8 +202,8 @@ class MGDAWeighting(GramianWeighting, LossAware):
     r"""Gramian weighting of :class:`MGDA`.
 
     Args:
-        epsilon: stop the Frank-Wolfe warm start when a step changes the weights by less than
-            this (:math:`\ell_1`); must be > 0.
+        epsilon: stop the Frank-Wolfe warm start after a step of size :math:`\gamma` below
+            this; must be > 0.
         max_iters: cap on the number of Frank-Wolfe steps; must be >= 1.
         normalization: ``"none"``, ``"l2"``, ``"loss"`` or ``"loss+"``; see :class:`MGDA`.
             The loss modes need :meth:`set_losses` before each call.
@@ -248,7 +273,7 @@ class MGDA(GramianWeightedAggregator, LossAware):
         >>> from jacflow.aggregation import MGDA
         >>> J = torch.tensor([[-4., 1., 1.], [6., 1., 1.]])
         >>> MGDA()(J)
-        tensor([0.0000, 1.0000, 1.0000])
+        tensor([-2.3842e-07,  1.0000e+00,  1.0000e+00])
         >>> agg = MGDA(normalization="loss")
         >>> agg.set_losses(torch.tensor([1.0, 2.0]))
         >>> agg(J)
