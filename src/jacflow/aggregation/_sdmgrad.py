@@ -135,7 +135,9 @@ class SDMGrad(StatefulGramianPreset):
         tensor([4.8462, 1.0000, 1.0000])
     """
 
-    properties = frozenset({Property.PERMUTATION_INVARIANT, Property.WEIGHTED})
+    # Permutation invariant in exact arithmetic only: with the default lr the inner iteration is
+    # not contracting, and rounding differences from reordered sums can change its outcome.
+    properties = frozenset({Property.WEIGHTED})
 
     def __init__(
         self,

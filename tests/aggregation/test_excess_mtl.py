@@ -1,0 +1,121 @@
+"""ExcessMTL: properties, an independent re-implementation of the paper's update, warm-up, reset."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import Tensor
+
+from jacflow.aggregation import ExcessMTL, ExcessMTLWeighting
+from tests.aggregation._properties import (
+    check_claimed_properties,
+    check_degenerate_inputs,
+    jacobians,
+)
+from tests.aggregation._seeded import seeded
+
+J_DOC = torch.tensor([[-4.0, 1.0, 1.0], [6.0, 1.0, 1.0]])
+
+
+def _reference(mats: list[Tensor], step: float, warmup: int) -> list[list[float]]:
+    """Eqs. 6-7 and 9 of the paper in pure Python (weights start at 1/m, as in the paper)."""
+    m, n = mats[0].shape
+    sq_sum = [[0.0] * n for _ in range(m)]
+    weights = [1.0 / m] * m
+    warm = [0.0] * m
+    baseline: list[float] | None = None
+    outputs = []
+    for t, J in enumerate(mats, start=1):
+        rows = J.tolist()
+        risks = []
+        for i in range(m):
+            risk = 0.0
+            for k in range(n):
+                sq_sum[i][k] += rows[i][k] ** 2
+                risk += rows[i][k] ** 2 / math.sqrt(sq_sum[i][k] + 1e-7)
+            risks.append(risk)
+        if t <= warmup:
+            warm = [warm[i] + risks[i] for i in range(m)]
+            outputs.append(list(weights))
+            continue
+        if baseline is None:
+            baseline = [w / warmup for w in warm] if warmup else risks
+            if warmup:
+                risks = [risks[i] / (baseline[i] + 1e-7) for i in range(m)]
+        else:
+            risks = [risks[i] / (baseline[i] + 1e-7) for i in range(m)]
+        unnormalized = [weights[i] * math.exp(step * risks[i]) for i in range(m)]
+        weights = [u / sum(unnormalized) for u in unnormalized]
+        outputs.append(list(weights))
+    return outputs
+
+
+def test_claimed_properties() -> None:
+    check_claimed_properties(seeded(ExcessMTL, reset=True), jacobians(max_m=16))
+
+
+def test_degenerate_inputs() -> None:
+    check_degenerate_inputs(ExcessMTL)
+
+
+@settings(max_examples=20)
+@given(
+    st.integers(1, 5),
+    st.integers(1, 6),
+    st.integers(0, 2**31 - 1),
+    st.floats(0.1, 2.0),
+    st.integers(0, 2),
+)
+def test_matches_reference_over_several_calls(
+    m: int, n: int, seed: int, step: float, warmup: int
+) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    mats = [torch.randn(m, n, generator=gen, dtype=torch.float64) for _ in range(5)]
+    weighting = ExcessMTLWeighting(robust_step_size=step, n_warmup_steps=warmup)
+    for J, expected in zip(mats, _reference(mats, step, warmup)):
+        torch.testing.assert_close(weighting(J), torch.tensor(expected, dtype=torch.float64))
+
+
+def test_documented_value_and_reset() -> None:
+    aggregator = ExcessMTL()
+    first = aggregator(J_DOC)
+    torch.testing.assert_close(first, torch.tensor([4.8080, 1.0, 1.0]), atol=1e-4, rtol=0)
+    aggregator(J_DOC * 2)
+    aggregator.reset()
+    torch.testing.assert_close(aggregator(J_DOC), first)
+
+
+def test_warmup_keeps_uniform_weights_and_shape_change_restarts() -> None:
+    weighting = ExcessMTLWeighting(n_warmup_steps=2)
+    for _ in range(2):
+        torch.testing.assert_close(weighting(J_DOC), torch.tensor([0.5, 0.5]))
+    # Row 0's excess risk grows relative to its warm-up baseline: its weight goes up.
+    after = weighting(J_DOC * torch.tensor([[3.0], [1.0]]))
+    assert float(after[0]) > 0.5 > float(after[1])
+    # A Jacobian of another shape starts a new history (and its warm-up).
+    torch.testing.assert_close(weighting(torch.ones(3, 2)), torch.full((3,), 1 / 3))
+
+
+def test_nan_does_not_corrupt_the_state(device: str, dtype: torch.dtype) -> None:
+    J = J_DOC.to(device=device, dtype=dtype)
+    weighting = ExcessMTLWeighting()
+    nan = torch.full_like(J, float("nan"))
+    assert bool(weighting(nan).isnan().all())
+    w = weighting(J)
+    assert w.device == J.device and w.dtype == dtype
+    torch.testing.assert_close(w, ExcessMTLWeighting()(J))
+
+
+def test_errors_and_repr() -> None:
+    with pytest.raises(ValueError, match="robust_step_size"):
+        ExcessMTL(robust_step_size=0.0)
+    with pytest.raises(ValueError, match="n_warmup_steps"):
+        ExcessMTLWeighting(n_warmup_steps=-1)
+    with pytest.raises(TypeError, match="n_warmup_steps"):
+        ExcessMTL(n_warmup_steps=1.5)  # type: ignore[arg-type]
+    assert repr(ExcessMTL()) == "ExcessMTL(robust_step_size=1.0, n_warmup_steps=0)"
+    assert str(ExcessMTL()) == "ExcessMTL"
