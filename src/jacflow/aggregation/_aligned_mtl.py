@@ -60,7 +60,8 @@ def _check_scale_mode(scale_mode: object) -> str:
 
 
 class AlignedMTLWeighting(GramianWeighting):
-    """Gramian weighting of :class:`AlignedMTL`.
+    """Gramian weighting of :class:`AlignedMTL` (Senushkin et al., *Independent Component
+    Alignment for Multi-Task Learning*, CVPR 2023).
 
     Args:
         pref_vector: preference weight of each objective (default ``1/m`` each).

@@ -58,7 +58,8 @@ def gradvac_weights(
 
 
 class GradVacWeighting(GramianWeighting, Stateful):
-    r"""Gramian weighting of :class:`GradVac`.
+    r"""Gramian weighting of :class:`GradVac` (Wang, Tsvetkov, Firat & Cao, *Gradient Vaccine*,
+    ICLR 2021).
 
     Args:
         beta: EMA rate of the similarity targets, in [0, 1].

@@ -41,7 +41,9 @@ def imtlg_weights(gramian: Tensor) -> Tensor:
 
 
 class IMTLGWeighting(GramianWeighting):
-    """Gramian weighting of :class:`IMTLG`.
+    r"""Gramian weighting of :class:`IMTLG` (Liu et al., *Towards Impartial Multi-task
+    Learning*, ICLR 2021): :math:`w = G^+ n / (\mathbf 1^\top G^+ n)`,
+    :math:`n_i = \sqrt{G_{ii}}`.
 
     Example:
         >>> import torch

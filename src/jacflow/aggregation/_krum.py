@@ -54,7 +54,8 @@ def _check_rows(m: int, n_byzantine: int, n_selected: int) -> None:
 
 
 class KrumWeighting(GramianWeighting):
-    """Gramian weighting of :class:`Krum`.
+    """Gramian weighting of :class:`Krum` (Blanchard et al., *Machine Learning with Adversaries:
+    Byzantine Tolerant Gradient Descent*, NeurIPS 2017).
 
     Args:
         n_byzantine: number of rows that may be adversarial, >= 0.

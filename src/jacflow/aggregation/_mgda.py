@@ -199,7 +199,9 @@ def normalized_mgda_weights(
 
 
 class MGDAWeighting(GramianWeighting, LossAware):
-    r"""Gramian weighting of :class:`MGDA`.
+    r"""Gramian weighting of :class:`MGDA` (Désidéri, C. R. Math. 2012; Sener & Koltun,
+    NeurIPS 2018): the minimiser of :math:`\lambda^\top D G D \lambda` on the simplex, divided
+    by the row scales :math:`c` of ``normalization``.
 
     Args:
         epsilon: stop the Frank-Wolfe warm start after a step of size :math:`\gamma` below

@@ -46,7 +46,8 @@ def pcgrad_weights(gramian: Tensor, orders: Tensor) -> Tensor:
 
 
 class PCGradWeighting(GramianWeighting):
-    """Gramian weighting of :class:`PCGrad`; the visiting orders come from torch's global RNG.
+    """Gramian weighting of :class:`PCGrad` (Yu et al., *Gradient Surgery for Multi-Task
+    Learning*, NeurIPS 2020); the visiting orders come from torch's global RNG.
 
     Example:
         >>> import torch

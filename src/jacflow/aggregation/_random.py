@@ -18,6 +18,9 @@ def random_weights(m: int, like: Tensor) -> Tensor:
 class RandomWeighting(GramianWeighting):
     """Fresh random weights on the simplex at every call; reads only the number of rows.
 
+    Random loss weighting of Lin, Ye, Zhang & Tsang, *Reasonable Effectiveness of Random
+    Weighting*, TMLR 2022.
+
     Args: none. The weights are ``softmax`` of a standard normal vector drawn from torch's
     global random number generator (seed it with ``torch.manual_seed``).
 
