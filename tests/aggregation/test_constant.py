@@ -50,3 +50,12 @@ def test_repr_and_str() -> None:
     agg = Constant(torch.tensor([1.0, 2.0]))
     assert repr(agg) == "Constant(weights=tensor([1., 2.]))"
     assert str(agg) == "Constant([1.0, 2.0])"
+
+
+def test_device_and_dtype(device: str, dtype: torch.dtype) -> None:
+    J = torch.randn(3, 7, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    expected = Constant(WEIGHTS)(J)
+    out = Constant(WEIGHTS)(J.to(device=device, dtype=dtype))
+    assert out.device.type == torch.device(device).type and out.dtype == dtype
+    tol = 1e-3 if dtype == torch.float32 else 1e-9
+    torch.testing.assert_close(out.cpu().double(), expected, atol=tol, rtol=tol)

@@ -112,3 +112,15 @@ def test_constructor_errors() -> None:
 def test_repr_and_str() -> None:
     assert repr(GradVac()) == "GradVac(beta=0.5, eps=1e-08)"
     assert str(GradVac()) == "GradVac"
+
+
+def test_device_and_dtype(device: str, dtype: torch.dtype) -> None:
+    # Two rows: the visiting order, drawn from a device-specific RNG, does not matter.
+    J = torch.randn(2, 7, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    torch.manual_seed(0)
+    expected = GradVac()(J)
+    torch.manual_seed(0)
+    out = GradVac()(J.to(device=device, dtype=dtype))
+    assert out.device.type == torch.device(device).type and out.dtype == dtype
+    tol = 1e-3 if dtype == torch.float32 else 1e-9
+    torch.testing.assert_close(out.cpu().double(), expected, atol=tol, rtol=tol)

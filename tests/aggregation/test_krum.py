@@ -74,3 +74,12 @@ def test_errors() -> None:
 def test_repr_and_str() -> None:
     assert repr(Krum(1, 4)) == "Krum(n_byzantine=1, n_selected=4)"
     assert str(Krum(1, 4)) == "Krum1-4"
+
+
+def test_device_and_dtype(device: str, dtype: torch.dtype) -> None:
+    J = torch.randn(6, 7, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    expected = Krum(1, 2)(J)
+    out = Krum(1, 2)(J.to(device=device, dtype=dtype))
+    assert out.device.type == torch.device(device).type and out.dtype == dtype
+    tol = 1e-3 if dtype == torch.float32 else 1e-9
+    torch.testing.assert_close(out.cpu().double(), expected, atol=tol, rtol=tol)

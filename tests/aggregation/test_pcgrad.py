@@ -86,3 +86,15 @@ def test_weighting_and_aggregator_agree() -> None:
 def test_repr_and_str() -> None:
     assert repr(PCGrad()) == "PCGrad()"
     assert str(PCGrad()) == "PCGrad"
+
+
+def test_device_and_dtype(device: str, dtype: torch.dtype) -> None:
+    # Two rows: the visiting order, drawn from a device-specific RNG, does not matter.
+    J = torch.randn(2, 7, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    torch.manual_seed(0)
+    expected = PCGrad()(J)
+    torch.manual_seed(0)
+    out = PCGrad()(J.to(device=device, dtype=dtype))
+    assert out.device.type == torch.device(device).type and out.dtype == dtype
+    tol = 1e-3 if dtype == torch.float32 else 1e-9
+    torch.testing.assert_close(out.cpu().double(), expected, atol=tol, rtol=tol)

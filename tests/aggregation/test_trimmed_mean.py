@@ -65,3 +65,12 @@ def test_errors() -> None:
 def test_repr_and_str() -> None:
     assert repr(TrimmedMean(2)) == "TrimmedMean(trim_number=2)"
     assert str(TrimmedMean(2)) == "TM2"
+
+
+def test_device_and_dtype(device: str, dtype: torch.dtype) -> None:
+    J = torch.randn(5, 7, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    expected = TrimmedMean(1)(J)
+    out = TrimmedMean(1)(J.to(device=device, dtype=dtype))
+    assert out.device.type == torch.device(device).type and out.dtype == dtype
+    tol = 1e-3 if dtype == torch.float32 else 1e-9
+    torch.testing.assert_close(out.cpu().double(), expected, atol=tol, rtol=tol)
