@@ -70,7 +70,7 @@ def test_strong_duality_certifies_optimality(
     d = CAGrad(c=c, norm_eps=0.0)(J)
     if float(d.norm()) == 0.0:
         # Only when x* = 0 up to float64 resolution (Pareto-stationary point inside the ball).
-        assert float(g_w.norm()) <= 2e-7 * math.sqrt(float(G.diagonal().max()))
+        assert float(g_w.norm()) <= 3e-7 * math.sqrt(float(G.diagonal().max()))
         return
     tol = 1e-7 * float(J.norm()) ** 2
     assert float((d - g0).norm()) <= radius * (1 + 1e-9) + 1e-12 * scale  # primal feasible

@@ -42,6 +42,7 @@ from jacflow.aggregation._moco import MoCo
 from jacflow.aggregation._modo import MoDo, MoDoWeighting
 from jacflow.aggregation._nash_mtl import NashMTL, NashMTLWeighting
 from jacflow.aggregation._pareto_mtl import ParetoMTL, ParetoMTLWeighting
+from jacflow.aggregation._pcd import PCD, PCDWeighting
 from jacflow.aggregation._pcgrad import PCGrad, PCGradWeighting
 from jacflow.aggregation._periodic import Periodic
 from jacflow.aggregation._properties import Property
@@ -58,6 +59,7 @@ __all__ = [
     "IMTL",
     "IMTLG",
     "MGDA",
+    "PCD",
     "Aggregator",
     "AlignedMTL",
     "AlignedMTLWeighting",
@@ -96,6 +98,7 @@ __all__ = [
     "MoDoWeighting",
     "NashMTL",
     "NashMTLWeighting",
+    "PCDWeighting",
     "PCGrad",
     "PCGradWeighting",
     "ParetoMTL",

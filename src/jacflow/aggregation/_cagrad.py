@@ -41,19 +41,23 @@ def _hull_weights(gramian: Tensor, s: float, zero: float = 0.0) -> Tensor:
     w_hi, h_hi = evaluate(hi, w)
     if h_hi >= 0:  # only when every point has the same norm and x(hi) is one of them
         return w_hi
+    # ||x|| read from the Gramian is exact only up to ``zero`` (its rounding): where both ||x|| and
+    # s tau are below 2 zero the sign of h is noise, and tau is taken as too small.
     side = 0
     for _ in range(200):
-        tau = lo + (hi - lo) * h_lo / (h_lo - h_hi) if h_lo > 0 else 0.5 * (lo + hi)
+        usable = h_lo > 2 * zero
+        tau = lo + (hi - lo) * h_lo / (h_lo - h_hi) if usable else 0.5 * (lo + hi)
         if not lo < tau < hi:
             tau = 0.5 * (lo + hi)
         w, h = evaluate(tau, w)
         if abs(h) <= 1e-13 * radius or hi - lo <= 1e-13 * hi:
             break
-        if h <= 0 and h + s * tau <= zero:
+        norm = h + s * tau
+        if h <= 0 and norm <= zero and s * tau > 2 * zero:
             break  # tau >= tau* and ||x|| grows with tau, so ||x*|| <= ||x(tau)|| <= zero
         # Illinois rule: when the same end moves twice, halve the stale end's value.
-        if h > 0:
-            lo, h_lo = tau, h
+        if h > 0 or s * tau <= 2 * zero:
+            lo, h_lo = tau, max(h, 0.0)
             h_hi = 0.5 * h_hi if side == 1 else h_hi
             side = 1
         else:
@@ -70,8 +74,8 @@ def cagrad_weights(gramian: Tensor, c: float, norm_eps: float, rescale: int) -> 
     :math:`s = c\|g_0\|`, solve :math:`\min_{w \in \Delta} g_w^\top g_0 + s\|g_w\|` and return
     :math:`(u + s\, w / \|g_w\|) / r` with :math:`r = 1, 1 + c^2, 1 + c` for ``rescale`` 0, 1, 2.
     Returns zeros when :math:`\|g_w\|` is below ``norm_eps`` or below the resolution of the
-    Gramian's dtype (``10 sqrt(eps)`` of the largest row norm), both on the trace-normalised
-    scale, and NaN weights for a non-finite Gramian.
+    Gramian's dtype (``12 sqrt(eps)`` of the largest row norm: 2e-7 in float64, 4e-3 in
+    float32), both on the trace-normalised scale, and NaN weights for a non-finite Gramian.
     """
     m = gramian.shape[0]
     dtype, device = gramian.dtype, gramian.device
@@ -90,11 +94,12 @@ def cagrad_weights(gramian: Tensor, c: float, norm_eps: float, rescale: int) -> 
         weights = u
     else:
         # Rounding errors of the Gramian (relative eps of its dtype) move x* by about sqrt(eps)
-        # of the rows' norm: below 10 times that, x* = 0 and its direction is noise.
-        resolution = 10 * math.sqrt(torch.finfo(dtype).eps) * math.sqrt(float(G.diagonal().max()))
+        # of the rows' norm: the root search cannot resolve ||x*|| below a few times that, and
+        # there x* = 0 (its direction is noise).
+        resolution = 3 * math.sqrt(torch.finfo(dtype).eps) * math.sqrt(float(G.diagonal().max()))
         w = _hull_weights(G, s, resolution)
         norm = math.sqrt(max(float(w @ G @ w), 0.0))
-        if norm < max(norm_eps, resolution):
+        if norm < max(norm_eps, 4 * resolution):
             return torch.zeros(m, dtype=dtype, device=device)
         weights = u + (s / norm) * w
     divisor = (1.0, 1.0 + c * c, 1.0 + c)[rescale]
