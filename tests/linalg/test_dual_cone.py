@@ -17,14 +17,14 @@ from torch import Tensor
 from jacflow.linalg import SolverWarning, project_weights
 from jacflow.linalg._dual_cone import project_weights_reference
 
-KINDS = ("psd", "rank_deficient", "duplicated", "zero_rows", "conflicting")
+KINDS = ("psd", "rank_deficient", "duplicated", "zero_rows", "conflicting", "more_rows")
 METHODS = ("auto", "pdas", "fista", "admm")
 
 
 def make_gramian(m: int, kind: str, scale: float, seed: int) -> Tensor:
     """A float64 Gramian ``J J^T`` of the given structure, scaled by ``scale``."""
     gen = torch.Generator().manual_seed(seed)
-    n = 2 * m + 1
+    n = max(1, m // 2) if kind == "more_rows" else 2 * m + 1  # more_rows: m > n, degenerate
     if kind == "rank_deficient":
         rank = max(1, m // 3)
         j = torch.randn(m, rank, generator=gen, dtype=torch.float64)

@@ -92,10 +92,17 @@ _AUTO_PDAS_MAX_M = 32  # "auto" uses PDAS up to this size, ADMM above
 _FISTA_TOL = 1e-7  # FISTA stops here and hands over to the exact PDAS polish
 _PDAS_MAX_ITER = 50
 _FIRST_ORDER_MAX_ITER = 20_000
+_EXACT_FALLBACK_MAX_M = 128  # the sequential exact fallback is affordable up to this size
 _POLISH_ITER = 10
 # Polish only when its batched Cholesky (k * s^3 for free sets of size s) is cheap.
 _POLISH_MAX_FLOP = 3e7
 _DEFAULT_TOL = {torch.float64: 1e-10}  # other dtypes: 1e-6 (their Gramians are that inexact)
+
+
+def default_tol(dtype: torch.dtype, m: int) -> float:
+    """``1e-10`` (float64) or ``1e-6``, and at least ``10 m eps``: the residual that rounding
+    errors of a Gramian stored in ``dtype`` (slightly indefinite for float32) allow."""
+    return max(_DEFAULT_TOL.get(dtype, 1e-6), 10 * m * torch.finfo(dtype).eps)
 
 
 class SolverWarning(UserWarning):
@@ -163,6 +170,22 @@ def _check_inputs(u: Tensor, gramian: Tensor) -> None:
         )
 
 
+def _exact_fallback(
+    u: Tensor, g: Tensor, v: Tensor, residual: Tensor, tol: float
+) -> tuple[Tensor, Tensor]:
+    """Re-solve the unconverged problems one by one with the exact active-set reference.
+
+    The batched methods can fail on degenerate problems (singular ``G`` whose dual cone is
+    almost a subspace: huge, non-unique ``v``); the Lawson-Hanson reference cannot.
+    """
+    c = multiplier_scale(g)
+    v = v.clone()
+    for b, i in (residual > tol).nonzero().tolist():
+        row = u[b, i]
+        v[b, i] = row + _solve_nonnegative_qp(2 * g[b], 2 * g[b] @ row, 10 * row.shape[0] + 10)
+    return v, kkt_residual(v, u, 2 * torch.bmm(v, g), c)
+
+
 def _solve(u: Tensor, g: Tensor, method: str, max_iter: int | None, tol: float) -> Tensor:
     """Solve the normalised problems (float64, ``u`` ``[B, k, m]``, ``g`` ``[B, m, m]``)."""
     c = multiplier_scale(g)
@@ -172,16 +195,19 @@ def _solve(u: Tensor, g: Tensor, method: str, max_iter: int | None, tol: float) 
     m = u.shape[-1]
     if method == "auto":
         method = "pdas" if m <= _AUTO_PDAS_MAX_M else "admm"
-    cap = max_iter
+    fallback = max_iter is None  # an explicit cap means: this method only
+    v = u
     if method == "pdas":
-        v, residual = pdas_solve(u, g, u, _PDAS_MAX_ITER if cap is None else cap, tol)
-        if cap is None and not bool((residual <= tol).all()):
-            method = "admm"  # PDAS may cycle on some Gramians: ADMM always converges
+        v, residual = pdas_solve(u, g, u, _PDAS_MAX_ITER if max_iter is None else max_iter, tol)
+        if fallback and not bool((residual <= tol).all()):
+            method = "fista"  # PDAS may cycle, e.g. on singular G: FISTA always converges
     if method == "admm":
-        v, residual = admm_solve(u, g, _FIRST_ORDER_MAX_ITER if cap is None else cap, tol)
-    elif method == "fista":
-        cap = _FIRST_ORDER_MAX_ITER if cap is None else cap
-        v, residual = fista_solve(u, g, u, cap, max(tol, _FISTA_TOL))
+        v, residual = admm_solve(u, g, _FIRST_ORDER_MAX_ITER if max_iter is None else max_iter, tol)
+        if fallback and not bool((residual <= tol).all()):
+            method = "fista"  # ADMM is slow on degenerate problems (huge, non-unique v)
+    if method == "fista":
+        cap = _FIRST_ORDER_MAX_ITER if max_iter is None else max_iter
+        v, residual = fista_solve(u, g, v, cap, max(tol, _FISTA_TOL))
         free = int((v > u).sum(-1).amax())
         if u.shape[0] * u.shape[1] * free**3 <= _POLISH_MAX_FLOP:
             polished, polished_residual = pdas_solve(u, g, v, min(cap, _POLISH_ITER), tol)
@@ -190,6 +216,8 @@ def _solve(u: Tensor, g: Tensor, method: str, max_iter: int | None, tol: float) 
             residual = torch.where(better, polished_residual, residual)
         if not bool((residual <= tol).all()):  # polish too costly or unfinished: keep going
             v, residual = fista_solve(u, g, v, cap, tol)
+    if fallback and u.shape[-1] <= _EXACT_FALLBACK_MAX_M and not bool((residual <= tol).all()):
+        v, residual = _exact_fallback(u, g, v, residual, tol)
     worst = float(residual.amax())
     if not worst <= tol:
         warnings.warn(
@@ -226,9 +254,10 @@ def project_weights(
     for singular ``G``). ``"admm"``: ADMM with one eigendecomposition of ``G`` shared by all
     problems (one batched product per iteration). ``"fista"``: accelerated projected gradient
     with restart (one batched ``V @ G`` per iteration), polished by PDAS when that is cheap.
-    ``"auto"``: PDAS for ``m <= 32``, ADMM above, and ADMM if PDAS fails to converge. Problems
-    with ``G u >= 0`` need no projection (``v = u``); when this holds for every problem (e.g. no
-    negative entry in ``G`` and ``u >= 0``) nothing is solved.
+    ``"auto"``: PDAS for ``m <= 32``, ADMM above, FISTA if either fails to converge and,
+    for the problems still unsolved when ``m <= 128``, the exact sequential active-set method.
+    Problems with ``G u >= 0`` need no projection (``v = u``); when this holds for every problem
+    (e.g. no negative entry in ``G`` and ``u >= 0``) nothing is solved.
 
     Accuracy. Computation is in float64 whatever the input dtype (the systems are small and
     float32 loses the active set on ill-conditioned Gramians); the result has the promoted
@@ -246,9 +275,10 @@ def project_weights(
         reg_eps: ``reg_eps * I`` is added to the normalised ``G`` (0: the exact problem).
         method: ``"auto"``, ``"pdas"``, ``"admm"`` or ``"fista"``.
         max_iter: iteration cap of the chosen method (default: 50 PDAS or 20 000 ADMM / FISTA
-            iterations); an explicit cap also disables the PDAS-to-ADMM fallback.
+            iterations); an explicit cap also disables the fallback to FISTA.
         tol: KKT residual at which a problem counts as solved (default: 1e-10 for float64
-            inputs, 1e-6 for float32 ones, whose rounded Gramians may be slightly indefinite).
+            inputs, ``max(1e-6, 10 m eps)`` for float32 ones, whose rounded Gramians may be
+            slightly indefinite).
 
     Returns:
         ``v`` with the shape of ``u``.
@@ -279,7 +309,7 @@ def project_weights(
     g = normalize_gramian((g + g.mT) / 2, 0.0)  # v^T G v only sees the symmetric part
     scale = flat_u.abs().amax(-1, keepdim=True)
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    tol = _DEFAULT_TOL.get(dtype, 1e-6) if tol is None else float(tol)
+    tol = default_tol(dtype, m) if tol is None else float(tol)
     v = _solve(flat_u / scale, g, method, max_iter, tol) * scale
     v = torch.where(bad[..., None], torch.full_like(v, float("nan")), v)
     return v.reshape(u.shape).to(dtype)

@@ -1,4 +1,4 @@
-"""Batched accelerated projected gradient (FISTA) for ``min v^T G v  s.t.  v >= u``.
+"""Batched first-order solvers (FISTA, ADMM) for ``min v^T G v  s.t.  v >= u``.
 
 Beck & Teboulle (2009) with the gradient restart of O'Donoghue & Candès (2015). One iteration of
 all problems is one batched product ``V G`` plus element-wise operations; the projection onto
@@ -7,7 +7,8 @@ symmetric eigenvalue solve (exact, unlike a power iteration, so the step is alwa
 
 Convergence is checked every ``check_every`` iterations with the KKT residual of
 :mod:`jacflow.linalg._pdas`; rows whose every problem has converged are then dropped from the
-batch, so the cost follows the slowest problems only. Conventions as in ``_pdas``.
+batch, so the cost follows the slowest problems only. Both methods also stop when the worst
+residual stagnates (less than a 2x gain in 50 checks). Conventions as in ``_pdas``.
 """
 
 from __future__ import annotations
@@ -16,6 +17,14 @@ import torch
 from torch import Tensor
 
 from jacflow.linalg._pdas import kkt_residual, multiplier_scale
+
+_STALL_CHECKS = 50  # stop when the worst residual gained less than 2x over this many checks
+
+
+def _stalled(history: list[float], worst: Tensor) -> bool:
+    """Record the worst residual; true when it stagnates (e.g. a rounded, indefinite ``G``)."""
+    history.append(float(worst))
+    return len(history) > _STALL_CHECKS and history[-1] > 0.5 * history[-1 - _STALL_CHECKS]
 
 
 def fista_solve(
@@ -40,6 +49,7 @@ def fista_solve(
     out_v = torch.maximum(v0, u)
     out_res = kkt_residual(out_v, u, 2 * torch.bmm(out_v, g), c)
     rows = torch.arange(u.shape[1], device=u.device)
+    history: list[float] = []
     uu, v = u, out_v
     y = v
     t = torch.ones_like(v[..., :1])
@@ -56,7 +66,7 @@ def fista_solve(
             out_v = out_v.index_copy(1, rows, v)
             out_res = out_res.index_copy(1, rows, res)
             keep = (res > tol).any(0)
-            if not bool(keep.any()):
+            if not bool(keep.any()) or _stalled(history, res.amax()):
                 break
             if not bool(keep.all()):
                 index = keep.nonzero().flatten()
@@ -101,6 +111,7 @@ def admm_solve(
     out_v = u.clone()
     out_res = kkt_residual(u, u, 2 * torch.bmm(u, g), c)
     rows = torch.arange(u.shape[1], device=u.device)
+    history: list[float] = []
     uu, z = u, u
     w = torch.zeros_like(u)  # the scaled dual variable, updated in place
     for it in range(max_iter):
@@ -113,7 +124,7 @@ def admm_solve(
             out_v = out_v.index_copy(1, rows, z)
             out_res = out_res.index_copy(1, rows, res)
             keep = (res > tol).any(0)
-            if not bool(keep.any()):
+            if not bool(keep.any()) or _stalled(history, res.amax()):
                 break
             if not bool(keep.all()):
                 index = keep.nonzero().flatten()
