@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jacflow.aggregation import DualProj, DualProjWeighting
+from jacflow.linalg import QuadprogProjector, TorchProjector
 from tests.aggregation._properties import (
     check_claimed_properties,
     check_degenerate_inputs,
@@ -30,7 +31,10 @@ def test_degenerate_inputs() -> None:
 def test_documented_values() -> None:
     # TorchJD 0.18 normalises and regularises the Gramian by 1e-4: the same settings give its
     # numbers; the defaults solve the exact problem.
-    torchjd_like = DualProj(norm_eps=1e-4, reg_eps=1e-4)(J_DOC)
+    torchjd_like = DualProj(projector=TorchProjector(norm_eps=1e-4, reg_eps=1e-4))(J_DOC)
+    torch.testing.assert_close(
+        DualProj(projector=QuadprogProjector())(J_DOC), torchjd_like, atol=1e-6, rtol=0
+    )
     torch.testing.assert_close(
         torchjd_like, torch.tensor([0.5563, 1.1109, 1.1109]), atol=1e-4, rtol=0
     )
@@ -71,15 +75,13 @@ def test_float32_and_device(device: str, dtype: torch.dtype) -> None:
 
 
 def test_errors_and_repr() -> None:
-    with pytest.raises(ValueError, match="norm_eps"):
-        DualProj(norm_eps=-1.0)
-    with pytest.raises(ValueError, match="reg_eps"):
-        DualProjWeighting(reg_eps=-1e-3)
+    with pytest.raises(TypeError, match="projector"):
+        DualProj(projector="quadprog")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="pref_vector"):
         DualProj(pref_vector=torch.ones(2, 2))
     with pytest.raises(ValueError, match="one preference per objective"):
         DualProj(pref_vector=torch.ones(3))(J_DOC)
     with pytest.raises(ValueError, match="square Gramian"):
         DualProjWeighting()(torch.ones(2, 3))
-    assert repr(DualProj()) == "DualProj(pref_vector=None, norm_eps=0.0, reg_eps=0.0)"
+    assert repr(DualProj()).startswith("DualProj(pref_vector=None, projector=TorchProjector(")
     assert str(DualProj()) == "DualProj"

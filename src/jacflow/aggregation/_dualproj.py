@@ -6,21 +6,18 @@ import torch
 from torch import Tensor
 
 from jacflow.aggregation._bases import GramianWeighting
-from jacflow.aggregation._hyperparameters import check_float
 from jacflow.aggregation._pref_vector import check_pref_vector, resolve_pref_vector
 from jacflow.aggregation._preset import NoGradGramianPreset
 from jacflow.aggregation._properties import Property
-from jacflow.linalg import project_weights
+from jacflow.aggregation._upgrad import _check_projector
+from jacflow.linalg import DualConeProjector
 
 
-def dualproj_weights(gramian: Tensor, pref: Tensor, norm_eps: float, reg_eps: float) -> Tensor:
-    """Weights ``v = argmin v^T G v s.t. v >= pref``: one dual-cone projection of ``J^T pref``.
-
-    When ``G @ pref >= 0`` the direction already conflicts with no row and ``v = pref``.
-    """
+def dualproj_weights(gramian: Tensor, pref: Tensor, projector: DualConeProjector) -> Tensor:
+    """Weights ``v = argmin v^T G v s.t. v >= pref``: one dual-cone projection of ``J^T pref``."""
     if gramian.shape[0] == 0:
         return pref
-    return project_weights(pref, gramian, norm_eps=norm_eps, reg_eps=reg_eps).to(gramian.dtype)
+    return projector(pref, gramian).to(gramian.dtype)
 
 
 class DualProjWeighting(GramianWeighting):
@@ -28,10 +25,9 @@ class DualProjWeighting(GramianWeighting):
 
     Args:
         pref_vector: the preference weights :math:`u` (default ``1/m`` each).
-        norm_eps: the Gramian is divided by its trace; a trace at or below ``norm_eps`` counts
-            as 0 (default 0; TorchJD uses 1e-4, see :func:`jacflow.linalg.project_weights`).
-        reg_eps: ``reg_eps * I`` is added to the normalised Gramian (default 0: the exact
-            problem; TorchJD uses 1e-4).
+        projector: the dual-cone projection solver (default ``TorchProjector()``: the exact
+            problem, on the Gramian's device). ``QuadprogProjector()`` or
+            ``TorchProjector(norm_eps=1e-4, reg_eps=1e-4)`` reproduce TorchJD's numbers.
 
     Example:
         >>> import torch
@@ -42,20 +38,19 @@ class DualProjWeighting(GramianWeighting):
     """
 
     def __init__(
-        self, pref_vector: Tensor | None = None, norm_eps: float = 0.0, reg_eps: float = 0.0
+        self, pref_vector: Tensor | None = None, projector: DualConeProjector | None = None
     ) -> None:
         super().__init__()
         self.pref_vector = check_pref_vector(pref_vector)
-        self.norm_eps = check_float(norm_eps, "norm_eps", low=0.0)
-        self.reg_eps = check_float(reg_eps, "reg_eps", low=0.0)
+        self.projector = _check_projector(projector)
 
     def forward(self, stat: Tensor) -> Tensor:
         with torch.no_grad():
             pref = resolve_pref_vector(self.pref_vector, stat.shape[0], stat)
-            return dualproj_weights(stat, pref, self.norm_eps, self.reg_eps)
+            return dualproj_weights(stat, pref, self.projector)
 
     def extra_repr(self) -> str:
-        return f"pref_vector={self.pref_vector}, norm_eps={self.norm_eps}, reg_eps={self.reg_eps}"
+        return f"pref_vector={self.pref_vector}, projector={self.projector}"
 
 
 class DualProj(NoGradGramianPreset):
@@ -74,14 +69,17 @@ class DualProj(NoGradGramianPreset):
 
     Args:
         pref_vector: the preference weights :math:`u` (default ``1/m`` each).
-        norm_eps: see :class:`DualProjWeighting`.
-        reg_eps: see :class:`DualProjWeighting`.
+        projector: the dual-cone projection solver; see :class:`DualProjWeighting`.
 
     Example:
         >>> import torch
         >>> from jacflow.aggregation import DualProj
-        >>> DualProj()(torch.tensor([[-4., 1., 1.], [6., 1., 1.]]))
+        >>> from jacflow.linalg import QuadprogProjector
+        >>> J = torch.tensor([[-4., 1., 1.], [6., 1., 1.]])
+        >>> DualProj()(J)
         tensor([0.5556, 1.1111, 1.1111])
+        >>> DualProj(projector=QuadprogProjector())(J)  # TorchJD 0.18's numbers
+        tensor([0.5563, 1.1109, 1.1109])
     """
 
     properties = frozenset(
@@ -89,6 +87,6 @@ class DualProj(NoGradGramianPreset):
     )
 
     def __init__(
-        self, pref_vector: Tensor | None = None, norm_eps: float = 0.0, reg_eps: float = 0.0
+        self, pref_vector: Tensor | None = None, projector: DualConeProjector | None = None
     ) -> None:
-        super().__init__(DualProjWeighting(pref_vector, norm_eps, reg_eps))
+        super().__init__(DualProjWeighting(pref_vector, projector))
