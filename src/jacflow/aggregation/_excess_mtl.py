@@ -56,18 +56,18 @@ class ExcessMTLWeighting(Weighting, Stateful):
         with torch.no_grad():
             if m == 0:
                 return stat.new_zeros(0)
-            if has_nonfinite(stat):
-                return nan_weights(m, stat)
             if self._sq_sum is None or self._sq_sum.shape != stat.shape:
                 self.reset()
                 self._sq_sum = stat.new_zeros(m, n)
                 self._weights = stat.new_full((m,), 1.0 / m)
                 self._warmup_sum = stat.new_zeros(m)
             assert self._weights is not None and self._warmup_sum is not None
-            squares = stat.detach() ** 2
-            self._sq_sum = self._sq_sum.to(stat) + squares
+            squares = stat.detach().square()
+            if has_nonfinite(squares.sum(dim=1)):  # a NaN/inf in J: report it, keep the state
+                return nan_weights(m, stat)
+            self._sq_sum = self._sq_sum.to(stat).add_(squares)
             # Excess risk of task i ~ g_i^T H_i^{-1} g_i with the AdaGrad diagonal H_i (Eqs 6-7).
-            excess = (squares / (self._sq_sum + _EPS).sqrt()).sum(dim=1)
+            excess = squares.div_((self._sq_sum + _EPS).sqrt_()).sum(dim=1)
             self._calls += 1
             if self._calls <= self.n_warmup_steps:
                 self._warmup_sum = self._warmup_sum.to(stat) + excess
@@ -92,7 +92,7 @@ class ExcessMTLWeighting(Weighting, Stateful):
 class ExcessMTL(WeightedAggregator, Stateful):
     r"""ExcessMTL: weights driven up for the objectives with the largest excess risk.
 
-    He, Zhou, Zhao, Wang & Lin (He Y. et al.), *Robust Multi-Task Learning with Excess Risks*,
+    He et al. (Yifei He and co-authors), *Robust Multi-Task Learning with Excess Risks*,
     ICML 2024 (arXiv 2402.02009). The excess risk of objective :math:`i` is estimated by the
     second-order Taylor term :math:`E_i = g_i^\top H_i^{-1} g_i` with the AdaGrad diagonal
     :math:`H_i = \mathrm{diag}(\sqrt{\sum_{s \le t} g_{i,s}^2})` (Eqs. 6-7), divided by its

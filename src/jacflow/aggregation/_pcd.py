@@ -55,7 +55,10 @@ def solve_pcd_qp(gramian: Tensor, taus: Tensor, dependence_tol: float = 1e-9) ->
         while True:
             if active:
                 idx = torch.tensor(active, device=G.device)
-                r = torch.linalg.pinv(G[idx][:, idx], hermitian=True) @ G[idx, p]
+                # Active gradients are independent (dependent ones never enter): G_AA is PD.
+                r, info = torch.linalg.solve_ex(G[idx][:, idx], G[idx, p])
+                if int(info) != 0:
+                    r = torch.linalg.pinv(G[idx][:, idx], hermitian=True) @ G[idx, p]
             else:
                 idx = torch.zeros(0, dtype=torch.long, device=G.device)
                 r = G.new_zeros(0)
