@@ -159,9 +159,12 @@ def _mtl_step(
     y: torch.Tensor,
     opt: torch.optim.Optimizer,
 ) -> Step:
-    def forward() -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_list() -> tuple[torch.Tensor, list[torch.Tensor]]:
         features = trunk(x)
-        losses = [F.mse_loss(h(features).squeeze(1), y[:, i]) for i, h in enumerate(heads)]
+        return features, [F.mse_loss(h(features).squeeze(1), y[:, i]) for i, h in enumerate(heads)]
+
+    def forward() -> tuple[torch.Tensor, torch.Tensor]:
+        features, losses = forward_list()
         return features, torch.stack(losses)
 
     shared = list(trunk.parameters())
@@ -195,8 +198,8 @@ def _mtl_step(
 
         def step() -> None:
             opt.zero_grad()
-            features, losses = forward()
-            tjd_autojac.mtl_backward(list(losses), features)
+            features, losses = forward_list()
+            tjd_autojac.mtl_backward(losses, features)
             tjd_autojac.jac_to_grad(shared, aggregator)
             opt.step()
 
@@ -244,6 +247,8 @@ def memory(spec: dict[str, object]) -> float:
 
 
 def _table(title: str, header: list[str], rows: list[list[str]]) -> None:
+    if not rows:
+        return
     print(f"\n{title}\n")
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
@@ -255,6 +260,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="fewer rounds and configurations")
     parser.add_argument("--no-memory", action="store_true")
+    parser.add_argument("--only", choices=["iwrm", "mtl"], help="run one of the two parts")
     parser.add_argument("--child")
     args = parser.parse_args()
     if args.child:
@@ -265,7 +271,7 @@ def main() -> None:
     print(f"torch {torch.__version__}, torchjd {getattr(torchjd, '__version__', '0.18')}, 1 thread")
 
     iwrm_rows, iwrm_mem = [], []
-    models = ["mlp256", "mlp1024", "cnn"]
+    models = [] if args.only == "mtl" else ["mlp256", "mlp1024", "cnn"]
     batches = [32, 64] if args.quick else [32, 64, 128]
     for model_name in models:
         for batch in batches:
@@ -300,7 +306,7 @@ def main() -> None:
                 print(iwrm_mem[-1], flush=True)
 
     mtl_rows, mtl_mem = [], []
-    configs = [(256, 64), (1024, 256)]
+    configs = [] if args.only == "iwrm" else [(256, 64), (1024, 256)]
     ms = [2, 6] if args.quick else [2, 6, 10]
     for width, batch in configs:
         for m in ms:
@@ -353,7 +359,7 @@ def main() -> None:
     )
     if iwrm_mem:
         _table(
-            "Peak memory increase (MB, ru_maxrss, fresh process, 3 steps), per-sample",
+            "Peak memory increase (MB, VmHWM, fresh process, 3 steps), per-sample",
             ["model", "B", "SGD", "jacflow", "TorchJD autogram", "TorchJD autojac"],
             iwrm_mem,
         )
