@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from torch import Tensor
 
 from jacflow.aggregation import PCGrad, PCGradWeighting
-from jacflow.aggregation._pcgrad import pcgrad_weights
+from jacflow.aggregation._pcgrad import pcgrad_weights, random_orders
 from tests.aggregation._properties import (
     check_claimed_properties,
     check_degenerate_inputs,
@@ -56,6 +56,18 @@ def test_fixed_orders_match_the_literal_algorithm(m: int, n: int, seed: int) -> 
     orders = torch.stack([torch.randperm(m, generator=gen) for _ in range(m)])
     expected = literal_pcgrad(J, orders)
     torch.testing.assert_close(pcgrad_weights(J @ J.T, orders) @ J, expected)
+
+
+def test_orders_are_uniform_permutations_of_the_other_rows() -> None:
+    m = 4
+    firsts = torch.zeros(m, m)
+    for _ in range(400):
+        orders = random_orders(m, torch.zeros(1))
+        for i in range(m):
+            assert sorted(orders[i].tolist()) == [j for j in range(m) if j != i]
+            firsts[i, orders[i, 0]] += 1
+    off_diagonal = firsts[~torch.eye(m, dtype=torch.bool)] / 400
+    assert float((off_diagonal - 1 / 3).abs().max()) < 0.1  # each other row leads 1/3 of the time
 
 
 def test_random_orders_follow_the_global_seed() -> None:

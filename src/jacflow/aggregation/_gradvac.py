@@ -42,7 +42,7 @@ def gradvac_weights(
     coefficients = torch.eye(m, dtype=gramian.dtype, device=gramian.device)
     rows = torch.arange(m, device=gramian.device)
     norms = gramian.diagonal().clamp(min=0).sqrt()
-    for s in range(m if m > 1 else 0):
+    for s in range(orders.shape[1] if m > 1 else 0):
         j = orders[:, s]
         dots = (coefficients * gramian[j]).sum(dim=1)
         own = ((coefficients @ gramian) * coefficients).sum(dim=1).clamp(min=0).sqrt()
