@@ -87,3 +87,42 @@ def test_explicit_params_and_several_features() -> None:
     )
     for p, e in zip([*a.parameters(), *b.parameters()], expected):
         torch.testing.assert_close(p.jac, e)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("aggregator", [UPGrad(), Mean()], ids=str)
+def test_engine_path_equals_jacobian_path(aggregator: object) -> None:
+    from jacflow.autogram import Engine
+
+    trunk, heads, x = _model(torch.float64)
+    params = [*trunk.parameters(), *(p for h in heads for p in h.parameters())]
+    losses, features = _losses(trunk, heads, x)
+    mtl_backward(losses, features, A=aggregator)  # type: ignore[arg-type]
+    expected = [p.grad.clone() for p in params]  # type: ignore[union-attr]
+    for p in params:
+        p.grad = None
+    with Engine(trunk, batch_dim=None) as engine:
+        losses, features = _losses(trunk, heads, x)
+        mtl_backward(losses, features, A=aggregator, engine=engine)  # type: ignore[arg-type]
+    for p, e in zip(params, expected):
+        torch.testing.assert_close(p.grad, e, atol=1e-9, rtol=1e-7)
+
+
+def test_engine_path_errors_leave_grads_untouched() -> None:
+    from jacflow.aggregation import ConFIG
+    from jacflow.autogram import Engine
+
+    trunk, heads, x = _model(torch.float64)
+    with Engine(trunk, batch_dim=None) as engine:
+        losses, features = _losses(trunk, heads, x)
+        with pytest.raises(ValueError, match="Gramian-based aggregator"):
+            mtl_backward(losses, features, A=ConFIG(), engine=engine)
+        with pytest.raises(ValueError, match="Gramian-based aggregator"):
+            mtl_backward(losses, features, engine=engine)
+        with pytest.raises(ValueError, match="leave `shared_params` to None"):
+            mtl_backward(
+                losses, features, A=UPGrad(), engine=engine, shared_params=trunk.parameters()
+            )
+        with pytest.raises(TypeError, match="`engine` must be"):
+            mtl_backward(losses, features, A=UPGrad(), engine=object())  # type: ignore[arg-type]
+    for p in [*trunk.parameters(), *(q for h in heads for q in h.parameters())]:
+        assert p.grad is None and not hasattr(p, "jac")

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
-from jacflow.aggregation import Aggregator
+from jacflow.aggregation import Aggregator, GramianWeightedAggregator
 from jacflow.autojac._accumulate import accumulate_grads, check_jac_accumulable
 from jacflow.autojac._backward import store
 from jacflow.autojac._checks import (
@@ -20,6 +21,9 @@ from jacflow.autojac._checks import (
 )
 from jacflow.autojac._graph import leaf_tensors
 from jacflow.autojac._jac import compute_jacobians
+
+if TYPE_CHECKING:
+    from jacflow.autogram import Engine
 
 
 def _check_scalar_losses(losses: tuple[Tensor, ...]) -> None:
@@ -79,6 +83,7 @@ def mtl_backward(
     shared_params: Iterable[Tensor] | None = None,
     retain_graph: bool = False,
     parallel_chunk_size: int | None = None,
+    engine: Engine | None = None,
 ) -> None:
     """One step of multi-task Jacobian descent: heads get gradients, the trunk a Jacobian.
 
@@ -98,6 +103,12 @@ def mtl_backward(
         shared_params: the trunk parameters. Default: the leaves behind ``features``.
         retain_graph: keep the graph for another differentiation.
         parallel_chunk_size: tasks differentiated per vmapped trunk call (``1``: no vmap).
+        engine: a per-task :class:`jacflow.autogram.Engine` (``batch_dim=None``) hooked on the
+            trunk before the forward pass. With a Gramian-based ``A`` (UPGrad, MGDA, ...), the
+            step then goes through the Gramian engine: no trunk Jacobian is formed and the
+            trunk's weight gradients are computed once, for about ``(m + 2) / 3`` SGD steps
+            instead of ``(2m + 1) / 3``. The trunk is the engine's modules (``shared_params``
+            must be left to its default).
 
     Example:
         >>> import torch
@@ -123,6 +134,9 @@ def mtl_backward(
     check_inputs_require_grad(feature_tuple, "features")
     aggregator = check_aggregator(A)
     chunk_size = check_chunk_size(parallel_chunk_size, "parallel_chunk_size")
+    if engine is not None:
+        _engine_step(loss_tuple, feature_tuple, aggregator, tasks_params, shared_params, engine)
+        return
     heads, shared = _resolve_params(loss_tuple, feature_tuple, tasks_params, shared_params)
     check_non_empty(shared, "shared_params")
     if aggregator is None:
@@ -146,3 +160,37 @@ def mtl_backward(
     )
     store(shared, jacobians, aggregator)
     accumulate_grads([p for p, _ in head_grads.values()], [g for _, g in head_grads.values()])
+
+
+def _engine_step(
+    losses: tuple[Tensor, ...],
+    features: tuple[Tensor, ...],
+    aggregator: Aggregator | None,
+    tasks_params: Sequence[Iterable[Tensor]] | None,
+    shared_params: Iterable[Tensor] | None,
+    engine: Engine,
+) -> None:
+    """``mtl_backward`` through the per-task Gramian engine (validated first, written last)."""
+    from jacflow.autogram import Engine, mtl_gramian_step
+
+    if not isinstance(engine, Engine):
+        raise TypeError(
+            f"`engine` must be a jacflow.autogram.Engine or None, received {type(engine)}."
+        )
+    if not isinstance(aggregator, GramianWeightedAggregator):
+        raise ValueError(
+            "`engine` needs a Gramian-based aggregator `A` (e.g. UPGrad(), MGDA(), Mean()): the "
+            f"engine computes the Gramian, not the Jacobian; received A={aggregator!r}. Drop "
+            "`engine` to store `.jac` or to use a Jacobian-based aggregator."
+        )
+    if shared_params is not None:
+        raise ValueError(
+            "With `engine`, the shared parameters are those of the engine's modules; leave "
+            "`shared_params` to None."
+        )
+    heads, _ = _resolve_params(losses, features, tasks_params, ())
+    unique_heads = {id(p): p for params in heads for p in params}
+    stacked = torch.stack([loss.reshape(()) for loss in losses])
+    mtl_gramian_step(
+        stacked, engine, aggregator.gramian_weighting, tasks_params=unique_heads.values()
+    )
