@@ -66,9 +66,8 @@ class UPGradWeighting(GramianWeighting):
         self.projector = _check_projector(projector)
 
     def forward(self, stat: Tensor) -> Tensor:
-        with torch.no_grad():
-            pref = resolve_pref_vector(self.pref_vector, stat.shape[0], stat)
-            return upgrad_weights(stat, pref, self.projector)
+        pref = resolve_pref_vector(self.pref_vector, stat.shape[0], stat)
+        return upgrad_weights(stat, pref, self.projector)
 
     def extra_repr(self) -> str:
         return f"pref_vector={self.pref_vector}, projector={self.projector}"
@@ -86,7 +85,9 @@ class UPGrad(GramianWeightedAggregator):
               \pi_J(J^\top u) = J^\top v^*, \quad v^* = \arg\min_{v \succeq u} v^\top G v.
 
     The update conflicts with no objective (:math:`J A(J) \succeq 0`), is linear under
-    scaling of the rows and invariant to their order.
+    scaling of the rows and invariant to their order. With the default projector it is
+    differentiable in the Jacobian (implicit differentiation of the projections' KKT systems),
+    so it can be used under ``create_graph=True``.
 
     Args:
         pref_vector: preference weight of each objective (default ``1/m`` each).
@@ -116,10 +117,6 @@ class UPGrad(GramianWeightedAggregator):
         self, pref_vector: Tensor | None = None, projector: DualConeProjector | None = None
     ) -> None:
         super().__init__(UPGradWeighting(pref_vector, projector))
-
-    def forward(self, matrix: Tensor) -> Tensor:
-        with torch.no_grad():
-            return super().forward(matrix)
 
     def extra_repr(self) -> str:
         return self.gramian_weighting.extra_repr()

@@ -20,6 +20,7 @@ from torch import Tensor
 
 from jacflow.linalg._first_order import admm_solve, fista_solve
 from jacflow.linalg._gramian import normalize_gramian, regularize_gramian
+from jacflow.linalg._implicit import differentiable_projection
 from jacflow.linalg._pdas import kkt_residual, multiplier_scale, pdas_solve
 
 
@@ -229,6 +230,20 @@ def _solve(u: Tensor, g: Tensor, method: str, max_iter: int | None, tol: float) 
     return torch.maximum(v, u)  # exactly feasible; moves a converged v by at most ~tol
 
 
+def _solve_finite(
+    flat_u: Tensor, g: Tensor, method: str, max_iter: int | None, tol: float
+) -> Tensor:
+    """Scale the rows of ``u``, solve, and give NaN rows where ``u`` or ``g`` is not finite."""
+    bad_g = ~torch.isfinite(g).all(-1).all(-1)
+    bad = ~torch.isfinite(flat_u).all(-1) | bad_g[:, None]
+    g = torch.where(bad_g[:, None, None], torch.zeros_like(g), g)
+    flat_u = torch.where(bad[..., None], torch.zeros_like(flat_u), flat_u)
+    scale = flat_u.abs().amax(-1, keepdim=True)
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    v = _solve(flat_u / scale, g, method, max_iter, tol) * scale
+    return torch.where(bad[..., None], torch.full_like(v, float("nan")), v)
+
+
 def project_weights(
     u: Tensor,
     gramian: Tensor,
@@ -266,7 +281,12 @@ def project_weights(
     ``lam = 2 G v`` and ``c = 2 max_i G_ii``, ``G`` of trace 1) is at most ``tol``. If some
     problem does not meet ``tol`` within ``max_iter``, a :class:`SolverWarning` is issued and
     the best iterate is returned. NaN or infinite entries in ``G`` (or in a row of ``u``) give
-    NaN rows. The result is detached from the autograd graph.
+    NaN rows.
+
+    Gradients. When ``u`` or ``gramian`` requires grad, ``v`` is differentiable by implicit
+    differentiation of the KKT system at the solution (active set held fixed, pseudo-inverse
+    on singular free blocks; see ``jacflow.linalg._implicit``), also twice
+    (``create_graph=True``). The backward pass costs ``k`` masked ``m x m`` pseudo-inverses.
 
     Args:
         u: the weights to project, ``[..., m]``; with a batch of Gramians ``[*batch, k, m]``.
@@ -299,17 +319,17 @@ def project_weights(
     dtype = torch.promote_types(u.dtype, gramian.dtype)
     if m == 0 or u.numel() == 0:
         return u.detach().to(dtype).clone()
-    g = gramian.detach().to(torch.float64).reshape(-1, m, m)
-    flat_u = u.detach().to(torch.float64).reshape(g.shape[0], -1, m)
-    bad_g = ~torch.isfinite(g).all(-1).all(-1)
-    bad = ~torch.isfinite(flat_u).all(-1) | bad_g[:, None]
-    g = torch.where(bad_g[:, None, None], torch.zeros_like(g), g)
-    flat_u = torch.where(bad[..., None], torch.zeros_like(flat_u), flat_u)
+    g = gramian.to(torch.float64).reshape(-1, m, m)
+    flat_u = u.to(torch.float64).reshape(g.shape[0], -1, m)
     g = regularize_gramian(normalize_gramian(g, norm_eps), reg_eps)
     g = normalize_gramian((g + g.mT) / 2, 0.0)  # v^T G v only sees the symmetric part
-    scale = flat_u.abs().amax(-1, keepdim=True)
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     tol = default_tol(dtype, m) if tol is None else float(tol)
-    v = _solve(flat_u / scale, g, method, max_iter, tol) * scale
-    v = torch.where(bad[..., None], torch.full_like(v, float("nan")), v)
+
+    def solve(flat_u: Tensor, g: Tensor) -> Tensor:
+        return _solve_finite(flat_u, g, method, max_iter, tol)
+
+    if torch.is_grad_enabled() and (g.requires_grad or flat_u.requires_grad):
+        v = differentiable_projection(flat_u, g, solve)
+    else:
+        v = solve(flat_u, g)
     return v.reshape(u.shape).to(dtype)
