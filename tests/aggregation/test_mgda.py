@@ -153,3 +153,11 @@ def test_device_and_dtype(device: str, dtype: torch.dtype) -> None:
     assert out.device.type == torch.device(device).type and out.dtype == dtype
     tol = 1e-3 if dtype == torch.float32 else 1e-9
     torch.testing.assert_close(out.cpu().double(), expected, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_nonfinite_gramian_gives_nan_weights(bad: float) -> None:
+    for m in (2, 3, 5):
+        G = torch.eye(m)
+        G[1, 0] = G[0, 1] = bad
+        assert bool(MGDAWeighting()(G).isnan().all())
