@@ -87,7 +87,10 @@ def cagrad_weights(gramian: Tensor, c: float, norm_eps: float, rescale: int) -> 
     trace = float(G.trace())
     if trace <= 0:
         return torch.zeros(m, dtype=dtype, device=device)
-    G = (G + G.T) / (2 * trace)
+    # A Gramian computed in low precision is PSD only up to rounding; Wolfe's algorithm needs a
+    # true Gram matrix, so clip the negative eigenvalues.
+    eigenvalues, eigenvectors = torch.linalg.eigh((G + G.T) / (2 * trace))
+    G = (eigenvectors * eigenvalues.clamp_min(0)) @ eigenvectors.T
     u = torch.full((m,), 1.0 / m, dtype=torch.float64, device=device)
     s = c * math.sqrt(max(float(u @ G @ u), 0.0))
     if s == 0:

@@ -52,7 +52,9 @@ def _affine_minimizer(gram: Tensor, support: Tensor) -> Tensor:
     return solution[:k]
 
 
-def min_norm_weights(gram: Tensor, start: Tensor | None = None, max_iter: int = 1000) -> Tensor:
+def min_norm_weights(
+    gram: Tensor, start: Tensor | None = None, max_iter: int | None = None
+) -> Tensor:
     """Weights ``w`` in the simplex minimising ``w^T K w`` for the Gram matrix ``K`` of points.
 
     Wolfe's algorithm ("Finding the nearest point in a polytope", Math. Programming 1976): a
@@ -64,7 +66,8 @@ def min_norm_weights(gram: Tensor, start: Tensor | None = None, max_iter: int = 
         gram: ``[m, m]`` PSD Gram matrix of the points (float64 recommended), ``m >= 1``.
         start: optional feasible warm start (its support must be affinely independent, as
             returned by a previous call on translated points).
-        max_iter: cap on the number of points added to the corral.
+        max_iter: cap on the number of points added to the corral (default ``5 m + 20``; in
+            exact arithmetic about ``m`` suffice).
 
     Example:
         >>> import torch
@@ -83,7 +86,7 @@ def min_norm_weights(gram: Tensor, start: Tensor | None = None, max_iter: int = 
         w = start.clone()
     support = (w > 0).nonzero().flatten()
     need_minor = start is not None
-    for _ in range(max_iter):
+    for _ in range(5 * m + 20 if max_iter is None else max_iter):
         if not need_minor:
             products = gram @ w
             j = int(products.argmin())
