@@ -255,7 +255,7 @@ class Engine:
     def _prepare(
         self, losses: Tensor, retain_graph: bool, extra_inputs: Sequence[Tensor]
     ) -> tuple[
-        list[tuple[Unit, Contribution]],
+        list[tuple[dict[str, Tensor], Contribution]],
         Rows,
         tuple[Tensor, Tensor] | None,
         tuple[Tensor | None, ...],
@@ -307,7 +307,7 @@ class Engine:
                 if not params:
                     continue
                 contributions.append(
-                    (unit, unit.rule.prepare(unit.module, params, unit_calls, rows))
+                    (params, unit.rule.prepare(unit.module, params, unit_calls, rows))
                 )
         return contributions, rows, order, extra_grads
 
@@ -396,16 +396,18 @@ def _check_batch(unit: Unit, call: Call, rows: Rows) -> None:
             )
 
 
-def _assemble(contributions: list[tuple[Unit, Contribution]], rows: Rows, losses: Tensor) -> Tensor:
+def _assemble(
+    contributions: list[tuple[dict[str, Tensor], Contribution]], rows: Rows, losses: Tensor
+) -> Tensor:
     """Sum the contributions; parameters shared between units are combined exactly."""
     owners: dict[int, list[tuple[Contribution, str]]] = {}
-    for unit, contribution in contributions:
-        for name, param in unit.params().items():
+    for params, contribution in contributions:
+        for name, param in params.items():
             owners.setdefault(id(param), []).append((contribution, name))
     shared = {key for key, users in owners.items() if len(users) > 1}
     total: Tensor | None = None
-    for unit, contribution in contributions:
-        names = {n for n, p in unit.params().items() if id(p) not in shared}
+    for params, contribution in contributions:
+        names = {n for n, p in params.items() if id(p) not in shared}
         term = contribution.gramian(names)
         if term is not None:
             total = term if total is None else total + term
@@ -426,12 +428,11 @@ def _to_loss_order(gramian: Tensor, order: tuple[Tensor, Tensor] | None) -> Tens
 
 
 def _weighted_grads(
-    contributions: list[tuple[Unit, Contribution]], weights: Tensor
+    contributions: list[tuple[dict[str, Tensor], Contribution]], weights: Tensor
 ) -> list[tuple[Tensor, Tensor]]:
     updates = []
     with torch.no_grad():
-        for unit, contribution in contributions:
-            params = unit.params()
+        for params, contribution in contributions:
             for name, grad in contribution.weighted_grads(weights).items():
                 updates.append((params[name], grad))
     return updates
