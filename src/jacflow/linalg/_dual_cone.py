@@ -321,8 +321,9 @@ def project_weights(
         return u.detach().to(dtype).clone()
     g = gramian.to(torch.float64).reshape(-1, m, m)
     flat_u = u.to(torch.float64).reshape(g.shape[0], -1, m)
-    g = regularize_gramian(normalize_gramian(g, norm_eps), reg_eps)
-    g = normalize_gramian((g + g.mT) / 2, 0.0)  # v^T G v only sees the symmetric part
+    g = normalize_gramian((g + g.mT) / 2, norm_eps)  # v^T G v only sees the symmetric part
+    if reg_eps > 0:  # the solvers also work with trace 1: renormalise (same solution)
+        g = normalize_gramian(regularize_gramian(g, reg_eps), 0.0)
     tol = default_tol(dtype, m) if tol is None else float(tol)
 
     def solve(flat_u: Tensor, g: Tensor) -> Tensor:

@@ -50,14 +50,15 @@ def kkt_residual(v: Tensor, u: Tensor, lam: Tensor, c: Tensor) -> Tensor:
     return natural / scale
 
 
-def _factor_and_solve(system: Tensor, unshifted: Tensor, rhs: Tensor) -> Tensor:
-    """Solve ``system x = rhs`` (Cholesky, LU if not PD), refined once against ``unshifted``."""
+def _factor_and_solve(system: Tensor, shift: Tensor, rhs: Tensor) -> Tensor:
+    """Solve ``system x = rhs`` (Cholesky, LU if not PD), then refine once against the unshifted
+    matrix ``system - diag(shift)``."""
     factor, info = torch.linalg.cholesky_ex(system)
     if bool((info != 0).any()):  # not PSD (e.g. a rounded float32 Gramian): LU instead
         x = torch.linalg.solve(system, rhs)
-        return x + torch.linalg.solve(system, rhs - unshifted @ x)
+        return x + torch.linalg.solve(system, rhs - (system @ x - shift[..., None] * x))
     x = torch.cholesky_solve(rhs, factor)
-    return x + torch.cholesky_solve(rhs - unshifted @ x, factor)
+    return x + torch.cholesky_solve(rhs - (system @ x - shift[..., None] * x), factor)
 
 
 def _solve_masked(u: Tensor, g: Tensor, active: Tensor) -> Tensor:
@@ -67,10 +68,10 @@ def _solve_masked(u: Tensor, g: Tensor, active: Tensor) -> Tensor:
     v = u * (1 - free)
     rhs = v - free * torch.bmm(v, g)
     pair = free[..., :, None] * free[..., None, :]
-    unshifted = g[:, None] * pair + torch.diag_embed(1 - free)
-    shift = _SHIFT * m * g.diagonal(dim1=-2, dim2=-1).amax(-1).clamp_min(1e-300)
-    system = unshifted + torch.diag_embed(shift[:, None, None] * free)
-    return _factor_and_solve(system, unshifted, rhs[..., None]).squeeze(-1)
+    scale = _SHIFT * m * g.diagonal(dim1=-2, dim2=-1).amax(-1).clamp_min(1e-300)
+    shift = scale[:, None, None] * free
+    system = g[:, None] * pair + torch.diag_embed(1 - free + shift)
+    return _factor_and_solve(system, shift, rhs[..., None]).squeeze(-1)
 
 
 def _solve_free(u: Tensor, g: Tensor, active: Tensor) -> Tensor:
@@ -94,10 +95,10 @@ def _solve_free(u: Tensor, g: Tensor, active: Tensor) -> Tensor:
     sub = torch.where(valid[:, :, None] & valid[:, None, :], sub, torch.zeros_like(sub))
     off = (~valid).to(sub.dtype)
     shift = _SHIFT * s * g.diagonal(dim1=-2, dim2=-1).amax(-1).clamp_min(1e-300)[batch]
-    unshifted = sub + torch.diag_embed(off)
-    system = unshifted + torch.diag_embed(shift[:, None] * valid.to(sub.dtype))
+    shift = shift[:, None] * valid.to(sub.dtype)
+    system = sub + torch.diag_embed(off + shift)
     rhs = torch.where(valid, torch.gather(rhs_full, 1, order), torch.zeros_like(off))[..., None]
-    x = _factor_and_solve(system, unshifted, rhs)
+    x = _factor_and_solve(system, shift, rhs)
     values = torch.where(valid, x.squeeze(-1), torch.gather(flat_v, 1, order))
     return flat_v.scatter(1, order, values).reshape(b, k, m)
 
