@@ -16,6 +16,7 @@ from torch import Tensor
 
 from jacflow.linalg import SolverWarning, project_weights
 from jacflow.linalg._dual_cone import project_weights_reference
+from tests.aggregation._properties import make_jacobian
 
 KINDS = ("psd", "rank_deficient", "duplicated", "zero_rows", "conflicting", "more_rows")
 METHODS = ("auto", "pdas", "fista", "admm")
@@ -272,3 +273,17 @@ def test_invalid_inputs() -> None:
         project_weights(torch.ones(3), g, tol=-1.0)
     with pytest.raises(ValueError, match="`reg_eps`"):
         project_weights(torch.ones(3), g, reg_eps=-1.0)
+
+
+def test_degenerate_problem_falls_back_to_an_exact_solution() -> None:
+    """Rank 4 < n = 10 < m = 13: the dual cone is almost a subspace and ``v`` is huge and not
+    unique. PDAS cycles and FISTA stalls on this one; the exact fallback must still solve it."""
+    j = make_jacobian(13, 10, 4, 1e-7, torch.float64, seed=27)
+    gramian = j @ j.T
+    u = upgrad_rows(13)
+    v = project_weights(u, gramian)
+    assert_kkt(v, u, gramian)
+    ref = project_weights_reference(u, gramian)
+    s = float(ref.abs().max())
+    g_scale = float(gramian.diagonal().max())
+    torch.testing.assert_close(v @ gramian, ref @ gramian, rtol=0, atol=1e-6 * g_scale * s)

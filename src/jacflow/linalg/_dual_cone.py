@@ -225,7 +225,7 @@ def _solve(u: Tensor, g: Tensor, method: str, max_iter: int | None, tol: float) 
             f"`project_weights` (method={method!r}) stopped with a KKT residual of {worst:.2e} "
             f"> tol = {tol:.1e}; returning the best iterate. Raise `max_iter` (or `tol`).",
             SolverWarning,
-            stacklevel=3,
+            stacklevel=5,  # the caller of project_weights
         )
     return torch.maximum(v, u)  # exactly feasible; moves a converged v by at most ~tol
 
