@@ -60,6 +60,10 @@ def solve_power_equation(
         tensor([0.5000, 1.0000], dtype=torch.float64)
     """
     m = G.shape[0]
+    # Clip the negative eigenvalues that rounding leaves in a low-precision Gramian, then add
+    # the ridge: f is then strictly convex and bounded below.
+    eigenvalues, eigenvectors = torch.linalg.eigh(G)
+    G = (eigenvectors * eigenvalues.clamp_min(0)) @ eigenvectors.T
     G = G + (ridge * float(G.diagonal().sum()) / m) * torch.eye(m, dtype=G.dtype, device=G.device)
     w = torch.ones(m, dtype=G.dtype, device=G.device) if start is None else start.clone()
     # The best multiple of w: t^(1+p) = sum(w^(1-p)) / (w^T G w).
@@ -93,5 +97,7 @@ def solve_power_equation(
             t *= 0.5
         else:
             break
+        if t < 1.0 and -t * slope <= 1e-15 * (abs(float(value)) + 1.0):
+            break  # the decrease is below the rounding of f: no further progress possible
         w, value = candidate, candidate_value
     return w
