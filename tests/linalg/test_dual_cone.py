@@ -64,8 +64,8 @@ def upgrad_rows(m: int) -> Tensor:
 
 
 @st.composite
-def problems(draw: st.DrawFn, max_m: int = 24) -> tuple[Tensor, Tensor]:
-    m = draw(st.integers(1, max_m))
+def problems(draw: st.DrawFn, max_m: int = 24, min_m: int = 1) -> tuple[Tensor, Tensor]:
+    m = draw(st.integers(min_m, max_m))
     kind = draw(st.sampled_from(KINDS))
     scale = 10.0 ** draw(st.integers(-8, 8))
     gramian = make_gramian(m, kind, scale, draw(st.integers(0, 2**31 - 1)))
@@ -85,6 +85,14 @@ def test_kkt_conditions(problem: tuple[Tensor, Tensor], method: str) -> None:
     v = project_weights(u, gramian, method=method)
     assert v.shape == u.shape and v.dtype == torch.float64
     assert_kkt(v, u, gramian)
+
+
+@settings(max_examples=20)
+@given(problem=problems(max_m=160, min_m=33))
+def test_kkt_conditions_medium(problem: tuple[Tensor, Tensor]) -> None:
+    """Sizes where "auto" uses ADMM (and its fallbacks), on every structure and scale."""
+    u, gramian = problem
+    assert_kkt(project_weights(u, gramian), u, gramian)
 
 
 @pytest.mark.parametrize(
