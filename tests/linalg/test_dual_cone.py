@@ -160,17 +160,19 @@ def test_agrees_with_quadprog(problem: tuple[Tensor, Tensor], method: str) -> No
     torch.testing.assert_close(v, expected, rtol=0, atol=1e-6 * s)
 
 
-def test_batch_dimensions() -> None:
+@pytest.mark.parametrize("method", METHODS)
+def test_batch_dimensions(method: str) -> None:
     kinds = ("psd", "conflicting", "psd", "conflicting")  # non-singular: v is unique
     gramians = torch.stack(
         [make_gramian(6, kind, 1.0, seed=i) for i, kind in enumerate(kinds)]
     ).reshape(2, 2, 6, 6)
     u = torch.randn(2, 2, 3, 6, dtype=torch.float64)
-    v = project_weights(u, gramians)
+    v = project_weights(u, gramians, method=method)
     assert v.shape == u.shape
     for i in range(2):
         for j in range(2):
-            torch.testing.assert_close(v[i, j], project_weights(u[i, j], gramians[i, j]))
+            single = project_weights_reference(u[i, j], gramians[i, j])
+            torch.testing.assert_close(v[i, j], single, rtol=1e-7, atol=1e-8)
             assert_kkt(v[i, j], u[i, j], gramians[i, j])
     # Several leading dimensions of u with one Gramian.
     u = torch.randn(2, 3, 6, dtype=torch.float64)
