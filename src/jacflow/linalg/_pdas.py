@@ -9,8 +9,10 @@ equivalently ``min(v - u, lam / c) = 0`` for any ``c > 0``. Given a guess ``A`` 
 (``v_A = u_A``), the free part solves ``G_FF v_F = -G_FA u_A`` and the next guess is
 ``{i : lam_i + c (u_i - v_i) > 0}``. Once the guess is right one solve gives the exact answer.
 
-All problems are solved at once: each free system is gathered into a padded ``s x s`` block
-(``s`` = the largest free set), factorised by a batched Cholesky and scattered back.
+All problems are solved at once by a batched Cholesky: for ``m <= 48`` as full ``m x m``
+systems with the identity on the active rows (fewer, larger operations); above, each free
+system is gathered into a padded ``s x s`` block (``s`` = the largest free set) and scattered
+back.
 
 Singular Gramians. For ``G = J J^T`` the free system is always consistent
 (``G_FA u_A = J_F (J_A^T u_A)`` lies in the range of ``G_FF = J_F J_F^T``), so it is solved
