@@ -30,19 +30,32 @@ def graddrop(matrix: Tensor, f: Callable[[Tensor], Tensor], leak: Tensor | None)
         >>> graddrop(torch.tensor([[1., -1.], [2., -3.]]), identity, None)
         tensor([ 3., -4.])
     """
-    positive = matrix.sum(dim=0)
-    total = matrix.abs().sum(dim=0)
+    # Column sums of the positive and negative parts are all the masks ever select, so the
+    # update needs two passes over J and no m x n mask.
+    positive_part = matrix.clamp(min=0)
+    negative_part = matrix.clamp(max=0)
+    if leak is None:
+        positive = positive_part.sum(dim=0)
+        negative = negative_part.sum(dim=0)
+        kept_positive, kept_negative, base = positive, negative, None
+    else:
+        weights = torch.stack([torch.ones_like(leak), 1 - leak]).to(matrix)
+        positive, kept_positive = weights @ positive_part
+        negative, kept_negative = weights @ negative_part
+        base = leak.to(matrix) @ matrix
+    signed = positive + negative
+    total = positive - negative
     safe = torch.where(total > 0, total, torch.ones_like(total))
-    purity = torch.where(total > 0, 0.5 * (1 + positive / safe), torch.full_like(total, 0.5))
+    purity = torch.where(total > 0, 0.5 * (1 + signed / safe), torch.full_like(total, 0.5))
     transformed = f(purity)
     draws = torch.rand(matrix.shape[1], dtype=matrix.dtype, device=matrix.device)
-    masks = ((transformed > draws) & (matrix > 0)) | ((transformed < draws) & (matrix < 0))
-    coefficients = masks.to(matrix.dtype)
-    if leak is not None:
-        leak_column = leak.to(matrix)[:, None]
-        coefficients = leak_column + (1 - leak_column) * coefficients
-    result = (coefficients * matrix).sum(dim=0)
-    return torch.where(torch.isfinite(positive), result, torch.full_like(result, float("nan")))
+    zero = torch.zeros_like(signed)
+    result = torch.where(transformed > draws, kept_positive, zero) + torch.where(
+        transformed < draws, kept_negative, zero
+    )
+    if base is not None:
+        result = result + base
+    return torch.where(torch.isfinite(signed), result, torch.full_like(result, float("nan")))
 
 
 class GradDrop(Aggregator):
