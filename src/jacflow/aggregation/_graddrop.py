@@ -45,17 +45,15 @@ def graddrop(matrix: Tensor, f: Callable[[Tensor], Tensor], leak: Tensor | None)
         base = leak.to(matrix) @ matrix
     signed = positive + negative
     total = positive - negative
-    safe = torch.where(total > 0, total, torch.ones_like(total))
-    purity = torch.where(total > 0, 0.5 * (1 + signed / safe), torch.full_like(total, 0.5))
+    # An all-zero column has purity 1/2 (0 / tiny = 0); NaN/inf columns give NaN below.
+    purity = (signed / total.clamp_(min=torch.finfo(matrix.dtype).tiny)).add_(1).mul_(0.5)
     transformed = f(purity)
     draws = torch.rand(matrix.shape[1], dtype=matrix.dtype, device=matrix.device)
-    zero = torch.zeros_like(signed)
-    result = torch.where(transformed > draws, kept_positive, zero) + torch.where(
-        transformed < draws, kept_negative, zero
-    )
+    result = kept_positive * (transformed > draws)
+    result.addcmul_(kept_negative, transformed < draws)
     if base is not None:
-        result = result + base
-    return torch.where(torch.isfinite(signed), result, torch.full_like(result, float("nan")))
+        result.add_(base)
+    return result.add_(signed.mul_(0))  # 0 * (NaN or inf) = NaN: non-finite columns propagate
 
 
 class GradDrop(Aggregator):
