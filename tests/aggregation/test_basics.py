@@ -6,6 +6,8 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from jacflow.aggregation import (
     Aggregator,
@@ -99,3 +101,38 @@ def test_weighting_and_aggregator_agree() -> None:
     J = torch.randn(6, 9, dtype=torch.float64)
     torch.testing.assert_close(UPGrad()(J), UPGradWeighting()(J @ J.T) @ J)
     torch.testing.assert_close(GramianWeightedAggregator(MeanWeighting())(J), Mean()(J))
+
+
+@given(
+    st.floats(-1.0, 1.0),
+    st.floats(0.0, 3.0),
+    st.floats(-1.0, 2.0),
+    st.floats(-1.0, 2.0),
+    st.sampled_from([1e-6, 1.0, 1e6]),
+    st.booleans(),
+)
+def test_two_objective_closed_form_matches_the_solver(
+    cos: float, ratio: float, p1: float, p2: float, scale: float, zero_row: bool
+) -> None:
+    """The m = 2 closed form against the general solver on every kind of 2 x 2 Gramian."""
+    from jacflow.aggregation._upgrad import two_objective_weights
+    from jacflow.linalg import project_weights
+
+    g11 = 0.0 if zero_row else 1.0
+    g12 = cos * ratio * (g11**0.5)
+    G = scale * torch.tensor([[g11, g12], [g12, ratio**2]], dtype=torch.float64)
+    pref = torch.tensor([p1, p2], dtype=torch.float64)
+    expected = project_weights(torch.diag(pref.clamp(min=0)), G).sum(0)
+    got = two_objective_weights(G, pref)
+    # Compare the updates J^T w through the Gramian: |J^T (w - w*)|^2 = d^T G d.
+    d = got - expected
+    assert (
+        float(d @ G @ d) <= 1e-12 * (float(G.trace()) + 1e-300) * (1 + float(pref.abs().max())) ** 2
+    )
+
+
+def test_two_objective_closed_form_propagates_nan() -> None:
+    from jacflow.aggregation._upgrad import two_objective_weights
+
+    G = torch.tensor([[float("nan"), -1.0], [-1.0, 2.0]])
+    assert bool(two_objective_weights(G, torch.tensor([0.5, 0.5])).isnan().any())

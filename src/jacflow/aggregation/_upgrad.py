@@ -11,6 +11,33 @@ from jacflow.aggregation._properties import Property
 from jacflow.linalg._projectors import DualConeProjector, TorchProjector
 
 
+def _ratio(numerator: Tensor, denominator: Tensor) -> Tensor:
+    """``numerator / denominator`` with ``x / 0 = 0`` (a zero row); NaN still propagates."""
+    safe = torch.where(denominator == 0, torch.ones_like(denominator), denominator)
+    return torch.where(denominator == 0, torch.zeros_like(numerator), numerator / safe)
+
+
+def two_objective_weights(gramian: Tensor, pref: Tensor) -> Tensor:
+    """Exact UPGrad weights for ``m = 2`` in closed form (no solver, no host synchronisation).
+
+    Row 1 (``u = p_1 e_1``, ``p_1 >= 0``) projects to ``v = (p_1, max(0, -G_12 p_1 / G_22))``:
+    for fixed ``v_1`` the best ``v_2`` is ``-G_12 v_1 / G_22`` clipped at 0, and the remaining
+    objective grows with ``v_1``. Symmetrically for row 2. A row with ``p_i <= 0`` projects to
+    0 (``v = 0`` is feasible and has objective 0).
+    """
+    p = pref.clamp(min=0)
+    g11, g12, g22 = gramian[0, 0], gramian[0, 1], gramian[1, 1]
+    w1 = p[0] + _ratio(-g12 * p[1], g11).clamp(min=0)
+    w2 = p[1] + _ratio(-g12 * p[0], g22).clamp(min=0)
+    return torch.stack([w1, w2]).to(pref.dtype)
+
+
+def _is_exact(projector: DualConeProjector) -> bool:
+    return (
+        isinstance(projector, TorchProjector) and projector.norm_eps == 0 and projector.reg_eps == 0
+    )
+
+
 def _check_projector(projector: DualConeProjector | None) -> DualConeProjector:
     if projector is None:
         return TorchProjector()
@@ -31,6 +58,8 @@ def upgrad_weights(gramian: Tensor, pref: Tensor, projector: DualConeProjector) 
     m = gramian.shape[0]
     if m == 0:
         return pref
+    if m == 2 and _is_exact(projector):
+        return two_objective_weights(gramian, pref)
     off_diagonal = gramian - torch.diag(gramian.diagonal())
     if not bool((off_diagonal < 0).any()):
         return pref
