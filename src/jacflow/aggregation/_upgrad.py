@@ -6,6 +6,7 @@ import torch
 from torch import Tensor
 
 from jacflow.aggregation._bases import GramianWeightedAggregator, GramianWeighting
+from jacflow.aggregation._nonfinite import propagate_nonfinite
 from jacflow.aggregation._pref_vector import check_pref_vector, resolve_pref_vector
 from jacflow.aggregation._properties import Property
 from jacflow.linalg._projectors import DualConeProjector, TorchProjector
@@ -53,15 +54,16 @@ def upgrad_weights(gramian: Tensor, pref: Tensor, projector: DualConeProjector) 
     """UPGrad weights: ``sum_i v_i`` where ``v_i`` solves ``min v^T G v s.t. v >= pref_i e_i``.
 
     Short-circuits when no off-diagonal entry of ``G`` is negative: then no row conflicts
-    with another, every projection is the identity, and the weights are ``pref``.
+    with another, every projection is the identity, and the weights are ``pref``. A NaN or
+    infinite entry in ``G`` gives NaN weights.
     """
     m = gramian.shape[0]
     if m == 0:
         return pref
     if m == 2 and _is_exact(projector):
-        return two_objective_weights(gramian, pref)
+        return propagate_nonfinite(two_objective_weights(gramian, pref), gramian)
     off_diagonal = gramian - torch.diag(gramian.diagonal())
-    if not bool((off_diagonal < 0).any()):
+    if not bool(((off_diagonal < 0) | ~torch.isfinite(gramian)).any()):
         return pref
     return projector(torch.diag(pref), gramian).sum(dim=0)
 

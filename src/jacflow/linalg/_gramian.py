@@ -51,17 +51,39 @@ def sum_gramians(matrices: Iterable[Tensor]) -> Tensor:
 def normalize_gramian(gramian: Tensor, eps: float) -> Tensor:
     """Divide a Gramian (or a batch of them) by its trace; a trace ``<= eps`` gives zeros.
 
-    Uses ``torch.where`` rather than a Python ``if`` so that no host synchronisation happens
-    on an accelerator.
+    A NaN or infinite trace is not "small": the division happens and the non-finite values
+    reach the result (NaN), so that callers see them. Uses ``torch.where`` rather than a
+    Python ``if`` so that no host synchronisation happens on an accelerator.
+
+    Example:
+        >>> import torch
+        >>> from jacflow.linalg import normalize_gramian
+        >>> normalize_gramian(torch.tensor([[3., -1.], [-1., 1.]]), eps=0.0)
+        tensor([[ 0.7500, -0.2500],
+                [-0.2500,  0.2500]])
+        >>> normalize_gramian(torch.tensor([[1e-9, 0.], [0., 1e-9]]), eps=1e-6)
+        tensor([[0., 0.],
+                [0., 0.]])
+        >>> normalize_gramian(torch.tensor([[float("nan"), 0.], [0., 1.]]), eps=0.0)
+        tensor([[nan, nan],
+                [nan, nan]])
     """
     trace = gramian.diagonal(dim1=-2, dim2=-1).sum(-1)[..., None, None]
-    keep = trace > eps
+    keep = (trace > eps) | ~torch.isfinite(trace)
     safe = torch.where(keep, trace, torch.ones_like(trace))
     return torch.where(keep, gramian / safe, torch.zeros_like(gramian))
 
 
 def regularize_gramian(gramian: Tensor, eps: float) -> Tensor:
-    """Return ``gramian + eps * I`` (batched over leading dimensions)."""
+    """Return ``gramian + eps * I`` (batched over leading dimensions).
+
+    Example:
+        >>> import torch
+        >>> from jacflow.linalg import regularize_gramian
+        >>> regularize_gramian(torch.tensor([[1., -1.], [-1., 1.]]), eps=0.5)
+        tensor([[ 1.5000, -1.0000],
+                [-1.0000,  1.5000]])
+    """
     m = gramian.shape[-1]
     eye = torch.eye(m, dtype=gramian.dtype, device=gramian.device)
     return gramian + eps * eye

@@ -100,7 +100,8 @@ class QuadprogProjector(DualConeProjector):
 
     ``G`` is divided by its trace (a trace ``<= norm_eps`` gives ``G = 0``) and ``reg_eps * I``
     is added, as in TorchJD 0.18; quadprog (Goldfarb-Idnani) then needs that regularised ``G``
-    to be positive definite. Requires the ``quadprog`` package.
+    to be positive definite. A NaN or infinite entry in ``G`` gives NaN weights. Requires the
+    ``quadprog`` package.
 
     Args:
         norm_eps: trace threshold of the normalisation (TorchJD: 1e-4).
@@ -142,8 +143,10 @@ class QuadprogProjector(DualConeProjector):
         dtype = torch.promote_types(u.dtype, gramian.dtype)
         g = normalize_gramian(gramian.detach().cpu().double(), self.norm_eps)
         g = regularize_gramian(g, self.reg_eps)
-        g_np = ((g + g.T) / 2).numpy()
         rows = u.detach().cpu().double().reshape(-1, m).numpy()
+        if not bool(torch.isfinite(g).all()):  # quadprog would call it "not positive definite"
+            return torch.full(u.shape, float("nan"), dtype=dtype, device=gramian.device)
+        g_np = ((g + g.T) / 2).numpy()
         identity = torch.eye(m, dtype=torch.float64).numpy()
         zeros = torch.zeros(m, dtype=torch.float64).numpy()
         solutions = []

@@ -1,0 +1,63 @@
+"""Gramian helpers against their definitions, and non-finite Gramians through the projectors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from jacflow.aggregation import DualProjWeighting, UPGradWeighting
+from jacflow.linalg import (
+    QuadprogProjector,
+    TorchProjector,
+    normalize_gramian,
+    project_weights,
+    regularize_gramian,
+)
+
+pytest.importorskip("quadprog")
+
+
+@settings(max_examples=20)
+@given(st.integers(1, 6), st.integers(1, 6), st.integers(0, 2**31 - 1))
+def test_normalize_and_regularize_match_their_definitions(m: int, n: int, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    J = torch.randn(m, n, generator=gen, dtype=torch.float64)
+    G = J @ J.T
+    trace = float(sum(G[i, i] for i in range(m)))
+    torch.testing.assert_close(normalize_gramian(G, 0.0), G / trace)
+    assert bool((normalize_gramian(G, 1.001 * trace) == 0).all())  # trace <= eps: zero
+    torch.testing.assert_close(normalize_gramian(G, 0.999 * trace), G / trace)
+    expected = G.clone()
+    for i in range(m):
+        expected[i, i] += 0.25
+    torch.testing.assert_close(regularize_gramian(G, 0.25), expected)
+
+
+def test_normalize_batched() -> None:
+    G = torch.stack([torch.eye(2) * 2.0, torch.zeros(2, 2)])
+    torch.testing.assert_close(normalize_gramian(G, 0.0), torch.stack([torch.eye(2) / 2, G[1]]))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_normalize_propagates_a_nonfinite_trace(bad: float) -> None:
+    G = torch.eye(3)
+    G[0, 0] = bad
+    assert bool(normalize_gramian(G, 1e-4).isnan().any())
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("entry", [(0, 0), (0, 1)])
+def test_nonfinite_gramian_gives_nan_projections(bad: float, entry: tuple[int, int]) -> None:
+    """Diagonal and off-diagonal NaN/inf entries: every projector and preset gives NaN."""
+    G = torch.eye(3, dtype=torch.float64)
+    G[entry] = G[entry[::-1]] = bad
+    u = torch.eye(3, dtype=torch.float64)
+    assert bool(project_weights(u, G).isnan().all())
+    for projector in (TorchProjector(), QuadprogProjector()):
+        assert bool(projector(u, G).isnan().all())
+        assert bool(UPGradWeighting(projector=projector)(G).isnan().all())
+        assert bool(DualProjWeighting(projector=projector)(G).isnan().all())
+    for m in (2, 3):  # m = 2 takes UPGrad's closed form
+        assert bool(UPGradWeighting()(G[:m, :m]).isnan().all())
