@@ -27,6 +27,15 @@ class Rows:
     Per-sample mode: the modules saw ``S = B`` samples stacked on dimension 0 and row ``r``
     belongs to sample ``index[r]`` (``index is None``: row ``r`` is sample ``r``).
     Per-task mode: the whole batch is one sample (``S = 1``) seen by every row.
+
+    Example:
+        >>> import torch
+        >>> from jacflow.autogram import Rows
+        >>> rows = Rows(num_rows=3, num_samples=2, index=torch.tensor([0, 1, 1]), per_task=False)
+        >>> rows.gather(torch.tensor([10., 20.]))
+        tensor([10., 20., 20.])
+        >>> rows.reduce(torch.tensor([1., 2., 3.]), torch.tensor([1., 1., 1.]))
+        tensor([1., 5.])
     """
 
     num_rows: int
@@ -64,6 +73,14 @@ class Call:
     ``grads[j]`` is filled by the engine with the gradient of every row with respect to the
     ``j``-th recorded output (shape ``[R, *sample_output_shape]``), or ``None`` when that output
     is not in the graph of the losses.
+
+    Example:
+        >>> import torch
+        >>> from jacflow.autogram import Call
+        >>> x = torch.tensor([[1., 2.]])
+        >>> call = Call((x,), {}, [0], [torch.Size([2])], [None], [], [torch.ones(1, 2)])
+        >>> call.input() * call.grad()
+        tensor([[1., 2.]])
     """
 
     args: tuple[Any, ...]
@@ -90,7 +107,29 @@ class Call:
 
 
 class Contribution(ABC):
-    """What one hooked module contributes, once its calls and rows are known."""
+    """What one hooked module contributes, once its calls and rows are known.
+
+    The example holds the per-row gradients ``[R, d]`` of one parameter explicitly.
+
+    Example:
+        >>> import torch
+        >>> from jacflow.autogram import Contribution
+        >>> class Explicit(Contribution):
+        ...     def __init__(self, grads):
+        ...         self.grads = grads
+        ...     def gramian(self, names):
+        ...         return self.grads @ self.grads.T if "weight" in names else None
+        ...     def per_row_grads(self, name):
+        ...         return self.grads
+        ...     def weighted_grads(self, weights):
+        ...         return {"weight": weights @ self.grads}
+        >>> c = Explicit(torch.tensor([[1., 0.], [1., 1.]]))
+        >>> c.gramian({"weight"})
+        tensor([[1., 1.],
+                [1., 2.]])
+        >>> c.weighted_grads(torch.tensor([1., -1.]))
+        {'weight': tensor([ 0., -1.])}
+    """
 
     @abstractmethod
     def gramian(self, names: set[str]) -> Tensor | None:
@@ -106,7 +145,19 @@ class Contribution(ABC):
 
 
 class Rule(ABC):
-    """Builds a :class:`Contribution` from the calls of one module."""
+    """Builds a :class:`Contribution` from the calls of one module.
+
+    See :func:`register_rule` for a complete rule. A rule covers only the module's own
+    parameters unless :meth:`covers_children` says otherwise.
+
+    Example:
+        >>> from jacflow.autogram import Rule
+        >>> class OwnParameters(Rule):
+        ...     def prepare(self, module, params, calls, rows):
+        ...         raise NotImplementedError
+        >>> OwnParameters().covers_children()
+        False
+    """
 
     @abstractmethod
     def prepare(
@@ -123,7 +174,51 @@ _RULES: dict[type[nn.Module], Rule] = {}
 
 
 def register_rule(module_type: type[nn.Module], rule: Rule) -> None:
-    """Use ``rule`` for modules of ``module_type`` (and subclasses that keep its ``forward``)."""
+    """Use ``rule`` for modules of ``module_type`` (and subclasses that keep its ``forward``).
+
+    The example adds an elementwise scale ``y = x * w``: row ``r``'s gradient of ``w`` is the
+    sum of ``x * dL_r/dy`` over the sample, and the Gramian matches ``J J^T`` computed with
+    ``torch.func.jacrev``.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> from jacflow.autogram import Contribution, Engine, Rule, register_rule
+        >>> class Scale(nn.Module):
+        ...     def __init__(self, d):
+        ...         super().__init__()
+        ...         self.weight = nn.Parameter(torch.ones(d))
+        ...     def forward(self, x):
+        ...         return x * self.weight
+        >>> class ScaleContribution(Contribution):
+        ...     def __init__(self, grads):  # [R, d]
+        ...         self.grads = grads
+        ...     def gramian(self, names):
+        ...         return self.grads @ self.grads.T if "weight" in names else None
+        ...     def per_row_grads(self, name):
+        ...         return self.grads
+        ...     def weighted_grads(self, weights):
+        ...         return {"weight": weights.to(self.grads.dtype) @ self.grads}
+        >>> class ScaleRule(Rule):
+        ...     def prepare(self, module, params, calls, rows):
+        ...         grads = 0
+        ...         for call in calls:
+        ...             product = rows.gather(rows.samples(call.input())) * call.grad()
+        ...             d = product.shape[-1]
+        ...             grads = grads + product.reshape(rows.num_rows, -1, d).sum(1)
+        ...         return ScaleContribution(grads)
+        >>> register_rule(Scale, ScaleRule())
+        >>> _ = torch.manual_seed(0)
+        >>> model = nn.Sequential(nn.Linear(3, 4), Scale(4), nn.Linear(4, 1))
+        >>> x = torch.randn(5, 3)
+        >>> def losses_of(p):
+        ...     return torch.func.functional_call(model, p, (x,)).squeeze(1) ** 2
+        >>> jac = torch.func.jacrev(losses_of)(dict(model.named_parameters()))
+        >>> J = torch.cat([j.reshape(5, -1) for j in jac.values()], dim=1)
+        >>> G = Engine(model, batch_dim=0).compute_gramian(model(x).squeeze(1) ** 2)
+        >>> torch.allclose(G, J @ J.T)
+        True
+    """
     _RULES[module_type] = rule
 
 
