@@ -11,7 +11,17 @@ from enum import Enum
 
 
 class Property(str, Enum):
-    """A property of an aggregator ``A`` on Jacobians ``J`` of shape ``[m, n]``."""
+    """A property of an aggregator ``A`` on Jacobians ``J`` of shape ``[m, n]``.
+
+    Example:
+        >>> from jacflow.aggregation import Mean, Property, UPGrad
+        >>> Property.NON_CONFLICTING in UPGrad.properties
+        True
+        >>> Property.NON_CONFLICTING in Mean.properties
+        False
+        >>> Property("weighted") is Property.WEIGHTED
+        True
+    """
 
     NON_CONFLICTING = "non-conflicting"
     """``J @ A(J) >= 0``: no objective increases to first order."""

@@ -233,7 +233,13 @@ def _cmd_aggregators() -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``jacflow`` command with ``argv`` (default ``sys.argv[1:]``); return the exit
-    code: 0 on success, 2 on a user error."""
+    code: 0 on success, 2 on a user error (its message goes to stderr).
+
+    Example:
+        >>> from jacflow.cli import main
+        >>> main(["compare", "--aggregators", "no-such-method"])
+        2
+    """
     parser = _parser()
     try:
         args = parser.parse_args(None if argv is None else list(argv))
