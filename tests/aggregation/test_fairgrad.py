@@ -46,15 +46,19 @@ def test_fixed_point_and_scipy(m: int, seed: int, alpha: float, scale: float) ->
     torch.testing.assert_close(
         G @ w * w ** (1 / alpha), torch.ones(m, dtype=torch.float64), atol=1e-8, rtol=0
     )
-    reference = least_squares(
+    fit = least_squares(
         lambda x: (G.numpy() @ x) * x ** (1 / alpha) - 1,
         w.numpy() * 1.5,
         bounds=(0, np.inf),
         xtol=1e-15,
         ftol=1e-15,
         gtol=1e-15,
-    ).x
-    np.testing.assert_allclose(w.numpy(), reference, rtol=1e-6)
+    )
+    # The positive solution is unique, so a converged scipy fit must agree. scipy can stop
+    # far from it (m=9, seed=14, alpha=10, scale=1e3: its residual is 1e-2, ours 3e-11);
+    # the residual certificate above holds in every case.
+    if float(np.abs(fit.fun).max()) <= 1e-9:
+        np.testing.assert_allclose(w.numpy(), fit.x, rtol=1e-6)
 
 
 @settings(max_examples=20)
