@@ -82,6 +82,20 @@ def test_aggregator_rejects_non_matrix() -> None:
         UPGradWeighting()(torch.ones(2, 3))
 
 
+@pytest.mark.parametrize("dtype", [torch.int64, torch.bool, torch.complex64])
+def test_aggregators_and_weightings_reject_non_real_float_dtypes(dtype: torch.dtype) -> None:
+    """Checked at the base classes' boundary: integer matrices gave raw torch errors or were
+    aggregated in integer arithmetic, complex ones lost their imaginary part silently."""
+    import jacflow.aggregation as aggregation
+
+    matrix = torch.ones(2, 2, dtype=dtype)
+    for aggregator in (aggregation.Mean(), aggregation.MGDA(), aggregation.PCD(), UPGrad()):
+        with pytest.raises(TypeError, match=rf"`matrix`.*floating-point.*{dtype}"):
+            aggregator(matrix)
+    with pytest.raises(TypeError, match=rf"`gramian`.*floating-point.*{dtype}"):
+        UPGradWeighting()(matrix)
+
+
 def test_bad_hyperparameters() -> None:
     with pytest.raises(ValueError, match="norm_eps"):
         UPGrad(projector=TorchProjector(norm_eps=-1.0))

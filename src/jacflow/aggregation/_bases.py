@@ -27,6 +27,11 @@ def _check_matrix(value: object, name: str, owner: str) -> Tensor:
             f"{owner} expects `{name}` to be a 2-D matrix of shape [m, n], received a tensor of "
             f"shape {tuple(value.shape)}. Flatten a Jacobian with `J.flatten(1)` first."
         )
+    if not value.is_floating_point():
+        raise TypeError(
+            f"{owner} expects `{name}` to be a real floating-point tensor (e.g. float32 or "
+            f"float64), received dtype {value.dtype}. Convert it with `.float()` first."
+        )
     return value
 
 
