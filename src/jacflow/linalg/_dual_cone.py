@@ -93,7 +93,7 @@ _AUTO_PDAS_MAX_M = 32  # "auto" uses PDAS up to this size, ADMM above
 _FISTA_TOL = 1e-7  # FISTA stops here and hands over to the exact PDAS polish
 _PDAS_MAX_ITER = 50
 _FIRST_ORDER_MAX_ITER = 20_000
-_EXACT_FALLBACK_MAX_M = 128  # the sequential exact fallback is affordable up to this size
+_EXACT_FALLBACK_MAX_M = 512  # the sequential exact fallback: for the rare unconverged problems
 _POLISH_ITER = 10
 # Polish only when its batched Cholesky (k * s^3 for free sets of size s) is cheap.
 _POLISH_MAX_FLOP = 3e7
@@ -270,7 +270,7 @@ def project_weights(
     problems (one batched product per iteration). ``"fista"``: accelerated projected gradient
     with restart (one batched ``V @ G`` per iteration), polished by PDAS when that is cheap.
     ``"auto"``: PDAS for ``m <= 32``, ADMM above, FISTA if either fails to converge and,
-    for the problems still unsolved when ``m <= 128``, the exact sequential active-set method.
+    for the problems still unsolved when ``m <= 512``, the exact sequential active-set method.
     Problems with ``G u >= 0`` need no projection (``v = u``); when this holds for every problem
     (e.g. no negative entry in ``G`` and ``u >= 0``) nothing is solved.
 
