@@ -21,7 +21,7 @@ def dwa_weights(older: Tensor, newer: Tensor, temperature: float) -> Tensor:
 class DWA(Scalarizer, Stateful):
     r"""Dynamic weight average: weights each loss by how slowly it decreased over the last epochs.
 
-    At epoch :math:`t`, the losses :math:`\ell_k` of each batch are combined as
+    At epoch :math:`t`, the scalarized loss of a batch with losses :math:`\ell_k` is
 
     .. math::
         \sum_k \lambda_k(t)\, \ell_k, \qquad

@@ -42,7 +42,7 @@ def famo_logit_gradient(logits: Tensor, delta: Tensor) -> Tensor:
 class FAMO(Scalarizer, Stateful):
     r"""FAMO: decreases all losses at about the same rate, using only the loss values.
 
-    The losses are combined as
+    The scalarized loss is
 
     .. math::
         c \sum_i z_i \log(L_i - b_i + \epsilon), \qquad z = \mathrm{softmax}(w), \qquad
@@ -132,7 +132,7 @@ class FAMO(Scalarizer, Stateful):
         """One Adam step on the logits from the change of the losses across the model's step.
 
         Args:
-            new_losses: the losses recomputed on the same batch after the optimizer step.
+            new_losses: the same batch's losses, evaluated again once the optimizer has stepped.
 
         Raises:
             ValueError: if the scalarizer was not called on this step's losses first.
