@@ -18,7 +18,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from torch import Tensor
 
-from jacflow.aggregation import Aggregator, Property, WeightedAggregator
+from jacflow.aggregation import Aggregator, Property, WeightedAggregator, Weighting
 
 
 def make_jacobian(m: int, n: int, rank: int, scale: float, dtype: torch.dtype, seed: int) -> Tensor:
@@ -152,3 +152,21 @@ def check_degenerate_inputs(make: Callable[[], Aggregator]) -> None:
     assert no_columns.shape == (0,)
     nan_matrix = torch.tensor([[1.0, float("nan")], [0.5, 2.0]])
     assert not bool(torch.isfinite(make()(nan_matrix)).all())
+
+
+def check_device_and_dtype(make: Callable[[], Aggregator], device: str, dtype: torch.dtype) -> None:
+    """The aggregator follows its input's device and dtype and agrees with float64 on CPU."""
+    matrix = torch.randn(5, 7, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    expected = make()(matrix)
+    out = make()(matrix.to(device=device, dtype=dtype))
+    assert out.device.type == torch.device(device).type and out.dtype == dtype
+    tol = 1e-3 if dtype == torch.float32 else 1e-9
+    torch.testing.assert_close(out.cpu().double(), expected, atol=tol, rtol=tol)
+
+
+def check_nonfinite_gramian_gives_nan(make: Callable[[], Weighting], bad: float) -> None:
+    """A NaN or infinite entry in the Gramian gives NaN weights (and never hangs)."""
+    for m in (2, 3, 5):
+        gramian = torch.eye(m)
+        gramian[1, 0] = gramian[0, 1] = bad
+        assert bool(make()(gramian).isnan().all())

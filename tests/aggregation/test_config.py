@@ -12,6 +12,7 @@ from jacflow.aggregation import ConFIG
 from tests.aggregation._properties import (
     check_claimed_properties,
     check_degenerate_inputs,
+    check_device_and_dtype,
     make_jacobian,
 )
 
@@ -82,9 +83,4 @@ def test_repr_and_str() -> None:
 
 
 def test_device_and_dtype(device: str, dtype: torch.dtype) -> None:
-    J = torch.randn(5, 7, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
-    expected = ConFIG()(J)
-    out = ConFIG()(J.to(device=device, dtype=dtype))
-    assert out.device.type == torch.device(device).type and out.dtype == dtype
-    tol = 1e-3 if dtype == torch.float32 else 1e-9
-    torch.testing.assert_close(out.cpu().double(), expected, atol=tol, rtol=tol)
+    check_device_and_dtype(lambda: ConFIG(), device, dtype)

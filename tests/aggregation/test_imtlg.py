@@ -12,6 +12,8 @@ from jacflow.aggregation import IMTLG, IMTLGWeighting
 from tests.aggregation._properties import (
     check_claimed_properties,
     check_degenerate_inputs,
+    check_device_and_dtype,
+    check_nonfinite_gramian_gives_nan,
     make_jacobian,
 )
 
@@ -71,17 +73,9 @@ def test_repr_and_str() -> None:
 
 
 def test_device_and_dtype(device: str, dtype: torch.dtype) -> None:
-    J = torch.randn(5, 7, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
-    expected = IMTLG()(J)
-    out = IMTLG()(J.to(device=device, dtype=dtype))
-    assert out.device.type == torch.device(device).type and out.dtype == dtype
-    tol = 1e-3 if dtype == torch.float32 else 1e-9
-    torch.testing.assert_close(out.cpu().double(), expected, atol=tol, rtol=tol)
+    check_device_and_dtype(lambda: IMTLG(), device, dtype)
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_nonfinite_gramian_gives_nan_weights(bad: float) -> None:
-    for m in (2, 3, 5):
-        G = torch.eye(m)
-        G[1, 0] = G[0, 1] = bad
-        assert bool(IMTLGWeighting()(G).isnan().all())
+    check_nonfinite_gramian_gives_nan(lambda: IMTLGWeighting(), bad)

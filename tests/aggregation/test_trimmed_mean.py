@@ -9,7 +9,11 @@ from hypothesis import strategies as st
 from torch import Tensor
 
 from jacflow.aggregation import Mean, TrimmedMean
-from tests.aggregation._properties import check_claimed_properties, jacobians
+from tests.aggregation._properties import (
+    check_claimed_properties,
+    check_device_and_dtype,
+    jacobians,
+)
 
 
 def brute_force(J: Tensor, trim: int) -> Tensor:
@@ -68,9 +72,4 @@ def test_repr_and_str() -> None:
 
 
 def test_device_and_dtype(device: str, dtype: torch.dtype) -> None:
-    J = torch.randn(5, 7, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
-    expected = TrimmedMean(1)(J)
-    out = TrimmedMean(1)(J.to(device=device, dtype=dtype))
-    assert out.device.type == torch.device(device).type and out.dtype == dtype
-    tol = 1e-3 if dtype == torch.float32 else 1e-9
-    torch.testing.assert_close(out.cpu().double(), expected, atol=tol, rtol=tol)
+    check_device_and_dtype(lambda: TrimmedMean(1), device, dtype)
