@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-import torch
 from torch import Tensor
 
 from jacflow.aggregation import Aggregator
@@ -107,11 +106,3 @@ def check_jac_outputs(
             )
     assert rows is not None
     return rows
-
-
-def float_like(tensor: Tensor) -> bool:
-    return tensor.is_floating_point() or tensor.is_complex()
-
-
-def zeros_rows(rows: int, like: Tensor) -> Tensor:
-    return torch.zeros((rows, *like.shape), dtype=like.dtype, device=like.device)
