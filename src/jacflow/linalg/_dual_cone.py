@@ -21,6 +21,7 @@ from torch import Tensor
 from jacflow.linalg._first_order import admm_solve, fista_solve
 from jacflow.linalg._gramian import normalize_gramian, regularize_gramian
 from jacflow.linalg._implicit import differentiable_projection
+from jacflow.linalg._lawson_hanson import lawson_hanson_solve
 from jacflow.linalg._pdas import kkt_residual, multiplier_scale, pdas_solve
 
 
@@ -93,7 +94,6 @@ _AUTO_PDAS_MAX_M = 32  # "auto" uses PDAS up to this size, ADMM above
 _FISTA_TOL = 1e-7  # FISTA stops here and hands over to the exact PDAS polish
 _PDAS_MAX_ITER = 50
 _FIRST_ORDER_MAX_ITER = 20_000
-_EXACT_FALLBACK_MAX_M = 512  # the sequential exact fallback: for the rare unconverged problems
 _POLISH_ITER = 10
 # Polish only when its batched Cholesky (k * s^3 for free sets of size s) is cheap.
 _POLISH_MAX_FLOP = 3e7
@@ -174,17 +174,33 @@ def _check_inputs(u: Tensor, gramian: Tensor) -> None:
 def _exact_fallback(
     u: Tensor, g: Tensor, v: Tensor, residual: Tensor, tol: float
 ) -> tuple[Tensor, Tensor]:
-    """Re-solve the unconverged problems one by one with the exact active-set reference.
+    """Re-solve the problems whose residual exceeds ``tol`` with the exact Lawson-Hanson method.
 
-    The batched methods can fail on degenerate problems (singular ``G`` whose dual cone is
-    almost a subspace: huge, non-unique ``v``); the Lawson-Hanson reference cannot.
+    The fast methods can fail on degenerate problems (singular ``G`` with more rows than its
+    rank: non-unique ``v``, a dual cone that may be a single point); Lawson-Hanson cannot.
+    Problems are gathered per Gramian row of the batch so that every Gramian is factorised once.
     """
-    c = multiplier_scale(g)
-    v = v.clone()
-    for b, i in (residual > tol).nonzero().tolist():
-        row = u[b, i]
-        v[b, i] = row + _solve_nonnegative_qp(2 * g[b], 2 * g[b] @ row, 10 * row.shape[0] + 10)
-    return v, kkt_residual(v, u, 2 * torch.bmm(v, g), c)
+    unsolved = residual > tol
+    rows = unsolved.any(0).nonzero().flatten()  # problem slots unsolved for some Gramian
+    exact, exact_residual = lawson_hanson_solve(u[:, rows], g, tol)
+    better = (exact_residual < residual[:, rows])[..., None]
+    v = v.index_copy(1, rows, torch.where(better, exact, v[:, rows]))
+    residual = residual.index_copy(1, rows, torch.minimum(exact_residual, residual[:, rows]))
+    return v, residual
+
+
+def _fista_with_polish(u: Tensor, g: Tensor, cap: int, tol: float) -> tuple[Tensor, Tensor]:
+    """FISTA to a loose tolerance, then the exact PDAS polish when cheap, then FISTA again."""
+    v, residual = fista_solve(u, g, u, cap, max(tol, _FISTA_TOL))
+    free = int((v > u).sum(-1).amax())
+    if u.shape[0] * u.shape[1] * free**3 <= _POLISH_MAX_FLOP:
+        polished, polished_residual = pdas_solve(u, g, v, min(cap, _POLISH_ITER), tol)
+        better = polished_residual <= residual
+        v = torch.where(better[..., None], polished, v)
+        residual = torch.where(better, polished_residual, residual)
+    if not bool((residual <= tol).all()):  # polish too costly or unfinished: keep going
+        v, residual = fista_solve(u, g, v, cap, tol)
+    return v, residual
 
 
 def _solve(u: Tensor, g: Tensor, method: str, max_iter: int | None, tol: float) -> Tensor:
@@ -196,28 +212,14 @@ def _solve(u: Tensor, g: Tensor, method: str, max_iter: int | None, tol: float) 
     m = u.shape[-1]
     if method == "auto":
         method = "pdas" if m <= _AUTO_PDAS_MAX_M else "admm"
-    fallback = max_iter is None  # an explicit cap means: this method only
-    v = u
+    cap = max_iter
     if method == "pdas":
-        v, residual = pdas_solve(u, g, u, _PDAS_MAX_ITER if max_iter is None else max_iter, tol)
-        if fallback and not bool((residual <= tol).all()):
-            method = "fista"  # PDAS may cycle, e.g. on singular G: FISTA always converges
-    if method == "admm":
-        v, residual = admm_solve(u, g, _FIRST_ORDER_MAX_ITER if max_iter is None else max_iter, tol)
-        if fallback and not bool((residual <= tol).all()):
-            method = "fista"  # ADMM is slow on degenerate problems (huge, non-unique v)
-    if method == "fista":
-        cap = _FIRST_ORDER_MAX_ITER if max_iter is None else max_iter
-        v, residual = fista_solve(u, g, v, cap, max(tol, _FISTA_TOL))
-        free = int((v > u).sum(-1).amax())
-        if u.shape[0] * u.shape[1] * free**3 <= _POLISH_MAX_FLOP:
-            polished, polished_residual = pdas_solve(u, g, v, min(cap, _POLISH_ITER), tol)
-            better = polished_residual <= residual
-            v = torch.where(better[..., None], polished, v)
-            residual = torch.where(better, polished_residual, residual)
-        if not bool((residual <= tol).all()):  # polish too costly or unfinished: keep going
-            v, residual = fista_solve(u, g, v, cap, tol)
-    if fallback and u.shape[-1] <= _EXACT_FALLBACK_MAX_M and not bool((residual <= tol).all()):
+        v, residual = pdas_solve(u, g, u, _PDAS_MAX_ITER if cap is None else cap, tol)
+    elif method == "admm":
+        v, residual = admm_solve(u, g, _FIRST_ORDER_MAX_ITER if cap is None else cap, tol)
+    else:
+        v, residual = _fista_with_polish(u, g, _FIRST_ORDER_MAX_ITER if cap is None else cap, tol)
+    if cap is None and not bool((residual <= tol).all()):  # an explicit cap: this method only
         v, residual = _exact_fallback(u, g, v, residual, tol)
     worst = float(residual.amax())
     if not worst <= tol:
@@ -269,8 +271,10 @@ def project_weights(
     for singular ``G``). ``"admm"``: ADMM with one eigendecomposition of ``G`` shared by all
     problems (one batched product per iteration). ``"fista"``: accelerated projected gradient
     with restart (one batched ``V @ G`` per iteration), polished by PDAS when that is cheap.
-    ``"auto"``: PDAS for ``m <= 32``, ADMM above, FISTA if either fails to converge and,
-    for the problems still unsolved when ``m <= 512``, the exact sequential active-set method.
+    ``"auto"``: PDAS for ``m <= 32``, ADMM above. Without an explicit ``max_iter``, the problems
+    the chosen method leaves unsolved (degenerate ones: singular ``G`` with more rows than its
+    rank) are re-solved by an exact batched Lawson-Hanson active set
+    (``jacflow.linalg._lawson_hanson``), which keeps its passive columns linearly independent.
     Problems with ``G u >= 0`` need no projection (``v = u``); when this holds for every problem
     (e.g. no negative entry in ``G`` and ``u >= 0``) nothing is solved.
 
@@ -295,7 +299,7 @@ def project_weights(
         reg_eps: ``reg_eps * I`` is added to the normalised ``G`` (0: the exact problem).
         method: ``"auto"``, ``"pdas"``, ``"admm"`` or ``"fista"``.
         max_iter: iteration cap of the chosen method (default: 50 PDAS or 20 000 ADMM / FISTA
-            iterations); an explicit cap also disables the fallback to FISTA.
+            iterations); an explicit cap also disables the exact fallback.
         tol: KKT residual at which a problem counts as solved (default: 1e-10 for float64
             inputs, ``max(1e-6, 10 m eps)`` for float32 ones, whose rounded Gramians may be
             slightly indefinite).

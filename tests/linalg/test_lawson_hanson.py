@@ -1,0 +1,64 @@
+"""The batched Lawson-Hanson fallback: exact on every structure, degenerate ones included."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import Tensor
+
+from jacflow.linalg._dual_cone import project_weights_reference
+from jacflow.linalg._gramian import normalize_gramian
+from jacflow.linalg._lawson_hanson import lawson_hanson_solve
+from tests.linalg.test_dual_cone import assert_kkt, make_gramian, problems, upgrad_rows
+
+
+def normalised(u: Tensor, gramian: Tensor) -> tuple[Tensor, Tensor]:
+    """The solver's internal convention: rows of max-norm 1, a Gramian of trace 1."""
+    scale = u.abs().amax(-1, keepdim=True)
+    u = u / torch.where(scale > 0, scale, torch.ones_like(scale))
+    return u.reshape(1, -1, u.shape[-1]), normalize_gramian(gramian, 0.0)[None]
+
+
+@settings(max_examples=60)
+@given(problem=problems(max_m=40))
+def test_kkt_and_reference(problem: tuple[Tensor, Tensor]) -> None:
+    u, gramian = normalised(*problem)
+    v, residual = lawson_hanson_solve(u, gramian, tol=1e-12)
+    assert bool((residual <= 1e-10).all()), float(residual.amax())
+    assert_kkt(v[0], u[0], gramian[0], rtol=1e-9)
+    # G v is unique even when v is not: compare with the sequential reference
+    ref = project_weights_reference(u[0], gramian[0])
+    s = max(float(ref.abs().max()), float(v.abs().max()), float(u.abs().max()))
+    g_scale = float(gramian.diagonal(dim1=-2, dim2=-1).max())
+    torch.testing.assert_close(v[0] @ gramian[0], ref @ gramian[0], rtol=0, atol=1e-8 * g_scale * s)
+
+
+@settings(max_examples=20)
+@given(m=st.integers(2, 60), seed=st.integers(0, 2**31 - 1))
+def test_more_rows_than_rank(m: int, seed: int) -> None:
+    """Rank m / 2: the dual cone is often the single point 0 and ``v`` is far from unique."""
+    gramian = make_gramian(m, "more_rows", 1.0, seed)
+    u, g = normalised(upgrad_rows(m), gramian)
+    v, residual = lawson_hanson_solve(u, g, tol=1e-12)
+    assert bool((residual <= 1e-10).all()), float(residual.amax())
+    assert_kkt(v[0], u[0], gramian, rtol=1e-9)
+
+
+def test_batch_of_gramians_matches_one_by_one() -> None:
+    gramians = torch.stack([make_gramian(12, kind, 1.0, 5) for kind in ("psd", "more_rows")])
+    g = normalize_gramian(gramians[0], 0.0), normalize_gramian(gramians[1], 0.0)
+    u = torch.eye(12, dtype=torch.float64)
+    both, _ = lawson_hanson_solve(torch.stack([u, u]), torch.stack(g), tol=1e-12)
+    for i in range(2):
+        alone, _ = lawson_hanson_solve(u[None], g[i][None], tol=1e-12)
+        torch.testing.assert_close(both[i] @ g[i], alone[0] @ g[i], rtol=0, atol=1e-12)
+
+
+def test_iteration_cap_returns_a_feasible_iterate() -> None:
+    u, g = normalised(upgrad_rows(30), make_gramian(30, "conflicting", 1.0, 8))
+    v, residual = lawson_hanson_solve(u, g, tol=1e-12, max_iter=2)
+    assert bool((v >= u).all())
+    assert float(residual.amax()) > 1e-12  # two solves cannot finish these problems
+    v, residual = lawson_hanson_solve(u, g, tol=1e-12)
+    assert float(residual.amax()) <= 1e-12
