@@ -260,6 +260,11 @@ def _tasks_cnn(dtype: torch.dtype) -> Built:
     return _tasks(trunk, 12, torch.randn(5, 1, 4, 4, dtype=dtype), 2, dtype)
 
 
+def _tasks_conv_groups(dtype: torch.dtype) -> Built:
+    trunk = nn.Sequential(nn.Conv1d(4, 4, 3, groups=2, dilation=2, padding=1), nn.Tanh())
+    return _tasks(trunk, 20, torch.randn(5, 4, 7, dtype=dtype), 3, dtype)
+
+
 def _tasks_block(dtype: torch.dtype) -> Built:
     trunk = nn.Sequential(_BlockTrunk())
     return _tasks(trunk, 3 * 8, torch.randn(3, 3, 8, dtype=dtype), 4, dtype)
@@ -308,6 +313,22 @@ CASES = [
         _conv(lambda: nn.Conv2d(2, 3, (2, 3), padding="same", padding_mode="reflect"), (2, 5, 4)),
     ),
     Case("conv3d", _conv(lambda: nn.Conv3d(2, 2, 2, stride=(1, 2, 1), padding=1), (2, 3, 4, 3))),
+    Case(
+        "conv1d_circular_dilation_groups",
+        _conv(
+            lambda: nn.Conv1d(4, 6, 3, dilation=2, padding=2, padding_mode="circular", groups=2),
+            (4, 8),
+        ),
+    ),
+    Case(
+        "conv3d_replicate_dilation_groups",
+        _conv(
+            lambda: nn.Conv3d(
+                2, 4, (2, 1, 2), padding=1, dilation=(1, 1, 2), padding_mode="replicate", groups=2
+            ),
+            (2, 3, 2, 4),
+        ),
+    ),
     Case("cnn", _conv(_cnn, (2, 6, 6))),
     Case("cnn_groupnorm", _conv(_cnn_groupnorm, (2, 5, 5))),
     Case("embedding_padding", _embedding),
@@ -328,6 +349,7 @@ CASES = [
     Case("seq_losses_Bk", _tasks_seq_bk),
     Case("tasks_mlp", _tasks_mlp, batch_dim=None),
     Case("tasks_cnn", _tasks_cnn, batch_dim=None),
+    Case("tasks_conv_groups", _tasks_conv_groups, batch_dim=None),
     Case("tasks_transformer_block", _tasks_block, batch_dim=None),
     Case("tasks_weight_tying", _tasks_tied, batch_dim=None),
     Case("tasks_embedding_per_sample_losses", _embedding, batch_dim=None),

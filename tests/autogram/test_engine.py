@@ -7,7 +7,7 @@ import torch
 from torch import Tensor, nn
 
 from jacflow.aggregation import MeanWeighting, UPGradWeighting
-from jacflow.autogram import Engine
+from jacflow.autogram import Engine, _conv, _linear
 from jacflow.autogram._conv import ConvContribution
 from jacflow.autogram._linear import UnfoldedContribution
 from tests.autogram._zoo import CASES, Case
@@ -127,25 +127,71 @@ ROUTE_CASES = [
     if c.name
     in {
         "conv1d",
+        "conv1d_circular_dilation_groups",
         "conv2d_dilation_groups",
+        "conv2d_depthwise",
         "conv2d_same_reflect",
         "conv3d",
+        "conv3d_replicate_dilation_groups",
         "cnn",
         "linear_seq_ghost",
         "linear_seq_materialized",
         "mlp_losses_Bk",
         "tasks_mlp",
         "tasks_cnn",
+        "tasks_conv_groups",
         "called_twice",
         "weight_tying",
     }
 ]
 
 
-@pytest.mark.parametrize("ghost", [True, False], ids=["ghost", "materialized"])
+def force_route(monkeypatch: pytest.MonkeyPatch, route: str, keep: bool) -> None:
+    """Force a Gramian route of Conv layers (ghost, grouped convolution, unfolded matmul) and
+    of Linear layers (ghost or materialised), and whether materialised per-row gradients are
+    kept for the update (else the update is recomputed from the recorded tensors)."""
+    monkeypatch.setattr(ConvContribution, "_route", lambda self: route)
+    monkeypatch.setattr(UnfoldedContribution, "_ghost_cheaper", lambda self: route == "ghost")
+    monkeypatch.setattr(_conv, "worth_keeping", lambda *tensors: keep)
+    monkeypatch.setattr(_linear, "worth_keeping", lambda *tensors: keep)
+
+
+@pytest.mark.parametrize(
+    ("route", "keep"), [("ghost", False), ("conv", True), ("conv", False), ("unfold", True)]
+)
 @pytest.mark.parametrize("case", ROUTE_CASES, ids=[c.name for c in ROUTE_CASES])
-def test_both_routes_agree(case: Case, ghost: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Force each of the two exact Gramian routes of Linear and Conv layers."""
-    monkeypatch.setattr(ConvContribution, "_ghost_cheaper", lambda self: ghost)
-    monkeypatch.setattr(UnfoldedContribution, "_ghost_cheaper", lambda self: ghost)
+def test_every_route_agrees(
+    case: Case, route: str, keep: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    force_route(monkeypatch, route, keep)
     check_case(case, torch.float64)
+
+
+FLOAT32_ROUTES = ["cnn", "conv3d_replicate_dilation_groups", "tasks_cnn", "linear_seq_ghost"]
+
+
+@pytest.mark.parametrize("route", ["ghost", "conv", "unfold"])
+@pytest.mark.parametrize("case", [c for c in CASES if c.name in FLOAT32_ROUTES], ids=FLOAT32_ROUTES)
+def test_every_route_agrees_float32(
+    case: Case, route: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    force_route(monkeypatch, route, route != "ghost")
+    check_case(case, torch.float32)
+
+
+def test_route_choice_follows_the_operation_count() -> None:
+    """First layer on RGB images: unfold; wide channels: grouped convolution; few positions
+    with wide channels: ghost (the three exact routes, picked by their operation counts)."""
+    torch.manual_seed(0)
+    expected = [
+        (nn.Conv2d(3, 16, 3, padding=1), (3, 32, 32), "unfold"),
+        (nn.Conv2d(16, 32, 3, stride=2, padding=1), (16, 32, 32), "conv"),
+        (nn.Conv2d(64, 64, 3), (64, 3, 3), "ghost"),
+    ]
+    for layer, shape, route in expected:
+        engine = Engine(layer, batch_dim=0)
+        losses = layer(torch.randn(8, *shape)).flatten(1).sum(1)
+        contributions = engine._prepare(losses, False, ())[0]
+        contribution = contributions[0][1]
+        assert isinstance(contribution, ConvContribution)
+        assert contribution._route() == route

@@ -3,10 +3,14 @@
 Unfolding sample ``i`` gives ``U_i`` of shape ``[L, C_in k]`` (``L`` output positions, ``k``
 the kernel volume) and the per-sample weight gradient is ``Bp_i^T U_i``: the sequence-Linear
 case with ``T = L`` (see :mod:`jacflow.autogram._linear`), one weight block per group. The
-cheaper of two exact routes is taken per layer: the ghost Gramian of the unfolded inputs (few
-positions, wide channels), or per-row gradients materialised by one ``convolution_backward``
-whose groups hold the rows side by side (the conv trick of Opacus/Rochette et al.), which is
-much faster than unfolding. The weighted update is one ordinary ``convolution_backward``.
+cheapest of three exact routes is taken per layer (:meth:`ConvContribution._route`, an
+operation count): the ghost Gramian of the unfolded inputs (few positions, wide channels), or
+per-row gradients materialised either by one ``convolution_backward`` whose groups hold the rows
+side by side (the conv trick of Opacus/Rochette et al.; fast for wide channels) or by unfolding
+and one batched matmul (few input channels, e.g. the first layer on RGB images). Materialised
+per-row gradients are kept for the update (``weights @ per_row``) when they are no larger than
+the layer's recorded inputs and output gradients; otherwise the update is one ordinary
+``convolution_backward`` on the weighted output gradients.
 """
 
 from __future__ import annotations
@@ -18,32 +22,29 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules.conv import _ConvNd
 
-from jacflow.autogram._linear import ghost_cost, ghost_gramian, materialized_cost
-from jacflow.autogram._rules import Call, Contribution, Rows, Rule, add_grads, register_rule
+from jacflow.autogram._linear import ghost_cost, ghost_gramian
+from jacflow.autogram._rules import (
+    Call,
+    Contribution,
+    Rows,
+    Rule,
+    add_grads,
+    register_rule,
+    worth_keeping,
+)
 
 
-def unfold(x: Tensor, module: _ConvNd) -> Tensor:
-    """``[N, C, *spatial]`` -> ``[N, L, C * prod(kernel)]`` (patches in weight layout).
+def unfold(x: Tensor, module: _ConvNd, positions_first: bool = True) -> Tensor:
+    """Patches of ``x`` (``[N, C, *spatial]``) in the weight's layout (channel-major, then the
+    kernel offsets): ``[N, L, C * k]`` (``positions_first``) or ``[N, C * k, L]``.
 
-    1-D and 2-D convolutions with zero (symmetric) padding use ``F.unfold`` (im2col) and return
-    a transposed view; other cases pad explicitly and unfold axis by axis.
+    Strided views (pad, then one ``Tensor.unfold`` per spatial axis) and one copy; this is
+    several times faster than ``F.unfold`` on CPU, and covers 3-D, dilation and every padding
+    mode.
     """
     kernel = tuple(module.kernel_size)
     nd = len(kernel)
     pad = tuple(module._reversed_padding_repeated_twice)
-    symmetric = all(pad[2 * i] == pad[2 * i + 1] for i in range(nd))
-    if nd <= 2 and module.padding_mode == "zeros" and symmetric:
-        if nd == 1:
-            x = x.unsqueeze(2)
-        lift = (1,) * (2 - nd)
-        patches = F.unfold(
-            x,
-            lift + kernel,
-            dilation=lift + tuple(module.dilation),
-            padding=(0,) * (2 - nd) + tuple(pad[::2][::-1]),
-            stride=lift + tuple(module.stride),
-        )
-        return patches.transpose(1, 2)
     if any(pad):
         mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
         x = F.pad(x, pad, mode=mode)
@@ -53,8 +54,10 @@ def unfold(x: Tensor, module: _ConvNd) -> Tensor:
         if dilation > 1:
             x = x[..., ::dilation]
     n, c = x.shape[:2]
-    order = [0, *range(2, 2 + nd), 1, *range(2 + nd, 2 + 2 * nd)]
-    return x.permute(order).reshape(n, -1, c * math.prod(kernel))
+    spatial, offsets = list(range(2, 2 + nd)), list(range(2 + nd, 2 + 2 * nd))
+    if positions_first:
+        return x.permute([0, *spatial, 1, *offsets]).reshape(n, -1, c * math.prod(kernel))
+    return x.permute([0, 1, *offsets, *spatial]).reshape(n, c * math.prod(kernel), -1)
 
 
 def _padded(module: _ConvNd, x: Tensor) -> tuple[Tensor, list[int]]:
@@ -93,10 +96,41 @@ def _conv_weight_grad(
     return result[1], result[2]
 
 
+# oneDNN's convolution kernels work on blocks of 16 channels (one AVX-512 register of float32),
+# so a grouped convolution with fewer channels per group pays for the padded block; a batched
+# matmul on unfolded inputs has no such padding but, with its small ``[d, p]`` products, runs
+# about four times slower per multiply-add than the convolution kernel (measured on the
+# benchmark CNN's layers, 1 thread). Both constants only pick between two exact routes.
+_CHANNEL_BLOCK = 16
+_MATMUL_SLOWDOWN = 4
+
+
+def _blocked(channels: int) -> int:
+    return -(-channels // _CHANNEL_BLOCK) * _CHANNEL_BLOCK
+
+
+def grouped_cost(rows: Rows, positions: int, groups: int, c_in: int, k: int, p: int) -> int:
+    """Cost of the per-row gradients by a grouped ``convolution_backward`` (``c_in`` and
+    ``p`` channels per group, kernel volume ``k``) and of their Gramian."""
+    r = rows.num_rows
+    padded = r * positions * k * _blocked(c_in) * _blocked(p)
+    return groups * (padded + r * r * c_in * k * p)
+
+
+def unfolded_cost(rows: Rows, positions: int, groups: int, d: int, p: int) -> int:
+    """Cost of the per-row gradients by unfolding and one batched matmul, and of their
+    Gramian: the products, the copy of the unfolded inputs, and the Gramian."""
+    r, s = rows.num_rows, rows.num_samples
+    products = _MATMUL_SLOWDOWN * r * positions * d * p
+    return groups * (products + s * positions * d + r * r * d * p)
+
+
 class ConvContribution(Contribution):
-    """Per-row gradients by grouped ``convolution_backward`` (materialised) or, for layers with
-    few positions, the ghost Gramian of the unfolded inputs; the weighted gradient is one
-    ``convolution_backward`` on the weighted output gradients."""
+    """Per-row gradients (grouped ``convolution_backward``, or unfolded inputs and one batched
+    matmul) or, for layers with few positions, the ghost Gramian of the unfolded inputs; the
+    cheapest exact route is taken. The update is ``weights @ per_row`` when the per-row
+    gradients are small enough to keep, else one ``convolution_backward`` on the weighted
+    output gradients."""
 
     def __init__(
         self, module: _ConvNd, params: dict[str, Tensor], calls: list[Call], rows: Rows
@@ -105,6 +139,8 @@ class ConvContribution(Contribution):
         self.weight_name = "weight" if "weight" in params else None
         self.bias_name = "bias" if "bias" in params else None
         self.nd = len(module.kernel_size)
+        self.kept: Tensor | None = None  # per-row weight gradients [R, weight.numel()]
+        self.bias_kept: Tensor | None = None  # per-row bias gradients [R, C_out]
 
     def _split(self, t: Tensor, channels: int) -> tuple[Tensor, int]:
         """``[N, *lead, channels, *spatial]`` -> ``[N, n, channels, *spatial]``, ``n``."""
@@ -112,8 +148,13 @@ class ConvContribution(Contribution):
         flat = t.reshape(t.shape[0], -1, channels, *spatial)
         return flat, flat.shape[1]
 
-    def _row_grads(self) -> Tensor:
-        """Per-row weight gradients ``[R, *weight.shape]``."""
+    def _row_grads(self, route: str | None = None) -> Tensor:
+        """Per-row weight gradients ``[R, *weight.shape]`` by the cheaper materialising route."""
+        route = self._route() if route is None else route
+        return self._row_grads_unfolded() if route == "unfold" else self._row_grads_conv()
+
+    def _row_grads_conv(self) -> Tensor:
+        """Per-row weight gradients from one grouped ``convolution_backward`` per call."""
         m, r = self.module, self.rows.num_rows
         weight_total = None
         for call in self.calls:
@@ -127,7 +168,34 @@ class ConvContribution(Contribution):
         assert weight_total is not None
         return weight_total
 
+    def _row_grads_unfolded(self) -> Tensor:
+        """Per-row weight gradients from the unfolded inputs ``[S, g, d, T]`` and output
+        gradients ``[R, g, p, T]`` (all calls joined along the positions ``T``)."""
+        m, rows, groups = self.module, self.rows, self.module.groups
+        r, s = rows.num_rows, rows.num_samples
+        p = m.out_channels // groups
+        us, gs = [], []
+        for call in self.calls:
+            x, n = self._split(rows.samples(call.input()), m.in_channels)
+            patches = unfold(x.flatten(0, 1), m, positions_first=False)  # [S n, C k, L]
+            u = patches.reshape(s, n, groups, -1, patches.shape[-1])
+            us.append(u.permute(0, 2, 3, 1, 4).reshape(s, groups, u.shape[3], -1))
+            g, _ = self._split(call.grad(), m.out_channels)
+            g = g.reshape(r, n, groups, p, -1)
+            gs.append(g.permute(0, 2, 3, 1, 4).reshape(r, groups, p, -1))
+        u = us[0] if len(us) == 1 else torch.cat(us, dim=-1)
+        g = gs[0] if len(gs) == 1 else torch.cat(gs, dim=-1)
+        if rows.per_task:  # one sample seen by every row: a single product per group
+            flat_g = g.transpose(0, 1).reshape(groups, r * p, -1)
+            grads = torch.matmul(flat_g, u[0].transpose(1, 2)).view(groups, r, p, -1)
+            grads = grads.transpose(0, 1)  # [R, g, p, d]
+        else:
+            grads = torch.matmul(rows.gather(u), g.transpose(2, 3)).transpose(2, 3)
+        return grads.reshape(r, *m.weight.shape)
+
     def _bias_rows(self) -> Tensor:
+        if self.bias_kept is not None:
+            return self.bias_kept
         total = None
         for call in self.calls:
             g, _ = self._split(call.grad(), self.module.out_channels)
@@ -136,17 +204,21 @@ class ConvContribution(Contribution):
         assert total is not None
         return total
 
-    def _ghost_cheaper(self) -> bool:
+    def _route(self) -> str:
+        """``"ghost"``, ``"conv"`` or ``"unfold"``: the cheapest exact Gramian route."""
         m, rows = self.module, self.rows
         positions = 0
         for call in self.calls:
             g, n = self._split(call.grad(), m.out_channels)
             positions += n * math.prod(g.shape[3:])
-        groups = m.groups
-        d = m.in_channels // groups * math.prod(m.kernel_size)
-        p = m.out_channels // groups
-        ghost = ghost_cost(rows, positions, groups, d, p)
-        return ghost <= materialized_cost(rows, positions, groups, d, p)
+        groups, k = m.groups, math.prod(m.kernel_size)
+        c_in, p = m.in_channels // groups, m.out_channels // groups
+        costs = {
+            "ghost": ghost_cost(rows, positions, groups, c_in * k, p),
+            "conv": grouped_cost(rows, positions, groups, c_in, k, p),
+            "unfold": unfolded_cost(rows, positions, groups, c_in * k, p),
+        }
+        return min(costs, key=costs.__getitem__)
 
     def _unfolded(self) -> tuple[Tensor, Tensor]:
         m, rows, groups = self.module, self.rows, self.module.groups
@@ -160,16 +232,23 @@ class ConvContribution(Contribution):
             bps.append(g.reshape(rows.num_rows, -1, groups, m.out_channels // groups))
         return torch.cat(us, dim=1), torch.cat(bps, dim=1)
 
+    def _held(self) -> list[Tensor]:
+        return [t for call in self.calls for t in (call.input(), call.grad())]
+
     def gramian(self, names: set[str]) -> Tensor | None:
+        weight = self.weight_name is not None and self.weight_name in names
+        bias = self.bias_name is not None and self.bias_name in names
         total: Tensor | None = None
-        if self.weight_name is not None and self.weight_name in names:
-            if self._ghost_cheaper():
-                total = ghost_gramian(*self._unfolded(), self.rows)
-            else:
-                flat = self._row_grads().flatten(1)
-                total = flat @ flat.T
-        if self.bias_name is not None and self.bias_name in names:
-            s = self._bias_rows()
+        if weight:
+            route = self._route()
+            if route == "ghost":
+                return ghost_gramian(*self._unfolded(), self.rows, with_bias=bias)
+            flat = self._row_grads(route).flatten(1)
+            if worth_keeping(flat, *self._held()):
+                self.kept = flat
+            total = flat @ flat.T
+        if bias:
+            s = self.bias_kept = self._bias_rows()
             total = s @ s.T if total is None else total + s @ s.T
         return total
 
@@ -179,6 +258,12 @@ class ConvContribution(Contribution):
     def weighted_grads(self, weights: Tensor) -> dict[str, Tensor]:
         m = self.module
         with_bias = self.bias_name is not None
+        if self.kept is not None:
+            w = weights.to(self.kept.dtype)
+            kept = {"weight": (w @ self.kept).reshape(m.weight.shape)}
+            if with_bias:
+                kept["bias"] = w @ self._bias_rows()
+            return kept
         out: dict[str, Tensor] = {}
         for call in self.calls:
             y = self.rows.reduce(weights, call.grad())

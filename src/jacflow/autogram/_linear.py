@@ -17,7 +17,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from jacflow.autogram._rules import Call, Contribution, Rows, Rule, register_rule
+from jacflow.autogram._rules import (
+    Call,
+    Contribution,
+    Rows,
+    Rule,
+    register_rule,
+    worth_keeping,
+)
 
 
 def ghost_cost(rows: Rows, positions: int, groups: int, d: int, p: int) -> int:
@@ -34,30 +41,39 @@ def materialized_cost(rows: Rows, positions: int, groups: int, d: int, p: int) -
     return groups * (r * positions * d * p + r * r * d * p)
 
 
-def ghost_gramian(u: Tensor, bp: Tensor, rows: Rows) -> Tensor:
-    """Gramian of ``g_r = sum_t Bp[r, t, j]^T U[sample(r), t, j]`` summed over groups ``j``."""
+def ghost_gramian(u: Tensor, bp: Tensor, rows: Rows, with_bias: bool = False) -> Tensor:
+    """Gramian of ``g_r = sum_t Bp[r, t, j]^T U[sample(r), t, j]`` summed over groups ``j``.
+
+    ``with_bias`` adds the Gramian of the bias rows ``s_r = sum_t Bp[r, t]``: a bias is a weight
+    whose input is ``1`` at every position, so it adds ``1`` to every entry of the kernel
+    ``U U^T`` (the ``A A^T + 1`` form), at no extra product.
+    """
     s, t, groups, d = u.shape
     r, p = bp.shape[0], bp.shape[3]
-    total = bp.new_zeros(r, r)
+    total: Tensor | None = None
     for j in range(groups):
         uj = u[:, :, j].reshape(s * t, d)
         bj = bp[:, :, j]
         kernel = uj @ uj.T
+        if with_bias:
+            kernel += 1
         if rows.per_task:
             mixed = torch.matmul(kernel, bj)  # [R, T, p]
-            total = total + mixed.reshape(r, -1) @ bj.reshape(r, -1).T
-            continue
-        flat_b = bj.reshape(r * t, p)
-        back = flat_b @ flat_b.T
-        if t == 1:
-            if rows.index is not None:
-                kernel = kernel[rows.index][:, rows.index]
-            total = total + kernel * back
-            continue
-        kernel4 = kernel.view(s, t, s, t)
-        if rows.index is not None:
-            kernel4 = kernel4[rows.index][:, :, rows.index]
-        total = total + (kernel4 * back.view(r, t, r, t)).sum(dim=(1, 3))
+            term = mixed.reshape(r, -1) @ bj.reshape(r, -1).T
+        else:
+            flat_b = bj.reshape(r * t, p)
+            term = flat_b @ flat_b.T
+            if t == 1:
+                if rows.index is not None:
+                    kernel = kernel[rows.index][:, rows.index]
+                term.mul_(kernel)
+            else:
+                kernel4 = kernel.view(s, t, s, t)
+                if rows.index is not None:
+                    kernel4 = kernel4[rows.index][:, :, rows.index]
+                term = (kernel4 * term.view(r, t, r, t)).sum(dim=(1, 3))
+        total = term if total is None else total + term
+    assert total is not None
     return total
 
 
@@ -66,9 +82,9 @@ def per_row_weight_grads(u: Tensor, bp: Tensor, rows: Rows) -> Tensor:
     return torch.einsum("rtgp,rtgd->rgpd", bp, rows.gather(u))
 
 
-def weighted_weight_grad(u: Tensor, bp: Tensor, rows: Rows, weights: Tensor) -> Tensor:
-    """``sum_r w_r g_r`` as ``[g, p, d]``: one weight-gradient product on reduced backprops."""
-    y = rows.reduce(weights, bp)
+def weighted_weight_grad(u: Tensor, y: Tensor) -> Tensor:
+    """``sum_r w_r g_r`` as ``[g, p, d]`` from the reduced backprops ``y = rows.reduce(w, Bp)``
+    (``[S, T, g, p]``): one weight-gradient product, as in the plain backward."""
     if u.shape[2] == 1:
         return (y.reshape(-1, y.shape[3]).T @ u.reshape(-1, u.shape[3])).unsqueeze(0)
     return torch.einsum("stgp,stgd->gpd", y, u)
@@ -76,6 +92,10 @@ def weighted_weight_grad(u: Tensor, bp: Tensor, rows: Rows, weights: Tensor) -> 
 
 class UnfoldedContribution(Contribution):
     """Contribution of a weight acting on unfolded inputs, plus an optional bias.
+
+    When the materialised route is taken, the per-row gradients are kept for the update
+    (``weights @ per_row``, no weight-gradient product) if they take no more memory than the
+    inputs and backprops the contribution holds anyway.
 
     Args:
         u: unfolded inputs ``[S, T, g, d]``.
@@ -97,6 +117,7 @@ class UnfoldedContribution(Contribution):
         self.u, self.bp, self.rows = u, bp, rows
         self.weight_shape = weight_shape
         self.weight_name, self.bias_name = weight_name, bias_name
+        self.kept: Tensor | None = None  # per-row weight gradients [R, g * p * d]
 
     def _bias_rows(self) -> Tensor:
         return self.bp.sum(dim=1).reshape(self.bp.shape[0], -1)
@@ -107,14 +128,17 @@ class UnfoldedContribution(Contribution):
         return ghost_cost(self.rows, t, g, d, p) <= materialized_cost(self.rows, t, g, d, p)
 
     def gramian(self, names: set[str]) -> Tensor | None:
+        weight = self.weight_name is not None and self.weight_name in names
+        bias = self.bias_name is not None and self.bias_name in names
+        if weight and self._ghost_cheaper():
+            return ghost_gramian(self.u, self.bp, self.rows, with_bias=bias)
         total: Tensor | None = None
-        if self.weight_name is not None and self.weight_name in names:
-            if self._ghost_cheaper():
-                total = ghost_gramian(self.u, self.bp, self.rows)
-            else:
-                flat = per_row_weight_grads(self.u, self.bp, self.rows).flatten(1)
-                total = flat @ flat.T
-        if self.bias_name is not None and self.bias_name in names:
+        if weight:
+            flat = per_row_weight_grads(self.u, self.bp, self.rows).flatten(1)
+            if worth_keeping(flat, self.u, self.bp):
+                self.kept = flat
+            total = flat @ flat.T
+        if bias:
             s = self._bias_rows()
             total = s @ s.T if total is None else total + s @ s.T
         return total
@@ -127,12 +151,16 @@ class UnfoldedContribution(Contribution):
 
     def weighted_grads(self, weights: Tensor) -> dict[str, Tensor]:
         out = {}
+        if self.kept is not None and self.weight_name is not None:
+            w = weights.to(self.kept.dtype)
+            out[self.weight_name] = (w @ self.kept).reshape(self.weight_shape)
+            if self.bias_name is not None:
+                out[self.bias_name] = w @ self._bias_rows()
+            return out
+        y = self.rows.reduce(weights, self.bp)
         if self.weight_name is not None:
-            out[self.weight_name] = weighted_weight_grad(
-                self.u, self.bp, self.rows, weights
-            ).reshape(self.weight_shape)
+            out[self.weight_name] = weighted_weight_grad(self.u, y).reshape(self.weight_shape)
         if self.bias_name is not None:
-            y = self.rows.reduce(weights, self.bp)
             out[self.bias_name] = y.sum(dim=(0, 1)).reshape(-1)
         return out
 

@@ -57,9 +57,10 @@ class Rows:
 
     def reduce(self, weights: Tensor, per_row: Tensor) -> Tensor:
         """``y[s] = sum_{r: sample(r) = s} weights[r] * per_row[r]``, shape ``[S, ...]``."""
-        scaled = per_row * weights.to(per_row.dtype).reshape(-1, *([1] * (per_row.ndim - 1)))
+        weights = weights.to(per_row.dtype)
         if self.per_task:
-            return scaled.sum(0, keepdim=True)
+            return torch.tensordot(weights, per_row, dims=1).unsqueeze(0)
+        scaled = per_row * weights.reshape(-1, *([1] * (per_row.ndim - 1)))
         if self.index is None:
             return scaled
         out = scaled.new_zeros(self.num_samples, *per_row.shape[1:])
@@ -259,6 +260,13 @@ class MaterializedContribution(Contribution):
         for name, grad in self.grads.items():
             out[name] = torch.tensordot(weights.to(grad.dtype), grad, dims=1)
         return out
+
+
+def worth_keeping(per_row: Tensor, *held: Tensor) -> bool:
+    """Whether per-row gradients, once formed for the Gramian, should be kept until the update
+    (which is then ``weights @ per_row``): only when they are no larger than the tensors the
+    contribution holds anyway, so that keeping them at most doubles its memory."""
+    return per_row.numel() <= sum(t.numel() for t in held)
 
 
 def add_grads(total: dict[str, Tensor], new: dict[str, Tensor]) -> dict[str, Tensor]:
