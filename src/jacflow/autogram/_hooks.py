@@ -87,7 +87,8 @@ class Recorder:
     def _record(self, index: int, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         if not torch.is_grad_enabled():
             return
-        leaves, _ = tree_flatten(output)
+        # Fast path for the common single-tensor output and tensor-only positional inputs.
+        leaves = [output] if isinstance(output, Tensor) else tree_flatten(output)[0]
         positions = [
             j
             for j, leaf in enumerate(leaves)
@@ -95,7 +96,10 @@ class Recorder:
         ]
         if not positions:
             return
-        inputs, _ = tree_flatten((args, kwargs))
+        if not kwargs and all(isinstance(a, Tensor) for a in args):
+            inputs = args
+        else:
+            inputs = tree_flatten((args, kwargs))[0]
         call = Call(
             args=tuple(args),
             kwargs=dict(kwargs),
