@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections.abc import Iterable, Sequence
 from types import TracebackType
@@ -344,19 +345,12 @@ def _capture(
     """Gradients of the losses w.r.t. the recorded output edges: activation gradients only."""
     if not inputs:
         return ()
-    if not batched:
-        return torch.autograd.grad(
-            losses,
-            inputs,  # type: ignore[arg-type]
-            grad_outputs=cotangents,
-            retain_graph=retain_graph,
-            allow_unused=True,
-            materialize_grads=False,
-        )
-    with warnings.catch_warnings():
-        # The batched backward falls back to a loop for ops without a batching rule; that is
-        # only slower, and the per-task mode accepts it.
-        warnings.filterwarnings("ignore", message=".*performance drop because we have not yet")
+    guard = warnings.catch_warnings() if batched else contextlib.nullcontext()
+    with guard:
+        if batched:
+            # The batched backward falls back to a loop for ops without a batching rule; that
+            # is only slower, and the per-task mode accepts it.
+            warnings.filterwarnings("ignore", message=".*performance drop because we have not")
         grads = torch.autograd.grad(
             losses,
             inputs,  # type: ignore[arg-type]
