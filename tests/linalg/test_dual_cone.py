@@ -16,6 +16,7 @@ from torch import Tensor
 
 from jacflow.linalg import SolverWarning, project_weights
 from jacflow.linalg._dual_cone import project_weights_reference
+from jacflow.linalg._first_order import admm_solve
 from tests.aggregation._properties import make_jacobian
 
 KINDS = ("psd", "rank_deficient", "duplicated", "zero_rows", "conflicting", "more_rows")
@@ -180,14 +181,29 @@ def test_batch_dimensions(method: str) -> None:
     torch.testing.assert_close(v.reshape(6, 6), project_weights(u.reshape(6, 6), gramians[0, 0]))
 
 
-def test_float32() -> None:
-    gramian = make_gramian(20, "conflicting", 1.0, seed=1)
-    u = upgrad_rows(20)
+@pytest.mark.parametrize("m", [20, 100])  # PDAS; ADMM iterating in float32
+def test_float32(m: int) -> None:
+    gramian = make_gramian(m, "conflicting", 1.0, seed=1)
+    u = upgrad_rows(m)
     v32 = project_weights(u.float(), gramian.float())
     assert v32.dtype == torch.float32
     v64 = project_weights(u, gramian)
     torch.testing.assert_close(v32.double().sum(0), v64.sum(0), rtol=1e-4, atol=1e-4)
     assert_kkt(v32.double(), u, gramian.float().double(), rtol=1e-5)
+
+
+def test_low_precision_admm_switches_to_float64_for_tight_tolerances() -> None:
+    """float32 iterations cannot reach 1e-11: ADMM must notice the stall and finish in float64."""
+    gramian = make_gramian(60, "conflicting", 1.0, seed=4)
+    g = (gramian / gramian.trace())[None]
+    u = torch.eye(60, dtype=torch.float64)[None]
+    v, residual = admm_solve(u, g, 20_000, 1e-11, low_precision=True)
+    assert float(residual.amax()) <= 1e-11
+    assert v.dtype == torch.float64
+    assert_kkt(v[0], u[0], g[0], rtol=1e-9)
+    loose, loose_residual = admm_solve(u, g, 20_000, 1e-5, low_precision=True)
+    assert float(loose_residual.amax()) <= 1e-5
+    torch.testing.assert_close(loose[0].sum(0), v[0].sum(0), rtol=1e-3, atol=1e-3)
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])

@@ -91,6 +91,7 @@ def project_weights_reference(
 
 METHODS = ("auto", "pdas", "fista", "admm")
 _AUTO_PDAS_MAX_M = 32  # "auto" uses PDAS up to this size, ADMM above
+_LOW_PRECISION_TOL = 1e-6  # from here on ADMM may iterate in float32
 _FISTA_TOL = 1e-7  # FISTA stops here and hands over to the exact PDAS polish
 _PDAS_MAX_ITER = 50
 _FIRST_ORDER_MAX_ITER = 20_000
@@ -100,10 +101,15 @@ _POLISH_MAX_FLOP = 3e7
 _DEFAULT_TOL = {torch.float64: 1e-10}  # other dtypes: 1e-6 (their Gramians are that inexact)
 
 
-def default_tol(dtype: torch.dtype, m: int) -> float:
-    """``1e-10`` (float64) or ``1e-6``, and at least ``10 m eps``: the residual that rounding
-    errors of a Gramian stored in ``dtype`` (slightly indefinite for float32) allow."""
-    return max(_DEFAULT_TOL.get(dtype, 1e-6), 10 * m * torch.finfo(dtype).eps)
+def default_tolerances(dtype: torch.dtype, m: int) -> tuple[float, float]:
+    """The residual the solvers aim for, and the one accepted without a warning.
+
+    They aim for ``1e-10`` (float64) or ``1e-6`` and accept up to ``10 m eps`` more: the residual
+    that rounding errors of a Gramian stored in ``dtype`` (slightly indefinite for float32) may
+    leave even for an exact method.
+    """
+    target = _DEFAULT_TOL.get(dtype, 1e-6)
+    return target, max(target, 10 * m * torch.finfo(dtype).eps)
 
 
 class SolverWarning(UserWarning):
@@ -172,15 +178,16 @@ def _check_inputs(u: Tensor, gramian: Tensor) -> None:
 
 
 def _exact_fallback(
-    u: Tensor, g: Tensor, v: Tensor, residual: Tensor, tol: float
+    u: Tensor, g: Tensor, v: Tensor, residual: Tensor, tol: float, accept: float
 ) -> tuple[Tensor, Tensor]:
-    """Re-solve the problems whose residual exceeds ``tol`` with the exact Lawson-Hanson method.
+    """Re-solve the problems whose residual exceeds ``accept`` with the exact Lawson-Hanson
+    method (to ``tol``).
 
     The fast methods can fail on degenerate problems (singular ``G`` with more rows than its
     rank: non-unique ``v``, a dual cone that may be a single point); Lawson-Hanson cannot.
     Problems are gathered per Gramian row of the batch so that every Gramian is factorised once.
     """
-    unsolved = residual > tol
+    unsolved = residual > accept
     rows = unsolved.any(0).nonzero().flatten()  # problem slots unsolved for some Gramian
     exact, exact_residual = lawson_hanson_solve(u[:, rows], g, tol)
     better = (exact_residual < residual[:, rows])[..., None]
@@ -203,8 +210,11 @@ def _fista_with_polish(u: Tensor, g: Tensor, cap: int, tol: float) -> tuple[Tens
     return v, residual
 
 
-def _solve(u: Tensor, g: Tensor, method: str, max_iter: int | None, tol: float) -> Tensor:
-    """Solve the normalised problems (float64, ``u`` ``[B, k, m]``, ``g`` ``[B, m, m]``)."""
+def _solve(
+    u: Tensor, g: Tensor, method: str, max_iter: int | None, tol: float, accept: float
+) -> Tensor:
+    """Solve the normalised problems (float64, ``u`` ``[B, k, m]``, ``g`` ``[B, m, m]``) to the
+    residual ``tol``; warn about those left above ``accept``."""
     c = multiplier_scale(g)
     residual = kkt_residual(u, u, 2 * torch.bmm(u, g), c)
     if bool((residual <= tol).all()):  # nothing conflicts: v = u solves every problem
@@ -216,16 +226,17 @@ def _solve(u: Tensor, g: Tensor, method: str, max_iter: int | None, tol: float) 
     if method == "pdas":
         v, residual = pdas_solve(u, g, u, _PDAS_MAX_ITER if cap is None else cap, tol)
     elif method == "admm":
-        v, residual = admm_solve(u, g, _FIRST_ORDER_MAX_ITER if cap is None else cap, tol)
+        iterations = _FIRST_ORDER_MAX_ITER if cap is None else cap
+        v, residual = admm_solve(u, g, iterations, tol, low_precision=tol >= _LOW_PRECISION_TOL)
     else:
         v, residual = _fista_with_polish(u, g, _FIRST_ORDER_MAX_ITER if cap is None else cap, tol)
-    if cap is None and not bool((residual <= tol).all()):  # an explicit cap: this method only
-        v, residual = _exact_fallback(u, g, v, residual, tol)
+    if cap is None and not bool((residual <= accept).all()):  # explicit cap: this method only
+        v, residual = _exact_fallback(u, g, v, residual, tol, accept)
     worst = float(residual.amax())
-    if not worst <= tol:
+    if not worst <= accept:
         warnings.warn(
             f"`project_weights` (method={method!r}) stopped with a KKT residual of {worst:.2e} "
-            f"> tol = {tol:.1e}; returning the best iterate. Raise `max_iter` (or `tol`).",
+            f"> tol = {accept:.1e}; returning the best iterate. Raise `max_iter` (or `tol`).",
             SolverWarning,
             stacklevel=5,  # the caller of project_weights
         )
@@ -233,7 +244,7 @@ def _solve(u: Tensor, g: Tensor, method: str, max_iter: int | None, tol: float) 
 
 
 def _solve_finite(
-    flat_u: Tensor, g: Tensor, method: str, max_iter: int | None, tol: float
+    flat_u: Tensor, g: Tensor, method: str, max_iter: int | None, tol: float, accept: float
 ) -> Tensor:
     """Scale the rows of ``u``, solve, and give NaN rows where ``u`` or ``g`` is not finite."""
     bad_g = ~torch.isfinite(g).all(-1).all(-1)
@@ -242,7 +253,7 @@ def _solve_finite(
     flat_u = torch.where(bad[..., None], torch.zeros_like(flat_u), flat_u)
     scale = flat_u.abs().amax(-1, keepdim=True)
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    v = _solve(flat_u / scale, g, method, max_iter, tol) * scale
+    v = _solve(flat_u / scale, g, method, max_iter, tol, accept) * scale
     return torch.where(bad[..., None], torch.full_like(v, float("nan")), v)
 
 
@@ -300,9 +311,10 @@ def project_weights(
         method: ``"auto"``, ``"pdas"``, ``"admm"`` or ``"fista"``.
         max_iter: iteration cap of the chosen method (default: 50 PDAS or 20 000 ADMM / FISTA
             iterations); an explicit cap also disables the exact fallback.
-        tol: KKT residual at which a problem counts as solved (default: 1e-10 for float64
-            inputs, ``max(1e-6, 10 m eps)`` for float32 ones, whose rounded Gramians may be
-            slightly indefinite).
+        tol: KKT residual at which a problem counts as solved. By default the solvers aim for
+            1e-10 (float64 inputs) or 1e-6 (float32) and accept, without a warning, up to
+            ``max(1e-6, 10 m eps)`` for float32 inputs, whose rounded Gramians may be slightly
+            indefinite.
 
     Returns:
         ``v`` with the shape of ``u``.
@@ -328,10 +340,10 @@ def project_weights(
     g = normalize_gramian((g + g.mT) / 2, norm_eps)  # v^T G v only sees the symmetric part
     if reg_eps > 0:  # the solvers also work with trace 1: renormalise (same solution)
         g = normalize_gramian(regularize_gramian(g, reg_eps), 0.0)
-    tol = default_tol(dtype, m) if tol is None else float(tol)
+    tol, accept = default_tolerances(dtype, m) if tol is None else (float(tol), float(tol))
 
     def solve(flat_u: Tensor, g: Tensor) -> Tensor:
-        return _solve_finite(flat_u, g, method, max_iter, tol)
+        return _solve_finite(flat_u, g, method, max_iter, tol, accept)
 
     if torch.is_grad_enabled() and (g.requires_grad or flat_u.requires_grad):
         v = differentiable_projection(flat_u, g, solve)

@@ -80,8 +80,25 @@ def fista_solve(
     return out_v, out_res
 
 
+def _admm_operator(g: Tensor, dtype: torch.dtype) -> Tensor:
+    """``Q diag(rho / (2 lambda + rho)) Q^T`` in ``dtype``, with ``rho`` the geometric mean of the
+    extreme eigenvalues of ``G`` (the smallest clipped to ``1e-6`` times the largest)."""
+    eigenvalues, q = torch.linalg.eigh(g.to(dtype))
+    eigenvalues = eigenvalues.clamp_min(0.0)
+    top = eigenvalues[..., -1:].clamp_min(torch.finfo(dtype).tiny)
+    bottom = torch.where(eigenvalues > 1e-6 * top, eigenvalues, top).amin(-1, keepdim=True)
+    rho = torch.sqrt(top * bottom)  # [B, 1]
+    return (q * (rho / (2 * eigenvalues + rho))[:, None, :]) @ q.mT
+
+
 def admm_solve(
-    u: Tensor, g: Tensor, max_iter: int, tol: float, check_every: int = 10, relax: float = 1.6
+    u: Tensor,
+    g: Tensor,
+    max_iter: int,
+    tol: float,
+    check_every: int = 10,
+    relax: float = 1.6,
+    low_precision: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """Over-relaxed ADMM with one eigendecomposition of ``G`` shared by all problems.
 
@@ -91,6 +108,11 @@ def admm_solve(
     eigenvalues of ``G`` (the smallest clipped to ``1e-6`` times the largest), a classical
     choice for quadratic programs. Returns the (feasible) ``z`` iterate of each problem and its
     KKT residual ``[B, k]``; converged rows are dropped from the batch as in :func:`fista_solve`.
+
+    With ``low_precision`` the iterations (the eigendecomposition and the products, nearly all
+    the cost) run in float32, about twice as fast; the residuals are still measured in float64
+    against the true ``G``, and if float32 stalls above ``tol`` the iterations go on in float64
+    from where they are. Meant for loose tolerances (``tol >= 1e-6``, float32 inputs).
 
     Example:
         >>> import torch
@@ -102,31 +124,38 @@ def admm_solve(
         tensor([[[1.0000, 0.2500]]], dtype=torch.float64)
     """
     c = multiplier_scale(g)
-    eigenvalues, q = torch.linalg.eigh(g)
-    eigenvalues = eigenvalues.clamp_min(0.0)
-    top = eigenvalues[..., -1:].clamp_min(1e-300)
-    bottom = torch.where(eigenvalues > 1e-6 * top, eigenvalues, top).amin(-1, keepdim=True)
-    rho = torch.sqrt(top * bottom)  # [B, 1]
-    step = (q * (rho / (2 * eigenvalues + rho))[:, None, :]) @ q.mT
+    dtype = torch.float32 if low_precision else g.dtype
+    step = _admm_operator(g, dtype)
     out_v = u.clone()
     out_res = kkt_residual(u, u, 2 * torch.bmm(u, g), c)
     rows = torch.arange(u.shape[1], device=u.device)
     history: list[float] = []
-    uu, z = u, u
-    w = torch.zeros_like(u)  # the scaled dual variable, updated in place
+    uu = u
+    bound = u.to(dtype)
+    z = bound
+    w = torch.zeros_like(z)  # the scaled dual variable, updated in place
     for it in range(max_iter):
         relaxed = torch.lerp(z, torch.bmm(z - w, step), relax)  # over-relaxed v-update
         w = w.add_(relaxed)
-        z = torch.maximum(w, uu)
+        z = torch.maximum(w, bound)
         w = w.sub_(z)
         if (it + 1) % check_every == 0 or it + 1 == max_iter:
-            res = kkt_residual(z, uu, 2 * torch.bmm(z, g), c)
-            out_v = out_v.index_copy(1, rows, z)
+            exact = torch.maximum(z.to(g.dtype), uu)  # feasible also where float32 rounded u
+            res = kkt_residual(exact, uu, 2 * torch.bmm(exact, g), c)
+            out_v = out_v.index_copy(1, rows, exact)
             out_res = out_res.index_copy(1, rows, res)
             keep = (res > tol).any(0)
-            if not bool(keep.any()) or _stalled(history, res.amax()):
+            if not bool(keep.any()):
                 break
+            if _stalled(history, res.amax()):
+                if dtype == g.dtype:
+                    break
+                dtype = g.dtype  # float32 is not enough for these problems: go on in float64
+                step = _admm_operator(g, dtype)
+                z, w, bound = exact, w.to(dtype), uu
+                history.clear()
             if not bool(keep.all()):
                 index = keep.nonzero().flatten()
-                rows, uu, z, w = rows[index], uu[:, index], z[:, index], w[:, index]
+                rows, uu, bound = rows[index], uu[:, index], bound[:, index]
+                z, w = z[:, index], w[:, index]
     return out_v, out_res
