@@ -29,6 +29,7 @@ from jacflow.autogram._rules import (
     Rows,
     Rule,
     add_grads,
+    gram,
     register_rule,
     worth_keeping,
 )
@@ -246,7 +247,7 @@ class ConvContribution(Contribution):
             flat = self._row_grads(route).flatten(1)
             if worth_keeping(flat, *self._held()):
                 self.kept = flat
-            total = flat @ flat.T
+            total = gram(flat)
         if bias:
             s = self.bias_kept = self._bias_rows()
             total = s @ s.T if total is None else total + s @ s.T

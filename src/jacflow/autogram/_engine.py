@@ -13,7 +13,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from jacflow.aggregation import GramianWeighting
 from jacflow.autogram._hooks import Recorder, Unit, find_units
-from jacflow.autogram._rules import Call, Contribution, Rows
+from jacflow.autogram._rules import Call, Contribution, Rows, gram
 
 _COMPILE_HINT = (
     "torch.compile'd modules cannot be hooked (their layers run inside one fused graph node). "
@@ -417,7 +417,8 @@ def _assemble(
     for key in shared:
         summed = sum(c.per_row_grads(n).reshape(rows.num_rows, -1) for c, n in owners[key])
         assert isinstance(summed, Tensor)
-        total = summed @ summed.T if total is None else total + summed @ summed.T
+        term = gram(summed)
+        total = term if total is None else total + term
     if total is None:  # every hooked parameter is frozen
         return losses.new_zeros(rows.num_rows, rows.num_rows)
     return total

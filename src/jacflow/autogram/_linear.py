@@ -22,6 +22,7 @@ from jacflow.autogram._rules import (
     Contribution,
     Rows,
     Rule,
+    gram,
     register_rule,
     worth_keeping,
 )
@@ -54,7 +55,7 @@ def ghost_gramian(u: Tensor, bp: Tensor, rows: Rows, with_bias: bool = False) ->
     for j in range(groups):
         uj = u[:, :, j].reshape(s * t, d)
         bj = bp[:, :, j]
-        kernel = uj @ uj.T
+        kernel = gram(uj)
         if with_bias:
             kernel += 1
         if rows.per_task:
@@ -62,7 +63,7 @@ def ghost_gramian(u: Tensor, bp: Tensor, rows: Rows, with_bias: bool = False) ->
             term = mixed.reshape(r, -1) @ bj.reshape(r, -1).T
         else:
             flat_b = bj.reshape(r * t, p)
-            term = flat_b @ flat_b.T
+            term = gram(flat_b)
             if t == 1:
                 if rows.index is not None:
                     kernel = kernel[rows.index][:, rows.index]
@@ -137,7 +138,7 @@ class UnfoldedContribution(Contribution):
             flat = per_row_weight_grads(self.u, self.bp, self.rows).flatten(1)
             if worth_keeping(flat, self.u, self.bp):
                 self.kept = flat
-            total = flat @ flat.T
+            total = gram(flat)
         if bias:
             s = self._bias_rows()
             total = s @ s.T if total is None else total + s @ s.T
