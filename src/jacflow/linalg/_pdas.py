@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 _SHIFT = 1e-13  # relative diagonal shift that makes the Cholesky factor of G_FF exist
+_PATIENCE = 3  # iterations without progress of the worst residual before PDAS gives up
 _MASKED_MAX_M = 48  # up to this size, full masked systems beat gathering the free blocks
 
 
@@ -111,7 +112,8 @@ def pdas_solve(
     """Run PDAS from ``v0`` until every KKT residual is ``<= tol`` or ``max_iter`` solves.
 
     Returns the best iterate of each problem (lowest residual) and its residual ``[B, k]``.
-    Problems already solved keep their active set, so no converged problem can cycle.
+    Problems already solved keep their active set, so no converged problem can cycle; the
+    iterations also stop when the worst residual has not decreased for three of them (a cycle).
 
     Example:
         >>> import torch
@@ -127,9 +129,16 @@ def pdas_solve(
     best_v = v0
     best_res = kkt_residual(v0, u, lam, c)
     active = lam + c * (u - v0) > 0
+    worst, since_gain = float("inf"), 0
     for _ in range(max_iter):
         done = best_res <= tol
         if bool(done.all()):
+            break
+        # PDAS cycles on some degenerate problems: stop once the worst problem stops gaining.
+        current = float(best_res.amax())
+        since_gain = since_gain + 1 if current >= worst else 0
+        worst = min(worst, current)
+        if since_gain >= _PATIENCE:
             break
         v = _solve_free(u, g, active)
         lam = 2 * torch.bmm(v, g)
