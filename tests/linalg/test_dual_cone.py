@@ -193,7 +193,7 @@ def test_float32(m: int) -> None:
 
 
 def test_low_precision_admm_switches_to_float64_for_tight_tolerances() -> None:
-    """float32 iterations cannot reach 1e-11: ADMM must notice the stall and finish in float64."""
+    """float32 iterations cannot reach 1e-11: ADMM must hand over to float64 and finish there."""
     gramian = make_gramian(60, "conflicting", 1.0, seed=4)
     g = (gramian / gramian.trace())[None]
     u = torch.eye(60, dtype=torch.float64)[None]

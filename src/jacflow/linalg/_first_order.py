@@ -18,13 +18,15 @@ from torch import Tensor
 
 from jacflow.linalg._pdas import kkt_residual, multiplier_scale
 
-_STALL_CHECKS = 50  # stop when the worst residual gained less than 2x over this many checks
+_STALL_CHECKS = 50
+_FLOAT32_FLOOR = 1e-6  # the float32 phase of ADMM hands over to float64 below this residual
 
 
-def _stalled(history: list[float], worst: Tensor) -> bool:
-    """Record the worst residual; true when it stagnates (e.g. a rounded, indefinite ``G``)."""
+def _stalled(history: list[float], worst: Tensor, window: int = _STALL_CHECKS) -> bool:
+    """Record the worst residual; true when it gained less than 2x over the last ``window``
+    checks (e.g. a rounded, indefinite ``G``)."""
     history.append(float(worst))
-    return len(history) > _STALL_CHECKS and history[-1] > 0.5 * history[-1 - _STALL_CHECKS]
+    return len(history) > window and history[-1] > 0.5 * history[-1 - window]
 
 
 def fista_solve(
@@ -110,9 +112,9 @@ def admm_solve(
     KKT residual ``[B, k]``; converged rows are dropped from the batch as in :func:`fista_solve`.
 
     With ``low_precision`` the iterations (the eigendecomposition and the products, nearly all
-    the cost) run in float32, about twice as fast; the residuals are still measured in float64
-    against the true ``G``, and if float32 stalls above ``tol`` the iterations go on in float64
-    from where they are. Meant for loose tolerances (``tol >= 1e-6``, float32 inputs).
+    the cost) start in float32, about twice as fast; the residuals are still measured in float64
+    against the true ``G``. Once the worst residual is below ``1e-6`` (or stalls) and ``tol`` is
+    not met yet, the iterations go on in float64 from where they are.
 
     Example:
         >>> import torch
@@ -147,13 +149,14 @@ def admm_solve(
             keep = (res > tol).any(0)
             if not bool(keep.any()):
                 break
-            if _stalled(history, res.amax()):
-                if dtype == g.dtype:
-                    break
-                dtype = g.dtype  # float32 is not enough for these problems: go on in float64
+            worst = res.amax()
+            if dtype != g.dtype and (worst <= _FLOAT32_FLOOR or _stalled(history, worst, 10)):
+                dtype = g.dtype  # float32 is done (or not enough for these problems): float64
                 step = _admm_operator(g, dtype)
                 z, w, bound = exact, w.to(dtype), uu
                 history.clear()
+            elif _stalled(history, worst):
+                break
             if not bool(keep.all()):
                 index = keep.nonzero().flatten()
                 rows, uu, bound = rows[index], uu[:, index], bound[:, index]
