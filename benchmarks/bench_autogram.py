@@ -14,13 +14,17 @@ per-task ``Engine(trunk, batch_dim=None)`` + ``mtl_gramian_step`` (heads get the
 ``tjd_mtl`` = TorchJD ``mtl_backward(losses, features)`` + ``jac_to_grad(trunk, UPGrad())``;
 ``tjd_autogram`` = TorchJD ``Engine(trunk, batch_dim=None)`` + ``losses.backward(weights)``.
 
-Timing: process CPU time, 1 torch thread, median of interleaved rounds (``_timing.py``).
+Timing: process CPU time, 1 torch thread, median of interleaved rounds (``_timing.py``). The
+"weighting ms" column times jacflow's ``UPGradWeighting`` alone on the Gramian of the same
+model and data (the UPGrad QP's share of the jacflow step; the rest is the Gramian engine), and
+"jacflow without weighting" is ``(jacflow - weighting) / SGD``.
 Memory: each (config, method) runs 3 steps in a fresh subprocess; we report the peak RSS of
 those steps (VmHWM, reset through ``/proc/self/clear_refs`` right before them) minus the RSS just
 before the first step (model, data and engine already built), in MB. (``tracemalloc`` does not
 see torch's allocations and no GPU is used.)
 
-Run: ``.venv/bin/python benchmarks/bench_autogram.py [--quick] [--no-memory]``.
+Run: ``.venv/bin/python benchmarks/bench_autogram.py [--quick] [--no-memory] [--only iwrm|mtl]
+[--models mlp256,cnn] [--widths 256]``.
 """
 
 from __future__ import annotations
@@ -206,6 +210,39 @@ def _mtl_step(
     return step
 
 
+def weighting_ms(gramian: torch.Tensor, rounds: int) -> float:
+    """Median CPU time (ms) of jacflow's ``UPGradWeighting`` alone on the Gramian of a step:
+    the share of the jacflow step that is the UPGrad QP (the rest is the engine)."""
+    weighting = UPGradWeighting()
+    return interleaved_medians({"w": lambda: weighting(gramian)}, rounds=rounds, warmup=3)["w"]
+
+
+def iwrm_gramian(model_name: str, batch: int) -> torch.Tensor:
+    torch.manual_seed(0)  # the same model, data and Gramian as the timed steps
+    if model_name == "cnn":
+        model, x = cnn(), torch.randn(batch, 3, 32, 32)
+    else:
+        width = int(model_name.removeprefix("mlp"))
+        model, x = mlp(width), torch.randn(batch, width)
+    y = torch.randint(0, 10, (batch,))
+    with Engine(model, batch_dim=0) as engine:
+        return engine.compute_gramian(F.cross_entropy(model(x), y, reduction="none"))
+
+
+def mtl_gramian(width: int, batch: int, m: int) -> torch.Tensor:
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for _ in range(3):
+        layers += [nn.Linear(width, width), nn.ReLU()]
+    trunk = nn.Sequential(*layers)
+    heads = nn.ModuleList([nn.Linear(width, 1) for _ in range(m)])
+    x, y = torch.randn(batch, width), torch.randn(batch, m)
+    with Engine(trunk, batch_dim=None) as engine:
+        features = trunk(x)
+        losses = [F.mse_loss(h(features).squeeze(1), y[:, i]) for i, h in enumerate(heads)]
+        return engine.compute_gramian(torch.stack(losses))
+
+
 def _status_kb(field: str) -> int:
     with open("/proc/self/status") as f:
         for line in f:
@@ -261,6 +298,10 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer rounds and configurations")
     parser.add_argument("--no-memory", action="store_true")
     parser.add_argument("--only", choices=["iwrm", "mtl"], help="run one of the two parts")
+    parser.add_argument(
+        "--models", default="mlp256,mlp1024,cnn", help="per-sample models, comma-separated"
+    )
+    parser.add_argument("--widths", default="256,1024", help="multi-task widths, comma-separated")
     parser.add_argument("--child")
     args = parser.parse_args()
     if args.child:
@@ -271,7 +312,7 @@ def main() -> None:
     print(f"torch {torch.__version__}, torchjd {getattr(torchjd, '__version__', '0.18')}, 1 thread")
 
     iwrm_rows, iwrm_mem = [], []
-    models = [] if args.only == "mtl" else ["mlp256", "mlp1024", "cnn"]
+    models = [] if args.only == "mtl" else args.models.split(",")
     batches = [32, 64] if args.quick else [32, 64, 128]
     for model_name in models:
         for batch in batches:
@@ -283,12 +324,15 @@ def main() -> None:
             )
             sgd = times["sgd"]
             ratio = {k: f"{v / sgd:.2f}x" for k, v in times.items()}
+            qp = weighting_ms(iwrm_gramian(model_name, batch), 3 * rounds)
             iwrm_rows.append(
                 [
                     model_name,
                     str(batch),
                     f"{sgd:.1f}",
                     f"{times['jacflow']:.1f}",
+                    f"{qp:.1f}",
+                    f"{(times['jacflow'] - qp) / sgd:.2f}x",
                     ratio["jacflow"],
                     ratio["tjd_autogram"],
                     ratio.get("tjd_autojac", "-"),
@@ -306,7 +350,8 @@ def main() -> None:
                 print(iwrm_mem[-1], flush=True)
 
     mtl_rows, mtl_mem = [], []
-    configs = [] if args.only == "iwrm" else [(256, 64), (1024, 256)]
+    widths = [int(w) for w in args.widths.split(",")]
+    configs = [] if args.only == "iwrm" else [(w, {256: 64, 1024: 256}.get(w, 64)) for w in widths]
     ms = [2, 6] if args.quick else [2, 6, 10]
     for width, batch in configs:
         for m in ms:
@@ -315,8 +360,10 @@ def main() -> None:
                 mtl_steps(width, batch, m, methods), rounds=rounds, warmup=2
             )
             sgd = times["sgd"]
+            qp = weighting_ms(mtl_gramian(width, batch, m), 3 * rounds)
             mtl_rows.append(
-                [str(width), str(batch), str(m), f"{sgd:.1f}"]
+                [str(width), str(batch), str(m), f"{sgd:.1f}", f"{qp:.2f}"]
+                + [f"{(times['jacflow'] - qp) / sgd:.2f}x"]
                 + [f"{times[k] / sgd:.2f}x" for k in methods[1:]]
                 + [f"{(m + 2) / 3:.2f}x", f"{1.25 * (m + 2) / 3:.2f}x"]
             )
@@ -335,6 +382,8 @@ def main() -> None:
             "B",
             "SGD ms",
             "jacflow ms",
+            "of which weighting ms",
+            "jacflow without weighting",
             "jacflow",
             "TorchJD autogram",
             "TorchJD autojac",
@@ -349,6 +398,8 @@ def main() -> None:
             "B",
             "m",
             "SGD ms",
+            "weighting ms",
+            "jacflow without weighting",
             "jacflow",
             "TorchJD autogram",
             "TorchJD mtl_backward",
