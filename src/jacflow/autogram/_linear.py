@@ -9,7 +9,10 @@ form. With ``U`` the unfolded inputs ``[S, T, g, d]`` (``g`` independent groups 
   whole batch is one sample, per-task mode);
 * materialised: form ``g_r`` (``R T d p``) then ``g g^T`` (``R^2 d p``).
 
-The cheaper of the two is chosen per layer. The bias gradient is ``sum_t b_rt``.
+The cheaper of the two is chosen per layer. The bias gradient is ``sum_t b_rt``; on the ghost
+route it costs nothing extra (``1`` is added to the kernel ``U U^T``: the ``A A^T + 1`` form).
+Gram matrices are computed by symmetric blocking (:func:`~jacflow.autogram._rules.gram`), and
+materialised per-row gradients are kept for the update when they are small enough.
 """
 
 from __future__ import annotations
