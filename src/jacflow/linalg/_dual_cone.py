@@ -28,23 +28,39 @@ from jacflow.linalg._pdas import kkt_residual, multiplier_scale, pdas_solve
 def _solve_nonnegative_qp(q: Tensor, c: Tensor, max_iter: int) -> Tensor:
     """Minimize ``x^T q x / 2 + c^T x`` over ``x >= 0`` for a PSD ``q`` with ``c`` in its range.
 
-    Lawson-Hanson style active set: grow the free set with the most negative gradient entry,
-    solve the unconstrained problem on it, and step back to feasibility when the solve leaves
-    the orthant. Each outer step strictly decreases the objective, so it terminates. The free
-    sub-systems are solved by pseudo-inverse: for ``q = 2 J J^T`` and ``c = 2 J J^T u`` they
-    are always consistent, so no regularisation is needed.
+    Lawson-Hanson active set: grow the free set with the most negative gradient entry, solve the
+    unconstrained problem on it, and step back to feasibility when the solve leaves the orthant.
+    Each outer step strictly decreases the objective, so it terminates. A candidate whose column
+    is in the span of the free set (its addition does not raise the rank of ``q_FF``) is skipped
+    until the free set changes: in exact arithmetic its gradient is zero, so only rounding makes
+    it a candidate, and adding it would make the free system singular. The free systems are
+    solved by pseudo-inverse: for ``q = 2 J J^T`` and ``c = 2 J J^T u`` they are consistent.
     """
     m = q.shape[0]
     x = torch.zeros_like(c)
     free = torch.zeros(m, dtype=torch.bool)
+    skipped = torch.zeros(m, dtype=torch.bool)
     tol = 1e-12 * max(1.0, float(c.abs().max()) if m else 1.0)
+
+    def rank(mask: Tensor) -> int:
+        idx = mask.nonzero().flatten()
+        block = q[idx][:, idx]
+        return int(torch.linalg.matrix_rank(block, hermitian=True, rtol=1e-13)) if len(idx) else 0
+
     for _ in range(max_iter):
         grad = q @ x + c
-        candidates = (~free) & (grad < -tol)
+        candidates = (~free) & (~skipped) & (grad < -tol)
         if not bool(candidates.any()):
             break
         masked = torch.where(candidates, grad, torch.full_like(grad, float("inf")))
-        free[int(masked.argmin())] = True
+        j = int(masked.argmin())
+        grown = free.clone()
+        grown[j] = True
+        if rank(grown) == rank(free):
+            skipped[j] = True
+            continue
+        free = grown
+        skipped[:] = False
         for _ in range(max_iter):
             idx = free.nonzero().flatten()
             z = torch.zeros_like(x)
@@ -56,6 +72,7 @@ def _solve_nonnegative_qp(q: Tensor, c: Tensor, max_iter: int) -> Tensor:
             ratios = x[blocking] / (x[blocking] - z[blocking])
             alpha = float(ratios.min())
             x = x + alpha * (z - x)
+            x[blocking[ratios <= alpha]] = 0.0  # exactly: rounding may leave them at +-1e-17
             free &= x > 0
             x = torch.where(free, x, torch.zeros_like(x))
     return x

@@ -12,14 +12,16 @@ more rows than its rank (``m > n``), the optimal ``v`` is not unique and the dua
 single point: first-order methods then crawl and PDAS cycles. Lawson-Hanson keeps the columns of
 ``P`` linearly independent (in exact arithmetic a column in the span of ``P`` has a zero
 gradient once ``P``'s least-squares problem is solved), so ``G_PP`` stays non-singular and every
-solve is well posed. Numerically that independence is enforced: the candidate is placed last in
-the Cholesky factorisation of ``G_PP``, whose last pivot is then the squared distance of the
+solve is well posed. Numerically that independence is enforced: the Cholesky factor of ``G_PP``
+is extended by one row per added index, and the new pivot is the squared distance of the
 candidate column from the span of ``P`` (a Schur complement); a candidate whose distance is
 rounding noise is rejected until ``P`` changes.
 
-All problems advance together, one least-squares solve per iteration: the passive blocks are
-gathered into padded ``s x s`` systems (``s`` the largest passive set) and factorised by one
-batched Cholesky; problems that have stopped leave the batch. Conventions as in ``_pdas``:
+All problems advance together. Each keeps the Cholesky factor of its passive block in insertion
+order (padded with the identity, stored transposed so that triangular solves read it without a
+copy), so adding an index costs triangular solves (``O(s^2)``) instead of a factorisation
+(``O(s^3)``); only the steps that drop indices refactorise, and only for the problems that
+take them. Problems that have stopped leave the batch. Conventions as in ``_pdas``:
 float64, ``u`` ``[B, k, m]`` with rows of max-norm 1 (or 0), ``g`` ``[B, m, m]`` finite,
 symmetric, trace 1 (or 0).
 """
@@ -31,61 +33,46 @@ from torch import Tensor
 
 from jacflow.linalg._pdas import kkt_residual, multiplier_scale
 
-_SHIFT = 1e-14  # relative diagonal shift: lets the Cholesky factor of a PSD block exist
 _DEPENDENT = 1e-11  # squared sine of the angle below which a column counts as in the span of P
 _ADD_TOL_FACTOR = 0.1  # add a column while its residual exceeds this fraction of the tolerance
+_CAPACITY_STEP = 16  # the stored factors grow by this many slots when a passive set outgrows them
 
 
-def _passive_solve(
-    g: Tensor, which: Tensor, gu: Tensor, members: Tensor, last: Tensor
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Least-squares step on every problem's passive set.
+def _blocks(g: Tensor, which: Tensor, slots: Tensor, count: Tensor) -> Tensor:
+    """``G[slots, slots]`` per problem, the identity on the unused slots, ``[N, S, S]``."""
+    m = g.shape[-1]
+    flat = (which[:, None] * m + slots) * m
+    block = torch.take(g, flat[:, :, None] + slots[:, None, :])  # one flat gather
+    used = (torch.arange(slots.shape[1], device=g.device) < count[:, None]).to(g.dtype)
+    block.mul_(used[:, :, None]).mul_(used[:, None, :])
+    block.diagonal(dim1=-2, dim2=-1).add_(1 - used)
+    return block
 
-    Args:
-        g: the Gramians, ``[B, m, m]``.
-        which: the Gramian of each problem (an index into ``g``), ``[N]``.
-        gu: ``G u`` per problem, ``[N, m]``.
-        members: the passive set of each problem, ``[N, m]`` bool.
-        last: the index placed last in the factorisation (the candidate), or ``-1``, ``[N]``.
 
-    Returns:
-        ``x`` (zero outside ``members``) solving ``G_PP x_P = -(G u)_P``, ``[N, m]``; the
-        squared relative distance of column ``last`` from the span of the others, ``[N]`` (1
-        where ``last`` is ``-1``); and whether the factorisation succeeded, ``[N]``.
+def _gramian_product(g: Tensor, which: Tensor, x: Tensor) -> Tensor:
+    """``G x`` for every problem (row form), ``[N, m]``."""
+    return x @ g[0] if g.shape[0] == 1 else torch.bmm(x[:, None], g[which]).squeeze(1)
+
+
+def _solve_passive(
+    g: Tensor, gu: Tensor, which: Tensor, slots: Tensor, count: Tensor, upper: Tensor
+) -> Tensor:
+    """``x`` (zero outside the passive set) with ``G_PP x_P = -(G u)_P``, refined once.
+
+    ``upper`` is the transposed Cholesky factor ``L^T`` of every passive block, ``[N, S, S]``.
     """
-    n, m = gu.shape
-    rows = torch.arange(n, device=gu.device)
-    is_last = torch.zeros_like(members)
-    has_last = last >= 0
-    is_last[rows[has_last], last[has_last]] = True
-    key = members.to(torch.int8) * 2 - is_last.to(torch.int8)  # 2: member, 1: last, 0: other
-    s = max(int(members.sum(-1).amax()), 1)
-    order = torch.argsort(key, dim=-1, descending=True, stable=True)[:, :s]
-    valid = torch.gather(members, 1, order)
-    # One flat gather of the s x s blocks (a 3-index advanced index is several times slower).
-    flat = (which[:, None] * m + order) * m
-    system = torch.take(g, flat[:, :, None] + order[:, None, :])
-    weight = valid.to(system.dtype)
-    system.mul_(weight[:, :, None]).mul_(weight[:, None, :])  # in place: the largest tensors
-    diag = system.diagonal(dim1=-2, dim2=-1)
-    shift = _SHIFT * s * diag.amax(-1, keepdim=True).clamp_min(1e-300) * valid
-    diag.add_((~valid).to(system.dtype) + shift)
-    factor, info = torch.linalg.cholesky_ex(system)
-    ok = info == 0
-    if not bool(ok.all()):
-        eye = torch.eye(s, dtype=system.dtype, device=system.device)
-        factor = torch.where(ok[:, None, None], factor, eye)
-    rhs = torch.where(valid, -torch.gather(gu, 1, order), torch.zeros_like(shift))[..., None]
-    x = torch.cholesky_solve(rhs, factor)
-    # One step of iterative refinement against the unshifted block.
-    x = x + torch.cholesky_solve(rhs - torch.bmm(system, x) + shift[..., None] * x, factor)
-    position = (valid.sum(-1) - 1).clamp_min(0)  # the candidate sits at the last valid slot
-    pivot = factor[rows, position, position] ** 2
-    column = torch.gather(diag - shift, 1, position[:, None]).squeeze(1).clamp_min(1e-300)
-    distance = torch.where(has_last, pivot / column, torch.ones_like(pivot))
-    values = torch.where(valid, x.squeeze(-1), torch.zeros_like(shift))
-    out = torch.zeros_like(gu).scatter(1, order, values)
-    return out, distance, ok
+    used = torch.arange(slots.shape[1], device=g.device) < count[:, None]
+    rhs = torch.where(used, -torch.gather(gu, 1, slots), 0.0)
+
+    def solve(b: Tensor) -> Tensor:
+        y = torch.linalg.solve_triangular(upper.mT, b[..., None], upper=False)
+        return torch.linalg.solve_triangular(upper, y, upper=True).squeeze(-1)
+
+    coefficients = solve(rhs)
+    x = torch.zeros_like(gu).scatter_add(1, slots, torch.where(used, coefficients, 0.0))
+    # One step of iterative refinement: the residual through the full Gramian (O(m^2)).
+    residual = torch.where(used, rhs - torch.gather(_gramian_product(g, which, x), 1, slots), 0.0)
+    return x.scatter_add(1, slots, torch.where(used, solve(residual), 0.0))
 
 
 def lawson_hanson_solve(
@@ -112,59 +99,115 @@ def lawson_hanson_solve(
     """
     b, k, m = u.shape
     n = b * k
-    batch = torch.arange(b, device=u.device).repeat_interleave(k)
+    device, dtype = u.device, u.dtype
     uu = u.reshape(n, m)
+    column_norm = g.diagonal(dim1=-2, dim2=-1)  # [b, m]
+    x_out = torch.zeros_like(uu)
+    # The state of the running problems (compacted when some stop).
+    problem = torch.arange(n, device=device)
+    which = problem // k
     gu = torch.bmm(u, g).reshape(n, m)
-    c = multiplier_scale(g)[batch, 0]  # [n, 1]
-    column_norm = g.diagonal(dim1=-2, dim2=-1)[batch]
+    c = multiplier_scale(g).reshape(b, 1).repeat_interleave(k, 0)
     x = torch.zeros_like(uu)
+    capacity = min(m, _CAPACITY_STEP)
+    slots = torch.zeros(n, capacity, dtype=torch.long, device=device)
+    count = torch.zeros(n, dtype=torch.long, device=device)
+    upper = torch.eye(capacity, dtype=dtype, device=device).repeat(n, 1, 1)  # L^T, padded
     passive = torch.zeros_like(uu, dtype=torch.bool)
     rejected = torch.zeros_like(passive)
-    stepping = torch.zeros(n, dtype=torch.bool, device=u.device)  # must re-solve after a step
-    work = torch.arange(n, device=u.device)  # the problems still running
+    stepping = torch.zeros(n, dtype=torch.bool, device=device)  # must re-solve after a step
     for _ in range(6 * m + 50 if max_iter is None else max_iter):
-        if work.numel() == 0:
-            break
-        grad = gu + torch.bmm(x.reshape(b, k, m), g).reshape(n, m)  # G (u + x): half of lam
-        w_x, w_p, w_grad = x[work], passive[work], grad[work]
-        scale = (uu[work] + w_x).abs().amax(-1, keepdim=True).clamp_min(1.0)
-        threshold = -_ADD_TOL_FACTOR * tol * scale * c[work] / 2
-        candidates = ~w_p & ~rejected[work] & (w_grad < threshold)
+        grad = gu + _gramian_product(g, which, x)  # G (u + x): half of the multipliers
+        scale = (uu[problem] + x).abs().amax(-1, keepdim=True).clamp_min(1.0)
+        candidates = ~passive & ~rejected & (grad < -_ADD_TOL_FACTOR * tol * scale * c / 2)
         # Most negative gradient per unit column norm: invariant to rescaling the objectives.
-        score = w_grad / column_norm[work].clamp_min(1e-300).sqrt()
-        pick = torch.where(candidates, score, torch.full_like(score, float("inf"))).argmin(-1)
-        adding = ~stepping[work] & candidates.any(-1)
-        finished = ~stepping[work] & ~adding
-        members = w_p.clone()
-        members[adding, pick[adding]] = True
-        last = torch.where(adding, pick, torch.full_like(pick, -1))
-        z, distance, ok = _passive_solve(g, batch[work], gu[work], members, last)
-        picked_z = torch.gather(z, 1, pick[:, None]).squeeze(1)
+        score = grad / column_norm[which].clamp_min(1e-300).sqrt()
+        pick = torch.where(candidates, score, torch.inf).argmin(-1)
+        adding = ~stepping & candidates.any(-1)
+        finished = ~stepping & ~adding
+        if bool(finished.any()):  # optimal (up to rejected, dependent columns): leave the batch
+            x_out[problem[finished]] = x[finished]
+            keep = ~finished
+            problem, which, gu, c, x = problem[keep], which[keep], gu[keep], c[keep], x[keep]
+            slots, count, upper = slots[keep], count[keep], upper[keep]
+            passive, rejected, stepping = passive[keep], rejected[keep], stepping[keep]
+            pick, adding = pick[keep], adding[keep]
+            if problem.numel() == 0:
+                break
+        if bool((count[adding] >= capacity).any()):  # grow the stored factors
+            grown = min(m, capacity + _CAPACITY_STEP)
+            eye = torch.eye(grown, dtype=dtype, device=device).repeat(problem.numel(), 1, 1)
+            eye[:, :capacity, :capacity] = upper
+            upper = eye
+            slots = torch.cat([slots, slots.new_zeros(slots.shape[0], grown - capacity)], 1)
+            capacity = grown
+        # Extend the factor of the adding problems by the candidate's row (a column of L^T).
+        # The triangular solve runs on every problem (zero columns elsewhere): gathering the
+        # adding problems' factors would copy more than it saves.
+        add = adding.nonzero().flatten()
+        position = count[add]
+        used = (torch.arange(capacity, device=device) < count[:, None]) & adding[:, None]
+        column = torch.take(g, (which[:, None] * m + slots) * m + pick[:, None])
+        column = torch.where(used, column, 0.0)
+        row = torch.linalg.solve_triangular(upper.mT, column[..., None], upper=False)
+        row = row.squeeze(-1)[add]
+        norm = torch.take(column_norm, which[add] * m + pick[add])
+        pivot = norm - (row * row).sum(-1)
+        independent = pivot > _DEPENDENT * norm
+        row = row.scatter(
+            1, position[:, None], torch.where(independent, pivot, norm).sqrt()[:, None]
+        )
+        saved = upper[add, :, position]
+        upper[add, :, position] = row
+        slots[add, position] = pick[add]
+        count[add] = position + 1
+        z = _solve_passive(g, gu, which, slots, count, upper)
+        picked_z = z[add, pick[add]]
         # A candidate in the span of P (or whose own coefficient is not positive, which exact
-        # arithmetic excludes) is rejected until P changes; P and x stay as they were.
-        dependent = adding & (~ok | (distance <= _DEPENDENT) | (picked_z <= 0))
-        w_rej = rejected[work]
-        w_rej[dependent, pick[dependent]] = True
-        moving = ~finished & ~dependent & ok
-        finished = finished | (stepping[work] & ~ok)  # a failed solve on a subset of P: stop
-        members = torch.where(moving[:, None], members, w_p)
-        feasible = (z > 0) | ~members
-        accept = moving & feasible.all(-1)
+        # arithmetic excludes) is rejected until P changes: restore the factor.
+        dependent = ~independent | (picked_z <= 0)
+        undo = add[dependent]
+        upper[undo, :, position[dependent]] = saved[dependent]
+        count[undo] = position[dependent]
+        rejected[undo, pick[undo]] = True
+        moving = stepping.clone()
+        moving[add[~dependent]] = True
+        used = (torch.arange(capacity, device=device) < count[:, None]).to(dtype)
+        # amax, not a plain scatter: the unused slots hold stale indices that must not win
+        members = torch.zeros_like(x).scatter_reduce(1, slots, used, "amax") > 0
+        members &= moving[:, None]
+        accept = moving & ((z > 0) | ~members).all(-1)
         step = moving & ~accept
         # Step from x towards z until the first passive coefficient reaches zero.
         blocking = members & (z <= 0) & step[:, None]
-        ratio = torch.where(blocking, w_x / (w_x - z).clamp_min(1e-300), torch.ones_like(z))
+        ratio = torch.where(blocking, x / (x - z).clamp_min(1e-300), torch.ones_like(z))
         alpha = ratio.amin(-1, keepdim=True).clamp(0.0, 1.0)
-        stepped = w_x + alpha * (z - w_x)
-        stepped_members = members & (stepped > 0) & ~(blocking & (ratio <= alpha))
-        new_x = torch.where(accept[:, None], z, torch.where(step[:, None], stepped, w_x))
-        new_p = torch.where(
-            accept[:, None], members, torch.where(step[:, None], stepped_members, w_p)
-        )
-        new_x = torch.where(new_p, new_x, torch.zeros_like(new_x))
-        w_rej = torch.where((accept | step)[:, None], torch.zeros_like(w_rej), w_rej)
-        x[work], passive[work], rejected[work] = new_x, new_p, w_rej
-        stepping[work] = step
-        work = work[~finished]
-    v = (uu + x).reshape(b, k, m)
+        stepped = x + alpha * (z - x)
+        kept = members & (stepped > 0) & ~(blocking & (ratio <= alpha))
+        x = torch.where(accept[:, None], z, torch.where(step[:, None], stepped, x))
+        passive = torch.where(moving[:, None], torch.where(accept[:, None], members, kept), passive)
+        x = torch.where(passive, x, 0.0)
+        rejected &= ~moving[:, None]
+        stepping = step
+        if bool(step.any()):  # refactorise (in insertion order) the blocks that lost indices
+            index = step.nonzero().flatten()
+            slot_range = torch.arange(capacity, device=device)
+            dropped = ~torch.gather(passive[index], 1, slots[index])
+            unused = slot_range >= count[index, None]
+            order = torch.argsort(
+                dropped.to(torch.int8) * 2 + unused.to(torch.int8), dim=-1, stable=True
+            )
+            kept_slots = torch.gather(slots[index], 1, order)
+            kept_count = passive[index].sum(-1)
+            factor, info = torch.linalg.cholesky_ex(
+                _blocks(g, which[index], kept_slots, kept_count)
+            )
+            failed = info != 0  # cannot happen for a subset of an independent set; stop them
+            slots[index], count[index] = kept_slots, kept_count
+            upper[index] = torch.where(failed[:, None, None], upper[index], factor.mT)
+            stepping[index[failed]] = False
+            rejected[index[failed]] = True  # nothing more to add: the problem stops next round
+    if problem.numel():
+        x_out[problem] = x
+    v = (uu + x_out).reshape(b, k, m)
     return v, kkt_residual(v, u, 2 * torch.bmm(v, g), multiplier_scale(g))
