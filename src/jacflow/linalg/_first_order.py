@@ -150,12 +150,14 @@ def admm_solve(
             if not bool(keep.any()):
                 break
             worst = res.amax()
-            if dtype != g.dtype and (worst <= _FLOAT32_FLOOR or _stalled(history, worst, 10)):
+            low = dtype != g.dtype
+            stalled = _stalled(history, worst, 10 if low else _STALL_CHECKS)  # records it once
+            if low and (worst <= _FLOAT32_FLOOR or stalled):
                 dtype = g.dtype  # float32 is done (or not enough for these problems): float64
                 step = _admm_operator(g, dtype)
                 z, w, bound = exact, w.to(dtype), uu
                 history.clear()
-            elif _stalled(history, worst):
+            elif stalled:
                 break
             if not bool(keep.all()):
                 index = keep.nonzero().flatten()
