@@ -127,7 +127,7 @@ def admm_solve(
     """
     c = multiplier_scale(g)
     dtype = torch.float32 if low_precision else g.dtype
-    step = _admm_operator(g, dtype)
+    step = relax * _admm_operator(g, dtype)  # the relaxation folded into the operator
     out_v = u.clone()
     out_res = kkt_residual(u, u, 2 * torch.bmm(u, g), c)
     rows = torch.arange(u.shape[1], device=u.device)
@@ -137,7 +137,8 @@ def admm_solve(
     z = bound
     w = torch.zeros_like(z)  # the scaled dual variable, updated in place
     for it in range(max_iter):
-        relaxed = torch.lerp(z, torch.bmm(z - w, step), relax)  # over-relaxed v-update
+        # over-relaxed v-update (1 - relax) z + relax (z - w) S, as one fused product
+        relaxed = torch.baddbmm(z, z - w, step, beta=1 - relax)
         w = w.add_(relaxed)
         z = torch.maximum(w, bound)
         w = w.sub_(z)
@@ -154,7 +155,7 @@ def admm_solve(
             stalled = _stalled(history, worst, 10 if low else _STALL_CHECKS)  # records it once
             if low and (worst <= _FLOAT32_FLOOR or stalled):
                 dtype = g.dtype  # float32 is done (or not enough for these problems): float64
-                step = _admm_operator(g, dtype)
+                step = relax * _admm_operator(g, dtype)
                 z, w, bound = exact, w.to(dtype), uu
                 history.clear()
             elif stalled:
