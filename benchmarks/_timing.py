@@ -33,3 +33,12 @@ def interleaved_medians(
             steps[name]()
             samples[name].append((time.process_time() - start) * 1e3)
     return {name: statistics.median(values) for name, values in samples.items()}
+
+
+def print_ratio_row(name: str, m: int, medians: dict[str, float]) -> None:
+    """One markdown row ``| name | m | jacflow ms | torchjd ms | torchjd / jacflow |``."""
+    ratio = medians["torchjd"] / max(medians["jacflow"], 1e-9)
+    print(
+        f"| {name} | {m} | {medians['jacflow']:.2f} | {medians['torchjd']:.2f} | {ratio:.2f} |",
+        flush=True,
+    )

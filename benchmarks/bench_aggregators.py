@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from _timing import interleaved_medians, setup
+from _timing import interleaved_medians, print_ratio_row, setup
 
 import jacflow.aggregation as ours
 
@@ -129,12 +129,7 @@ def main() -> None:
             longest = max(first.values())
             rounds = 3 if longest > 2.0 else 7 if longest > 0.2 else 15
             medians = interleaved_medians(steps, rounds=rounds, warmup=1)
-            ratio = medians["torchjd"] / max(medians["jacflow"], 1e-9)
-            print(
-                f"| {name} | {m} | {medians['jacflow']:.2f} | {medians['torchjd']:.2f} | "
-                f"{ratio:.2f} |",
-                flush=True,
-            )
+            print_ratio_row(name, m, medians)
 
 
 if __name__ == "__main__":

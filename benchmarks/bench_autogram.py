@@ -78,17 +78,22 @@ def cnn() -> nn.Module:
     )
 
 
+def iwrm_problem(model_name: str, batch: int) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    """The model (seeded: the same initialisation every call), inputs and labels."""
+    torch.manual_seed(0)
+    if model_name == "cnn":
+        model, x = cnn(), torch.randn(batch, 3, 32, 32)
+    else:
+        width = int(model_name.removeprefix("mlp"))
+        model, x = mlp(width), torch.randn(batch, width)
+    return model, x, torch.randint(0, 10, (batch,))
+
+
 def iwrm_steps(model_name: str, batch: int, methods: list[str]) -> dict[str, Step]:
     """Fresh model per method (same init), so that hooks of one never touch another."""
     steps: dict[str, Step] = {}
     for method in methods:
-        torch.manual_seed(0)
-        if model_name == "cnn":
-            model, x = cnn(), torch.randn(batch, 3, 32, 32)
-        else:
-            width = int(model_name.removeprefix("mlp"))
-            model, x = mlp(width), torch.randn(batch, width)
-        y = torch.randint(0, 10, (batch,))
+        model, x, y = iwrm_problem(model_name, batch)
         opt = torch.optim.SGD(model.parameters(), lr=1e-3)
         steps[method] = _iwrm_step(method, model, x, y, opt)
     return steps
@@ -218,13 +223,7 @@ def weighting_ms(gramian: torch.Tensor, rounds: int) -> float:
 
 
 def iwrm_gramian(model_name: str, batch: int) -> torch.Tensor:
-    torch.manual_seed(0)  # the same model, data and Gramian as the timed steps
-    if model_name == "cnn":
-        model, x = cnn(), torch.randn(batch, 3, 32, 32)
-    else:
-        width = int(model_name.removeprefix("mlp"))
-        model, x = mlp(width), torch.randn(batch, width)
-    y = torch.randint(0, 10, (batch,))
+    model, x, y = iwrm_problem(model_name, batch)  # the same Gramian as the timed steps
     with Engine(model, batch_dim=0) as engine:
         return engine.compute_gramian(F.cross_entropy(model(x), y, reduction="none"))
 

@@ -18,7 +18,7 @@ import sys
 import torch
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from _timing import interleaved_medians, setup
+from _timing import interleaved_medians, print_ratio_row, setup
 
 import jacflow.aggregation as ours
 
@@ -47,12 +47,7 @@ def main() -> None:
                 "torchjd": lambda w=peer, x=J: w(x @ x.T) @ x,
             }
             medians = interleaved_medians(steps, rounds=15, warmup=1)
-            ratio = medians["torchjd"] / max(medians["jacflow"], 1e-9)
-            print(
-                f"| {name} | {m} | {medians['jacflow']:.2f} | {medians['torchjd']:.2f} | "
-                f"{ratio:.2f} |",
-                flush=True,
-            )
+            print_ratio_row(name, m, medians)
 
 
 if __name__ == "__main__":
