@@ -241,16 +241,16 @@ def _solve(
     m = u.shape[-1]
     if method == "auto":
         method = "pdas" if m <= _AUTO_PDAS_MAX_M else "admm"
-    cap = max_iter
     if method == "pdas":
-        v, residual = pdas_solve(u, g, u, _PDAS_MAX_ITER if cap is None else cap, tol)
+        v, residual = pdas_solve(u, g, u, max_iter or _PDAS_MAX_ITER, tol)
     elif method == "admm":
-        iterations = _FIRST_ORDER_MAX_ITER if cap is None else cap
         low_precision = tol >= _LOW_PRECISION_TOL or m >= _LOW_PRECISION_MIN_M
-        v, residual = admm_solve(u, g, iterations, tol, low_precision=low_precision)
+        v, residual = admm_solve(
+            u, g, max_iter or _FIRST_ORDER_MAX_ITER, tol, low_precision=low_precision
+        )
     else:
-        v, residual = _fista_with_polish(u, g, _FIRST_ORDER_MAX_ITER if cap is None else cap, tol)
-    if cap is None and not bool((residual <= accept).all()):  # explicit cap: this method only
+        v, residual = _fista_with_polish(u, g, max_iter or _FIRST_ORDER_MAX_ITER, tol)
+    if max_iter is None and not bool((residual <= accept).all()):  # a cap: this method only
         v, residual = _exact_fallback(u, g, v, residual, tol, accept)
     worst = float(residual.amax())
     if not worst <= accept:

@@ -31,22 +31,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from jacflow.linalg._pdas import kkt_residual, multiplier_scale
+from jacflow.linalg._pdas import gather_blocks, kkt_residual, multiplier_scale
 
 _DEPENDENT = 1e-11  # squared sine of the angle below which a column counts as in the span of P
 _ADD_TOL_FACTOR = 0.1  # add a column while its residual exceeds this fraction of the tolerance
 _CAPACITY_STEP = 16  # the stored factors grow by this many slots when a passive set outgrows them
-
-
-def _blocks(g: Tensor, which: Tensor, slots: Tensor, count: Tensor) -> Tensor:
-    """``G[slots, slots]`` per problem, the identity on the unused slots, ``[N, S, S]``."""
-    m = g.shape[-1]
-    flat = (which[:, None] * m + slots) * m
-    block = torch.take(g, flat[:, :, None] + slots[:, None, :])  # one flat gather
-    used = (torch.arange(slots.shape[1], device=g.device) < count[:, None]).to(g.dtype)
-    block.mul_(used[:, :, None]).mul_(used[:, None, :])
-    block.diagonal(dim1=-2, dim2=-1).add_(1 - used)
-    return block
 
 
 def _gramian_product(g: Tensor, which: Tensor, x: Tensor) -> Tensor:
@@ -200,7 +189,7 @@ def lawson_hanson_solve(
             kept_slots = torch.gather(slots[index], 1, order)
             kept_count = passive[index].sum(-1)
             factor, info = torch.linalg.cholesky_ex(
-                _blocks(g, which[index], kept_slots, kept_count)
+                gather_blocks(g, which[index], kept_slots, kept_count)
             )
             failed = info != 0  # cannot happen for a subset of an independent set; stop them
             slots[index], count[index] = kept_slots, kept_count

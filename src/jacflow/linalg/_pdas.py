@@ -77,6 +77,18 @@ def _solve_masked(u: Tensor, g: Tensor, active: Tensor) -> Tensor:
     return _factor_and_solve(system, shift, rhs[..., None]).squeeze(-1)
 
 
+def gather_blocks(g: Tensor, which: Tensor, slots: Tensor, count: Tensor) -> Tensor:
+    """``G[slots, slots]`` per problem (``g[which]``; ``slots`` ``[N, S]``, the first ``count``
+    of them used), the identity on the unused slots: ``[N, S, S]``."""
+    m = g.shape[-1]
+    flat = (which[:, None] * m + slots) * m
+    block = torch.take(g, flat[:, :, None] + slots[:, None, :])  # one flat gather
+    used = (torch.arange(slots.shape[1], device=g.device) < count[:, None]).to(g.dtype)
+    block.mul_(used[:, :, None]).mul_(used[:, None, :])
+    block.diagonal(dim1=-2, dim2=-1).add_(1 - used)
+    return block
+
+
 def _solve_free(u: Tensor, g: Tensor, active: Tensor) -> Tensor:
     """``v`` with ``v_A = u_A`` and ``G_FF v_F = -G_FA u_A`` for every problem's active set."""
     b, k, m = u.shape
@@ -94,13 +106,11 @@ def _solve_free(u: Tensor, g: Tensor, active: Tensor) -> Tensor:
     order = torch.argsort(flat_free.to(torch.int8), dim=-1, descending=True, stable=True)[:, :s]
     valid = torch.gather(flat_free, 1, order)
     batch = torch.arange(b, device=u.device).repeat_interleave(k)
-    sub = g[batch[:, None, None], order[:, :, None], order[:, None, :]]
-    sub = torch.where(valid[:, :, None] & valid[:, None, :], sub, torch.zeros_like(sub))
-    off = (~valid).to(sub.dtype)
+    system = gather_blocks(g, batch, order, valid.sum(-1))  # the free entries come first
     shift = _SHIFT * s * g.diagonal(dim1=-2, dim2=-1).amax(-1).clamp_min(1e-300)[batch]
-    shift = shift[:, None] * valid.to(sub.dtype)
-    system = sub + torch.diag_embed(off + shift)
-    rhs = torch.where(valid, torch.gather(rhs_full, 1, order), torch.zeros_like(off))[..., None]
+    shift = shift[:, None] * valid.to(system.dtype)
+    system.diagonal(dim1=-2, dim2=-1).add_(shift)
+    rhs = torch.where(valid, torch.gather(rhs_full, 1, order), torch.zeros_like(shift))[..., None]
     x = _factor_and_solve(system, shift, rhs)
     values = torch.where(valid, x.squeeze(-1), torch.gather(flat_v, 1, order))
     return flat_v.scatter(1, order, values).reshape(b, k, m)
