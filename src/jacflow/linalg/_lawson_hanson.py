@@ -97,6 +97,8 @@ def lawson_hanson_solve(
     which = problem // k
     gu = torch.bmm(u, g).reshape(n, m)
     c = multiplier_scale(g).reshape(b, 1).repeat_interleave(k, 0)
+    u_run = uu
+    inverse_norm = column_norm.clamp_min(1e-300).rsqrt()[which]  # [n, m]
     x = torch.zeros_like(uu)
     capacity = min(m, _CAPACITY_STEP)
     slots = torch.zeros(n, capacity, dtype=torch.long, device=device)
@@ -107,10 +109,10 @@ def lawson_hanson_solve(
     stepping = torch.zeros(n, dtype=torch.bool, device=device)  # must re-solve after a step
     for _ in range(6 * m + 50 if max_iter is None else max_iter):
         grad = gu + _gramian_product(g, which, x)  # G (u + x): half of the multipliers
-        scale = (uu[problem] + x).abs().amax(-1, keepdim=True).clamp_min(1.0)
+        scale = (u_run + x).abs().amax(-1, keepdim=True).clamp_min(1.0)
         candidates = ~passive & ~rejected & (grad < -_ADD_TOL_FACTOR * tol * scale * c / 2)
         # Most negative gradient per unit column norm: invariant to rescaling the objectives.
-        score = grad / column_norm[which].clamp_min(1e-300).sqrt()
+        score = grad * inverse_norm
         pick = torch.where(candidates, score, torch.inf).argmin(-1)
         adding = ~stepping & candidates.any(-1)
         finished = ~stepping & ~adding
@@ -118,6 +120,7 @@ def lawson_hanson_solve(
             x_out[problem[finished]] = x[finished]
             keep = ~finished
             problem, which, gu, c, x = problem[keep], which[keep], gu[keep], c[keep], x[keep]
+            u_run, inverse_norm = u_run[keep], inverse_norm[keep]
             slots, count, upper = slots[keep], count[keep], upper[keep]
             passive, rejected, stepping = passive[keep], rejected[keep], stepping[keep]
             pick, adding = pick[keep], adding[keep]
