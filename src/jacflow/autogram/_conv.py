@@ -30,6 +30,7 @@ from jacflow.autogram._rules import (
     Rule,
     add_grads,
     gram,
+    kept_weighted_grads,
     register_rule,
     worth_keeping,
 )
@@ -260,12 +261,10 @@ class ConvContribution(Contribution):
     def weighted_grads(self, weights: Tensor) -> dict[str, Tensor]:
         m = self.module
         with_bias = self.bias_name is not None
-        if self.kept is not None:
-            w = weights.to(self.kept.dtype)
-            kept = {"weight": (w @ self.kept).reshape(m.weight.shape)}
-            if with_bias:
-                kept["bias"] = w @ self._bias_rows()
-            return kept
+        if self.kept is not None:  # only set when the weight is differentiated
+            return kept_weighted_grads(
+                weights, self.kept, "weight", m.weight.shape, self.bias_name, self._bias_rows
+            )
         out: dict[str, Tensor] = {}
         for call in self.calls:
             y = self.rows.reduce(weights, call.grad())

@@ -26,6 +26,7 @@ from jacflow.autogram._rules import (
     Rows,
     Rule,
     gram,
+    kept_weighted_grads,
     register_rule,
     worth_keeping,
 )
@@ -154,13 +155,16 @@ class UnfoldedContribution(Contribution):
         return self._bias_rows()
 
     def weighted_grads(self, weights: Tensor) -> dict[str, Tensor]:
-        out = {}
         if self.kept is not None and self.weight_name is not None:
-            w = weights.to(self.kept.dtype)
-            out[self.weight_name] = (w @ self.kept).reshape(self.weight_shape)
-            if self.bias_name is not None:
-                out[self.bias_name] = w @ self._bias_rows()
-            return out
+            return kept_weighted_grads(
+                weights,
+                self.kept,
+                self.weight_name,
+                self.weight_shape,
+                self.bias_name,
+                self._bias_rows,
+            )
+        out = {}
         y = self.rows.reduce(weights, self.bp)
         if self.weight_name is not None:
             out[self.weight_name] = weighted_weight_grad(self.u, y).reshape(self.weight_shape)

@@ -294,6 +294,23 @@ def worth_keeping(per_row: Tensor, *held: Tensor) -> bool:
     return per_row.numel() <= sum(t.numel() for t in held)
 
 
+def kept_weighted_grads(
+    weights: Tensor,
+    kept: Tensor,
+    weight_name: str,
+    weight_shape: torch.Size,
+    bias_name: str | None,
+    bias_rows: Callable[[], Tensor],
+) -> dict[str, Tensor]:
+    """The update from per-row gradients kept since the Gramian (see :func:`worth_keeping`):
+    ``weights @ kept`` for the weight, ``weights @ bias_rows()`` for the bias if any."""
+    w = weights.to(kept.dtype)
+    out = {weight_name: (w @ kept).reshape(weight_shape)}
+    if bias_name is not None:
+        out[bias_name] = w @ bias_rows()
+    return out
+
+
 def add_grads(total: dict[str, Tensor], new: dict[str, Tensor]) -> dict[str, Tensor]:
     """Sum two ``{name: tensor}`` dictionaries key by key."""
     for name, value in new.items():
