@@ -14,6 +14,7 @@ float64. It is small and obviously correct; it is the oracle of the tests.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -113,10 +114,14 @@ _LOW_PRECISION_TOL = 1e-6
 _LOW_PRECISION_MIN_M = 128
 _FISTA_TOL = 1e-7  # FISTA stops here and hands over to the exact PDAS polish
 _PDAS_MAX_ITER = 50
+_DUAL_MAX_ITER = 8  # steps of "auto"'s PDAS on G^-1 before ADMM takes over
 _FIRST_ORDER_MAX_ITER = 20_000
 _POLISH_ITER = 10
 # Polish only when its batched Cholesky (k * s^3 for free sets of size s) is cheap.
 _POLISH_MAX_FLOP = 3e7
+# PDAS may solve on G^-1 (small active sets) when every squared Cholesky pivot of G exceeds
+# this fraction of its largest diagonal entry (a necessary condition for cond(G) < 1e8).
+_INVERSE_MIN_PIVOT = 1e-8
 _DEFAULT_TOL = {torch.float64: 1e-10}  # other dtypes: 1e-6 (their Gramians are that inexact)
 
 
@@ -196,6 +201,25 @@ def _check_inputs(u: Tensor, gramian: Tensor) -> None:
         )
 
 
+def _unsolved_by(
+    solver: Callable[[Tensor], tuple[Tensor, Tensor]],
+    u: Tensor,
+    v: Tensor,
+    residual: Tensor,
+    tol: float,
+) -> tuple[Tensor, Tensor]:
+    """Run ``solver`` on the problem slots some Gramian of the batch left above ``tol``; keep
+    the better iterate of each problem."""
+    rows = (residual > tol).any(0).nonzero().flatten()
+    if rows.numel() == 0:
+        return v, residual
+    again, again_residual = solver(u[:, rows])
+    better = (again_residual < residual[:, rows])[..., None]
+    v = v.index_copy(1, rows, torch.where(better, again, v[:, rows]))
+    residual = residual.index_copy(1, rows, torch.minimum(again_residual, residual[:, rows]))
+    return v, residual
+
+
 def _exact_fallback(
     u: Tensor, g: Tensor, v: Tensor, residual: Tensor, tol: float, accept: float
 ) -> tuple[Tensor, Tensor]:
@@ -206,13 +230,7 @@ def _exact_fallback(
     rank: non-unique ``v``, a dual cone that may be a single point); Lawson-Hanson cannot.
     Problems are gathered per Gramian row of the batch so that every Gramian is factorised once.
     """
-    unsolved = residual > accept
-    rows = unsolved.any(0).nonzero().flatten()  # problem slots unsolved for some Gramian
-    exact, exact_residual = lawson_hanson_solve(u[:, rows], g, tol)
-    better = (exact_residual < residual[:, rows])[..., None]
-    v = v.index_copy(1, rows, torch.where(better, exact, v[:, rows]))
-    residual = residual.index_copy(1, rows, torch.minimum(exact_residual, residual[:, rows]))
-    return v, residual
+    return _unsolved_by(lambda u: lawson_hanson_solve(u, g, tol), u, v, residual, accept)
 
 
 def _fista_with_polish(u: Tensor, g: Tensor, cap: int, tol: float) -> tuple[Tensor, Tensor]:
@@ -229,25 +247,49 @@ def _fista_with_polish(u: Tensor, g: Tensor, cap: int, tol: float) -> tuple[Tens
     return v, residual
 
 
+def _inverse(g: Tensor) -> Tensor | None:
+    """``G^-1`` when every ``G`` is positive definite with pivots above ``_INVERSE_MIN_PIVOT``,
+    else ``None``."""
+    factor, info = torch.linalg.cholesky_ex(g)
+    if bool((info != 0).any()):
+        return None
+    pivots = factor.diagonal(dim1=-2, dim2=-1).square().amin(-1)
+    if not bool((pivots >= _INVERSE_MIN_PIVOT * g.diagonal(dim1=-2, dim2=-1).amax(-1)).all()):
+        return None
+    return torch.cholesky_inverse(factor)
+
+
 def _solve(
     u: Tensor, g: Tensor, method: str, max_iter: int | None, tol: float, accept: float
 ) -> Tensor:
     """Solve the normalised problems (float64, ``u`` ``[B, k, m]``, ``g`` ``[B, m, m]``) to the
     residual ``tol``; warn about those left above ``accept``."""
     c = multiplier_scale(g)
-    residual = kkt_residual(u, u, 2 * torch.bmm(u, g), c)
+    lam = 2 * torch.bmm(u, g)
+    residual = kkt_residual(u, u, lam, c)
     if bool((residual <= tol).all()):  # nothing conflicts: v = u solves every problem
         return u
     m = u.shape[-1]
+    inverse = None
     if method == "auto":
         method = "pdas" if m <= _AUTO_PDAS_MAX_M else "admm"
+        # PDAS's first guess of the active sets (lam > 0 at v = u): large ones mean ADMM
+        if method == "admm" and 2 * int((lam > 0).sum(-1).amax()) < m:
+            inverse = _inverse(g)
+        if inverse is not None:
+            # PDAS on G^-1 while the active sets are small (e.g. per-sample conflicts): a few
+            # small solves; ADMM goes on with whatever it leaves.
+            v, residual = pdas_solve(u, g, u, _DUAL_MAX_ITER, tol, inverse, dual_only=True)
     if method == "pdas":
         v, residual = pdas_solve(u, g, u, max_iter or _PDAS_MAX_ITER, tol)
     elif method == "admm":
         low_precision = tol >= _LOW_PRECISION_TOL or m >= _LOW_PRECISION_MIN_M
-        v, residual = admm_solve(
-            u, g, max_iter or _FIRST_ORDER_MAX_ITER, tol, low_precision=low_precision
-        )
+
+        def admm(u: Tensor) -> tuple[Tensor, Tensor]:
+            cap = max_iter or _FIRST_ORDER_MAX_ITER
+            return admm_solve(u, g, cap, tol, low_precision=low_precision)
+
+        v, residual = admm(u) if inverse is None else _unsolved_by(admm, u, v, residual, tol)
     else:
         v, residual = _fista_with_polish(u, g, max_iter or _FIRST_ORDER_MAX_ITER, tol)
     if max_iter is None and not bool((residual <= accept).all()):  # a cap: this method only
