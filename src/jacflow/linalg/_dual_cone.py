@@ -23,7 +23,7 @@ from jacflow.linalg._first_order import admm_solve, fista_solve
 from jacflow.linalg._gramian import normalize_gramian, regularize_gramian
 from jacflow.linalg._implicit import differentiable_projection
 from jacflow.linalg._lawson_hanson import lawson_hanson_solve
-from jacflow.linalg._pdas import kkt_residual, multiplier_scale, pdas_solve
+from jacflow.linalg._pdas import active_systems_pay, kkt_residual, multiplier_scale, pdas_solve
 
 
 def _solve_nonnegative_qp(q: Tensor, c: Tensor, max_iter: int) -> Tensor:
@@ -274,7 +274,7 @@ def _solve(
     if method == "auto":
         method = "pdas" if m <= _AUTO_PDAS_MAX_M else "admm"
         # PDAS's first guess of the active sets (lam > 0 at v = u): large ones mean ADMM
-        if method == "admm" and 2 * int((lam > 0).sum(-1).amax()) < m:
+        if method == "admm" and active_systems_pay(lam > 0, dual_only=True):
             inverse = _inverse(g)
         if inverse is not None:
             # PDAS on G^-1 while the active sets are small (e.g. per-sample conflicts): a few

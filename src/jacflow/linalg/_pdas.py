@@ -157,7 +157,7 @@ def _solve_active(u: Tensor, inverse: Tensor, active: Tensor) -> Tensor | None:
     return torch.where(active, u, torch.bmm(mu, inverse))
 
 
-def _active_systems_pay(active: Tensor, dual_only: bool) -> bool:
+def active_systems_pay(active: Tensor, dual_only: bool) -> bool:
     """Whether the active systems are smaller than the free ones (and, for ``dual_only``, cheap
     enough)."""
     counts = active.sum(-1)
@@ -223,7 +223,7 @@ def pdas_solve(
         if since_gain >= _PATIENCE:
             break
         v = None
-        if inverse is not None and _active_systems_pay(active, dual_only):
+        if inverse is not None and active_systems_pay(active, dual_only):
             v = _solve_active(u, inverse, active)
         dual = v is not None
         if v is None:
