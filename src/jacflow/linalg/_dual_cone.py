@@ -344,7 +344,10 @@ def project_weights(
     for singular ``G``). ``"admm"``: ADMM with one eigendecomposition of ``G`` shared by all
     problems (one batched product per iteration). ``"fista"``: accelerated projected gradient
     with restart (one batched ``V @ G`` per iteration), polished by PDAS when that is cheap.
-    ``"auto"``: PDAS for ``m <= 32``, ADMM above. Without an explicit ``max_iter``, the problems
+    ``"auto"``: PDAS for ``m <= 32``, ADMM above; above, when the active sets look small
+    (strongly conflicting objectives, e.g. per-sample gradients) and ``G`` is safely positive
+    definite, PDAS first solves on ``G^-1`` systems of the size of the active set, and ADMM
+    takes the problems it leaves. Without an explicit ``max_iter``, the problems
     the chosen method leaves unsolved (degenerate ones: singular ``G`` with more rows than its
     rank) are re-solved by an exact batched Lawson-Hanson active set
     (``jacflow.linalg._lawson_hanson``), which keeps its passive columns linearly independent.
