@@ -96,7 +96,7 @@ def gather_blocks(g: Tensor, which: Tensor, slots: Tensor, count: Tensor) -> Ten
     flat = ((which[:, None] * m + slots) * m)[:, :, None] + slots[:, None, :]
     # one flat gather (index_select is about twice as fast as take here)
     block = g.reshape(-1).index_select(0, flat.reshape(-1)).reshape(n, size, size)
-    used = (torch.arange(slots.shape[1], device=g.device) < count[:, None]).to(g.dtype)
+    used = (torch.arange(size, device=g.device) < count[:, None]).to(g.dtype)
     block.mul_(used[:, :, None]).mul_(used[:, None, :])
     block.diagonal(dim1=-2, dim2=-1).add_(1 - used)
     return block
@@ -178,7 +178,8 @@ def pdas_solve(
     """Run PDAS from ``v0`` until every KKT residual is ``<= tol`` or ``max_iter`` solves.
 
     Returns the best iterate of each problem (lowest residual) and its residual ``[B, k]``.
-    Problems already solved keep their active set, so no converged problem can cycle; the
+    Problems already solved keep their active set (above ``m = 48`` the problem slots solved
+    for every Gramian leave the batch), so no converged problem can cycle; the
     iterations also stop when the worst residual has not decreased for three of them (a cycle).
     With ``inverse`` (``G^-1``), each step solves the smaller of the free and the active
     systems; once a step leaves some problem's active set unchanged without meeting ``tol``
@@ -205,12 +206,12 @@ def pdas_solve(
     worst, since_gain = float("inf"), 0
     for _ in range(max_iter):
         done = best_res <= tol
-        if not compact:  # small problems: one masked system each, dropping them gains little
-            if bool(done.all()):
-                break
-        elif (kept := int((keep := ~done.all(0)).sum())) == 0:
+        if bool(done.all()):
             break
-        elif kept < keep.numel():  # slots solved for every Gramian leave the batch
+        # Slots solved for every Gramian leave the batch; not for m <= 48, where each problem
+        # is one masked system and dropping it gains less than the bookkeeping costs.
+        keep = ~done.all(0) if compact else None
+        if keep is not None and not bool(keep.all()):
             out_v = out_v.index_copy(1, rows, best_v)
             out_res = out_res.index_copy(1, rows, best_res)
             index = keep.nonzero().flatten()
