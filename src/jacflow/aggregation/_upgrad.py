@@ -62,8 +62,8 @@ def upgrad_weights(gramian: Tensor, pref: Tensor, projector: DualConeProjector) 
         return pref
     if m == 2 and _is_exact(projector):
         return propagate_nonfinite(two_objective_weights(gramian, pref), gramian)
-    off_diagonal = gramian - torch.diag(gramian.diagonal())
-    if not bool(((off_diagonal < 0) | ~torch.isfinite(gramian)).any()):
+    # (a negative diagonal entry, impossible for a Gramian, only means no short cut)
+    if bool(torch.isfinite(gramian).all()) and not bool((gramian < 0).any()):
         return pref
     return projector(torch.diag(pref), gramian).sum(dim=0)
 

@@ -19,11 +19,12 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from jacflow.linalg._dual_pdas import active_systems_pay, dual_pdas_solve, safe_inverse
 from jacflow.linalg._first_order import admm_solve, fista_solve
 from jacflow.linalg._gramian import normalize_gramian, regularize_gramian
 from jacflow.linalg._implicit import differentiable_projection
 from jacflow.linalg._lawson_hanson import lawson_hanson_solve
-from jacflow.linalg._pdas import active_systems_pay, kkt_residual, multiplier_scale, pdas_solve
+from jacflow.linalg._pdas import kkt_residual, multiplier_scale, pdas_solve
 
 
 def _solve_nonnegative_qp(q: Tensor, c: Tensor, max_iter: int) -> Tensor:
@@ -114,14 +115,11 @@ _LOW_PRECISION_TOL = 1e-6
 _LOW_PRECISION_MIN_M = 128
 _FISTA_TOL = 1e-7  # FISTA stops here and hands over to the exact PDAS polish
 _PDAS_MAX_ITER = 50
-_DUAL_MAX_ITER = 8  # steps of "auto"'s PDAS on G^-1 before ADMM takes over
+_DUAL_MAX_ITER = 8  # steps of "auto"'s dual PDAS (on G^-1) before PDAS / ADMM take over
 _FIRST_ORDER_MAX_ITER = 20_000
 _POLISH_ITER = 10
 # Polish only when its batched Cholesky (k * s^3 for free sets of size s) is cheap.
 _POLISH_MAX_FLOP = 3e7
-# PDAS may solve on G^-1 (small active sets) when every squared Cholesky pivot of G exceeds
-# this fraction of its largest diagonal entry (a necessary condition for cond(G) < 1e8).
-_INVERSE_MIN_PIVOT = 1e-8
 _DEFAULT_TOL = {torch.float64: 1e-10}  # other dtypes: 1e-6 (their Gramians are that inexact)
 
 
@@ -247,18 +245,6 @@ def _fista_with_polish(u: Tensor, g: Tensor, cap: int, tol: float) -> tuple[Tens
     return v, residual
 
 
-def _inverse(g: Tensor) -> Tensor | None:
-    """``G^-1`` when every ``G`` is positive definite with pivots above ``_INVERSE_MIN_PIVOT``,
-    else ``None``."""
-    factor, info = torch.linalg.cholesky_ex(g)
-    if bool((info != 0).any()):
-        return None
-    pivots = factor.diagonal(dim1=-2, dim2=-1).square().amin(-1)
-    if not bool((pivots >= _INVERSE_MIN_PIVOT * g.diagonal(dim1=-2, dim2=-1).amax(-1)).all()):
-        return None
-    return torch.cholesky_inverse(factor)
-
-
 def _solve(
     u: Tensor, g: Tensor, method: str, max_iter: int | None, tol: float, accept: float
 ) -> Tensor:
@@ -270,28 +256,28 @@ def _solve(
     if bool((residual <= tol).all()):  # nothing conflicts: v = u solves every problem
         return u
     m = u.shape[-1]
-    inverse = None
+    dual = None  # (v, residual) of the dual route
     if method == "auto":
         method = "pdas" if m <= _AUTO_PDAS_MAX_M else "admm"
-        # PDAS's first guess of the active sets (lam > 0 at v = u): large ones mean ADMM
-        if method == "admm" and active_systems_pay(lam > 0, dual_only=True):
-            inverse = _inverse(g)
+        # PDAS's first guess of the active sets (lam > 0 at v = u): small ones (e.g.
+        # per-sample conflicts) are solved fastest on G^-1; the chosen method takes the rest.
+        inverse = safe_inverse(g) if active_systems_pay((lam > 0).sum(-1), m) else None
         if inverse is not None:
-            # PDAS on G^-1 while the active sets are small (e.g. per-sample conflicts): a few
-            # small solves; ADMM goes on with whatever it leaves.
-            v, residual = pdas_solve(u, g, u, _DUAL_MAX_ITER, tol, inverse, dual_only=True)
-    if method == "pdas":
-        v, residual = pdas_solve(u, g, u, max_iter or _PDAS_MAX_ITER, tol)
-    elif method == "admm":
-        low_precision = tol >= _LOW_PRECISION_TOL or m >= _LOW_PRECISION_MIN_M
+            dual = dual_pdas_solve(u, g, inverse, (lam, residual, c), _DUAL_MAX_ITER, tol)
+    cap = max_iter or (_PDAS_MAX_ITER if method == "pdas" else _FIRST_ORDER_MAX_ITER)
+    low_precision = tol >= _LOW_PRECISION_TOL or m >= _LOW_PRECISION_MIN_M
 
-        def admm(u: Tensor) -> tuple[Tensor, Tensor]:
-            cap = max_iter or _FIRST_ORDER_MAX_ITER
+    def chosen(u: Tensor, start: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
+        if method == "pdas":
+            return pdas_solve(u, g, u, cap, tol, start)
+        if method == "admm":
             return admm_solve(u, g, cap, tol, low_precision=low_precision)
+        return _fista_with_polish(u, g, cap, tol)
 
-        v, residual = admm(u) if inverse is None else _unsolved_by(admm, u, v, residual, tol)
+    if dual is None:
+        v, residual = chosen(u, (lam, residual))
     else:
-        v, residual = _fista_with_polish(u, g, max_iter or _FIRST_ORDER_MAX_ITER, tol)
+        v, residual = _unsolved_by(chosen, u, *dual, tol)
     if max_iter is None and not bool((residual <= accept).all()):  # a cap: this method only
         v, residual = _exact_fallback(u, g, v, residual, tol, accept)
     worst = float(residual.amax())
@@ -309,14 +295,16 @@ def _solve_finite(
     flat_u: Tensor, g: Tensor, method: str, max_iter: int | None, tol: float, accept: float
 ) -> Tensor:
     """Scale the rows of ``u``, solve, and give NaN rows where ``u`` or ``g`` is not finite."""
-    bad_g = ~torch.isfinite(g).all(-1).all(-1)
-    bad = ~torch.isfinite(flat_u).all(-1) | bad_g[:, None]
-    g = torch.where(bad_g[:, None, None], torch.zeros_like(g), g)
-    flat_u = torch.where(bad[..., None], torch.zeros_like(flat_u), flat_u)
+    bad = None
+    if not (bool(torch.isfinite(g).all()) and bool(torch.isfinite(flat_u).all())):
+        bad_g = ~torch.isfinite(g).all(-1).all(-1)
+        bad = ~torch.isfinite(flat_u).all(-1) | bad_g[:, None]
+        g = torch.where(bad_g[:, None, None], torch.zeros_like(g), g)
+        flat_u = torch.where(bad[..., None], torch.zeros_like(flat_u), flat_u)
     scale = flat_u.abs().amax(-1, keepdim=True)
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    scale = torch.where(scale > 0, scale, 1.0)
     v = _solve(flat_u / scale, g, method, max_iter, tol, accept) * scale
-    return torch.where(bad[..., None], torch.full_like(v, float("nan")), v)
+    return v if bad is None else torch.where(bad[..., None], torch.full_like(v, float("nan")), v)
 
 
 def project_weights(
@@ -344,10 +332,11 @@ def project_weights(
     for singular ``G``). ``"admm"``: ADMM with one eigendecomposition of ``G`` shared by all
     problems (one batched product per iteration). ``"fista"``: accelerated projected gradient
     with restart (one batched ``V @ G`` per iteration), polished by PDAS when that is cheap.
-    ``"auto"``: PDAS for ``m <= 32``, ADMM above; above, when the active sets look small
-    (strongly conflicting objectives, e.g. per-sample gradients) and ``G`` is safely positive
-    definite, PDAS first solves on ``G^-1`` systems of the size of the active set, and ADMM
-    takes the problems it leaves. Without an explicit ``max_iter``, the problems
+    ``"auto"``: PDAS for ``m <= 32``, ADMM above; before them, when PDAS's first guess of the
+    active sets is small (strongly conflicting objectives, e.g. per-sample gradients) and ``G``
+    is safely positive definite, PDAS on the dual problem solves on ``G^-1`` systems of the size
+    of the active set (``jacflow.linalg._dual_pdas``; every result checked against ``G``), and
+    the chosen method takes the problems it leaves. Without an explicit ``max_iter``, the problems
     the chosen method leaves unsolved (degenerate ones: singular ``G`` with more rows than its
     rank) are re-solved by an exact batched Lawson-Hanson active set
     (``jacflow.linalg._lawson_hanson``), which keeps its passive columns linearly independent.

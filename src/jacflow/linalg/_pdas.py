@@ -14,13 +14,7 @@ systems with the identity on the active rows (fewer, larger operations); above, 
 system is gathered into a padded ``s x s`` block (``s`` = the largest free set) and scattered
 back.
 
-Small active sets. When ``G`` is positive definite with inverse ``H``, the same iterate follows
-from a system of the size of the *active* set: ``v = H mu`` with ``mu_F = 0`` and
-``H_AA mu_A = u_A`` (``mu = G v`` are the multipliers up to the factor 2; this is PDAS on the
-dual problem ``min mu^T H mu / 2 - u^T mu`` over ``mu >= 0``, whose iterates coincide with the
-primal ones). Strongly conflicting objectives (e.g. per-sample gradients) leave most ``v_i``
-free and only a few constraints active, so these systems are much smaller. The primal systems
-take over when the inverse is too inaccurate to reach the tolerance.
+Small active sets are solved faster on the inverse Gramian: see ``_dual_pdas``.
 
 Singular Gramians. For ``G = J J^T`` the free system is always consistent
 (``G_FA u_A = J_F (J_A^T u_A)`` lies in the range of ``G_FF = J_F J_F^T``), so it is solved
@@ -42,9 +36,6 @@ from torch import Tensor
 _SHIFT = 1e-13  # relative diagonal shift that makes the Cholesky factor of G_FF exist
 _PATIENCE = 3  # iterations without progress of the worst residual before PDAS gives up
 _MASKED_MAX_M = 48  # up to this size, full masked systems beat gathering the free blocks
-# ``dual_only`` gives up when a step's batched Cholesky (problems x s^3) would cost more: the
-# active sets are then too large for the inverse to pay off against ADMM.
-_DUAL_ONLY_MAX_FLOP = 3e7
 
 
 def multiplier_scale(g: Tensor) -> Tensor:
@@ -88,21 +79,23 @@ def _solve_masked(u: Tensor, g: Tensor, active: Tensor) -> Tensor:
     return _factor_and_solve(system, shift, rhs[..., None]).squeeze(-1)
 
 
-def gather_blocks(g: Tensor, which: Tensor, slots: Tensor, count: Tensor) -> Tensor:
-    """``G[slots, slots]`` per problem (``g[which]``; ``slots`` ``[N, S]``, the first ``count``
-    of them used), the identity on the unused slots: ``[N, S, S]``."""
+def gather_blocks(g: Tensor, which: Tensor | None, slots: Tensor, count: Tensor) -> Tensor:
+    """``G[slots, slots]`` per problem (``g[which]``, ``g[0]`` for ``which=None``; ``slots``
+    ``[N, S]``, the first ``count`` of them used), the identity on the unused slots:
+    ``[N, S, S]``."""
     m = g.shape[-1]
     n, size = slots.shape
-    flat = ((which[:, None] * m + slots) * m)[:, :, None] + slots[:, None, :]
+    rows = slots * m if which is None else (which[:, None] * m + slots) * m
+    flat = rows[:, :, None] + slots[:, None, :]
     # one flat gather (index_select is about twice as fast as take here)
     block = g.reshape(-1).index_select(0, flat.reshape(-1)).reshape(n, size, size)
-    used = (torch.arange(size, device=g.device) < count[:, None]).to(g.dtype)
-    block.mul_(used[:, :, None]).mul_(used[:, None, :])
-    block.diagonal(dim1=-2, dim2=-1).add_(1 - used)
+    unused = torch.arange(size, device=g.device) >= count[:, None]
+    block.masked_fill_(unused[:, :, None] | unused[:, None, :], 0.0)
+    block.diagonal(dim1=-2, dim2=-1).masked_fill_(unused, 1.0)
     return block
 
 
-def _first_slots(mask: Tensor, size: int) -> tuple[Tensor, Tensor]:
+def first_slots(mask: Tensor, size: int) -> tuple[Tensor, Tensor]:
     """Indices ``[N, size]`` listing each row's true entries of ``mask`` first, and which of
     them are true."""
     order = torch.topk(mask.to(torch.float32), size, dim=-1, sorted=True).indices
@@ -123,7 +116,7 @@ def _solve_free(u: Tensor, g: Tensor, active: Tensor) -> Tensor:
     rhs_full = -torch.bmm(v, g).reshape(p, m)  # row form of -G (u restricted to A)
     flat_free = free.reshape(p, m)
     flat_v = v.reshape(p, m)
-    order, valid = _first_slots(flat_free, s)
+    order, valid = first_slots(flat_free, s)
     batch = torch.arange(b, device=u.device).repeat_interleave(k)
     system = gather_blocks(g, batch, order, valid.sum(-1))  # the free entries come first
     shift = _SHIFT * s * g.diagonal(dim1=-2, dim2=-1).amax(-1).clamp_min(1e-300)[batch]
@@ -135,45 +128,13 @@ def _solve_free(u: Tensor, g: Tensor, active: Tensor) -> Tensor:
     return flat_v.scatter(1, order, values).reshape(b, k, m)
 
 
-def _solve_active(u: Tensor, inverse: Tensor, active: Tensor) -> Tensor | None:
-    """The iterate of :func:`_solve_free` from ``H_AA mu_A = u_A`` and ``v = H mu``
-    (``inverse`` = ``H`` = ``G^-1``); ``None`` if some ``H_AA`` is not numerically positive
-    definite."""
-    b, k, m = u.shape
-    p = b * k
-    flat_active = active.reshape(p, m)
-    s = int(flat_active.sum(-1).amax()) if flat_active.numel() else 0
-    if s == 0:
-        return torch.zeros_like(u)  # mu = 0: nothing binds
-    order, valid = _first_slots(flat_active, s)
-    batch = torch.arange(b, device=u.device).repeat_interleave(k)
-    system = gather_blocks(inverse, batch, order, valid.sum(-1))
-    factor, info = torch.linalg.cholesky_ex(system)
-    if bool((info != 0).any()):
-        return None
-    rhs = torch.where(valid, torch.gather(u.reshape(p, m), 1, order), 0.0)
-    mu_active = torch.cholesky_solve(rhs[..., None], factor).squeeze(-1)
-    mu = u.new_zeros(p, m).scatter(1, order, torch.where(valid, mu_active, 0.0)).reshape(b, k, m)
-    return torch.where(active, u, torch.bmm(mu, inverse))
-
-
-def active_systems_pay(active: Tensor, dual_only: bool) -> bool:
-    """Whether the active systems are smaller than the free ones (and, for ``dual_only``, cheap
-    enough)."""
-    counts = active.sum(-1)
-    size, smallest = int(counts.amax()), int(counts.amin())
-    cheap = not dual_only or counts.numel() * size**3 <= _DUAL_ONLY_MAX_FLOP
-    return size < active.shape[-1] - smallest and cheap
-
-
 def pdas_solve(
     u: Tensor,
     g: Tensor,
     v0: Tensor,
     max_iter: int,
     tol: float,
-    inverse: Tensor | None = None,
-    dual_only: bool = False,
+    start: tuple[Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Run PDAS from ``v0`` until every KKT residual is ``<= tol`` or ``max_iter`` solves.
 
@@ -181,11 +142,7 @@ def pdas_solve(
     Problems already solved keep their active set (above ``m = 48`` the problem slots solved
     for every Gramian leave the batch), so no converged problem can cycle; the
     iterations also stop when the worst residual has not decreased for three of them (a cycle).
-    With ``inverse`` (``G^-1``), each step solves the smaller of the free and the active
-    systems; once a step leaves some problem's active set unchanged without meeting ``tol``
-    (the inverse is too inaccurate), only the free systems are used. ``dual_only`` stops
-    instead wherever a step would need a free system, or active systems costing more than
-    ``_DUAL_ONLY_MAX_FLOP``.
+    ``start`` is ``(2 v0 G, residual at v0)`` when the caller has them.
 
     Example:
         >>> import torch
@@ -197,8 +154,11 @@ def pdas_solve(
         tensor([[[1.0000, 0.2500]]], dtype=torch.float64)
     """
     c = multiplier_scale(g)
-    lam = 2 * torch.bmm(v0, g)
-    out_v, out_res = v0, kkt_residual(v0, u, lam, c)
+    if start is None:
+        lam = 2 * torch.bmm(v0, g)
+        start = lam, kkt_residual(v0, u, lam, c)
+    lam, out_res = start
+    out_v = v0
     best_v, best_res = out_v, out_res
     active = lam + c * (u - v0) > 0
     rows = torch.arange(u.shape[1], device=u.device)  # the problem slots still iterated
@@ -223,23 +183,13 @@ def pdas_solve(
         worst = min(worst, current)
         if since_gain >= _PATIENCE:
             break
-        v = None
-        if inverse is not None and active_systems_pay(active, dual_only):
-            v = _solve_active(u, inverse, active)
-        dual = v is not None
-        if v is None:
-            if dual_only:
-                break
-            v = _solve_free(u, g, active)
+        v = _solve_free(u, g, active)
         lam = 2 * torch.bmm(v, g)
         res = kkt_residual(v, u, lam, c)
         better = res < best_res
         best_v = torch.where(better[..., None], v, best_v)
         best_res = torch.where(better, res, best_res)
-        following = torch.where(done[..., None], active, lam + c * (u - v) > 0)
-        if dual and bool(((following == active).all(-1) & (best_res > tol)).any()):
-            inverse = None  # a fixed point of the inaccurate dual step: free systems from now
-        active = following
+        active = torch.where(done[..., None], active, lam + c * (u - v) > 0)
     if rows.numel() == out_v.shape[1]:  # nothing left the batch
         return best_v, best_res
     return out_v.index_copy(1, rows, best_v), out_res.index_copy(1, rows, best_res)

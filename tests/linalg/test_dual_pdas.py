@@ -1,0 +1,162 @@
+"""PDAS on the inverse Gramian: the primal PDAS iterates from systems of the size of the active
+set, every result checked against the true Gramian."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import Tensor, nn
+from torch.func import functional_call, grad, vmap
+
+from jacflow.linalg import _dual_pdas as dual_pdas
+from jacflow.linalg import project_weights
+from jacflow.linalg._dual_cone import project_weights_reference
+from jacflow.linalg._dual_pdas import _step, active_systems_pay, dual_pdas_solve, safe_inverse
+from jacflow.linalg._pdas import _solve_free, kkt_residual, multiplier_scale, pdas_solve
+from tests.linalg.test_dual_cone import assert_kkt, make_gramian, upgrad_rows
+from tests.linalg.test_lawson_hanson import normalised
+
+
+def per_sample_gramian(m: int, seed: int) -> Tensor:
+    """The Gramian of the per-sample gradients of a small classifier's cross-entropy (from
+    ``torch.func``): strongly conflicting rows, so that UPGrad's projections leave most weights
+    free and only a few constraints active."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(10, 32), nn.Tanh(), nn.Linear(32, 5)).double()
+    params = {k: p.detach() for k, p in model.named_parameters()}
+    x, y = torch.randn(m, 10, dtype=torch.float64), torch.randint(0, 5, (m,))
+
+    def loss(p: dict[str, Tensor], xi: Tensor, yi: Tensor) -> Tensor:
+        return F.cross_entropy(functional_call(model, p, (xi[None],)), yi[None])
+
+    grads = vmap(grad(loss), in_dims=(None, 0, 0))(params, x, y)
+    j = torch.cat([g.reshape(m, -1) for g in grads.values()], dim=1)
+    return j @ j.T
+
+
+def start_at_u(u: Tensor, g: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    lam, c = 2 * torch.bmm(u, g), multiplier_scale(g)
+    return lam, kkt_residual(u, u, lam, c), c
+
+
+@settings(max_examples=40)
+@given(
+    m=st.integers(2, 70),
+    seed=st.integers(0, 2**31 - 1),
+    fraction=st.floats(0.0, 1.0),
+)
+def test_a_dual_step_is_the_primal_iterate(m: int, seed: int, fraction: float) -> None:
+    """For any active set, ``v = H mu`` with ``H_AA mu_A = u_A`` is the primal PDAS iterate
+    (``v_A = u_A``, ``G_FF v_F = -G_FA u_A``), and ``mu = G v`` on the active set, 0 off it."""
+    u, g = normalised(upgrad_rows(m), make_gramian(m, "psd", 1.0, seed))
+    gen = torch.Generator().manual_seed(seed)
+    active = torch.rand(1, m, m, generator=gen) < fraction
+    inverse = safe_inverse(g)
+    assert inverse is not None
+    step = _step(u, inverse, active, active.sum(-1))
+    assert step is not None
+    v, mu = step
+    torch.testing.assert_close(v, _solve_free(u, g, active), rtol=0, atol=1e-9)
+    expected_mu = torch.where(active, torch.bmm(v, g), 0.0)
+    torch.testing.assert_close(mu, expected_mu, rtol=0, atol=1e-9)
+
+
+@settings(max_examples=30)
+@given(m=st.integers(2, 90), seed=st.integers(0, 2**31 - 1), kind=st.sampled_from(["ps", "psd"]))
+def test_solves_what_primal_pdas_solves(m: int, seed: int, kind: str) -> None:
+    """The problems the dual route reports solved are solved (KKT with the true ``G``), with the
+    ``v`` of primal PDAS; its reported residuals are the true ones."""
+    gramian = per_sample_gramian(m, seed) if kind == "ps" else make_gramian(m, "psd", 1.0, seed)
+    u, g = normalised(upgrad_rows(m), gramian)
+    inverse = safe_inverse(g)
+    assert inverse is not None
+    start = start_at_u(u, g)
+    v, residual = dual_pdas_solve(u, g, inverse, start, 50, 1e-12)
+    torch.testing.assert_close(
+        residual, kkt_residual(v, u, 2 * torch.bmm(v, g), start[2]), rtol=0, atol=1e-15
+    )
+    plain, plain_residual = pdas_solve(u, g, u, 50, 1e-12)
+    solved = (residual <= 1e-10) & (plain_residual <= 1e-10)
+    torch.testing.assert_close(v[solved], plain[solved], rtol=0, atol=1e-9)
+    for row in solved[0].nonzero().flatten().tolist():
+        assert_kkt(v[0, row], u[0, row], g[0], rtol=1e-9)
+    if kind == "ps" and active_systems_pay((start[0] > 0).sum(-1), m):
+        # strongly conflicting and small first guesses: the dual route alone solves them all
+        assert bool((residual <= 1e-10).all()), float(residual.amax())
+
+
+@settings(max_examples=15)
+@given(m=st.integers(2, 70), seed=st.integers(0, 2**31 - 1), scale=st.integers(-6, 6))
+def test_project_weights_on_per_sample_gramians(m: int, seed: int, scale: int) -> None:
+    """The automatic route (PDAS on the inverse, then the chosen method on what it leaves) is
+    exact."""
+    gramian = 10.0**scale * per_sample_gramian(m, seed)
+    u = upgrad_rows(m)
+    v = project_weights(u, gramian)
+    assert_kkt(v, u, gramian, rtol=1e-9)
+    torch.testing.assert_close(v, project_weights_reference(u, gramian), rtol=0, atol=1e-8)
+
+
+def test_inaccurate_inverse_is_caught_by_the_true_residual() -> None:
+    """A perturbed inverse gives wrong iterates; they are reported with their true residual
+    (above the tolerance), never as solved."""
+    m = 60
+    u, g = normalised(upgrad_rows(m), per_sample_gramian(m, 2))
+    inverse = safe_inverse(g)
+    assert inverse is not None
+    noise = torch.randn(m, m, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    rough = inverse + 1e-5 * inverse.abs().max() * (noise + noise.T)
+    start = start_at_u(u, g)
+    v, residual = dual_pdas_solve(u, g, rough, start, 50, 1e-12)
+    true = kkt_residual(v, u, 2 * torch.bmm(v, g), start[2])
+    torch.testing.assert_close(residual, true, rtol=0, atol=1e-15)
+    assert bool((residual > 1e-10).any())  # the noise is far above the tolerance
+    exact, _ = dual_pdas_solve(u, g, inverse, start, 50, 1e-12)
+    solved = residual <= 1e-10
+    torch.testing.assert_close(v[solved], exact[solved], rtol=0, atol=1e-9)
+
+
+def test_large_active_sets_are_left_to_other_methods(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The route is taken only when the first guess's active systems are smaller than the free
+    ones; its steps stop (nothing solved) once they cost more than the bound."""
+    m = 12
+    assert active_systems_pay(torch.tensor([[4, 6, 7]]), m)  # 7 < 12 - 4
+    assert not active_systems_pay(torch.tensor([[4, 6, 7, 8]]), m)  # 8 >= 12 - 4
+    assert not active_systems_pay(torch.full((1, 200), 60), 300)  # 200 * 60^3 > 3e7
+    u, g = normalised(upgrad_rows(m), per_sample_gramian(m, 0))
+    lam, residual, c = start_at_u(u, g)
+    inverse = safe_inverse(g)
+    assert inverse is not None
+    monkeypatch.setattr(dual_pdas, "_MAX_STEP_FLOP", 0)
+    v, left = dual_pdas_solve(u, g, inverse, (lam, residual, c), 8, 1e-12)
+    assert v is u and left is residual
+
+
+def test_a_non_positive_definite_system_stops_the_steps() -> None:
+    u = upgrad_rows(4)[None]
+    indefinite = torch.diag(torch.tensor([1.0, -1.0, 1.0, 1.0], dtype=torch.float64))[None]
+    active = torch.ones(1, 4, 4, dtype=torch.bool)
+    assert _step(u, indefinite, active, active.sum(-1)) is None
+
+
+def test_inverse_only_for_safely_positive_definite_gramians() -> None:
+    singular = normalised(upgrad_rows(8), make_gramian(8, "more_rows", 1.0, 0))[1]
+    assert safe_inverse(singular) is None
+    regular = normalised(upgrad_rows(8), make_gramian(8, "psd", 1.0, 0))[1]
+    inverse = safe_inverse(regular)
+    assert inverse is not None
+    torch.testing.assert_close(inverse @ regular, torch.eye(8, dtype=torch.float64)[None])
+
+
+@settings(max_examples=20)
+@given(m=st.integers(1, 60), seed=st.integers(0, 2**31 - 1))
+def test_pdas_start_is_the_same_as_computing_it(m: int, seed: int) -> None:
+    """Primal PDAS given the multipliers and residual at ``v0`` returns what it computes alone."""
+    u, g = normalised(upgrad_rows(m), make_gramian(m, "conflicting", 1.0, seed))
+    lam, residual, _ = start_at_u(u, g)
+    given_start = pdas_solve(u, g, u, 50, 1e-12, (lam, residual))
+    alone = pdas_solve(u, g, u, 50, 1e-12)
+    torch.testing.assert_close(given_start, alone, rtol=0, atol=0)
