@@ -14,8 +14,7 @@ from jacflow.linalg._projectors import DualConeProjector, TorchProjector
 
 def _ratio(numerator: Tensor, denominator: Tensor) -> Tensor:
     """``numerator / denominator`` with ``x / 0 = 0`` (a zero row); NaN still propagates."""
-    safe = torch.where(denominator == 0, torch.ones_like(denominator), denominator)
-    return torch.where(denominator == 0, torch.zeros_like(numerator), numerator / safe)
+    return torch.where(denominator == 0, 0.0, numerator / denominator)
 
 
 def two_objective_weights(gramian: Tensor, pref: Tensor) -> Tensor:
@@ -27,10 +26,9 @@ def two_objective_weights(gramian: Tensor, pref: Tensor) -> Tensor:
     0 (``v = 0`` is feasible and has objective 0).
     """
     p = pref.clamp(min=0)
-    g11, g12, g22 = gramian[0, 0], gramian[0, 1], gramian[1, 1]
-    w1 = p[0] + _ratio(-g12 * p[1], g11).clamp(min=0)
-    w2 = p[1] + _ratio(-g12 * p[0], g22).clamp(min=0)
-    return torch.stack([w1, w2]).to(pref.dtype)
+    # row i gains max(0, -G_12 p_j / G_jj) on objective j (one vector op for both rows)
+    gains = _ratio(-gramian[0, 1] * p, gramian.diagonal().flip(0)).clamp(min=0)
+    return (p + gains.flip(0)).to(pref.dtype)
 
 
 def _is_exact(projector: DualConeProjector) -> bool:

@@ -63,7 +63,7 @@ def ghost_gramian(u: Tensor, bp: Tensor, rows: Rows, with_bias: bool = False) ->
         if with_bias:
             kernel += 1
         if rows.per_task:
-            mixed = torch.matmul(kernel, bj)  # [R, T, p]
+            mixed = torch.bmm(kernel.expand(r, -1, -1), bj)  # [R, T, p]
             term = mixed.reshape(r, -1) @ bj.reshape(r, -1).T
         else:
             flat_b = bj.reshape(r * t, p)

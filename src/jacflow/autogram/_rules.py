@@ -59,7 +59,7 @@ class Rows:
         """``y[s] = sum_{r: sample(r) = s} weights[r] * per_row[r]``, shape ``[S, ...]``."""
         weights = weights.to(per_row.dtype)
         if self.per_task:
-            return torch.tensordot(weights, per_row, dims=1).unsqueeze(0)
+            return weighted_sum(weights, per_row).unsqueeze(0)
         scaled = per_row * weights.reshape(-1, *([1] * (per_row.ndim - 1)))
         if self.index is None:
             return scaled
@@ -260,6 +260,12 @@ def gram(flat: Tensor, leaf: int = 32, min_columns: int = 1024) -> Tensor:
     return torch.cat([upper, lower], dim=0)
 
 
+def weighted_sum(weights: Tensor, per_row: Tensor) -> Tensor:
+    """``sum_r weights[r] * per_row[r]`` (one matrix-vector product)."""
+    flat = per_row.reshape(per_row.shape[0], -1)
+    return (weights.to(per_row.dtype) @ flat).reshape(per_row.shape[1:])
+
+
 def stack_grads(grads: dict[str, Tensor]) -> Tensor:
     """Concatenate per-row gradients ``{name: [R, ...]}`` into ``[R, P]``."""
     return torch.cat([g.reshape(g.shape[0], -1) for g in grads.values()], dim=1)
@@ -283,7 +289,7 @@ class MaterializedContribution(Contribution):
     def weighted_grads(self, weights: Tensor) -> dict[str, Tensor]:
         out = {}
         for name, grad in self.grads.items():
-            out[name] = torch.tensordot(weights.to(grad.dtype), grad, dims=1)
+            out[name] = weighted_sum(weights, grad)
         return out
 
 
@@ -304,10 +310,9 @@ def kept_weighted_grads(
 ) -> dict[str, Tensor]:
     """The update from per-row gradients kept since the Gramian (see :func:`worth_keeping`):
     ``weights @ kept`` for the weight, ``weights @ bias_rows()`` for the bias if any."""
-    w = weights.to(kept.dtype)
-    out = {weight_name: (w @ kept).reshape(weight_shape)}
+    out = {weight_name: weighted_sum(weights, kept).reshape(weight_shape)}
     if bias_name is not None:
-        out[bias_name] = w @ bias_rows()
+        out[bias_name] = weighted_sum(weights, bias_rows())
     return out
 
 
