@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from jacflow.linalg._pdas import first_slots, gather_blocks, kkt_residual
+from jacflow.linalg._pdas import first_slots, gather_blocks, kkt_residual, pad_identity
 
 # The inverse is used only when every squared Cholesky pivot of G exceeds this fraction of its
 # largest diagonal entry (a necessary condition for cond(G) < 1e8).
@@ -51,7 +51,7 @@ def safe_inverse(g: Tensor) -> Tensor | None:
     pivots = factor.diagonal(dim1=-2, dim2=-1).square().amin(-1)
     if not bool((pivots >= _INVERSE_MIN_PIVOT * g.diagonal(dim1=-2, dim2=-1).amax(-1)).all()):
         return None
-    return torch.cholesky_inverse(factor)
+    return torch.cholesky_inverse(factor).mT  # symmetric: the transpose is the row-major copy
 
 
 def active_systems_pay(counts: Tensor, m: int) -> bool:
@@ -65,7 +65,7 @@ def _cheap(counts: Tensor) -> bool:
 
 
 def _step(
-    u: Tensor, inverse: Tensor, active: Tensor, counts: Tensor
+    u: Tensor, inverse: Tensor, padded: Tensor, active: Tensor, counts: Tensor
 ) -> tuple[Tensor, Tensor] | None:
     """``(v, mu)`` of one dual step for every problem (``counts`` active constraints each);
     ``None`` if some ``H_AA`` is not numerically positive definite."""
@@ -76,7 +76,7 @@ def _step(
         return torch.zeros_like(u), torch.zeros_like(u)
     order, valid = first_slots(flat_active, size)
     which = None if b == 1 else torch.arange(b, device=u.device).repeat_interleave(k)
-    factor, info = torch.linalg.cholesky_ex(gather_blocks(inverse, which, order, counts))
+    factor, info = torch.linalg.cholesky_ex(gather_blocks(padded, which, order, counts))
     if bool(info.any()):
         return None
     rhs = u.reshape(b * k, m).gather(1, order).masked_fill_(~valid, 0.0)
@@ -116,6 +116,7 @@ def dual_pdas_solve(
         tensor([[[1.0000, 0.2500]]], dtype=torch.float64)
     """
     lam, residual, c = start
+    padded = pad_identity(inverse)
     v = u
     active = lam > 0  # PDAS's first guess at v = u
     slots = torch.arange(u.shape[1], device=u.device)  # the problem slots still iterated
@@ -124,7 +125,7 @@ def dual_pdas_solve(
         counts = active.sum(-1)
         if not _cheap(counts):  # the active sets grew large: the primal methods take over
             break
-        step = _step(pending_u, inverse, active, counts)
+        step = _step(pending_u, inverse, padded, active, counts)
         if step is None:
             break
         pending_v, mu = step

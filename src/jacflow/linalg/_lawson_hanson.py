@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from jacflow.linalg._pdas import gather_blocks, kkt_residual, multiplier_scale
+from jacflow.linalg._pdas import gather_blocks, kkt_residual, multiplier_scale, pad_identity
 
 _DEPENDENT = 1e-11  # squared sine of the angle below which a column counts as in the span of P
 _ADD_TOL_FACTOR = 0.1  # add a column while its residual exceeds this fraction of the tolerance
@@ -107,6 +107,7 @@ def lawson_hanson_solve(
     passive = torch.zeros_like(uu, dtype=torch.bool)
     rejected = torch.zeros_like(passive)
     stepping = torch.zeros(n, dtype=torch.bool, device=device)  # must re-solve after a step
+    padded = pad_identity(g)  # for the blocks of refactorisations
     for _ in range(6 * m + 50 if max_iter is None else max_iter):
         grad = gu + _gramian_product(g, which, x)  # G (u + x): half of the multipliers
         scale = (u_run + x).abs().amax(-1, keepdim=True).clamp_min(1.0)
@@ -192,7 +193,7 @@ def lawson_hanson_solve(
             kept_slots = torch.gather(slots[index], 1, order)
             kept_count = passive[index].sum(-1)
             factor, info = torch.linalg.cholesky_ex(
-                gather_blocks(g, which[index], kept_slots, kept_count)
+                gather_blocks(padded, which[index], kept_slots, kept_count)
             )
             failed = info != 0  # cannot happen for a subset of an independent set; stop them
             slots[index], count[index] = kept_slots, kept_count
