@@ -100,8 +100,9 @@ def dual_pdas_solve(
 
     Returns ``(v, residual)``: the better of ``u`` and the last iterate of each problem, and its
     KKT residual with the true ``G``. The steps stop early when an active system is not
-    numerically positive definite or the active sets grow too large
-    (:func:`active_systems_pay`); the problems left above ``tol`` are for another method.
+    numerically positive definite or the active systems grow costly (more than
+    ``_MAX_STEP_FLOP``); the problems left above ``tol`` are for another method. Whether the
+    route pays at all (:func:`active_systems_pay`) is the caller's test.
 
     Example:
         >>> import torch
