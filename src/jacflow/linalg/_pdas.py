@@ -115,8 +115,9 @@ def first_slots(mask: Tensor, size: int) -> tuple[Tensor, Tensor]:
     return order, torch.gather(mask, 1, order)
 
 
-def _solve_free(u: Tensor, g: Tensor, active: Tensor) -> Tensor:
-    """``v`` with ``v_A = u_A`` and ``G_FF v_F = -G_FA u_A`` for every problem's active set."""
+def _solve_free(u: Tensor, g: Tensor, active: Tensor, padded: Tensor | None = None) -> Tensor:
+    """``v`` with ``v_A = u_A`` and ``G_FF v_F = -G_FA u_A`` for every problem's active set
+    (``padded``: :func:`pad_identity` of ``g``, when the caller keeps it across iterations)."""
     b, k, m = u.shape
     if m <= _MASKED_MAX_M:
         return _solve_masked(u, g, active)
@@ -131,7 +132,8 @@ def _solve_free(u: Tensor, g: Tensor, active: Tensor) -> Tensor:
     flat_v = v.reshape(p, m)
     order, valid = first_slots(flat_free, s)
     batch = torch.arange(b, device=u.device).repeat_interleave(k)
-    system = gather_blocks(pad_identity(g), batch, order, valid.sum(-1))  # free entries first
+    padded = pad_identity(g) if padded is None else padded
+    system = gather_blocks(padded, batch, order, valid.sum(-1))  # free entries first
     shift = _SHIFT * s * g.diagonal(dim1=-2, dim2=-1).amax(-1).clamp_min(1e-300)[batch]
     shift = shift[:, None] * valid.to(system.dtype)
     system.diagonal(dim1=-2, dim2=-1).add_(shift)
@@ -176,6 +178,7 @@ def pdas_solve(
     active = lam + c * (u - v0) > 0
     rows = torch.arange(u.shape[1], device=u.device)  # the problem slots still iterated
     compact = u.shape[-1] > _MASKED_MAX_M
+    padded = pad_identity(g) if compact else None  # g is fixed: pad it once, not per step
     worst, since_gain = float("inf"), 0
     for _ in range(max_iter):
         done = best_res <= tol
@@ -196,7 +199,7 @@ def pdas_solve(
         worst = min(worst, current)
         if since_gain >= _PATIENCE:
             break
-        v = _solve_free(u, g, active)
+        v = _solve_free(u, g, active, padded)
         lam = 2 * torch.bmm(v, g)
         res = kkt_residual(v, u, lam, c)
         better = res < best_res
