@@ -136,7 +136,7 @@ def test_two_objective_closed_form_matches_the_solver(
     where the solver itself is inaccurate (``|g_2| = 1e-20 |g_1|``: the optimum has
     ``v_2 = 1e20``, beyond the solver's KKT tolerance).
     """
-    from jacflow.aggregation._upgrad import two_objective_weights
+    from jacflow.aggregation._upgrad import two_objective_weights, two_objective_weights_on_host
     from jacflow.linalg import project_weights
 
     g11 = 0.0 if zero_row else 1.0
@@ -156,10 +156,20 @@ def test_two_objective_closed_form_matches_the_solver(
         rtol=1e-12,
         atol=0.0,
     )
+    # the CPU path in Python floats runs the same operations in the same order
+    torch.testing.assert_close(
+        two_objective_weights_on_host(G, pref), two_objective_weights(G, pref), rtol=0, atol=0
+    )
 
 
-def test_two_objective_closed_form_propagates_nan() -> None:
-    from jacflow.aggregation._upgrad import two_objective_weights
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_two_objective_closed_form_propagates_nonfinite(bad: float) -> None:
+    from jacflow.aggregation import UPGradWeighting
+    from jacflow.aggregation._upgrad import two_objective_weights, two_objective_weights_on_host
 
-    G = torch.tensor([[float("nan"), -1.0], [-1.0, 2.0]])
-    assert bool(two_objective_weights(G, torch.tensor([0.5, 0.5])).isnan().any())
+    G = torch.tensor([[bad, -1.0], [-1.0, 2.0]])
+    pref = torch.tensor([0.5, 0.5])
+    assert bool(two_objective_weights_on_host(G, pref).isnan().all())
+    assert bool(UPGradWeighting()(G).isnan().all())
+    if bad != bad:  # NaN: the tensor form keeps it too (an infinity may give a finite ratio)
+        assert bool(two_objective_weights(G, pref).isnan().any())

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -29,6 +31,21 @@ def two_objective_weights(gramian: Tensor, pref: Tensor) -> Tensor:
     # row i gains max(0, -G_12 p_j / G_jj) on objective j (one vector op for both rows)
     gains = _ratio(-gramian[0, 1] * p, gramian.diagonal().flip(0)).clamp(min=0)
     return (p + gains.flip(0)).to(pref.dtype)
+
+
+def two_objective_weights_on_host(gramian: Tensor, pref: Tensor) -> Tensor:
+    """:func:`two_objective_weights` in Python floats, for a CPU Gramian outside autograd.
+
+    The same formulas, with two host reads instead of about ten tensor operations (whose
+    dispatch dominates a 2 x 2 problem); a NaN or infinite entry gives NaN weights.
+    """
+    (g11, g12), (_, g22) = gramian.tolist()
+    if not all(math.isfinite(g) for g in (g11, g12, g22)):
+        return torch.full((2,), math.nan, dtype=pref.dtype)
+    p1, p2 = (max(0.0, p) for p in pref.tolist())
+    gain1 = max(0.0, -g12 * p2 / g11) if g11 != 0 else 0.0
+    gain2 = max(0.0, -g12 * p1 / g22) if g22 != 0 else 0.0
+    return torch.tensor([p1 + gain1, p2 + gain2], dtype=pref.dtype)
 
 
 def _is_exact(projector: DualConeProjector) -> bool:
@@ -59,6 +76,9 @@ def upgrad_weights(gramian: Tensor, pref: Tensor, projector: DualConeProjector) 
     if m == 0:
         return pref
     if m == 2 and _is_exact(projector):
+        on_host = gramian.device.type == "cpu" and not (gramian.requires_grad or pref.requires_grad)
+        if on_host and pref.device.type == "cpu":
+            return two_objective_weights_on_host(gramian, pref)
         return propagate_nonfinite(two_objective_weights(gramian, pref), gramian)
     # (a negative diagonal entry, impossible for a Gramian, only means no short cut)
     if bool(torch.isfinite(gramian).all()) and not bool((gramian < 0).any()):
