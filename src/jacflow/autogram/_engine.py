@@ -446,8 +446,10 @@ def _accumulate(updates: list[tuple[Tensor, Tensor]]) -> None:
     """Write last: ``.grad`` is untouched if anything before failed."""
     with torch.no_grad():
         for param, grad in updates:
-            grad = grad.to(param.dtype)
-            if not grad.is_sparse:
+            # (the conversions are skipped when not needed: each costs a dispatch per parameter)
+            if grad.dtype != param.dtype:
+                grad = grad.to(param.dtype)
+            if not grad.is_sparse and grad.shape != param.shape:
                 grad = grad.reshape(param.shape)
             if param.grad is None:
                 # Every update is a fresh tensor of ours: no copy needed.

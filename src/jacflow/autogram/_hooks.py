@@ -35,8 +35,15 @@ class Unit:
 
     def params(self) -> dict[str, Tensor]:
         """Trainable parameters covered, by name within the module (checked at every step)."""
-        recurse = self.rule.covers_children()
-        return {n: p for n, p in self.module.named_parameters(recurse=recurse) if p.requires_grad}
+        if self.rule.covers_children():
+            named = self.module.named_parameters()
+            return {n: p for n, p in named if p.requires_grad}
+        # the module's own parameters, read directly (named_parameters walks a generator chain
+        # per step); one registered under two names counts once, as in named_parameters
+        own = {n: p for n, p in self.module._parameters.items() if p is not None}
+        if len({id(p) for p in own.values()}) < len(own):
+            own = dict(self.module.named_parameters(recurse=False))
+        return {n: p for n, p in own.items() if p.requires_grad}
 
 
 def find_units(modules: tuple[nn.Module, ...]) -> list[Unit]:
