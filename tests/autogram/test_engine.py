@@ -195,3 +195,16 @@ def test_route_choice_follows_the_operation_count() -> None:
         contribution = contributions[0][1]
         assert isinstance(contribution, ConvContribution)
         assert contribution._route() == route
+
+
+def test_parameter_registered_under_two_names_counts_once() -> None:
+    """A rule reads a module's own parameters directly; one registered twice is one parameter,
+    as in ``named_parameters`` (counting it twice would double its Gramian)."""
+    layer = nn.Linear(3, 2).double()
+    layer.register_parameter("alias", layer.weight)
+    x = torch.randn(4, 3, dtype=torch.float64)
+    engine = Engine(layer, batch_dim=0)
+    losses = layer(x).pow(2).sum(1)
+    jacobian = reference_jacobian(losses, list(layer.parameters()))
+    gramian = engine.compute_gramian(losses)
+    torch.testing.assert_close(gramian, jacobian @ jacobian.T)
