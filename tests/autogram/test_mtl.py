@@ -66,3 +66,31 @@ def test_random_mlps(batch: int, k: int, width: int, seq: int, per_task: bool) -
     losses = out.pow(2).sum(1) if seq else out.pow(2)
     jacobian = reference_jacobian(losses, list(model.parameters()))
     torch.testing.assert_close(engine.compute_gramian(losses), jacobian @ jacobian.T)
+
+
+def test_vmap_fallback_warnings_stay_inside_the_engine() -> None:
+    """With vmap's fallback warnings turned on, an op without a batching rule (smooth L1) in the
+    batched backward warns when the user calls it, not from the engine, which accepts the loop."""
+    import warnings
+
+    warnings_on = getattr(torch._C, "_debug_only_are_vmap_fallback_warnings_enabled", None)
+    if warnings_on is None:
+        pytest.skip("this torch has no switch for vmap's fallback warnings")
+    trunk, heads = nn.Linear(4, 4), [nn.Linear(4, 1) for _ in range(3)]
+    x, target = torch.randn(5, 4), torch.zeros(5, 1)
+    engine = Engine(trunk, batch_dim=None)
+    before = warnings_on()
+    torch._C._debug_only_display_vmap_fallback_warnings(True)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            features = trunk(x)
+            losses = torch.stack([nn.functional.smooth_l1_loss(h(features), target) for h in heads])
+            torch.autograd.grad(losses, [features], torch.eye(3), True, is_grads_batched=True)
+            assert any("performance drop" in str(w.message) for w in caught)  # the op warns
+            caught.clear()
+            tasks = [p for h in heads for p in h.parameters()]
+            mtl_gramian_step(losses, engine, UPGradWeighting(), tasks_params=tasks)
+        assert not caught
+    finally:
+        torch._C._debug_only_display_vmap_fallback_warnings(before)

@@ -88,10 +88,11 @@ def per_row_weight_grads(u: Tensor, bp: Tensor, rows: Rows) -> Tensor:
 
 
 def weighted_weight_grad(u: Tensor, y: Tensor) -> Tensor:
-    """``sum_r w_r g_r`` as ``[g, p, d]`` from the reduced backprops ``y = rows.reduce(w, Bp)``
-    (``[S, T, g, p]``): one weight-gradient product, as in the plain backward."""
+    """``sum_r w_r g_r`` as ``[g, p, d]`` (``[p, d]`` when ``g = 1``) from the reduced backprops
+    ``y = rows.reduce(w, Bp)`` (``[S, T, g, p]``): one weight-gradient product, as in the plain
+    backward."""
     if u.shape[2] == 1:
-        return (y.reshape(-1, y.shape[3]).T @ u.reshape(-1, u.shape[3])).unsqueeze(0)
+        return y.reshape(-1, y.shape[3]).T @ u.reshape(-1, u.shape[3])
     return torch.einsum("stgp,stgd->gpd", y, u)
 
 
@@ -167,9 +168,9 @@ class UnfoldedContribution(Contribution):
         out = {}
         y = self.rows.reduce(weights, self.bp)
         if self.weight_name is not None:
-            out[self.weight_name] = weighted_weight_grad(self.u, y).reshape(self.weight_shape)
+            out[self.weight_name] = weighted_weight_grad(self.u, y)
         if self.bias_name is not None:
-            out[self.bias_name] = y.sum(dim=(0, 1)).reshape(-1)
+            out[self.bias_name] = y.sum(dim=(0, 1))
         return out
 
 

@@ -57,7 +57,8 @@ class Rows:
 
     def reduce(self, weights: Tensor, per_row: Tensor) -> Tensor:
         """``y[s] = sum_{r: sample(r) = s} weights[r] * per_row[r]``, shape ``[S, ...]``."""
-        weights = weights.to(per_row.dtype)
+        if weights.dtype != per_row.dtype:
+            weights = weights.to(per_row.dtype)
         if self.per_task:
             return weighted_sum(weights, per_row).unsqueeze(0)
         scaled = per_row * weights.reshape(-1, *([1] * (per_row.ndim - 1)))
@@ -142,7 +143,8 @@ class Contribution(ABC):
 
     @abstractmethod
     def weighted_grads(self, weights: Tensor) -> dict[str, Tensor]:
-        """``sum_r weights[r] g_r`` for every covered parameter (the book-keeping update)."""
+        """``sum_r weights[r] g_r`` for every covered parameter (the book-keeping update), in any
+        shape with the parameter's number of elements (the engine reshapes it)."""
 
 
 class Rule(ABC):
@@ -263,7 +265,9 @@ def gram(flat: Tensor, leaf: int = 32, min_columns: int = 1024) -> Tensor:
 def weighted_sum(weights: Tensor, per_row: Tensor) -> Tensor:
     """``sum_r weights[r] * per_row[r]`` (one matrix-vector product)."""
     flat = per_row.reshape(per_row.shape[0], -1)
-    return (weights.to(per_row.dtype) @ flat).reshape(per_row.shape[1:])
+    if weights.dtype != per_row.dtype:
+        weights = weights.to(per_row.dtype)
+    return (weights @ flat).reshape(per_row.shape[1:])
 
 
 def stack_grads(grads: dict[str, Tensor]) -> Tensor:
