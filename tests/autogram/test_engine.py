@@ -208,3 +208,24 @@ def test_parameter_registered_under_two_names_counts_once() -> None:
     jacobian = reference_jacobian(losses, list(layer.parameters()))
     gramian = engine.compute_gramian(losses)
     torch.testing.assert_close(gramian, jacobian @ jacobian.T)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("batch_dim", [0, None])
+def test_parametrized_weight_goes_to_the_generic_rule(bias: bool, batch_dim: int | None) -> None:
+    """A parametrised weight (here weight norm) is computed from parameters of child modules:
+    the Gramian and the update must cover them, not only the module's direct bias."""
+    from torch.nn.utils import parametrizations
+
+    model = nn.Sequential(
+        parametrizations.weight_norm(nn.Linear(3, 4, bias=bias)), nn.Tanh(), nn.Linear(4, 1)
+    ).double()
+    params = list(model.parameters())
+    x = torch.randn(5, 3, dtype=torch.float64)
+    engine = Engine(model, batch_dim=batch_dim)
+    losses = model(x).pow(2).sum(1)
+    jacobian = reference_jacobian(losses, params)
+    torch.testing.assert_close(engine.compute_gramian(losses), jacobian @ jacobian.T)
+    weights = engine.backward(model(x).pow(2).sum(1), UPGradWeighting())
+    actual = torch.cat([p.grad.flatten() for p in params])  # type: ignore[union-attr]
+    torch.testing.assert_close(actual, weights @ jacobian)

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.autograd.graph import get_gradient_edge
+from torch.nn.utils.parametrize import is_parametrized
 from torch.utils._pytree import tree_flatten
 from torch.utils.hooks import RemovableHandle
 
@@ -57,10 +58,13 @@ def find_units(modules: tuple[nn.Module, ...]) -> list[Unit]:
             return
         seen.add(id(module))
         direct = [p for p in module.parameters(recurse=False) if p.requires_grad]
-        rule = find_rule(module)
+        # a parametrised tensor (torch.nn.utils.parametrize) is computed from parameters of
+        # child modules: no closed form sees them, the generic rule (covering children) does
+        parametrized = is_parametrized(module)
+        rule = None if parametrized else find_rule(module)
         if rule is not None and direct:
             units.append(Unit(name, module, rule))
-        elif direct:
+        elif direct or parametrized:
             units.append(Unit(name, module, _FALLBACK))
         else:
             for child_name, child in module.named_children():

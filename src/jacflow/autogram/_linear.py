@@ -181,7 +181,7 @@ def unfolded_contribution(
     per-row gradients add up) and wrap them with the module's ``weight`` and ``bias``."""
     u = us[0] if len(us) == 1 else torch.cat(us, dim=1)
     bp = bps[0] if len(bps) == 1 else torch.cat(bps, dim=1)
-    weight: Tensor = getattr(module, "weight")  # noqa: B009 (a parametrised weight is no Parameter)
+    weight: Tensor = getattr(module, "weight")  # noqa: B009 (get_parameter parses a path per step)
     return UnfoldedContribution(
         u,
         bp,
