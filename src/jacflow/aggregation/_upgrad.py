@@ -76,8 +76,8 @@ def upgrad_weights(gramian: Tensor, pref: Tensor, projector: DualConeProjector) 
     if m == 0:
         return pref
     if m == 2 and _is_exact(projector):
-        on_host = gramian.device.type == "cpu" and not (gramian.requires_grad or pref.requires_grad)
-        if on_host and pref.device.type == "cpu":
+        on_cpu = gramian.device.type == pref.device.type == "cpu"
+        if on_cpu and not (gramian.requires_grad or pref.requires_grad):
             return two_objective_weights_on_host(gramian, pref)
         return propagate_nonfinite(two_objective_weights(gramian, pref), gramian)
     # (a negative diagonal entry, impossible for a Gramian, only means no short cut)

@@ -21,6 +21,9 @@ _COMPILE_HINT = (
     "parallel_chunk_size=1."
 )
 
+# vmap's switch for its fallback warnings (absent from some torch versions: then assume on)
+_VMAP_WARNINGS_ON = getattr(torch._C, "_debug_only_are_vmap_fallback_warnings_enabled", None)
+
 
 def _check_modules(modules: tuple[nn.Module, ...], batch_dim: int | None) -> None:
     if not modules:
@@ -346,8 +349,7 @@ def _capture(
     if not inputs:
         return ()
     # (the guard costs ~8 us a step: only when the user turned vmap's fallback warnings on)
-    warnings_on = getattr(torch._C, "_debug_only_are_vmap_fallback_warnings_enabled", None)
-    loud = batched and (warnings_on is None or bool(warnings_on()))
+    loud = batched and (_VMAP_WARNINGS_ON is None or bool(_VMAP_WARNINGS_ON()))
     guard = warnings.catch_warnings() if loud else contextlib.nullcontext()
     with guard:
         if loud:
