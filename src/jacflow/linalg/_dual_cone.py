@@ -13,6 +13,7 @@ float64. It is small and obviously correct; it is the oracle of the tests.
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Callable
 
@@ -22,6 +23,7 @@ from torch import Tensor
 from jacflow.linalg._dual_pdas import active_systems_pay, dual_pdas_solve, safe_inverse
 from jacflow.linalg._first_order import admm_solve, fista_solve
 from jacflow.linalg._gramian import normalize_gramian, regularize_gramian
+from jacflow.linalg._host_pdas import solve_rows
 from jacflow.linalg._implicit import differentiable_projection
 from jacflow.linalg._lawson_hanson import lawson_hanson_solve
 from jacflow.linalg._pdas import kkt_residual, multiplier_scale, pdas_solve
@@ -121,6 +123,10 @@ _POLISH_ITER = 10
 # Polish only when its batched Cholesky (k * s^3 for free sets of size s) is cheap.
 _POLISH_MAX_FLOP = 3e7
 _DEFAULT_TOL = {torch.float64: 1e-10}  # other dtypes: 1e-6 (their Gramians are that inexact)
+# Problems solved in Python floats (``_host_pdas``) when on the CPU and at most this many
+# multiply-adds of Cholesky factorisations (rows x m^3): there they beat the torch solvers'
+# fixed cost of some 200 dispatched operations.
+_HOST_MAX_WORK = 10**4  # UPGrad: m <= 10 (measured crossover: m = 10 to 12)
 
 
 def default_tolerances(dtype: torch.dtype, m: int) -> tuple[float, float]:
@@ -307,6 +313,47 @@ def _solve_finite(
     return v if bad is None else torch.where(bad[..., None], torch.full_like(v, float("nan")), v)
 
 
+def _normalized_on_host(gramian: Tensor, norm_eps: float, reg_eps: float) -> list[list[float]]:
+    """The Gramian as :func:`project_weights` normalises it, in Python floats."""
+    rows = gramian.tolist()
+    m = len(rows)
+    g = [[(rows[i][j] + rows[j][i]) / 2 for j in range(m)] for i in range(m)]
+    trace = sum(g[i][i] for i in range(m))
+    scale = 1 / trace if trace > norm_eps else 0.0
+    g = [[x * scale for x in row] for row in g]
+    if reg_eps > 0:
+        renormalize = 1 / (sum(g[i][i] for i in range(m)) + m * reg_eps)
+        g = [
+            [(x + reg_eps * (i == j)) * renormalize for j, x in enumerate(row)]
+            for i, row in enumerate(g)
+        ]
+    return g
+
+
+def _project_on_host(
+    u: Tensor, gramian: Tensor, norm_eps: float, reg_eps: float, tol: float, dtype: torch.dtype
+) -> Tensor | None:
+    """:func:`project_weights` in Python floats for small CPU problems (``_host_pdas``), or
+    ``None`` when some problem needs the torch solvers."""
+    g = _normalized_on_host(gramian, norm_eps, reg_eps)
+    if not all(math.isfinite(x) for row in g for x in row):
+        return torch.full(u.shape, math.nan, dtype=dtype)
+    m = len(g)
+    flat = u.reshape(-1, m).tolist()
+    finite = [all(math.isfinite(x) for x in row) for row in flat]  # (max() skips some NaNs)
+    scales = [max(abs(x) for x in row) if ok else 1.0 for row, ok in zip(flat, finite)]
+    scales = [s if s > 0 else 1.0 for s in scales]  # a zero row stays zero
+    scaled = [[x / s for x in row] for row, s in zip(flat, scales)]
+    solved = solve_rows(g, [row for row, ok in zip(scaled, finite) if ok], tol)
+    if solved is None:
+        return None
+    pending = iter(solved)
+    rows = [
+        [x * s for x in next(pending)] if ok else [math.nan] * m for s, ok in zip(scales, finite)
+    ]
+    return torch.tensor(rows, dtype=torch.float64).reshape(u.shape).to(dtype)
+
+
 def project_weights(
     u: Tensor,
     gramian: Tensor,
@@ -341,7 +388,11 @@ def project_weights(
     rank) are re-solved by an exact batched Lawson-Hanson active set
     (``jacflow.linalg._lawson_hanson``), which keeps its passive columns linearly independent.
     Problems with ``G u >= 0`` need no projection (``v = u``); when this holds for every problem
-    (e.g. no negative entry in ``G`` and ``u >= 0``) nothing is solved.
+    (e.g. no negative entry in ``G`` and ``u >= 0``) nothing is solved. Small problems on the
+    CPU outside autograd (rows x m^3 at most 10^4, e.g. UPGrad with up to 10 objectives) run
+    ``"auto"``'s PDAS one problem at a time in Python floats (``jacflow.linalg._host_pdas``:
+    a batched torch solve costs some 200 dispatched operations there), with the same certificate;
+    a problem it cannot certify (e.g. a singular free block) sends them all to the route above.
 
     Accuracy. Computation is in float64 whatever the input dtype (the systems are small and
     float32 loses the active set on ill-conditioned Gramians); the result has the promoted
@@ -389,18 +440,22 @@ def project_weights(
     dtype = torch.promote_types(u.dtype, gramian.dtype)
     if m == 0 or u.numel() == 0:
         return u.detach().to(dtype).clone()
+    target, accept = default_tolerances(dtype, m) if tol is None else (float(tol), float(tol))
+    differentiable = torch.is_grad_enabled() and (gramian.requires_grad or u.requires_grad)
+    on_cpu = gramian.device.type == "cpu" and gramian.ndim == 2
+    small = u.numel() // m * m**3 <= _HOST_MAX_WORK
+    if on_cpu and small and not differentiable and method == "auto" and max_iter is None:
+        v = _project_on_host(u, gramian, norm_eps, reg_eps, target, dtype)
+        if v is not None:
+            return v
     g = gramian.to(torch.float64).reshape(-1, m, m)
     flat_u = u.to(torch.float64).reshape(g.shape[0], -1, m)
     g = normalize_gramian((g + g.mT) / 2, norm_eps)  # v^T G v only sees the symmetric part
     if reg_eps > 0:  # the solvers also work with trace 1: renormalise (same solution)
         g = normalize_gramian(regularize_gramian(g, reg_eps), 0.0)
-    tol, accept = default_tolerances(dtype, m) if tol is None else (float(tol), float(tol))
 
     def solve(flat_u: Tensor, g: Tensor) -> Tensor:
-        return _solve_finite(flat_u, g, method, max_iter, tol, accept)
+        return _solve_finite(flat_u, g, method, max_iter, target, accept)
 
-    if torch.is_grad_enabled() and (g.requires_grad or flat_u.requires_grad):
-        v = differentiable_projection(flat_u, g, solve)
-    else:
-        v = solve(flat_u, g)
+    v = differentiable_projection(flat_u, g, solve) if differentiable else solve(flat_u, g)
     return v.reshape(u.shape).to(dtype)
