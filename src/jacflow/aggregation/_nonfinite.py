@@ -5,17 +5,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from jacflow.linalg._gramian import has_nonfinite
 
-def has_nonfinite(stat: Tensor) -> bool:
-    """Whether ``stat`` holds a NaN or an infinity (one host sync).
-
-    Example:
-        >>> import torch
-        >>> from jacflow.aggregation._nonfinite import has_nonfinite
-        >>> has_nonfinite(torch.tensor([1.0, float("nan")]))
-        True
-    """
-    return not bool(torch.isfinite(stat).all())
+__all__ = ["has_nonfinite", "nan_weights", "propagate_nonfinite"]
 
 
 def nan_weights(m: int, like: Tensor) -> Tensor:

@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from jacflow.aggregation._bases import GramianWeightedAggregator, GramianWeighting
-from jacflow.aggregation._nonfinite import propagate_nonfinite
+from jacflow.aggregation._nonfinite import has_nonfinite, propagate_nonfinite
 from jacflow.aggregation._pref_vector import check_pref_vector, resolve_pref_vector
 from jacflow.aggregation._properties import Property
 from jacflow.linalg._projectors import DualConeProjector, TorchProjector
@@ -81,7 +81,7 @@ def upgrad_weights(gramian: Tensor, pref: Tensor, projector: DualConeProjector) 
             return two_objective_weights_on_host(gramian, pref)
         return propagate_nonfinite(two_objective_weights(gramian, pref), gramian)
     # (a negative diagonal entry, impossible for a Gramian, only means no short cut)
-    if bool(torch.isfinite(gramian).all()) and not bool((gramian < 0).any()):
+    if not has_nonfinite(gramian) and float(gramian.detach().amin()) >= 0:
         return pref
     return projector(torch.diag(pref), gramian).sum(dim=0)
 

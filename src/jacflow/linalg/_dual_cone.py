@@ -22,7 +22,7 @@ from torch import Tensor
 
 from jacflow.linalg._dual_pdas import active_systems_pay, dual_pdas_solve, safe_inverse
 from jacflow.linalg._first_order import admm_solve, fista_solve
-from jacflow.linalg._gramian import normalize_gramian, regularize_gramian
+from jacflow.linalg._gramian import has_nonfinite, normalize_gramian, regularize_gramian
 from jacflow.linalg._host_pdas import solve_rows
 from jacflow.linalg._implicit import differentiable_projection
 from jacflow.linalg._lawson_hanson import lawson_hanson_solve
@@ -302,7 +302,7 @@ def _solve_finite(
 ) -> Tensor:
     """Scale the rows of ``u``, solve, and give NaN rows where ``u`` or ``g`` is not finite."""
     bad = None
-    if not (bool(torch.isfinite(g).all()) and bool(torch.isfinite(flat_u).all())):
+    if has_nonfinite(g) or has_nonfinite(flat_u):
         bad_g = ~torch.isfinite(g).all(-1).all(-1)
         bad = ~torch.isfinite(flat_u).all(-1) | bad_g[:, None]
         g = torch.where(bad_g[:, None, None], torch.zeros_like(g), g)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
 import torch
@@ -87,3 +88,23 @@ def regularize_gramian(gramian: Tensor, eps: float) -> Tensor:
     m = gramian.shape[-1]
     eye = torch.eye(m, dtype=gramian.dtype, device=gramian.device)
     return gramian + eps * eye
+
+
+def has_nonfinite(tensor: Tensor) -> bool:
+    """Whether ``tensor`` holds a NaN or an infinity (one host sync).
+
+    A finite sum proves every entry finite (a NaN or an infinity makes the sum NaN or
+    infinite) at the cost of one reduction; only a non-finite sum (or an overflow) pays for the
+    entrywise test, several times dearer on a large Gramian.
+
+    Example:
+        >>> import torch
+        >>> from jacflow.linalg._gramian import has_nonfinite
+        >>> has_nonfinite(torch.tensor([1.0, float("nan")]))
+        True
+        >>> has_nonfinite(torch.tensor([3e38, 3e38]))  # the sum overflows, the entries do not
+        False
+    """
+    if math.isfinite(float(tensor.detach().sum())):
+        return False
+    return not bool(torch.isfinite(tensor).all())
