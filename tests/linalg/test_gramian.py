@@ -15,6 +15,7 @@ from jacflow.linalg import (
     project_weights,
     regularize_gramian,
 )
+from jacflow.linalg._gramian import has_nonfinite
 
 pytest.importorskip("quadprog")
 
@@ -61,3 +62,23 @@ def test_nonfinite_gramian_gives_nan_projections(bad: float, entry: tuple[int, i
         assert bool(DualProjWeighting(projector=projector)(G).isnan().all())
     for m in (2, 3):  # m = 2 takes UPGrad's closed form
         assert bool(UPGradWeighting()(G[:m, :m]).isnan().all())
+
+
+@settings(max_examples=60)
+@given(
+    shape=st.lists(st.integers(0, 5), min_size=1, max_size=3),
+    special=st.sampled_from([None, float("nan"), float("inf"), -float("inf"), 3e38, -3e38]),
+    dtype=st.sampled_from([torch.float32, torch.float64]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_has_nonfinite_is_the_entrywise_test(
+    shape: list[int], special: float | None, dtype: torch.dtype, seed: int
+) -> None:
+    """The sum shortcut answers as ``isfinite`` entrywise, also when finite entries overflow the
+    sum (float32: 3e38 + 3e38 = inf)."""
+    gen = torch.Generator().manual_seed(seed)
+    tensor = torch.randn(shape, generator=gen, dtype=dtype)
+    if special is not None and tensor.numel():
+        flat = tensor.view(-1)
+        flat[torch.randint(0, flat.numel(), (2,), generator=gen)] = special
+    assert has_nonfinite(tensor) == (not bool(torch.isfinite(tensor).all()))
