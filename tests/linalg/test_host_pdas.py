@@ -14,7 +14,7 @@ from torch import Tensor
 import jacflow.linalg._dual_cone as dual_cone
 from jacflow.linalg import project_weights
 from jacflow.linalg._dual_cone import project_weights_reference
-from jacflow.linalg._host_pdas import solve_row, solve_rows
+from jacflow.linalg._host_pdas import _lawson_hanson, solve_row, solve_rows
 from tests.linalg.test_dual_cone import assert_kkt, make_gramian, problems, upgrad_rows
 from tests.linalg.test_lawson_hanson import normalised
 
@@ -40,6 +40,27 @@ def test_certified_rows_solve_the_problem(problem: tuple[Tensor, Tensor]) -> Non
     ref = project_weights_reference(u[0], g[0])
     scale = max(1.0, float(ref.abs().max()), float(v.abs().max()))
     torch.testing.assert_close(v @ g[0], ref @ g[0], rtol=0, atol=1e-9 * scale)
+
+
+@settings(max_examples=40)
+@given(
+    m=st.integers(2, 10),
+    kind=st.sampled_from(["more_rows", "rank_deficient", "duplicated"]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_lawson_hanson_solves_degenerate_problems(m: int, kind: str, seed: int) -> None:
+    """More objectives than the rank (non-unique ``v``, a dual cone often reduced to 0), where
+    PDAS may stall: the Lawson-Hanson fallback alone certifies every UPGrad row, with the
+    reference's ``G v``."""
+    u, g = normalised(upgrad_rows(m), make_gramian(m, kind, 1.0, seed))
+    rows = g[0].tolist()
+    top = max(rows[i][i] for i in range(m))
+    for row, ref in zip(u[0], project_weights_reference(u[0], g[0])):
+        v = _lawson_hanson(rows, row.tolist(), 1e-12, 2 * top, 1e-10 * top)
+        assert v is not None
+        v_t = torch.tensor(v, dtype=torch.float64)
+        assert_kkt(v_t, row, g[0], rtol=1e-9)
+        torch.testing.assert_close(v_t @ g[0], ref @ g[0], rtol=0, atol=1e-9)
 
 
 @settings(max_examples=60)
@@ -90,17 +111,34 @@ def test_small_problems_take_the_python_route(monkeypatch: pytest.MonkeyPatch) -
         project_weights(upgrad_rows(6), gramian, method="pdas")
 
 
-def test_singular_free_block_hands_over() -> None:
-    """Duplicated rows make the free block singular: no certificate from Python floats, and
-    ``project_weights`` still returns the exact projection (from the torch solvers)."""
-    g = [[0.25, 0.25, -0.2], [0.25, 0.25, -0.2], [-0.2, -0.2, 0.5]]
-    assert solve_row(g, [0.0, 0.0, 1.0], 1e-12) is None
-    gramian = torch.tensor(g, dtype=torch.float64)
-    u = torch.tensor([[0.0, 0.0, 1.0]], dtype=torch.float64)
+def test_singular_free_blocks_are_solved() -> None:
+    """Duplicated objectives and a zero gradient make the free blocks singular: the dependent
+    columns are skipped and the result is the exact projection."""
+    j = torch.tensor([[1.0, 0.2, 0.0], [1.0, 0.2, 0.0], [-0.8, 0.5, 0.1], [0.0, 0.0, 0.0]])
+    gramian = (j @ j.T).double()
+    g = (gramian / gramian.trace()).tolist()
+    u = upgrad_rows(4)
+    solved = solve_rows(g, (u * 4).tolist(), 1e-12)
+    assert solved is not None  # no hand-over
     v = project_weights(u, gramian)
     assert_kkt(v, u, gramian)
     ref = project_weights_reference(u, gramian)
     torch.testing.assert_close(v @ gramian, ref @ gramian, rtol=0, atol=1e-12)
+
+
+def test_indefinite_block_hands_over() -> None:
+    """A matrix that is not PSD (no Gramian; e.g. a badly rounded one) gets no certificate from
+    Python floats: ``project_weights`` answers as the torch route does."""
+    g = [[0.5, -1.0], [-1.0, 0.5]]
+    assert solve_row(g, [1.0, 0.0], 1e-12) is None
+    gramian = torch.tensor(g, dtype=torch.float64)
+    u = torch.tensor([[1.0, 0.0]], dtype=torch.float64)
+    with pytest.warns(UserWarning):  # the torch route does not meet its tolerance either
+        v = project_weights(u, gramian)
+    with pytest.MonkeyPatch.context() as patch, pytest.warns(UserWarning):
+        _torch_route(patch)
+        batched = project_weights(u, gramian)
+    torch.testing.assert_close(v, batched, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])

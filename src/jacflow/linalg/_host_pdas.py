@@ -1,15 +1,20 @@
-"""PDAS in Python floats, for the small problems of a few objectives on the CPU.
+"""Exact solvers in Python floats, for the small problems of a few objectives on the CPU.
 
-With a handful of objectives (multi-task learning: m = 3 to 12) the batched torch solvers of
+With a handful of objectives (multi-task learning: m = 3 to 10) the batched torch solvers of
 ``_pdas`` spend their time dispatching some two hundred tensor operations (about 1.5 ms), not
-computing. This module runs the same primal-dual active-set iteration (see ``_pdas``) one
-problem at a time on Python floats: a step is one Cholesky factorisation of the free block (at
-most ``m^3 / 6`` multiply-adds) and one product with ``G``.
+computing. This module solves one problem at a time on Python floats:
 
-Every result is certified by ``_pdas``'s KKT residual. A problem the iteration cannot certify (a
-free block that is not numerically positive definite, as on singular Gramians; a cycle; the
-iteration cap) makes :func:`solve_rows` return ``None``, and the caller runs the torch solvers,
-which handle every case. Conventions as in ``_pdas``: ``g`` symmetric with trace 1 (or 0), each
+* the primal-dual active-set iteration of ``_pdas``: a step is one Cholesky factorisation of
+  the free block (at most ``m^3 / 6`` multiply-adds) and one product with ``G``. Singular
+  Gramians (duplicated objectives, zero gradients) make singular free blocks: their dependent
+  columns are skipped (the free systems are consistent);
+* where PDAS stalls (degenerate problems: more objectives than the rank of ``G``), the
+  Lawson-Hanson active set of ``_lawson_hanson``, which keeps its passive columns linearly
+  independent and terminates.
+
+Every result is certified by ``_pdas``'s KKT residual. A problem neither method certifies (an
+indefinite matrix, the iteration caps) makes :func:`solve_rows` return ``None``, and the caller
+runs the torch solvers. Conventions as in ``_pdas``: ``g`` symmetric with trace 1 (or 0), each
 ``u`` of max-norm 1 (or 0), float64 arithmetic.
 """
 
@@ -18,25 +23,34 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from itertools import repeat
-from operator import mul, sub, truediv
+from operator import add, mul, sub, truediv
 
 Matrix = Sequence[Sequence[float]]
 
 _MAX_ITER = 50
-# A free block is handed to the torch solvers when a squared Cholesky pivot falls below this
-# fraction of G's largest diagonal entry (a nearly singular block: they refine such solves).
+# A squared Cholesky pivot within this fraction of G's largest diagonal entry from 0 marks a
+# dependent column; one below minus that fraction, an indefinite block (for the torch solvers).
 _MIN_PIVOT = 1e-10
 
 
 def _cholesky(block: list[list[float]], floor: float) -> list[list[float]] | None:
-    """Lower Cholesky factor of ``block``, or ``None`` if a pivot is ``<= floor``."""
+    """Lower Cholesky factor of the PSD ``block``, skipping dependent columns; ``None`` if the
+    block is not PSD (a pivot below ``-floor``).
+
+    A pivot in ``[-floor, floor]`` marks a column (numerically) in the span of the previous
+    ones (duplicated objectives, a zero gradient): its factor column stays zero, and
+    :func:`_cholesky_solve` sets its unknown to 0. The free systems are consistent (their
+    right-hand side lies in the range of ``G_FF``), so the other unknowns still solve them.
+    """
     n = len(block)
     factor = [[0.0] * n for _ in range(n)]
     for j in range(n):
         row_j = factor[j]
         pivot = block[j][j] - sum(map(mul, row_j[:j], row_j[:j]))
-        if not pivot > floor:
+        if pivot < -floor:
             return None
+        if pivot <= floor:
+            continue  # a dependent column: row j keeps a zero diagonal
         root = math.sqrt(pivot)
         row_j[j] = root
         for i in range(j + 1, n):
@@ -46,15 +60,18 @@ def _cholesky(block: list[list[float]], floor: float) -> list[list[float]] | Non
 
 
 def _cholesky_solve(factor: list[list[float]], rhs: list[float]) -> list[float]:
-    """Solve ``L L^T x = rhs`` by forward and back substitution."""
+    """Solve ``L L^T x = rhs`` by forward and back substitution, with ``x_j = 0`` where the
+    diagonal of ``L`` is zero (the dependent columns of :func:`_cholesky`)."""
     n = len(rhs)
     y = [0.0] * n
     for i in range(n):
         row = factor[i]
-        y[i] = (rhs[i] - sum(map(mul, row[:i], y[:i]))) / row[i]
+        if row[i] != 0.0:
+            y[i] = (rhs[i] - sum(map(mul, row[:i], y[:i]))) / row[i]
     x = [0.0] * n
     for i in reversed(range(n)):
-        x[i] = (y[i] - sum(factor[k][i] * x[k] for k in range(i + 1, n))) / factor[i][i]
+        if factor[i][i] != 0.0:
+            x[i] = (y[i] - sum(factor[k][i] * x[k] for k in range(i + 1, n))) / factor[i][i]
     return x
 
 
@@ -77,7 +94,9 @@ def solve_row(g: Matrix, u: Sequence[float], tol: float) -> list[float] | None:
         >>> [round(x, 12) for x in solve_row([[0.2, -0.2], [-0.2, 0.8]], [1.0, 0.0], 1e-12)]
         [1.0, 0.25]
         >>> g = [[0.25, 0.25, -0.2], [0.25, 0.25, -0.2], [-0.2, -0.2, 0.5]]  # duplicated rows
-        >>> solve_row(g, [0.0, 0.0, 1.0], 1e-12) is None  # a singular free block: for torch
+        >>> [round(x, 12) for x in solve_row(g, [0.0, 0.0, 1.0], 1e-12)]
+        [0.8, 0.0, 1.0]
+        >>> solve_row([[0.5, -1.0], [-1.0, 0.5]], [1.0, 0.0], 1e-12) is None  # not PSD: for torch
         True
     """
     solved = solve_rows(g, [u], tol)
@@ -110,6 +129,61 @@ def _pdas(g: Matrix, u: Sequence[float], tol: float, c: float, floor: float) -> 
     return None
 
 
+def _lawson_hanson(
+    g: Matrix, u: Sequence[float], tol: float, c: float, floor: float
+) -> list[float] | None:
+    """Lawson-Hanson on ``x = v - u >= 0``: grow the passive set by the most negative
+    multiplier whose column is independent of it, solve on it, step back to feasibility."""
+    m = len(u)
+    gu = [sum(map(mul, row, u)) for row in g]
+    x = [0.0] * m
+    passive: list[int] = []
+    skipped: set[int] = set()
+
+    def solve_on(indices: list[int]) -> list[float] | None:
+        factor = _cholesky([[g[i][j] for j in indices] for i in indices], floor)
+        if factor is None or factor[-1][-1] == 0.0:  # not PSD, or the last column dependent
+            return None
+        return _cholesky_solve(factor, [-gu[i] for i in indices])
+
+    for _ in range(_MAX_ITER):
+        v = list(map(add, u, x))
+        lam = _multipliers(g, v)
+        if _residual(v, u, lam, c) <= tol:
+            return list(map(max, v, u))
+        out = set(passive) | skipped
+        candidates = [j for j in range(m) if j not in out and lam[j] < 0]
+        if not candidates:
+            return None
+        grown = [*passive, min(candidates, key=lam.__getitem__)]
+        z = solve_on(grown)
+        if z is None:  # in the span of the passive columns: only rounding made it a candidate
+            skipped.add(grown[-1])
+            continue
+        passive, skipped = grown, set()
+        for _ in range(_MAX_ITER):
+            if all(zi > 0 for zi in z):
+                x = [0.0] * m
+                for i, zi in zip(passive, z):
+                    x[i] = zi
+                break
+            ratios = {i: x[i] / (x[i] - zi) for i, zi in zip(passive, z) if zi <= 0}
+            alpha = min(ratios.values())
+            for i, zi in zip(passive, z):
+                x[i] += alpha * (zi - x[i])
+            for i, ratio in ratios.items():
+                if ratio <= alpha:
+                    x[i] = 0.0  # exactly: rounding may leave it at +-1e-17
+            passive = [i for i in passive if x[i] > 0]
+            x = [xi if i in passive else 0.0 for i, xi in enumerate(x)]
+            if not passive:
+                break
+            z = solve_on(passive)
+            if z is None:
+                return None
+    return None
+
+
 def solve_rows(g: Matrix, rows: Sequence[Sequence[float]], tol: float) -> list[list[float]] | None:
     """:func:`solve_row` for each row of ``rows``; ``None`` as soon as one is not certified."""
     top = max((g[i][i] for i in range(len(g))), default=0.0)
@@ -117,6 +191,8 @@ def solve_rows(g: Matrix, rows: Sequence[Sequence[float]], tol: float) -> list[l
     solved = []
     for u in rows:
         v = _pdas(g, u, tol, c, _MIN_PIVOT * top)
+        if v is None:  # a degenerate problem (PDAS stalls): the exact active set
+            v = _lawson_hanson(g, u, tol, c, _MIN_PIVOT * top)
         if v is None:
             return None
         solved.append(v)
