@@ -391,8 +391,9 @@ def project_weights(
     (e.g. no negative entry in ``G`` and ``u >= 0``) nothing is solved. Small problems on the
     CPU outside autograd (rows x m^3 at most 10^4, e.g. UPGrad with up to 10 objectives) run
     ``"auto"``'s PDAS one problem at a time in Python floats (``jacflow.linalg._host_pdas``:
-    a batched torch solve costs some 200 dispatched operations there), with the same certificate;
-    a problem it cannot certify (e.g. a singular free block) sends them all to the route above.
+    a batched torch solve costs some 200 dispatched operations there; exact Lawson-Hanson where
+    PDAS stalls), with the same certificate; a problem it cannot certify (e.g. a matrix that is
+    not PSD) sends them all to the route above.
 
     Accuracy. Computation is in float64 whatever the input dtype (the systems are small and
     float32 loses the active set on ill-conditioned Gramians); the result has the promoted
