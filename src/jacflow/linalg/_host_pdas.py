@@ -188,11 +188,12 @@ def solve_rows(g: Matrix, rows: Sequence[Sequence[float]], tol: float) -> list[l
     """:func:`solve_row` for each row of ``rows``; ``None`` as soon as one is not certified."""
     top = max((g[i][i] for i in range(len(g))), default=0.0)
     c = 2 * top if top > 0 else 1.0  # as _pdas.multiplier_scale
+    floor = _MIN_PIVOT * top
     solved = []
     for u in rows:
-        v = _pdas(g, u, tol, c, _MIN_PIVOT * top)
+        v = _pdas(g, u, tol, c, floor)
         if v is None:  # a degenerate problem (PDAS stalls): the exact active set
-            v = _lawson_hanson(g, u, tol, c, _MIN_PIVOT * top)
+            v = _lawson_hanson(g, u, tol, c, floor)
         if v is None:
             return None
         solved.append(v)
