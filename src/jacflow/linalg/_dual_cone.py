@@ -26,7 +26,7 @@ from jacflow.linalg._gramian import has_nonfinite, normalize_gramian, regularize
 from jacflow.linalg._host_pdas import solve_rows
 from jacflow.linalg._implicit import differentiable_projection
 from jacflow.linalg._lawson_hanson import lawson_hanson_solve
-from jacflow.linalg._pdas import kkt_residual, multiplier_scale, pdas_solve
+from jacflow.linalg._pdas import kkt_residual, multiplier_scale, pdas_solve, times_gramian
 
 
 def _solve_nonnegative_qp(q: Tensor, c: Tensor, max_iter: int) -> Tensor:
@@ -257,7 +257,7 @@ def _solve(
     """Solve the normalised problems (float64, ``u`` ``[B, k, m]``, ``g`` ``[B, m, m]``) to the
     residual ``tol``; warn about those left above ``accept``."""
     c = multiplier_scale(g)
-    lam = 2 * torch.bmm(u, g)
+    lam = 2 * times_gramian(u, g)
     residual = kkt_residual(u, u, lam, c)
     if bool((residual <= tol).all()):  # nothing conflicts: v = u solves every problem
         return u
