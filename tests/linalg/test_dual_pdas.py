@@ -14,7 +14,13 @@ from torch.func import functional_call, grad, vmap
 from jacflow.linalg import _dual_pdas as dual_pdas
 from jacflow.linalg import project_weights
 from jacflow.linalg._dual_cone import project_weights_reference
-from jacflow.linalg._dual_pdas import _step, active_systems_pay, dual_pdas_solve, safe_inverse
+from jacflow.linalg._dual_pdas import (
+    _step,
+    active_systems_pay,
+    distinct_rows,
+    dual_pdas_solve,
+    safe_inverse,
+)
 from jacflow.linalg._pdas import (
     _solve_free,
     kkt_residual,
@@ -166,3 +172,70 @@ def test_inverse_only_for_safely_positive_definite_gramians() -> None:
     inverse = safe_inverse(regular)
     assert inverse is not None
     torch.testing.assert_close(inverse @ regular, torch.eye(8, dtype=torch.float64)[None])
+
+
+@settings(max_examples=40)
+@given(
+    m=st.integers(1, 40),
+    patterns=st.integers(1, 8),
+    problems=st.integers(1, 80),
+    batch=st.integers(1, 3),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_distinct_rows_group_equal_rows(
+    m: int, patterns: int, problems: int, batch: int, seed: int
+) -> None:
+    """Rows drawn from a few patterns: each row's representative is an equal row of the same
+    Gramian, one per distinct (row, Gramian); ``None`` only when more than 3/4 are distinct."""
+    gen = torch.Generator().manual_seed(seed)
+    pool = torch.rand(patterns, m, generator=gen) < 0.5
+    mask = pool[torch.randint(0, patterns, (problems,), generator=gen)]
+    which = torch.randint(0, batch, (problems,), generator=gen) if batch > 1 else None
+    labelled = mask if which is None else torch.cat([mask, which[:, None] == torch.arange(3)], 1)
+    distinct = torch.unique(labelled, dim=0).shape[0]
+    shared = distinct_rows(mask, which)
+    if shared is None:
+        assert distinct > 0.75 * problems
+        return
+    first, owner = shared
+    assert first.numel() == distinct  # no collision of keys in these draws
+    torch.testing.assert_close(mask[first][owner], mask, rtol=0, atol=0)
+    if which is not None:
+        torch.testing.assert_close(which[first][owner], which, rtol=0, atol=0)
+
+
+@settings(max_examples=25)
+@given(
+    m=st.integers(2, 50),
+    patterns=st.integers(1, 4),
+    batch=st.integers(1, 2),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_shared_factorisations_give_the_same_step(
+    m: int, patterns: int, batch: int, seed: int
+) -> None:
+    """Problems with repeated active sets (shared factorisations) get the iterate each would get
+    alone."""
+    gen = torch.Generator().manual_seed(seed)
+    gs, inverses = [], []
+    for b in range(batch):
+        u, g = normalised(upgrad_rows(m), make_gramian(m, "psd", 1.0, seed + b))
+        inverse = safe_inverse(g)
+        assert inverse is not None
+        gs.append(g)
+        inverses.append(inverse)
+    u = u.expand(batch, m, m)
+    inverse = torch.cat(inverses)
+    pool = torch.rand(patterns, m, generator=gen) < 0.4
+    active = pool[torch.randint(0, patterns, (batch, m), generator=gen)]
+    counts = active.sum(-1)
+    padded = pad_identity(inverse)
+    which = torch.arange(batch).repeat_interleave(m) if batch > 1 else None
+    if m >= 6:  # at most 4 sets per Gramian: at most 3/4 of the problems are distinct
+        assert distinct_rows(active.reshape(-1, m), which) is not None
+    alone = _step(u, inverse, padded, active, counts)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(dual_pdas, "_MIN_SHARED", 0)  # share even among few problems
+        shared = _step(u, inverse, padded, active, counts, share=True)
+    assert alone is not None and shared is not None
+    torch.testing.assert_close(shared, alone, rtol=0, atol=1e-12)

@@ -19,6 +19,8 @@ returned as they are, for another method to take. Conventions as in ``_pdas``.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
@@ -30,6 +32,10 @@ _INVERSE_MIN_PIVOT = 1e-8
 # A step gives up when its batched Cholesky (problems x s^3) would cost more: the active sets
 # are then too large for the inverse to pay off against the primal methods.
 _MAX_STEP_FLOP = 3e7
+# Active sets are factorised once per distinct set when at most this fraction of them is
+# distinct (finding them costs about as much as factorising a quarter of the problems).
+_MAX_DISTINCT = 0.75
+_MIN_SHARED = 100  # problems from which looking for shared active sets pays (LAPACK per block)
 
 
 def safe_inverse(g: Tensor) -> Tensor | None:
@@ -64,21 +70,71 @@ def _cheap(counts: Tensor) -> bool:
     return counts.numel() * int(counts.amax()) ** 3 <= _MAX_STEP_FLOP
 
 
+@functools.lru_cache(maxsize=8)
+def _hash_weights(m: int, device: torch.device) -> Tensor:
+    generator = torch.Generator().manual_seed(m)
+    return torch.randint(1, 2**32, (m,), generator=generator, dtype=torch.int64).to(device)
+
+
+def distinct_rows(mask: Tensor, which: Tensor | None) -> tuple[Tensor, Tensor] | None:
+    """``(first, owner)``: one representative row of each distinct key of the rows of ``mask``
+    ``[N, m]``, and the representative of each row; ``None`` when too few keys repeat for
+    sharing to pay.
+
+    A row's key is the sum of fixed random 32-bit integers over its true entries (exact, so
+    equal rows have equal keys), offset per Gramian ``which``. Distinct rows almost never share
+    a key, and rows are not compared: a problem given another's active set gets a wrong iterate,
+    which the check of every result against ``G`` rejects like any other.
+
+    Example:
+        >>> import torch
+        >>> from jacflow.linalg._dual_pdas import distinct_rows
+        >>> mask = torch.tensor([[1, 0], [1, 0], [1, 0], [0, 1]], dtype=torch.bool)
+        >>> first, owner = distinct_rows(mask, None)
+        >>> bool((mask[first][owner] == mask).all()), first.numel()
+        (True, 2)
+    """
+    n, m = mask.shape
+    keys = (mask * _hash_weights(m, mask.device)).sum(-1)  # below m 2^32
+    if which is not None:
+        if int(which.amax()) >= 2**62 // (m << 32):  # the offsets would overflow
+            return None
+        keys = keys + which * (m << 32)
+    distinct, owner = torch.unique(keys, return_inverse=True)
+    if distinct.numel() > _MAX_DISTINCT * n:
+        return None
+    rows = torch.arange(n, device=owner.device)
+    return owner.new_empty(distinct.numel()).scatter_(0, owner, rows), owner
+
+
 def _step(
-    u: Tensor, inverse: Tensor, padded: Tensor, active: Tensor, counts: Tensor
+    u: Tensor, inverse: Tensor, padded: Tensor, active: Tensor, counts: Tensor, share: bool = False
 ) -> tuple[Tensor, Tensor] | None:
     """``(v, mu)`` of one dual step for every problem (``counts`` active constraints each);
-    ``None`` if some ``H_AA`` is not numerically positive definite."""
+    ``None`` if some ``H_AA`` is not numerically positive definite. ``padded`` is
+    ``pad_identity(inverse, extra)`` with ``extra`` at least the largest count."""
     b, k, m = u.shape
     flat_active, counts = active.reshape(b * k, m), counts.reshape(b * k)
     size = int(counts.amax())
     if size == 0:  # nothing binds: mu = 0
         return torch.zeros_like(u), torch.zeros_like(u)
-    order, valid = first_slots(flat_active, size)
     which = None if b == 1 else torch.arange(b, device=u.device).repeat_interleave(k)
-    factor, info = torch.linalg.cholesky_ex(gather_blocks(padded, which, order, counts))
+    # Problems with the same active set (and Gramian) share one factorisation: per-sample
+    # conflicts cluster (e.g. by class), so that the first guesses often repeat.
+    shared = distinct_rows(flat_active, which) if share and b * k >= _MIN_SHARED else None
+    sets, set_counts, set_which = flat_active, counts, which
+    if shared is not None:
+        sets, set_counts = flat_active.index_select(0, shared[0]), counts.index_select(0, shared[0])
+        set_which = None if which is None else which.index_select(0, shared[0])
+    order, valid = first_slots(sets, size)
+    factor, info = torch.linalg.cholesky_ex(gather_blocks(padded, set_which, order, set_counts))
     if bool(info.any()):
         return None
+    if shared is not None:
+        owner = shared[1]
+        order, valid = order.index_select(0, owner), valid.index_select(0, owner)
+        # in LAPACK's column-major layout, which cholesky_solve then uses without a copy
+        factor = factor.mT.index_select(0, owner).mT
     rhs = u.reshape(b * k, m).gather(1, order).masked_fill_(~valid, 0.0)
     mu_active = torch.cholesky_solve(rhs[..., None], factor).squeeze(-1)
     mu = u.new_zeros(b * k, m).scatter_(1, order, mu_active.masked_fill_(~valid, 0.0))
@@ -117,16 +173,19 @@ def dual_pdas_solve(
         tensor([[[1.0000, 0.2500]]], dtype=torch.float64)
     """
     lam, residual, c = start
-    padded = pad_identity(inverse)
+    padded = inverse[:, :0, :0]  # padded on demand, with room for active sets to grow
     v = u
     active = lam > 0  # PDAS's first guess at v = u
     slots = torch.arange(u.shape[1], device=u.device)  # the problem slots still iterated
     pending_u = u
-    for _ in range(max_iter):
+    for iteration in range(max_iter):
         counts = active.sum(-1)
         if not _cheap(counts):  # the active sets grew large: the primal methods take over
             break
-        step = _step(pending_u, inverse, padded, active, counts)
+        size = int(counts.amax())
+        if padded.shape[-1] < u.shape[-1] + size:
+            padded = pad_identity(inverse, min(u.shape[-1], 2 * size))
+        step = _step(pending_u, inverse, padded, active, counts, share=iteration == 0)
         if step is None:
             break
         pending_v, mu = step
