@@ -42,7 +42,7 @@ def test_gather_blocks_is_the_indexed_block(
     which = torch.randint(0, batch, (problems,), generator=gen)
     padded = pad_identity(g) if default_pad else pad_identity(g, size + spare)
     assert padded.shape[-1] == (2 * m if default_pad else m + size + spare)
-    blocks = gather_blocks(padded, which if batch > 1 else None, slots, valid.sum(-1))
+    blocks = gather_blocks(padded, which if batch > 1 else None, slots, valid)
     for n in range(problems):
         used = slots[n, valid[n]]
         expected = torch.eye(size, dtype=torch.float64)

@@ -63,11 +63,8 @@ def safe_inverse(g: Tensor) -> Tensor | None:
 def active_systems_pay(counts: Tensor, m: int) -> bool:
     """Whether the active systems (``counts`` constraints per problem) are smaller than the free
     ones, and cheap: the test of the first guess, before any inverse is computed."""
-    return int(counts.amax()) < m - int(counts.amin()) and _cheap(counts)
-
-
-def _cheap(counts: Tensor) -> bool:
-    return counts.numel() * int(counts.amax()) ** 3 <= _MAX_STEP_FLOP
+    low, high = (int(x) for x in torch.aminmax(counts))
+    return high < m - low and counts.numel() * high**3 <= _MAX_STEP_FLOP
 
 
 @functools.lru_cache(maxsize=8)
@@ -108,26 +105,30 @@ def distinct_rows(mask: Tensor, which: Tensor | None) -> tuple[Tensor, Tensor] |
 
 
 def _step(
-    u: Tensor, inverse: Tensor, padded: Tensor, active: Tensor, counts: Tensor, share: bool = False
+    u: Tensor,
+    inverse: Tensor,
+    padded: Tensor,
+    active: Tensor,
+    size: int,
+    share: bool = False,
 ) -> tuple[Tensor, Tensor] | None:
-    """``(v, mu)`` of one dual step for every problem (``counts`` active constraints each);
-    ``None`` if some ``H_AA`` is not numerically positive definite. ``padded`` is
-    ``pad_identity(inverse, extra)`` with ``extra`` at least the largest count."""
+    """``(v, mu)`` of one dual step for every problem (at most ``size`` active constraints
+    each); ``None`` if some ``H_AA`` is not numerically positive definite. ``padded`` is
+    ``pad_identity(inverse, extra)`` with ``extra >= size``."""
     b, k, m = u.shape
-    flat_active, counts = active.reshape(b * k, m), counts.reshape(b * k)
-    size = int(counts.amax())
     if size == 0:  # nothing binds: mu = 0
         return torch.zeros_like(u), torch.zeros_like(u)
+    flat_active = active.reshape(b * k, m)
     which = None if b == 1 else torch.arange(b, device=u.device).repeat_interleave(k)
     # Problems with the same active set (and Gramian) share one factorisation: per-sample
     # conflicts cluster (e.g. by class), so that the first guesses often repeat.
     shared = distinct_rows(flat_active, which) if share and b * k >= _MIN_SHARED else None
-    sets, set_counts, set_which = flat_active, counts, which
+    sets, set_which = flat_active, which
     if shared is not None:
-        sets, set_counts = flat_active.index_select(0, shared[0]), counts.index_select(0, shared[0])
+        sets = flat_active.index_select(0, shared[0])
         set_which = None if which is None else which.index_select(0, shared[0])
     order, valid = first_slots(sets, size)
-    factor, info = torch.linalg.cholesky_ex(gather_blocks(padded, set_which, order, set_counts))
+    factor, info = torch.linalg.cholesky_ex(gather_blocks(padded, set_which, order, valid))
     if bool(info.any()):
         return None
     if shared is not None:
@@ -136,9 +137,10 @@ def _step(
         # in LAPACK's column-major layout, which cholesky_solve then uses without a copy
         factor = factor.mT.index_select(0, owner).mT
     rhs = u.reshape(b * k, m).gather(1, order).masked_fill_(~valid, 0.0)
+    # The blocks are [[H_AA, 0], [0, I]] and the unused right-hand sides 0: so are their mu,
+    # exactly, and the scatter writes zeros there.
     mu_active = torch.cholesky_solve(rhs[..., None], factor).squeeze(-1)
-    mu = u.new_zeros(b * k, m).scatter_(1, order, mu_active.masked_fill_(~valid, 0.0))
-    mu = mu.reshape(b, k, m)
+    mu = u.new_zeros(b * k, m).scatter_(1, order, mu_active).reshape(b, k, m)
     return torch.where(active, u, torch.bmm(mu, inverse)), mu
 
 
@@ -176,27 +178,28 @@ def dual_pdas_solve(
     padded = inverse[:, :0, :0]  # padded on demand, with room for active sets to grow
     v = u
     active = lam > 0  # PDAS's first guess at v = u
-    slots = torch.arange(u.shape[1], device=u.device)  # the problem slots still iterated
+    slots = None  # the problem slots still iterated (None: all)
     pending_u = u
     for iteration in range(max_iter):
-        counts = active.sum(-1)
-        if not _cheap(counts):  # the active sets grew large: the primal methods take over
-            break
-        size = int(counts.amax())
+        size = int(active.sum(-1).amax())
+        if active.shape[0] * active.shape[1] * size**3 > _MAX_STEP_FLOP:
+            break  # the active sets grew large: the primal methods take over
         if padded.shape[-1] < u.shape[-1] + size:
             padded = pad_identity(inverse, min(u.shape[-1], 2 * size))
-        step = _step(pending_u, inverse, padded, active, counts, share=iteration == 0)
+        step = _step(pending_u, inverse, padded, active, size, share=iteration == 0)
         if step is None:
             break
         pending_v, mu = step
-        v = pending_v if slots.numel() == u.shape[1] else v.index_copy(1, slots, pending_v)
+        v = pending_v if slots is None else v.index_copy(1, slots, pending_v)
         following = torch.where(active, mu > 0, pending_v < pending_u)
         moving = (following != active).any(-1).any(0)  # slots whose guess changed somewhere
-        if not bool(moving.any()):
+        count = int(moving.sum())
+        if count == 0:
             break
-        if not bool(moving.all()):
+        if count < moving.numel():
             index = moving.nonzero().squeeze(1)
-            slots, pending_u, following = slots[index], pending_u[:, index], following[:, index]
+            slots = index if slots is None else slots[index]
+            pending_u, following = pending_u[:, index], following[:, index]
         active = following
     if v is u:
         return u, residual

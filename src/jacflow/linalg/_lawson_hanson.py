@@ -192,8 +192,9 @@ def lawson_hanson_solve(
             )
             kept_slots = torch.gather(slots[index], 1, order)
             kept_count = passive[index].sum(-1)
+            used = slot_range < kept_count[:, None]
             factor, info = torch.linalg.cholesky_ex(
-                gather_blocks(padded, which[index], kept_slots, kept_count)
+                gather_blocks(padded, which[index], kept_slots, used)
             )
             failed = info != 0  # cannot happen for a subset of an independent set; stop them
             slots[index], count[index] = kept_slots, kept_count

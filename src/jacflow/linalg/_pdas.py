@@ -42,7 +42,7 @@ _SCALED_ROWS_MIN_M = 96  # below, the product u G costs less than finding u's no
 def multiplier_scale(g: Tensor) -> Tensor:
     """``c = 2 max_i G_ii`` per Gramian, ``[B, 1, 1]``: puts ``lam / c`` in the units of ``v``."""
     c = 2 * g.diagonal(dim1=-2, dim2=-1).amax(-1)
-    return torch.where(c > 0, c, torch.ones_like(c))[:, None, None]
+    return torch.where(c > 0, c, 1.0).reshape(-1, 1, 1)
 
 
 def times_gramian(u: Tensor, g: Tensor) -> Tensor:
@@ -66,6 +66,21 @@ def times_gramian(u: Tensor, g: Tensor) -> Tensor:
         return torch.bmm(u, g)
     index = nonzero.to(torch.uint8).argmax(-1, keepdim=True)  # a zero row: 0, with weight 0
     return u.gather(-1, index) * g.gather(1, index.expand(-1, -1, m))
+
+
+def start_residual(lam: Tensor, c: Tensor) -> Tensor:
+    """:func:`kkt_residual` at ``v = u`` for rows ``u`` of max-norm 1 or 0, with fewer
+    operations: the natural residual is then ``max_i max(0, -lam_i) / c`` and the scale 1.
+
+    Example:
+        >>> import torch
+        >>> from jacflow.linalg._pdas import kkt_residual, start_residual
+        >>> u, lam = torch.tensor([[[1.0, 0.0]]]), torch.tensor([[[0.5, -0.25]]])
+        >>> c = torch.ones(1, 1, 1)
+        >>> start_residual(lam, c), kkt_residual(u, u, lam, c)
+        (tensor([[0.2500]]), tensor([[0.2500]]))
+    """
+    return lam.neg().clamp_min(0).amax(-1) / c[..., 0]
 
 
 def kkt_residual(v: Tensor, u: Tensor, lam: Tensor, c: Tensor) -> Tensor:
@@ -115,17 +130,17 @@ def pad_identity(g: Tensor, extra: int | None = None) -> Tensor:
     return padded
 
 
-def gather_blocks(padded: Tensor, which: Tensor | None, slots: Tensor, count: Tensor) -> Tensor:
+def gather_blocks(padded: Tensor, which: Tensor | None, slots: Tensor, used: Tensor) -> Tensor:
     """``G[slots, slots]`` per problem, the identity on the unused slots: ``[N, S, S]``.
 
     ``padded`` is :func:`pad_identity` of the Gramians with ``extra >= S``, ``which`` the
-    Gramian of each problem (``None``: the first), ``slots`` ``[N, S]`` with the first ``count``
-    of each row used.
+    Gramian of each problem (``None``: the first), ``slots`` ``[N, S]`` and ``used`` (bool,
+    ``[N, S]``) the slots in use, which come first in each row.
     """
     side = padded.shape[-1]
     n, size = slots.shape
-    positions = torch.arange(size, device=slots.device)
-    index = torch.where(positions < count[:, None], slots, side - size + positions)  # identity
+    positions = torch.arange(side - size, side, device=slots.device)
+    index = torch.where(used, slots, positions)  # unused slots: the identity part
     if padded.numel() < 2**31:  # 32-bit indices: the index arithmetic is about twice as fast
         index = index.to(torch.int32)
         which = None if which is None else which.to(torch.int32)
@@ -160,7 +175,7 @@ def _solve_free(u: Tensor, g: Tensor, active: Tensor, padded: Tensor | None = No
     order, valid = first_slots(flat_free, s)
     batch = torch.arange(b, device=u.device).repeat_interleave(k)
     padded = pad_identity(g) if padded is None else padded
-    system = gather_blocks(padded, batch, order, valid.sum(-1))  # free entries first
+    system = gather_blocks(padded, batch, order, valid)  # free entries first
     shift = _SHIFT * s * g.diagonal(dim1=-2, dim2=-1).amax(-1).clamp_min(1e-300)[batch]
     shift = shift[:, None] * valid.to(system.dtype)
     system.diagonal(dim1=-2, dim2=-1).add_(shift)
