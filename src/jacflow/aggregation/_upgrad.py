@@ -80,8 +80,9 @@ def upgrad_weights(gramian: Tensor, pref: Tensor, projector: DualConeProjector) 
         if on_cpu and not (gramian.requires_grad or pref.requires_grad):
             return two_objective_weights_on_host(gramian, pref)
         return propagate_nonfinite(two_objective_weights(gramian, pref), gramian)
-    # (a negative diagonal entry, impossible for a Gramian, only means no short cut)
-    if not has_nonfinite(gramian) and float(gramian.detach().amin()) >= 0:
+    # (a negative diagonal entry, impossible for a Gramian, only means no short cut; the
+    # minimum is NaN or -inf where some entry is, and the projector gives the NaN weights)
+    if float(gramian.detach().amin()) >= 0 and not has_nonfinite(gramian):
         return pref
     return projector(torch.diag(pref), gramian).sum(dim=0)
 

@@ -26,7 +26,12 @@ from jacflow.linalg._gramian import has_nonfinite, normalize_gramian, regularize
 from jacflow.linalg._host_pdas import solve_rows
 from jacflow.linalg._implicit import differentiable_projection
 from jacflow.linalg._lawson_hanson import lawson_hanson_solve
-from jacflow.linalg._pdas import kkt_residual, multiplier_scale, pdas_solve, times_gramian
+from jacflow.linalg._pdas import (
+    multiplier_scale,
+    pdas_solve,
+    start_residual,
+    times_gramian,
+)
 
 
 def _solve_nonnegative_qp(q: Tensor, c: Tensor, max_iter: int) -> Tensor:
@@ -214,9 +219,9 @@ def _unsolved_by(
 ) -> tuple[Tensor, Tensor]:
     """Run ``solver`` on the problem slots some Gramian of the batch left above ``tol``; keep
     the better iterate of each problem."""
-    rows = (residual > tol).any(0).nonzero().flatten()
-    if rows.numel() == 0:
+    if float(residual.amax()) <= tol:
         return v, residual
+    rows = (residual > tol).any(0).nonzero().flatten()
     again, again_residual = solver(u[:, rows])
     better = (again_residual < residual[:, rows])[..., None]
     v = v.index_copy(1, rows, torch.where(better, again, v[:, rows]))
@@ -258,8 +263,8 @@ def _solve(
     residual ``tol``; warn about those left above ``accept``."""
     c = multiplier_scale(g)
     lam = 2 * times_gramian(u, g)
-    residual = kkt_residual(u, u, lam, c)
-    if bool((residual <= tol).all()):  # nothing conflicts: v = u solves every problem
+    residual = start_residual(lam, c)
+    if float(residual.amax()) <= tol:  # nothing conflicts: v = u solves every problem
         return u
     m = u.shape[-1]
     dual = None  # (v, residual) of the dual route
@@ -284,9 +289,10 @@ def _solve(
         v, residual = chosen(u, (lam, residual))
     else:
         v, residual = _unsolved_by(chosen, u, *dual, tol)
-    if max_iter is None and not bool((residual <= accept).all()):  # a cap: this method only
-        v, residual = _exact_fallback(u, g, v, residual, tol, accept)
     worst = float(residual.amax())
+    if max_iter is None and not worst <= accept:  # a cap: this method only
+        v, residual = _exact_fallback(u, g, v, residual, tol, accept)
+        worst = float(residual.amax())
     if not worst <= accept:
         warnings.warn(
             f"`project_weights` (method={method!r}) stopped with a KKT residual of {worst:.2e} "
@@ -311,6 +317,23 @@ def _solve_finite(
     scale = torch.where(scale > 0, scale, 1.0)
     v = _solve(flat_u / scale, g, method, max_iter, tol, accept) * scale
     return v if bad is None else torch.where(bad[..., None], torch.full_like(v, float("nan")), v)
+
+
+def _normalized(g: Tensor, norm_eps: float, reg_eps: float, one_sync: bool) -> Tensor:
+    """The symmetric part of ``g`` ``[B, m, m]`` (``v^T G v`` only sees it) divided by its
+    trace, plus ``reg_eps I`` renormalised to trace 1 (same solution), as
+    :func:`project_weights` documents. ``one_sync``: for one Gramian outside autograd, the trace
+    is read on the host and the guards of ``normalize_gramian`` become a Python test (same
+    result, 3 operations instead of 13)."""
+    if one_sync and reg_eps == 0:
+        trace = float(g.diagonal(dim1=-2, dim2=-1).sum())
+        if trace > norm_eps or not math.isfinite(trace):
+            return (g + g.mT) * (0.5 / trace)
+        return torch.zeros_like(g)
+    g = normalize_gramian((g + g.mT) / 2, norm_eps)
+    if reg_eps > 0:
+        g = normalize_gramian(regularize_gramian(g, reg_eps), 0.0)
+    return g
 
 
 def _normalized_on_host(gramian: Tensor, norm_eps: float, reg_eps: float) -> list[list[float]]:
@@ -451,9 +474,7 @@ def project_weights(
             return v
     g = gramian.to(torch.float64).reshape(-1, m, m)
     flat_u = u.to(torch.float64).reshape(g.shape[0], -1, m)
-    g = normalize_gramian((g + g.mT) / 2, norm_eps)  # v^T G v only sees the symmetric part
-    if reg_eps > 0:  # the solvers also work with trace 1: renormalise (same solution)
-        g = normalize_gramian(regularize_gramian(g, reg_eps), 0.0)
+    g = _normalized(g, norm_eps, reg_eps, one_sync=g.shape[0] == 1 and not differentiable)
 
     def solve(flat_u: Tensor, g: Tensor) -> Tensor:
         return _solve_finite(flat_u, g, method, max_iter, target, accept)
