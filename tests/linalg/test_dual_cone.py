@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from torch import Tensor
 
 from jacflow.linalg import SolverWarning, project_weights
-from jacflow.linalg._dual_cone import project_weights_reference
+from jacflow.linalg._dual_cone import _normalized, project_weights_reference
 from jacflow.linalg._first_order import admm_solve
 from tests.aggregation._properties import make_jacobian
 
@@ -322,3 +322,28 @@ def test_degenerate_more_rows_than_rank(m: int, seed: int) -> None:
     gramian = make_gramian(m, "more_rows", 1.0, seed)
     u = upgrad_rows(m)
     assert_kkt(project_weights(u, gramian), u, gramian)
+
+
+@settings(max_examples=40)
+@given(
+    m=st.integers(1, 12),
+    seed=st.integers(0, 2**31 - 1),
+    scale=st.sampled_from([0.0, 1e-12, 1.0, 1e6]),
+    norm_eps=st.sampled_from([0.0, 1e-4]),
+    bad=st.sampled_from([None, float("nan"), float("inf")]),
+)
+def test_one_sync_normalisation_is_the_batched_one(
+    m: int, seed: int, scale: float, norm_eps: float, bad: float | None
+) -> None:
+    """The host-read trace of one Gramian gives the guarded tensor normalisation: the same
+    matrix (to rounding), zeros below ``norm_eps``, non-finite entries where G has some."""
+    gen = torch.Generator().manual_seed(seed)
+    j = torch.randn(m, m + 1, generator=gen, dtype=torch.float64)
+    g = (scale * (j @ j.T) + 1e-3 * torch.randn(m, m, generator=gen, dtype=torch.float64))[None]
+    if bad is not None:
+        g[0, 0, m - 1] = bad
+    fast = _normalized(g, norm_eps, 0.0, one_sync=True)
+    guarded = _normalized(g, norm_eps, 0.0, one_sync=False)
+    assert torch.equal(torch.isfinite(fast), torch.isfinite(guarded))
+    finite = torch.isfinite(guarded)
+    torch.testing.assert_close(fast[finite], guarded[finite], rtol=1e-14, atol=0)

@@ -13,6 +13,7 @@ from jacflow.linalg._pdas import (
     multiplier_scale,
     pad_identity,
     pdas_solve,
+    start_residual,
     times_gramian,
 )
 from tests.linalg.test_dual_cone import make_gramian, upgrad_rows
@@ -86,3 +87,26 @@ def test_times_gramian_is_the_product(
             keep &= torch.rand(batch, rows, 1, generator=gen) < 0.5
         u = torch.where(keep, u, 0.0)
     torch.testing.assert_close(times_gramian(u, g), torch.bmm(u, g), rtol=1e-12, atol=1e-12)
+
+
+@settings(max_examples=40)
+@given(
+    m=st.integers(1, 20),
+    rows=st.integers(1, 5),
+    seed=st.integers(0, 2**31 - 1),
+    zero_row=st.booleans(),
+)
+def test_start_residual_is_the_kkt_residual_at_u(
+    m: int, rows: int, seed: int, zero_row: bool
+) -> None:
+    """For rows of max-norm 1 (or 0), as ``_solve`` has them, the short form is the residual
+    at ``v = u`` exactly."""
+    gen = torch.Generator().manual_seed(seed)
+    u = torch.randn(2, rows, m, generator=gen, dtype=torch.float64)
+    u = u / u.abs().amax(-1, keepdim=True)
+    if zero_row:
+        u[0, 0] = 0.0
+    g = make_gramian(m, "conflicting", 1.0, seed)[None].expand(2, m, m)
+    g = g / g.diagonal(dim1=-2, dim2=-1).sum(-1)[:, None, None]
+    lam, c = 2 * torch.bmm(u, g), multiplier_scale(g)
+    assert torch.equal(start_residual(lam, c), kkt_residual(u, u, lam, c))
