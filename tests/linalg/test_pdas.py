@@ -1,4 +1,4 @@
-"""Primal PDAS's building blocks: block gathers, products with G and a given start."""
+"""Primal PDAS's building blocks: block gathers, the residual at the start, a given start."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ from jacflow.linalg._pdas import (
     pad_identity,
     pdas_solve,
     start_residual,
-    times_gramian,
 )
 from tests.linalg.test_dual_cone import make_gramian, upgrad_rows
 from tests.linalg.test_lawson_hanson import normalised
@@ -62,31 +61,6 @@ def test_pdas_start_is_the_same_as_computing_it(m: int, seed: int) -> None:
     given_start = pdas_solve(u, g, u, 50, 1e-12, (lam, residual))
     alone = pdas_solve(u, g, u, 50, 1e-12)
     torch.testing.assert_close(given_start, alone, rtol=0, atol=0)
-
-
-@settings(max_examples=40)
-@given(
-    m=st.sampled_from([1, 5, 95, 96, 130]),
-    batch=st.integers(1, 3),
-    rows=st.integers(1, 6),
-    density=st.sampled_from(["one", "zero_or_one", "dense"]),
-    seed=st.integers(0, 2**31 - 1),
-)
-def test_times_gramian_is_the_product(
-    m: int, batch: int, rows: int, density: str, seed: int
-) -> None:
-    """``u G`` for rows with one nonzero (UPGrad's), some zero rows, or dense rows, on both sides
-    of the size from which single-entry rows take the gather."""
-    gen = torch.Generator().manual_seed(seed)
-    g = torch.randn(batch, m, m, generator=gen, dtype=torch.float64)
-    u = torch.randn(batch, rows, m, generator=gen, dtype=torch.float64)
-    if density != "dense":
-        keep = torch.zeros(batch, rows, m, dtype=torch.bool)
-        keep.scatter_(-1, torch.randint(0, m, (batch, rows, 1), generator=gen), True)
-        if density == "zero_or_one":
-            keep &= torch.rand(batch, rows, 1, generator=gen) < 0.5
-        u = torch.where(keep, u, 0.0)
-    torch.testing.assert_close(times_gramian(u, g), torch.bmm(u, g), rtol=1e-12, atol=1e-12)
 
 
 @settings(max_examples=40)

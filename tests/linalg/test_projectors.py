@@ -6,6 +6,8 @@ import sys
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import Tensor
 
 from jacflow.aggregation import UPGrad, UPGradWeighting
@@ -16,6 +18,7 @@ from jacflow.linalg import (
     project_weights,
 )
 from jacflow.linalg._dual_cone import project_weights_reference
+from tests.linalg.test_dual_cone import make_gramian
 
 
 class ReferenceProjector(DualConeProjector):
@@ -87,3 +90,60 @@ def test_upgrad_with_projectors() -> None:
     torchjd_like = UPGrad(projector=QuadprogProjector())(j)
     assert 0 < float((torchjd_like - default).norm()) < 1e-2 * float(default.norm())
     assert "projector=TorchProjector(" in repr(UPGradWeighting())
+
+
+@settings(max_examples=40)
+@given(
+    m=st.integers(1, 40),
+    kind=st.sampled_from(["psd", "conflicting", "rank_deficient", "duplicated", "zero_rows"]),
+    seed=st.integers(0, 2**31 - 1),
+    signs=st.sampled_from(["positive", "with_zeros", "mixed"]),
+    dtype=st.sampled_from([torch.float32, torch.float64]),
+)
+def test_project_diagonal_is_the_projection_of_the_diagonal_rows(
+    m: int, kind: str, seed: int, signs: str, dtype: torch.dtype
+) -> None:
+    """UPGrad's problems without forming diag(pref): the reference's answer on every Gramian
+    kind, with zero and negative preferences, on both sides of the Python-float route."""
+    gen = torch.Generator().manual_seed(seed)
+    gramian = make_gramian(m, kind, 1.0, seed)
+    pref = torch.rand(m, generator=gen, dtype=torch.float64) + 0.1
+    if signs != "positive":
+        pref[torch.rand(m, generator=gen) < 0.3] = 0.0
+    if signs == "mixed":
+        pref = torch.where(torch.rand(m, generator=gen) < 0.3, -pref, pref)
+    v = TorchProjector().project_diagonal(pref.to(dtype), gramian.to(dtype))
+    assert v.dtype == dtype and v.shape == (m, m)
+    exact_g = gramian.to(dtype).double()
+    expected = project_weights_reference(torch.diag(pref), exact_g)
+    # v is not unique for a singular G, J^T v is: compare G v (scaled to G's trace)
+    g = exact_g / exact_g.trace().clamp_min(1e-300)
+    atol = (1e-9 if dtype == torch.float64 else 1e-4) * float(pref.abs().max())
+    torch.testing.assert_close(v.double() @ g, expected @ g, rtol=0, atol=atol)
+
+
+def test_project_diagonal_settings_and_odd_inputs() -> None:
+    """Settings reach the solver; NaN / inf give NaN rows as project_weights does; bad `pref`
+    gets a clear error; autograd goes through the differentiable route."""
+    j = torch.randn(24, 30, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    g, pref = j @ j.T, torch.full((24,), 1 / 24, dtype=torch.float64)
+    for projector in (TorchProjector(norm_eps=1e-4, reg_eps=1e-3), TorchProjector(method="admm")):
+        torch.testing.assert_close(
+            projector.project_diagonal(pref, g), projector(torch.diag(pref), g), atol=1e-7, rtol=0
+        )
+    for bad_g, bad_pref in ((float("nan"), 1.0), (float("inf"), 1.0), (1.0, float("nan"))):
+        g2, pref2 = g.clone(), pref.clone()
+        g2[0, 5] *= bad_g
+        pref2[3] *= bad_pref
+        expected = project_weights(torch.diag(pref2), g2)
+        assert torch.equal(TorchProjector().project_diagonal(pref2, g2).isnan(), expected.isnan())
+    with pytest.raises(ValueError, match="`pref` must be a 1-D tensor"):
+        TorchProjector().project_diagonal(torch.ones(2, 24), g)
+    with pytest.raises(ValueError, match="`u` must have shape"):
+        TorchProjector().project_diagonal(torch.ones(5), g)
+    leaf = g.clone().requires_grad_()
+    TorchProjector().project_diagonal(pref, leaf).sum().backward()
+    reference = g.clone().requires_grad_()
+    project_weights(torch.diag(pref), reference).sum().backward()
+    assert leaf.grad is not None and reference.grad is not None
+    torch.testing.assert_close(leaf.grad, reference.grad)

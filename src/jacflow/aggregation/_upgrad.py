@@ -84,7 +84,7 @@ def upgrad_weights(gramian: Tensor, pref: Tensor, projector: DualConeProjector) 
     # minimum is NaN or -inf where some entry is, and the projector gives the NaN weights)
     if float(gramian.detach().amin()) >= 0 and not has_nonfinite(gramian):
         return pref
-    return projector(torch.diag(pref), gramian).sum(dim=0)
+    return projector.project_diagonal(pref, gramian).sum(dim=0)
 
 
 class UPGradWeighting(GramianWeighting):

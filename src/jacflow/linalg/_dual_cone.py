@@ -26,12 +26,7 @@ from jacflow.linalg._gramian import has_nonfinite, normalize_gramian, regularize
 from jacflow.linalg._host_pdas import solve_rows
 from jacflow.linalg._implicit import differentiable_projection
 from jacflow.linalg._lawson_hanson import lawson_hanson_solve
-from jacflow.linalg._pdas import (
-    multiplier_scale,
-    pdas_solve,
-    start_residual,
-    times_gramian,
-)
+from jacflow.linalg._pdas import multiplier_scale, pdas_solve, start_residual
 
 
 def _solve_nonnegative_qp(q: Tensor, c: Tensor, max_iter: int) -> Tensor:
@@ -257,12 +252,19 @@ def _fista_with_polish(u: Tensor, g: Tensor, cap: int, tol: float) -> tuple[Tens
 
 
 def _solve(
-    u: Tensor, g: Tensor, method: str, max_iter: int | None, tol: float, accept: float
+    u: Tensor,
+    g: Tensor,
+    method: str,
+    max_iter: int | None,
+    tol: float,
+    accept: float,
+    lam: Tensor | None = None,
 ) -> Tensor:
     """Solve the normalised problems (float64, ``u`` ``[B, k, m]``, ``g`` ``[B, m, m]``) to the
-    residual ``tol``; warn about those left above ``accept``."""
+    residual ``tol``; warn about those left above ``accept``. ``lam``: ``2 u G`` when the caller
+    has it."""
     c = multiplier_scale(g)
-    lam = 2 * times_gramian(u, g)
+    lam = 2 * torch.bmm(u, g) if lam is None else lam
     residual = start_residual(lam, c)
     if float(residual.amax()) <= tol:  # nothing conflicts: v = u solves every problem
         return u
@@ -481,3 +483,59 @@ def project_weights(
 
     v = differentiable_projection(flat_u, g, solve) if differentiable else solve(flat_u, g)
     return v.reshape(u.shape).to(dtype)
+
+
+def project_diagonal(
+    pref: Tensor,
+    gramian: Tensor,
+    *,
+    norm_eps: float = 0.0,
+    reg_eps: float = 0.0,
+    method: str = "auto",
+    max_iter: int | None = None,
+    tol: float | None = None,
+) -> Tensor:
+    """``project_weights(torch.diag(pref), gramian, ...)``: UPGrad's ``m`` problems, whose rows
+    ``pref_i e_i`` need no scan (their scaled rows are ``sign(pref_i) e_i`` and their first
+    multipliers rows of ``G``).
+
+    Example:
+        >>> import torch
+        >>> from jacflow.linalg._dual_cone import project_diagonal
+        >>> G = torch.tensor([[1., -1.], [-1., 4.]], dtype=torch.float64)
+        >>> project_diagonal(torch.tensor([2., 1.], dtype=torch.float64), G)
+        tensor([[2.0000, 0.5000],
+                [1.0000, 1.0000]], dtype=torch.float64)
+    """
+    if not isinstance(pref, Tensor) or pref.ndim != 1:
+        raise ValueError(
+            "`pref` must be a 1-D tensor (the diagonal of the rows to project), received "
+            f"{pref.shape if isinstance(pref, Tensor) else type(pref)}."
+        )
+    _check_inputs(pref, gramian)
+    m = gramian.shape[-1]
+    direct = (
+        gramian.ndim == 2
+        and pref.device == gramian.device
+        and not (torch.is_grad_enabled() and (pref.requires_grad or gramian.requires_grad))
+        and not (gramian.device.type == "cpu" and m**4 <= _HOST_MAX_WORK)  # the host route
+    )
+    if not direct or has_nonfinite(gramian) or has_nonfinite(pref):
+        return project_weights(
+            torch.diag(pref),
+            gramian,
+            norm_eps=norm_eps,
+            reg_eps=reg_eps,
+            method=method,
+            max_iter=max_iter,
+            tol=tol,
+        )
+    check_solver_settings(norm_eps, reg_eps, method, max_iter, tol)
+    dtype = torch.promote_types(pref.dtype, gramian.dtype)
+    target, accept = default_tolerances(dtype, m) if tol is None else (float(tol), float(tol))
+    g = _normalized(gramian.to(torch.float64)[None], norm_eps, reg_eps, one_sync=True)
+    pref = pref.to(torch.float64)
+    sign = torch.sign(pref)
+    lam = (2 * sign)[:, None] * g[0]
+    v = _solve(torch.diag(sign)[None], g, method, max_iter, target, accept, lam[None])
+    return (v[0] * pref.abs()[:, None]).to(dtype)

@@ -36,36 +36,12 @@ from torch import Tensor
 _SHIFT = 1e-13  # relative diagonal shift that makes the Cholesky factor of G_FF exist
 _PATIENCE = 3  # iterations without progress of the worst residual before PDAS gives up
 _MASKED_MAX_M = 48  # up to this size, full masked systems beat gathering the free blocks
-_SCALED_ROWS_MIN_M = 96  # below, the product u G costs less than finding u's nonzero entries
 
 
 def multiplier_scale(g: Tensor) -> Tensor:
     """``c = 2 max_i G_ii`` per Gramian, ``[B, 1, 1]``: puts ``lam / c`` in the units of ``v``."""
     c = 2 * g.diagonal(dim1=-2, dim2=-1).amax(-1)
     return torch.where(c > 0, c, 1.0).reshape(-1, 1, 1)
-
-
-def times_gramian(u: Tensor, g: Tensor) -> Tensor:
-    """``u G`` per Gramian (``u`` ``[B, k, m]``, ``g`` ``[B, m, m]``). From ``m = 96``, when
-    every row of ``u`` has at most one nonzero entry (UPGrad's), as scaled rows of ``G``: a
-    gather instead of an ``m^3`` product.
-
-    Example:
-        >>> import torch
-        >>> from jacflow.linalg._pdas import times_gramian
-        >>> g = torch.randn(1, 100, 100, dtype=torch.float64)
-        >>> u = 3 * torch.eye(100, dtype=torch.float64)[None]
-        >>> torch.allclose(times_gramian(u, g), torch.bmm(u, g))
-        True
-    """
-    m = u.shape[-1]
-    if m < _SCALED_ROWS_MIN_M:
-        return torch.bmm(u, g)
-    nonzero = u != 0
-    if int(nonzero.sum(-1).amax()) > 1:
-        return torch.bmm(u, g)
-    index = nonzero.to(torch.uint8).argmax(-1, keepdim=True)  # a zero row: 0, with weight 0
-    return u.gather(-1, index) * g.gather(1, index.expand(-1, -1, m))
 
 
 def start_residual(lam: Tensor, c: Tensor) -> Tensor:

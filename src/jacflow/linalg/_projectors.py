@@ -13,7 +13,7 @@ from typing import Any, final
 import torch
 from torch import Tensor
 
-from jacflow.linalg._dual_cone import check_solver_settings, project_weights
+from jacflow.linalg._dual_cone import check_solver_settings, project_diagonal, project_weights
 from jacflow.linalg._gramian import normalize_gramian, regularize_gramian
 
 
@@ -33,6 +33,22 @@ class DualConeProjector(ABC):
     @abstractmethod
     def __call__(self, u: Tensor, gramian: Tensor) -> Tensor:
         """Project every row of ``u``."""
+
+    def project_diagonal(self, pref: Tensor, gramian: Tensor) -> Tensor:
+        """Project the rows of ``torch.diag(pref)`` (UPGrad's problems), ``[m, m]``.
+
+        The default forms the matrix and calls the projector; a projector may solve these
+        problems faster.
+
+        Example:
+            >>> import torch
+            >>> from jacflow.linalg import QuadprogProjector
+            >>> G = torch.tensor([[18., -22.], [-22., 38.]])
+            >>> QuadprogProjector().project_diagonal(torch.ones(2), G)
+            tensor([[1.0000, 0.5789],
+                    [1.2218, 1.0000]])
+        """
+        return self(torch.diag(pref), gramian)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self._repr_args()})"
@@ -77,15 +93,29 @@ class TorchProjector(DualConeProjector):
         self.tol = tol
 
     def __call__(self, u: Tensor, gramian: Tensor) -> Tensor:
-        return project_weights(
-            u,
-            gramian,
-            norm_eps=self.norm_eps,
-            reg_eps=self.reg_eps,
-            method=self.method,
-            max_iter=self.max_iter,
-            tol=self.tol,
-        )
+        return project_weights(u, gramian, **self._settings())
+
+    def project_diagonal(self, pref: Tensor, gramian: Tensor) -> Tensor:
+        """Project the rows of ``torch.diag(pref)`` without forming or scanning them.
+
+        Example:
+            >>> import torch
+            >>> from jacflow.linalg import TorchProjector
+            >>> G = torch.tensor([[1., -1.], [-1., 4.]])
+            >>> TorchProjector().project_diagonal(torch.tensor([1., 1.]), G)
+            tensor([[1.0000, 0.2500],
+                    [1.0000, 1.0000]])
+        """
+        return project_diagonal(pref, gramian, **self._settings())
+
+    def _settings(self) -> dict[str, Any]:
+        return {
+            "norm_eps": self.norm_eps,
+            "reg_eps": self.reg_eps,
+            "method": self.method,
+            "max_iter": self.max_iter,
+            "tol": self.tol,
+        }
 
     def _repr_args(self) -> str:
         return (
