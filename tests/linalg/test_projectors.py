@@ -137,10 +137,15 @@ def test_project_diagonal_settings_and_odd_inputs() -> None:
         pref2[3] *= bad_pref
         expected = project_weights(torch.diag(pref2), g2)
         assert torch.equal(TorchProjector().project_diagonal(pref2, g2).isnan(), expected.isnan())
-    with pytest.raises(ValueError, match="`pref` must be a 1-D tensor"):
-        TorchProjector().project_diagonal(torch.ones(2, 24), g)
-    with pytest.raises(ValueError, match="`u` must have shape"):
-        TorchProjector().project_diagonal(torch.ones(5), g)
+    for bad_shape in (torch.ones(2, 24), torch.ones(5)):
+        with pytest.raises(ValueError, match="`pref` must have shape \\[m\\]"):
+            TorchProjector().project_diagonal(bad_shape.double(), g)
+    with pytest.raises(ValueError, match="one Gramian"):
+        TorchProjector().project_diagonal(pref, g[None])
+    with pytest.raises(TypeError, match=r"`pref` must be a torch\.Tensor"):
+        TorchProjector().project_diagonal([1.0] * 24, g)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="`pref` must have a floating dtype"):
+        TorchProjector().project_diagonal(torch.ones(24, dtype=torch.long), g)
     leaf = g.clone().requires_grad_()
     TorchProjector().project_diagonal(pref, leaf).sum().backward()
     reference = g.clone().requires_grad_()

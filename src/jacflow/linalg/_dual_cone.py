@@ -173,8 +173,11 @@ def check_solver_settings(
         raise ValueError(f"`tol` must be a positive float or None, received {tol!r}.")
 
 
-def _check_inputs(u: Tensor, gramian: Tensor) -> None:
-    for name, value in (("u", u), ("gramian", gramian)):
+def _check_inputs(u: Tensor, gramian: Tensor, diagonal: bool = False) -> None:
+    """Types, shapes and devices of ``project_weights``'s ``u`` and ``gramian`` (``diagonal``:
+    of ``project_diagonal``'s ``pref`` ``[m]`` and ``gramian`` ``[m, m]``)."""
+    u_name = "pref" if diagonal else "u"
+    for name, value in ((u_name, u), ("gramian", gramian)):
         if not isinstance(value, Tensor):
             raise TypeError(f"`{name}` must be a torch.Tensor, received {type(value)}.")
         if not value.is_floating_point():
@@ -182,6 +185,11 @@ def _check_inputs(u: Tensor, gramian: Tensor) -> None:
                 f"`{name}` must have a floating dtype (float32 or float64), received "
                 f"{value.dtype}; convert it with `.double()`."
             )
+    if diagonal and (u.ndim != 1 or gramian.shape != (u.shape[0], u.shape[0])):
+        raise ValueError(
+            "`pref` must have shape [m] and `gramian` shape [m, m] (one Gramian), received "
+            f"shapes {tuple(u.shape)} and {tuple(gramian.shape)}."
+        )
     if gramian.ndim < 2 or gramian.shape[-1] != gramian.shape[-2]:
         raise ValueError(
             "`gramian` must be a square matrix [m, m] or a batch of them [..., m, m], received "
@@ -201,7 +209,8 @@ def _check_inputs(u: Tensor, gramian: Tensor) -> None:
         )
     if u.device != gramian.device:
         raise ValueError(
-            f"`u` is on {u.device} but `gramian` on {gramian.device}; move them to one device."
+            f"`{u_name}` is on {u.device} but `gramian` on {gramian.device}; move them to one "
+            "device."
         )
 
 
@@ -507,17 +516,10 @@ def project_diagonal(
         tensor([[2.0000, 0.5000],
                 [1.0000, 1.0000]], dtype=torch.float64)
     """
-    if not isinstance(pref, Tensor) or pref.ndim != 1:
-        raise ValueError(
-            "`pref` must be a 1-D tensor (the diagonal of the rows to project), received "
-            f"{pref.shape if isinstance(pref, Tensor) else type(pref)}."
-        )
-    _check_inputs(pref, gramian)
+    _check_inputs(pref, gramian, diagonal=True)
     m = gramian.shape[-1]
     direct = (
-        gramian.ndim == 2
-        and pref.device == gramian.device
-        and not (torch.is_grad_enabled() and (pref.requires_grad or gramian.requires_grad))
+        not (torch.is_grad_enabled() and (pref.requires_grad or gramian.requires_grad))
         and not (gramian.device.type == "cpu" and m**4 <= _HOST_MAX_WORK)  # the host route
     )
     if not direct or has_nonfinite(gramian) or has_nonfinite(pref):
