@@ -48,7 +48,14 @@ def _reference(mats: list[Tensor], step: float, warmup: int) -> list[list[float]
                 risks = [risks[i] / (baseline[i] + 1e-7) for i in range(m)]
         else:
             risks = [risks[i] / (baseline[i] + 1e-7) for i in range(m)]
-        unnormalized = [weights[i] * math.exp(step * risks[i]) for i in range(m)]
+        # w_i exp(step r_i), normalised; shifted by the largest exponent (the same ratios) so
+        # that a tiny baseline cannot overflow exp
+        exponents = [
+            math.log(weights[i]) + step * risks[i] if weights[i] > 0 else -math.inf
+            for i in range(m)
+        ]
+        top = max(exponents)
+        unnormalized = [math.exp(e - top) for e in exponents]
         weights = [u / sum(unnormalized) for u in unnormalized]
         outputs.append(list(weights))
     return outputs
