@@ -81,16 +81,22 @@ def _factor_and_solve(system: Tensor, shift: Tensor, rhs: Tensor) -> Tensor:
     return x + torch.cholesky_solve(rhs - (system @ x - shift[..., None] * x), factor)
 
 
-def _solve_masked(u: Tensor, g: Tensor, active: Tensor) -> Tensor:
-    """As :func:`_solve_free`, with full-size ``m x m`` masked systems (fewer, larger ops)."""
-    m = u.shape[-1]
+def _shift_scale(g: Tensor, size: int) -> Tensor:
+    """The diagonal shift of free blocks of size ``size``, per Gramian, ``[B, 1, 1]``."""
+    top = g.diagonal(dim1=-2, dim2=-1).amax(-1).clamp_min(1e-300)
+    return (_SHIFT * size * top).reshape(-1, 1, 1)
+
+
+def _solve_masked(u: Tensor, g: Tensor, active: Tensor, scale: Tensor | None = None) -> Tensor:
+    """As :func:`_solve_free`, with full-size ``m x m`` masked systems (fewer, larger ops);
+    ``scale``: :func:`_shift_scale` of ``g`` when the caller keeps it across iterations."""
+    scale = _shift_scale(g, u.shape[-1]) if scale is None else scale
     free = (~active).to(u.dtype)
-    v = u * (1 - free)
+    v = torch.where(active, u, 0.0)
     rhs = v - free * torch.bmm(v, g)
-    pair = free[..., :, None] * free[..., None, :]
-    scale = _SHIFT * m * g.diagonal(dim1=-2, dim2=-1).amax(-1).clamp_min(1e-300)
-    shift = scale[:, None, None] * free
-    system = g[:, None] * pair + torch.diag_embed(1 - free + shift)
+    shift = scale * free
+    system = g[:, None] * (free[..., :, None] * free[..., None, :])
+    system.diagonal(dim1=-2, dim2=-1).add_(1 - free + shift)  # the identity on active rows
     return _factor_and_solve(system, shift, rhs[..., None]).squeeze(-1)
 
 
@@ -133,12 +139,19 @@ def first_slots(mask: Tensor, size: int) -> tuple[Tensor, Tensor]:
     return order, torch.gather(mask, 1, order)
 
 
-def _solve_free(u: Tensor, g: Tensor, active: Tensor, padded: Tensor | None = None) -> Tensor:
+def _solve_free(
+    u: Tensor,
+    g: Tensor,
+    active: Tensor,
+    padded: Tensor | None = None,
+    scale: Tensor | None = None,
+) -> Tensor:
     """``v`` with ``v_A = u_A`` and ``G_FF v_F = -G_FA u_A`` for every problem's active set
-    (``padded``: :func:`pad_identity` of ``g``, when the caller keeps it across iterations)."""
+    (``padded``: :func:`pad_identity` of ``g``, ``scale``: :func:`_shift_scale` of ``g`` for
+    the masked systems, when the caller keeps them across iterations)."""
     b, k, m = u.shape
     if m <= _MASKED_MAX_M:
-        return _solve_masked(u, g, active)
+        return _solve_masked(u, g, active, scale)
     v = torch.where(active, u, torch.zeros_like(u))
     free = ~active
     s = int(free.sum(-1).amax()) if free.numel() else 0
@@ -152,8 +165,7 @@ def _solve_free(u: Tensor, g: Tensor, active: Tensor, padded: Tensor | None = No
     batch = torch.arange(b, device=u.device).repeat_interleave(k)
     padded = pad_identity(g) if padded is None else padded
     system = gather_blocks(padded, batch, order, valid)  # free entries first
-    shift = _SHIFT * s * g.diagonal(dim1=-2, dim2=-1).amax(-1).clamp_min(1e-300)[batch]
-    shift = shift[:, None] * valid.to(system.dtype)
+    shift = _shift_scale(g, s).reshape(-1, 1)[batch] * valid.to(system.dtype)
     system.diagonal(dim1=-2, dim2=-1).add_(shift)
     rhs = torch.where(valid, torch.gather(rhs_full, 1, order), torch.zeros_like(shift))[..., None]
     x = _factor_and_solve(system, shift, rhs)
@@ -196,12 +208,15 @@ def pdas_solve(
     active = lam + c * (u - v0) > 0
     rows = torch.arange(u.shape[1], device=u.device)  # the problem slots still iterated
     compact = u.shape[-1] > _MASKED_MAX_M
-    padded = pad_identity(g) if compact else None  # g is fixed: pad it once, not per step
+    # g is fixed: pad it (compact systems) or scale its shift (masked ones) once, not per step
+    padded = pad_identity(g) if compact else None
+    scale = None if compact else _shift_scale(g, u.shape[-1])
     worst, since_gain = float("inf"), 0
     for _ in range(max_iter):
-        done = best_res <= tol
-        if bool(done.all()):
+        current = float(best_res.amax())  # (solved slots leaving the batch do not change it)
+        if current <= tol:
             break
+        done = best_res <= tol
         # Slots solved for every Gramian leave the batch; not for m <= 48, where each problem
         # is one masked system and dropping it gains less than the bookkeeping costs.
         keep = ~done.all(0) if compact else None
@@ -212,12 +227,11 @@ def pdas_solve(
             rows, u, active, done = rows[index], u[:, index], active[:, index], done[:, index]
             best_v, best_res = best_v[:, index], best_res[:, index]
         # PDAS cycles on some degenerate problems: stop once the worst problem stops gaining.
-        current = float(best_res.amax())
         since_gain = since_gain + 1 if current >= worst else 0
         worst = min(worst, current)
         if since_gain >= _PATIENCE:
             break
-        v = _solve_free(u, g, active, padded)
+        v = _solve_free(u, g, active, padded, scale)
         lam = 2 * torch.bmm(v, g)
         res = kkt_residual(v, u, lam, c)
         better = res < best_res
