@@ -94,3 +94,22 @@ def test_vmap_fallback_warnings_stay_inside_the_engine() -> None:
         assert not caught
     finally:
         torch._C._debug_only_display_vmap_fallback_warnings(before)
+
+
+@pytest.mark.parametrize("duplicated", [False, True])
+def test_large_batch_per_task_gramian(duplicated: bool) -> None:
+    """A batch of 160 through a Linear trunk with 5 tasks: the per-layer kernels are factorised
+    (the Cholesky route of ``kernel_gram``), or, with every input repeated (a singular kernel),
+    may not be; the Gramian and the update equal the brute-force ones either way."""
+    torch.manual_seed(0)
+    trunk = nn.Sequential(nn.Linear(200, 16), nn.Tanh(), nn.Linear(16, 12)).double()
+    heads = nn.ModuleList([nn.Linear(12, 1) for _ in range(5)]).double()
+    x = torch.randn(80 if duplicated else 160, 200, dtype=torch.float64)
+    x = torch.cat([x, x]) if duplicated else x
+    engine = Engine(trunk, batch_dim=None)
+    features = trunk(x)
+    losses = torch.stack([head(features).pow(2).mean() for head in heads])
+    shared = list(trunk.parameters())
+    jacobian = reference_jacobian(losses, shared)
+    gramian = engine.compute_gramian(losses)
+    torch.testing.assert_close(gramian, jacobian @ jacobian.T, rtol=1e-9, atol=1e-12)

@@ -27,6 +27,7 @@ from jacflow.autogram._rules import (
     Rule,
     gram,
     kept_weighted_grads,
+    kernel_gram,
     register_rule,
     worth_keeping,
 )
@@ -63,8 +64,7 @@ def ghost_gramian(u: Tensor, bp: Tensor, rows: Rows, with_bias: bool = False) ->
         if with_bias:
             kernel += 1
         if rows.per_task:
-            mixed = torch.bmm(kernel.expand(r, -1, -1), bj)  # [R, T, p]
-            term = mixed.reshape(r, -1) @ bj.reshape(r, -1).T
+            term = kernel_gram(kernel, bj)
         else:
             flat_b = bj.reshape(r * t, p)
             term = gram(flat_b)

@@ -11,6 +11,7 @@ The registry maps module types to rules, in the manner of a primitive-rule table
 
 from __future__ import annotations
 
+import itertools
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -260,6 +261,51 @@ def gram(flat: Tensor, leaf: int = 32, min_columns: int = 1024) -> Tensor:
     upper = torch.cat([gram(top, leaf, min_columns), cross.T], dim=1)
     lower = torch.cat([cross, gram(bottom, leaf, min_columns)], dim=1)
     return torch.cat([upper, lower], dim=0)
+
+
+def kernel_gram(kernel: Tensor, rows: Tensor, block: int = 32, min_rows: int = 4) -> Tensor:
+    """``G[k, l] = <K rows[k], rows[l]>`` for a PSD kernel ``K`` ``[T, T]`` and ``rows``
+    ``[R, T, p]``: the per-task ghost Gramian.
+
+    The products ``K rows[k]`` cost ``R T^2 p``. From ``T = 4 block`` and ``min_rows`` rows,
+    ``K = L L^T`` (Cholesky, backward stable) gives ``G = Y Y^T`` with ``Y[k] = L^T rows[k]``,
+    whose products only need the lower triangle of ``L``: by ``q`` blocks of rows (at most 8,
+    at least ``block`` rows each), ``(q + 1) / 2q`` of the multiply-adds (one-off: 20-27% faster
+    at ``T = 256``, ``p = 1024``, ``R = 6`` and 10, float32, 1 thread). A kernel whose
+    factorisation fails (numerically singular) takes the direct products.
+
+    Example:
+        >>> import torch
+        >>> from jacflow.autogram._rules import kernel_gram
+        >>> x = torch.randn(8, 10, dtype=torch.float64)
+        >>> rows = torch.randn(3, 8, 2, dtype=torch.float64)
+        >>> k = x @ x.T + 1
+        >>> direct = torch.einsum("st,ktp,lsp->kl", k, rows, rows)
+        >>> torch.allclose(kernel_gram(k, rows, block=2, min_rows=1), direct)
+        True
+    """
+    r, t, _ = rows.shape
+    factor = None
+    if t >= 4 * block and r >= min_rows:
+        factor, info = torch.linalg.cholesky_ex(kernel)
+        if bool(info.any()):
+            factor = None
+    if factor is None:
+        mixed = torch.bmm(kernel.expand(r, -1, -1), rows)
+        return mixed.reshape(r, -1) @ rows.reshape(r, -1).T
+    size = -(-t // min(8, t // block))
+    edges = [*range(0, t, size), t]
+    total: Tensor | None = None
+    for i, (a, b) in enumerate(itertools.pairwise(edges)):
+        # rows a:b of L^T rows[k]: the blocks of L's columns a:b from its diagonal down
+        part = torch.matmul(factor[a:b, a:b].mT, rows[:, a:b])
+        for c, d in itertools.pairwise(edges[i + 1 :]):
+            part.baddbmm_(factor[c:d, a:b].mT.expand(r, -1, -1), rows[:, c:d])
+        flat = part.reshape(r, -1)
+        term = flat @ flat.T
+        total = term if total is None else total + term
+    assert total is not None
+    return total
 
 
 def weighted_sum(weights: Tensor, per_row: Tensor) -> Tensor:
