@@ -17,6 +17,7 @@ from jacflow.linalg import (
     TorchProjector,
     project_weights,
 )
+from jacflow.linalg import _dual_cone as dual_cone
 from jacflow.linalg._dual_cone import project_weights_reference
 from tests.linalg.test_dual_cone import make_gramian
 
@@ -154,3 +155,13 @@ def test_project_diagonal_settings_and_odd_inputs() -> None:
     project_weights(torch.diag(pref), reference).sum().backward()
     assert leaf.grad is not None and reference.grad is not None
     torch.testing.assert_close(leaf.grad, reference.grad)
+
+
+def test_project_diagonal_of_no_objective_off_the_host_route(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """m = 0 where the Python-float route does not apply (as on an accelerator): an empty
+    result, as project_weights gives, not a reduction over an empty dimension."""
+    monkeypatch.setattr(dual_cone, "_HOST_MAX_WORK", -1)
+    empty = TorchProjector().project_diagonal(torch.ones(0), torch.ones(0, 0))
+    assert empty.shape == (0, 0)

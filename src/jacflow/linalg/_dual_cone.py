@@ -519,7 +519,8 @@ def project_diagonal(
     _check_inputs(pref, gramian, diagonal=True)
     m = gramian.shape[-1]
     direct = (
-        not (torch.is_grad_enabled() and (pref.requires_grad or gramian.requires_grad))
+        m > 0  # (project_weights returns at once there)
+        and not (torch.is_grad_enabled() and (pref.requires_grad or gramian.requires_grad))
         and not (gramian.device.type == "cpu" and m**4 <= _HOST_MAX_WORK)  # the host route
     )
     if not direct or has_nonfinite(gramian) or has_nonfinite(pref):
