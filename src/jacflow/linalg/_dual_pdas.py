@@ -64,7 +64,12 @@ def active_systems_pay(counts: Tensor, m: int) -> bool:
     """Whether the active systems (``counts`` constraints per problem) are smaller than the free
     ones, and cheap: the test of the first guess, before any inverse is computed."""
     low, high = (int(x) for x in torch.aminmax(counts))
-    return high < m - low and counts.numel() * high**3 <= _MAX_STEP_FLOP
+    return high < m - low and _cheap(counts.numel(), high)
+
+
+def _cheap(problems: int, size: int) -> bool:
+    """Whether a step's batched Cholesky (``problems`` blocks of size ``size``) is cheap."""
+    return problems * size**3 <= _MAX_STEP_FLOP
 
 
 @functools.lru_cache(maxsize=8)
@@ -175,16 +180,16 @@ def dual_pdas_solve(
         tensor([[[1.0000, 0.2500]]], dtype=torch.float64)
     """
     lam, residual, c = start
-    padded = inverse[:, :0, :0]  # padded on demand, with room for active sets to grow
+    padded: Tensor | None = None  # padded on demand, with room for active sets to grow
     v = u
     active = lam > 0  # PDAS's first guess at v = u
     slots = None  # the problem slots still iterated (None: all)
     pending_u = u
     for iteration in range(max_iter):
         size = int(active.sum(-1).amax())
-        if active.shape[0] * active.shape[1] * size**3 > _MAX_STEP_FLOP:
+        if not _cheap(active.shape[0] * active.shape[1], size):
             break  # the active sets grew large: the primal methods take over
-        if padded.shape[-1] < u.shape[-1] + size:
+        if padded is None or padded.shape[-1] < u.shape[-1] + size:
             padded = pad_identity(inverse, min(u.shape[-1], 2 * size))
         step = _step(pending_u, inverse, padded, active, size, share=iteration == 0)
         if step is None:
