@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from jacflow.aggregation._bases import GramianWeightedAggregator, GramianWeighting
+from jacflow.aggregation._mean import mean_weights
 from jacflow.aggregation._nonfinite import has_nonfinite, propagate_nonfinite
 from jacflow.aggregation._pref_vector import check_pref_vector, resolve_pref_vector
 from jacflow.aggregation._properties import Property
@@ -33,19 +34,21 @@ def two_objective_weights(gramian: Tensor, pref: Tensor) -> Tensor:
     return (p + gains.flip(0)).to(pref.dtype)
 
 
-def two_objective_weights_on_host(gramian: Tensor, pref: Tensor) -> Tensor:
+def two_objective_weights_on_host(gramian: Tensor, pref: Tensor | None) -> Tensor:
     """:func:`two_objective_weights` in Python floats, for a CPU Gramian outside autograd.
 
     The same formulas, with two host reads instead of about ten tensor operations (whose
     dispatch dominates a 2 x 2 problem); a NaN or infinite entry gives NaN weights.
+    ``pref=None`` is the default preference ``(1/2, 1/2)``, in the Gramian's dtype.
     """
+    dtype = gramian.dtype if pref is None else pref.dtype
     (g11, g12), (_, g22) = gramian.tolist()
     if not all(math.isfinite(g) for g in (g11, g12, g22)):
-        return torch.full((2,), math.nan, dtype=pref.dtype)
-    p1, p2 = (max(0.0, p) for p in pref.tolist())
+        return torch.full((2,), math.nan, dtype=dtype)
+    p1, p2 = (0.5, 0.5) if pref is None else (max(0.0, p) for p in pref.tolist())
     gain1 = max(0.0, -g12 * p2 / g11) if g11 != 0 else 0.0
     gain2 = max(0.0, -g12 * p1 / g22) if g22 != 0 else 0.0
-    return torch.tensor([p1 + gain1, p2 + gain2], dtype=pref.dtype)
+    return torch.tensor([p1 + gain1, p2 + gain2], dtype=dtype)
 
 
 def _is_exact(projector: DualConeProjector) -> bool:
@@ -65,21 +68,28 @@ def _check_projector(projector: DualConeProjector | None) -> DualConeProjector:
     return projector
 
 
-def upgrad_weights(gramian: Tensor, pref: Tensor, projector: DualConeProjector) -> Tensor:
+def upgrad_weights(
+    gramian: Tensor, pref_vector: Tensor | None, projector: DualConeProjector
+) -> Tensor:
     """UPGrad weights: ``sum_i v_i`` where ``v_i`` solves ``min v^T G v s.t. v >= pref_i e_i``.
 
-    Short-circuits when no off-diagonal entry of ``G`` is negative: then no row conflicts
-    with another, every projection is the identity, and the weights are ``pref``. A NaN or
-    infinite entry in ``G`` gives NaN weights.
+    ``pref_vector=None`` is the default ``1/m`` each. Short-circuits when no off-diagonal entry
+    of ``G`` is negative: then no row conflicts with another, every projection is the
+    identity, and the weights are ``pref``. A NaN or infinite entry in ``G`` gives NaN weights.
     """
     m = gramian.shape[0]
+    pref = None if pref_vector is None else resolve_pref_vector(pref_vector, m, gramian)
+    if m == 2 and _is_exact(projector):
+        # (on the CPU, Python floats; there the default preference needs no tensor either)
+        on_host = gramian.device.type == "cpu" and not gramian.requires_grad
+        if on_host and (pref is None or not pref.requires_grad):
+            return two_objective_weights_on_host(gramian, pref)
+        pref = mean_weights(2, gramian) if pref is None else pref
+        return propagate_nonfinite(two_objective_weights(gramian, pref), gramian)
+    if pref is None:
+        pref = mean_weights(m, gramian)
     if m == 0:
         return pref
-    if m == 2 and _is_exact(projector):
-        on_cpu = gramian.device.type == pref.device.type == "cpu"
-        if on_cpu and not (gramian.requires_grad or pref.requires_grad):
-            return two_objective_weights_on_host(gramian, pref)
-        return propagate_nonfinite(two_objective_weights(gramian, pref), gramian)
     # (a negative diagonal entry, impossible for a Gramian, only means no short cut; the
     # minimum is NaN or -inf where some entry is, and the projector gives the NaN weights)
     if float(gramian.detach().amin()) >= 0 and not has_nonfinite(gramian):
@@ -116,8 +126,7 @@ class UPGradWeighting(GramianWeighting):
         self.projector = _check_projector(projector)
 
     def forward(self, stat: Tensor) -> Tensor:
-        pref = resolve_pref_vector(self.pref_vector, stat.shape[0], stat)
-        return upgrad_weights(stat, pref, self.projector)
+        return upgrad_weights(stat, self.pref_vector, self.projector)
 
     def extra_repr(self) -> str:
         return f"pref_vector={self.pref_vector}, projector={self.projector}"

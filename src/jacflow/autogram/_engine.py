@@ -129,6 +129,8 @@ class Engine:
         self._units: list[Unit] = find_units(modules)
         self._recorder = Recorder()
         self._removed = False
+        self._per_task_rows: dict[tuple[torch.Size, torch.dtype, torch.device], tuple[Rows, Tensor]]
+        self._per_task_rows = {}
         for index, unit in enumerate(self._units):
             self._recorder.hook(index, unit)
         if batch_dim is not None:
@@ -182,8 +184,8 @@ class Engine:
             tensor([[1., 0.],
                     [0., 4.]])
         """
-        contributions, rows, order = self._prepare(losses, retain_graph, ())[:3]
-        with torch.no_grad():
+        with torch.no_grad():  # (autograd.grad needs no grad mode: no graph of the grads)
+            contributions, rows, order = self._prepare(losses, retain_graph, ())[:3]
             return _to_loss_order(_assemble(contributions, rows, losses), order)
 
     def backward(
@@ -234,15 +236,16 @@ class Engine:
                 f"UPGradWeighting()), received {type(weighting)}."
             )
         others, tasks = list(other_params), list(tasks_params)
-        contributions, rows, order, task_grads = self._prepare(losses, bool(others), tasks)
-        with torch.no_grad():
+        with torch.no_grad():  # (autograd.grad needs no grad mode: no graph of the grads)
+            contributions, rows, order, task_grads = self._prepare(losses, bool(others), tasks)
             gramian = _to_loss_order(_assemble(contributions, rows, losses), order)
         weights = _check_weights(weighting(gramian), gramian.shape[0], weighting)
-        row_weights = weights if order is None else weights[order[1]]
-        updates = _weighted_grads(contributions, row_weights)
-        for param, grad in zip(tasks, task_grads, strict=True):
-            if grad is not None:
-                updates.append((param, grad.sum(0) if grad.shape != param.shape else grad))
+        with torch.no_grad():
+            row_weights = weights if order is None else weights[order[1]]
+            updates = _weighted_grads(contributions, row_weights)
+            for param, grad in zip(tasks, task_grads, strict=True):
+                if grad is not None:
+                    updates.append((param, grad.sum(0) if grad.shape != param.shape else grad))
         if others:
             extra = torch.autograd.grad(
                 losses,
@@ -264,7 +267,8 @@ class Engine:
         tuple[Tensor, Tensor] | None,
         tuple[Tensor | None, ...],
     ]:
-        """Capture the output gradients, then build every unit's contribution.
+        """Capture the output gradients, then build every unit's contribution (the part after
+        the capture runs in the caller's ``no_grad``).
 
         Returns the contributions, the row layout, the row<->loss permutations (``None`` when
         they are the identity) and the per-row gradients of ``extra_inputs``.
@@ -304,15 +308,12 @@ class Engine:
                 f"losses depend on the hooked modules' outputs. {_COMPILE_HINT}"
             )
         contributions = []
-        with torch.no_grad():
-            for index, unit_calls in reached.items():
-                unit = self._units[index]
-                params = unit.params()
-                if not params:
-                    continue
-                contributions.append(
-                    (params, unit.rule.prepare(unit.module, params, unit_calls, rows))
-                )
+        for index, unit_calls in reached.items():
+            unit = self._units[index]
+            params = unit.params()
+            if not params:
+                continue
+            contributions.append((params, unit.rule.prepare(unit.module, params, unit_calls, rows)))
         return contributions, rows, order, extra_grads
 
     def _rows(self, losses: Tensor) -> tuple[Rows, Tensor, tuple[Tensor, Tensor] | None]:
@@ -320,10 +321,18 @@ class Engine:
         m = losses.numel()
         device = losses.device
         if self.batch_dim is None:
-            eye = torch.eye(m, dtype=losses.dtype, device=device).reshape(m, *losses.shape)
-            if m == 1:
-                eye = eye[0]
-            return Rows(m, 1, None, per_task=True), eye, None
+            # the same few task counts come back every step: build their cotangents once
+            # (autograd only reads them)
+            key = (losses.shape, losses.dtype, device)
+            cached = self._per_task_rows.get(key)
+            if cached is None:
+                eye = torch.eye(m, dtype=losses.dtype, device=device).reshape(m, *losses.shape)
+                if m == 1:
+                    eye = eye[0]
+                if len(self._per_task_rows) >= 8:  # (shapes that keep changing: stay small)
+                    self._per_task_rows.clear()
+                cached = self._per_task_rows[key] = (Rows(m, 1, None, per_task=True), eye)
+            return cached[0], cached[1], None
         b = losses.shape[0]
         k = m // b
         if k == 1:
@@ -378,7 +387,9 @@ def _rows_shaped(call_grads: list[Tensor | None], call: Call, rows: Rows) -> lis
         if grad is None:
             shaped.append(reference.new_zeros(rows.num_rows, *sample_shape))
         else:
-            shaped.append(grad.reshape(rows.num_rows, *sample_shape))
+            target = (rows.num_rows, *sample_shape)
+            # (usually already so: a reshape is a dispatch, the comparison is not)
+            shaped.append(grad if grad.shape == target else grad.reshape(target))
     return shaped
 
 
@@ -440,10 +451,9 @@ def _weighted_grads(
     contributions: list[tuple[dict[str, Tensor], Contribution]], weights: Tensor
 ) -> list[tuple[Tensor, Tensor]]:
     updates = []
-    with torch.no_grad():
-        for params, contribution in contributions:
-            for name, grad in contribution.weighted_grads(weights).items():
-                updates.append((params[name], grad))
+    for params, contribution in contributions:
+        for name, grad in contribution.weighted_grads(weights).items():
+            updates.append((params[name], grad))
     return updates
 
 
@@ -458,7 +468,8 @@ def _accumulate(updates: list[tuple[Tensor, Tensor]]) -> None:
                 grad = grad.reshape(param.shape)
             if param.grad is None:
                 # Every update is a fresh tensor of ours: no copy needed.
-                param.grad = grad if grad.is_sparse else grad.contiguous()
+                dense_copy = not grad.is_sparse and not grad.is_contiguous()
+                param.grad = grad.contiguous() if dense_copy else grad
             elif grad.is_sparse or param.grad.is_sparse:
                 param.grad = param.grad + grad
             else:

@@ -58,8 +58,9 @@ def ghost_gramian(u: Tensor, bp: Tensor, rows: Rows, with_bias: bool = False) ->
     r, p = bp.shape[0], bp.shape[3]
     total: Tensor | None = None
     for j in range(groups):
-        uj = u[:, :, j].reshape(s * t, d)
-        bj = bp[:, :, j]
+        # (one group, as in Linear: views without the select, one dispatch fewer each)
+        uj = u.reshape(s * t, d) if groups == 1 else u[:, :, j].reshape(s * t, d)
+        bj = bp.reshape(r, t, p) if groups == 1 else bp[:, :, j]
         kernel = gram(uj)
         if with_bias:
             kernel += 1
@@ -89,10 +90,10 @@ def per_row_weight_grads(u: Tensor, bp: Tensor, rows: Rows) -> Tensor:
 
 def weighted_weight_grad(u: Tensor, y: Tensor) -> Tensor:
     """``sum_r w_r g_r`` as ``[g, p, d]`` (``[p, d]`` when ``g = 1``) from the reduced backprops
-    ``y = rows.reduce(w, Bp)`` (``[S, T, g, p]``): one weight-gradient product, as in the plain
-    backward."""
+    ``y = rows.reduce(w, Bp)`` (``[S, T, g, p]``, or ``[S T, p]`` when ``g = 1``): one
+    weight-gradient product, as in the plain backward."""
     if u.shape[2] == 1:
-        return y.reshape(-1, y.shape[3]).T @ u.reshape(-1, u.shape[3])
+        return y.reshape(-1, y.shape[-1]).T @ u.reshape(-1, u.shape[3])
     return torch.einsum("stgp,stgd->gpd", y, u)
 
 
@@ -166,11 +167,22 @@ class UnfoldedContribution(Contribution):
                 self._bias_rows,
             )
         out = {}
-        y = self.rows.reduce(weights, self.bp)
+        _, t, g, _ = self.u.shape
+        if self.rows.per_task and g == 1:
+            # [T, p] straight from one product over the rows (the common Linear case; it
+            # spares the reshapes of the general [S, T, g, p] form)
+            bp = self.bp
+            if weights.dtype != bp.dtype:
+                weights = weights.to(bp.dtype)
+            y = (weights @ bp.reshape(bp.shape[0], -1)).view(t, bp.shape[3])
+            bias_dims: tuple[int, ...] = (0,)
+        else:
+            y = self.rows.reduce(weights, self.bp)
+            bias_dims = (0, 1)
         if self.weight_name is not None:
             out[self.weight_name] = weighted_weight_grad(self.u, y)
         if self.bias_name is not None:
-            out[self.bias_name] = y.sum(dim=(0, 1))
+            out[self.bias_name] = y.sum(dim=bias_dims)
         return out
 
 
@@ -202,8 +214,8 @@ class LinearRule(Rule):
         d, p = module.in_features, module.out_features
         us, bps = [], []
         for call in calls:
-            x = rows.samples(call.input())
-            us.append(x.reshape(rows.num_samples, -1, 1, d))
+            # (per-task mode: the whole batch is the one sample; no unsqueeze needed)
+            us.append(call.input().reshape(rows.num_samples, -1, 1, d))
             bps.append(call.grad().reshape(rows.num_rows, -1, 1, p))
         return unfolded_contribution(us, bps, rows, module, params)
 
