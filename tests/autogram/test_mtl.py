@@ -37,6 +37,34 @@ def test_mtl_gramian_step(m: int, seq: bool) -> None:
         torch.testing.assert_close(param.grad, expected)
 
 
+def test_one_engine_through_changing_task_layouts() -> None:
+    """The per-task engine keeps the cotangents of the layouts it has seen: every step, whatever
+    the losses' shape or dtype (and back to an earlier one), still gets its own Gramian."""
+    torch.manual_seed(0)
+    trunk = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 5)).double()
+    engine = Engine(trunk, batch_dim=None)
+    x = torch.randn(7, 4, dtype=torch.float64)
+    params = list(trunk.parameters())
+    for shape, dtype in [
+        ((3,), torch.float64),
+        ((4,), torch.float64),
+        ((2, 2), torch.float64),
+        ((3,), torch.float32),
+        ((), torch.float64),
+        ((3,), torch.float64),
+    ]:
+        features = trunk(x)
+        n = max(1, len(torch.empty(shape).flatten()))
+        scales = torch.arange(1.0, n + 1, dtype=torch.float64)
+        losses = (features.sum(0)[:n] * scales + features.pow(2).mean() * scales).reshape(shape)
+        losses = losses.to(dtype)
+        jacobian = reference_jacobian(losses, params).double()
+        gramian = engine.compute_gramian(losses)
+        eps = 1e-9 if dtype == torch.float64 else 1e-4
+        tol = {"rtol": eps, "atol": eps}
+        torch.testing.assert_close(gramian.double(), jacobian @ jacobian.T, **tol)
+
+
 def test_mtl_gramian_step_needs_per_task_engine() -> None:
     trunk, heads, x = _setup(2, False)
     engine = Engine(trunk, batch_dim=0)
