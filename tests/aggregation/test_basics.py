@@ -162,6 +162,25 @@ def test_two_objective_closed_form_matches_the_solver(
     )
 
 
+@given(st.floats(-1.0, 1.0), st.floats(0.0, 3.0), st.sampled_from([torch.float32, torch.float64]))
+def test_two_objective_default_preference_without_a_tensor(
+    cos: float, ratio: float, dtype: torch.dtype
+) -> None:
+    """UPGradWeighting's default on the CPU (``pref=None``, no preference tensor) gives, in
+    the Gramian's dtype, the bits of the preference ``(1/2, 1/2)`` given as a tensor; in
+    float64 also those of the tensor form (float32 rounds the tensor form's steps)."""
+    from jacflow.aggregation._upgrad import two_objective_weights, two_objective_weights_on_host
+
+    G = torch.tensor([[1.0, cos * ratio], [cos * ratio, ratio**2]], dtype=dtype)
+    half = torch.full((2,), 0.5, dtype=dtype)
+    got = two_objective_weights_on_host(G, None)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got, two_objective_weights_on_host(G, half), rtol=0, atol=0)
+    torch.testing.assert_close(UPGradWeighting()(G), UPGradWeighting(half)(G), rtol=0, atol=0)
+    if dtype == torch.float64:
+        torch.testing.assert_close(got, two_objective_weights(G, half), rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_two_objective_closed_form_propagates_nonfinite(bad: float) -> None:
     from jacflow.aggregation import UPGradWeighting
