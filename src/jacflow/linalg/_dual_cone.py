@@ -129,13 +129,15 @@ _DEFAULT_TOL = {torch.float64: 1e-10}  # other dtypes: 1e-6 (their Gramians are 
 _HOST_MAX_WORK = 10**4  # UPGrad: m <= 10 (measured crossover: m = 10 to 12)
 
 
-def default_tolerances(dtype: torch.dtype, m: int) -> tuple[float, float]:
+def tolerances(dtype: torch.dtype, m: int, tol: float | None) -> tuple[float, float]:
     """The residual the solvers aim for, and the one accepted without a warning.
 
-    They aim for ``1e-10`` (float64) or ``1e-6`` and accept up to ``10 m eps`` more: the residual
-    that rounding errors of a Gramian stored in ``dtype`` (slightly indefinite for float32) may
-    leave even for an exact method.
+    A given ``tol`` is both. By default they aim for ``1e-10`` (float64) or ``1e-6`` and accept
+    up to ``10 m eps`` more: the residual that rounding errors of a Gramian stored in ``dtype``
+    (slightly indefinite for float32) may leave even for an exact method.
     """
+    if tol is not None:
+        return float(tol), float(tol)
     target = _DEFAULT_TOL.get(dtype, 1e-6)
     return target, max(target, 10 * m * torch.finfo(dtype).eps)
 
@@ -475,7 +477,7 @@ def project_weights(
     dtype = torch.promote_types(u.dtype, gramian.dtype)
     if m == 0 or u.numel() == 0:
         return u.detach().to(dtype).clone()
-    target, accept = default_tolerances(dtype, m) if tol is None else (float(tol), float(tol))
+    target, accept = tolerances(dtype, m, tol)
     differentiable = torch.is_grad_enabled() and (gramian.requires_grad or u.requires_grad)
     on_cpu = gramian.device.type == "cpu" and gramian.ndim == 2
     small = u.numel() // m * m**3 <= _HOST_MAX_WORK
@@ -535,7 +537,7 @@ def project_diagonal(
         )
     check_solver_settings(norm_eps, reg_eps, method, max_iter, tol)
     dtype = torch.promote_types(pref.dtype, gramian.dtype)
-    target, accept = default_tolerances(dtype, m) if tol is None else (float(tol), float(tol))
+    target, accept = tolerances(dtype, m, tol)
     g = _normalized(gramian.to(torch.float64)[None], norm_eps, reg_eps, one_sync=True)
     pref = pref.to(torch.float64)
     sign = torch.sign(pref)
