@@ -29,6 +29,7 @@ from jacflow.autogram._rules import (
     kept_weighted_grads,
     kernel_gram,
     register_rule,
+    weighted_sum,
     worth_keeping,
 )
 
@@ -171,10 +172,7 @@ class UnfoldedContribution(Contribution):
         if self.rows.per_task and g == 1:
             # [T, p] straight from one product over the rows (the common Linear case; it
             # spares the reshapes of the general [S, T, g, p] form)
-            bp = self.bp
-            if weights.dtype != bp.dtype:
-                weights = weights.to(bp.dtype)
-            y = (weights @ bp.reshape(bp.shape[0], -1)).view(t, bp.shape[3])
+            y = weighted_sum(weights, self.bp, (t, self.bp.shape[3]))
             bias_dims: tuple[int, ...] = (0,)
         else:
             y = self.rows.reduce(weights, self.bp)

@@ -61,7 +61,7 @@ class Rows:
         if weights.dtype != per_row.dtype:
             weights = weights.to(per_row.dtype)
         if self.per_task:
-            return weighted_sum(weights, per_row).unsqueeze(0)
+            return weighted_sum(weights, per_row, (1, *per_row.shape[1:]))
         scaled = per_row * weights.reshape(-1, *([1] * (per_row.ndim - 1)))
         if self.index is None:
             return scaled
@@ -308,12 +308,13 @@ def kernel_gram(kernel: Tensor, rows: Tensor, block: int = 32, min_rows: int = 4
     return total
 
 
-def weighted_sum(weights: Tensor, per_row: Tensor) -> Tensor:
-    """``sum_r weights[r] * per_row[r]`` (one matrix-vector product)."""
+def weighted_sum(weights: Tensor, per_row: Tensor, shape: tuple[int, ...] | None = None) -> Tensor:
+    """``sum_r weights[r] * per_row[r]`` (one matrix-vector product), with the shape of a row
+    or the given ``shape`` (same number of elements)."""
     flat = per_row.reshape(per_row.shape[0], -1)
     if weights.dtype != per_row.dtype:
         weights = weights.to(per_row.dtype)
-    return (weights @ flat).reshape(per_row.shape[1:])
+    return (weights @ flat).reshape(per_row.shape[1:] if shape is None else shape)
 
 
 def stack_grads(grads: dict[str, Tensor]) -> Tensor:
@@ -360,7 +361,7 @@ def kept_weighted_grads(
 ) -> dict[str, Tensor]:
     """The update from per-row gradients kept since the Gramian (see :func:`worth_keeping`):
     ``weights @ kept`` for the weight, ``weights @ bias_rows()`` for the bias if any."""
-    out = {weight_name: weighted_sum(weights, kept).reshape(weight_shape)}
+    out = {weight_name: weighted_sum(weights, kept, weight_shape)}
     if bias_name is not None:
         out[bias_name] = weighted_sum(weights, bias_rows())
     return out
