@@ -1,4 +1,9 @@
-"""Shared timing helpers for the benchmarks: 1 thread, interleaved rounds, CPU-time medians."""
+"""Shared timing helpers for the benchmarks: 1 thread, interleaved rounds, medians.
+
+On the CPU the clock is process CPU time (robust to other processes on a shared machine); on an
+accelerator it is wall time between two synchronisations, since the CPU clock does not see the
+device's work.
+"""
 
 from __future__ import annotations
 
@@ -13,14 +18,32 @@ def setup() -> None:
     torch.set_num_threads(1)
 
 
-def interleaved_medians(
-    steps: dict[str, Callable[[], object]], rounds: int = 15, warmup: int = 3
-) -> dict[str, float]:
-    """Median process CPU time (ms) of each step, methods interleaved round-robin.
+def clock(device: torch.device | str = "cpu") -> Callable[[], float]:
+    """A clock in seconds for work on ``device`` (see the module's docstring)."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return time.process_time
 
-    The order alternates every round so that no method always runs after the same one; CPU time
-    (not wall time) is robust to other processes on a shared machine.
+    synchronize = torch.cuda.synchronize if device.type == "cuda" else torch.mps.synchronize
+
+    def synchronized() -> float:
+        synchronize()
+        return time.perf_counter()
+
+    return synchronized
+
+
+def interleaved_medians(
+    steps: dict[str, Callable[[], object]],
+    rounds: int = 15,
+    warmup: int = 3,
+    device: torch.device | str = "cpu",
+) -> dict[str, float]:
+    """Median time (ms, by :func:`clock`) of each step, methods interleaved round-robin.
+
+    The order alternates every round so that no method always runs after the same one.
     """
+    now = clock(device)
     names = list(steps)
     for _ in range(warmup):
         for name in names:
@@ -29,9 +52,9 @@ def interleaved_medians(
     for r in range(rounds):
         order = names if r % 2 == 0 else names[::-1]
         for name in order:
-            start = time.process_time()
+            start = now()
             steps[name]()
-            samples[name].append((time.process_time() - start) * 1e3)
+            samples[name].append((now() - start) * 1e3)
     return {name: statistics.median(values) for name, values in samples.items()}
 
 

@@ -14,17 +14,20 @@ per-task ``Engine(trunk, batch_dim=None)`` + ``mtl_gramian_step`` (heads get the
 ``tjd_mtl`` = TorchJD ``mtl_backward(losses, features)`` + ``jac_to_grad(trunk, UPGrad())``;
 ``tjd_autogram`` = TorchJD ``Engine(trunk, batch_dim=None)`` + ``losses.backward(weights)``.
 
-Timing: process CPU time, 1 torch thread, median of interleaved rounds (``_timing.py``). The
+Timing: process CPU time (wall time between synchronisations with ``--device cuda``), 1 torch
+thread, median of interleaved rounds (``_timing.py``). The
 "weighting ms" column times jacflow's ``UPGradWeighting`` alone on the Gramian of the same
 model and data (the UPGrad QP's share of the jacflow step; the rest is the Gramian engine), and
 "jacflow without weighting" is ``(jacflow - weighting) / SGD``.
 Memory: each (config, method) runs 3 steps in a fresh subprocess; we report the peak RSS of
 those steps (VmHWM, reset through ``/proc/self/clear_refs`` right before them) minus the RSS just
-before the first step (model, data and engine already built), in MB. (``tracemalloc`` does not
-see torch's allocations and no GPU is used.)
+before the first step (model, data and engine already built), in MB (``tracemalloc`` does not
+see torch's allocations). With ``--device cuda`` it is the peak of
+``torch.cuda.max_memory_allocated`` over 3 steps (in this process, after one warm-up step)
+minus the memory allocated before them.
 
 Run: ``.venv/bin/python benchmarks/bench_autogram.py [--quick] [--no-memory] [--only iwrm|mtl]
-[--models mlp256,cnn] [--widths 256]``.
+[--models mlp256,cnn] [--widths 256] [--device cuda]``.
 """
 
 from __future__ import annotations
@@ -78,22 +81,26 @@ def cnn() -> nn.Module:
     )
 
 
-def iwrm_problem(model_name: str, batch: int) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
-    """The model (seeded: the same initialisation every call), inputs and labels."""
+def iwrm_problem(
+    model_name: str, batch: int, device: str = "cpu"
+) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    """The model (seeded: the same initialisation every call), inputs and labels on ``device``."""
     torch.manual_seed(0)
     if model_name == "cnn":
         model, x = cnn(), torch.randn(batch, 3, 32, 32)
     else:
         width = int(model_name.removeprefix("mlp"))
         model, x = mlp(width), torch.randn(batch, width)
-    return model, x, torch.randint(0, 10, (batch,))
+    return model.to(device), x.to(device), torch.randint(0, 10, (batch,)).to(device)
 
 
-def iwrm_steps(model_name: str, batch: int, methods: list[str]) -> dict[str, Step]:
+def iwrm_steps(
+    model_name: str, batch: int, methods: list[str], device: str = "cpu"
+) -> dict[str, Step]:
     """Fresh model per method (same init), so that hooks of one never touch another."""
     steps: dict[str, Step] = {}
     for method in methods:
-        model, x, y = iwrm_problem(model_name, batch)
+        model, x, y = iwrm_problem(model_name, batch, device)
         opt = torch.optim.SGD(model.parameters(), lr=1e-3)
         steps[method] = _iwrm_step(method, model, x, y, opt)
     return steps
@@ -140,20 +147,25 @@ def _iwrm_step(
     return step
 
 
-def mtl_steps(width: int, batch: int, m: int, methods: list[str]) -> dict[str, Step]:
+def mtl_problem(
+    width: int, batch: int, m: int, device: str = "cpu"
+) -> tuple[nn.Module, nn.ModuleList, torch.Tensor, torch.Tensor]:
+    """Trunk, heads (seeded: the same initialisation every call), inputs and targets."""
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for _ in range(3):
+        layers += [nn.Linear(width, width), nn.ReLU()]
+    trunk, heads = nn.Sequential(*layers), nn.ModuleList([nn.Linear(width, 1) for _ in range(m)])
+    x, y = torch.randn(batch, width), torch.randn(batch, m)
+    return trunk.to(device), heads.to(device), x.to(device), y.to(device)
+
+
+def mtl_steps(
+    width: int, batch: int, m: int, methods: list[str], device: str = "cpu"
+) -> dict[str, Step]:
     steps: dict[str, Step] = {}
     for method in methods:
-        torch.manual_seed(0)
-        trunk = nn.Sequential(
-            nn.Linear(width, width),
-            nn.ReLU(),
-            nn.Linear(width, width),
-            nn.ReLU(),
-            nn.Linear(width, width),
-            nn.ReLU(),
-        )
-        heads = nn.ModuleList([nn.Linear(width, 1) for _ in range(m)])
-        x, y = torch.randn(batch, width), torch.randn(batch, m)
+        trunk, heads, x, y = mtl_problem(width, batch, m, device)
         params = [*trunk.parameters(), *heads.parameters()]
         opt = torch.optim.SGD(params, lr=1e-3)
         steps[method] = _mtl_step(method, trunk, heads, x, y, opt)
@@ -216,26 +228,22 @@ def _mtl_step(
 
 
 def weighting_ms(gramian: torch.Tensor, rounds: int) -> float:
-    """Median CPU time (ms) of jacflow's ``UPGradWeighting`` alone on the Gramian of a step:
-    the share of the jacflow step that is the UPGrad QP (the rest is the engine)."""
+    """Median time (ms) of jacflow's ``UPGradWeighting`` alone on the Gramian of a step: the
+    share of the jacflow step that is the UPGrad QP (the rest is the engine)."""
     weighting = UPGradWeighting()
-    return interleaved_medians({"w": lambda: weighting(gramian)}, rounds=rounds, warmup=3)["w"]
+    return interleaved_medians(
+        {"w": lambda: weighting(gramian)}, rounds=rounds, warmup=3, device=gramian.device
+    )["w"]
 
 
-def iwrm_gramian(model_name: str, batch: int) -> torch.Tensor:
-    model, x, y = iwrm_problem(model_name, batch)  # the same Gramian as the timed steps
+def iwrm_gramian(model_name: str, batch: int, device: str = "cpu") -> torch.Tensor:
+    model, x, y = iwrm_problem(model_name, batch, device)  # the same Gramian as the timed steps
     with Engine(model, batch_dim=0) as engine:
         return engine.compute_gramian(F.cross_entropy(model(x), y, reduction="none"))
 
 
-def mtl_gramian(width: int, batch: int, m: int) -> torch.Tensor:
-    torch.manual_seed(0)
-    layers: list[nn.Module] = []
-    for _ in range(3):
-        layers += [nn.Linear(width, width), nn.ReLU()]
-    trunk = nn.Sequential(*layers)
-    heads = nn.ModuleList([nn.Linear(width, 1) for _ in range(m)])
-    x, y = torch.randn(batch, width), torch.randn(batch, m)
+def mtl_gramian(width: int, batch: int, m: int, device: str = "cpu") -> torch.Tensor:
+    trunk, heads, x, y = mtl_problem(width, batch, m, device)
     with Engine(trunk, batch_dim=None) as engine:
         features = trunk(x)
         losses = [F.mse_loss(h(features).squeeze(1), y[:, i]) for i, h in enumerate(heads)]
@@ -250,6 +258,16 @@ def _status_kb(field: str) -> int:
     raise RuntimeError(f"{field} not in /proc/self/status")
 
 
+def _one_method_steps(spec: dict[str, object]) -> Step:
+    method, device = str(spec["method"]), str(spec["device"])
+    if spec["kind"] == "iwrm":
+        steps = iwrm_steps(str(spec["model"]), int(str(spec["batch"])), [method], device)
+    else:
+        width, batch, m = (int(str(spec[k])) for k in ("width", "batch", "m"))
+        steps = mtl_steps(width, batch, m, [method], device)
+    return steps[method]
+
+
 def memory_child(spec: dict[str, object]) -> None:
     """Runs in a fresh process: 3 steps of one method, prints the peak RSS increase (MB).
 
@@ -257,22 +275,34 @@ def memory_child(spec: dict[str, object]) -> None:
     steps, so that import-time peaks do not mask the steps' own peak.
     """
     setup()
-    method = str(spec["method"])
-    if spec["kind"] == "iwrm":
-        steps = iwrm_steps(str(spec["model"]), int(str(spec["batch"])), [method])
-    else:
-        width, batch, m = (int(str(spec[k])) for k in ("width", "batch", "m"))
-        steps = mtl_steps(width, batch, m, [method])
+    step = _one_method_steps(spec)
     before = _status_kb("VmRSS")
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
     for _ in range(3):
-        steps[method]()
+        step()
     peak = _status_kb("VmHWM")
     print(json.dumps({"delta_mb": max(0, peak - before) / 1024}))
 
 
+def cuda_memory(spec: dict[str, object]) -> float:
+    """In this process (the allocator's peak can be reset): the peak CUDA memory allocated over
+    3 steps minus the memory allocated before them (MB), after one warm-up step that makes the
+    gradients and the libraries' workspaces, which every method shares."""
+    step = _one_method_steps(spec)
+    step()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    return max(0, torch.cuda.max_memory_allocated() - before) / 2**20
+
+
 def memory(spec: dict[str, object]) -> float:
+    if spec["device"] != "cpu":
+        return cuda_memory(spec)
     out = subprocess.run(
         [sys.executable, __file__, "--child", json.dumps(spec)],
         capture_output=True,
@@ -301,14 +331,17 @@ def main() -> None:
         "--models", default="mlp256,mlp1024,cnn", help="per-sample models, comma-separated"
     )
     parser.add_argument("--widths", default="256,1024", help="multi-task widths, comma-separated")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--child")
     args = parser.parse_args()
     if args.child:
         memory_child(json.loads(args.child))
         return
     setup()
-    rounds = 5 if args.quick else 9
-    print(f"torch {torch.__version__}, torchjd {getattr(torchjd, '__version__', '0.18')}, 1 thread")
+    device = args.device
+    rounds = 5 if args.quick else (9 if device == "cpu" else 21)
+    name = torch.cuda.get_device_name() if device == "cuda" else "CPU"
+    print(f"torch {torch.__version__}, torchjd {getattr(torchjd, '__version__', '0.18')}, {name}")
 
     iwrm_rows, iwrm_mem = [], []
     models = [] if args.only == "mtl" else args.models.split(",")
@@ -319,11 +352,14 @@ def main() -> None:
             if model_name != "mlp1024" or batch <= 64:
                 methods.append("tjd_autojac")
             times = interleaved_medians(
-                iwrm_steps(model_name, batch, methods), rounds=rounds, warmup=2
+                iwrm_steps(model_name, batch, methods, device),
+                rounds=rounds,
+                warmup=2,
+                device=device,
             )
             sgd = times["sgd"]
             ratio = {k: f"{v / sgd:.2f}x" for k, v in times.items()}
-            qp = weighting_ms(iwrm_gramian(model_name, batch), 3 * rounds)
+            qp = weighting_ms(iwrm_gramian(model_name, batch, device), 3 * rounds)
             iwrm_rows.append(
                 [
                     model_name,
@@ -340,7 +376,7 @@ def main() -> None:
             )
             print(iwrm_rows[-1], flush=True)
             if not args.no_memory:
-                spec = {"kind": "iwrm", "model": model_name, "batch": batch}
+                spec = {"kind": "iwrm", "model": model_name, "batch": batch, "device": device}
                 iwrm_mem.append(
                     [model_name, str(batch)]
                     + [f"{memory({**spec, 'method': m}):.0f}" for m in methods]
@@ -356,10 +392,13 @@ def main() -> None:
         for m in ms:
             methods = ["sgd", "jacflow", "tjd_autogram", "tjd_mtl"]
             times = interleaved_medians(
-                mtl_steps(width, batch, m, methods), rounds=rounds, warmup=2
+                mtl_steps(width, batch, m, methods, device),
+                rounds=rounds,
+                warmup=2,
+                device=device,
             )
             sgd = times["sgd"]
-            qp = weighting_ms(mtl_gramian(width, batch, m), 3 * rounds)
+            qp = weighting_ms(mtl_gramian(width, batch, m, device), 3 * rounds)
             mtl_rows.append(
                 [str(width), str(batch), str(m), f"{sgd:.1f}", f"{qp:.2f}"]
                 + [f"{(times['jacflow'] - qp) / sgd:.2f}x"]
@@ -368,14 +407,14 @@ def main() -> None:
             )
             print(mtl_rows[-1], flush=True)
             if not args.no_memory:
-                spec = {"kind": "mtl", "width": width, "batch": batch, "m": m}
+                spec = {"kind": "mtl", "width": width, "batch": batch, "m": m, "device": device}
                 mtl_mem.append(
                     [str(width), str(batch), str(m)]
                     + [f"{memory({**spec, 'method': k}):.0f}" for k in methods]
                 )
 
     _table(
-        "Per-sample losses (m = B), CPU ms and ratios to the SGD step",
+        f"Per-sample losses (m = B), {name} ms and ratios to the SGD step",
         [
             "model",
             "B",
@@ -407,9 +446,10 @@ def main() -> None:
         ],
         mtl_rows,
     )
+    meter = "VmHWM, fresh process" if device == "cpu" else "CUDA allocator, after a warm-up step"
     if iwrm_mem:
         _table(
-            "Peak memory increase (MB, VmHWM, fresh process, 3 steps), per-sample",
+            f"Peak memory increase (MB, {meter}, 3 steps), per-sample",
             ["model", "B", "SGD", "jacflow", "TorchJD autogram", "TorchJD autojac"],
             iwrm_mem,
         )

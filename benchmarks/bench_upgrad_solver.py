@@ -2,9 +2,9 @@
 
 For each m and each Gramian structure, times ``jacflow.aggregation.UPGradWeighting()(G)`` (the
 default exact ``TorchProjector``) and ``torchjd.aggregation.UPGradWeighting()(G)`` (quadprog per
-row, regularised by 1e-4) with interleaved repeats (median of the CPU time of the calling
-thread, robust to other processes on a shared machine; with one torch thread all the work runs
-there), and reports the error of the update ``|J^T (w - w_exact)|`` relative to the root mean
+row, regularised by 1e-4) with interleaved repeats (median of the process CPU time, robust to
+other processes on a shared machine; with one torch thread all the work runs in the calling
+thread), and reports the error of the update ``|J^T (w - w_exact)|`` relative to the root mean
 square gradient norm ``sqrt(trace(G) / m)`` (from the Gramian: ``sqrt(d^T G d / (trace G / m))``;
 unlike the weights, the update is unique on singular Gramians, and unlike ``|J^T w_exact|`` this
 scale does not vanish when the projection is 0), of both against
@@ -17,9 +17,13 @@ Gaussian m x m/2: more objectives than the rank, the degenerate case (non-unique
 a dual cone reduced to 0) that the exact Lawson-Hanson fallback handles (not in the default
 list: ``--gramians lowrank``).
 
+With ``--device cuda`` both get the Gramian on the GPU (TorchJD's solver copies it to the host
+and its weights back) and the clock is wall time between synchronisations (``_timing.py``).
+
 Usage::
 
     .venv/bin/python benchmarks/bench_upgrad_solver.py [--sizes 2 8 32] [--torchjd-max-m 512]
+        [--device cuda]
 
 TorchJD at m = 512 takes about a minute per call: it is timed once there (and three times at
 m = 256); ``--torchjd-max-m`` skips it above a size.
@@ -29,12 +33,15 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
+import sys
 from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from _timing import clock
 
 from jacflow.aggregation import UPGradWeighting
 from jacflow.linalg import project_weights
@@ -89,20 +96,22 @@ def exact_weights(gramian: Tensor) -> tuple[Tensor, float]:
 
 def update_error(weights: Tensor, exact: Tensor, gramian: Tensor) -> float:
     """``|J^T (w - w_exact)| / sqrt(trace(G) / m)`` computed from the Gramian."""
-    d = weights.double() - exact
+    d, gramian = weights.double().cpu() - exact, gramian.cpu()
     return float((d @ gramian @ d).clamp_min(0).sqrt() / (gramian.trace() / len(d)).sqrt())
 
 
-def median_times(fns: dict[str, Callable[[], Tensor]], repeats: dict[str, int]) -> dict[str, float]:
+def median_times(
+    fns: dict[str, Callable[[], Tensor]], repeats: dict[str, int], now: Callable[[], float]
+) -> dict[str, float]:
     times: dict[str, list[float]] = {name: [] for name in fns}
     for fn in fns.values():  # warm-up
         fn()
     for r in range(max(repeats.values())):
         for name, fn in fns.items():
             if r < repeats[name]:
-                start = time.thread_time()
+                start = now()
                 fn()
-                times[name].append(time.thread_time() - start)
+                times[name].append(now() - start)
     return {name: statistics.median(t) for name, t in times.items()}
 
 
@@ -111,7 +120,9 @@ def main() -> None:
     parser.add_argument("--sizes", type=int, nargs="+", default=[2, 8, 32, 64, 128, 256, 512])
     parser.add_argument("--torchjd-max-m", type=int, default=512)
     parser.add_argument("--gramians", nargs="+", default=["gauss", "mlp"])
+    parser.add_argument("--device", default="cpu", help="where the Gramian lies: cpu or cuda")
     args = parser.parse_args()
+    now = clock(args.device)
     from torchjd.aggregation import UPGradWeighting as TorchJDUPGradWeighting
 
     ours, theirs = UPGradWeighting(), TorchJDUPGradWeighting()
@@ -126,6 +137,7 @@ def main() -> None:
             gramian = makers[kind](m)
             exact, residual = exact_weights(gramian)
             assert residual < 1e-11, f"reference not converged: {residual}"
+            gramian = gramian.to(args.device)
             fns: dict[str, Callable[[], Tensor]] = {"ours": lambda g=gramian: ours(g)}
             repeats = {"ours": 15 if m <= 64 else 5}
             with_torchjd = m <= args.torchjd_max_m
@@ -133,13 +145,13 @@ def main() -> None:
                 fns["torchjd"] = lambda g=gramian: theirs(g)
                 repeats["torchjd"] = 15 if m <= 64 else (5 if m <= 128 else (3 if m <= 256 else 1))
                 if m >= 512:  # a minute per call: no warm-up call, timed once
-                    start = time.thread_time()
+                    start = now()
                     w_theirs = theirs(gramian)
-                    t_theirs = time.thread_time() - start
+                    t_theirs = now() - start
                     del fns["torchjd"], repeats["torchjd"]
                 else:
                     w_theirs = theirs(gramian)
-            t = median_times(fns, repeats)
+            t = median_times(fns, repeats, now)
             if with_torchjd and m < 512:
                 t_theirs = t["torchjd"]
             err_ours = update_error(ours(gramian), exact, gramian)
