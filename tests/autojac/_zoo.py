@@ -20,14 +20,27 @@ class Case:
     build: Callable[[torch.dtype], tuple[list[Tensor], Callable[..., tuple[Tensor, ...]]]]
 
 
+def _cpu_drawn(tensor: Tensor) -> Tensor:
+    """A tensor drawn with a seeded CPU generator, moved to the default device (the same values
+    on every device)."""
+    return tensor.to(torch.get_default_device())
+
+
+def _randn(*shape: int, dtype: torch.dtype, seed: int) -> Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return _cpu_drawn(torch.randn(shape, generator=gen, dtype=dtype, device="cpu"))
+
+
 def _leaves(dtype: torch.dtype, *shapes: tuple[int, ...]) -> list[Tensor]:
     gen = torch.Generator().manual_seed(len(shapes))
-    return [torch.randn(s, generator=gen, dtype=dtype).requires_grad_() for s in shapes]
+    draws = [torch.randn(s, generator=gen, dtype=dtype, device="cpu") for s in shapes]
+    return [_cpu_drawn(t).requires_grad_() for t in draws]
 
 
 def _mlp(dtype: torch.dtype) -> tuple[list[Tensor], Callable[..., tuple[Tensor, ...]]]:
-    x = torch.randn(6, 4, dtype=dtype, generator=torch.Generator().manual_seed(1))
-    target = torch.randint(0, 3, (6,), generator=torch.Generator().manual_seed(2))
+    x = _randn(6, 4, dtype=dtype, seed=1)
+    gen = torch.Generator().manual_seed(2)
+    target = _cpu_drawn(torch.randint(0, 3, (6,), generator=gen, device="cpu"))
 
     def fn(w1: Tensor, b1: Tensor, w2: Tensor, b2: Tensor) -> tuple[Tensor, ...]:
         hidden = torch.tanh(x @ w1.T + b1)
@@ -37,7 +50,7 @@ def _mlp(dtype: torch.dtype) -> tuple[list[Tensor], Callable[..., tuple[Tensor, 
 
 
 def _conv(dtype: torch.dtype) -> tuple[list[Tensor], Callable[..., tuple[Tensor, ...]]]:
-    x = torch.randn(3, 2, 6, 6, dtype=dtype, generator=torch.Generator().manual_seed(3))
+    x = _randn(3, 2, 6, 6, dtype=dtype, seed=3)
 
     def fn(k: Tensor, kb: Tensor, w: Tensor) -> tuple[Tensor, ...]:
         h = F.relu(F.conv2d(x, k, kb, padding=1))
@@ -47,7 +60,7 @@ def _conv(dtype: torch.dtype) -> tuple[list[Tensor], Callable[..., tuple[Tensor,
 
 
 def _shared(dtype: torch.dtype) -> tuple[list[Tensor], Callable[..., tuple[Tensor, ...]]]:
-    x = torch.randn(3, dtype=dtype, generator=torch.Generator().manual_seed(4))
+    x = _randn(3, dtype=dtype, seed=4)
 
     def fn(w: Tensor, v: Tensor) -> tuple[Tensor, ...]:
         h = torch.tanh(w @ x)
@@ -78,7 +91,7 @@ def _paths(dtype: torch.dtype) -> tuple[list[Tensor], Callable[..., tuple[Tensor
 
 
 def _attention(dtype: torch.dtype) -> tuple[list[Tensor], Callable[..., tuple[Tensor, ...]]]:
-    x = torch.randn(2, 5, 4, dtype=dtype, generator=torch.Generator().manual_seed(5))
+    x = _randn(2, 5, 4, dtype=dtype, seed=5)
 
     def fn(wq: Tensor, wk: Tensor, wv: Tensor) -> tuple[Tensor, ...]:
         q, k, v = x @ wq, x @ wk, x @ wv

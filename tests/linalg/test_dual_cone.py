@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from torch import Tensor
 
 from jacflow.linalg import SolverWarning, project_weights
-from jacflow.linalg._dual_cone import _normalized, project_weights_reference
+from jacflow.linalg._dual_cone import _normalized, project_diagonal, project_weights_reference
 from jacflow.linalg._first_order import admm_solve
 from tests.aggregation._properties import make_jacobian
 
@@ -190,6 +190,38 @@ def test_float32(m: int) -> None:
     v64 = project_weights(u, gramian)
     torch.testing.assert_close(v32.double().sum(0), v64.sum(0), rtol=1e-4, atol=1e-4)
     assert_kkt(v32.double(), u, gramian.float().double(), rtol=1e-5)
+
+
+DEVICE_CASES = [(2, "psd"), (40, "rank_deficient"), (40, "more_rows"), (128, "conflicting")]
+DEVICE_CASES += [(256, "psd")]
+
+
+# float32 only on the full-rank kinds: a singular Gramian rounded to float32 is no longer PSD
+@pytest.mark.parametrize(
+    ("m", "kind", "dtype"),
+    [(m, kind, torch.float64) for m, kind in DEVICE_CASES]
+    + [(m, kind, torch.float32) for m, kind in DEVICE_CASES if kind in ("psd", "conflicting")],
+)
+def test_device_and_dtype(m: int, kind: str, device: str, dtype: torch.dtype) -> None:
+    """On any device the solution keeps the input's device and dtype, is KKT-certified and gives
+    the CPU float64 solution's ``G v``. On an accelerator, up to 128 objectives are solved on the
+    host (the CPU's bits, for this Gramian and for UPGrad's problems), above it on the device."""
+    gramian, u = make_gramian(m, kind, 1.0, seed=m), upgrad_rows(m)
+    v = project_weights(u.to(device, dtype), gramian.to(device, dtype))
+    assert v.device.type == torch.device(device).type and v.dtype == dtype
+    if m <= 128:
+        on_cpu = project_weights(u.to(dtype), gramian.to(dtype))
+        assert torch.equal(v.cpu(), on_cpu)
+        pref = torch.ones(m, dtype=dtype) / m
+        diagonal = project_diagonal(pref.to(device), gramian.to(device, dtype))
+        assert diagonal.device == v.device
+        assert torch.equal(diagonal.cpu(), project_diagonal(pref, gramian.to(dtype)))
+    rounded = gramian.to(dtype).double()
+    assert_kkt(v.cpu().double(), u, rounded, rtol=1e-6 if dtype == torch.float64 else 1e-4)
+    expected = project_weights(u, rounded)
+    g = rounded / rounded.trace()
+    atol = 1e-9 if dtype == torch.float64 else 1e-5
+    torch.testing.assert_close(v.cpu().double() @ g, expected @ g, rtol=0, atol=atol)
 
 
 def test_low_precision_admm_switches_to_float64_for_tight_tolerances() -> None:

@@ -19,6 +19,7 @@ from jacflow.linalg import (
 )
 from jacflow.linalg import _dual_cone as dual_cone
 from jacflow.linalg._dual_cone import project_weights_reference
+from tests.conftest import DEVICES
 from tests.linalg.test_dual_cone import make_gramian
 
 
@@ -100,12 +101,14 @@ def test_upgrad_with_projectors() -> None:
     seed=st.integers(0, 2**31 - 1),
     signs=st.sampled_from(["positive", "with_zeros", "mixed"]),
     dtype=st.sampled_from([torch.float32, torch.float64]),
+    device=st.sampled_from(DEVICES),
 )
 def test_project_diagonal_is_the_projection_of_the_diagonal_rows(
-    m: int, kind: str, seed: int, signs: str, dtype: torch.dtype
+    m: int, kind: str, seed: int, signs: str, dtype: torch.dtype, device: str
 ) -> None:
     """UPGrad's problems without forming diag(pref): the reference's answer on every Gramian
-    kind, with zero and negative preferences, on both sides of the Python-float route."""
+    kind, with zero and negative preferences, on both sides of the Python-float route and on
+    every device."""
     gen = torch.Generator().manual_seed(seed)
     gramian = make_gramian(m, kind, 1.0, seed)
     pref = torch.rand(m, generator=gen, dtype=torch.float64) + 0.1
@@ -113,8 +116,9 @@ def test_project_diagonal_is_the_projection_of_the_diagonal_rows(
         pref[torch.rand(m, generator=gen) < 0.3] = 0.0
     if signs == "mixed":
         pref = torch.where(torch.rand(m, generator=gen) < 0.3, -pref, pref)
-    v = TorchProjector().project_diagonal(pref.to(dtype), gramian.to(dtype))
-    assert v.dtype == dtype and v.shape == (m, m)
+    v = TorchProjector().project_diagonal(pref.to(device, dtype), gramian.to(device, dtype))
+    assert v.dtype == dtype and v.shape == (m, m) and v.device.type == device
+    v = v.cpu()
     exact_g = gramian.to(dtype).double()
     expected = project_weights_reference(torch.diag(pref), exact_g)
     # v is not unique for a singular G, J^T v is: compare G v (scaled to G's trace), to the
