@@ -35,20 +35,21 @@ def two_objective_weights(gramian: Tensor, pref: Tensor) -> Tensor:
 
 
 def two_objective_weights_on_host(gramian: Tensor, pref: Tensor | None) -> Tensor:
-    """:func:`two_objective_weights` in Python floats, for a CPU Gramian outside autograd.
+    """:func:`two_objective_weights` in Python floats, for a Gramian outside autograd.
 
     The same formulas, with two host reads instead of about ten tensor operations (whose
-    dispatch dominates a 2 x 2 problem); a NaN or infinite entry gives NaN weights.
-    ``pref=None`` is the default preference ``(1/2, 1/2)``, in the Gramian's dtype.
+    dispatch, or on an accelerator whose kernel launches, dominate a 2 x 2 problem); a NaN or
+    infinite entry gives NaN weights. ``pref=None`` is the default preference ``(1/2, 1/2)``, in
+    the Gramian's dtype. The weights are on the Gramian's device.
     """
     dtype = gramian.dtype if pref is None else pref.dtype
     (g11, g12), (_, g22) = gramian.tolist()
     if not all(math.isfinite(g) for g in (g11, g12, g22)):
-        return torch.full((2,), math.nan, dtype=dtype)
+        return torch.full((2,), math.nan, dtype=dtype, device=gramian.device)
     p1, p2 = (0.5, 0.5) if pref is None else (max(0.0, p) for p in pref.tolist())
     gain1 = max(0.0, -g12 * p2 / g11) if g11 != 0 else 0.0
     gain2 = max(0.0, -g12 * p1 / g22) if g22 != 0 else 0.0
-    return torch.tensor([p1 + gain1, p2 + gain2], dtype=dtype)
+    return torch.tensor([p1 + gain1, p2 + gain2], dtype=dtype, device=gramian.device)
 
 
 def _is_exact(projector: DualConeProjector) -> bool:
@@ -80,9 +81,8 @@ def upgrad_weights(
     m = gramian.shape[0]
     pref = None if pref_vector is None else resolve_pref_vector(pref_vector, m, gramian)
     if m == 2 and _is_exact(projector):
-        # (on the CPU, Python floats; there the default preference needs no tensor either)
-        on_host = gramian.device.type == "cpu" and not gramian.requires_grad
-        if on_host and (pref is None or not pref.requires_grad):
+        # (outside autograd, Python floats; then the default preference needs no tensor either)
+        if not gramian.requires_grad and (pref is None or not pref.requires_grad):
             return two_objective_weights_on_host(gramian, pref)
         pref = mean_weights(2, gramian) if pref is None else pref
         return propagate_nonfinite(two_objective_weights(gramian, pref), gramian)
