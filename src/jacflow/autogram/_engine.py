@@ -6,6 +6,7 @@ import contextlib
 import warnings
 from collections.abc import Iterable, Sequence
 from types import TracebackType
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -184,7 +185,9 @@ class Engine:
             tensor([[1., 0.],
                     [0., 4.]])
         """
-        with torch.no_grad():  # (autograd.grad needs no grad mode: no graph of the grads)
+        losses = _check_losses(losses, self.batch_dim)
+        # (autograd.grad needs no grad mode: no graph of the grads)
+        with torch.no_grad(), _without_autocast(losses.device.type):
             contributions, rows, order = self._prepare(losses, retain_graph, ())[:3]
             return _to_loss_order(_assemble(contributions, rows, losses), order)
 
@@ -235,12 +238,15 @@ class Engine:
                 "`weighting` must be a jacflow.aggregation.GramianWeighting (e.g. "
                 f"UPGradWeighting()), received {type(weighting)}."
             )
+        losses = _check_losses(losses, self.batch_dim)
         others, tasks = list(other_params), list(tasks_params)
-        with torch.no_grad():  # (autograd.grad needs no grad mode: no graph of the grads)
+        device_type = losses.device.type
+        # (autograd.grad needs no grad mode: no graph of the grads)
+        with torch.no_grad(), _without_autocast(device_type):
             contributions, rows, order, task_grads = self._prepare(losses, bool(others), tasks)
             gramian = _to_loss_order(_assemble(contributions, rows, losses), order)
         weights = _check_weights(weighting(gramian), gramian.shape[0], weighting)
-        with torch.no_grad():
+        with torch.no_grad(), _without_autocast(device_type):
             row_weights = weights if order is None else weights[order[1]]
             updates = _weighted_grads(contributions, row_weights)
             for param, grad in zip(tasks, task_grads, strict=True):
@@ -275,7 +281,6 @@ class Engine:
         """
         if self._removed:
             raise RuntimeError("This Engine was removed; create a new one before the forward.")
-        losses = _check_losses(losses, self.batch_dim)
         coupled = self._recorder.coupled
         calls = self._recorder.take()
         if coupled is not None:
@@ -313,6 +318,9 @@ class Engine:
             params = unit.params()
             if not params:
                 continue
+            dtype = next(iter(params.values())).dtype
+            for call in unit_calls:
+                _upcast(call, dtype)
             contributions.append((params, unit.rule.prepare(unit.module, params, unit_calls, rows)))
         return contributions, rows, order, extra_grads
 
@@ -391,6 +399,47 @@ def _rows_shaped(call_grads: list[Tensor | None], call: Call, rows: Rows) -> lis
             # (usually already so: a reshape is a dispatch, the comparison is not)
             shaped.append(grad if grad.shape == target else grad.reshape(target))
     return shaped
+
+
+def _without_autocast(device_type: str) -> contextlib.AbstractContextManager[object]:
+    """The closed forms run in the recorded dtypes (made one by :func:`_upcast`), not in the
+    lower precision of an enclosing autocast region."""
+    if _autocast_enabled(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
+
+
+def _autocast_enabled(device_type: str) -> bool:
+    try:
+        return torch.is_autocast_enabled(device_type)
+    except TypeError:  # torch < 2.4: no device argument
+        cpu = device_type == "cpu"
+        return torch.is_autocast_cpu_enabled() if cpu else torch.is_autocast_enabled()
+
+
+def _upcast(call: Call, dtype: torch.dtype) -> None:
+    """Under mixed precision (autocast) a layer's inputs and output gradients can be in lower
+    precisions than its parameters, and not all in one: the closed forms take them in the
+    parameters' dtype, the dtype of their gradients (an exact conversion, only upwards)."""
+
+    def lower(value: object) -> bool:
+        return (
+            isinstance(value, Tensor)
+            and value.is_floating_point()
+            and value.dtype != dtype
+            and torch.promote_types(value.dtype, dtype) == dtype
+        )
+
+    values = (*call.args, *call.kwargs.values(), *call.grads)
+    if not any(lower(value) for value in values):
+        return
+
+    def up(value: Any) -> Any:
+        return value.to(dtype) if lower(value) else value
+
+    call.args = tuple(up(a) for a in call.args)
+    call.kwargs = {name: up(value) for name, value in call.kwargs.items()}
+    call.grads = [up(g) for g in call.grads]
 
 
 def _check_versions(call: Call) -> None:
