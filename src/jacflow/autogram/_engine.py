@@ -425,13 +425,16 @@ def _upcast(call: Call, dtype: torch.dtype) -> None:
     def lower(value: object) -> bool:
         return (
             isinstance(value, Tensor)
-            and value.is_floating_point()
             and value.dtype != dtype
+            and value.is_floating_point()
             and torch.promote_types(value.dtype, dtype) == dtype
         )
 
-    values = (*call.args, *call.kwargs.values(), *call.grads)
-    if not any(lower(value) for value in values):
+    # (a plain loop: this runs for every call of every step, almost always to find nothing)
+    for value in (*call.args, *call.kwargs.values(), *call.grads):
+        if lower(value):
+            break
+    else:
         return
 
     def up(value: Any) -> Any:
