@@ -92,6 +92,11 @@ class Engine:
     and its children). Each grad-enabled forward call is recorded; the calls that the losses do
     not reach (stray or evaluation forwards) are ignored and dropped at the next step.
 
+    Under mixed precision (``torch.autocast``), a layer's recorded inputs and output gradients
+    are taken in its parameters' dtype, and the closed forms run outside autocast: the Gramian
+    and the update come in that dtype, whether the step runs inside the autocast region or
+    after it (PyTorch's advice for ``backward``).
+
     Args:
         modules: the modules whose parameters define the Jacobian. Parameters of other modules
             get no gradient from :meth:`backward` unless passed as ``other_params``.
