@@ -162,14 +162,17 @@ def test_agrees_with_quadprog(problem: tuple[Tensor, Tensor], method: str) -> No
 
 
 @pytest.mark.parametrize("method", METHODS)
-def test_batch_dimensions(method: str) -> None:
+def test_batch_dimensions(method: str, device: str) -> None:
+    """A batch of Gramians (on an accelerator: solved there, not on the host) and several
+    leading dimensions of ``u``."""
     kinds = ("psd", "conflicting", "psd", "conflicting")  # non-singular: v is unique
     gramians = torch.stack(
         [make_gramian(6, kind, 1.0, seed=i) for i, kind in enumerate(kinds)]
     ).reshape(2, 2, 6, 6)
     u = torch.randn(2, 2, 3, 6, dtype=torch.float64)
-    v = project_weights(u, gramians, method=method)
-    assert v.shape == u.shape
+    v = project_weights(u.to(device), gramians.to(device), method=method)
+    assert v.shape == u.shape and v.device.type == device
+    v = v.cpu()
     for i in range(2):
         for j in range(2):
             single = project_weights_reference(u[i, j], gramians[i, j])

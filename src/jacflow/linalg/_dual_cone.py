@@ -138,9 +138,11 @@ _OFFLOAD_MAX_M = 128
 
 
 def _offloads(gramian: Tensor, differentiable: bool, method: str) -> bool:
-    """Whether :func:`project_weights` solves on the host a problem on an accelerator."""
+    """Whether :func:`project_weights` solves on the host a problem on an accelerator (one
+    Gramian: the threshold was measured on one; a batch of them is left to the device)."""
     return (
         gramian.device.type != "cpu"
+        and gramian.ndim == 2
         and gramian.shape[-1] <= _OFFLOAD_MAX_M
         and not differentiable
         and method == "auto"
@@ -464,10 +466,10 @@ def project_weights(
     ``"auto"``'s PDAS one problem at a time in Python floats (``jacflow.linalg._host_pdas``:
     a batched torch solve costs some 200 dispatched operations there; exact Lawson-Hanson where
     PDAS stalls), with the same certificate; a problem it cannot certify (e.g. a matrix that is
-    not PSD) sends them all to the route above. Outside autograd, ``"auto"`` problems of at most
-    128 objectives on an accelerator are copied to the host and solved there (the batched
-    solvers' many small kernels and synchronisations cost more than the copies); the result
-    comes back to the Gramian's device.
+    not PSD) sends them all to the route above. Outside autograd, ``"auto"`` problems on one
+    Gramian of at most 128 objectives on an accelerator are copied to the host and solved there
+    (the batched solvers' many small kernels and synchronisations cost more than the copies);
+    the result comes back to the Gramian's device.
 
     Accuracy. Computation is in float64 whatever the input dtype (the systems are small and
     float32 loses the active set on ill-conditioned Gramians); the result has the promoted
