@@ -243,7 +243,10 @@ def gram(flat: Tensor, leaf: int = 32, min_columns: int = 1024) -> Tensor:
     A Gramian is symmetric, so splitting the rows in halves needs the two diagonal blocks and
     one off-diagonal block: about ``(1/2 + 1/2^k)`` of the multiply-adds after ``k`` levels, down
     to ``leaf`` rows (27-35% faster on ``[128, 9216]`` and ``[256, 2048]``, float32, 1 thread).
-    Narrow matrices (fewer than ``min_columns`` columns) use one product.
+    Narrow matrices (fewer than ``min_columns`` columns) use one product, and so does every
+    matrix off the CPU: on a GPU the blocks' launches and concatenations cost more than the
+    multiply-adds they save (an H100 profile of a per-sample step of a width-4096 MLP: 57
+    products and 63 concatenations a step, of which the blocking made most).
 
     Example:
         >>> import torch
@@ -253,7 +256,7 @@ def gram(flat: Tensor, leaf: int = 32, min_columns: int = 1024) -> Tensor:
         True
     """
     rows = flat.shape[0]
-    if rows < 2 * leaf or flat.shape[1] < min_columns:
+    if rows < 2 * leaf or flat.shape[1] < min_columns or flat.device.type != "cpu":
         return flat @ flat.T
     half = rows // 2
     top, bottom = flat[:half], flat[half:]
@@ -272,7 +275,9 @@ def kernel_gram(kernel: Tensor, rows: Tensor, block: int = 32, min_rows: int = 4
     whose products only need the lower triangle of ``L``: by ``q`` blocks of rows (at most 8,
     at least ``block`` rows each), ``(q + 1) / 2q`` of the multiply-adds (one-off: 20-27% faster
     at ``T = 256``, ``p = 1024``, ``R = 6`` and 10, float32, 1 thread). A kernel whose
-    factorisation fails (numerically singular) takes the direct products.
+    factorisation fails (numerically singular) takes the direct products, and so does every
+    kernel off the CPU (on a GPU the factorisation, its check and the blocks' launches cost more
+    than the multiply-adds they save).
 
     Example:
         >>> import torch
@@ -286,7 +291,7 @@ def kernel_gram(kernel: Tensor, rows: Tensor, block: int = 32, min_rows: int = 4
     """
     r, t, _ = rows.shape
     factor = None
-    if t >= 4 * block and r >= min_rows:
+    if t >= 4 * block and r >= min_rows and kernel.device.type == "cpu":
         factor, info = torch.linalg.cholesky_ex(kernel)
         if bool(info.any()):
             factor = None
