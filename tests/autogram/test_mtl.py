@@ -10,7 +10,8 @@ from torch import nn
 
 from jacflow.aggregation import UPGradWeighting
 from jacflow.autogram import Engine, mtl_gramian_step
-from tests.autogram.test_engine import reference_jacobian
+from tests.autogram._zoo import CASES
+from tests.autogram.test_engine import hooked_params, reference_jacobian
 
 
 def _setup(m: int, seq: bool) -> tuple[nn.Module, nn.ModuleList, torch.Tensor]:
@@ -127,6 +128,29 @@ def test_vmap_fallback_warnings_stay_inside_the_engine() -> None:
         assert not caught
     finally:
         torch._C._debug_only_display_vmap_fallback_warnings(before)
+
+
+@pytest.mark.parametrize("name", ["transformer_block", "tasks_transformer_block"])
+def test_fallback_loop_warnings_under_autocast_stay_inside_the_engine(name: str) -> None:
+    """CPU attention under bfloat16 autocast has no batching rule, and torch warns about its
+    loop even with vmap's fallback warnings off: in the generic rule's vmap (per-sample) and in
+    the batched backward (per-task). No warning leaves the engine; the Gramian stays exact."""
+    import warnings
+
+    case = next(c for c in CASES if c.name == name)
+    _, modules, forward = case.build(torch.float32)
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16)
+    with Engine(*modules, batch_dim=case.batch_dim) as engine:
+        with autocast:
+            losses = forward().float()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            gramian = engine.compute_gramian(losses)
+        assert not [str(w.message) for w in caught]
+        jacobian = reference_jacobian(losses, hooked_params(modules))
+        scale = jacobian.pow(2).sum(1).max().item() + 1.0
+        expected = jacobian @ jacobian.T / scale
+        torch.testing.assert_close(gramian / scale, expected, rtol=0, atol=1e-2)
 
 
 @pytest.mark.parametrize("duplicated", [False, True])

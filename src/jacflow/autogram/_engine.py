@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import warnings
 from collections.abc import Iterable, Sequence
 from types import TracebackType
 from typing import Any
@@ -14,16 +13,13 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from jacflow.aggregation import GramianWeighting
 from jacflow.autogram._hooks import Recorder, Unit, find_units
-from jacflow.autogram._rules import Call, Contribution, Rows, gram
+from jacflow.autogram._rules import Call, Contribution, Rows, gram, quiet_vmap_fallback
 
 _COMPILE_HINT = (
     "torch.compile'd modules cannot be hooked (their layers run inside one fused graph node). "
     "Create the Engine on the uncompiled module, or use jacflow.autojac.backward with "
     "parallel_chunk_size=1."
 )
-
-# vmap's switch for its fallback warnings (absent from some torch versions: then assume on)
-_VMAP_WARNINGS_ON = getattr(torch._C, "_debug_only_are_vmap_fallback_warnings_enabled", None)
 
 
 def _check_modules(modules: tuple[nn.Module, ...], batch_dim: int | None) -> None:
@@ -370,14 +366,8 @@ def _capture(
     """Gradients of the losses w.r.t. the recorded output edges: activation gradients only."""
     if not inputs:
         return ()
-    # (the guard costs ~8 us a step: only when the user turned vmap's fallback warnings on)
-    loud = batched and (_VMAP_WARNINGS_ON is None or bool(_VMAP_WARNINGS_ON()))
-    guard = warnings.catch_warnings() if loud else contextlib.nullcontext()
-    with guard:
-        if loud:
-            # The batched backward falls back to a loop for ops without a batching rule; that
-            # is only slower, and the per-task mode accepts it.
-            warnings.filterwarnings("ignore", message=".*performance drop because we have not")
+    # (batched: under vmap, whose loop over ops without a batching rule is only slower)
+    with quiet_vmap_fallback() if batched else contextlib.nullcontext():
         grads = torch.autograd.grad(
             losses,
             inputs,  # type: ignore[arg-type]

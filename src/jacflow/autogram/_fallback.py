@@ -23,6 +23,7 @@ from jacflow.autogram._rules import (
     Rows,
     Rule,
     add_grads,
+    quiet_vmap_fallback,
 )
 
 
@@ -88,7 +89,7 @@ class FallbackRule(Rule):
         for call in calls:
             cots = tuple(call.grad(j) for j in range(len(call.grads)))
             try:
-                with torch.enable_grad():
+                with torch.enable_grad(), quiet_vmap_fallback():
                     if rows.per_task:
                         new = _per_task_grads(module, detached, call, cots)
                     else:

@@ -11,9 +11,11 @@ The registry maps module types to rules, in the manner of a primitive-rule table
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import warnings
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -235,6 +237,19 @@ def find_rule(module: nn.Module) -> Rule | None:
             forward: Callable[..., Any] = type(module).forward
             return rule if forward is klass.forward else None  # type: ignore[attr-defined]
     return None
+
+
+@contextlib.contextmanager
+def quiet_vmap_fallback() -> Iterator[None]:
+    """Silence vmap's warning that an op without a batching rule runs in a loop.
+
+    Inside the engine that loop is only slower, and accepted; the warning (which torch gives
+    for some ops, e.g. CPU flash attention under bfloat16 autocast, even with its fallback
+    warnings switched off) would point the user at code that is not theirs.
+    """
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*performance drop because we have not")
+        yield
 
 
 def gram(flat: Tensor, leaf: int = 32, min_columns: int = 1024) -> Tensor:
