@@ -75,6 +75,8 @@ def test_remove_and_context_manager() -> None:
     engine.remove()  # twice is harmless
     with pytest.raises(RuntimeError, match=r"removed"):
         engine.compute_gramian(_losses(model, X))
+    with pytest.raises(RuntimeError, match=r"removed"):  # before any check of the losses
+        engine.compute_gramian(_losses(model, X).detach())
 
 
 def test_clear_drops_recorded_calls() -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterable, Sequence
 from types import TracebackType
-from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -13,6 +12,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from jacflow.aggregation import GramianWeighting
 from jacflow.autogram._hooks import Recorder, Unit, find_units
+from jacflow.autogram._precision import upcast, without_autocast
 from jacflow.autogram._rules import Call, Contribution, Rows, gram, quiet_vmap_fallback
 
 _COMPILE_HINT = (
@@ -88,10 +88,12 @@ class Engine:
     and its children). Each grad-enabled forward call is recorded; the calls that the losses do
     not reach (stray or evaluation forwards) are ignored and dropped at the next step.
 
-    Under mixed precision (``torch.autocast``), a layer's recorded inputs and output gradients
-    are taken in its parameters' dtype, and the closed forms run outside autocast: the Gramian
-    and the update come in that dtype, whether the step runs inside the autocast region or
-    after it (PyTorch's advice for ``backward``).
+    Under mixed precision (``torch.autocast``), the recorded inputs and output gradients of a
+    layer with a closed form are taken in its parameters' dtype, other modules are re-run under
+    the autocast of their forward, and the step (weighting included) runs outside autocast: the
+    Gramian and the update come in the parameters' dtype, whether the step runs inside the
+    autocast region or after it (PyTorch's advice for ``backward``). Without autocast, the
+    recorded tensors are used as they are.
 
     Args:
         modules: the modules whose parameters define the Jacobian. Parameters of other modules
@@ -186,9 +188,9 @@ class Engine:
             tensor([[1., 0.],
                     [0., 4.]])
         """
-        losses = _check_losses(losses, self.batch_dim)
+        losses = self._checked_losses(losses)
         # (autograd.grad needs no grad mode: no graph of the grads)
-        with torch.no_grad(), _without_autocast(losses.device.type):
+        with torch.no_grad(), without_autocast(losses.device.type):
             contributions, rows, order = self._prepare(losses, retain_graph, ())[:3]
             return _to_loss_order(_assemble(contributions, rows, losses), order)
 
@@ -239,20 +241,20 @@ class Engine:
                 "`weighting` must be a jacflow.aggregation.GramianWeighting (e.g. "
                 f"UPGradWeighting()), received {type(weighting)}."
             )
-        losses = _check_losses(losses, self.batch_dim)
+        losses = self._checked_losses(losses)
         others, tasks = list(other_params), list(tasks_params)
-        device_type = losses.device.type
-        # (autograd.grad needs no grad mode: no graph of the grads)
-        with torch.no_grad(), _without_autocast(device_type):
-            contributions, rows, order, task_grads = self._prepare(losses, bool(others), tasks)
-            gramian = _to_loss_order(_assemble(contributions, rows, losses), order)
-        weights = _check_weights(weighting(gramian), gramian.shape[0], weighting)
-        with torch.no_grad(), _without_autocast(device_type):
-            row_weights = weights if order is None else weights[order[1]]
-            updates = _weighted_grads(contributions, row_weights)
-            for param, grad in zip(tasks, task_grads, strict=True):
-                if grad is not None:
-                    updates.append((param, grad.sum(0) if grad.shape != param.shape else grad))
+        with without_autocast(losses.device.type):  # (the weighting's products too)
+            # (autograd.grad needs no grad mode: no graph of the grads)
+            with torch.no_grad():
+                contributions, rows, order, task_grads = self._prepare(losses, bool(others), tasks)
+                gramian = _to_loss_order(_assemble(contributions, rows, losses), order)
+            weights = _check_weights(weighting(gramian), gramian.shape[0], weighting)
+            with torch.no_grad():
+                row_weights = weights if order is None else weights[order[1]]
+                updates = _weighted_grads(contributions, row_weights)
+                for param, grad in zip(tasks, task_grads, strict=True):
+                    if grad is not None:
+                        updates.append((param, grad.sum(0) if grad.shape != param.shape else grad))
         if others:
             extra = torch.autograd.grad(
                 losses,
@@ -280,8 +282,6 @@ class Engine:
         Returns the contributions, the row layout, the row<->loss permutations (``None`` when
         they are the identity) and the per-row gradients of ``extra_inputs``.
         """
-        if self._removed:
-            raise RuntimeError("This Engine was removed; create a new one before the forward.")
         coupled = self._recorder.coupled
         calls = self._recorder.take()
         if coupled is not None:
@@ -319,11 +319,17 @@ class Engine:
             params = unit.params()
             if not params:
                 continue
-            dtype = next(iter(params.values())).dtype
-            for call in unit_calls:
-                _upcast(call, dtype)
+            if not unit.rule.covers_children():  # (the generic rule replays the autocast)
+                dtype = next(iter(params.values())).dtype
+                for call in unit_calls:
+                    upcast(call, dtype)
             contributions.append((params, unit.rule.prepare(unit.module, params, unit_calls, rows)))
         return contributions, rows, order, extra_grads
+
+    def _checked_losses(self, losses: object) -> Tensor:
+        if self._removed:
+            raise RuntimeError("This Engine was removed; create a new one before the forward.")
+        return _check_losses(losses, self.batch_dim)
 
     def _rows(self, losses: Tensor) -> tuple[Rows, Tensor, tuple[Tensor, Tensor] | None]:
         """Row layout, backward cotangents and the row<->loss permutations."""
@@ -394,50 +400,6 @@ def _rows_shaped(call_grads: list[Tensor | None], call: Call, rows: Rows) -> lis
             # (usually already so: a reshape is a dispatch, the comparison is not)
             shaped.append(grad if grad.shape == target else grad.reshape(target))
     return shaped
-
-
-def _without_autocast(device_type: str) -> contextlib.AbstractContextManager[object]:
-    """The closed forms run in the recorded dtypes (made one by :func:`_upcast`), not in the
-    lower precision of an enclosing autocast region."""
-    if _autocast_enabled(device_type):
-        return torch.autocast(device_type, enabled=False)
-    return contextlib.nullcontext()
-
-
-def _autocast_enabled(device_type: str) -> bool:
-    try:
-        return torch.is_autocast_enabled(device_type)
-    except TypeError:  # torch < 2.4: no device argument
-        cpu = device_type == "cpu"
-        return torch.is_autocast_cpu_enabled() if cpu else torch.is_autocast_enabled()
-
-
-def _upcast(call: Call, dtype: torch.dtype) -> None:
-    """Under mixed precision (autocast) a layer's inputs and output gradients can be in lower
-    precisions than its parameters, and not all in one: the closed forms take them in the
-    parameters' dtype, the dtype of their gradients (an exact conversion, only upwards)."""
-
-    def lower(value: object) -> bool:
-        return (
-            isinstance(value, Tensor)
-            and value.dtype != dtype
-            and value.is_floating_point()
-            and torch.promote_types(value.dtype, dtype) == dtype
-        )
-
-    # (a plain loop: this runs for every call of every step, almost always to find nothing)
-    for value in (*call.args, *call.kwargs.values(), *call.grads):
-        if lower(value):
-            break
-    else:
-        return
-
-    def up(value: Any) -> Any:
-        return value.to(dtype) if lower(value) else value
-
-    call.args = tuple(up(a) for a in call.args)
-    call.kwargs = {name: up(value) for name, value in call.kwargs.items()}
-    call.grads = [up(g) for g in call.grads]
 
 
 def _check_versions(call: Call) -> None:

@@ -16,6 +16,7 @@ from torch import Tensor, nn
 from torch.func import functional_call, vjp, vmap
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from jacflow.autogram._precision import replay_autocast
 from jacflow.autogram._rules import (
     Call,
     Contribution,
@@ -89,7 +90,7 @@ class FallbackRule(Rule):
         for call in calls:
             cots = tuple(call.grad(j) for j in range(len(call.grads)))
             try:
-                with torch.enable_grad(), quiet_vmap_fallback():
+                with torch.enable_grad(), quiet_vmap_fallback(), replay_autocast(call):
                     if rows.per_task:
                         new = _per_task_grads(module, detached, call, cots)
                     else:

@@ -21,6 +21,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.hooks import RemovableHandle
 
 from jacflow.autogram._fallback import FallbackRule
+from jacflow.autogram._precision import autocast_state
 from jacflow.autogram._rules import Call, Rule, find_rule
 
 _FALLBACK = FallbackRule()
@@ -118,6 +119,7 @@ class Recorder:
             output_shapes=[leaves[j].shape for j in positions],
             edges=[get_gradient_edge(leaves[j]) for j in positions],
             versions=[(t, t._version) for t in inputs if isinstance(t, Tensor)],
+            autocast=autocast_state(leaves[positions[0]].device.type),
         )
         self.calls.append((index, call))
 

@@ -95,6 +95,8 @@ class Call:
     edges: list[Any]
     versions: list[tuple[Tensor, int]]
     grads: list[Tensor | None] = field(default_factory=list)
+    # ``(device type, dtype)`` of the autocast the forward ran under, else ``None``
+    autocast: tuple[str, torch.dtype] | None = None
 
     def grad(self, j: int = 0) -> Tensor:
         """Gradient of the rows w.r.t. output ``j``, zeros when the output was unused."""

@@ -1,0 +1,86 @@
+"""Mixed precision: what autocast did in the forward, and how the engine's closed forms see it.
+
+Under ``torch.autocast`` a layer's inputs and outputs (hence its output gradients) can come in a
+lower precision than its parameters, and not all in one. Each recorded call notes the autocast
+state of its forward; the closed forms of such a call take its tensors in the parameters' dtype
+(an exact upcast), the generic rule re-runs the module under the same autocast, and every
+step's own products run outside any enclosing autocast region. Calls recorded without autocast
+are used as recorded, whatever their dtypes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from jacflow.autogram._rules import Call
+
+AutocastState = tuple[str, torch.dtype]
+
+
+def autocast_state(device_type: str) -> AutocastState | None:
+    """``(device type, dtype)`` of the autocast enabled for ``device_type``, else ``None``.
+
+    Example:
+        >>> import torch
+        >>> from jacflow.autogram._precision import autocast_state
+        >>> with torch.autocast("cpu", dtype=torch.bfloat16):
+        ...     autocast_state("cpu")
+        ('cpu', torch.bfloat16)
+        >>> autocast_state("cpu") is None
+        True
+    """
+    try:
+        enabled = torch.is_autocast_enabled(device_type)
+    except TypeError:  # torch < 2.4: no device argument
+        cpu = device_type == "cpu"
+        enabled = torch.is_autocast_cpu_enabled() if cpu else torch.is_autocast_enabled()
+    if not enabled:
+        return None
+    try:
+        dtype = torch.get_autocast_dtype(device_type)
+    except AttributeError:  # torch < 2.4
+        cpu = device_type == "cpu"
+        dtype = torch.get_autocast_cpu_dtype() if cpu else torch.get_autocast_gpu_dtype()
+    return device_type, dtype
+
+
+def without_autocast(device_type: str) -> contextlib.AbstractContextManager[object]:
+    """Run the engine's products in the dtypes of their tensors, not in the lower precision of
+    an enclosing autocast region."""
+    if autocast_state(device_type) is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type, enabled=False)
+
+
+def replay_autocast(call: Call) -> contextlib.AbstractContextManager[object]:
+    """The autocast of ``call``'s forward, for a rule that re-runs the module."""
+    if call.autocast is None:
+        return contextlib.nullcontext()
+    device_type, dtype = call.autocast
+    return torch.autocast(device_type, dtype=dtype)
+
+
+def upcast(call: Call, dtype: torch.dtype) -> None:
+    """Take the floating inputs and output gradients of a call made under autocast in the
+    parameters' dtype ``dtype`` (only upwards: an exact conversion), in place."""
+    if call.autocast is None:
+        return
+
+    def lower(value: object) -> bool:
+        return (
+            isinstance(value, Tensor)
+            and value.dtype != dtype
+            and value.is_floating_point()
+            and torch.promote_types(value.dtype, dtype) == dtype
+        )
+
+    def up(value: Any) -> Any:
+        return value.to(dtype) if lower(value) else value
+
+    call.args = tuple(up(a) for a in call.args)
+    call.kwargs = {name: up(value) for name, value in call.kwargs.items()}
+    call.grads = [up(g) for g in call.grads]
