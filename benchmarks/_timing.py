@@ -24,7 +24,12 @@ def clock(device: torch.device | str = "cpu") -> Callable[[], float]:
     if device.type == "cpu":
         return time.process_time
 
-    synchronize = torch.cuda.synchronize if device.type == "cuda" else torch.mps.synchronize
+    if device.type == "cuda":
+        synchronize = torch.cuda.synchronize
+    elif device.type == "mps":
+        synchronize = torch.mps.synchronize
+    else:
+        raise ValueError(f"no clock for device {device}: use cpu, cuda or mps")
 
     def synchronized() -> float:
         synchronize()

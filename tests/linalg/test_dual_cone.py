@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from torch import Tensor
 
 from jacflow.linalg import SolverWarning, project_weights
+from jacflow.linalg import _dual_cone as dual_cone
 from jacflow.linalg._dual_cone import _normalized, project_diagonal, project_weights_reference
 from jacflow.linalg._first_order import admm_solve
 from tests.aggregation._properties import make_jacobian
@@ -212,19 +213,44 @@ def test_device_and_dtype(m: int, kind: str, device: str, dtype: torch.dtype) ->
     gramian, u = make_gramian(m, kind, 1.0, seed=m), upgrad_rows(m)
     v = project_weights(u.to(device, dtype), gramian.to(device, dtype))
     assert v.device.type == torch.device(device).type and v.dtype == dtype
-    if m <= 128:
-        on_cpu = project_weights(u.to(dtype), gramian.to(dtype))
-        assert torch.equal(v.cpu(), on_cpu)
-        pref = torch.ones(m, dtype=dtype) / m
-        diagonal = project_diagonal(pref.to(device), gramian.to(device, dtype))
-        assert diagonal.device == v.device
-        assert torch.equal(diagonal.cpu(), project_diagonal(pref, gramian.to(dtype)))
     rounded = gramian.to(dtype).double()
     assert_kkt(v.cpu().double(), u, rounded, rtol=1e-6 if dtype == torch.float64 else 1e-4)
     expected = project_weights(u, rounded)
     g = rounded / rounded.trace()
     atol = 1e-9 if dtype == torch.float64 else 1e-5
     torch.testing.assert_close(v.cpu().double() @ g, expected @ g, rtol=0, atol=atol)
+    pref = torch.ones(m, dtype=dtype) / m
+    diagonal = project_diagonal(pref.to(device), gramian.to(device, dtype))
+    assert diagonal.device == v.device and diagonal.dtype == dtype
+    torch.testing.assert_close(diagonal.cpu().double() @ g, expected @ g, rtol=0, atol=atol)
+    if device != "cpu" and m <= 128:  # solved on the host: the CPU's bits
+        assert torch.equal(v.cpu(), project_weights(u.to(dtype), gramian.to(dtype)))
+        assert torch.equal(diagonal.cpu(), project_diagonal(pref, gramian.to(dtype)))
+
+
+@pytest.mark.filterwarnings("ignore::jacflow.linalg.SolverWarning")  # (max_iter=3, both routes)
+@pytest.mark.parametrize("m", [1, 2, 5, 40])
+def test_host_route_of_an_accelerator(m: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The route that solves an accelerator's problem on the host (simulated on the CPU: the
+    first call takes it, its inner call does not) passes every setting on and returns what the
+    direct call returns."""
+    gramian = make_gramian(m, "conflicting", 1.0, seed=m)
+    pref = torch.rand(m, dtype=torch.float64) + 0.1
+    offloads = dual_cone._offloads
+    for kwargs in ({}, {"norm_eps": 1e-4, "reg_eps": 1e-4}, {"max_iter": 3}, {"tol": 1e-4}):
+        taken: list[bool] = []
+
+        def once(g: Tensor, differentiable: bool, method: str, taken: list[bool] = taken) -> bool:
+            taken.append(not taken)
+            return taken[-1] and not differentiable and method == "auto"
+
+        for solve, first in ((project_weights, torch.diag(pref)), (project_diagonal, pref)):
+            taken.clear()
+            monkeypatch.setattr(dual_cone, "_offloads", once)
+            routed = solve(first, gramian, **kwargs)  # type: ignore[operator]
+            monkeypatch.setattr(dual_cone, "_offloads", offloads)
+            assert taken[0] and len(taken) >= 2  # the outer call took the route, once
+            assert torch.equal(routed, solve(first, gramian, **kwargs))  # type: ignore[operator]
 
 
 def test_low_precision_admm_switches_to_float64_for_tight_tolerances() -> None:

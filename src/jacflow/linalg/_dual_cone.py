@@ -441,7 +441,8 @@ def project_weights(
 
     For every row ``u`` of ``u`` returns ``v`` solving ``minimize v^T G v subject to v >= u``
     with ``G = gramian``, so that ``J^T v`` is the projection of ``J^T u`` onto
-    ``{x : J x >= 0}``. All problems are solved at once, in torch, on ``gramian``'s device.
+    ``{x : J x >= 0}``. All problems are solved at once, in torch, on ``gramian``'s device
+    (small ones on an accelerator on the host; see Solvers), and returned on that device.
 
     Problem statement. ``G`` is first divided by its trace (a trace ``<= norm_eps`` gives
     ``G = 0``, hence ``v = u``) and ``reg_eps * I`` is added. With the defaults
