@@ -292,6 +292,37 @@ def test_warns_when_stopped_early(method: str) -> None:
         project_weights(u, gramian, method=method, max_iter=5, tol=1e-300)
 
 
+def test_solver_warning_points_at_the_callers_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whichever route stops early (direct, UPGrad's diagonal problems, an aggregator's module
+    call, the host route of an accelerator), the warning names the user's file, not jacflow's
+    or torch's."""
+    from jacflow.aggregation import UPGrad
+    from jacflow.linalg import TorchProjector
+
+    gramian = make_gramian(30, "conflicting", 1.0, seed=2)
+    jacobian = torch.linalg.cholesky(gramian + 1e-9 * torch.eye(30, dtype=torch.float64))
+    pref = torch.ones(30, dtype=torch.float64)
+    calls = [
+        lambda: project_weights(upgrad_rows(30), gramian, max_iter=1),
+        lambda: project_diagonal(pref, gramian, method="pdas", max_iter=1),
+        lambda: UPGrad(projector=TorchProjector(method="pdas", max_iter=1))(jacobian),
+    ]
+    for call in calls:
+        with pytest.warns(SolverWarning) as caught:
+            call()
+        assert [w.filename for w in caught] == [__file__] * len(caught)
+    taken: list[bool] = []  # the host route, simulated: the outer call takes it
+
+    def once(g: Tensor, differentiable: bool, method: str) -> bool:
+        taken.append(not taken)
+        return taken[-1]
+
+    monkeypatch.setattr(dual_cone, "_offloads", once)
+    with pytest.warns(SolverWarning) as caught:
+        project_weights(upgrad_rows(30), gramian, max_iter=1)
+    assert taken[0] and [w.filename for w in caught] == [__file__] * len(caught)
+
+
 def test_edge_sizes() -> None:
     empty = project_weights(torch.zeros(0), torch.zeros(0, 0))
     assert empty.shape == (0,)

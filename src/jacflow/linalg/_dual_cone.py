@@ -14,6 +14,7 @@ float64. It is small and obviously correct; it is the oracle of the tests.
 from __future__ import annotations
 
 import math
+import sys
 import warnings
 from collections.abc import Callable
 from typing import TypedDict
@@ -348,9 +349,22 @@ def _solve(
             f"`project_weights` (method={method!r}) stopped with a KKT residual of {worst:.2e} "
             f"> tol = {accept:.1e}; returning the best iterate. Raise `max_iter` (or `tol`).",
             SolverWarning,
-            stacklevel=5,  # the caller of project_weights
+            stacklevel=_caller_stacklevel(),
         )
     return torch.maximum(v, u)  # exactly feasible; moves a converged v by at most ~tol
+
+
+def _caller_stacklevel() -> int:
+    """The ``stacklevel`` that points a warning of the function calling this one at the first
+    frame outside jacflow and torch: the user's call, whatever route led there (the host or
+    the device, an aggregator's module call)."""
+    level, frame = 1, sys._getframe(1)
+    while frame.f_back is not None:
+        module = str(frame.f_globals.get("__name__", ""))
+        if module.partition(".")[0] not in ("jacflow", "torch"):
+            break
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _solve_finite(
