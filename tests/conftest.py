@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -35,6 +36,13 @@ def _seed() -> None:
 @pytest.fixture(params=DEVICES)
 def device(request: pytest.FixtureRequest) -> str:
     return str(request.param)
+
+
+@pytest.fixture
+def on_device(device: str) -> Iterator[str]:
+    """``device``, also the default device of the tensors and modules the test creates."""
+    with torch.device(device):
+        yield device
 
 
 @pytest.fixture(params=DTYPES, ids=["float32", "float64"])

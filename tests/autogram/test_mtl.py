@@ -22,12 +22,7 @@ def _setup(m: int, seq: bool) -> tuple[nn.Module, nn.ModuleList, torch.Tensor]:
 
 
 @pytest.mark.parametrize(("m", "seq"), [(1, False), (2, False), (4, True)])
-def test_mtl_gramian_step(m: int, seq: bool, device: str) -> None:
-    with torch.device(device):
-        check_mtl_gramian_step(m, seq)
-
-
-def check_mtl_gramian_step(m: int, seq: bool) -> None:
+def test_mtl_gramian_step(m: int, seq: bool, on_device: str) -> None:
     trunk, heads, x = _setup(m, seq)
     engine = Engine(trunk, batch_dim=None)
     features = trunk(x)

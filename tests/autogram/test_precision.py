@@ -22,20 +22,15 @@ MIXED += ["tasks_cnn", "generic_two_outputs"]
 
 @pytest.mark.parametrize("inside", [False, True], ids=["after_autocast", "inside_autocast"])
 @pytest.mark.parametrize("case", [c for c in CASES if c.name in MIXED], ids=MIXED)
-def test_mixed_precision_autocast(case: Case, inside: bool, device: str) -> None:
+def test_mixed_precision_autocast(case: Case, inside: bool, on_device: str) -> None:
     """A float32 model run under bfloat16 autocast: the recorded inputs and output gradients
     come in bfloat16 and float32 mixed. The Gramian and the update are float32 and equal the
     brute-force Jacobian's (its per-row weight gradients rounded to bfloat16 by autocast's
     products: hence the tolerance) whether the step runs after the autocast region (the usual
     AMP pattern) or inside it."""
-    with torch.device(device):
-        check_mixed_precision(case, inside, torch.device(device).type)
-
-
-def check_mixed_precision(case: Case, inside: bool, device_type: str) -> None:
     _, modules, forward = case.build(torch.float32)
     params = hooked_params(modules)
-    autocast = torch.autocast(device_type, dtype=torch.bfloat16)
+    autocast = torch.autocast(torch.device(on_device).type, dtype=torch.bfloat16)
     with Engine(*modules, batch_dim=case.batch_dim) as engine:
         with autocast:
             losses = forward().float()

@@ -26,12 +26,7 @@ def _losses(
 
 
 @pytest.mark.parametrize("chunk", [None, 1, 2])
-def test_jac_and_head_grads(chunk: int | None, dtype: torch.dtype, device: str) -> None:
-    with torch.device(device):
-        check_jac_and_head_grads(chunk, dtype)
-
-
-def check_jac_and_head_grads(chunk: int | None, dtype: torch.dtype) -> None:
+def test_jac_and_head_grads(chunk: int | None, dtype: torch.dtype, on_device: str) -> None:
     trunk, heads, x = _model(dtype)
     losses, features = _losses(trunk, heads, x)
     shared = list(trunk.parameters())
@@ -95,12 +90,7 @@ def test_explicit_params_and_several_features() -> None:
 
 
 @pytest.mark.parametrize("aggregator", [UPGrad(), Mean()], ids=str)
-def test_engine_path_equals_jacobian_path(aggregator: object, device: str) -> None:
-    with torch.device(device):
-        check_engine_path(aggregator)
-
-
-def check_engine_path(aggregator: object) -> None:
+def test_engine_path_equals_jacobian_path(aggregator: object, on_device: str) -> None:
     from jacflow.autogram import Engine
 
     trunk, heads, x = _model(torch.float64)

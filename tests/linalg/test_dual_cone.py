@@ -228,6 +228,19 @@ def test_device_and_dtype(m: int, kind: str, device: str, dtype: torch.dtype) ->
         assert torch.equal(diagonal.cpu(), project_diagonal(pref, gramian.to(dtype)))
 
 
+def route_next_call_to_host(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Simulate on the CPU an accelerator's host route: the next call's own check says yes,
+    the checks of the calls it makes say no. Returns the answers, in order."""
+    taken: list[bool] = []
+
+    def once(g: Tensor, differentiable: bool, method: str) -> bool:
+        taken.append(not taken)
+        return taken[-1] and not differentiable and method == "auto"
+
+    monkeypatch.setattr(dual_cone, "_offloads", once)
+    return taken
+
+
 @pytest.mark.filterwarnings("ignore::jacflow.linalg.SolverWarning")  # (max_iter=3, both routes)
 @pytest.mark.parametrize("m", [1, 2, 5, 40])
 def test_host_route_of_an_accelerator(m: int, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -236,19 +249,11 @@ def test_host_route_of_an_accelerator(m: int, monkeypatch: pytest.MonkeyPatch) -
     direct call returns."""
     gramian = make_gramian(m, "conflicting", 1.0, seed=m)
     pref = torch.rand(m, dtype=torch.float64) + 0.1
-    offloads = dual_cone._offloads
     for kwargs in ({}, {"norm_eps": 1e-4, "reg_eps": 1e-4}, {"max_iter": 3}, {"tol": 1e-4}):
-        taken: list[bool] = []
-
-        def once(g: Tensor, differentiable: bool, method: str, taken: list[bool] = taken) -> bool:
-            taken.append(not taken)
-            return taken[-1] and not differentiable and method == "auto"
-
         for solve, first in ((project_weights, torch.diag(pref)), (project_diagonal, pref)):
-            taken.clear()
-            monkeypatch.setattr(dual_cone, "_offloads", once)
+            taken = route_next_call_to_host(monkeypatch)
             routed = solve(first, gramian, **kwargs)  # type: ignore[operator]
-            monkeypatch.setattr(dual_cone, "_offloads", offloads)
+            monkeypatch.undo()
             assert taken[0] and len(taken) >= 2  # the outer call took the route, once
             assert torch.equal(routed, solve(first, gramian, **kwargs))  # type: ignore[operator]
 
@@ -311,13 +316,7 @@ def test_solver_warning_points_at_the_callers_line(monkeypatch: pytest.MonkeyPat
         with pytest.warns(SolverWarning) as caught:
             call()
         assert [w.filename for w in caught] == [__file__] * len(caught)
-    taken: list[bool] = []  # the host route, simulated: the outer call takes it
-
-    def once(g: Tensor, differentiable: bool, method: str) -> bool:
-        taken.append(not taken)
-        return taken[-1]
-
-    monkeypatch.setattr(dual_cone, "_offloads", once)
+    taken = route_next_call_to_host(monkeypatch)
     with pytest.warns(SolverWarning) as caught:
         project_weights(upgrad_rows(30), gramian, max_iter=1)
     assert taken[0] and [w.filename for w in caught] == [__file__] * len(caught)
