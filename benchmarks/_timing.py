@@ -7,6 +7,8 @@ device's work.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import statistics
 import time
 from collections.abc import Callable
@@ -16,6 +18,31 @@ import torch
 
 def setup() -> None:
     torch.set_num_threads(1)
+
+
+# glibc's mallopt parameters (malloc.h)
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+
+
+def keep_heap() -> None:
+    """Make glibc keep freed memory for reuse, for this process (the benchmark's own choice;
+    a library must not change its host's allocator).
+
+    By default glibc serves large blocks by ``mmap`` and returns the top of the heap to the OS
+    once it exceeds a threshold. A step that frees more than that at its end then faults in
+    fresh pages at the next one (a minor page fault per 4 KiB, in the process's CPU time). With
+    the thresholds at their maxima, freed blocks up to 32 MiB stay in the heap. The effect of
+    the same setting for a user: ``MALLOC_TRIM_THRESHOLD_=1073741824
+    MALLOC_MMAP_THRESHOLD_=33554432`` in the environment, or a caching allocator (jemalloc,
+    tcmalloc) by ``LD_PRELOAD``.
+    """
+    name = ctypes.util.find_library("c")
+    libc = ctypes.CDLL(name) if name else None
+    mallopt = getattr(libc, "mallopt", None)
+    if mallopt is None:
+        raise RuntimeError("--keep-heap needs glibc's mallopt (Linux with glibc).")
+    if not (mallopt(_M_TRIM_THRESHOLD, 2**30) and mallopt(_M_MMAP_THRESHOLD, 2**25)):
+        raise RuntimeError("glibc's mallopt refused the thresholds of --keep-heap.")
 
 
 def clock(device: torch.device | str = "cpu") -> Callable[[], float]:

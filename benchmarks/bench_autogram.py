@@ -26,8 +26,12 @@ see torch's allocations). With ``--device cuda`` it is the peak of
 ``torch.cuda.max_memory_allocated`` over 3 steps (in this process, after one warm-up step)
 minus the memory allocated before them.
 
+``--keep-heap`` makes glibc keep freed memory for reuse in this process, for every method
+(``_timing.keep_heap``): without it, steps that free more than glibc's trim threshold at their
+end fault in fresh pages at the next one, which the process CPU time counts.
+
 Run: ``.venv/bin/python benchmarks/bench_autogram.py [--quick] [--no-memory] [--only iwrm|mtl]
-[--models mlp256,cnn] [--widths 256] [--device cuda]``.
+[--models mlp256,cnn] [--widths 256] [--device cuda] [--keep-heap]``.
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ from torch import nn
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 import torchjd
-from _timing import interleaved_medians, setup
+from _timing import interleaved_medians, keep_heap, setup
 from torchjd import autogram as tjd_autogram
 from torchjd import autojac as tjd_autojac
 from torchjd.aggregation import UPGrad as TjdUPGrad
@@ -332,8 +336,13 @@ def main() -> None:
     )
     parser.add_argument("--widths", default="256,1024", help="multi-task widths, comma-separated")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument(
+        "--keep-heap", action="store_true", help="glibc keeps freed memory (see the docstring)"
+    )
     parser.add_argument("--child")
     args = parser.parse_args()
+    if args.keep_heap:
+        keep_heap()
     if args.child:
         memory_child(json.loads(args.child))
         return
@@ -341,6 +350,7 @@ def main() -> None:
     device = args.device
     rounds = 5 if args.quick else (9 if device == "cpu" else 21)
     name = torch.cuda.get_device_name() if device == "cuda" else "CPU"
+    name += ", glibc keeps freed memory" if args.keep_heap else ""
     print(f"torch {torch.__version__}, torchjd {getattr(torchjd, '__version__', '0.18')}, {name}")
 
     iwrm_rows, iwrm_mem = [], []
