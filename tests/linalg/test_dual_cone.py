@@ -350,6 +350,20 @@ def test_no_conflict_returns_u() -> None:
     assert torch.equal(project_weights(u, j @ j.T), u)
 
 
+@pytest.mark.parametrize("diagonal", [False, True])
+def test_results_are_ordinary_tensors(diagonal: bool) -> None:
+    """The batched route solves in inference mode; what it returns must still go into a graph
+    and take in-place updates, which an inference tensor refuses outside inference mode."""
+    gramian = make_gramian(24, "conflicting", 1.0, seed=6)  # 24^4 > 10^4: the batched route
+    pref = torch.full((24,), 1 / 24, dtype=torch.float64)
+    v = project_diagonal(pref, gramian) if diagonal else project_weights(torch.diag(pref), gramian)
+    assert not v.is_inference()
+    scale = torch.ones((), dtype=torch.float64, requires_grad=True)
+    (scale * v).sum().backward()  # saves v for the gradient of scale
+    torch.testing.assert_close(scale.grad, v.sum())
+    v.add_(1.0)
+
+
 def test_invariances() -> None:
     gramian = make_gramian(12, "conflicting", 1.0, seed=4)
     u = torch.randn(3, 12, dtype=torch.float64)
