@@ -22,6 +22,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from jacflow.linalg._cholesky import cholesky_ex
+
 
 @dataclass(frozen=True)
 class Rows:
@@ -309,7 +311,7 @@ def kernel_gram(kernel: Tensor, rows: Tensor, block: int = 32, min_rows: int = 4
     r, t, _ = rows.shape
     factor = None
     if t >= 4 * block and r >= min_rows and kernel.device.type == "cpu":
-        factor, info = torch.linalg.cholesky_ex(kernel)
+        factor, info = cholesky_ex(kernel)
         if bool(info.any()):
             factor = None
     if factor is None:

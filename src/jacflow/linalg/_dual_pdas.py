@@ -24,6 +24,7 @@ import functools
 import torch
 from torch import Tensor
 
+from jacflow.linalg._cholesky import cholesky_ex
 from jacflow.linalg._pdas import first_slots, gather_blocks, kkt_residual, pad_identity
 
 # The inverse is used only when every squared Cholesky pivot of G exceeds this fraction of its
@@ -52,7 +53,7 @@ def safe_inverse(g: Tensor) -> Tensor | None:
         >>> safe_inverse(torch.ones(1, 2, 2, dtype=torch.float64)) is None
         True
     """
-    factor, info = torch.linalg.cholesky_ex(g)
+    factor, info = cholesky_ex(g)
     pivots = factor.diagonal(dim1=-2, dim2=-1).square().amin(-1)
     bound = _INVERSE_MIN_PIVOT * g.diagonal(dim1=-2, dim2=-1).amax(-1)
     if not bool(((info == 0) & (pivots >= bound)).all()):  # one host sync for both tests
@@ -133,7 +134,7 @@ def _step(
         sets = flat_active.index_select(0, shared[0])
         set_which = None if which is None else which.index_select(0, shared[0])
     order, valid = first_slots(sets, size)
-    factor, info = torch.linalg.cholesky_ex(gather_blocks(padded, set_which, order, valid))
+    factor, info = cholesky_ex(gather_blocks(padded, set_which, order, valid))
     if bool(info.any()):
         return None
     if shared is not None:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from jacflow.linalg._cholesky import cholesky_ex
 from jacflow.linalg._pdas import gather_blocks, kkt_residual, multiplier_scale, pad_identity
 
 _DEPENDENT = 1e-11  # squared sine of the angle below which a column counts as in the span of P
@@ -193,9 +194,7 @@ def lawson_hanson_solve(
             kept_slots = torch.gather(slots[index], 1, order)
             kept_count = passive[index].sum(-1)
             used = slot_range < kept_count[:, None]
-            factor, info = torch.linalg.cholesky_ex(
-                gather_blocks(padded, which[index], kept_slots, used)
-            )
+            factor, info = cholesky_ex(gather_blocks(padded, which[index], kept_slots, used))
             failed = info != 0  # cannot happen for a subset of an independent set; stop them
             slots[index], count[index] = kept_slots, kept_count
             upper[index] = torch.where(failed[:, None, None], upper[index], factor.mT)

@@ -33,6 +33,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from jacflow.linalg._cholesky import cholesky_ex
+
 _SHIFT = 1e-13  # relative diagonal shift that makes the Cholesky factor of G_FF exist
 _PATIENCE = 3  # iterations without progress of the worst residual before PDAS gives up
 _MASKED_MAX_M = 48  # up to this size, full masked systems beat gathering the free blocks
@@ -73,7 +75,7 @@ def kkt_residual(v: Tensor, u: Tensor, lam: Tensor, c: Tensor) -> Tensor:
 def _factor_and_solve(system: Tensor, shift: Tensor, rhs: Tensor) -> Tensor:
     """Solve ``system x = rhs`` (Cholesky, LU if not PD), then refine once against the unshifted
     matrix ``system - diag(shift)``."""
-    factor, info = torch.linalg.cholesky_ex(system)
+    factor, info = cholesky_ex(system)
     if bool((info != 0).any()):  # not PSD (e.g. a rounded float32 Gramian): LU instead
         x = torch.linalg.solve(system, rhs)
         return x + torch.linalg.solve(system, rhs - (system @ x - shift[..., None] * x))
