@@ -261,7 +261,9 @@ def gram(flat: Tensor, leaf: int = 32, min_columns: int = 1024) -> Tensor:
 
     A Gramian is symmetric, so splitting the rows in halves needs the two diagonal blocks and
     one off-diagonal block: about ``(1/2 + 1/2^k)`` of the multiply-adds after ``k`` levels, down
-    to ``leaf`` rows (27-35% faster on ``[128, 9216]`` and ``[256, 2048]``, float32, 1 thread).
+    to ``leaf`` rows (27-35% faster on ``[128, 9216]`` and ``[256, 2048]``, float32, 1 thread,
+    on one host; on a later host with a faster CPU, within -10% to +2% of one product, and
+    engine steps within 3% either way).
     Narrow matrices (fewer than ``min_columns`` columns) use one product, and so does every
     matrix off the CPU: on a GPU the blocks' launches and concatenations cost more than the
     multiply-adds they save (an H100 profile of a per-sample step of a width-4096 MLP: 57
