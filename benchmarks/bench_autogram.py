@@ -19,6 +19,11 @@ thread, median of interleaved rounds (``_timing.py``). The
 "weighting ms" column times jacflow's ``UPGradWeighting`` alone on the Gramian of the same
 model and data (the UPGrad QP's share of the jacflow step; the rest is the Gramian engine), and
 "jacflow without weighting" is ``(jacflow - weighting) / SGD``.
+"jacflow, SGD alone" times jacflow again, interleaved with SGD only, in a fresh process (as a
+user's training process runs it): in the four-way rounds, the TorchJD methods' allocations of up
+to GBs change the heap and caches that the steps after them meet, which inflates the small
+models' steps, while their large blocks raise glibc's dynamic thresholds for the whole process,
+which spares the multi-task step its page faults (see ``--keep-heap``). Both are reported.
 Memory: each (config, method) runs 3 steps in a fresh subprocess; we report the peak RSS of
 those steps (VmHWM, reset through ``/proc/self/clear_refs`` right before them) minus the RSS just
 before the first step (model, data and engine already built), in MB (``tracemalloc`` does not
@@ -262,14 +267,39 @@ def _status_kb(field: str) -> int:
     raise RuntimeError(f"{field} not in /proc/self/status")
 
 
-def _one_method_steps(spec: dict[str, object]) -> Step:
-    method, device = str(spec["method"]), str(spec["device"])
+def _spec_steps(spec: dict[str, object], methods: list[str]) -> dict[str, Step]:
+    device = str(spec["device"])
     if spec["kind"] == "iwrm":
-        steps = iwrm_steps(str(spec["model"]), int(str(spec["batch"])), [method], device)
-    else:
-        width, batch, m = (int(str(spec[k])) for k in ("width", "batch", "m"))
-        steps = mtl_steps(width, batch, m, [method], device)
-    return steps[method]
+        return iwrm_steps(str(spec["model"]), int(str(spec["batch"])), methods, device)
+    width, batch, m = (int(str(spec[k])) for k in ("width", "batch", "m"))
+    return mtl_steps(width, batch, m, methods, device)
+
+
+def _one_method_steps(spec: dict[str, object]) -> Step:
+    method = str(spec["method"])
+    return _spec_steps(spec, [method])[method]
+
+
+def pair_child(spec: dict[str, object]) -> None:
+    """Runs in a fresh process: jacflow and SGD interleaved, prints their medians (ms)."""
+    setup()
+    steps = _spec_steps(spec, ["sgd", "jacflow"])
+    rounds, device = int(str(spec["rounds"])), str(spec["device"])
+    print(json.dumps(interleaved_medians(steps, rounds=rounds, warmup=3, device=device)))
+
+
+def _run_child(spec: dict[str, object], keep: bool) -> dict[str, float]:
+    command = [sys.executable, __file__, "--child", json.dumps(spec)]
+    if keep:
+        command.append("--keep-heap")
+    out = subprocess.run(command, capture_output=True, text=True, check=True)
+    return dict(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+def alone_ratio(spec: dict[str, object], rounds: int, keep: bool) -> str:
+    """jacflow / SGD, the two interleaved in a fresh process (see the module's docstring)."""
+    times = _run_child({**spec, "task": "pair", "rounds": rounds}, keep)
+    return f"{times['jacflow'] / times['sgd']:.2f}x"
 
 
 def memory_child(spec: dict[str, object]) -> None:
@@ -307,13 +337,7 @@ def cuda_memory(spec: dict[str, object]) -> float:
 def memory(spec: dict[str, object]) -> float:
     if spec["device"] != "cpu":
         return cuda_memory(spec)
-    out = subprocess.run(
-        [sys.executable, __file__, "--child", json.dumps(spec)],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    return float(json.loads(out.stdout.strip().splitlines()[-1])["delta_mb"])
+    return _run_child({**spec, "task": "memory"}, keep=False)["delta_mb"]
 
 
 def _table(title: str, header: list[str], rows: list[list[str]]) -> None:
@@ -344,11 +368,13 @@ def main() -> None:
     if args.keep_heap:
         keep_heap()
     if args.child:
-        memory_child(json.loads(args.child))
+        spec = json.loads(args.child)
+        (pair_child if spec["task"] == "pair" else memory_child)(spec)
         return
     setup()
     device = args.device
     rounds = 5 if args.quick else (9 if device == "cpu" else 21)
+    alone_rounds = 2 * rounds + 1  # (two cheap methods: more rounds for the same time)
     name = torch.cuda.get_device_name() if device == "cuda" else "CPU"
     name += ", glibc keeps freed memory" if args.keep_heap else ""
     print(f"torch {torch.__version__}, torchjd {getattr(torchjd, '__version__', '0.18')}, {name}")
@@ -371,6 +397,8 @@ def main() -> None:
             sgd = times["sgd"]
             ratio = {k: f"{v / sgd:.2f}x" for k, v in times.items()}
             qp = weighting_ms(iwrm_gramian(model_name, batch, device), 3 * rounds)
+            spec = {"kind": "iwrm", "model": model_name, "batch": batch, "device": device}
+            alone = alone_ratio(spec, alone_rounds, args.keep_heap)
             iwrm_rows.append(
                 [
                     model_name,
@@ -380,6 +408,7 @@ def main() -> None:
                     f"{qp:.1f}",
                     f"{(times['jacflow'] - qp) / sgd:.2f}x",
                     ratio["jacflow"],
+                    alone,
                     ratio["tjd_autogram"],
                     ratio.get("tjd_autojac", "-"),
                     f"{times['tjd_autogram'] / times['jacflow']:.0f}x",
@@ -387,7 +416,6 @@ def main() -> None:
             )
             print(iwrm_rows[-1], flush=True)
             if not args.no_memory:
-                spec = {"kind": "iwrm", "model": model_name, "batch": batch, "device": device}
                 iwrm_mem.append(
                     [model_name, str(batch)]
                     + [f"{memory({**spec, 'method': m}):.0f}" for m in methods]
@@ -410,15 +438,17 @@ def main() -> None:
             )
             sgd = times["sgd"]
             qp = weighting_ms(mtl_gramian(width, batch, m, device), 3 * rounds)
+            spec = {"kind": "mtl", "width": width, "batch": batch, "m": m, "device": device}
+            alone = alone_ratio(spec, alone_rounds, args.keep_heap)
             mtl_rows.append(
                 [str(width), str(batch), str(m), f"{sgd:.1f}", f"{qp:.2f}"]
-                + [f"{(times['jacflow'] - qp) / sgd:.2f}x"]
-                + [f"{times[k] / sgd:.2f}x" for k in methods[1:]]
+                + [f"{(times['jacflow'] - qp) / sgd:.2f}x", f"{times['jacflow'] / sgd:.2f}x"]
+                + [alone]
+                + [f"{times[k] / sgd:.2f}x" for k in methods[2:]]
                 + [f"{(m + 2) / 3:.2f}x", f"{1.25 * (m + 2) / 3:.2f}x"]
             )
             print(mtl_rows[-1], flush=True)
             if not args.no_memory:
-                spec = {"kind": "mtl", "width": width, "batch": batch, "m": m, "device": device}
                 mtl_mem.append(
                     [str(width), str(batch), str(m)]
                     + [f"{memory({**spec, 'method': k}):.0f}" for k in methods]
@@ -434,6 +464,7 @@ def main() -> None:
             "of which weighting ms",
             "jacflow without weighting",
             "jacflow",
+            "jacflow, SGD alone",
             "TorchJD autogram",
             "TorchJD autojac",
             "autogram / jacflow",
@@ -450,6 +481,7 @@ def main() -> None:
             "weighting ms",
             "jacflow without weighting",
             "jacflow",
+            "jacflow, SGD alone",
             "TorchJD autogram",
             "TorchJD mtl_backward",
             "floor (m+2)/3",
