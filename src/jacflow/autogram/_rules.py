@@ -62,10 +62,10 @@ class Rows:
 
     def reduce(self, weights: Tensor, per_row: Tensor) -> Tensor:
         """``y[s] = sum_{r: sample(r) = s} weights[r] * per_row[r]``, shape ``[S, ...]``."""
+        if self.per_task:  # (weighted_sum converts the weights' dtype)
+            return weighted_sum(weights, per_row, (1, *per_row.shape[1:]))
         if weights.dtype != per_row.dtype:
             weights = weights.to(per_row.dtype)
-        if self.per_task:
-            return weighted_sum(weights, per_row, (1, *per_row.shape[1:]))
         scaled = per_row * weights.reshape(-1, *([1] * (per_row.ndim - 1)))
         if self.index is None:
             return scaled
