@@ -228,6 +228,56 @@ def test_device_and_dtype(m: int, kind: str, device: str, dtype: torch.dtype) ->
         assert torch.equal(diagonal.cpu(), project_diagonal(pref, gramian.to(dtype)))
 
 
+def full_route(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make ``project_weights`` skip its short routes for small CPU problems (Python floats, the
+    lean PDAS) whatever the size: the batched solvers, as on an accelerator or under autograd."""
+    monkeypatch.setattr(dual_cone, "_HOST_MAX_WORK", -1)
+    monkeypatch.setattr(dual_cone, "_LEAN_MAX_M", -1)
+
+
+def _forbid(monkeypatch: pytest.MonkeyPatch, *names: str) -> None:
+    """Make the named functions of ``_dual_cone`` fail the test if called."""
+    for name in names:
+
+        def fail(*args: object, name: str = name) -> None:
+            raise AssertionError(f"{name} ran")
+
+        monkeypatch.setattr(dual_cone, name, fail)
+
+
+@pytest.mark.parametrize("m", [5, 12, 24])
+def test_lean_route_serves_small_problems(m: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """From 5 to 24 objectives on the CPU, UPGrad's and random rows reach neither the Python
+    floats nor the batched solvers, and get what the batched solvers give."""
+    gramian = make_gramian(m, "conflicting", 1.0, seed=m)
+    pref = torch.rand(m, dtype=torch.float64) - 0.2  # a negative preference projects to 0
+    rows = torch.randn(3, m, dtype=torch.float64)
+    with pytest.MonkeyPatch.context() as patch:
+        full_route(patch)
+        expected = project_weights(rows, gramian), project_diagonal(pref, gramian)
+    _forbid(monkeypatch, "_solve", "solve_rows")
+    v, diagonal = project_weights(rows, gramian), project_diagonal(pref, gramian)
+    assert_kkt(v, rows, gramian, rtol=1e-9)
+    g = gramian / gramian.trace()
+    torch.testing.assert_close(v @ g, expected[0] @ g, rtol=0, atol=1e-12)
+    torch.testing.assert_close(diagonal @ g, expected[1] @ g, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("m", [8, 25])
+def test_lean_route_hands_over_or_is_not_taken(m: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the lean PDAS gives no certificate (here: a singular free block) the batched
+    solvers answer; above 24 objectives it is not tried."""
+    j = torch.randn(m, 2 * m, dtype=torch.float64, generator=torch.Generator().manual_seed(m))
+    j[1] = j[2] = -j[0]  # duplicated objectives, both conflicting with the first
+    gramian, u = j @ j.T, upgrad_rows(m)
+    if m > dual_cone._LEAN_MAX_M:
+        _forbid(monkeypatch, "lean_pdas_solve")
+    v = project_weights(u, gramian)
+    assert_kkt(v, u, gramian, rtol=1e-9)
+    ref = project_weights_reference(u, gramian)
+    torch.testing.assert_close(v @ gramian, ref @ gramian, rtol=0, atol=1e-9)
+
+
 def route_next_call_to_host(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
     """Simulate on the CPU an accelerator's host route: the next call's own check says yes,
     the checks of the calls it makes say no. Returns the answers, in order."""

@@ -15,13 +15,14 @@ import jacflow.linalg._dual_cone as dual_cone
 from jacflow.linalg import project_weights
 from jacflow.linalg._dual_cone import project_weights_reference
 from jacflow.linalg._host_pdas import _lawson_hanson, solve_row, solve_rows
-from tests.linalg.test_dual_cone import assert_kkt, make_gramian, problems, upgrad_rows
+from tests.linalg.test_dual_cone import (
+    assert_kkt,
+    full_route,
+    make_gramian,
+    problems,
+    upgrad_rows,
+)
 from tests.linalg.test_lawson_hanson import normalised
-
-
-def _torch_route(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Make ``project_weights`` skip the Python-float route whatever the size."""
-    monkeypatch.setattr(dual_cone, "_HOST_MAX_WORK", -1)
 
 
 @settings(max_examples=80)
@@ -72,12 +73,13 @@ def test_lawson_hanson_solves_degenerate_problems(m: int, kind: str, seed: int) 
 def test_same_projection_as_the_torch_route(
     problem: tuple[Tensor, Tensor], norm_eps: float, reg_eps: float
 ) -> None:
-    """``project_weights`` gives the same ``J^T v`` through either route, with TorchJD's
+    """``project_weights`` gives the same ``J^T v`` through the short routes (Python floats up
+    to 4 objectives, the lean PDAS above) as through the batched solvers, with TorchJD's
     normalisation and regularisation too."""
     u, gramian = problem
     host = project_weights(u, gramian, norm_eps=norm_eps, reg_eps=reg_eps)
     with pytest.MonkeyPatch.context() as patch:
-        _torch_route(patch)
+        full_route(patch)
         batched = project_weights(u, gramian, norm_eps=norm_eps, reg_eps=reg_eps)
     assert host.shape == batched.shape == u.shape and host.dtype == batched.dtype
     g = gramian / max(float(gramian.trace()), 1e-300)  # compare in the problem's own units
@@ -92,23 +94,24 @@ def test_torch_route_still_solves_small_problems(m: int, seed: int) -> None:
     KKT certificate with the Python-float route switched off."""
     gramian = make_gramian(m, "conflicting", 1.0, seed)
     with pytest.MonkeyPatch.context() as patch:
-        _torch_route(patch)
+        full_route(patch)
         v = project_weights(upgrad_rows(m), gramian)
     assert_kkt(v, upgrad_rows(m), gramian)
 
 
 def test_small_problems_take_the_python_route(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A small, well-posed CPU problem never reaches the torch solvers."""
+    """A well-posed CPU problem of up to 4 objectives never reaches the torch solvers."""
 
     def fail(*args: object) -> None:
         raise AssertionError("the torch solvers ran")
 
     monkeypatch.setattr(dual_cone, "_solve", fail)
-    gramian = make_gramian(6, "conflicting", 1.0, 0)
-    v = project_weights(upgrad_rows(6), gramian)
-    assert_kkt(v, upgrad_rows(6), gramian)
+    monkeypatch.setattr(dual_cone, "lean_pdas_solve", fail)
+    gramian = make_gramian(4, "conflicting", 1.0, 0)
+    v = project_weights(upgrad_rows(4), gramian)
+    assert_kkt(v, upgrad_rows(4), gramian)
     with pytest.raises(AssertionError, match="torch solvers"):  # what the route avoids
-        project_weights(upgrad_rows(6), gramian, method="pdas")
+        project_weights(upgrad_rows(4), gramian, method="pdas")
 
 
 def test_singular_free_blocks_are_solved() -> None:
@@ -136,25 +139,27 @@ def test_indefinite_block_hands_over() -> None:
     with pytest.warns(UserWarning):  # the torch route does not meet its tolerance either
         v = project_weights(u, gramian)
     with pytest.MonkeyPatch.context() as patch, pytest.warns(UserWarning):
-        _torch_route(patch)
+        full_route(patch)
         batched = project_weights(u, gramian)
     torch.testing.assert_close(v, batched, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("m", [4, 8])  # the Python floats, the lean PDAS
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
-def test_non_finite_entries(bad: float) -> None:
+def test_non_finite_entries(bad: float, m: int) -> None:
     """A non-finite Gramian entry gives NaN rows; a non-finite entry of ``u`` gives a NaN row
     and leaves the other rows solved, as on the torch route."""
-    gramian = make_gramian(4, "conflicting", 1.0, 3)
-    u = upgrad_rows(4)
+    gramian = make_gramian(m, "conflicting", 1.0, 3)
+    u = upgrad_rows(m)
     broken = gramian.clone()
     broken[1, 2] = bad
     assert bool(project_weights(u, broken).isnan().all())
     bad_u = u.clone()
     bad_u[2, 0] = bad
     v = project_weights(bad_u, gramian)
-    assert bool(v[2].isnan().all()) and not bool(v[[0, 1, 3]].isnan().any())
-    torch.testing.assert_close(v[[0, 1, 3]], project_weights(u[[0, 1, 3]], gramian))
+    others = [i for i in range(m) if i != 2]
+    assert bool(v[2].isnan().all()) and not bool(v[others].isnan().any())
+    torch.testing.assert_close(v[others], project_weights(u[others], gramian))
 
 
 def test_dtypes_and_batch_shape() -> None:
@@ -164,7 +169,7 @@ def test_dtypes_and_batch_shape() -> None:
     v = project_weights(u, gramian)
     assert v.shape == u.shape and v.dtype == torch.float32
     with pytest.MonkeyPatch.context() as patch:
-        _torch_route(patch)
+        full_route(patch)
         batched = project_weights(u, gramian)
     torch.testing.assert_close(v, batched, rtol=1e-5, atol=1e-6)
     assert project_weights(u.double(), gramian).dtype == torch.float64

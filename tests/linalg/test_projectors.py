@@ -17,10 +17,9 @@ from jacflow.linalg import (
     TorchProjector,
     project_weights,
 )
-from jacflow.linalg import _dual_cone as dual_cone
 from jacflow.linalg._dual_cone import project_weights_reference
 from tests.conftest import DEVICES
-from tests.linalg.test_dual_cone import make_gramian
+from tests.linalg.test_dual_cone import full_route, make_gramian
 
 
 class ReferenceProjector(DualConeProjector):
@@ -166,6 +165,6 @@ def test_project_diagonal_of_no_objective_off_the_host_route(
 ) -> None:
     """m = 0 where the Python-float route does not apply (as on an accelerator): an empty
     result, as project_weights gives, not a reduction over an empty dimension."""
-    monkeypatch.setattr(dual_cone, "_HOST_MAX_WORK", -1)
+    full_route(monkeypatch)
     empty = TorchProjector().project_diagonal(torch.ones(0), torch.ones(0, 0))
     assert empty.shape == (0, 0)

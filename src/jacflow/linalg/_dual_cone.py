@@ -28,7 +28,7 @@ from jacflow.linalg._gramian import has_nonfinite, normalize_gramian, regularize
 from jacflow.linalg._host_pdas import solve_rows
 from jacflow.linalg._implicit import differentiable_projection
 from jacflow.linalg._lawson_hanson import lawson_hanson_solve
-from jacflow.linalg._pdas import multiplier_scale, pdas_solve, start_residual
+from jacflow.linalg._pdas import lean_pdas_solve, multiplier_scale, pdas_solve, start_residual
 
 
 def _solve_nonnegative_qp(q: Tensor, c: Tensor, max_iter: int) -> Tensor:
@@ -126,9 +126,12 @@ _POLISH_ITER = 10
 _POLISH_MAX_FLOP = 3e7
 _DEFAULT_TOL = {torch.float64: 1e-10}  # other dtypes: 1e-6 (their Gramians are that inexact)
 # Problems solved in Python floats (``_host_pdas``) when on the CPU and at most this many
-# multiply-adds of Cholesky factorisations (rows x m^3): there they beat the torch solvers'
-# fixed cost of some 200 dispatched operations.
-_HOST_MAX_WORK = 10**4  # UPGrad: m <= 10 (measured crossover: m = 10 to 12)
+# multiply-adds of Cholesky factorisations (rows x m^3): there they beat the torch solvers,
+# the lean route's about 20 operations per step included (UPGrad: parity at m = 4 and 5).
+_HOST_MAX_WORK = 4**4  # UPGrad: m <= 4
+# Other problems on one CPU Gramian of at most this many objectives, outside autograd, first try
+# ``_pdas.lean_pdas_solve`` (masked m x m systems: their cost grows as rows x m^3).
+_LEAN_MAX_M = 24
 
 # Problems of at most this many objectives on an accelerator are copied to the host, solved
 # there and copied back: the batched solvers' hundreds of small kernels and their
@@ -441,6 +444,37 @@ def _project_on_host(
     return torch.tensor(rows, dtype=torch.float64).reshape(u.shape).to(dtype)
 
 
+def _lean_route(
+    rows: Tensor, scale: Tensor, gramian: Tensor, norm_eps: float, reg_eps: float, tol: float
+) -> Tensor | None:
+    """``lean_pdas_solve`` on the float64 ``rows`` ``[k, m]`` of max-norm 1 (or 0), which are
+    the problem's rows divided by ``scale`` ``[k, 1]``, and the Gramian as
+    :func:`project_weights` states the problem: the unscaled ``v``, or ``None``. (The trace,
+    which does not change the solution, is divided out only where ``norm_eps`` or ``reg_eps``
+    needs it.)"""
+    g = gramian.to(torch.float64)
+    if norm_eps > 0 or reg_eps > 0:
+        g = _normalized(g[None], norm_eps, reg_eps, one_sync=True)[0]
+    else:
+        g = (g + g.mT) * 0.5
+    v = lean_pdas_solve(rows, g, tol)
+    return None if v is None else v * scale
+
+
+def _takes_lean_route(
+    gramian: Tensor, differentiable: bool, method: str, max_iter: int | None
+) -> bool:
+    """Whether ``"auto"`` tries :func:`_lean_route` first."""
+    return (
+        gramian.device.type == "cpu"
+        and gramian.ndim == 2
+        and gramian.shape[-1] <= _LEAN_MAX_M
+        and not differentiable
+        and method == "auto"
+        and max_iter is None
+    )
+
+
 def project_weights(
     u: Tensor,
     gramian: Tensor,
@@ -476,12 +510,15 @@ def project_weights(
     rank) are re-solved by an exact batched Lawson-Hanson active set
     (``jacflow.linalg._lawson_hanson``), which keeps its passive columns linearly independent.
     Problems with ``G u >= 0`` need no projection (``v = u``); when this holds for every problem
-    (e.g. no negative entry in ``G`` and ``u >= 0``) nothing is solved. Small problems on the
-    CPU outside autograd (rows x m^3 at most 10^4, e.g. UPGrad with up to 10 objectives) run
-    ``"auto"``'s PDAS one problem at a time in Python floats (``jacflow.linalg._host_pdas``:
-    a batched torch solve costs some 200 dispatched operations there; exact Lawson-Hanson where
-    PDAS stalls), with the same certificate; a problem it cannot certify (e.g. a matrix that is
-    not PSD) sends them all to the route above. Outside autograd, ``"auto"`` problems on one
+    (e.g. no negative entry in ``G`` and ``u >= 0``) nothing is solved. Small problems on one
+    CPU Gramian outside autograd are first tried on shorter routes, with the same certificate;
+    a problem they cannot certify (e.g. a matrix that is not PSD, a singular free block) sends
+    them all to the route above. The tiniest (rows x m^3 at most 256, e.g. UPGrad with up to 4
+    objectives) run ``"auto"``'s PDAS one problem at a time in Python floats
+    (``jacflow.linalg._host_pdas``, exact Lawson-Hanson where PDAS stalls); the others of up to
+    24 objectives a PDAS of about 20 dispatched operations per step
+    (``jacflow.linalg._pdas.lean_pdas_solve``): there the batched solvers' fixed cost of some
+    200 operations, not their arithmetic, is the time. Outside autograd, ``"auto"`` problems on one
     Gramian of at most 128 objectives on an accelerator are copied to the host and solved there
     (the batched solvers' many small kernels and synchronisations cost more than the copies);
     the result comes back to the Gramian's device.
@@ -545,6 +582,13 @@ def project_weights(
         v = _project_on_host(u, gramian, norm_eps, reg_eps, target, dtype)
         if v is not None:
             return v
+    elif _takes_lean_route(gramian, differentiable, method, max_iter):
+        flat = u.to(torch.float64).reshape(-1, m)
+        scale = flat.abs().amax(-1, keepdim=True)
+        scale = torch.where(scale > 0, scale, 1.0)
+        v = _lean_route(flat / scale, scale, gramian, norm_eps, reg_eps, target)
+        if v is not None:
+            return v.reshape(u.shape).to(dtype)
 
     def solve(flat_u: Tensor, g: Tensor) -> Tensor:
         return _solve_finite(flat_u, g, method, max_iter, target, accept)
@@ -600,6 +644,15 @@ def project_diagonal(
     )
     if _offloads(gramian, differentiable, method):
         return _solved_on_host(project_diagonal, pref, gramian, settings)
+    host = gramian.device.type == "cpu" and m**4 <= _HOST_MAX_WORK
+    if not host and m > 0 and _takes_lean_route(gramian, differentiable, method, max_iter):
+        check_solver_settings(norm_eps, reg_eps, method, max_iter, tol)
+        dtype = torch.promote_types(pref.dtype, gramian.dtype)
+        weights = pref.to(torch.float64)
+        rows, scale = torch.diag(torch.sign(weights)), weights.abs()[:, None]
+        v = _lean_route(rows, scale, gramian, norm_eps, reg_eps, tolerances(dtype, m, tol)[0])
+        if v is not None:
+            return v.to(dtype)
     direct = (
         m > 0  # (project_weights returns at once there)
         and not differentiable
