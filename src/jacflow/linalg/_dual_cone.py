@@ -644,32 +644,25 @@ def project_diagonal(
     )
     if _offloads(gramian, differentiable, method):
         return _solved_on_host(project_diagonal, pref, gramian, settings)
-    host = gramian.device.type == "cpu" and m**4 <= _HOST_MAX_WORK
-    if not host and m > 0 and _takes_lean_route(gramian, differentiable, method, max_iter):
-        check_solver_settings(norm_eps, reg_eps, method, max_iter, tol)
-        dtype = torch.promote_types(pref.dtype, gramian.dtype)
-        weights = pref.to(torch.float64)
-        rows, scale = torch.diag(torch.sign(weights)), weights.abs()[:, None]
-        v = _lean_route(rows, scale, gramian, norm_eps, reg_eps, tolerances(dtype, m, tol)[0])
-        if v is not None:
-            return v.to(dtype)
-    direct = (
-        m > 0  # (project_weights returns at once there)
-        and not differentiable
-        and not (gramian.device.type == "cpu" and m**4 <= _HOST_MAX_WORK)  # the host route
-    )
-    if not direct or has_nonfinite(gramian) or has_nonfinite(pref):
+    host = gramian.device.type == "cpu" and m**4 <= _HOST_MAX_WORK  # (project_weights's route)
+    if m == 0 or differentiable or host:
         return project_weights(torch.diag(pref), gramian, **settings)
     check_solver_settings(norm_eps, reg_eps, method, max_iter, tol)
     dtype = torch.promote_types(pref.dtype, gramian.dtype)
     target, accept = tolerances(dtype, m, tol)
+    weights = pref.to(torch.float64)
+    sign, scale = torch.sign(weights), weights.abs()[:, None]
+    if _takes_lean_route(gramian, differentiable, method, max_iter):
+        v = _lean_route(torch.diag(sign), scale, gramian, norm_eps, reg_eps, target)
+        if v is not None:
+            return v.to(dtype)
+    if has_nonfinite(gramian) or has_nonfinite(pref):
+        return project_weights(torch.diag(pref), gramian, **settings)
 
     def projected() -> Tensor:  # in float64
         g = _normalized(gramian.to(torch.float64)[None], norm_eps, reg_eps, one_sync=True)
-        weights = pref.to(torch.float64)
-        sign = torch.sign(weights)
         lam = (2 * sign)[:, None] * g[0]
         v = _solve(torch.diag(sign)[None], g, method, max_iter, target, accept, lam[None])
-        return v[0] * weights.abs()[:, None]
+        return v[0] * scale
 
     return _without_graph(projected, dtype)
