@@ -245,9 +245,9 @@ def _forbid(monkeypatch: pytest.MonkeyPatch, *names: str) -> None:
         monkeypatch.setattr(dual_cone, name, fail)
 
 
-@pytest.mark.parametrize("m", [5, 12, 24])
+@pytest.mark.parametrize("m", [6, 12, 24])
 def test_lean_route_serves_small_problems(m: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """From 5 to 24 objectives on the CPU, UPGrad's and random rows reach neither the Python
+    """From 6 to 24 objectives on the CPU, UPGrad's and random rows reach neither the Python
     floats nor the batched solvers, and get what the batched solvers give."""
     gramian = make_gramian(m, "conflicting", 1.0, seed=m)
     pref = torch.rand(m, dtype=torch.float64) - 0.2  # a negative preference projects to 0

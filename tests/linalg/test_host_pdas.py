@@ -13,7 +13,7 @@ from torch import Tensor
 
 import jacflow.linalg._dual_cone as dual_cone
 from jacflow.linalg import project_weights
-from jacflow.linalg._dual_cone import project_weights_reference
+from jacflow.linalg._dual_cone import project_diagonal, project_weights_reference
 from jacflow.linalg._host_pdas import _lawson_hanson, solve_row, solve_rows
 from tests.linalg.test_dual_cone import (
     assert_kkt,
@@ -74,7 +74,7 @@ def test_same_projection_as_the_torch_route(
     problem: tuple[Tensor, Tensor], norm_eps: float, reg_eps: float
 ) -> None:
     """``project_weights`` gives the same ``J^T v`` through the short routes (Python floats up
-    to 4 objectives, the lean PDAS above) as through the batched solvers, with TorchJD's
+    to 5 objectives, the lean PDAS above) as through the batched solvers, with TorchJD's
     normalisation and regularisation too."""
     u, gramian = problem
     host = project_weights(u, gramian, norm_eps=norm_eps, reg_eps=reg_eps)
@@ -100,18 +100,24 @@ def test_torch_route_still_solves_small_problems(m: int, seed: int) -> None:
 
 
 def test_small_problems_take_the_python_route(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A well-posed CPU problem of up to 4 objectives never reaches the torch solvers."""
+    """A well-posed CPU problem of up to 5 objectives never reaches the torch solvers, through
+    ``project_weights`` or ``project_diagonal`` (which builds UPGrad's rows on the host)."""
 
     def fail(*args: object) -> None:
         raise AssertionError("the torch solvers ran")
 
     monkeypatch.setattr(dual_cone, "_solve", fail)
     monkeypatch.setattr(dual_cone, "lean_pdas_solve", fail)
-    gramian = make_gramian(4, "conflicting", 1.0, 0)
-    v = project_weights(upgrad_rows(4), gramian)
-    assert_kkt(v, upgrad_rows(4), gramian)
+    gramian = make_gramian(5, "conflicting", 1.0, 0)
+    v = project_weights(upgrad_rows(5), gramian)
+    assert_kkt(v, upgrad_rows(5), gramian)
+    pref = torch.tensor([0.3, -0.2, 0.0, 0.5, 1.0], dtype=torch.float64)
+    diagonal = project_diagonal(pref, gramian)
+    g = gramian / gramian.trace()
+    ref = project_weights_reference(torch.diag(pref), gramian)
+    torch.testing.assert_close(diagonal @ g, ref @ g, rtol=0, atol=1e-12)
     with pytest.raises(AssertionError, match="torch solvers"):  # what the route avoids
-        project_weights(upgrad_rows(4), gramian, method="pdas")
+        project_weights(upgrad_rows(5), gramian, method="pdas")
 
 
 def test_singular_free_blocks_are_solved() -> None:

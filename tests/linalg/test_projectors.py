@@ -128,30 +128,31 @@ def test_project_diagonal_is_the_projection_of_the_diagonal_rows(
     torch.testing.assert_close(v.double() @ g, expected @ g, rtol=0, atol=atol)
 
 
-def test_project_diagonal_settings_and_odd_inputs() -> None:
+@pytest.mark.parametrize("m", [4, 12, 24])  # the Python floats, the lean PDAS (both ends)
+def test_project_diagonal_settings_and_odd_inputs(m: int) -> None:
     """Settings reach the solver; NaN / inf give NaN rows as project_weights does; bad `pref`
     gets a clear error; autograd goes through the differentiable route."""
-    j = torch.randn(24, 30, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
-    g, pref = j @ j.T, torch.full((24,), 1 / 24, dtype=torch.float64)
+    j = torch.randn(m, m + 6, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    g, pref = j @ j.T, torch.full((m,), 1 / m, dtype=torch.float64)
     for projector in (TorchProjector(norm_eps=1e-4, reg_eps=1e-3), TorchProjector(method="admm")):
         torch.testing.assert_close(
             projector.project_diagonal(pref, g), projector(torch.diag(pref), g), atol=1e-7, rtol=0
         )
     for bad_g, bad_pref in ((float("nan"), 1.0), (float("inf"), 1.0), (1.0, float("nan"))):
         g2, pref2 = g.clone(), pref.clone()
-        g2[0, 5] *= bad_g
-        pref2[3] *= bad_pref
+        g2[0, 3] *= bad_g
+        pref2[2] *= bad_pref
         expected = project_weights(torch.diag(pref2), g2)
         assert torch.equal(TorchProjector().project_diagonal(pref2, g2).isnan(), expected.isnan())
-    for bad_shape in (torch.ones(2, 24), torch.ones(5)):
+    for bad_shape in (torch.ones(2, m), torch.ones(m + 1)):
         with pytest.raises(ValueError, match="`pref` must have shape \\[m\\]"):
             TorchProjector().project_diagonal(bad_shape.double(), g)
     with pytest.raises(ValueError, match="one Gramian"):
         TorchProjector().project_diagonal(pref, g[None])
     with pytest.raises(TypeError, match=r"`pref` must be a torch\.Tensor"):
-        TorchProjector().project_diagonal([1.0] * 24, g)  # type: ignore[arg-type]
+        TorchProjector().project_diagonal([1.0] * m, g)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="`pref` must have a floating dtype"):
-        TorchProjector().project_diagonal(torch.ones(24, dtype=torch.long), g)
+        TorchProjector().project_diagonal(torch.ones(m, dtype=torch.long), g)
     leaf = g.clone().requires_grad_()
     TorchProjector().project_diagonal(pref, leaf).sum().backward()
     reference = g.clone().requires_grad_()

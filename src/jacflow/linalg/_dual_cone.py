@@ -127,8 +127,8 @@ _POLISH_MAX_FLOP = 3e7
 _DEFAULT_TOL = {torch.float64: 1e-10}  # other dtypes: 1e-6 (their Gramians are that inexact)
 # Problems solved in Python floats (``_host_pdas``) when on the CPU and at most this many
 # multiply-adds of Cholesky factorisations (rows x m^3): there they beat the torch solvers,
-# the lean route's about 20 operations per step included (UPGrad: parity at m = 4 and 5).
-_HOST_MAX_WORK = 4**4  # UPGrad: m <= 4
+# the lean route's about 20 operations per step included (UPGrad: even at m = 5).
+_HOST_MAX_WORK = 5**4  # UPGrad: m <= 5
 # Other problems on one CPU Gramian of at most this many objectives, outside autograd, first try
 # ``_pdas.lean_pdas_solve`` (masked m x m systems: their cost grows as rows x m^3).
 _LEAN_MAX_M = 24
@@ -444,6 +444,28 @@ def _project_on_host(
     return torch.tensor(rows, dtype=torch.float64).reshape(u.shape).to(dtype)
 
 
+def _diagonal_on_host(
+    pref: Tensor, gramian: Tensor, norm_eps: float, reg_eps: float, tol: float, dtype: torch.dtype
+) -> Tensor | None:
+    """:func:`project_diagonal` in Python floats (``_host_pdas``): the rows ``sign(pref_i) e_i``
+    are built on the host, not scanned; ``None`` when some problem needs the torch solvers or
+    ``pref`` is not finite (``project_weights`` then gives its NaN rows)."""
+    weights = pref.tolist()
+    if not all(math.isfinite(x) for x in weights):
+        return None
+    g = _normalized_on_host(gramian, norm_eps, reg_eps)
+    m = len(g)
+    if not all(math.isfinite(x) for row in g for x in row):
+        return torch.full((m, m), math.nan, dtype=dtype)
+    signs = [float((x > 0) - (x < 0)) for x in weights]
+    rows = [[signs[i] if i == j else 0.0 for j in range(m)] for i in range(m)]
+    solved = solve_rows(g, rows, tol)
+    if solved is None:
+        return None
+    scaled = [[x * abs(w) for x in v] for v, w in zip(solved, weights)]
+    return torch.tensor(scaled, dtype=torch.float64).to(dtype)
+
+
 def _lean_route(
     rows: Tensor, scale: Tensor, gramian: Tensor, norm_eps: float, reg_eps: float, tol: float
 ) -> Tensor | None:
@@ -513,7 +535,7 @@ def project_weights(
     (e.g. no negative entry in ``G`` and ``u >= 0``) nothing is solved. Small problems on one
     CPU Gramian outside autograd are first tried on shorter routes, with the same certificate;
     a problem they cannot certify (e.g. a matrix that is not PSD, a singular free block) sends
-    them all to the route above. The tiniest (rows x m^3 at most 256, e.g. UPGrad with up to 4
+    them all to the route above. The tiniest (rows x m^3 at most 625, e.g. UPGrad with up to 5
     objectives) run ``"auto"``'s PDAS one problem at a time in Python floats
     (``jacflow.linalg._host_pdas``, exact Lawson-Hanson where PDAS stalls); the others of up to
     24 objectives a PDAS of about 20 dispatched operations per step
@@ -644,12 +666,17 @@ def project_diagonal(
     )
     if _offloads(gramian, differentiable, method):
         return _solved_on_host(project_diagonal, pref, gramian, settings)
-    host = gramian.device.type == "cpu" and m**4 <= _HOST_MAX_WORK  # (project_weights's route)
-    if m == 0 or differentiable or host:
+    host = gramian.device.type == "cpu" and m**4 <= _HOST_MAX_WORK
+    if m == 0 or differentiable or (host and (method != "auto" or max_iter is not None)):
         return project_weights(torch.diag(pref), gramian, **settings)
     check_solver_settings(norm_eps, reg_eps, method, max_iter, tol)
     dtype = torch.promote_types(pref.dtype, gramian.dtype)
     target, accept = tolerances(dtype, m, tol)
+    if host:
+        on_host = _diagonal_on_host(pref, gramian, norm_eps, reg_eps, target, dtype)
+        return (
+            project_weights(torch.diag(pref), gramian, **settings) if on_host is None else on_host
+        )
     weights = pref.to(torch.float64)
     sign, scale = torch.sign(weights), weights.abs()[:, None]
     if _takes_lean_route(gramian, differentiable, method, max_iter):
