@@ -263,6 +263,19 @@ def test_lean_route_serves_small_problems(m: int, monkeypatch: pytest.MonkeyPatc
     torch.testing.assert_close(diagonal @ g, expected[1] @ g, rtol=0, atol=1e-12)
 
 
+def _spy_lean(monkeypatch: pytest.MonkeyPatch) -> list[Tensor | None]:
+    """Record what each call of the lean PDAS returns."""
+    results: list[Tensor | None] = []
+    solve = dual_cone.lean_pdas_solve
+
+    def spy(u: Tensor, g: Tensor, tol: float) -> Tensor | None:
+        results.append(solve(u, g, tol))
+        return results[-1]
+
+    monkeypatch.setattr(dual_cone, "lean_pdas_solve", spy)
+    return results
+
+
 @pytest.mark.parametrize("m", [8, 25])
 def test_lean_route_hands_over_or_is_not_taken(m: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """Where the lean PDAS gives no certificate (here: a singular free block) the batched
@@ -270,12 +283,49 @@ def test_lean_route_hands_over_or_is_not_taken(m: int, monkeypatch: pytest.Monke
     j = torch.randn(m, 2 * m, dtype=torch.float64, generator=torch.Generator().manual_seed(m))
     j[1] = j[2] = -j[0]  # duplicated objectives, both conflicting with the first
     gramian, u = j @ j.T, upgrad_rows(m)
-    if m > dual_cone._LEAN_MAX_M:
-        _forbid(monkeypatch, "lean_pdas_solve")
+    results = _spy_lean(monkeypatch)
     v = project_weights(u, gramian)
+    assert results == [] if m > 24 else len(results) == 1 and results[0] is None
     assert_kkt(v, u, gramian, rtol=1e-9)
     ref = project_weights_reference(u, gramian)
     torch.testing.assert_close(v @ gramian, ref @ gramian, rtol=0, atol=1e-9)
+
+
+@pytest.mark.parametrize("m", [4, 12])  # the Python floats, the lean PDAS
+def test_short_routes_need_auto_without_a_cap(m: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An explicit method or iteration cap goes to the batched solvers, as documented."""
+    gramian = make_gramian(m, "conflicting", 1.0, seed=m)
+    pref = torch.rand(m, dtype=torch.float64) + 0.1
+    _forbid(monkeypatch, "lean_pdas_solve", "solve_rows")
+    for kwargs in ({"method": "pdas"}, {"max_iter": 50}):
+        v = project_weights(torch.diag(pref), gramian, **kwargs)  # type: ignore[arg-type]
+        diagonal = project_diagonal(pref, gramian, **kwargs)  # type: ignore[arg-type]
+        assert_kkt(v, torch.diag(pref), gramian, rtol=1e-9)
+        torch.testing.assert_close(diagonal @ gramian, v @ gramian, rtol=0, atol=1e-12)
+
+
+def test_lean_route_solves_the_symmetric_part(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``v^T G v`` only sees the symmetric part of ``G``: an asymmetric input gets, certified
+    by the lean PDAS itself, the projection of its symmetric part."""
+    m = 10
+    gramian = make_gramian(m, "conflicting", 1.0, seed=5)
+    skew = torch.randn(m, m, dtype=torch.float64, generator=torch.Generator().manual_seed(6))
+    results = _spy_lean(monkeypatch)
+    v = project_weights(upgrad_rows(m), gramian + 0.3 * (skew - skew.T))
+    assert len(results) == 1 and results[0] is not None
+    ref = project_weights_reference(upgrad_rows(m), gramian)
+    torch.testing.assert_close(v @ gramian, ref @ gramian, rtol=0, atol=1e-12)
+
+
+def test_lean_route_keeps_the_trace_rule() -> None:
+    """A matrix whose trace is not positive counts as ``G = 0`` (``v = u``), as on the other
+    routes, not as the indefinite problem it states."""
+    g = torch.eye(6, dtype=torch.float64)
+    g[5, 5], g[0, 1], g[1, 0] = -10.0, -0.5, -0.5
+    u = torch.eye(6, dtype=torch.float64)[[0, 0, 1]]
+    torch.testing.assert_close(project_weights(u, g), u, rtol=0, atol=0)
+    pref = torch.tensor([1.0, 1.0, 1.0, 1.0, 1.0, 0.0], dtype=torch.float64)
+    torch.testing.assert_close(project_diagonal(pref, g), torch.diag(pref), rtol=0, atol=0)
 
 
 def route_next_call_to_host(monkeypatch: pytest.MonkeyPatch) -> list[bool]:

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor
 
-from jacflow.linalg._dual_cone import project_weights_reference
+from jacflow.linalg._dual_cone import _row_scales, project_weights_reference
 from jacflow.linalg._pdas import (
     first_slots,
     gather_blocks,
@@ -90,18 +90,13 @@ def test_start_residual_is_the_kkt_residual_at_u(
     assert torch.equal(start_residual(lam, c), kkt_residual(u, u, lam, c))
 
 
-def _scaled_rows(u: Tensor) -> Tensor:
-    scale = u.abs().amax(-1, keepdim=True)
-    return u / torch.where(scale > 0, scale, 1.0)
-
-
 @settings(max_examples=80)
 @given(problem=problems(max_m=24))
 def test_lean_certified_results_solve_the_problem(problem: tuple[Tensor, Tensor]) -> None:
     """What the lean PDAS returns meets the KKT conditions and gives the reference's ``G v``
     (``v`` is not unique on singular Gramians, ``G v`` is), whatever the Gramian's scale."""
     u, gramian = problem
-    u = _scaled_rows(u)
+    u = u / _row_scales(u)
     v = lean_pdas_solve(u, gramian, 1e-12)
     if v is None:  # a singular free block, a cycle: the general solvers' problems
         return

@@ -138,7 +138,8 @@ def test_project_diagonal_settings_and_odd_inputs(m: int) -> None:
         torch.testing.assert_close(
             projector.project_diagonal(pref, g), projector(torch.diag(pref), g), atol=1e-7, rtol=0
         )
-    for bad_g, bad_pref in ((float("nan"), 1.0), (float("inf"), 1.0), (1.0, float("nan"))):
+    bad = [(float("nan"), 1.0), (float("inf"), 1.0), (1.0, float("nan")), (1.0, float("inf"))]
+    for bad_g, bad_pref in [*bad, (1.0, -float("inf"))]:
         g2, pref2 = g.clone(), pref.clone()
         g2[0, 3] *= bad_g
         pref2[2] *= bad_pref

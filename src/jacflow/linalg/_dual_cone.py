@@ -370,6 +370,12 @@ def _caller_stacklevel() -> int:
     return level
 
 
+def _row_scales(rows: Tensor) -> Tensor:
+    """The max-norm of each row (``[..., 1]``), 1 for a zero row: the solvers' scaling of ``u``."""
+    scale = rows.abs().amax(-1, keepdim=True)
+    return torch.where(scale > 0, scale, 1.0)
+
+
 def _solve_finite(
     flat_u: Tensor, g: Tensor, method: str, max_iter: int | None, tol: float, accept: float
 ) -> Tensor:
@@ -380,8 +386,7 @@ def _solve_finite(
         bad = ~torch.isfinite(flat_u).all(-1) | bad_g[:, None]
         g = torch.where(bad_g[:, None, None], torch.zeros_like(g), g)
         flat_u = torch.where(bad[..., None], torch.zeros_like(flat_u), flat_u)
-    scale = flat_u.abs().amax(-1, keepdim=True)
-    scale = torch.where(scale > 0, scale, 1.0)
+    scale = _row_scales(flat_u)
     v = _solve(flat_u / scale, g, method, max_iter, tol, accept) * scale
     return v if bad is None else torch.where(bad[..., None], torch.full_like(v, float("nan")), v)
 
@@ -420,77 +425,87 @@ def _normalized_on_host(gramian: Tensor, norm_eps: float, reg_eps: float) -> lis
     return g
 
 
-def _project_on_host(
-    u: Tensor, gramian: Tensor, norm_eps: float, reg_eps: float, tol: float, dtype: torch.dtype
+def _solved_rows_on_host(
+    gramian: Tensor,
+    rows: list[list[float] | None],
+    scales: list[float],
+    norm_eps: float,
+    reg_eps: float,
+    tol: float,
+    dtype: torch.dtype,
 ) -> Tensor | None:
-    """:func:`project_weights` in Python floats for small CPU problems (``_host_pdas``), or
-    ``None`` when some problem needs the torch solvers."""
+    """``v`` ``[k, m]`` of the rows of max-norm 1 (or 0) that were divided by ``scales``,
+    solved in Python floats (``_host_pdas``); a ``None`` row (not finite) and every row of a
+    non-finite Gramian give NaN. ``None`` when some problem needs the torch solvers."""
     g = _normalized_on_host(gramian, norm_eps, reg_eps)
-    if not all(math.isfinite(x) for row in g for x in row):
-        return torch.full(u.shape, math.nan, dtype=dtype)
     m = len(g)
-    flat = u.reshape(-1, m).tolist()
-    finite = [all(math.isfinite(x) for x in row) for row in flat]  # (max() skips some NaNs)
-    scales = [max(abs(x) for x in row) if ok else 1.0 for row, ok in zip(flat, finite)]
-    scales = [s if s > 0 else 1.0 for s in scales]  # a zero row stays zero
-    scaled = [[x / s for x in row] for row, s in zip(flat, scales)]
-    solved = solve_rows(g, [row for row, ok in zip(scaled, finite) if ok], tol)
+    if not all(math.isfinite(x) for row in g for x in row):
+        return torch.full((len(rows), m), math.nan, dtype=dtype)
+    solved = solve_rows(g, [row for row in rows if row is not None], tol)
     if solved is None:
         return None
     pending = iter(solved)
-    rows = [
-        [x * s for x in next(pending)] if ok else [math.nan] * m for s, ok in zip(scales, finite)
+    out = [
+        [math.nan] * m if row is None else [x * s for x in next(pending)]
+        for row, s in zip(rows, scales)
     ]
-    return torch.tensor(rows, dtype=torch.float64).reshape(u.shape).to(dtype)
+    return torch.tensor(out, dtype=torch.float64).to(dtype)
+
+
+def _project_on_host(
+    u: Tensor, gramian: Tensor, norm_eps: float, reg_eps: float, tol: float, dtype: torch.dtype
+) -> Tensor | None:
+    """:func:`project_weights` in Python floats for small CPU problems, or ``None``."""
+    flat = u.reshape(-1, gramian.shape[-1]).tolist()
+    finite = [all(math.isfinite(x) for x in row) for row in flat]  # (max() skips some NaNs)
+    scales = [max(map(abs, row)) if ok else 1.0 for row, ok in zip(flat, finite)]
+    scales = [s if s > 0 else 1.0 for s in scales]  # a zero row stays zero
+    rows = [[x / s for x in row] if ok else None for row, s, ok in zip(flat, scales, finite)]
+    v = _solved_rows_on_host(gramian, rows, scales, norm_eps, reg_eps, tol, dtype)
+    return None if v is None else v.reshape(u.shape)
 
 
 def _diagonal_on_host(
     pref: Tensor, gramian: Tensor, norm_eps: float, reg_eps: float, tol: float, dtype: torch.dtype
 ) -> Tensor | None:
-    """:func:`project_diagonal` in Python floats (``_host_pdas``): the rows ``sign(pref_i) e_i``
-    are built on the host, not scanned; ``None`` when some problem needs the torch solvers or
-    ``pref`` is not finite (``project_weights`` then gives its NaN rows)."""
+    """:func:`project_diagonal` in Python floats: UPGrad's rows ``sign(pref_i) e_i`` are built
+    on the host, not scanned; ``None`` when some problem needs the torch solvers."""
     weights = pref.tolist()
-    if not all(math.isfinite(x) for x in weights):
-        return None
-    g = _normalized_on_host(gramian, norm_eps, reg_eps)
-    m = len(g)
-    if not all(math.isfinite(x) for row in g for x in row):
-        return torch.full((m, m), math.nan, dtype=dtype)
-    signs = [float((x > 0) - (x < 0)) for x in weights]
-    rows = [[signs[i] if i == j else 0.0 for j in range(m)] for i in range(m)]
-    solved = solve_rows(g, rows, tol)
-    if solved is None:
-        return None
-    scaled = [[x * abs(w) for x in v] for v, w in zip(solved, weights)]
-    return torch.tensor(scaled, dtype=torch.float64).to(dtype)
+    m = len(weights)
+    rows: list[list[float] | None] = [
+        [float((x > 0) - (x < 0)) if i == j else 0.0 for j in range(m)]
+        if math.isfinite(x)
+        else None
+        for i, x in enumerate(weights)
+    ]
+    scales = [abs(x) if math.isfinite(x) else 1.0 for x in weights]
+    return _solved_rows_on_host(gramian, rows, scales, norm_eps, reg_eps, tol, dtype)
 
 
 def _lean_route(
     rows: Tensor, scale: Tensor, gramian: Tensor, norm_eps: float, reg_eps: float, tol: float
 ) -> Tensor | None:
     """``lean_pdas_solve`` on the float64 ``rows`` ``[k, m]`` of max-norm 1 (or 0), which are
-    the problem's rows divided by ``scale`` ``[k, 1]``, and the Gramian as
-    :func:`project_weights` states the problem: the unscaled ``v``, or ``None``. (The trace,
-    which does not change the solution, is divided out only where ``norm_eps`` or ``reg_eps``
-    needs it.)"""
+    the problem's rows divided by ``scale`` ``[k, 1]``, and the Gramian normalised as
+    :func:`project_weights` states the problem: the unscaled ``v``, or ``None``. Also ``None``
+    (one host sync) when an entry of the Gramian or a scale is not finite, or their sum
+    overflows: the batched route then gives the NaN rows, by its explicit test rather than by
+    NaNs spreading through the products."""
     g = gramian.to(torch.float64)
-    if norm_eps > 0 or reg_eps > 0:
-        g = _normalized(g[None], norm_eps, reg_eps, one_sync=True)[0]
-    else:
-        g = (g + g.mT) * 0.5
-    v = lean_pdas_solve(rows, g, tol)
+    if not math.isfinite(float(g.sum() + scale.sum())):
+        return None
+    v = lean_pdas_solve(rows, _normalized(g[None], norm_eps, reg_eps, one_sync=True)[0], tol)
     return None if v is None else v * scale
 
 
-def _takes_lean_route(
+def _short_routes_apply(
     gramian: Tensor, differentiable: bool, method: str, max_iter: int | None
 ) -> bool:
-    """Whether ``"auto"`` tries :func:`_lean_route` first."""
+    """Whether ``"auto"`` first tries the Python floats or the lean PDAS: one CPU Gramian,
+    outside autograd, no explicit iteration cap."""
     return (
         gramian.device.type == "cpu"
         and gramian.ndim == 2
-        and gramian.shape[-1] <= _LEAN_MAX_M
         and not differentiable
         and method == "auto"
         and max_iter is None
@@ -540,7 +555,8 @@ def project_weights(
     (``jacflow.linalg._host_pdas``, exact Lawson-Hanson where PDAS stalls); the others of up to
     24 objectives a PDAS of about 20 dispatched operations per step
     (``jacflow.linalg._pdas.lean_pdas_solve``): there the batched solvers' fixed cost of some
-    200 operations, not their arithmetic, is the time. Outside autograd, ``"auto"`` problems on one
+    200 operations, not their arithmetic, is the time. Like the batched route's ``"auto"``, both
+    are taken only without an explicit ``max_iter``. Outside autograd, ``"auto"`` problems on one
     Gramian of at most 128 objectives on an accelerator are copied to the host and solved there
     (the batched solvers' many small kernels and synchronisations cost more than the copies);
     the result comes back to the Gramian's device.
@@ -598,19 +614,17 @@ def project_weights(
         )
         return _solved_on_host(project_weights, u, gramian, settings)
     target, accept = tolerances(dtype, m, tol)
-    on_cpu = gramian.device.type == "cpu" and gramian.ndim == 2
-    small = u.numel() // m * m**3 <= _HOST_MAX_WORK
-    if on_cpu and small and not differentiable and method == "auto" and max_iter is None:
-        v = _project_on_host(u, gramian, norm_eps, reg_eps, target, dtype)
-        if v is not None:
-            return v
-    elif _takes_lean_route(gramian, differentiable, method, max_iter):
-        flat = u.to(torch.float64).reshape(-1, m)
-        scale = flat.abs().amax(-1, keepdim=True)
-        scale = torch.where(scale > 0, scale, 1.0)
-        v = _lean_route(flat / scale, scale, gramian, norm_eps, reg_eps, target)
-        if v is not None:
-            return v.reshape(u.shape).to(dtype)
+    if _short_routes_apply(gramian, differentiable, method, max_iter):
+        if u.numel() // m * m**3 <= _HOST_MAX_WORK:
+            v = _project_on_host(u, gramian, norm_eps, reg_eps, target, dtype)
+            if v is not None:
+                return v
+        elif m <= _LEAN_MAX_M:
+            flat = u.to(torch.float64).reshape(-1, m)
+            scale = _row_scales(flat)
+            v = _lean_route(flat / scale, scale, gramian, norm_eps, reg_eps, target)
+            if v is not None:
+                return v.reshape(u.shape).to(dtype)
 
     def solve(flat_u: Tensor, g: Tensor) -> Tensor:
         return _solve_finite(flat_u, g, method, max_iter, target, accept)
@@ -666,8 +680,9 @@ def project_diagonal(
     )
     if _offloads(gramian, differentiable, method):
         return _solved_on_host(project_diagonal, pref, gramian, settings)
+    short = _short_routes_apply(gramian, differentiable, method, max_iter)
     host = gramian.device.type == "cpu" and m**4 <= _HOST_MAX_WORK
-    if m == 0 or differentiable or (host and (method != "auto" or max_iter is not None)):
+    if m == 0 or differentiable or (host and not short):
         return project_weights(torch.diag(pref), gramian, **settings)
     check_solver_settings(norm_eps, reg_eps, method, max_iter, tol)
     dtype = torch.promote_types(pref.dtype, gramian.dtype)
@@ -679,7 +694,7 @@ def project_diagonal(
         )
     weights = pref.to(torch.float64)
     sign, scale = torch.sign(weights), weights.abs()[:, None]
-    if _takes_lean_route(gramian, differentiable, method, max_iter):
+    if short and m <= _LEAN_MAX_M:
         v = _lean_route(torch.diag(sign), scale, gramian, norm_eps, reg_eps, target)
         if v is not None:
             return v.to(dtype)

@@ -2,8 +2,9 @@
 
 With a handful of objectives (multi-task learning: m = 3 to 5) the batched torch solvers of
 ``_pdas`` spend their time dispatching some two hundred tensor operations, not computing, and
-even ``_pdas.lean_pdas_solve``'s forty or so cost more than solving in Python floats (from
-m = 6 that lean route is faster). This module solves one problem at a time on Python floats:
+even ``_pdas.lean_pdas_solve``'s 40 or more (about 20 a step) cost more than solving in
+Python floats (with more objectives, or more rows, that lean route is faster). This module
+solves one problem at a time on Python floats:
 
 * the primal-dual active-set iteration of ``_pdas``: a step is one Cholesky factorisation of
   the free block (at most ``m^3 / 6`` multiply-adds) and one product with ``G``. Singular
