@@ -139,17 +139,12 @@ def main() -> None:
             assert residual < 1e-11, f"reference not converged: {residual}"
             gramian = gramian.to(args.device)
             fns: dict[str, Callable[[], Tensor]] = {"ours": lambda g=gramian: ours(g)}
-            repeats = {"ours": 101 if m <= 32 else (15 if m <= 64 else 5)}
+            calls = 101 if m <= 32 else (15 if m <= 64 else 5)  # (TorchJD: fewer above 128)
+            repeats = {"ours": calls}
             with_torchjd = m <= args.torchjd_max_m
             if with_torchjd:
                 fns["torchjd"] = lambda g=gramian: theirs(g)
-                repeats["torchjd"] = (
-                    101
-                    if m <= 32
-                    else 15
-                    if m <= 64
-                    else (5 if m <= 128 else (3 if m <= 256 else 1))
-                )
+                repeats["torchjd"] = calls if m <= 128 else (3 if m <= 256 else 1)
                 if m >= 512:  # a minute per call: no warm-up call, timed once
                     start = now()
                     w_theirs = theirs(gramian)

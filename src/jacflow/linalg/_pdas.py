@@ -215,7 +215,7 @@ def lean_pdas_solve(u: Tensor, g: Tensor, tol: float) -> Tensor | None:
         # G_FF on the free rows and columns, the identity elsewhere: v_A = u_A and
         # G_FF v_F = -G_FA u_A in one system per problem
         system = torch.where(free[:, :, None] & free[:, None, :], g, identity)
-        factor, info = torch.linalg.cholesky_ex(system)
+        factor, info = cholesky_ex(system)
         rhs = torch.where(active, u, torch.where(active, u, zero) @ minus_g)
         v = torch.cholesky_solve(rhs[..., None], factor)[..., 0]
         half_lam = v @ g
