@@ -287,18 +287,34 @@ def gram(flat: Tensor, leaf: int = 32, min_columns: int = 1024) -> Tensor:
     return torch.cat([upper, lower], dim=0)
 
 
-def kernel_gram(kernel: Tensor, rows: Tensor, block: int = 32, min_rows: int = 4) -> Tensor:
+# The Cholesky blocks of kernel_gram pay when the multiply-adds they save (about half of
+# R T^2 p) exceed their fixed costs: the factorisation (T^3 / 3 flops, at a lower rate than a
+# product) and some 10-36 smaller products. Measured (one-off, 1 thread, float32 and float64,
+# T = 128-1024, p = 64-4096, R = 2-10, interleaved with the direct route): they pay from
+# R T p >= 600_000 + T^2 (0.83-0.96x the time there) and lose up to 2.7x below (T = 128,
+# p = 128, R = 4) and at T = 1024 with p <= 256 (1.2-1.9x, the factorisation dominating).
+_BLOCKS_MIN_WORK = 600_000
+
+
+def blocks_pay(r: int, t: int, p: int) -> bool:
+    """Whether :func:`kernel_gram` takes the Cholesky blocks for ``rows`` ``[r, t, p]`` (CPU)."""
+    return r * t * p >= _BLOCKS_MIN_WORK + t * t
+
+
+def kernel_gram(
+    kernel: Tensor, rows: Tensor, block: int = 32, blocks: bool | None = None
+) -> Tensor:
     """``G[k, l] = <K rows[k], rows[l]>`` for a PSD kernel ``K`` ``[T, T]`` and ``rows``
     ``[R, T, p]``: the per-task ghost Gramian.
 
-    The products ``K rows[k]`` cost ``R T^2 p``. From ``T = 4 block`` and ``min_rows`` rows,
-    ``K = L L^T`` (Cholesky, backward stable) gives ``G = Y Y^T`` with ``Y[k] = L^T rows[k]``,
-    whose products only need the lower triangle of ``L``: by ``q`` blocks of rows (at most 8,
-    at least ``block`` rows each), ``(q + 1) / 2q`` of the multiply-adds (one-off: 20-27% faster
-    at ``T = 256``, ``p = 1024``, ``R = 6`` and 10, float32, 1 thread). A kernel whose
-    factorisation fails (numerically singular) takes the direct products, and so does every
-    kernel off the CPU (on a GPU the factorisation, its check and the blocks' launches cost more
-    than the multiply-adds they save).
+    The products ``K rows[k]`` cost ``R T^2 p``. ``K = L L^T`` (Cholesky, backward stable)
+    gives ``G = Y Y^T`` with ``Y[k] = L^T rows[k]``, whose products only need the lower triangle
+    of ``L``: by ``q`` blocks of rows (at most 8, at least ``block`` rows each),
+    ``(q + 1) / 2q`` of the multiply-adds (one-off: 17% faster at ``T = 256``, ``p = 1024``,
+    ``R = 6``, float32, 1 thread). ``blocks``: whether to take them (``None``: on the CPU, from
+    ``T = 4 block`` when :func:`blocks_pay`; off the CPU the factorisation, its check and the
+    blocks' launches cost more than the multiply-adds they save). A kernel whose factorisation
+    fails (numerically singular) takes the direct products.
 
     Example:
         >>> import torch
@@ -307,12 +323,14 @@ def kernel_gram(kernel: Tensor, rows: Tensor, block: int = 32, min_rows: int = 4
         >>> rows = torch.randn(3, 8, 2, dtype=torch.float64)
         >>> k = x @ x.T + 1
         >>> direct = torch.einsum("st,ktp,lsp->kl", k, rows, rows)
-        >>> torch.allclose(kernel_gram(k, rows, block=2, min_rows=1), direct)
+        >>> torch.allclose(kernel_gram(k, rows, block=2, blocks=True), direct)
         True
     """
-    r, t, _ = rows.shape
+    r, t, p = rows.shape
+    if blocks is None:
+        blocks = kernel.device.type == "cpu" and t >= 4 * block and blocks_pay(r, t, p)
     factor = None
-    if t >= 4 * block and r >= min_rows and kernel.device.type == "cpu":
+    if blocks and t >= block:
         factor, info = cholesky_ex(kernel)
         if bool(info.any()):
             factor = None
