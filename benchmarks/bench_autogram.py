@@ -19,11 +19,12 @@ thread, median of interleaved rounds (``_timing.py``). The
 "weighting ms" column times jacflow's ``UPGradWeighting`` alone on the Gramian of the same
 model and data (the UPGrad QP's share of the jacflow step; the rest is the Gramian engine), and
 "jacflow without weighting" is ``(jacflow - weighting) / SGD``.
-"jacflow, SGD alone" times jacflow again, interleaved with SGD only, in a fresh process (as a
-user's training process runs it): in the four-way rounds, the TorchJD methods' allocations of up
-to GBs change the heap and caches that the steps after them meet, which inflates the small
-models' steps, while their large blocks raise glibc's dynamic thresholds for the whole process,
-which spares the multi-task step its page faults (see ``--keep-heap``). Both are reported.
+"jacflow, SGD alone" times jacflow again, interleaved with SGD only, in fresh processes (as a
+user's training process runs it; the median of ``--processes`` of them, with their range): in
+the four-way rounds, the TorchJD methods' allocations of up to GBs change the heap and caches
+that the steps after them meet, which inflates the small models' steps, while their large
+blocks raise glibc's dynamic thresholds for the whole process, which spares the multi-task step
+its page faults (see ``--keep-heap``). Both are reported.
 Memory: each (config, method) runs 3 steps in a fresh subprocess; we report the peak RSS of
 those steps (VmHWM, reset through ``/proc/self/clear_refs`` right before them) minus the RSS just
 before the first step (model, data and engine already built), in MB (``tracemalloc`` does not
@@ -36,7 +37,7 @@ minus the memory allocated before them.
 end fault in fresh pages at the next one, which the process CPU time counts.
 
 Run: ``.venv/bin/python benchmarks/bench_autogram.py [--quick] [--no-memory] [--only iwrm|mtl]
-[--models mlp256,cnn] [--widths 256] [--device cuda] [--keep-heap]``.
+[--models mlp256,cnn] [--widths 256] [--device cuda] [--keep-heap] [--processes 5]``.
 """
 
 from __future__ import annotations
@@ -296,10 +297,19 @@ def _run_child(spec: dict[str, object], keep: bool) -> dict[str, float]:
     return dict(json.loads(out.stdout.strip().splitlines()[-1]))
 
 
-def alone_ratio(spec: dict[str, object], rounds: int, keep: bool) -> str:
-    """jacflow / SGD, the two interleaved in a fresh process (see the module's docstring)."""
-    times = _run_child({**spec, "task": "pair", "rounds": rounds}, keep)
-    return f"{times['jacflow'] / times['sgd']:.2f}x"
+def alone_ratio(spec: dict[str, object], rounds: int, keep: bool, processes: int) -> str:
+    """jacflow / SGD, the two interleaved in a fresh process (see the module's docstring): the
+    median over ``processes`` such processes, and their range when there are several (one
+    process's ratio moved by up to 10% from the next on a shared 2-core host)."""
+    ratios = []
+    for _ in range(processes):
+        times = _run_child({**spec, "task": "pair", "rounds": rounds}, keep)
+        ratios.append(times["jacflow"] / times["sgd"])
+    ratios.sort()
+    median = ratios[len(ratios) // 2]
+    if processes == 1:
+        return f"{median:.2f}x"
+    return f"{median:.2f}x ({ratios[0]:.2f}-{ratios[-1]:.2f})"
 
 
 def memory_child(spec: dict[str, object]) -> None:
@@ -363,6 +373,12 @@ def main() -> None:
     parser.add_argument(
         "--keep-heap", action="store_true", help="glibc keeps freed memory (see the docstring)"
     )
+    parser.add_argument(
+        "--processes",
+        type=int,
+        default=5,
+        help="fresh processes of the 'SGD alone' column (its median and range; 1 with --quick)",
+    )
     parser.add_argument("--child")
     args = parser.parse_args()
     if args.keep_heap:
@@ -375,6 +391,7 @@ def main() -> None:
     device = args.device
     rounds = 5 if args.quick else (9 if device == "cpu" else 21)
     alone_rounds = 2 * rounds + 1  # (two cheap methods: more rounds for the same time)
+    processes = 1 if args.quick else args.processes
     name = torch.cuda.get_device_name() if device == "cuda" else "CPU"
     name += ", glibc keeps freed memory" if args.keep_heap else ""
     print(f"torch {torch.__version__}, torchjd {getattr(torchjd, '__version__', '0.18')}, {name}")
@@ -398,7 +415,7 @@ def main() -> None:
             ratio = {k: f"{v / sgd:.2f}x" for k, v in times.items()}
             qp = weighting_ms(iwrm_gramian(model_name, batch, device), 3 * rounds)
             spec = {"kind": "iwrm", "model": model_name, "batch": batch, "device": device}
-            alone = alone_ratio(spec, alone_rounds, args.keep_heap)
+            alone = alone_ratio(spec, alone_rounds, args.keep_heap, processes)
             iwrm_rows.append(
                 [
                     model_name,
@@ -439,7 +456,7 @@ def main() -> None:
             sgd = times["sgd"]
             qp = weighting_ms(mtl_gramian(width, batch, m, device), 3 * rounds)
             spec = {"kind": "mtl", "width": width, "batch": batch, "m": m, "device": device}
-            alone = alone_ratio(spec, alone_rounds, args.keep_heap)
+            alone = alone_ratio(spec, alone_rounds, args.keep_heap, processes)
             mtl_rows.append(
                 [str(width), str(batch), str(m), f"{sgd:.1f}", f"{qp:.2f}"]
                 + [f"{(times['jacflow'] - qp) / sgd:.2f}x", f"{times['jacflow'] / sgd:.2f}x"]
