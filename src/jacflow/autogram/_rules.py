@@ -153,6 +153,14 @@ class Contribution(ABC):
         """``sum_r weights[r] g_r`` for every covered parameter (the book-keeping update), in any
         shape with the parameter's number of elements (the engine reshapes it)."""
 
+    def weighted_grads_into(
+        self, weights: Tensor, buffer_for: Callable[[str], Tensor | None]
+    ) -> dict[str, Tensor]:
+        """:meth:`weighted_grads`, possibly written into ``buffer_for(name)`` (memory the engine
+        reuses across steps, with the parameter's shape and dtype, or ``None``; ask only when
+        writing into it) and returned as such. The default ignores the buffers."""
+        return self.weighted_grads(weights)
+
 
 class Rule(ABC):
     """Builds a :class:`Contribution` from the calls of one module.

@@ -1,0 +1,115 @@
+"""The engine's reused ``.grad`` memory: right values, and nothing a caller holds overwritten."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from jacflow.aggregation import UPGradWeighting
+from jacflow.autogram import Engine
+from jacflow.autogram._buffers import GradientBuffers
+from tests.autogram.test_engine import reference_jacobian
+
+# float64 Linear(128, 128): 128 KiB weights, the smallest the engine keeps buffers for
+WIDTH = 128
+
+
+def _model(tied: bool = False) -> nn.Sequential:
+    torch.manual_seed(0)
+    first, second = nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH)
+    if tied:
+        second.weight = first.weight
+    return nn.Sequential(first, nn.Tanh(), second, nn.Tanh(), nn.Linear(WIDTH, 3)).double()
+
+
+def _batch(seed: int) -> Tensor:
+    return torch.randn(6, WIDTH, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+def _losses(model: nn.Module, x: Tensor) -> Tensor:
+    return model(x).pow(2).sum(1)
+
+
+def _expected_grads(model: nn.Module, x: Tensor) -> list[Tensor]:
+    """UPGrad's update ``w @ J`` from the reference Jacobian, split per parameter."""
+    params = list(model.parameters())
+    losses = _losses(model, x)
+    jacobian = reference_jacobian(losses, params)
+    update = UPGradWeighting()(jacobian @ jacobian.T) @ jacobian
+    return [u.reshape(p.shape) for p, u in zip(params, update.split([p.numel() for p in params]))]
+
+
+def _step(model: nn.Module, engine: Engine, x: Tensor) -> None:
+    engine.backward(_losses(model, x), UPGradWeighting())
+
+
+def _assert_grads(model: nn.Module, expected: list[Tensor]) -> None:
+    for param, grad in zip(model.parameters(), expected, strict=True):
+        torch.testing.assert_close(_grad(param), grad)
+
+
+def _grad(param: Tensor) -> Tensor:
+    assert param.grad is not None
+    return param.grad
+
+
+def test_memory_is_reused_once_the_gradients_are_dropped() -> None:
+    model = _model()
+    engine = Engine(model, batch_dim=0)
+    _step(model, engine, _batch(1))
+    address = _grad(model[0].weight).data_ptr()
+    model.zero_grad()  # set_to_none
+    _step(model, engine, _batch(2))
+    assert _grad(model[0].weight).data_ptr() == address
+    _assert_grads(model, _expected_grads(model, _batch(2)))
+
+
+def test_gradients_the_caller_keeps_are_not_overwritten() -> None:
+    """A kept ``.grad``, a view of one: their values survive the next steps."""
+    model = _model()
+    engine = Engine(model, batch_dim=0)
+    _step(model, engine, _batch(1))
+    kept = _grad(model[0].weight)
+    kept_values = kept.clone()
+    model.zero_grad()
+    _step(model, engine, _batch(2))
+    view = _grad(model[2].weight).view(-1)
+    view_values = view.clone()
+    model.zero_grad()
+    _step(model, engine, _batch(3))
+    torch.testing.assert_close(kept, kept_values, rtol=0, atol=0)
+    torch.testing.assert_close(view, view_values, rtol=0, atol=0)
+    _assert_grads(model, _expected_grads(model, _batch(3)))
+
+
+def test_steps_without_zero_grad_accumulate() -> None:
+    model = _model()
+    engine = Engine(model, batch_dim=0)
+    first, second = _expected_grads(model, _batch(1)), _expected_grads(model, _batch(2))
+    _step(model, engine, _batch(1))
+    _step(model, engine, _batch(2))
+    _assert_grads(model, [a + b for a, b in zip(first, second, strict=True)])
+
+
+def test_a_tied_weight_gets_both_uses_over_steps() -> None:
+    model = _model(tied=True)
+    engine = Engine(model, batch_dim=0)
+    for seed in (1, 2, 3):
+        model.zero_grad()
+        _step(model, engine, _batch(seed))
+        _assert_grads(model, _expected_grads(model, _batch(seed)))
+
+
+def test_small_held_or_accumulated_parameters_get_no_buffer() -> None:
+    buffers = GradientBuffers()
+    small = nn.Parameter(torch.zeros(8, 8))
+    assert buffers.take(small) is None
+    large = nn.Parameter(torch.zeros(256, 256))
+    large.grad = torch.zeros(256, 256)
+    assert buffers.take(large) is None  # accumulated into instead
+    large.grad = None
+    buffer = buffers.take(large)
+    assert buffer is not None and buffer.shape == large.shape and buffer.dtype == large.dtype
+    large.data = torch.zeros(256, 256, dtype=torch.float64)  # dtype changed: a fresh buffer
+    again = buffers.take(large)
+    assert again is not None and again.dtype == torch.float64
