@@ -10,8 +10,8 @@ from jacflow.autogram import Engine
 from jacflow.autogram._buffers import GradientBuffers
 from tests.autogram.test_engine import reference_jacobian
 
-# float64 Linear(128, 128): 128 KiB weights, the smallest the engine keeps buffers for
-WIDTH = 128
+# float64 Linear(512, 512): 2 MiB weights, above the smallest the engine keeps buffers for
+WIDTH = 512
 
 
 def _model(tied: bool = False) -> nn.Sequential:
@@ -104,12 +104,12 @@ def test_small_held_or_accumulated_parameters_get_no_buffer() -> None:
     buffers = GradientBuffers()
     small = nn.Parameter(torch.zeros(8, 8))
     assert buffers.take(small) is None
-    large = nn.Parameter(torch.zeros(256, 256))
-    large.grad = torch.zeros(256, 256)
+    large = nn.Parameter(torch.zeros(512, 512))
+    large.grad = torch.zeros(512, 512)
     assert buffers.take(large) is None  # accumulated into instead
     large.grad = None
     buffer = buffers.take(large)
     assert buffer is not None and buffer.shape == large.shape and buffer.dtype == large.dtype
-    large.data = torch.zeros(256, 256, dtype=torch.float64)  # dtype changed: a fresh buffer
+    large.data = torch.zeros(512, 512, dtype=torch.float64)  # dtype changed: a fresh buffer
     again = buffers.take(large)
     assert again is not None and again.dtype == torch.float64

@@ -477,9 +477,11 @@ def _weighted_grads(
 
     for params, contribution in contributions:
 
-        def buffer_for(name: str, params: dict[str, Tensor] = params) -> Tensor | None:
+        def buffer_for(
+            name: str, dtype: torch.dtype, params: dict[str, Tensor] = params
+        ) -> Tensor | None:
             param = params[name]
-            if buffers is None or id(param) in served:
+            if buffers is None or id(param) in served or param.dtype != dtype:
                 return None
             buffer = buffers.take(param)
             if buffer is not None:

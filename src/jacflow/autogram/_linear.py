@@ -94,14 +94,14 @@ def per_row_weight_grads(u: Tensor, bp: Tensor, rows: Rows) -> Tensor:
 def weighted_weight_grad(u: Tensor, y: Tensor, out: Tensor | None = None) -> Tensor:
     """``sum_r w_r g_r`` as ``[g, p, d]`` (``[p, d]`` when ``g = 1``) from the reduced backprops
     ``y = rows.reduce(w, Bp)`` (``[S, T, g, p]``, or ``[S T, p]`` when ``g = 1``): one
-    weight-gradient product, as in the plain backward; written into ``out`` (``[p, d]``, of
-    ``y``'s dtype) when given and ``g = 1``."""
+    weight-gradient product, as in the plain backward; written into ``out`` (``g = 1``, ``p d``
+    elements, the dtype of ``u`` and ``y``) when given."""
     if u.shape[2] == 1:
         flat_y, flat_u = y.reshape(-1, y.shape[-1]).T, u.reshape(-1, u.shape[3])
-        if out is not None and out.dtype == flat_y.dtype == flat_u.dtype:
-            torch.mm(flat_y, flat_u, out=out.view(flat_y.shape[0], flat_u.shape[1]))
-            return out
-        return flat_y @ flat_u
+        if out is None:
+            return flat_y @ flat_u
+        torch.mm(flat_y, flat_u, out=out.view(flat_y.shape[0], flat_u.shape[1]))
+        return out
     return torch.einsum("stgp,stgd->gpd", y, u)
 
 
@@ -165,10 +165,10 @@ class UnfoldedContribution(Contribution):
         return self._bias_rows()
 
     def weighted_grads(self, weights: Tensor) -> dict[str, Tensor]:
-        return self.weighted_grads_into(weights, lambda name: None)
+        return self.weighted_grads_into(weights, lambda name, dtype: None)
 
     def weighted_grads_into(
-        self, weights: Tensor, buffer_for: Callable[[str], Tensor | None]
+        self, weights: Tensor, buffer_for: Callable[[str, torch.dtype], Tensor | None]
     ) -> dict[str, Tensor]:
         if self.kept is not None and self.weight_name is not None:
             return kept_weighted_grads(
@@ -190,7 +190,8 @@ class UnfoldedContribution(Contribution):
             y = self.rows.reduce(weights, self.bp)
             bias_dims = (0, 1)
         if self.weight_name is not None:
-            buffer = buffer_for(self.weight_name) if g == 1 else None
+            same = g == 1 and y.dtype == self.u.dtype
+            buffer = buffer_for(self.weight_name, y.dtype) if same else None
             out[self.weight_name] = weighted_weight_grad(self.u, y, buffer)
         if self.bias_name is not None:
             out[self.bias_name] = y.sum(dim=bias_dims)

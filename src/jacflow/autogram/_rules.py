@@ -154,11 +154,12 @@ class Contribution(ABC):
         shape with the parameter's number of elements (the engine reshapes it)."""
 
     def weighted_grads_into(
-        self, weights: Tensor, buffer_for: Callable[[str], Tensor | None]
+        self, weights: Tensor, buffer_for: Callable[[str, torch.dtype], Tensor | None]
     ) -> dict[str, Tensor]:
-        """:meth:`weighted_grads`, possibly written into ``buffer_for(name)`` (memory the engine
-        reuses across steps, with the parameter's shape and dtype, or ``None``; ask only when
-        writing into it) and returned as such. The default ignores the buffers."""
+        """:meth:`weighted_grads`, possibly written into ``buffer_for(name, dtype)`` (memory the
+        engine reuses across steps, with the parameter's shape, or ``None``, which it is when
+        the parameter's dtype is not ``dtype``; ask only when about to write into it) and
+        returned as such. The default ignores the buffers."""
         return self.weighted_grads(weights)
 
 
