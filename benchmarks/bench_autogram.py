@@ -20,11 +20,13 @@ thread, median of interleaved rounds (``_timing.py``). The
 model and data (the UPGrad QP's share of the jacflow step; the rest is the Gramian engine), and
 "jacflow without weighting" is ``(jacflow - weighting) / SGD``.
 "jacflow, SGD alone" times jacflow again, interleaved with SGD only, in fresh processes (as a
-user's training process runs it; the median of ``--processes`` of them, with their range): in
-the four-way rounds, the TorchJD methods' allocations of up to GBs change the heap and caches
-that the steps after them meet, which inflates the small models' steps, while their large
-blocks raise glibc's dynamic thresholds for the whole process, which spares the multi-task step
-its page faults (see ``--keep-heap``). Both are reported.
+user's training process runs it; the median of ``--processes`` of them, with their range and
+the SGD time of the median process): in the four-way rounds, the TorchJD methods' allocations
+of up to GBs change the heap and caches that the steps after them meet, which inflates the
+small models' steps, while their large blocks raise glibc's dynamic thresholds for the whole
+process, which spares every step its page faults (see ``--keep-heap``). Both are reported. The
+two steps of a pair share one heap: which of them faults depends on both (an SGD time above
+the four-way rounds' says that the SGD step did).
 Memory: each (config, method) runs 3 steps in a fresh subprocess; we report the peak RSS of
 those steps (VmHWM, reset through ``/proc/self/clear_refs`` right before them) minus the RSS just
 before the first step (model, data and engine already built), in MB (``tracemalloc`` does not
@@ -301,15 +303,16 @@ def alone_ratio(spec: dict[str, object], rounds: int, keep: bool, processes: int
     """jacflow / SGD, the two interleaved in a fresh process (see the module's docstring): the
     median over ``processes`` such processes, and their range when there are several (one
     process's ratio moved by up to 10% from the next on a shared 2-core host)."""
-    ratios = []
+    runs = []
     for _ in range(processes):
         times = _run_child({**spec, "task": "pair", "rounds": rounds}, keep)
-        ratios.append(times["jacflow"] / times["sgd"])
-    ratios.sort()
-    median = ratios[len(ratios) // 2]
+        runs.append((times["jacflow"] / times["sgd"], times["sgd"]))
+    runs.sort()
+    median, sgd = runs[len(runs) // 2]
+    # (the SGD time shows when the two steps' allocations made the SGD step fault there)
     if processes == 1:
-        return f"{median:.2f}x"
-    return f"{median:.2f}x ({ratios[0]:.2f}-{ratios[-1]:.2f})"
+        return f"{median:.2f}x, SGD {sgd:.1f} ms"
+    return f"{median:.2f}x ({runs[0][0]:.2f}-{runs[-1][0]:.2f}), SGD {sgd:.1f} ms"
 
 
 def memory_child(spec: dict[str, object]) -> None:
