@@ -138,7 +138,7 @@ class Engine:
         # gradients are the size of a plain backward's and the update is the step's largest
         # allocation; in per-task mode they are m times larger and reuse the memory the
         # previous gradients free (one-off, width-1024 trunk in a process of its own: m = 2
-        # 0.93-1.02x the step time, m = 6 and 10 0.96-1.09x, with more page faults at m = 10).
+        # 0.94-1.02x the step time, m = 6 and 10 0.96-1.11x, with more page faults at m = 10).
         self._buffers = GradientBuffers() if batch_dim is not None else None
         self._per_task_rows: dict[tuple[torch.Size, torch.dtype, torch.device], tuple[Rows, Tensor]]
         self._per_task_rows = {}
