@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import torch
 from torch import Tensor, nn
 
@@ -113,3 +116,18 @@ def test_small_held_or_accumulated_parameters_get_no_buffer() -> None:
     large.data = torch.zeros(512, 512, dtype=torch.float64)  # dtype changed: a fresh buffer
     again = buffers.take(large)
     assert again is not None and again.dtype == torch.float64
+
+
+def test_remove_releases_the_kept_memory() -> None:
+    model = _model()
+    engine = Engine(model, batch_dim=0)
+    _step(model, engine, _batch(1))
+    base = _grad(model[0].weight)._base
+    assert base is not None  # .grad is a view of the engine's buffer
+    kept = weakref.ref(base)
+    del base
+    model.zero_grad()
+    assert kept() is not None  # held by the engine between steps
+    engine.remove()
+    gc.collect()
+    assert kept() is None

@@ -152,9 +152,11 @@ class Engine:
 
     # ----------------------------------------------------------------------------- lifecycle
     def remove(self) -> None:
-        """Remove every hook and drop the recorded calls. Calling it twice is harmless."""
+        """Remove every hook, drop the recorded calls and the kept gradient memory. Calling it
+        twice is harmless."""
         self._recorder.remove()
         self._removed = True
+        self._buffers = None
 
     def __enter__(self) -> Engine:
         return self
@@ -214,6 +216,11 @@ class Engine:
         gradients (book-keeping), so there is no second backward. Parameters outside the hooked
         modules are left untouched unless listed in ``other_params``, which then receive
         ``sum_i w_i grad(losses_i)`` through one ordinary autograd call.
+
+        In per-sample mode, a new ``.grad`` of 1 MiB or more (a CPU Linear weight) is a view of
+        memory the engine keeps and reuses at later steps once nothing refers to it any more
+        (``zero_grad()`` dropped it): that memory stays allocated between steps, as with
+        ``zero_grad(set_to_none=False)``, until :meth:`remove`.
 
         Returns:
             The weights, with the shape of ``losses``.
