@@ -5,16 +5,19 @@ from __future__ import annotations
 import gc
 import weakref
 
+import pytest
 import torch
 from torch import Tensor, nn
 
 from jacflow.aggregation import UPGradWeighting
-from jacflow.autogram import Engine
+from jacflow.autogram import Engine, _buffers
 from jacflow.autogram._buffers import GradientBuffers
 from tests.autogram.test_engine import reference_jacobian
 
 # float64 Linear(512, 512): 2 MiB weights, above the smallest the engine keeps buffers for
 WIDTH = 512
+# (without torch's storage reference count, the engine never reuses memory)
+counted = pytest.mark.skipif(_buffers._use_count is None, reason="no storage use count")
 
 
 def _model(tied: bool = False) -> nn.Sequential:
@@ -56,6 +59,7 @@ def _grad(param: Tensor) -> Tensor:
     return param.grad
 
 
+@counted
 def test_memory_is_reused_once_the_gradients_are_dropped() -> None:
     model = _model()
     engine = Engine(model, batch_dim=0)
@@ -85,6 +89,42 @@ def test_gradients_the_caller_keeps_are_not_overwritten() -> None:
     _assert_grads(model, _expected_grads(model, _batch(3)))
 
 
+def test_memory_held_another_way_is_not_overwritten() -> None:
+    """The storage object of a ``.grad`` kept by the caller, and a ``.grad`` whose memory was
+    shared with other processes (what a ``torch.multiprocessing`` queue does): both survive."""
+    model = _model()
+    engine = Engine(model, batch_dim=0)
+    _step(model, engine, _batch(1))
+    storage = _grad(model[0].weight).untyped_storage()
+    stored_values = _grad(model[0].weight).clone()
+    _grad(model[2].weight).share_memory_()  # then dropped: only its sharing is left
+    model.zero_grad()
+    _step(model, engine, _batch(2))
+    view = torch.empty(0, dtype=torch.float64).set_(storage).view(WIDTH, WIDTH)
+    torch.testing.assert_close(view, stored_values, rtol=0, atol=0)
+    assert not _grad(model[2].weight).is_shared()  # fresh memory, not the shared buffer
+    _assert_grads(model, _expected_grads(model, _batch(2)))
+
+
+def test_parameters_can_still_be_swapped() -> None:
+    """No weak reference to a parameter (``torch.utils.swap_tensors`` refuses those): swapping
+    conversions and ``load_state_dict`` keep working after steps."""
+    model = _model()
+    engine = Engine(model, batch_dim=0)
+    _step(model, engine, _batch(1))
+    previous = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        model.zero_grad()
+        model.load_state_dict(_model().state_dict())
+        model.float().double()
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(previous)
+    model.zero_grad()
+    _step(model, engine, _batch(2))
+    _assert_grads(model, _expected_grads(model, _batch(2)))
+
+
 def test_steps_without_zero_grad_accumulate() -> None:
     model = _model()
     engine = Engine(model, batch_dim=0)
@@ -103,6 +143,7 @@ def test_a_tied_weight_gets_both_uses_over_steps() -> None:
         _assert_grads(model, _expected_grads(model, _batch(seed)))
 
 
+@counted
 def test_small_held_or_accumulated_parameters_get_no_buffer() -> None:
     buffers = GradientBuffers()
     small = nn.Parameter(torch.zeros(8, 8))
@@ -118,6 +159,7 @@ def test_small_held_or_accumulated_parameters_get_no_buffer() -> None:
     assert again is not None and again.dtype == torch.float64
 
 
+@counted
 def test_remove_releases_the_kept_memory() -> None:
     model = _model()
     engine = Engine(model, batch_dim=0)

@@ -9,12 +9,18 @@ engine instead writes each large update into a buffer of its own and hands out a
 ``.grad``, and reuses the buffer at the next step once nothing else refers to its memory: the
 view was dropped (``zero_grad()`` sets ``.grad`` to ``None``) and no other tensor shares the
 storage. A buffer still in use (a ``.grad`` kept by the caller, a view of it, a tensor saved
-for a backward) is left alone and a fresh one is allocated.
+for a backward, its storage object held by the caller, or its memory shared with another
+process, as after a ``torch.multiprocessing`` queue) is left alone and a fresh one is
+allocated. Buffers are keyed by the parameter's ``id`` (no weak reference: a parameter with
+one cannot be swapped by ``torch.utils.swap_tensors``); a stale entry is harmless, since a
+buffer is only ever memory of the right shape and dtype, and the engine keeps entries only
+for the parameters of its last step.
 """
 
 from __future__ import annotations
 
-import weakref
+import sys
+from collections.abc import Iterable
 from typing import final
 
 import torch
@@ -27,10 +33,13 @@ _MIN_BYTES = 1024 * 1024
 _use_count = getattr(torch._C, "_storage_Use_Count", None)
 
 
-def _storage_references(tensor: Tensor) -> int:
-    """How many tensors share ``tensor``'s storage (plus the transient storage object)."""
+def _references(tensor: Tensor) -> tuple[int, int]:
+    """Who refers to ``tensor``'s memory in this process: the tensors sharing its storage (the
+    C++ count) and the references to the storage's Python object (which torch caches, so a
+    caller holding it shows here). Compared with the same pair taken when nothing else did."""
     assert _use_count is not None
-    return int(_use_count(tensor.untyped_storage()._cdata))
+    storage = tensor.untyped_storage()
+    return int(_use_count(storage._cdata)), sys.getrefcount(storage)
 
 
 @final
@@ -55,10 +64,8 @@ class GradientBuffers:
     """
 
     def __init__(self) -> None:
-        # id(param) -> (the parameter, weakly; its buffer; the buffer's storage references
-        # when nothing else shares it). The entry goes with the parameter. (Not a
-        # WeakKeyDictionary: it compares colliding keys with ``==``, elementwise on tensors.)
-        self._held: dict[int, tuple[weakref.ref[Tensor], Tensor, int]] = {}
+        # id(param) -> (its buffer, the buffer's references when nothing else held it)
+        self._held: dict[int, tuple[Tensor, tuple[int, int]]] = {}
 
     def take(self, param: Tensor) -> Tensor | None:
         """A buffer for ``param``'s new ``.grad``, or ``None`` when ``param`` already has a
@@ -72,20 +79,25 @@ class GradientBuffers:
             or param.numel() * param.element_size() < _MIN_BYTES
         ):
             return None
-        key = id(param)
-        held = self._held.get(key)
-        if held is not None and held[0]() is param:
-            _, buffer, alone = held
+        held = self._held.get(id(param))
+        if held is not None:
+            buffer, alone = held
             if (
                 buffer.shape == param.shape
                 and buffer.dtype == param.dtype
-                and _storage_references(buffer) == alone
+                and not buffer.is_shared()
+                and _references(buffer) == alone
             ):
                 return buffer
         buffer = torch.empty(param.shape, dtype=param.dtype, device=param.device)
-        owner = weakref.ref(param, lambda _: self._held.pop(key, None))
-        self._held[key] = (owner, buffer, _storage_references(buffer))
+        self._held[id(param)] = (buffer, _references(buffer))
         return buffer
+
+    def keep_only(self, params: Iterable[Tensor]) -> None:
+        """Drop the buffers of parameters not in ``params`` (those of the last step)."""
+        wanted = {id(param) for param in params}
+        for key in [key for key in self._held if key not in wanted]:
+            del self._held[key]
 
     @staticmethod
     def as_grad(buffer: Tensor, param: Tensor) -> Tensor:

@@ -500,6 +500,8 @@ def _weighted_grads(
             if grad is served.get(id(param)):
                 grad = GradientBuffers.as_grad(grad, param)
             updates.append((param, grad))
+    if buffers is not None:
+        buffers.keep_only(p for params, _ in contributions for p in params.values())
     return updates
 
 
@@ -513,7 +515,8 @@ def _accumulate(updates: list[tuple[Tensor, Tensor]]) -> None:
             if not grad.is_sparse and grad.shape != param.shape:
                 grad = grad.reshape(param.shape)
             if param.grad is None:
-                # Every update is a fresh tensor of ours: no copy needed.
+                # Every update is a fresh tensor of ours or a view of the engine's buffer,
+                # which nothing else refers to: no copy needed.
                 dense_copy = not grad.is_sparse and not grad.is_contiguous()
                 param.grad = grad.contiguous() if dense_copy else grad
             elif grad.is_sparse or param.grad.is_sparse:

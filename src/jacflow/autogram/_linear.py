@@ -94,14 +94,16 @@ def per_row_weight_grads(u: Tensor, bp: Tensor, rows: Rows) -> Tensor:
 def weighted_weight_grad(u: Tensor, y: Tensor, out: Tensor | None = None) -> Tensor:
     """``sum_r w_r g_r`` as ``[g, p, d]`` (``[p, d]`` when ``g = 1``) from the reduced backprops
     ``y = rows.reduce(w, Bp)`` (``[S, T, g, p]``, or ``[S T, p]`` when ``g = 1``): one
-    weight-gradient product, as in the plain backward; written into ``out`` (``g = 1``, ``p d``
-    elements, the dtype of ``u`` and ``y``) when given."""
+    weight-gradient product, as in the plain backward; written into ``out`` (``g = 1`` only,
+    ``p d`` elements, the dtype of ``u`` and ``y``) when given."""
     if u.shape[2] == 1:
         flat_y, flat_u = y.reshape(-1, y.shape[-1]).T, u.reshape(-1, u.shape[3])
         if out is None:
             return flat_y @ flat_u
         torch.mm(flat_y, flat_u, out=out.view(flat_y.shape[0], flat_u.shape[1]))
         return out
+    if out is not None:
+        raise ValueError("internal: `out` is only written for one group of weights")
     return torch.einsum("stgp,stgd->gpd", y, u)
 
 

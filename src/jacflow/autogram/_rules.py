@@ -159,7 +159,28 @@ class Contribution(ABC):
         """:meth:`weighted_grads`, possibly written into ``buffer_for(name, dtype)`` (memory the
         engine reuses across steps, with the parameter's shape, or ``None``, which it is when
         the parameter's dtype is not ``dtype``; ask only when about to write into it) and
-        returned as such. The default ignores the buffers."""
+        returned as such. The default ignores the buffers.
+
+        Example:
+            >>> import torch
+            >>> from jacflow.autogram import Contribution
+            >>> class Into(Contribution):
+            ...     def gramian(self, names):
+            ...         return None
+            ...     def per_row_grads(self, name):
+            ...         return torch.eye(2)
+            ...     def weighted_grads(self, weights):
+            ...         return {"weight": weights @ torch.eye(2)}
+            ...     def weighted_grads_into(self, weights, buffer_for):
+            ...         out = buffer_for("weight", weights.dtype)
+            ...         if out is None:
+            ...             return self.weighted_grads(weights)
+            ...         return {"weight": torch.mv(torch.eye(2), weights, out=out)}
+            >>> memory = torch.empty(2)
+            >>> grads = Into().weighted_grads_into(torch.tensor([1.0, 2.0]), lambda n, d: memory)
+            >>> grads["weight"] is memory, memory
+            (True, tensor([1., 2.]))
+        """
         return self.weighted_grads(weights)
 
 
@@ -300,13 +321,20 @@ def gram(flat: Tensor, leaf: int = 32, min_columns: int = 1024) -> Tensor:
 # R T^2 p) exceed their fixed costs: the factorisation (T^3 / 3 flops, at a lower rate than a
 # product) and some 10-36 smaller products. Measured (one-off, 1 thread, float32 and float64,
 # T = 128-1024, p = 64-4096, R = 2-10, interleaved with the direct route): they pay from
-# R T p >= 600_000 + T^2 (0.83-0.96x the time there) and lose up to 2.7x below (T = 128,
-# p = 128, R = 4) and at T = 1024 with p <= 256 (1.2-1.9x, the factorisation dominating).
+# R T p >= 600_000 + T^2 (0.83-0.96x the time there) and lose up to 2.7x below it (T = 128,
+# p = 128, R = 4; T = 1024, p <= 256, R = 4 and 10 with p = 64: 1.2-1.9x, the factorisation
+# dominating).
 _BLOCKS_MIN_WORK = 600_000
 
 
 def blocks_pay(r: int, t: int, p: int) -> bool:
-    """Whether :func:`kernel_gram` takes the Cholesky blocks for ``rows`` ``[r, t, p]`` (CPU)."""
+    """Whether :func:`kernel_gram` takes the Cholesky blocks for ``rows`` ``[r, t, p]`` (CPU).
+
+    Example:
+        >>> from jacflow.autogram._rules import blocks_pay
+        >>> blocks_pay(6, 256, 1024), blocks_pay(4, 128, 128)
+        (True, False)
+    """
     return r * t * p >= _BLOCKS_MIN_WORK + t * t
 
 
