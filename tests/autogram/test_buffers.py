@@ -10,7 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from jacflow.aggregation import UPGradWeighting
-from jacflow.autogram import Engine, _buffers
+from jacflow.autogram import Engine, _buffers, mtl_gramian_step
 from jacflow.autogram._buffers import GradientBuffers
 from tests.autogram.test_engine import reference_jacobian
 
@@ -173,3 +173,40 @@ def test_remove_releases_the_kept_memory() -> None:
     engine.remove()
     gc.collect()
     assert kept() is None
+
+
+def _per_task_step(trunk: nn.Module, engine: Engine, x: Tensor, m: int) -> Tensor:
+    """One per-task step on ``m`` losses of the trunk's features; returns the reference
+    update ``w @ J`` (``w`` from the reference Gramian) over the trunk's parameters."""
+    features = trunk(x)
+    losses = torch.stack([features[:, k::m].pow(2).mean() * (k + 1) for k in range(m)])
+    jacobian = reference_jacobian(losses, list(trunk.parameters()))
+    expected = UPGradWeighting()(jacobian @ jacobian.T) @ jacobian
+    mtl_gramian_step(losses, engine, UPGradWeighting())
+    return expected
+
+
+@counted
+def test_per_task_steps_reuse_memory_only_when_their_gradients_dominate() -> None:
+    """Two tasks on a small batch: the new gradients outweigh the captured ones, and their
+    memory is reused; many rows (the captured gradients outweigh the weights): fresh tensors."""
+    torch.manual_seed(0)
+    trunk = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Linear(WIDTH, WIDTH)).double()
+    engine = Engine(trunk, batch_dim=None)
+    addresses = []
+    for seed in (1, 2):
+        trunk.zero_grad()
+        expected = _per_task_step(trunk, engine, _batch(seed), m=2)
+        actual = torch.cat([_grad(p).flatten() for p in trunk.parameters()])
+        torch.testing.assert_close(actual, expected)
+        addresses.append(_grad(trunk[0].weight).data_ptr())
+    assert addresses[0] == addresses[1]
+    trunk.zero_grad()
+    # 256 rows, 3 tasks: captured 1.5 x a weight per layer (and the ghost route, not the kept
+    # per-row gradients, which never use buffers)
+    wide = torch.randn(WIDTH // 2, WIDTH, dtype=torch.float64)
+    expected = _per_task_step(trunk, engine, wide, m=3)
+    actual = torch.cat([_grad(p).flatten() for p in trunk.parameters()])
+    torch.testing.assert_close(actual, expected)
+    # a fresh tensor: the kept memory, still held by the engine, is elsewhere
+    assert _grad(trunk[0].weight).data_ptr() != addresses[1]

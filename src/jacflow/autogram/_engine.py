@@ -11,7 +11,7 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from jacflow.aggregation import GramianWeighting
-from jacflow.autogram._buffers import GradientBuffers
+from jacflow.autogram._buffers import GradientBuffers, worth_reusing
 from jacflow.autogram._hooks import Recorder, Unit, find_units
 from jacflow.autogram._precision import upcast, without_autocast
 from jacflow.autogram._rules import Call, Contribution, Rows, gram, quiet_vmap_fallback
@@ -134,12 +134,9 @@ class Engine:
         self._units: list[Unit] = find_units(modules)
         self._recorder = Recorder()
         self._removed = False
-        # Reused .grad memory (see _buffers), per-sample mode only: there the captured output
-        # gradients are the size of a plain backward's and the update is the step's largest
-        # allocation; in per-task mode they are m times larger and reuse the memory the
-        # previous gradients free (one-off, width-1024 trunk in a process of its own: m = 2
-        # 0.94-1.02x the step time, m = 6 and 10 0.96-1.11x, with more page faults at m = 10).
-        self._buffers = GradientBuffers() if batch_dim is not None else None
+        # reused .grad memory, for the steps whose new gradients outweigh what they captured
+        # (see _buffers.worth_reusing)
+        self._buffers: GradientBuffers | None = GradientBuffers()
         self._per_task_rows: dict[tuple[torch.Size, torch.dtype, torch.device], tuple[Rows, Tensor]]
         self._per_task_rows = {}
         for index, unit in enumerate(self._units):
@@ -217,10 +214,11 @@ class Engine:
         modules are left untouched unless listed in ``other_params``, which then receive
         ``sum_i w_i grad(losses_i)`` through one ordinary autograd call.
 
-        In per-sample mode, a new ``.grad`` of 1 MiB or more (a CPU Linear weight) is a view of
-        memory the engine keeps and reuses at later steps once nothing refers to it any more
-        (``zero_grad()`` dropped it): that memory stays allocated between steps, as with
-        ``zero_grad(set_to_none=False)``, until :meth:`remove`.
+        When a step's large new gradients outweigh the output gradients it captured (per-sample
+        mode, or few tasks in per-task mode), a new ``.grad`` of 1 MiB or more (a CPU Linear
+        weight) is a view of memory the engine keeps and reuses at later steps once nothing
+        refers to it any more (``zero_grad()`` dropped it): that memory stays allocated between
+        steps, as with ``zero_grad(set_to_none=False)``, until :meth:`remove`.
 
         Returns:
             The weights, with the shape of ``losses``.
@@ -260,12 +258,16 @@ class Engine:
         with without_autocast(losses.device.type):  # (the weighting's products too)
             # (autograd.grad needs no grad mode: no graph of the grads)
             with torch.no_grad():
-                contributions, rows, order, task_grads = self._prepare(losses, bool(others), tasks)
+                prepared = self._prepare(losses, bool(others), tasks)
+                contributions, rows, order, task_grads, captured_bytes = prepared
                 gramian = _to_loss_order(_assemble(contributions, rows, losses), order)
             weights = _check_weights(weighting(gramian), gramian.shape[0], weighting)
             with torch.no_grad():
                 row_weights = weights if order is None else weights[order[1]]
-                updates = _weighted_grads(contributions, row_weights, self._buffers)
+                params = (p for named, _ in contributions for p in named.values())
+                worth = worth_reusing(params, captured_bytes)
+                buffers = self._buffers if worth else None
+                updates = _weighted_grads(contributions, row_weights, buffers)
                 for param, grad in zip(tasks, task_grads, strict=True):
                     if grad is not None:
                         updates.append((param, grad.sum(0) if grad.shape != param.shape else grad))
@@ -289,12 +291,14 @@ class Engine:
         Rows,
         tuple[Tensor, Tensor] | None,
         tuple[Tensor | None, ...],
+        int,
     ]:
         """Capture the output gradients, then build every unit's contribution (the part after
         the capture runs in the caller's ``no_grad``).
 
         Returns the contributions, the row layout, the row<->loss permutations (``None`` when
-        they are the identity) and the per-row gradients of ``extra_inputs``.
+        they are the identity), the per-row gradients of ``extra_inputs`` and the bytes of all
+        captured gradients.
         """
         coupled = self._recorder.coupled
         calls = self._recorder.take()
@@ -309,6 +313,7 @@ class Engine:
         edges = [edge for _, call in calls for edge in call.edges]
         inputs = [*edges, *extra_inputs]
         grads = _capture(losses, inputs, cotangents, batched, retain_graph)
+        captured_bytes = sum(g.numel() * g.element_size() for g in grads if g is not None)
         extra_grads = grads[len(edges) :]
         reached: dict[int, list[Call]] = {}
         cursor = 0
@@ -338,7 +343,7 @@ class Engine:
                 for call in unit_calls:
                     upcast(call, dtype)
             contributions.append((params, unit.rule.prepare(unit.module, params, unit_calls, rows)))
-        return contributions, rows, order, extra_grads
+        return contributions, rows, order, extra_grads, captured_bytes
 
     def _checked_losses(self, losses: object) -> Tensor:
         if self._removed:
