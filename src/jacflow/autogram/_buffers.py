@@ -48,8 +48,8 @@ def worth_reusing(params: Iterable[Tensor], captured_bytes: int) -> bool:
     Then they are the step's largest allocation, and fresh ones land on fresh pages. When the
     captured gradients are larger (per-task mode with many tasks), the memory the previous
     gradients free serves them instead, and keeping it costs faults there (width-1024 trunk,
-    batch 256, processes of their own, one-off: with buffers, m = 2 took 0.83-0.95x the step
-    time in 4 pairs of processes and 0.94-1.02x in 2 earlier ones; m = 6 and 10 0.96-1.11x,
+    batch 256, processes of their own, one-off: with buffers, m = 2 took 0.83-0.96x the step
+    time in 7 pairs of processes and 0.94-1.02x in 2 earlier ones; m = 6 and 10 0.96-1.11x,
     with more faults at m = 10).
 
     Example:
