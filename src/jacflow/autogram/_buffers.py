@@ -42,6 +42,15 @@ def _references(tensor: Tensor) -> tuple[int, int]:
     return int(_use_count(storage._cdata)), sys.getrefcount(storage)
 
 
+def _eligible(param: Tensor) -> bool:
+    """Whether ``param`` may get a buffer: a dense CPU tensor of at least ``_MIN_BYTES``."""
+    return (
+        param.device.type == "cpu"
+        and param.layout == torch.strided
+        and param.numel() * param.element_size() >= _MIN_BYTES
+    )
+
+
 def worth_reusing(params: Iterable[Tensor], captured_bytes: int) -> bool:
     """Whether a step's new gradients are worth writing into kept memory: when those large
     enough to get a buffer outweigh the output gradients the step captured (``captured_bytes``).
@@ -60,11 +69,7 @@ def worth_reusing(params: Iterable[Tensor], captured_bytes: int) -> bool:
         (True, False)
     """
     distinct = {id(p): p for p in params}.values()
-    large = sum(
-        p.numel() * p.element_size()
-        for p in distinct
-        if p.device.type == "cpu" and p.numel() * p.element_size() >= _MIN_BYTES
-    )
+    large = sum(p.numel() * p.element_size() for p in distinct if _eligible(p))
     return large > captured_bytes
 
 
@@ -97,13 +102,7 @@ class GradientBuffers:
         """A buffer for ``param``'s new ``.grad``, or ``None`` when ``param`` already has a
         gradient (it is accumulated into), is small, is not a dense CPU tensor, or this torch
         cannot count a storage's references."""
-        if (
-            param.grad is not None
-            or _use_count is None
-            or param.device.type != "cpu"
-            or param.layout != torch.strided
-            or param.numel() * param.element_size() < _MIN_BYTES
-        ):
+        if param.grad is not None or _use_count is None or not _eligible(param):
             return None
         held = self._held.get(id(param))
         if held is not None:
