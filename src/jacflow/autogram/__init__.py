@@ -22,7 +22,13 @@ Example:
     torch.Size([4, 4])
 """
 
-from jacflow.autogram import _conv, _embedding, _linear, _norm  # noqa: F401  (register rules)
+from jacflow.autogram import (  # noqa: F401  (register rules)
+    _attention,
+    _conv,
+    _embedding,
+    _linear,
+    _norm,
+)
 from jacflow.autogram._engine import Engine
 from jacflow.autogram._mtl import mtl_gramian_step
 from jacflow.autogram._rules import Call, Contribution, Rows, Rule, register_rule

@@ -49,8 +49,10 @@ class Unit:
 
 
 def find_units(modules: tuple[nn.Module, ...]) -> list[Unit]:
-    """Hook points: a module with a closed-form rule, else a module with direct trainable
-    parameters (fallback rule, covering its children too), else recurse into the children."""
+    """Hook points: a module with a closed-form rule (for its direct trainable parameters, or
+    any of its trainable parameters if the rule covers the children), else a module with direct
+    trainable parameters (fallback rule, covering its children too), else recurse into the
+    children."""
     units: list[Unit] = []
     seen: set[int] = set()
 
@@ -63,7 +65,12 @@ def find_units(modules: tuple[nn.Module, ...]) -> list[Unit]:
         # child modules: no closed form sees them, the generic rule (covering children) does
         parametrized = is_parametrized(module)
         rule = None if parametrized else find_rule(module)
-        if rule is not None and direct:
+        # a rule covering the children (attention: out_proj's parameters, used without calling
+        # out_proj) applies as soon as any of them is trainable
+        trainable = direct
+        if rule is not None and rule.covers_children():
+            trainable = [p for p in module.parameters() if p.requires_grad]
+        if rule is not None and trainable:
             units.append(Unit(name, module, rule))
         elif direct or parametrized:
             units.append(Unit(name, module, _FALLBACK))

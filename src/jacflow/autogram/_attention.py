@@ -1,0 +1,273 @@
+"""``nn.MultiheadAttention`` in closed form: two Linear layers with the attention between them.
+
+With ``q, k, v`` the projected inputs split into heads, ``P = softmax(q k^T / sqrt(d_h) + M)``
+(``M`` the additive mask) and ``o = P v`` (heads merged), the module returns ``o W_o^T + b_o``
+(and ``P``, averaged over the heads or not, when asked for the weights). From every row's
+gradient ``g`` of the output (and ``g_P`` of the weights), per head:
+
+    d_o = g W_o      dv = P^T d_o      dP = d_o v^T + g_P      dS = P * (dP - rowsum(dP * P))
+    dq = dS k / sqrt(d_h)      dk = dS^T q / sqrt(d_h)
+
+so the in-projection is a Linear layer with input ``x`` and output gradients ``[dq, dk, dv]``
+and the out-projection one with input ``o`` and output gradients ``g``; the Linear rule's ghost
+and materialised forms, and its book-keeping update, serve both. Cross-attention joins the
+query and key/value inputs along the positions, each with its block of the gradients (zeros in
+the others' blocks), which sums to the same weight gradient. The generic rule instead re-ran
+the whole module per sample under ``vmap`` and materialised its per-sample gradients.
+
+Covered: packed projection weights (``kdim == vdim == embed_dim``), self- and
+cross-attention, key-padding and attention masks (boolean or additive), ``is_causal``, the
+returned attention weights, batched inputs. Anything else (``bias_k``/``bias_v``,
+``add_zero_attn``, separate projection weights, dropout in training mode, autocast, unbatched
+inputs, a subclass with its own ``forward``) goes to the generic rule.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from jacflow.autogram._fallback import FallbackRule
+from jacflow.autogram._linear import UnfoldedContribution
+from jacflow.autogram._rules import Call, Contribution, Rows, Rule, register_rule
+
+_SIGNATURE = inspect.signature(nn.MultiheadAttention.forward)
+_GENERIC = FallbackRule()
+
+
+def _arguments(call: Call) -> dict[str, Any]:
+    """The call's arguments by name, defaults included."""
+    bound = _SIGNATURE.bind(None, *call.args, **call.kwargs)
+    bound.apply_defaults()
+    return dict(bound.arguments)
+
+
+def _covered(module: nn.MultiheadAttention, calls: list[Call]) -> bool:
+    """Whether every call is one the closed form reproduces exactly."""
+    if type(module).forward is not nn.MultiheadAttention.forward:
+        return False
+    if not module._qkv_same_embed_dim or module.bias_k is not None or module.add_zero_attn:
+        return False
+    if module.training and module.dropout > 0:
+        return False
+    for call in calls:
+        if call.autocast is not None or not set(call.output_positions) <= {0, 1}:
+            return False
+        args = _arguments(call)
+        if any(args[name].dim() != 3 for name in ("query", "key", "value")):
+            return False
+    return True
+
+
+def _heads(t: Tensor, heads: int) -> Tensor:
+    """``[..., T, E]`` -> ``[..., H, T, E / H]``."""
+    return t.unflatten(-1, (heads, -1)).transpose(-3, -2)
+
+
+def _merged(t: Tensor) -> Tensor:
+    """``[..., H, T, d]`` -> ``[..., T, H d]``."""
+    return t.transpose(-3, -2).flatten(-2)
+
+
+def _additive(mask: Tensor | None, dtype: torch.dtype) -> Tensor | None:
+    """A boolean mask (``True``: not attended) as ``-inf``/``0``; a float mask as it is."""
+    if mask is None:
+        return None
+    if mask.dtype == torch.bool:
+        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(
+            mask, float("-inf")
+        )
+    return mask.to(dtype)
+
+
+def attention_mask(args: dict[str, Any], heads: int, dtype: torch.dtype) -> Tensor | None:
+    """The additive mask the forward applied, broadcastable to ``[N, H, T, S]``.
+
+    As ``F.multi_head_attention_forward``: ``is_causal`` without key padding mask or weights
+    means the causal mask (whatever ``attn_mask`` holds), else ``attn_mask`` plus the key
+    padding mask.
+
+    Example:
+        >>> import torch
+        >>> from jacflow.autogram._attention import attention_mask
+        >>> x = torch.zeros(1, 2, 4)  # [N, T, E]
+        >>> args = {"query": x, "key": x, "key_padding_mask": torch.tensor([[False, True]]),
+        ...         "attn_mask": None, "is_causal": False, "need_weights": True}
+        >>> attention_mask(args, 1, torch.float32)
+        tensor([[[[0., -inf]]]])
+        >>> args.update(key_padding_mask=None, is_causal=True, need_weights=False)
+        >>> attention_mask(args, 1, torch.float32)
+        tensor([[0., -inf],
+                [0., 0.]])
+    """
+    query, key = args["query"], args["key"]
+    padding = _additive(args["key_padding_mask"], dtype)
+    if args["is_causal"] and padding is None and not args["need_weights"]:
+        t, s = query.shape[-2], key.shape[-2]
+        allowed = torch.ones(t, s, dtype=torch.bool, device=query.device).tril()
+        return _additive(~allowed, dtype)
+    mask = _additive(args["attn_mask"], dtype)
+    if mask is not None and mask.dim() == 3:  # [N H, T, S]
+        mask = mask.unflatten(0, (-1, heads))
+    if padding is not None:  # [N, S]
+        padding = padding[:, None, None, :]
+        mask = padding if mask is None else mask + padding
+    return mask
+
+
+def _batch_first(t: Tensor, module: nn.MultiheadAttention) -> Tensor:
+    return t if module.batch_first else t.transpose(0, 1)
+
+
+def _projection_terms(
+    module: nn.MultiheadAttention, call: Call, rows: Rows
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(x, d_in, o, g)`` of one call, batch first: the in-projection's input and its rows'
+    output gradients ``[dq, dk, dv]`` (positions of the query, then of the other inputs), the
+    out-projection's input ``o`` and its rows' output gradients ``g``."""
+    args = _arguments(call)
+    heads = module.num_heads
+    query, key, value = (_batch_first(args[n], module) for n in ("query", "key", "value"))
+    w_in = module.in_proj_weight.detach()
+    b_in = None if module.in_proj_bias is None else module.in_proj_bias.detach()
+    self_attention = args["query"] is args["key"] and args["key"] is args["value"]
+    if self_attention:  # one product for the three projections
+        projected = F.linear(query, w_in, b_in).chunk(3, -1)
+    else:
+        b_chunks = (None, None, None) if b_in is None else b_in.chunk(3)
+        inputs = (query, key, value)
+        projected = tuple(
+            F.linear(x, w, b) for x, w, b in zip(inputs, w_in.chunk(3), b_chunks, strict=True)
+        )
+    q, k, v = (_heads(t, heads) for t in projected)
+    scale = 1 / math.sqrt(q.shape[-1])
+    scores = (q @ k.mT) * scale
+    mask = attention_mask(args, heads, scores.dtype)
+    if mask is not None:
+        scores = scores + mask
+    p = scores.softmax(-1)  # [N, H, T, S]
+    o = _merged(p @ v)
+
+    grads = dict(zip(call.output_positions, call.grads, strict=True))
+    g = grads[0]
+    if g is None:
+        raise RuntimeError("internal: the output of a reached attention call has no gradient")
+    if rows.per_task and not module.batch_first:  # [R, T, N, E] -> [R, N, T, E]
+        g = g.transpose(1, 2)
+    # rows' view of the per-sample tensors: per sample, gathered; per task, broadcast
+    gather: Callable[[Tensor], Tensor] = (lambda t: t) if rows.per_task else rows.gather
+    p_rows, q_rows, k_rows, v_rows = (gather(t) for t in (p, q, k, v))
+    d_o = _heads(g @ module.out_proj.weight.detach(), heads)
+    dv = p_rows.mT @ d_o
+    dp = d_o @ v_rows.mT
+    g_weights = grads.get(1)
+    if g_weights is not None:  # the returned weights: P, or its mean over the heads
+        dp = dp + (g_weights.unsqueeze(-3) / heads if args["average_attn_weights"] else g_weights)
+    ds = p_rows * (dp - (dp * p_rows).sum(-1, keepdim=True))
+    dq = _merged(ds @ k_rows) * scale
+    dk = _merged(ds.mT @ q_rows) * scale
+    dv = _merged(dv)
+
+    if self_attention:
+        return query, torch.cat([dq, dk, dv], -1), o, g
+    zeros_q, zeros_kv = torch.zeros_like(dq), torch.zeros_like(dk)
+    q_part = torch.cat([dq, zeros_q, zeros_q], -1)
+    if args["key"] is args["value"]:
+        x = torch.cat([query, key], -2)
+        d_in = torch.cat([q_part, torch.cat([zeros_kv, dk, dv], -1)], -2)
+    else:
+        x = torch.cat([query, key, value], -2)
+        k_part = torch.cat([zeros_kv, dk, zeros_kv], -1)
+        v_part = torch.cat([zeros_kv, zeros_kv, dv], -1)
+        d_in = torch.cat([q_part, k_part, v_part], -2)
+    return x, d_in, o, g
+
+
+class _Projections(Contribution):
+    """The in- and out-projection contributions of one attention module (disjoint
+    parameters), as one."""
+
+    def __init__(self, parts: list[tuple[set[str], UnfoldedContribution]]) -> None:
+        self.parts = parts
+
+    def gramian(self, names: set[str]) -> Tensor | None:
+        total: Tensor | None = None
+        for owned, part in self.parts:
+            if names & owned:
+                term = part.gramian(names & owned)
+                if term is not None:
+                    total = term if total is None else total + term
+        return total
+
+    def per_row_grads(self, name: str) -> Tensor:
+        return next(part for owned, part in self.parts if name in owned).per_row_grads(name)
+
+    def weighted_grads(self, weights: Tensor) -> dict[str, Tensor]:
+        return {k: v for _, part in self.parts for k, v in part.weighted_grads(weights).items()}
+
+    def weighted_grads_into(
+        self, weights: Tensor, buffer_for: Callable[[str, torch.dtype], Tensor | None]
+    ) -> dict[str, Tensor]:
+        out: dict[str, Tensor] = {}
+        for _, part in self.parts:
+            out.update(part.weighted_grads_into(weights, buffer_for))
+        return out
+
+
+def _linear_part(
+    us: list[Tensor],
+    grads: list[Tensor],
+    rows: Rows,
+    weight: Tensor,
+    names: tuple[str, str],
+    params: dict[str, Tensor],
+) -> tuple[set[str], UnfoldedContribution]:
+    """A Linear contribution over every call's positions (joined: their gradients add up)."""
+    d, p = weight.shape[1], weight.shape[0]
+    u = torch.cat([x.reshape(rows.num_samples, -1, 1, d) for x in us], dim=1)
+    bp = torch.cat([g.reshape(rows.num_rows, -1, 1, p) for g in grads], dim=1)
+    weight_name, bias_name = (n if n in params else None for n in names)
+    part = UnfoldedContribution(u, bp, rows, weight.shape, weight_name, bias_name)
+    return {n for n in names if n in params}, part
+
+
+class AttentionRule(Rule):
+    """``nn.MultiheadAttention``: the projections' parameters in closed form (see the module
+    docstring); configurations outside it use the generic rule."""
+
+    def covers_children(self) -> bool:
+        return True  # out_proj's parameters: the module uses them without calling out_proj
+
+    def prepare(
+        self, module: nn.Module, params: dict[str, Tensor], calls: list[Call], rows: Rows
+    ) -> Contribution:
+        assert isinstance(module, nn.MultiheadAttention)
+        if not rows.per_task and not module.batch_first:
+            raise ValueError(
+                "nn.MultiheadAttention(batch_first=False) takes the batch on dimension 1, but "
+                "the per-sample engine (batch_dim=0) reads it on dimension 0. Build it with "
+                "batch_first=True, or use batch_dim=None."
+            )
+        if not _covered(module, calls):
+            return _GENERIC.prepare(module, params, calls, rows)
+        terms = [_projection_terms(module, call, rows) for call in calls]
+        x, d_in, o, g = (list(t) for t in zip(*terms, strict=True))
+        assert module.in_proj_weight is not None
+        parts = [
+            _linear_part(
+                x, d_in, rows, module.in_proj_weight, ("in_proj_weight", "in_proj_bias"), params
+            ),
+            _linear_part(
+                o, g, rows, module.out_proj.weight, ("out_proj.weight", "out_proj.bias"), params
+            ),
+        ]
+        return _Projections([part for part in parts if part[0]])
+
+
+register_rule(nn.MultiheadAttention, AttentionRule())

@@ -1,0 +1,240 @@
+"""nn.MultiheadAttention's closed form against the brute-force Jacobian, configuration by
+configuration, and its hand-over to the generic rule."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from jacflow.aggregation import MeanWeighting
+from jacflow.autogram import Call, Engine, Rows, _attention
+from tests.autogram._zoo import Built, Case
+from tests.autogram.test_engine import check_case
+
+B, T, S, E, H = 3, 4, 5, 6, 2
+
+Inputs = Callable[[Tensor, Tensor], tuple[Tensor, Tensor, Tensor]]
+
+
+def _self(x: Tensor, memory: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    return x, x, x
+
+
+def _cross(x: Tensor, memory: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    return x, memory, memory
+
+
+def _three(x: Tensor, memory: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    return x, memory, memory.flip(1)
+
+
+def _narrow(x: Tensor, memory: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    return x, memory[..., 1:], memory[..., 1:]
+
+
+class _Attend(nn.Module):
+    """Linear encoders of ``x`` (``[B, T, E]``) and ``memory`` (``[B, S, E]``), then one
+    attention call; the loss per sample reads the output and, if ``use_weights``, the weights."""
+
+    def __init__(
+        self,
+        inputs: Inputs,
+        call: dict[str, Any],
+        use_weights: bool = False,
+        batch_first: bool = True,
+        **options: Any,
+    ) -> None:
+        super().__init__()
+        self.encode = nn.Linear(E, E)
+        self.attn = nn.MultiheadAttention(E, H, batch_first=batch_first, **options)
+        self.inputs, self.call, self.use_weights = inputs, call, use_weights
+
+    def forward(self, x: Tensor, memory: Tensor) -> Tensor:
+        query, key, value = self.inputs(torch.tanh(self.encode(x)), memory)
+        if not self.attn.batch_first:
+            query, key, value = (t.transpose(0, 1) for t in (query, key, value))
+        out, weights = self.attn(query, key, value, **self.call)
+        if not self.attn.batch_first:
+            out = out.transpose(0, 1)
+        loss = out.pow(2).sum(dim=(1, 2)) + out.sum(dim=(1, 2))
+        if self.use_weights:
+            assert weights is not None
+            probe = torch.arange(weights[0].numel(), dtype=weights.dtype).reshape(weights[0].shape)
+            loss = loss + (weights * probe).flatten(1).sum(1)
+        return loss
+
+
+def _masks(dtype: torch.dtype) -> dict[str, Tensor]:
+    gen = torch.Generator().manual_seed(3)
+    padding = torch.zeros(B, S, dtype=torch.bool)
+    padding[0, -2:] = True
+    padding[2, 0] = True
+    return {
+        "padding": padding,
+        "padding_float": torch.zeros(B, S, dtype=dtype).masked_fill(padding, float("-inf")),
+        "float2d": torch.randn(T, S, generator=gen, dtype=dtype),
+        "bool3d": torch.rand(B * H, T, S, generator=gen) < 0.3,
+        "causal": nn.Transformer.generate_square_subsequent_mask(T, dtype=dtype),
+    }
+
+
+def _case(
+    name: str,
+    inputs: Inputs,
+    call: Callable[[dict[str, Tensor]], dict[str, Any]],
+    batch_dim: int | None = 0,
+    use_weights: bool = False,
+    batch_first: bool = True,
+    **options: Any,
+) -> Case:
+    def build(dtype: torch.dtype) -> Built:
+        torch.manual_seed(0)
+        model = _Attend(inputs, call(_masks(dtype)), use_weights, batch_first, **options)
+        model.to(dtype)
+        x = torch.randn(B, T, E, dtype=dtype)
+        memory = torch.randn(B, S if inputs is not _self else T, E, dtype=dtype)
+        if batch_dim is None:
+            return model, (model,), lambda: model(x, memory)[:2] * torch.tensor([1.0, -2.0])
+        return model, (model,), lambda: model(x, memory)
+
+    return Case(name, build, batch_dim)
+
+
+def _kw(**kwargs: Any) -> Callable[[dict[str, Tensor]], dict[str, Any]]:
+    return lambda masks: {k: masks[v] if isinstance(v, str) else v for k, v in kwargs.items()}
+
+
+CASES = [
+    _case("self", _self, _kw(need_weights=False)),
+    _case("self_weights_unused", _self, _kw()),
+    _case("self_weights_used", _self, _kw(), use_weights=True),
+    _case("self_per_head_weights", _self, _kw(average_attn_weights=False), use_weights=True),
+    _case("self_no_bias", _self, _kw(need_weights=False), bias=False),
+    _case("cross_padding", _cross, _kw(key_padding_mask="padding", need_weights=False)),
+    _case("cross_float_mask", _cross, _kw(attn_mask="float2d")),
+    _case("three_inputs_bool3d", _three, _kw(attn_mask="bool3d", need_weights=False)),
+    _case("causal", _self, _kw(attn_mask="causal", is_causal=True, need_weights=False)),
+    _case(
+        "causal_with_padding",
+        _cross,
+        _kw(
+            attn_mask="float2d",
+            is_causal=True,
+            key_padding_mask="padding_float",
+            need_weights=False,
+        ),
+    ),
+    _case("tasks_self", _self, _kw(), batch_dim=None),
+    _case(
+        "tasks_cross_seq_first", _cross, _kw(key_padding_mask="padding"), None, batch_first=False
+    ),
+    _case("tasks_weights_used", _self, _kw(average_attn_weights=False), None, use_weights=True),
+    # outside the closed form: the generic rule, same checks
+    _case("generic_bias_kv", _self, _kw(need_weights=False), add_bias_kv=True),
+    _case("generic_zero_attn", _self, _kw(need_weights=False), add_zero_attn=True),
+    _case("generic_kdim", _narrow, _kw(need_weights=False), kdim=E - 1, vdim=E - 1),
+]
+GENERIC = {"generic_bias_kv", "generic_zero_attn", "generic_kdim"}
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_gramian_and_update_float64(case: Case, monkeypatch: pytest.MonkeyPatch) -> None:
+    generic_calls = []
+    original = _attention._GENERIC.prepare
+    monkeypatch.setattr(
+        _attention._GENERIC, "prepare", lambda *a: generic_calls.append(1) or original(*a)
+    )
+    check_case(case, torch.float64)
+    assert bool(generic_calls) == (case.name in GENERIC)
+
+
+@pytest.mark.parametrize("name", ["self_weights_used", "cross_padding", "tasks_self"])
+def test_gramian_and_update_float32(name: str) -> None:
+    check_case(next(c for c in CASES if c.name == name), torch.float32)
+
+
+def test_called_twice_and_rows_per_output() -> None:
+    """Two calls of one module (their projections' positions joined) and ``[B, k]`` losses
+    (several rows per sample)."""
+
+    class Twice(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attn = nn.MultiheadAttention(E, H, batch_first=True)
+
+        def forward(self, x: Tensor) -> Tensor:
+            h = self.attn(x, x, x, need_weights=False)[0]
+            h = self.attn(torch.tanh(h), x, x, need_weights=False)[0]
+            return torch.stack([h.pow(2).sum((1, 2)), h.sum((1, 2))], dim=1)
+
+    def build(dtype: torch.dtype) -> Built:
+        torch.manual_seed(1)
+        model = Twice().to(dtype)
+        x = torch.randn(B, T, E, dtype=dtype)
+        return model, (model,), lambda: model(x)
+
+    check_case(Case("twice_Bk", build), torch.float64)
+
+
+def test_frozen_projections() -> None:
+    """A frozen in-projection still makes the module a unit (out_proj's parameters are used
+    without calling out_proj), and a frozen out-projection is left out."""
+    for frozen in ("in_proj_weight", "out_proj.weight"):
+        case = _case("self", _self, _kw(need_weights=False))
+
+        def build(dtype: torch.dtype, frozen: str = frozen, case: Case = case) -> Built:
+            model, _, forward = case.build(dtype)
+            model.attn.get_parameter(frozen).requires_grad_(False)
+            if frozen == "in_proj_weight":
+                model.attn.in_proj_bias.requires_grad_(False)
+            return model, (model.attn,), forward
+
+        check_case(Case(f"frozen_{frozen}", build), torch.float64)
+
+
+def test_sequence_first_in_per_sample_mode_is_refused() -> None:
+    """batch_first=False batches on dimension 1: with as many positions as samples the shape
+    check cannot tell, so the rule refuses it rather than mix the samples."""
+    attn = nn.MultiheadAttention(E, H)  # batch_first=False
+    x = torch.randn(B, B, E)
+    with Engine(attn, batch_dim=0) as engine:
+        losses = attn(x, x, x)[0].pow(2).sum(dim=(0, 2))
+        with pytest.raises(ValueError, match="batch_first=True"):
+            engine.backward(losses, MeanWeighting())
+    assert attn.in_proj_weight.grad is None
+
+
+def test_dropout_in_training_gets_the_generic_rule_error() -> None:
+    attn = nn.MultiheadAttention(E, H, dropout=0.5, batch_first=True)
+    x = torch.randn(B, T, E)
+    with Engine(attn, batch_dim=0) as engine:
+        losses = attn(x, x, x, need_weights=False)[0].pow(2).sum(dim=(1, 2))
+        with pytest.raises(RuntimeError, match="dropout"):
+            engine.compute_gramian(losses)
+
+
+def test_attention_mask_matches_torch() -> None:
+    """The recomputed output equals the module's, for every mask form of the cases."""
+    for case in CASES:
+        if case.name in GENERIC or case.batch_dim is None:
+            continue
+        model, _, _ = case.build(torch.float64)
+        calls: list[tuple[Any, ...]] = []
+
+        def record(
+            m: nn.Module, args: Any, kwargs: Any, out: Any, calls: list[Any] = calls
+        ) -> None:
+            calls.append((args, kwargs, out[0]))
+
+        model.attn.register_forward_hook(record, with_kwargs=True)
+        model(torch.randn(B, T, E, dtype=torch.float64), torch.randn(B, S, E, dtype=torch.float64))
+        args, kwargs, out = calls[0]
+        call = Call(args, kwargs, [0], [out.shape], [None], [], [torch.zeros_like(out)])
+        rows = Rows(B, B, None, per_task=False)
+        _, _, o, _ = _attention._projection_terms(model.attn, call, rows)
+        w, b = model.attn.out_proj.weight, model.attn.out_proj.bias
+        torch.testing.assert_close(torch.nn.functional.linear(o, w, b), out.detach())
