@@ -1,6 +1,7 @@
 """autogram speed and memory: jacflow's Gramian engine vs an SGD step vs TorchJD 0.18, one run.
 
-Per-sample losses (IWRM, m = B): one step = zero grads + forward + JD update + ``SGD.step``.
+Per-sample losses (IWRM, m = B): one step = zero grads + forward + JD update + ``SGD.step``,
+on ``--models`` (default ``mlp256,mlp1024,cnn``; also ``transformer``, one encoder layer).
 
 * ``sgd``: ``cross_entropy(reduction="mean").backward()``;
 * ``jacflow``: ``jacflow.autogram.Engine(model, batch_dim=0).backward(losses, UPGradWeighting())``
@@ -39,7 +40,7 @@ minus the memory allocated before them.
 end fault in fresh pages at the next one, which the process CPU time counts.
 
 Run: ``.venv/bin/python benchmarks/bench_autogram.py [--quick] [--no-memory] [--only iwrm|mtl]
-[--models mlp256,cnn] [--widths 256] [--device cuda] [--keep-heap] [--processes 5]``.
+[--models mlp256,cnn,transformer] [--widths 256] [--device cuda] [--keep-heap] [--processes 5]``.
 """
 
 from __future__ import annotations
@@ -93,6 +94,15 @@ def cnn() -> nn.Module:
     )
 
 
+def transformer() -> nn.Module:
+    """One post-norm encoder layer (width 128, 4 heads, 16 positions) and a linear head."""
+    return nn.Sequential(
+        nn.TransformerEncoderLayer(128, 4, 512, dropout=0.0, batch_first=True),
+        nn.Flatten(),
+        nn.Linear(16 * 128, 10),
+    )
+
+
 def iwrm_problem(
     model_name: str, batch: int, device: str = "cpu"
 ) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
@@ -100,6 +110,8 @@ def iwrm_problem(
     torch.manual_seed(0)
     if model_name == "cnn":
         model, x = cnn(), torch.randn(batch, 3, 32, 32)
+    elif model_name == "transformer":
+        model, x = transformer(), torch.randn(batch, 16, 128)
     else:
         width = int(model_name.removeprefix("mlp"))
         model, x = mlp(width), torch.randn(batch, width)

@@ -3,6 +3,7 @@ configuration, and its hand-over to the generic rule."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -183,15 +184,15 @@ def test_called_twice_and_rows_per_output() -> None:
 def test_frozen_projections() -> None:
     """A frozen in-projection still makes the module a unit (out_proj's parameters are used
     without calling out_proj), and a frozen out-projection is left out."""
-    for frozen in ("in_proj_weight", "out_proj.weight"):
-        case = _case("self", _self, _kw(need_weights=False))
+    case = _case("self", _self, _kw(need_weights=False))
+    for frozen, whole in itertools.product(("in_proj_weight", "out_proj.weight"), (False, True)):
 
-        def build(dtype: torch.dtype, frozen: str = frozen, case: Case = case) -> Built:
+        def build(dtype: torch.dtype, frozen: str = frozen, whole: bool = whole) -> Built:
             model, _, forward = case.build(dtype)
             model.attn.get_parameter(frozen).requires_grad_(False)
             if frozen == "in_proj_weight":
                 model.attn.in_proj_bias.requires_grad_(False)
-            return model, (model.attn,), forward
+            return model, (model if whole else model.attn,), forward
 
         check_case(Case(f"frozen_{frozen}", build), torch.float64)
 

@@ -84,10 +84,11 @@ class Engine:
     the Jacobian; and the whole Jacobian-descent step with one activation-only backward.
 
     Create the engine *before* the forward pass: it hooks every module that has a closed-form
-    rule (Linear, Conv1d/2d/3d, Embedding, LayerNorm, RMSNorm, GroupNorm), or, for other
-    modules, each one with direct trainable parameters (a generic ``torch.func`` rule covering it
-    and its children). Each grad-enabled forward call is recorded; the calls that the losses do
-    not reach (stray or evaluation forwards) are ignored and dropped at the next step.
+    rule (Linear, Conv1d/2d/3d, Embedding, LayerNorm, RMSNorm, GroupNorm, MultiheadAttention),
+    or, for other modules, each one with direct trainable parameters (a generic ``torch.func``
+    rule covering it and its children). Each grad-enabled forward call is recorded; the calls
+    that the losses do not reach (stray or evaluation forwards) are ignored and dropped at the
+    next step.
 
     Under mixed precision (``torch.autocast``), the recorded inputs and output gradients of a
     layer with a closed form are taken in its parameters' dtype, other modules are re-run under
