@@ -76,6 +76,7 @@ def _masks(dtype: torch.dtype) -> dict[str, Tensor]:
     padding[2, 0] = True
     return {
         "padding": padding,
+        "padding_one_blind": padding | torch.tensor([True, False, False])[:, None],
         "padding_float": torch.zeros(B, S, dtype=dtype).masked_fill(padding, float("-inf")),
         "float2d": torch.randn(T, S, generator=gen, dtype=dtype),
         "bool3d": torch.rand(B * H, T, S, generator=gen) < 0.3,
@@ -129,7 +130,26 @@ CASES = [
             need_weights=False,
         ),
     ),
+    # a query that sees no key: 0 (scaled_dot_product_attention), not NaN
+    _case(
+        "cross_one_sample_blind",
+        _cross,
+        _kw(key_padding_mask="padding_one_blind", need_weights=False),
+    ),
+    _case(
+        "tasks_one_sample_blind",
+        _cross,
+        _kw(key_padding_mask="padding_one_blind", need_weights=False),
+        None,
+    ),
     _case("tasks_self", _self, _kw(), batch_dim=None),
+    _case(
+        "tasks_causal_seq_first",
+        _self,
+        _kw(attn_mask="causal", is_causal=True, need_weights=False),
+        None,
+        batch_first=False,
+    ),
     _case(
         "tasks_cross_seq_first", _cross, _kw(key_padding_mask="padding"), None, batch_first=False
     ),
@@ -209,13 +229,36 @@ def test_sequence_first_in_per_sample_mode_is_refused() -> None:
     assert attn.in_proj_weight.grad is None
 
 
-def test_dropout_in_training_gets_the_generic_rule_error() -> None:
+@pytest.mark.parametrize("batch_dim", [0, None])
+def test_dropout_in_training_is_refused(batch_dim: int | None) -> None:
+    """Its random mask cannot be replayed (per task, the generic rule silently drew another
+    one); in eval mode the dropout is off and the closed form applies."""
     attn = nn.MultiheadAttention(E, H, dropout=0.5, batch_first=True)
     x = torch.randn(B, T, E)
-    with Engine(attn, batch_dim=0) as engine:
-        losses = attn(x, x, x, need_weights=False)[0].pow(2).sum(dim=(1, 2))
-        with pytest.raises(RuntimeError, match="dropout"):
+    with Engine(attn, batch_dim=batch_dim) as engine:
+        out = attn(x, x, x, need_weights=False)[0]
+        losses = out.pow(2).sum(dim=(1, 2)) if batch_dim == 0 else out.pow(2).sum().reshape(1)
+        with pytest.raises(RuntimeError, match=r"dropout=0\.0"):
             engine.compute_gramian(losses)
+
+
+def test_parametrised_out_projection_gets_the_generic_rule(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The parametrisation's parameters are not the projections' weights: the generic rule
+    covers them (the closed form would drop them)."""
+    generic_calls = []
+    original = _attention._GENERIC.prepare
+    monkeypatch.setattr(
+        _attention._GENERIC, "prepare", lambda *a: generic_calls.append(1) or original(*a)
+    )
+    case = _case("self", _self, _kw(need_weights=False))
+
+    def build(dtype: torch.dtype) -> Built:
+        model, modules, forward = case.build(dtype)
+        nn.utils.parametrizations.weight_norm(model.attn.out_proj)
+        return model, modules, forward
+
+    check_case(Case("weight_norm_out_proj", build), torch.float64)
+    assert generic_calls
 
 
 def test_attention_mask_matches_torch() -> None:

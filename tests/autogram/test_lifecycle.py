@@ -206,13 +206,32 @@ def test_returned_weights_follow_losses_layout() -> None:
     torch.testing.assert_close(weights.flatten(), UPGradWeighting()(jacobian @ jacobian.T))
 
 
-def test_random_ops_in_generic_module_get_clear_error() -> None:
-    attention = nn.MultiheadAttention(4, 2, dropout=0.5, batch_first=True).double()
-    engine = Engine(attention, batch_dim=0)
-    x = torch.randn(3, 2, 4, dtype=torch.float64)
-    losses = attention(x, x, x)[0].sum((1, 2))
+class _NoisyScale(nn.Module):
+    """A direct parameter (generic rule) and dropout inside the module."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(4, dtype=torch.float64))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.nn.functional.dropout(x * self.scale, 0.5, self.training)
+
+
+@pytest.mark.parametrize("batch_dim", [0, None])
+def test_random_ops_in_generic_module_get_clear_error(batch_dim: int | None) -> None:
+    """Per sample, vmap refuses the random operations of the re-run; per task, the re-run
+    drawing random numbers is caught (it used to draw another mask silently)."""
+    module = _NoisyScale()
+    engine = Engine(module, batch_dim=batch_dim)
+    out = module(torch.randn(3, 4, dtype=torch.float64))
+    losses = out.pow(2).sum(1) if batch_dim == 0 else torch.stack([out.sum(), out.pow(2).sum()])
     with pytest.raises(RuntimeError, match=r"cannot replay its random operations"):
         engine.compute_gramian(losses)
+    module.eval()  # dropout off: the generic rule applies
+    out = module(torch.randn(3, 4, dtype=torch.float64))
+    losses = out.pow(2).sum(1) if batch_dim == 0 else torch.stack([out.sum(), out.pow(2).sum()])
+    jacobian = reference_jacobian(losses, [module.scale])
+    torch.testing.assert_close(engine.compute_gramian(losses), jacobian @ jacobian.T)
 
 
 def test_sparse_embedding_gets_sparse_grad() -> None:

@@ -18,8 +18,9 @@ the whole module per sample under ``vmap`` and materialised its per-sample gradi
 Covered: packed projection weights (``kdim == vdim == embed_dim``), self- and
 cross-attention, key-padding and attention masks (boolean or additive), ``is_causal``, the
 returned attention weights, batched inputs. Anything else (``bias_k``/``bias_v``,
-``add_zero_attn``, separate projection weights, dropout in training mode, autocast, unbatched
-inputs, a subclass with its own ``forward``) goes to the generic rule.
+``add_zero_attn``, separate projection weights, a parametrised ``out_proj``, autocast, unbatched
+inputs, a subclass with its own ``forward``) goes to the generic rule. Dropout in training mode
+is refused: its random mask cannot be replayed.
 """
 
 from __future__ import annotations
@@ -48,13 +49,16 @@ def _arguments(call: Call) -> dict[str, Any]:
     return dict(bound.arguments)
 
 
-def _covered(module: nn.MultiheadAttention, calls: list[Call]) -> bool:
+_PROJECTIONS = frozenset({"in_proj_weight", "in_proj_bias", "out_proj.weight", "out_proj.bias"})
+
+
+def _covered(module: nn.MultiheadAttention, params: dict[str, Tensor], calls: list[Call]) -> bool:
     """Whether every call is one the closed form reproduces exactly."""
     if type(module).forward is not nn.MultiheadAttention.forward:
         return False
     if not module._qkv_same_embed_dim or module.bias_k is not None or module.add_zero_attn:
         return False
-    if module.training and module.dropout > 0:
+    if not params.keys() <= _PROJECTIONS:  # e.g. a parametrised out_proj's parameters
         return False
     for call in calls:
         if call.autocast is not None or not set(call.output_positions) <= {0, 1}:
@@ -86,8 +90,9 @@ def _additive(mask: Tensor | None, dtype: torch.dtype) -> Tensor | None:
     return mask.to(dtype)
 
 
-def attention_mask(args: dict[str, Any], heads: int, dtype: torch.dtype) -> Tensor | None:
-    """The additive mask the forward applied, broadcastable to ``[N, H, T, S]``.
+def attention_mask(args: dict[str, Any], scores: Tensor) -> Tensor | None:
+    """The additive mask the forward applied to ``scores`` (``[N, H, T, S]``), broadcastable
+    to them.
 
     As ``F.multi_head_attention_forward``: ``is_causal`` without key padding mask or weights
     means the causal mask (whatever ``attn_mask`` holds), else ``attn_mask`` plus the key
@@ -96,25 +101,24 @@ def attention_mask(args: dict[str, Any], heads: int, dtype: torch.dtype) -> Tens
     Example:
         >>> import torch
         >>> from jacflow.autogram._attention import attention_mask
-        >>> x = torch.zeros(1, 2, 4)  # [N, T, E]
-        >>> args = {"query": x, "key": x, "key_padding_mask": torch.tensor([[False, True]]),
-        ...         "attn_mask": None, "is_causal": False, "need_weights": True}
-        >>> attention_mask(args, 1, torch.float32)
+        >>> scores = torch.zeros(1, 1, 2, 2)  # [N, H, T, S]
+        >>> args = {"key_padding_mask": torch.tensor([[False, True]]), "attn_mask": None,
+        ...         "is_causal": False, "need_weights": True}
+        >>> attention_mask(args, scores)
         tensor([[[[0., -inf]]]])
         >>> args.update(key_padding_mask=None, is_causal=True, need_weights=False)
-        >>> attention_mask(args, 1, torch.float32)
+        >>> attention_mask(args, scores)
         tensor([[0., -inf],
                 [0., 0.]])
     """
-    query, key = args["query"], args["key"]
-    padding = _additive(args["key_padding_mask"], dtype)
+    n, heads, t, s = scores.shape
+    padding = _additive(args["key_padding_mask"], scores.dtype)
     if args["is_causal"] and padding is None and not args["need_weights"]:
-        t, s = query.shape[-2], key.shape[-2]
-        allowed = torch.ones(t, s, dtype=torch.bool, device=query.device).tril()
-        return _additive(~allowed, dtype)
-    mask = _additive(args["attn_mask"], dtype)
+        allowed = torch.ones(t, s, dtype=torch.bool, device=scores.device).tril()
+        return _additive(~allowed, scores.dtype)
+    mask = _additive(args["attn_mask"], scores.dtype)
     if mask is not None and mask.dim() == 3:  # [N H, T, S]
-        mask = mask.unflatten(0, (-1, heads))
+        mask = mask.view(n, heads, t, s)
     if padding is not None:  # [N, S]
         padding = padding[:, None, None, :]
         mask = padding if mask is None else mask + padding
@@ -148,10 +152,13 @@ def _projection_terms(
     q, k, v = (_heads(t, heads) for t in projected)
     scale = 1 / math.sqrt(q.shape[-1])
     scores = (q @ k.mT) * scale
-    mask = attention_mask(args, heads, scores.dtype)
+    mask = attention_mask(args, scores)
     if mask is not None:
         scores = scores + mask
     p = scores.softmax(-1)  # [N, H, T, S]
+    if mask is not None and not args["need_weights"]:
+        # the forward's scaled_dot_product_attention gives a query that sees no key 0, not NaN
+        p = p.masked_fill(scores.amax(-1, keepdim=True) == float("-inf"), 0.0)
     o = _merged(p @ v)
 
     grads = dict(zip(call.output_positions, call.grads, strict=True))
@@ -254,7 +261,14 @@ class AttentionRule(Rule):
                 "the per-sample engine (batch_dim=0) reads it on dimension 0. Build it with "
                 "batch_first=True, or use batch_dim=None."
             )
-        if not _covered(module, calls):
+        if module.training and module.dropout > 0:
+            raise RuntimeError(
+                f"nn.MultiheadAttention(dropout={module.dropout}) drops attention weights at "
+                "random in training mode, which the engine cannot replay to compute the "
+                "Gramian. Build it with dropout=0.0 (dropout elsewhere in the model is fine), "
+                "or call .eval() on it."
+            )
+        if not _covered(module, params, calls):
             return _GENERIC.prepare(module, params, calls, rows)
         terms = [_projection_terms(module, call, rows) for call in calls]
         x, d_in, o, g = (list(t) for t in zip(*terms, strict=True))

@@ -76,6 +76,27 @@ def _per_sample_grads(
     return grads
 
 
+def _rng_states(device: torch.device) -> list[Tensor]:
+    """The states of the generators that random operations on ``device`` draw from."""
+    states = [torch.get_rng_state()]
+    if device.type == "cuda":
+        states.append(torch.cuda.get_rng_state(device))
+    return states
+
+
+def _replay_per_task(
+    module: nn.Module, params: dict[str, Tensor], call: Call, cots: tuple[Tensor, ...]
+) -> dict[str, Tensor]:
+    """:func:`_per_task_grads`, refused when the re-run drew random numbers (dropout): it then
+    drew other ones than the forward did. (Per sample, ``vmap`` raises on them itself.)"""
+    device = cots[0].device
+    before = _rng_states(device)
+    grads = _per_task_grads(module, params, call, cots)
+    if any(not torch.equal(a, b) for a, b in zip(before, _rng_states(device), strict=True)):
+        raise RuntimeError("the re-run of the module drew random numbers")
+    return grads
+
+
 class FallbackRule(Rule):
     """Generic rule: the module and all its children's parameters, via ``torch.func``."""
 
@@ -92,7 +113,7 @@ class FallbackRule(Rule):
             try:
                 with torch.enable_grad(), quiet_vmap_fallback(), replay_autocast(call):
                     if rows.per_task:
-                        new = _per_task_grads(module, detached, call, cots)
+                        new = _replay_per_task(module, detached, call, cots)
                     else:
                         new = _per_sample_grads(module, detached, call, cots, rows)
             except RuntimeError as error:
@@ -101,8 +122,8 @@ class FallbackRule(Rule):
                 raise RuntimeError(
                     f"{type(module).__name__} has no closed-form Gramian rule, so the engine "
                     "re-runs it with torch.func, which cannot replay its random operations "
-                    "(dropout). Set its dropout to 0 (e.g. nn.MultiheadAttention(dropout=0.0)), "
-                    "put the randomness in a separate parameter-free module, or call .eval()."
+                    "(dropout). Set its dropout to 0, put the randomness in a separate "
+                    "parameter-free module (e.g. nn.Dropout), or call .eval()."
                 ) from error
             add_grads(total, new)
         return MaterializedContribution(total)
