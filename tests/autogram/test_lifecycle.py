@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 from torch import Tensor, nn
@@ -264,3 +266,44 @@ def test_in_place_change_after_stray_forward_is_harmless() -> None:
     model(stray)
     stray.add_(1)
     torch.testing.assert_close(engine.compute_gramian(_losses(model, X)), _expected(model, X))
+
+
+class _Gate(nn.Module):
+    """A direct parameter (generic rule, covering the child) and a child Linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = nn.Parameter(torch.ones(3, dtype=torch.float64))
+        self.inner = nn.Linear(3, 3).double()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.inner(x) * self.gate
+
+
+def test_child_called_outside_its_covering_unit_is_refused() -> None:
+    """A rule covering its children sees their parameters through its own module's calls only:
+    a grad-enabled call of the child outside them would be missed, so it is refused (nothing
+    written); a call under no_grad is fine, and so is the next step."""
+    x = torch.randn(4, 2, 3, dtype=torch.float64)
+    attention = nn.MultiheadAttention(3, 1, batch_first=True).double()
+    gate = _Gate()
+    cases: list[tuple[nn.Module, nn.Module, str, Callable[[], Tensor]]] = [
+        (gate, gate.inner, "_Gate.inner", lambda: gate(x).pow(2).sum((1, 2))),
+        (
+            attention,
+            attention.out_proj,
+            "MultiheadAttention.out_proj",
+            lambda: attention(x, x, x)[0].pow(2).sum((1, 2)),
+        ),
+    ]
+    for module, child, name, forward in cases:
+        with Engine(module, batch_dim=0) as engine:
+            losses = forward() + child(x).sum((1, 2))
+            with pytest.raises(ValueError, match=f"{name} ran outside"):
+                engine.backward(losses, MeanWeighting())
+            assert all(p.grad is None for p in module.parameters())
+            with torch.no_grad():
+                child(x)
+            losses = forward()
+            jacobian = reference_jacobian(losses, list(module.parameters()))
+            torch.testing.assert_close(engine.compute_gramian(losses), jacobian @ jacobian.T)

@@ -142,6 +142,8 @@ class Engine:
         self._per_task_rows = {}
         for index, unit in enumerate(self._units):
             self._recorder.hook(index, unit)
+            if unit.rule.covers_children():
+                self._recorder.watch_children(unit)
         if batch_dim is not None:
             for i, module in enumerate(modules):
                 for name, sub in module.named_modules():
@@ -301,8 +303,16 @@ class Engine:
         they are the identity), the per-row gradients of ``extra_inputs`` and the bytes of all
         captured gradients.
         """
-        coupled = self._recorder.coupled
+        coupled, outside = self._recorder.coupled, self._recorder.outside
         calls = self._recorder.take()
+        if outside is not None:
+            child, parent = outside
+            raise ValueError(
+                f"{child} ran outside the forward of {parent}, whose rule covers its parameters "
+                f"through {parent}'s own calls only: this call's share of their gradient would "
+                f"be missed. Call it only inside {parent}'s forward, or freeze its parameters "
+                "(requires_grad_(False))."
+            )
         if coupled is not None:
             raise ValueError(
                 f"{coupled} ran in training mode during the forward: it mixes the samples, so "

@@ -90,10 +90,37 @@ class Recorder:
         self.calls: list[tuple[int, Call]] = []
         self.handles: list[RemovableHandle] = []
         self.coupled: str | None = None
+        self.outside: tuple[str, str] | None = None  # (child, unit) of a call outside the unit
 
     def hook(self, index: int, unit: Unit) -> None:
         handle = unit.module.register_forward_hook(partial(self._record, index), with_kwargs=True)
         self.handles.append(handle)
+
+    def watch_children(self, unit: Unit) -> None:
+        """Flag grad-enabled calls of a child with trainable parameters made outside the
+        forward of ``unit``, whose rule covers the child's parameters but sees them only through
+        the unit's own calls."""
+        depth = [0]  # the unit's forward calls under way
+
+        def enter(module: nn.Module, args: Any) -> None:
+            depth[0] += 1
+
+        def leave(module: nn.Module, args: Any, output: Any) -> None:
+            depth[0] -= 1
+
+        self.handles.append(unit.module.register_forward_pre_hook(enter))
+        self.handles.append(unit.module.register_forward_hook(leave, always_call=True))
+        for name, child in unit.module.named_modules():
+            if child is not unit.module and next(child.parameters(recurse=False), None) is not None:
+                flag = partial(self._flag_outside, f"{unit.name}.{name}", unit.name, depth)
+                self.handles.append(child.register_forward_pre_hook(flag))
+
+    def _flag_outside(
+        self, child: str, unit: str, depth: list[int], module: nn.Module, args: Any
+    ) -> None:
+        trainable = any(p.requires_grad for p in module.parameters(recurse=False))
+        if depth[0] == 0 and torch.is_grad_enabled() and trainable:
+            self.outside = (child, unit)
 
     def watch_coupling(self, name: str, module: nn.Module) -> None:
         """Flag training-mode, grad-enabled forwards of a module that mixes the samples."""
@@ -133,7 +160,7 @@ class Recorder:
     def take(self) -> list[tuple[int, Call]]:
         """The recorded calls; the record starts afresh."""
         calls, self.calls = self.calls, []
-        self.coupled = None
+        self.coupled = self.outside = None
         return calls
 
     def remove(self) -> None:
