@@ -28,6 +28,7 @@ from jacflow.autogram import (  # noqa: F401  (register rules)
     _embedding,
     _linear,
     _norm,
+    _recurrent,
 )
 from jacflow.autogram._engine import Engine
 from jacflow.autogram._mtl import mtl_gramian_step

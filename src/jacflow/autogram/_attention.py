@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from jacflow.autogram._fallback import FallbackRule
-from jacflow.autogram._linear import UnfoldedContribution
+from jacflow.autogram._linear import JoinedLinear, linear_part
 from jacflow.autogram._rules import Call, Contribution, Rows, Rule, register_rule
 
 _SIGNATURE = inspect.signature(nn.MultiheadAttention.forward)
@@ -196,54 +196,6 @@ def _projection_terms(
     return x, d_in, o, g
 
 
-class _Projections(Contribution):
-    """The in- and out-projection contributions of one attention module (disjoint
-    parameters), as one."""
-
-    def __init__(self, parts: list[tuple[set[str], UnfoldedContribution]]) -> None:
-        self.parts = parts
-
-    def gramian(self, names: set[str]) -> Tensor | None:
-        total: Tensor | None = None
-        for owned, part in self.parts:
-            if names & owned:
-                term = part.gramian(names & owned)
-                if term is not None:
-                    total = term if total is None else total + term
-        return total
-
-    def per_row_grads(self, name: str) -> Tensor:
-        return next(part for owned, part in self.parts if name in owned).per_row_grads(name)
-
-    def weighted_grads(self, weights: Tensor) -> dict[str, Tensor]:
-        return {k: v for _, part in self.parts for k, v in part.weighted_grads(weights).items()}
-
-    def weighted_grads_into(
-        self, weights: Tensor, buffer_for: Callable[[str, torch.dtype], Tensor | None]
-    ) -> dict[str, Tensor]:
-        out: dict[str, Tensor] = {}
-        for _, part in self.parts:
-            out.update(part.weighted_grads_into(weights, buffer_for))
-        return out
-
-
-def _linear_part(
-    us: list[Tensor],
-    grads: list[Tensor],
-    rows: Rows,
-    weight: Tensor,
-    names: tuple[str, str],
-    params: dict[str, Tensor],
-) -> tuple[set[str], UnfoldedContribution]:
-    """A Linear contribution over every call's positions (joined: their gradients add up)."""
-    d, p = weight.shape[1], weight.shape[0]
-    u = torch.cat([x.reshape(rows.num_samples, -1, 1, d) for x in us], dim=1)
-    bp = torch.cat([g.reshape(rows.num_rows, -1, 1, p) for g in grads], dim=1)
-    weight_name, bias_name = (n if n in params else None for n in names)
-    part = UnfoldedContribution(u, bp, rows, weight.shape, weight_name, bias_name)
-    return {n for n in names if n in params}, part
-
-
 class AttentionRule(Rule):
     """``nn.MultiheadAttention``: the projections' parameters in closed form (see the module
     docstring); configurations outside it use the generic rule."""
@@ -274,14 +226,14 @@ class AttentionRule(Rule):
         x, d_in, o, g = (list(t) for t in zip(*terms, strict=True))
         assert module.in_proj_weight is not None
         parts = [
-            _linear_part(
+            linear_part(
                 x, d_in, rows, module.in_proj_weight, ("in_proj_weight", "in_proj_bias"), params
             ),
-            _linear_part(
+            linear_part(
                 o, g, rows, module.out_proj.weight, ("out_proj.weight", "out_proj.bias"), params
             ),
         ]
-        return _Projections([part for part in parts if part[0]])
+        return JoinedLinear([part for part in parts if part[0]])
 
 
 register_rule(nn.MultiheadAttention, AttentionRule())

@@ -14,6 +14,7 @@ from jacflow.aggregation import GramianWeighting
 from jacflow.autogram._buffers import GradientBuffers, worth_reusing
 from jacflow.autogram._hooks import Recorder, Unit, find_units
 from jacflow.autogram._precision import upcast, without_autocast
+from jacflow.autogram._recurrent import covered
 from jacflow.autogram._rules import Call, Contribution, Rows, gram, quiet_vmap_fallback
 
 _COMPILE_HINT = (
@@ -40,10 +41,11 @@ def _check_modules(modules: tuple[nn.Module, ...], batch_dim: int | None) -> Non
                 )
             if batch_dim is None:
                 continue
-            if isinstance(sub, nn.RNNBase):
+            if isinstance(sub, nn.RNNBase) and not covered(sub):
                 raise ValueError(
-                    f"{where} is a {type(sub).__name__}, which the per-sample engine "
-                    "(batch_dim=0) cannot re-run sample by sample. Use batch_dim=None, or "
+                    f"{where} is a {type(sub).__name__} with projections (proj_size > 0) or "
+                    "a forward of its own: no closed form covers it, and the per-sample engine "
+                    "(batch_dim=0) cannot re-run it sample by sample. Use batch_dim=None, or "
                     "jacflow.autojac.backward."
                 )
             if isinstance(sub, _BatchNorm) and sub.training:
@@ -84,11 +86,11 @@ class Engine:
     the Jacobian; and the whole Jacobian-descent step with one activation-only backward.
 
     Create the engine *before* the forward pass: it hooks every module that has a closed-form
-    rule (Linear, Conv1d/2d/3d, Embedding, LayerNorm, RMSNorm, GroupNorm, MultiheadAttention),
-    or, for other modules, each one with direct trainable parameters (a generic ``torch.func``
-    rule covering it and its children). Each grad-enabled forward call is recorded; the calls
-    that the losses do not reach (stray or evaluation forwards) are ignored and dropped at the
-    next step.
+    rule (Linear, Conv1d/2d/3d, Embedding, LayerNorm, RMSNorm, GroupNorm, MultiheadAttention,
+    RNN, LSTM, GRU), or, for other modules, each one with direct trainable parameters (a
+    generic ``torch.func`` rule covering it and its children). Each grad-enabled forward call
+    is recorded; the calls that the losses do not reach (stray or evaluation forwards) are
+    ignored and dropped at the next step.
 
     Under mixed precision (``torch.autocast``), the recorded inputs and output gradients of a
     layer with a closed form are taken in its parameters' dtype, other modules are re-run under
@@ -333,9 +335,11 @@ class Engine:
             cursor += len(call.edges)
             if all(g is None for g in call_grads):
                 continue
-            _check_batch(self._units[index], call, rows)
+            unit = self._units[index]
+            dims = [unit.rule.output_batch_dim(unit.module, j) for j in call.output_positions]
+            _check_batch(unit, call, rows, dims)
             _check_versions(call)
-            call.grads = _rows_shaped(call_grads, call, rows)
+            call.grads = _rows_shaped(call_grads, call, rows, dims)
             reached.setdefault(index, []).append(call)
         if not reached:
             raise RuntimeError(
@@ -416,19 +420,25 @@ def _capture(
     return tuple(grads)
 
 
-def _rows_shaped(call_grads: list[Tensor | None], call: Call, rows: Rows) -> list[Tensor | None]:
-    """Gradients of every row w.r.t. each output, ``[R, *sample_shape]``; zeros for outputs
-    that the losses do not reach (the call has at least one reached output)."""
+def _rows_shaped(
+    call_grads: list[Tensor | None], call: Call, rows: Rows, batch_dims: list[int]
+) -> list[Tensor | None]:
+    """Gradients of every row w.r.t. each output, ``[R, *sample_shape]`` (per sample: the
+    output's batch dimension ``batch_dims[j]`` taken out); zeros for outputs that the losses do
+    not reach (the call has at least one reached output)."""
     reference = next(g for g in call_grads if g is not None)
     shaped: list[Tensor | None] = []
-    for grad, shape in zip(call_grads, call.output_shapes, strict=True):
-        sample_shape = shape if rows.per_task else shape[1:]
+    for grad, shape, dim in zip(call_grads, call.output_shapes, batch_dims, strict=True):
+        sample_shape = shape if rows.per_task else shape[:dim] + shape[dim + 1 :]
         if grad is None:
             shaped.append(reference.new_zeros(rows.num_rows, *sample_shape))
-        else:
-            target = (rows.num_rows, *sample_shape)
-            # (usually already so: a reshape is a dispatch, the comparison is not)
-            shaped.append(grad if grad.shape == target else grad.reshape(target))
+            continue
+        if dim and not rows.per_task:  # the batch to the front ([k, ...]: after the k)
+            extra = grad.ndim - len(shape)
+            grad = grad.movedim(extra + dim, extra)
+        target = (rows.num_rows, *sample_shape)
+        # (usually already so: a reshape is a dispatch, the comparison is not)
+        shaped.append(grad if grad.shape == target else grad.reshape(target))
     return shaped
 
 
@@ -441,16 +451,16 @@ def _check_versions(call: Call) -> None:
             )
 
 
-def _check_batch(unit: Unit, call: Call, rows: Rows) -> None:
+def _check_batch(unit: Unit, call: Call, rows: Rows, batch_dims: list[int]) -> None:
     if rows.per_task:
         return
-    for shape in call.output_shapes:
-        if len(shape) == 0 or shape[0] != rows.num_samples:
+    for shape, dim in zip(call.output_shapes, batch_dims, strict=True):
+        if len(shape) <= dim or shape[dim] != rows.num_samples:
             raise ValueError(
                 f"With batch_dim=0, the outputs of {unit.name} ({type(unit.module).__name__}) "
-                f"must have the batch size {rows.num_samples} of `losses` on dimension 0, "
+                f"must have the batch size {rows.num_samples} of `losses` on dimension {dim}, "
                 f"received shape {tuple(shape)}. Use batch_dim=None for modules that do not "
-                "batch on dimension 0."
+                "batch there."
             )
 
 

@@ -218,6 +218,56 @@ def unfolded_contribution(
     )
 
 
+class JoinedLinear(Contribution):
+    """Linear-form contributions of one module's disjoint parameters (e.g. an attention
+    module's two projections, a recurrent layer's input and hidden weights), as one."""
+
+    def __init__(self, parts: list[tuple[set[str], UnfoldedContribution]]) -> None:
+        self.parts = parts
+
+    def gramian(self, names: set[str]) -> Tensor | None:
+        total: Tensor | None = None
+        for owned, part in self.parts:
+            if names & owned:
+                term = part.gramian(names & owned)
+                if term is not None:
+                    total = term if total is None else total + term
+        return total
+
+    def per_row_grads(self, name: str) -> Tensor:
+        return next(part for owned, part in self.parts if name in owned).per_row_grads(name)
+
+    def weighted_grads(self, weights: Tensor) -> dict[str, Tensor]:
+        return {k: v for _, part in self.parts for k, v in part.weighted_grads(weights).items()}
+
+    def weighted_grads_into(
+        self, weights: Tensor, buffer_for: Callable[[str, torch.dtype], Tensor | None]
+    ) -> dict[str, Tensor]:
+        out: dict[str, Tensor] = {}
+        for _, part in self.parts:
+            out.update(part.weighted_grads_into(weights, buffer_for))
+        return out
+
+
+def linear_part(
+    us: list[Tensor],
+    grads: list[Tensor],
+    rows: Rows,
+    weight: Tensor,
+    names: tuple[str, str],
+    params: dict[str, Tensor],
+) -> tuple[set[str], UnfoldedContribution]:
+    """A Linear contribution of ``weight`` (and its bias) from the inputs ``us`` and output
+    gradients ``grads`` of every call (joined along the positions: their gradients add up), with
+    the names of the two parameters that are in ``params``."""
+    d, p = weight.shape[1], weight.shape[0]
+    u = torch.cat([x.reshape(rows.num_samples, -1, 1, d) for x in us], dim=1)
+    bp = torch.cat([g.reshape(rows.num_rows, -1, 1, p) for g in grads], dim=1)
+    weight_name, bias_name = (n if n in params else None for n in names)
+    part = UnfoldedContribution(u, bp, rows, weight.shape, weight_name, bias_name)
+    return {n for n in names if n in params}, part
+
+
 class LinearRule(Rule):
     """``nn.Linear`` with any number of leading dimensions (sequence, heads, ...)."""
 

@@ -209,6 +209,23 @@ class Rule(ABC):
         """Whether the rule covers the parameters of the module's children too."""
         return False
 
+    def output_batch_dim(self, module: nn.Module, position: int) -> int:
+        """The batch dimension of the module's output leaf ``position`` (per-sample mode);
+        the engine hands the rule that output's gradients with it taken out (``[R, ...]``).
+
+        Example:
+            >>> from torch import nn
+            >>> from jacflow.autogram import Rule
+            >>> class SequenceFirst(Rule):
+            ...     def prepare(self, module, params, calls, rows):
+            ...         raise NotImplementedError
+            ...     def output_batch_dim(self, module, position):
+            ...         return 1  # outputs [T, B, ...]
+            >>> SequenceFirst().output_batch_dim(nn.Identity(), 0)
+            1
+        """
+        return 0
+
 
 _RULES: dict[type[nn.Module], Rule] = {}
 

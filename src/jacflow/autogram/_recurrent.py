@@ -1,0 +1,240 @@
+"""``nn.RNN``, ``nn.LSTM`` and ``nn.GRU`` in closed form: each weight is a Linear layer over time.
+
+At step ``t`` a cell computes ``a_t = W_ih x_t + b_ih`` and ``c_t = W_hh h_{t-1} + b_hh`` and
+combines them into ``h_t`` (and the LSTM's cell state). So ``W_ih`` is a Linear layer whose
+positions are the time steps, with inputs ``x_t`` and output gradients ``da_t``, and ``W_hh`` one
+with inputs ``h_{t-1}`` and output gradients ``dc_t``: the Linear rule's ghost and materialised
+forms, and its book-keeping update, give their Gramians and updates. The rows' ``da_t`` and
+``dc_t`` come from one replay of the layer's recurrence from the recorded inputs (one backward
+through it, batched over the rows when they are not the samples). Each sample's recurrence is
+its own, so per-sample mode needs no re-run per sample, which ``vmap`` cannot do for torch's
+fused recurrent kernels.
+
+Covered: every layer count, both directions, with or without biases, ``batch_first`` either
+way, a given initial state. Refused with a clear error: packed sequences, unbatched inputs in
+per-sample mode, dropout between layers in training mode (its random mask cannot be replayed),
+and (per sample) LSTM projections; per task, the projections and a subclass with its own
+``forward`` go to the generic rule.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from jacflow.autogram._fallback import FallbackRule
+from jacflow.autogram._linear import JoinedLinear, UnfoldedContribution, linear_part
+from jacflow.autogram._rules import Call, Contribution, Rows, Rule, register_rule
+
+_TYPES = (nn.RNN, nn.LSTM, nn.GRU)
+_GENERIC = FallbackRule()
+
+
+def covered(module: nn.RNNBase) -> bool:
+    """Whether the closed form reproduces the module's forward (the per-call conditions are
+    checked when the calls are known).
+
+    Example:
+        >>> from torch import nn
+        >>> from jacflow.autogram._recurrent import covered
+        >>> covered(nn.GRU(3, 4, num_layers=2, bidirectional=True))
+        True
+        >>> covered(nn.LSTM(3, 4, proj_size=2))
+        False
+    """
+    own_forward = any(type(module).forward is kind.forward for kind in _TYPES)
+    return own_forward and getattr(module, "proj_size", 0) == 0
+
+
+def _cell(
+    mode: str, a: Tensor, c: Tensor, h: Tensor, state: Tensor | None
+) -> tuple[Tensor, Tensor | None]:
+    """One step of torch's cells from ``a = W_ih x + b_ih`` and ``c = W_hh h + b_hh``."""
+    if mode == "LSTM":
+        i, f, g, o = (a + c).chunk(4, -1)
+        assert state is not None
+        state = f.sigmoid() * state + i.sigmoid() * g.tanh()
+        return o.sigmoid() * state.tanh(), state
+    if mode == "GRU":
+        a_r, a_z, a_n = a.chunk(3, -1)
+        c_r, c_z, c_n = c.chunk(3, -1)
+        r, z = (a_r + c_r).sigmoid(), (a_z + c_z).sigmoid()
+        n = (a_n + r * c_n).tanh()
+        return (1 - z) * n + z * h, None
+    pre = a + c
+    return (pre.tanh() if mode == "RNN_TANH" else pre.relu()), None
+
+
+class _Replay:
+    """The recurrence of one call, replayed batch first from its recorded inputs, with the
+    tensors each weight's Linear form needs: per layer and direction, the inputs ``x_t``, the
+    previous states ``h_{t-1}``, ``a = W_ih x + b_ih`` for all steps and every step's ``c_t``."""
+
+    def __init__(self, module: nn.RNNBase, x: Tensor, hx: Any) -> None:
+        directions = 2 if module.bidirectional else 1
+        n, steps, size = x.shape[0], x.shape[1], module.hidden_size
+        lstm = module.mode == "LSTM"
+        shape = (module.num_layers * directions, n, size)
+        c0: Tensor | None = None
+        if hx is None:
+            h0 = x.new_zeros(shape)
+            c0 = x.new_zeros(shape) if lstm else None
+        elif lstm:  # [L D, N, H], as the module takes them
+            h0, c0 = hx[0].detach(), hx[1].detach()
+        else:
+            h0 = hx.detach()
+        self.parts: list[tuple[str, Tensor, Tensor, Tensor, list[Tensor]]] = []
+        layer_input, last_h, last_c = x.detach(), [], []
+        for layer in range(module.num_layers):
+            outputs = []
+            for direction in range(directions):
+                suffix = f"_l{layer}" + ("_reverse" if direction else "")
+                w_ih, w_hh = (getattr(module, f"weight_{k}{suffix}").detach() for k in ("ih", "hh"))
+                b_ih, b_hh = (
+                    getattr(module, f"bias_{k}{suffix}").detach() if module.bias else None
+                    for k in ("ih", "hh")
+                )
+                a = F.linear(layer_input, w_ih, b_ih)  # every step at once
+                if not a.requires_grad:  # (first layer: a leaf, whose gradient is da)
+                    a.requires_grad_()
+                index = layer * directions + direction
+                h, state = h0[index], (None if c0 is None else c0[index])
+                hs: list[Tensor] = [h] * steps
+                previous: list[Tensor] = [h] * steps
+                cs: list[Tensor] = [h] * steps
+                for t in range(steps - 1, -1, -1) if direction else range(steps):
+                    previous[t] = h
+                    cs[t] = F.linear(h, w_hh, b_hh)
+                    if not cs[t].requires_grad:  # (first step: from the constant h_0)
+                        cs[t].requires_grad_()
+                    h, state = _cell(module.mode, a[:, t], cs[t], h, state)
+                    hs[t] = h
+                outputs.append(torch.stack(hs, 1))
+                last_h.append(h)
+                if state is not None:
+                    last_c.append(state)
+                self.parts.append((suffix, layer_input, torch.stack(previous, 1), a, cs))
+            layer_input = outputs[0] if directions == 1 else torch.cat(outputs, -1)
+        # the module's outputs, batch first: [N, T, D H], [N, L D, H] (and the cell states)
+        self.outputs = [layer_input, torch.stack(last_h, 1)]
+        if lstm:
+            self.outputs.append(torch.stack(last_c, 1))
+
+    def row_grads(
+        self, cotangents: list[Tensor | None], batched: bool
+    ) -> list[tuple[Tensor, Tensor]]:
+        """``(da, dc)`` per layer and direction, ``[*, N, T, G H]``, from the rows' gradients
+        of the outputs (``batched``: with a leading row dimension)."""
+        pairs = [(o, c) for o, c in zip(self.outputs, cotangents, strict=True) if c is not None]
+        inputs = [t for _, _, _, a, cs in self.parts for t in (a, *cs)]
+        grads = torch.autograd.grad(
+            [o for o, _ in pairs],
+            inputs,
+            [c for _, c in pairs],
+            is_grads_batched=batched,
+            allow_unused=True,
+        )
+        reference = next(c for c in cotangents if c is not None)
+        lead = reference.shape[:1] if batched else ()
+        out, cursor = [], 0
+        for _, _, _, a, cs in self.parts:
+            group = [
+                g if g is not None else t.new_zeros(*lead, *t.shape)
+                for g, t in zip(grads[cursor : cursor + 1 + len(cs)], (a, *cs), strict=True)
+            ]
+            cursor += 1 + len(cs)
+            out.append((group[0], torch.stack(group[1:], -2)))
+        return out
+
+
+class RecurrentRule(Rule):
+    """``nn.RNN``, ``nn.LSTM``, ``nn.GRU``: every weight as a Linear layer over the time steps
+    (see the module docstring)."""
+
+    def output_batch_dim(self, module: nn.Module, position: int) -> int:
+        assert isinstance(module, nn.RNNBase)
+        return 0 if position == 0 and module.batch_first else 1  # h_n, c_n: [L D, N, H]
+
+    def prepare(
+        self, module: nn.Module, params: dict[str, Tensor], calls: list[Call], rows: Rows
+    ) -> Contribution:
+        assert isinstance(module, nn.RNNBase)
+        if not covered(module):
+            if rows.per_task:
+                return _GENERIC.prepare(module, params, calls, rows)
+            raise ValueError(
+                f"{type(module).__name__} with projections (proj_size > 0) or a forward of its "
+                "own has no closed form, and the per-sample engine (batch_dim=0) cannot re-run "
+                "it sample by sample. Use batch_dim=None, or jacflow.autojac.backward."
+            )
+        if module.training and module.dropout > 0 and module.num_layers > 1:
+            raise RuntimeError(
+                f"{type(module).__name__}(dropout={module.dropout}) drops values between its "
+                "layers at random in training mode, which the engine cannot replay to compute "
+                "the Gramian. Build it with dropout=0.0, or call .eval() on it."
+            )
+        inputs: dict[str, list[Tensor]] = {}
+        grads: dict[str, list[Tensor]] = {}
+        for call in calls:
+            for suffix, (u_ih, u_hh, da, dc) in self._terms(module, call, rows).items():
+                for kind, u, d in (("ih", u_ih, da), ("hh", u_hh, dc)):
+                    inputs.setdefault(kind + suffix, []).append(u)
+                    grads.setdefault(kind + suffix, []).append(d)
+        parts: list[tuple[set[str], UnfoldedContribution]] = []
+        for key in inputs:
+            names = (f"weight_{key}", f"bias_{key}")
+            weight = getattr(module, names[0])
+            part = linear_part(inputs[key], grads[key], rows, weight, names, params)
+            if part[0]:
+                parts.append(part)
+        return JoinedLinear(parts)
+
+    def _terms(
+        self, module: nn.RNNBase, call: Call, rows: Rows
+    ) -> dict[str, tuple[Tensor, Tensor, Tensor, Tensor]]:
+        """Per layer and direction (``_l{k}[_reverse]``): the inputs of ``W_ih`` and ``W_hh``
+        (batch first) and their rows' output gradients."""
+        x = call.args[0] if call.args else call.kwargs.get("input")
+        hx = call.args[1] if len(call.args) > 1 else call.kwargs.get("hx")
+        if not isinstance(x, Tensor):
+            raise ValueError(
+                f"{type(module).__name__} received a {type(x).__name__}: the engine needs the "
+                "padded batch as a tensor (packed sequences are not supported); pad the "
+                "sequences and mask the losses of the padded steps instead."
+            )
+        if x.dim() != 3:
+            raise ValueError(
+                f"{type(module).__name__} received an unbatched input of shape "
+                f"{tuple(x.shape)}; give it a batch dimension."
+            )
+        if not module.batch_first:
+            x = x.transpose(0, 1)
+        with torch.enable_grad():  # (the engine prepares under no_grad)
+            replay = _Replay(module, x, hx)
+        cotangents: list[Tensor | None] = [None] * len(replay.outputs)
+        for position, grad in zip(call.output_positions, call.grads, strict=True):
+            cotangents[position] = grad
+        batched = rows.per_task or rows.index is not None
+        if rows.per_task:  # [R, *output shape] -> [R, N, ...]
+            cotangents = [
+                c if c is None or (j == 0 and module.batch_first) else c.transpose(1, 2)
+                for j, c in enumerate(cotangents)
+            ]
+        elif batched:  # [k N, ...] -> [k, N, ...] (row c N + i: sample i)
+            cotangents = [
+                None if c is None else c.reshape(-1, rows.num_samples, *c.shape[1:])
+                for c in cotangents
+            ]
+        with torch.enable_grad():
+            row_grads = replay.row_grads(cotangents, batched)
+        terms = {}
+        for (suffix, u_ih, u_hh, _, _), (da, dc) in zip(replay.parts, row_grads, strict=True):
+            terms[suffix] = (u_ih.detach(), u_hh.detach(), da, dc)
+        return terms
+
+
+for _type in _TYPES:
+    register_rule(_type, RecurrentRule())
