@@ -282,3 +282,17 @@ def test_attention_mask_matches_torch() -> None:
         _, _, o, _ = _attention._projection_terms(model.attn, call, rows)
         w, b = model.attn.out_proj.weight, model.attn.out_proj.bias
         torch.testing.assert_close(torch.nn.functional.linear(o, w, b), out.detach())
+
+
+def test_weights_changed_in_place_since_the_forward_are_refused() -> None:
+    """The closed form reads the projection weights: changed since the forward, they are not
+    the ones the forward used."""
+    attn = nn.MultiheadAttention(E, H, batch_first=True)
+    x = torch.randn(B, T, E)
+    with Engine(attn, batch_dim=0) as engine:
+        losses = attn(x, x, x, need_weights=False)[0].pow(2).sum(dim=(1, 2))
+        with torch.no_grad():
+            attn.out_proj.weight.mul_(2.0)
+        with pytest.raises(RuntimeError, match="modified in place"):
+            engine.backward(losses, MeanWeighting())
+    assert attn.in_proj_weight.grad is None

@@ -3,6 +3,7 @@ rule refuses."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -13,7 +14,7 @@ from torch.nn.utils.rnn import pack_padded_sequence
 from jacflow.aggregation import MeanWeighting
 from jacflow.autogram import Engine
 from tests.autogram._zoo import Built, Case
-from tests.autogram.test_engine import check_case
+from tests.autogram.test_engine import check_case, reference_jacobian
 
 B, T, D, H = 3, 5, 3, 4
 
@@ -121,8 +122,111 @@ def test_refusals_leave_grads_untouched() -> None:
             engine.backward(losses, MeanWeighting())
     gru = nn.GRU(D, H, batch_first=True)
     packed = pack_padded_sequence(x, torch.tensor([5, 3, 2]), batch_first=True)
-    with Engine(gru, batch_dim=None) as engine:
-        losses = gru(packed)[1].pow(2).sum().reshape(1)
-        with pytest.raises(ValueError, match="packed sequences"):
-            engine.backward(losses, MeanWeighting())
+    for batch_dim in (0, None):  # (per sample, before the outputs' batch-size check)
+        with Engine(gru, batch_dim=batch_dim) as engine:
+            h_n = gru(packed)[1]
+            losses = h_n.pow(2).sum((0, 2)) if batch_dim == 0 else h_n.pow(2).sum().reshape(1)
+            with pytest.raises(ValueError, match="packed sequences"):
+                engine.backward(losses, MeanWeighting())
     assert all(p.grad is None for p in [*lstm.parameters(), *gru.parameters()])
+
+
+def _tied(kind: str, slot: str, to: str) -> Callable[[torch.dtype], Built]:
+    def build(dtype: torch.dtype) -> Built:
+        torch.manual_seed(0)
+        model = _Sequence(kind, False, None, num_layers=2, bidirectional=True, batch_first=True)
+        model.to(dtype)
+        setattr(model.rnn, slot, getattr(model.rnn, to))  # one tensor in two slots
+        x = torch.randn(B, T, D, dtype=dtype)
+        return model, (model,), lambda: model(x)
+
+    return build
+
+
+@pytest.mark.parametrize("batch_dim", [0, None])
+@pytest.mark.parametrize(
+    ("slot", "to"), [("weight_hh_l0_reverse", "weight_hh_l0"), ("bias_ih_l1", "bias_ih_l0")]
+)
+def test_slots_sharing_a_tensor(slot: str, to: str, batch_dim: int | None) -> None:
+    """A tensor in two slots is one parameter: its per-row gradient is the sum of the slots'."""
+    build = _tied("GRU", slot, to)
+    if batch_dim is None:
+
+        def build_tasks(dtype: torch.dtype) -> Built:
+            model, modules, forward = build(dtype)
+            return model, modules, lambda: forward()[:2] * torch.tensor([1.0, -0.5])
+
+        check_case(Case("tied_tasks", build_tasks, None), torch.float64)
+    else:
+        check_case(Case("tied", build), torch.float64)
+
+
+def test_module_around_a_recurrent_layer() -> None:
+    """A module with parameters of its own (a learned initial state) around a GRU goes to the
+    generic rule: refused per sample when the engine is built, exact per task."""
+
+    class LearnedStart(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.h0 = nn.Parameter(torch.zeros(1, 1, H, dtype=torch.float64))
+            self.gru = nn.GRU(D, H, batch_first=True).double()
+
+        def forward(self, x: Tensor) -> Tensor:
+            out, _ = self.gru(x, self.h0.expand(1, x.shape[0], H).contiguous())
+            return out.pow(2).sum((1, 2))
+
+    torch.manual_seed(0)
+    model = LearnedStart()
+    with pytest.raises(ValueError, match=r"LearnedStart.gru is a GRU under the generic rule"):
+        Engine(model, batch_dim=0)
+    x = torch.randn(B, T, D, dtype=torch.float64)
+    case = Case("learned_start_tasks", lambda dt: (model, (model,), lambda: model(x)[:2]), None)
+    check_case(case, torch.float64)
+
+
+def test_unbatched_input_per_task() -> None:
+    lstm = nn.LSTM(D, H).double()
+    x = torch.randn(T, D, dtype=torch.float64)
+    case = Case("unbatched", lambda dt: (lstm, (lstm,), lambda: lstm(x)[0][-2:].sum(1)), None)
+    check_case(case, torch.float64)
+
+
+def test_modes_and_weights_as_the_forward_saw_them() -> None:
+    """Dropout is judged by the forward's mode, not the step's; weights changed in place since
+    the forward are refused (the replay would read other weights)."""
+    torch.manual_seed(0)
+    lstm = nn.LSTM(D, H, num_layers=2, dropout=0.5, batch_first=True).double()
+    x = torch.randn(B, T, D, dtype=torch.float64)
+    with Engine(lstm, batch_dim=0) as engine:
+        losses = lstm(x)[0].pow(2).sum((1, 2))  # training mode: dropout applied
+        lstm.eval()
+        with pytest.raises(RuntimeError, match="dropout"):
+            engine.compute_gramian(losses)
+        losses = lstm(x)[0].pow(2).sum((1, 2))  # eval mode: no dropout
+        lstm.train()
+        jacobian = reference_jacobian(losses, list(lstm.parameters()))
+        torch.testing.assert_close(engine.compute_gramian(losses), jacobian @ jacobian.T)
+        lstm.eval()
+        losses = lstm(x)[0].pow(2).sum((1, 2))
+        with torch.no_grad():
+            lstm.weight_hh_l0.mul_(1.5)
+        with pytest.raises(RuntimeError, match="modified in place"):
+            engine.backward(losses, MeanWeighting())
+    assert all(p.grad is None for p in lstm.parameters())
+
+
+def test_lstm_initial_state_under_autocast() -> None:
+    """The initial states inside the (h0, c0) tuple come in bfloat16 under autocast: the replay
+    takes them in the weights' dtype."""
+    torch.manual_seed(0)
+    init, lstm = nn.Linear(D, H), nn.LSTM(D, H, batch_first=True)
+    x = torch.randn(B, T, D)
+    with Engine(init, lstm, batch_dim=0) as engine:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            h0 = torch.tanh(init(x[:, 0]))[None]
+            losses = lstm(x, (h0, h0)).__getitem__(0).float().pow(2).sum((1, 2))
+        gramian = engine.compute_gramian(losses)
+        jacobian = reference_jacobian(losses, [*init.parameters(), *lstm.parameters()])
+    reference = jacobian @ jacobian.T
+    assert gramian.dtype == torch.float32
+    assert ((gramian - reference).abs().max() / reference.abs().max()) < 0.05

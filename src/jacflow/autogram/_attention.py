@@ -213,7 +213,7 @@ class AttentionRule(Rule):
                 "the per-sample engine (batch_dim=0) reads it on dimension 0. Build it with "
                 "batch_first=True, or use batch_dim=None."
             )
-        if module.training and module.dropout > 0:
+        if module.dropout > 0 and any(call.trained(module) for call in calls):
             raise RuntimeError(
                 f"nn.MultiheadAttention(dropout={module.dropout}) drops attention weights at "
                 "random in training mode, which the engine cannot replay to compute the "
@@ -222,6 +222,8 @@ class AttentionRule(Rule):
             )
         if not _covered(module, params, calls):
             return _GENERIC.prepare(module, params, calls, rows)
+        for call in calls:
+            call.check_weights_unchanged()
         terms = [_projection_terms(module, call, rows) for call in calls]
         x, d_in, o, g = (list(t) for t in zip(*terms, strict=True))
         assert module.in_proj_weight is not None

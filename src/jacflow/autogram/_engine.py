@@ -12,6 +12,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from jacflow.aggregation import GramianWeighting
 from jacflow.autogram._buffers import GradientBuffers, worth_reusing
+from jacflow.autogram._fallback import FallbackRule
 from jacflow.autogram._hooks import Recorder, Unit, find_units
 from jacflow.autogram._precision import upcast, without_autocast
 from jacflow.autogram._recurrent import covered
@@ -54,6 +55,24 @@ def _check_modules(modules: tuple[nn.Module, ...], batch_dim: int | None) -> Non
                     "of a batch, so per-sample gradients cannot be read from one backward. "
                     "Replace it (e.g. by GroupNorm or LayerNorm), call .eval() on it, or use "
                     "batch_dim=None."
+                )
+
+
+def _check_generic_units(units: list[Unit]) -> None:
+    """Per sample, the generic rule re-runs its module sample by sample under ``vmap``, which
+    torch's fused recurrent kernels do not support: refuse a recurrent layer under it (inside a
+    module with parameters of its own, or parametrised)."""
+    for unit in units:
+        if not isinstance(unit.rule, FallbackRule):
+            continue
+        for name, sub in unit.module.named_modules():
+            if isinstance(sub, nn.RNNBase):
+                where = f"{unit.name}.{name}" if name else unit.name
+                raise ValueError(
+                    f"{where} is a {type(sub).__name__} under the generic rule (inside a module "
+                    f"with parameters of its own, or parametrised), which cannot re-run it "
+                    "sample by sample with batch_dim=0. Move those parameters into a module of "
+                    "their own (e.g. a learned initial state), or use batch_dim=None."
                 )
 
 
@@ -135,6 +154,8 @@ class Engine:
         _check_modules(modules, batch_dim)
         self.batch_dim = batch_dim
         self._units: list[Unit] = find_units(modules)
+        if batch_dim is not None:
+            _check_generic_units(self._units)
         self._recorder = Recorder()
         self._removed = False
         # reused .grad memory, for the steps whose new gradients outweigh what they captured
@@ -336,6 +357,7 @@ class Engine:
             if all(g is None for g in call_grads):
                 continue
             unit = self._units[index]
+            unit.rule.validate(unit.module, call, rows)
             dims = [unit.rule.output_batch_dim(unit.module, j) for j in call.output_positions]
             _check_batch(unit, call, rows, dims)
             _check_versions(call)

@@ -154,6 +154,8 @@ class Recorder:
             edges=[get_gradient_edge(leaves[j]) for j in positions],
             versions=[(t, t._version) for t in inputs if isinstance(t, Tensor)],
             autocast=autocast_state(leaves[positions[0]].device.type),
+            training=module.training,
+            weight_versions=[(p, p._version) for p in module.parameters()],
         )
         self.calls.append((index, call))
 

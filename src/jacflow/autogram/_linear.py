@@ -260,9 +260,8 @@ def linear_part(
     """A Linear contribution of ``weight`` (and its bias) from the inputs ``us`` and output
     gradients ``grads`` of every call (joined along the positions: their gradients add up), with
     the names of the two parameters that are in ``params``."""
-    d, p = weight.shape[1], weight.shape[0]
-    u = torch.cat([x.reshape(rows.num_samples, -1, 1, d) for x in us], dim=1)
-    bp = torch.cat([g.reshape(rows.num_rows, -1, 1, p) for g in grads], dim=1)
+    u = torch.cat([x.reshape(rows.num_samples, -1, 1, x.shape[-1]) for x in us], dim=1)
+    bp = torch.cat([g.reshape(rows.num_rows, -1, 1, g.shape[-1]) for g in grads], dim=1)
     weight_name, bias_name = (n if n in params else None for n in names)
     part = UnfoldedContribution(u, bp, rows, weight.shape, weight_name, bias_name)
     return {n for n in names if n in params}, part

@@ -11,10 +11,11 @@ its own, so per-sample mode needs no re-run per sample, which ``vmap`` cannot do
 fused recurrent kernels.
 
 Covered: every layer count, both directions, with or without biases, ``batch_first`` either
-way, a given initial state. Refused with a clear error: packed sequences, unbatched inputs in
-per-sample mode, dropout between layers in training mode (its random mask cannot be replayed),
-and (per sample) LSTM projections; per task, the projections and a subclass with its own
-``forward`` go to the generic rule.
+way, a given initial state, weights tied between slots. Refused with a clear error: packed
+sequences, unbatched inputs in per-sample mode, dropout between layers in a training-mode
+forward (its random mask cannot be replayed), weights changed in place since the forward, and
+(per sample) LSTM projections; per task, the projections, unbatched inputs and a subclass with
+its own ``forward`` go to the generic rule.
 """
 
 from __future__ import annotations
@@ -82,10 +83,11 @@ class _Replay:
         if hx is None:
             h0 = x.new_zeros(shape)
             c0 = x.new_zeros(shape) if lstm else None
-        elif lstm:  # [L D, N, H], as the module takes them
-            h0, c0 = hx[0].detach(), hx[1].detach()
+        elif lstm:  # [L D, N, H], as the module takes them (in the weights' dtype: the
+            # upcast of a call made under autocast does not reach into the tuple)
+            h0, c0 = hx[0].detach().to(x.dtype), hx[1].detach().to(x.dtype)
         else:
-            h0 = hx.detach()
+            h0 = hx.detach().to(x.dtype)
         self.parts: list[tuple[str, Tensor, Tensor, Tensor, list[Tensor]]] = []
         layer_input, last_h, last_c = x.detach(), [], []
         for layer in range(module.num_layers):
@@ -150,6 +152,38 @@ class _Replay:
         return out
 
 
+def _input(call: Call) -> Any:
+    """The recorded input: a tensor, or a packed sequence (refused in ``validate``)."""
+    return call.args[0] if call.args else call.kwargs.get("input")
+
+
+def _grouped(
+    keys: list[str], module: nn.RNNBase, params: dict[str, Tensor]
+) -> list[tuple[list[str], tuple[str, str]]]:
+    """The slots (``ih_l0``, ``hh_l0_reverse``, ...) whose Linear parts are joined, with the
+    names of the weight and bias they give gradients to.
+
+    Untied, each slot is one part (its weight and its bias). A tensor filling several slots
+    (``weight_hh_l0_reverse = weight_hh_l0``) is one parameter whose per-row gradient is the
+    sum of those slots': its slots are joined along the time positions, the weights and the
+    biases grouped apart (``params`` names each tensor once).
+    """
+    name_of = {id(t): name for name, t in params.items()}
+    weights = [getattr(module, f"weight_{k}") for k in keys]
+    biases = [getattr(module, f"bias_{k}") if module.bias else None for k in keys]
+    tied = len({id(w) for w in weights}) < len(keys) or (
+        module.bias and len({id(b) for b in biases}) < len(keys)
+    )
+    if not tied:
+        return [([k], (f"weight_{k}", f"bias_{k}")) for k in keys]
+    groups: dict[tuple[str, str], list[str]] = {}
+    for key, weight, bias in zip(keys, weights, biases, strict=True):
+        groups.setdefault((name_of.get(id(weight), ""), ""), []).append(key)
+        if bias is not None:
+            groups.setdefault(("", name_of.get(id(bias), "")), []).append(key)
+    return [(slots, names) for names, slots in groups.items() if any(names)]
+
+
 class RecurrentRule(Rule):
     """``nn.RNN``, ``nn.LSTM``, ``nn.GRU``: every weight as a Linear layer over the time steps
     (see the module docstring)."""
@@ -158,11 +192,27 @@ class RecurrentRule(Rule):
         assert isinstance(module, nn.RNNBase)
         return 0 if position == 0 and module.batch_first else 1  # h_n, c_n: [L D, N, H]
 
+    def validate(self, module: nn.Module, call: Call, rows: Rows) -> None:
+        x = _input(call)
+        if not isinstance(x, Tensor):
+            raise ValueError(
+                f"{type(module).__name__} received a {type(x).__name__}: the engine needs the "
+                "padded batch as a tensor (packed sequences are not supported); pad the "
+                "sequences and mask the losses of the padded steps instead."
+            )
+        if not rows.per_task and x.dim() != 3:
+            raise ValueError(
+                f"{type(module).__name__} received an unbatched input of shape "
+                f"{tuple(x.shape)}: the per-sample engine (batch_dim=0) needs a batch "
+                "dimension."
+            )
+
     def prepare(
         self, module: nn.Module, params: dict[str, Tensor], calls: list[Call], rows: Rows
     ) -> Contribution:
         assert isinstance(module, nn.RNNBase)
-        if not covered(module):
+        unbatched = any(_input(call).dim() != 3 for call in calls)
+        if not covered(module) or (rows.per_task and unbatched):
             if rows.per_task:
                 return _GENERIC.prepare(module, params, calls, rows)
             raise ValueError(
@@ -170,7 +220,8 @@ class RecurrentRule(Rule):
                 "own has no closed form, and the per-sample engine (batch_dim=0) cannot re-run "
                 "it sample by sample. Use batch_dim=None, or jacflow.autojac.backward."
             )
-        if module.training and module.dropout > 0 and module.num_layers > 1:
+        dropped = module.dropout > 0 and module.num_layers > 1
+        if dropped and any(call.trained(module) for call in calls):
             raise RuntimeError(
                 f"{type(module).__name__}(dropout={module.dropout}) drops values between its "
                 "layers at random in training mode, which the engine cannot replay to compute "
@@ -179,15 +230,19 @@ class RecurrentRule(Rule):
         inputs: dict[str, list[Tensor]] = {}
         grads: dict[str, list[Tensor]] = {}
         for call in calls:
+            call.check_weights_unchanged()
             for suffix, (u_ih, u_hh, da, dc) in self._terms(module, call, rows).items():
                 for kind, u, d in (("ih", u_ih, da), ("hh", u_hh, dc)):
                     inputs.setdefault(kind + suffix, []).append(u)
                     grads.setdefault(kind + suffix, []).append(d)
         parts: list[tuple[set[str], UnfoldedContribution]] = []
-        for key in inputs:
-            names = (f"weight_{key}", f"bias_{key}")
-            weight = getattr(module, names[0])
-            part = linear_part(inputs[key], grads[key], rows, weight, names, params)
+        for slots, names in _grouped(list(inputs), module, params):
+            weight = getattr(module, f"weight_{slots[0]}")
+            # (a bias alone reads no input: one column keeps the positions of slots whose
+            # inputs differ in width)
+            us = [u if names[0] else u[..., :1] for key in slots for u in inputs[key]]
+            ds = [d for key in slots for d in grads[key]]
+            part = linear_part(us, ds, rows, weight, names, params)
             if part[0]:
                 parts.append(part)
         return JoinedLinear(parts)
@@ -197,19 +252,8 @@ class RecurrentRule(Rule):
     ) -> dict[str, tuple[Tensor, Tensor, Tensor, Tensor]]:
         """Per layer and direction (``_l{k}[_reverse]``): the inputs of ``W_ih`` and ``W_hh``
         (batch first) and their rows' output gradients."""
-        x = call.args[0] if call.args else call.kwargs.get("input")
+        x = _input(call)
         hx = call.args[1] if len(call.args) > 1 else call.kwargs.get("hx")
-        if not isinstance(x, Tensor):
-            raise ValueError(
-                f"{type(module).__name__} received a {type(x).__name__}: the engine needs the "
-                "padded batch as a tensor (packed sequences are not supported); pad the "
-                "sequences and mask the losses of the padded steps instead."
-            )
-        if x.dim() != 3:
-            raise ValueError(
-                f"{type(module).__name__} received an unbatched input of shape "
-                f"{tuple(x.shape)}; give it a batch dimension."
-            )
         if not module.batch_first:
             x = x.transpose(0, 1)
         with torch.enable_grad():  # (the engine prepares under no_grad)

@@ -99,6 +99,25 @@ class Call:
     grads: list[Tensor | None] = field(default_factory=list)
     # ``(device type, dtype)`` of the autocast the forward ran under, else ``None``
     autocast: tuple[str, torch.dtype] | None = None
+    # the module's training mode during the forward (``None``: not recorded)
+    training: bool | None = None
+    # the versions of the module's parameters at the forward, for the rules that read them
+    weight_versions: list[tuple[Tensor, int]] = field(default_factory=list)
+
+    def trained(self, module: nn.Module) -> bool:
+        """Whether the forward ran in training mode (the module's mode now, if unrecorded)."""
+        return module.training if self.training is None else self.training
+
+    def check_weights_unchanged(self) -> None:
+        """Raise if a parameter of the module was modified in place since the forward (for a
+        closed form that reads the parameters: it would differentiate other weights than the
+        forward used)."""
+        if any(t._version != version for t, version in self.weight_versions):
+            raise RuntimeError(
+                "A parameter of a hooked module was modified in place between the forward and "
+                "the Jacobian-descent step; the Gramian needs the weights the forward used. "
+                "Run the step before changing them."
+            )
 
     def grad(self, j: int = 0) -> Tensor:
         """Gradient of the rows w.r.t. output ``j``, zeros when the output was unused."""
@@ -208,6 +227,28 @@ class Rule(ABC):
     def covers_children(self) -> bool:
         """Whether the rule covers the parameters of the module's children too."""
         return False
+
+    def validate(self, module: nn.Module, call: Call, rows: Rows) -> None:
+        """Refuse a reached call that the rule cannot handle, with its own message, before
+        the engine's checks of the outputs' batch size (default: accept).
+
+        Example:
+            >>> import torch
+            >>> from torch import nn
+            >>> from jacflow.autogram import Call, Rows, Rule
+            >>> class TensorsOnly(Rule):
+            ...     def prepare(self, module, params, calls, rows):
+            ...         raise NotImplementedError
+            ...     def validate(self, module, call, rows):
+            ...         if not isinstance(call.args[0], torch.Tensor):
+            ...             raise ValueError("expected a tensor input")
+            >>> call = Call(([1.0],), {}, [0], [torch.Size([1])], [None], [])
+            >>> TensorsOnly().validate(nn.Identity(), call, Rows(1, 1, None, per_task=False))
+            Traceback (most recent call last):
+            ...
+            ValueError: expected a tensor input
+        """
+        return None  # (every call is accepted by default)
 
     def output_batch_dim(self, module: nn.Module, position: int) -> int:
         """The batch dimension of the module's output leaf ``position`` (per-sample mode);
