@@ -1,7 +1,8 @@
 """autogram speed and memory: jacflow's Gramian engine vs an SGD step vs TorchJD 0.18, one run.
 
 Per-sample losses (IWRM, m = B): one step = zero grads + forward + JD update + ``SGD.step``,
-on ``--models`` (default ``mlp256,mlp1024,cnn``; also ``transformer``, one encoder layer).
+on ``--models`` (default ``mlp256,mlp1024,cnn``; also ``transformer``, one encoder layer, and
+``lstm`` and ``gru``, a recurrent layer and a head, which TorchJD's autogram refuses).
 
 * ``sgd``: ``cross_entropy(reduction="mean").backward()``;
 * ``jacflow``: ``jacflow.autogram.Engine(model, batch_dim=0).backward(losses, UPGradWeighting())``
@@ -103,6 +104,22 @@ def transformer() -> nn.Module:
     )
 
 
+class Recurrent(nn.Module):
+    """A recurrent layer (64 -> 128) over 16 steps and a linear head on the last step."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.rnn = {"lstm": nn.LSTM, "gru": nn.GRU}[kind](64, 128, batch_first=True)
+        self.head = nn.Linear(128, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.rnn(x)[0][:, -1])
+
+
+# per-sample models that TorchJD 0.18's autogram refuses (its engine rejects RNNBase modules)
+RECURRENT = ("lstm", "gru")
+
+
 def iwrm_problem(
     model_name: str, batch: int, device: str = "cpu"
 ) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
@@ -112,6 +129,8 @@ def iwrm_problem(
         model, x = cnn(), torch.randn(batch, 3, 32, 32)
     elif model_name == "transformer":
         model, x = transformer(), torch.randn(batch, 16, 128)
+    elif model_name in RECURRENT:
+        model, x = Recurrent(model_name), torch.randn(batch, 16, 64)
     else:
         width = int(model_name.removeprefix("mlp"))
         model, x = mlp(width), torch.randn(batch, width)
@@ -416,7 +435,7 @@ def main() -> None:
     batches = [32, 64] if args.quick else [32, 64, 128]
     for model_name in models:
         for batch in batches:
-            methods = ["sgd", "jacflow", "tjd_autogram"]
+            methods = ["sgd", "jacflow"] + ([] if model_name in RECURRENT else ["tjd_autogram"])
             wide = model_name.startswith("mlp") and int(model_name[3:]) >= 1024
             if not wide or batch <= 64:  # (its Jacobian: 128 rows of 3M+ parameters)
                 methods.append("tjd_autojac")
@@ -441,17 +460,22 @@ def main() -> None:
                     f"{(times['jacflow'] - qp) / sgd:.2f}x",
                     ratio["jacflow"],
                     alone,
-                    ratio["tjd_autogram"],
+                    ratio.get("tjd_autogram", "refused"),
                     ratio.get("tjd_autojac", "-"),
-                    f"{times['tjd_autogram'] / times['jacflow']:.0f}x",
+                    f"{times['tjd_autogram'] / times['jacflow']:.0f}x"
+                    if "tjd_autogram" in times
+                    else "-",
                 ]
             )
             print(iwrm_rows[-1], flush=True)
             if not args.no_memory:
                 iwrm_mem.append(
                     [model_name, str(batch)]
-                    + [f"{memory({**spec, 'method': m}):.0f}" for m in methods]
-                    + (["-"] if len(methods) == 3 else [])
+                    + [f"{memory({**spec, 'method': m}):.0f}" for m in methods[:2]]
+                    + [
+                        f"{memory({**spec, 'method': m}):.0f}" if m in methods else "-"
+                        for m in ("tjd_autogram", "tjd_autojac")
+                    ]
                 )
                 print(iwrm_mem[-1], flush=True)
 
