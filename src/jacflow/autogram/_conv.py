@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules.conv import _ConvNd
 
-from jacflow.autogram._linear import ghost_cost, ghost_gramian
+from jacflow.autogram._linear import PER_ROW_SLOWDOWN, ghost_cost, ghost_gramian
 from jacflow.autogram._rules import (
     Call,
     Contribution,
@@ -100,12 +100,9 @@ def _conv_weight_grad(
 
 # oneDNN's convolution kernels work on blocks of 16 channels (one AVX-512 register of float32),
 # so a grouped convolution with fewer channels per group pays for the padded block; a batched
-# matmul on unfolded inputs has no such padding but, with its small per-sample ``[d, p]``
-# products, runs about four times slower per multiply-add than the convolution kernel (measured
-# on the benchmark CNN's layers, 1 thread; in per-task mode it is one large product, at full
-# speed). Both constants only pick between exact routes.
+# matmul on unfolded inputs has no such padding but runs its small per-sample products slower
+# (PER_ROW_SLOWDOWN). The constant only picks between exact routes.
 _CHANNEL_BLOCK = 16
-_MATMUL_SLOWDOWN = 4
 
 
 def _blocked(channels: int) -> int:
@@ -124,7 +121,7 @@ def unfolded_cost(rows: Rows, positions: int, groups: int, d: int, p: int) -> in
     """Cost of the per-row gradients by unfolding and one batched matmul, and of their
     Gramian: the products, the copy of the unfolded inputs, and the Gramian."""
     r, s = rows.num_rows, rows.num_samples
-    products = (1 if rows.per_task else _MATMUL_SLOWDOWN) * r * positions * d * p
+    products = (1 if rows.per_task else PER_ROW_SLOWDOWN) * r * positions * d * p
     return groups * (products + s * positions * d + r * r * d * p)
 
 

@@ -44,10 +44,21 @@ def ghost_cost(rows: Rows, positions: int, groups: int, d: int, p: int) -> int:
     return groups * ((s * t) ** 2 * d + (r * t) ** 2 * p)
 
 
+# Per-sample gradients come from one batched matmul of small per-sample ``[p, T] x [T, d]``
+# products, writing ``R p d`` values: about four times slower per multiply-add than the large
+# products of the ghost Gramian or of the convolution kernels (measured, 1 thread: the
+# benchmark CNN's layers; a transformer encoder's feed-forward layers on 16 positions, where
+# the ghost form took 0.79x the step at B = 32 and tied at B = 64). In per-task mode they are
+# one large product, at full speed. It only picks between exact routes.
+PER_ROW_SLOWDOWN = 4
+
+
 def materialized_cost(rows: Rows, positions: int, groups: int, d: int, p: int) -> int:
-    """Multiply-adds of materialising the per-row gradients and their Gramian."""
+    """Multiply-adds of materialising the per-row gradients and their Gramian, the first
+    weighted by :data:`PER_ROW_SLOWDOWN` per sample."""
     r = rows.num_rows
-    return groups * (r * positions * d * p + r * r * d * p)
+    products = (1 if rows.per_task else PER_ROW_SLOWDOWN) * r * positions * d * p
+    return groups * (products + r * r * d * p)
 
 
 def ghost_gramian(u: Tensor, bp: Tensor, rows: Rows, with_bias: bool = False) -> Tensor:
