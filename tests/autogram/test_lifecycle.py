@@ -316,3 +316,27 @@ def test_child_called_outside_its_covering_unit_is_refused() -> None:
             losses = forward()
             jacobian = reference_jacobian(losses, list(module.parameters()))
             torch.testing.assert_close(engine.compute_gramian(losses), jacobian @ jacobian.T)
+
+
+@pytest.mark.parametrize("batch_dim", [0, None])
+@pytest.mark.parametrize("child_first", [False, True])
+def test_module_given_twice_through_a_covering_unit(
+    batch_dim: int | None, child_first: bool
+) -> None:
+    """A child given on its own besides the module whose rule covers it (in either order) is
+    that module's: counted once, not as a tied weight used twice."""
+    gate = _Gate()
+    modules = (gate.inner, gate) if child_first else (gate, gate.inner)
+    x = torch.randn(4, 3, dtype=torch.float64)
+    with Engine(*modules, batch_dim=batch_dim) as engine:
+        out = gate(x)
+        losses = out.pow(2).sum(1) if batch_dim == 0 else torch.stack([out.sum(), out.pow(2).sum()])
+        jacobian = reference_jacobian(losses, list(gate.parameters()))
+        torch.testing.assert_close(engine.compute_gramian(losses), jacobian @ jacobian.T)
+
+
+def test_attention_out_projection_alone_is_refused() -> None:
+    attention = nn.MultiheadAttention(4, 2, batch_first=True)
+    with pytest.raises(ValueError, match=r"out-projection of an nn\.MultiheadAttention"):
+        Engine(nn.Linear(4, 4), attention.out_proj, batch_dim=0)
+    Engine(attention, attention.out_proj, batch_dim=0).remove()  # (the attention covers it)

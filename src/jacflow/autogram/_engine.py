@@ -109,7 +109,9 @@ class Engine:
     RNN, LSTM, GRU), or, for other modules, each one with direct trainable parameters (a
     generic ``torch.func`` rule covering it and its children). Each grad-enabled forward call
     is recorded; the calls that the losses do not reach (stray or evaluation forwards) are
-    ignored and dropped at the next step.
+    ignored and dropped at the next step. A parameter is seen through the hooked modules'
+    calls only: one also used by a module outside them (a weight tied to an unhooked layer)
+    gets only its uses inside them counted, so hook every module that uses it.
 
     Under mixed precision (``torch.autocast``), the recorded inputs and output gradients of a
     layer with a closed form are taken in its parameters' dtype, other modules are re-run under

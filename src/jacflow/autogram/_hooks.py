@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.autograd.graph import get_gradient_edge
+from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 from torch.nn.utils.parametrize import is_parametrized
 from torch.utils._pytree import tree_flatten
 from torch.utils.hooks import RemovableHandle
@@ -80,6 +81,23 @@ def find_units(modules: tuple[nn.Module, ...]) -> list[Unit]:
 
     for i, module in enumerate(modules):
         visit(f"modules[{i}]" if len(modules) > 1 else type(module).__name__, module)
+    # a module under a unit that covers its children (also given on its own, in any order)
+    # is that unit's: a second unit would count its parameters twice
+    covered = {
+        id(sub)
+        for unit in units
+        if unit.rule.covers_children()
+        for sub in unit.module.modules()
+        if sub is not unit.module
+    }
+    units = [unit for unit in units if id(unit.module) not in covered]
+    for unit in units:
+        if isinstance(unit.module, NonDynamicallyQuantizableLinear):
+            raise ValueError(
+                f"{unit.name} is the out-projection of an nn.MultiheadAttention: the attention "
+                "module uses its weight without calling it, so hooked on its own it would see "
+                "none of its uses. Hook the attention module instead."
+            )
     return units
 
 
