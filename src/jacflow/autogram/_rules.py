@@ -105,13 +105,36 @@ class Call:
     weight_versions: list[tuple[Tensor, int]] = field(default_factory=list)
 
     def trained(self, module: nn.Module) -> bool:
-        """Whether the forward ran in training mode (the module's mode now, if unrecorded)."""
+        """Whether the forward ran in training mode (the module's mode now, if unrecorded).
+
+        Example:
+            >>> import torch
+            >>> from torch import nn
+            >>> from jacflow.autogram import Call
+            >>> call = Call((), {}, [0], [torch.Size([1])], [None], [], training=False)
+            >>> call.trained(nn.Dropout().train())
+            False
+        """
         return module.training if self.training is None else self.training
 
     def check_weights_unchanged(self) -> None:
         """Raise if a parameter of the module was modified in place since the forward (for a
         closed form that reads the parameters: it would differentiate other weights than the
-        forward used)."""
+        forward used).
+
+        Example:
+            >>> import torch
+            >>> from jacflow.autogram import Call
+            >>> weight = torch.ones(2)
+            >>> call = Call((), {}, [0], [torch.Size([1])], [None], [])
+            >>> call.weight_versions = [(weight, weight._version)]
+            >>> call.check_weights_unchanged()  # unchanged: nothing happens
+            >>> _ = weight.mul_(2)
+            >>> call.check_weights_unchanged()
+            Traceback (most recent call last):
+            ...
+            RuntimeError: A parameter of a hooked module was modified in place between the ...
+        """
         if any(t._version != version for t, version in self.weight_versions):
             raise RuntimeError(
                 "A parameter of a hooked module was modified in place between the forward and "
