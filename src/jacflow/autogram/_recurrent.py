@@ -75,6 +75,7 @@ class _Replay:
     previous states ``h_{t-1}``, ``a = W_ih x + b_ih`` for all steps and every step's ``c_t``."""
 
     def __init__(self, module: nn.RNNBase, x: Tensor, hx: Any) -> None:
+        self.mode = module.mode
         directions = 2 if module.bidirectional else 1
         n, steps, size = x.shape[0], x.shape[1], module.hidden_size
         lstm = module.mode == "LSTM"
@@ -129,12 +130,14 @@ class _Replay:
         self, cotangents: list[Tensor | None], batched: bool
     ) -> list[tuple[Tensor, Tensor]]:
         """``(da, dc)`` per layer and direction, ``[*, N, T, G H]``, from the rows' gradients
-        of the outputs (``batched``: with a leading row dimension)."""
+        of the outputs (``batched``: with a leading row dimension). Outside the GRU a cell
+        reads ``a + c`` only, so ``dc = da``: only the GRU's ``c_t`` are differentiated."""
         pairs = [(o, c) for o, c in zip(self.outputs, cotangents, strict=True) if c is not None]
-        inputs = [t for _, _, _, a, cs in self.parts for t in (a, *cs)]
+        own_c = self.mode == "GRU"
+        groups = [(a, cs if own_c else []) for _, _, _, a, cs in self.parts]
         grads = torch.autograd.grad(
             [o for o, _ in pairs],
-            inputs,
+            [t for a, cs in groups for t in (a, *cs)],
             [c for _, c in pairs],
             is_grads_batched=batched,
             allow_unused=True,
@@ -142,13 +145,13 @@ class _Replay:
         reference = next(c for c in cotangents if c is not None)
         lead = reference.shape[:1] if batched else ()
         out, cursor = [], 0
-        for _, _, _, a, cs in self.parts:
+        for a, cs in groups:
             group = [
                 g if g is not None else t.new_zeros(*lead, *t.shape)
                 for g, t in zip(grads[cursor : cursor + 1 + len(cs)], (a, *cs), strict=True)
             ]
             cursor += 1 + len(cs)
-            out.append((group[0], torch.stack(group[1:], -2)))
+            out.append((group[0], torch.stack(group[1:], -2) if own_c else group[0]))
         return out
 
 
