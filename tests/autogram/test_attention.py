@@ -279,7 +279,8 @@ def test_attention_mask_matches_torch() -> None:
         args, kwargs, out = calls[0]
         call = Call(args, kwargs, [0], [out.shape], [None], [], [torch.zeros_like(out)])
         rows = Rows(B, B, None, per_task=False)
-        _, _, o, _ = _attention._projection_terms(model.attn, call, rows)
+        args = _attention._arguments(call)
+        _, _, o, _ = _attention._projection_terms(model.attn, call, args, rows)
         w, b = model.attn.out_proj.weight, model.attn.out_proj.bias
         torch.testing.assert_close(torch.nn.functional.linear(o, w, b), out.detach())
 

@@ -52,18 +52,22 @@ def _arguments(call: Call) -> dict[str, Any]:
 _PROJECTIONS = frozenset({"in_proj_weight", "in_proj_bias", "out_proj.weight", "out_proj.bias"})
 
 
-def _covered(module: nn.MultiheadAttention, params: dict[str, Tensor], calls: list[Call]) -> bool:
-    """Whether every call is one the closed form reproduces exactly."""
+def _covered(
+    module: nn.MultiheadAttention,
+    params: dict[str, Tensor],
+    calls: list[Call],
+    arguments: list[dict[str, Any]],
+) -> bool:
+    """Whether every call (with its ``arguments``) is one the closed form reproduces exactly."""
     if type(module).forward is not nn.MultiheadAttention.forward:
         return False
     if not module._qkv_same_embed_dim or module.bias_k is not None or module.add_zero_attn:
         return False
     if not params.keys() <= _PROJECTIONS:  # e.g. a parametrised out_proj's parameters
         return False
-    for call in calls:
+    for call, args in zip(calls, arguments, strict=True):
         if call.autocast is not None or not set(call.output_positions) <= {0, 1}:
             return False
-        args = _arguments(call)
         if any(args[name].dim() != 3 for name in ("query", "key", "value")):
             return False
     return True
@@ -130,12 +134,12 @@ def _batch_first(t: Tensor, module: nn.MultiheadAttention) -> Tensor:
 
 
 def _projection_terms(
-    module: nn.MultiheadAttention, call: Call, rows: Rows
+    module: nn.MultiheadAttention, call: Call, args: dict[str, Any], rows: Rows
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``(x, d_in, o, g)`` of one call, batch first: the in-projection's input and its rows'
-    output gradients ``[dq, dk, dv]`` (positions of the query, then of the other inputs), the
-    out-projection's input ``o`` and its rows' output gradients ``g``."""
-    args = _arguments(call)
+    """``(x, d_in, o, g)`` of one call (``args``: its arguments by name), batch first: the
+    in-projection's input and its rows' output gradients ``[dq, dk, dv]`` (positions of the
+    query, then of the other inputs), the out-projection's input ``o`` and its rows' output
+    gradients ``g``."""
     heads = module.num_heads
     query, key, value = (_batch_first(args[n], module) for n in ("query", "key", "value"))
     w_in = module.in_proj_weight.detach()
@@ -220,11 +224,15 @@ class AttentionRule(Rule):
                 "Gramian. Build it with dropout=0.0 (dropout elsewhere in the model is fine), "
                 "or call .eval() on it."
             )
-        if not _covered(module, params, calls):
+        arguments = [_arguments(call) for call in calls]
+        if not _covered(module, params, calls, arguments):
             return _GENERIC.prepare(module, params, calls, rows)
         for call in calls:
             call.check_weights_unchanged()
-        terms = [_projection_terms(module, call, rows) for call in calls]
+        terms = [
+            _projection_terms(module, call, args, rows)
+            for call, args in zip(calls, arguments, strict=True)
+        ]
         x, d_in, o, g = (list(t) for t in zip(*terms, strict=True))
         assert module.in_proj_weight is not None
         parts = [

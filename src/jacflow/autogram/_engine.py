@@ -15,7 +15,7 @@ from jacflow.autogram._buffers import GradientBuffers, worth_reusing
 from jacflow.autogram._fallback import FallbackRule
 from jacflow.autogram._hooks import Recorder, Unit, find_units
 from jacflow.autogram._precision import upcast, without_autocast
-from jacflow.autogram._recurrent import covered
+from jacflow.autogram._recurrent import covered, uncovered_refusal
 from jacflow.autogram._rules import Call, Contribution, Rows, gram, quiet_vmap_fallback
 
 _COMPILE_HINT = (
@@ -43,12 +43,7 @@ def _check_modules(modules: tuple[nn.Module, ...], batch_dim: int | None) -> Non
             if batch_dim is None:
                 continue
             if isinstance(sub, nn.RNNBase) and not covered(sub):
-                raise ValueError(
-                    f"{where} is a {type(sub).__name__} with projections (proj_size > 0) or "
-                    "a forward of its own: no closed form covers it, and the per-sample engine "
-                    "(batch_dim=0) cannot re-run it sample by sample. Use batch_dim=None, or "
-                    "jacflow.autojac.backward."
-                )
+                raise uncovered_refusal(where, sub)
             if isinstance(sub, _BatchNorm) and sub.training:
                 raise ValueError(
                     f"{where} is a {type(sub).__name__} in training mode: it mixes the samples "

@@ -136,8 +136,10 @@ class Recorder:
     def _flag_outside(
         self, child: str, unit: str, depth: list[int], module: nn.Module, args: Any
     ) -> None:
-        trainable = any(p.requires_grad for p in module.parameters(recurse=False))
-        if depth[0] == 0 and torch.is_grad_enabled() and trainable:
+        # (inside the unit's forward, the usual case, nothing more is read)
+        if depth[0] or not torch.is_grad_enabled():
+            return
+        if any(p.requires_grad for p in module.parameters(recurse=False)):
             self.outside = (child, unit)
 
     def watch_coupling(self, name: str, module: nn.Module) -> None:

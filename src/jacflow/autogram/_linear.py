@@ -249,7 +249,7 @@ class JoinedLinear(Contribution):
         return next(part for owned, part in self.parts if name in owned).per_row_grads(name)
 
     def weighted_grads(self, weights: Tensor) -> dict[str, Tensor]:
-        return {k: v for _, part in self.parts for k, v in part.weighted_grads(weights).items()}
+        return self.weighted_grads_into(weights, lambda name, dtype: None)
 
     def weighted_grads_into(
         self, weights: Tensor, buffer_for: Callable[[str, torch.dtype], Tensor | None]

@@ -50,6 +50,22 @@ def covered(module: nn.RNNBase) -> bool:
     return own_forward and getattr(module, "proj_size", 0) == 0
 
 
+def uncovered_refusal(where: str, module: nn.RNNBase) -> ValueError:
+    """The error for a recurrent layer the closed form does not cover, per sample.
+
+    Example:
+        >>> from torch import nn
+        >>> from jacflow.autogram._recurrent import uncovered_refusal
+        >>> str(uncovered_refusal("rnn", nn.LSTM(3, 4, proj_size=2))).split(":")[0]
+        'rnn is a LSTM with projections (proj_size > 0) or a forward of its own'
+    """
+    return ValueError(
+        f"{where} is a {type(module).__name__} with projections (proj_size > 0) or a forward "
+        "of its own: no closed form covers it, and the per-sample engine (batch_dim=0) cannot "
+        "re-run it sample by sample. Use batch_dim=None, or jacflow.autojac.backward."
+    )
+
+
 def _cell(
     mode: str, a: Tensor, c: Tensor, h: Tensor, state: Tensor | None
 ) -> tuple[Tensor, Tensor | None]:
@@ -218,11 +234,7 @@ class RecurrentRule(Rule):
         if not covered(module) or (rows.per_task and unbatched):
             if rows.per_task:
                 return _GENERIC.prepare(module, params, calls, rows)
-            raise ValueError(
-                f"{type(module).__name__} with projections (proj_size > 0) or a forward of its "
-                "own has no closed form, and the per-sample engine (batch_dim=0) cannot re-run "
-                "it sample by sample. Use batch_dim=None, or jacflow.autojac.backward."
-            )
+            raise uncovered_refusal(type(module).__name__, module)  # (Engine refuses it first)
         dropped = module.dropout > 0 and module.num_layers > 1
         if dropped and any(call.trained(module) for call in calls):
             raise RuntimeError(
