@@ -155,10 +155,13 @@ def check_degenerate_inputs(make: Callable[[], Aggregator]) -> None:
 
 
 def check_device_and_dtype(make: Callable[[], Aggregator], device: str, dtype: torch.dtype) -> None:
-    """The aggregator follows its input's device and dtype and agrees with float64 on CPU."""
+    """The aggregator follows its input's device and dtype, whatever the default device (here
+    ``meta``, on which nothing can be computed), and agrees with float64 on CPU."""
     matrix = torch.randn(5, 7, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
     expected = make()(matrix)
-    out = make()(matrix.to(device=device, dtype=dtype))
+    aggregator = make()
+    with torch.device("meta"):
+        out = aggregator(matrix.to(device=device, dtype=dtype))
     assert out.device.type == torch.device(device).type and out.dtype == dtype
     tol = 1e-3 if dtype == torch.float32 else 1e-9
     torch.testing.assert_close(out.cpu().double(), expected, atol=tol, rtol=tol)

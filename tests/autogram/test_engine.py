@@ -229,3 +229,28 @@ def test_parametrized_weight_goes_to_the_generic_rule(bias: bool, batch_dim: int
     weights = engine.backward(model(x).pow(2).sum(1), UPGradWeighting())
     actual = torch.cat([p.grad.flatten() for p in params])  # type: ignore[union-attr]
     torch.testing.assert_close(actual, weights @ jacobian)
+
+
+DEFAULT_DEVICE_CASES = ["mlp_losses_Bk", "cnn", "transformer_block", "tasks_mlp", "tasks_cnn"]
+
+
+@pytest.mark.parametrize(
+    "case", [c for c in CASES if c.name in DEFAULT_DEVICE_CASES], ids=DEFAULT_DEVICE_CASES
+)
+def test_default_device_plays_no_part(case: Case) -> None:
+    """The Gramian, the UPGrad weights and the ``.grad`` follow the model's device, whatever the
+    default device (here ``meta``, on which nothing can be computed)."""
+    results = []
+    for default in ("cpu", "meta"):
+        torch.manual_seed(0)
+        _, modules, forward = case.build(torch.float64)
+        with Engine(*modules, batch_dim=case.batch_dim) as engine, torch.device(default):
+            gramian = engine.compute_gramian(forward())
+            weights = engine.backward(forward(), UPGradWeighting())
+        grads = [p.grad for p in hooked_params(modules)]
+        results.append((gramian, weights, grads))
+    (gramian, weights, grads), (gramian_m, weights_m, grads_m) = results
+    assert gramian_m.device.type == weights_m.device.type == "cpu"
+    torch.testing.assert_close(gramian_m, gramian, rtol=0, atol=0)
+    torch.testing.assert_close(weights_m, weights, rtol=0, atol=0)
+    torch.testing.assert_close(grads_m, grads, rtol=0, atol=0)

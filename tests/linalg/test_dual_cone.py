@@ -209,9 +209,13 @@ DEVICE_CASES += [(256, "psd")]
 def test_device_and_dtype(m: int, kind: str, device: str, dtype: torch.dtype) -> None:
     """On any device the solution keeps the input's device and dtype, is KKT-certified and gives
     the CPU float64 solution's ``G v``. On an accelerator, up to 128 objectives are solved on the
-    host (the CPU's bits, for this Gramian and for UPGrad's problems), above it on the device."""
+    host (the CPU's bits, for this Gramian and for UPGrad's problems), above it on the device.
+    The default device plays no part (here ``meta``, on which nothing can be computed)."""
     gramian, u = make_gramian(m, kind, 1.0, seed=m), upgrad_rows(m)
-    v = project_weights(u.to(device, dtype), gramian.to(device, dtype))
+    pref = torch.ones(m, dtype=dtype) / m
+    with torch.device("meta"):
+        v = project_weights(u.to(device, dtype), gramian.to(device, dtype))
+        diagonal = project_diagonal(pref.to(device), gramian.to(device, dtype))
     assert v.device.type == torch.device(device).type and v.dtype == dtype
     rounded = gramian.to(dtype).double()
     assert_kkt(v.cpu().double(), u, rounded, rtol=1e-6 if dtype == torch.float64 else 1e-4)
@@ -219,8 +223,6 @@ def test_device_and_dtype(m: int, kind: str, device: str, dtype: torch.dtype) ->
     g = rounded / rounded.trace()
     atol = 1e-9 if dtype == torch.float64 else 1e-5
     torch.testing.assert_close(v.cpu().double() @ g, expected @ g, rtol=0, atol=atol)
-    pref = torch.ones(m, dtype=dtype) / m
-    diagonal = project_diagonal(pref.to(device), gramian.to(device, dtype))
     assert diagonal.device == v.device and diagonal.dtype == dtype
     torch.testing.assert_close(diagonal.cpu().double() @ g, expected @ g, rtol=0, atol=atol)
     if device != "cpu" and m <= 128:  # solved on the host: the CPU's bits

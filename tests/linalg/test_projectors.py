@@ -55,8 +55,9 @@ def test_quadprog_projector_matches_torch_on_the_regularised_problem() -> None:
 
 
 def test_quadprog_projector_keeps_dtype_and_shape() -> None:
-    g = torch.tensor([[2.0, -1.0], [-1.0, 2.0]])
-    out = QuadprogProjector()(torch.eye(2).reshape(1, 2, 2), g)
+    g, u = torch.tensor([[2.0, -1.0], [-1.0, 2.0]]), torch.eye(2).reshape(1, 2, 2)
+    with torch.device("meta"):  # (the default device plays no part)
+        out = QuadprogProjector()(u, g)
     assert out.shape == (1, 2, 2) and out.dtype == torch.float32
 
 

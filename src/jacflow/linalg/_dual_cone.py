@@ -44,8 +44,8 @@ def _solve_nonnegative_qp(q: Tensor, c: Tensor, max_iter: int) -> Tensor:
     """
     m = q.shape[0]
     x = torch.zeros_like(c)
-    free = torch.zeros(m, dtype=torch.bool)
-    skipped = torch.zeros(m, dtype=torch.bool)
+    free = torch.zeros(m, dtype=torch.bool, device=q.device)
+    skipped = torch.zeros(m, dtype=torch.bool, device=q.device)
     tol = 1e-12 * max(1.0, float(c.abs().max()) if m else 1.0)
 
     def rank(mask: Tensor) -> int:
@@ -440,7 +440,7 @@ def _solved_rows_on_host(
     g = _normalized_on_host(gramian, norm_eps, reg_eps)
     m = len(g)
     if not all(math.isfinite(x) for row in g for x in row):
-        return torch.full((len(rows), m), math.nan, dtype=dtype)
+        return torch.full((len(rows), m), math.nan, dtype=dtype, device=gramian.device)
     solved = solve_rows(g, [row for row in rows if row is not None], tol)
     if solved is None:
         return None
@@ -449,7 +449,7 @@ def _solved_rows_on_host(
         [math.nan] * m if row is None else [x * s for x in next(pending)]
         for row, s in zip(rows, scales)
     ]
-    return torch.tensor(out, dtype=torch.float64).to(dtype)
+    return torch.tensor(out, dtype=torch.float64, device=gramian.device).to(dtype)
 
 
 def _project_on_host(

@@ -76,7 +76,9 @@ def _cheap(problems: int, size: int) -> bool:
 @functools.lru_cache(maxsize=8)
 def _hash_weights(m: int, device: torch.device) -> Tensor:
     generator = torch.Generator().manual_seed(m)
-    return torch.randint(1, 2**32, (m,), generator=generator, dtype=torch.int64).to(device)
+    return torch.randint(1, 2**32, (m,), generator=generator, dtype=torch.int64, device="cpu").to(
+        device
+    )
 
 
 def distinct_rows(mask: Tensor, which: Tensor | None) -> tuple[Tensor, Tensor] | None:

@@ -227,7 +227,7 @@ def lean_pdas_solve(u: Tensor, g: Tensor, tol: float) -> Tensor | None:
         active = following
     else:
         return None
-    if not bool((kkt_residual(v, u, half_lam, torch.tensor(top)) <= tol).all()):
+    if not bool((kkt_residual(v, u, half_lam, g.new_tensor(top)) <= tol).all()):
         return None
     return torch.maximum(v, u)
 

@@ -177,8 +177,8 @@ class QuadprogProjector(DualConeProjector):
         if not bool(torch.isfinite(g).all()):  # quadprog would call it "not positive definite"
             return torch.full(u.shape, float("nan"), dtype=dtype, device=gramian.device)
         g_np = ((g + g.T) / 2).numpy()
-        identity = torch.eye(m, dtype=torch.float64).numpy()
-        zeros = torch.zeros(m, dtype=torch.float64).numpy()
+        identity = torch.eye(m, dtype=torch.float64, device="cpu").numpy()
+        zeros = torch.zeros(m, dtype=torch.float64, device="cpu").numpy()
         solutions = []
         for row in rows:
             try:
