@@ -70,18 +70,22 @@ class _Attend(nn.Module):
 
 
 def _masks(dtype: torch.dtype) -> dict[str, Tensor]:
-    gen = torch.Generator().manual_seed(3)
-    padding = torch.zeros(B, S, dtype=torch.bool)
-    padding[0, -2:] = True
-    padding[2, 0] = True
-    return {
-        "padding": padding,
-        "padding_one_blind": padding | torch.tensor([True, False, False])[:, None],
-        "padding_float": torch.zeros(B, S, dtype=dtype).masked_fill(padding, float("-inf")),
-        "float2d": torch.randn(T, S, generator=gen, dtype=dtype),
-        "bool3d": torch.rand(B * H, T, S, generator=gen) < 0.3,
-        "causal": nn.Transformer.generate_square_subsequent_mask(T, dtype=dtype),
-    }
+    """Drawn on the CPU (its generator), then moved to the default device."""
+    device = torch.get_default_device()
+    with torch.device("cpu"):
+        gen = torch.Generator().manual_seed(3)
+        padding = torch.zeros(B, S, dtype=torch.bool)
+        padding[0, -2:] = True
+        padding[2, 0] = True
+        masks = {
+            "padding": padding,
+            "padding_one_blind": padding | torch.tensor([True, False, False])[:, None],
+            "padding_float": torch.zeros(B, S, dtype=dtype).masked_fill(padding, float("-inf")),
+            "float2d": torch.randn(T, S, generator=gen, dtype=dtype),
+            "bool3d": torch.rand(B * H, T, S, generator=gen) < 0.3,
+            "causal": nn.Transformer.generate_square_subsequent_mask(T, dtype=dtype),
+        }
+    return {name: mask.to(device) for name, mask in masks.items()}
 
 
 def _case(
@@ -163,7 +167,9 @@ GENERIC = {"generic_bias_kv", "generic_zero_attn", "generic_kdim"}
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
-def test_gramian_and_update_float64(case: Case, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_gramian_and_update_float64(
+    case: Case, on_device: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     generic_calls = []
     original = _attention._GENERIC.prepare
     monkeypatch.setattr(
@@ -174,7 +180,7 @@ def test_gramian_and_update_float64(case: Case, monkeypatch: pytest.MonkeyPatch)
 
 
 @pytest.mark.parametrize("name", ["self_weights_used", "cross_padding", "tasks_self"])
-def test_gramian_and_update_float32(name: str) -> None:
+def test_gramian_and_update_float32(name: str, on_device: str) -> None:
     check_case(next(c for c in CASES if c.name == name), torch.float32)
 
 

@@ -12,7 +12,7 @@ from torch import Tensor, nn
 from torch.nn.utils.rnn import pack_padded_sequence
 
 from jacflow.aggregation import MeanWeighting
-from jacflow.autogram import Engine
+from jacflow.autogram import Engine, _engine, _hooks
 from tests.autogram._zoo import Built, Case
 from tests.autogram.test_engine import check_case, reference_jacobian
 
@@ -84,25 +84,30 @@ CASES = [
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
-def test_gramian_and_update_float64(case: Case) -> None:
+def test_gramian_and_update_float64(case: Case, on_device: str) -> None:
     if case.name == "lstm_eval_dropout":
         build = case.build
 
         def evaluated(dtype: torch.dtype) -> Built:
             model, modules, forward = build(dtype)
             model.eval()  # no dropout: the closed form replays it exactly
-            return model, modules, forward
+
+            def native() -> Tensor:  # (cuDNN cannot differentiate an eval-mode forward)
+                with torch.backends.cudnn.flags(enabled=False):
+                    return forward()
+
+            return model, modules, native
 
         case = Case(case.name, evaluated, case.batch_dim)
     check_case(case, torch.float64)
 
 
 @pytest.mark.parametrize("name", ["lstm_two_layers_bidirectional", "tasks_lstm"])
-def test_gramian_and_update_float32(name: str) -> None:
+def test_gramian_and_update_float32(name: str, on_device: str) -> None:
     check_case(next(c for c in CASES if c.name == name), torch.float32)
 
 
-def test_lstm_projections() -> None:
+def test_lstm_projections(on_device: str) -> None:
     """No closed form: refused per sample when the engine is built, the generic rule per
     task."""
     lstm = nn.LSTM(D, H, proj_size=2, batch_first=True)
@@ -147,7 +152,7 @@ def _tied(kind: str, slot: str, to: str) -> Callable[[torch.dtype], Built]:
 @pytest.mark.parametrize(
     ("slot", "to"), [("weight_hh_l0_reverse", "weight_hh_l0"), ("bias_ih_l1", "bias_ih_l0")]
 )
-def test_slots_sharing_a_tensor(slot: str, to: str, batch_dim: int | None) -> None:
+def test_slots_sharing_a_tensor(slot: str, to: str, batch_dim: int | None, on_device: str) -> None:
     """A tensor in two slots is one parameter: its per-row gradient is the sum of the slots'."""
     build = _tied("GRU", slot, to)
     if batch_dim is None:
@@ -161,7 +166,7 @@ def test_slots_sharing_a_tensor(slot: str, to: str, batch_dim: int | None) -> No
         check_case(Case("tied", build), torch.float64)
 
 
-def test_module_around_a_recurrent_layer() -> None:
+def test_module_around_a_recurrent_layer(on_device: str) -> None:
     """A module with parameters of its own (a learned initial state) around a GRU goes to the
     generic rule: refused per sample when the engine is built, exact per task."""
 
@@ -184,7 +189,7 @@ def test_module_around_a_recurrent_layer() -> None:
     check_case(case, torch.float64)
 
 
-def test_unbatched_input_per_task() -> None:
+def test_unbatched_input_per_task(on_device: str) -> None:
     lstm = nn.LSTM(D, H).double()
     x = torch.randn(T, D, dtype=torch.float64)
     case = Case("unbatched", lambda dt: (lstm, (lstm,), lambda: lstm(x)[0][-2:].sum(1)), None)
@@ -230,3 +235,36 @@ def test_lstm_initial_state_under_autocast() -> None:
     reference = jacobian @ jacobian.T
     assert gramian.dtype == torch.float32
     assert ((gramian - reference).abs().max() / reference.abs().max()) < 0.05
+
+
+BATCHED = [c for c in CASES if c.batch_dim is None or c.name == "lstm_rows_per_output"]
+
+
+@pytest.mark.parametrize("case", BATCHED, ids=[c.name for c in BATCHED])
+def test_rows_pulled_back_one_by_one(case: Case, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Torch's fused recurrent kernels (cuDNN) have no batching rule: when a recurrent layer ran
+    one, the rows' gradients are pulled back one backward per row, with the same result. The
+    flag is forced here, where no layer runs the fused kernel."""
+    monkeypatch.setattr(_hooks, "_from_fused_rnn", lambda node: True)
+    rows_pulled = []
+    one_by_one = _engine._capture_row_by_row
+    monkeypatch.setattr(
+        _engine, "_capture_row_by_row", lambda *a: rows_pulled.append(1) or one_by_one(*a)
+    )
+    check_case(case, torch.float64)
+    assert rows_pulled
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs cuDNN")
+def test_fused_layer_outside_the_engine_is_named() -> None:
+    """A recurrent layer on cuDNN between the losses and the hooked modules, outside them, cannot
+    be pulled back in one batched backward: a clear error, and no ``.grad``."""
+    with torch.device("cuda"):
+        encode, lstm = nn.Linear(D, D), nn.LSTM(D, H, batch_first=True)
+        x = torch.randn(B, T, D)
+        with Engine(encode, batch_dim=None) as engine:
+            out = lstm(torch.tanh(encode(x)))[0]
+            losses = torch.stack([out.pow(2).sum(), out.sum()])
+            with pytest.raises(RuntimeError, match=r"cudnn\.flags\(enabled=False\)"):
+                engine.backward(losses, MeanWeighting())
+    assert all(p.grad is None for p in encode.parameters())

@@ -108,6 +108,13 @@ class Engine:
     calls only: one also used by a module outside them (a weight tied to an unhooked layer)
     gets only its uses inside them counted, so hook every module that uses it.
 
+    The output gradients of several rows per sample (``[B, k]`` losses) or of per-task losses
+    are pulled back in one backward batched with ``vmap``. Torch's fused recurrent kernels
+    (cuDNN) have no batching rule: when a recurrent layer inside the given modules ran one, that
+    backward is taken row by row (``k`` or ``m`` backward passes); one outside them, between the
+    losses and the hooked modules, is refused with a clear error (give the Engine a module that
+    contains it, or run it under ``torch.backends.cudnn.flags(enabled=False)``).
+
     Under mixed precision (``torch.autocast``), the recorded inputs and output gradients of a
     layer with a closed form are taken in its parameters' dtype, other modules are re-run under
     the autocast of their forward, and the step (weighting included) runs outside autocast: the
@@ -169,6 +176,11 @@ class Engine:
                 for name, sub in module.named_modules():
                     if isinstance(sub, _BatchNorm):
                         self._recorder.watch_coupling(f"modules[{i}].{name}", sub)
+        recurrent = {
+            id(sub): sub for m in modules for sub in m.modules() if isinstance(sub, nn.RNNBase)
+        }
+        for sub in recurrent.values():
+            self._recorder.watch_fused_rnn(sub)
 
     # ----------------------------------------------------------------------------- lifecycle
     def remove(self) -> None:
@@ -324,6 +336,7 @@ class Engine:
         captured gradients.
         """
         coupled, outside = self._recorder.coupled, self._recorder.outside
+        row_by_row = self._recorder.fused_rnn
         calls = self._recorder.take()
         if outside is not None:
             child, parent = outside
@@ -343,7 +356,7 @@ class Engine:
         batched = cotangents.ndim > losses.ndim
         edges = [edge for _, call in calls for edge in call.edges]
         inputs = [*edges, *extra_inputs]
-        grads = _capture(losses, inputs, cotangents, batched, retain_graph)
+        grads = _capture(losses, inputs, cotangents, batched, retain_graph, row_by_row)
         captured_bytes = sum(g.numel() * g.element_size() for g in grads if g is not None)
         extra_grads = grads[len(edges) :]
         reached: dict[int, list[Call]] = {}
@@ -421,22 +434,65 @@ def _capture(
     cotangents: Tensor,
     batched: bool,
     retain_graph: bool,
+    row_by_row: bool = False,
 ) -> tuple[Tensor | None, ...]:
-    """Gradients of the losses w.r.t. the recorded output edges: activation gradients only."""
+    """Gradients of the losses w.r.t. the recorded output edges: activation gradients only.
+
+    ``batched``: one backward under vmap for all the rows of ``cotangents``, or, with
+    ``row_by_row`` (the graph holds an op that vmap cannot batch), one backward per row."""
     if not inputs:
         return ()
-    # (batched: under vmap, whose loop over ops without a batching rule is only slower)
-    with quiet_vmap_fallback() if batched else contextlib.nullcontext():
-        grads = torch.autograd.grad(
+    if batched and row_by_row:
+        return _capture_row_by_row(losses, inputs, cotangents, retain_graph)
+    try:
+        # (batched: under vmap, whose loop over ops without a batching rule is only slower)
+        with quiet_vmap_fallback() if batched else contextlib.nullcontext():
+            grads = torch.autograd.grad(
+                losses,
+                inputs,  # type: ignore[arg-type]
+                grad_outputs=cotangents,
+                retain_graph=retain_graph,
+                allow_unused=True,
+                is_grads_batched=batched,
+                materialize_grads=False,
+            )
+    except RuntimeError as error:
+        if not (batched and "Batching rule not implemented" in str(error)):
+            raise
+        raise RuntimeError(
+            "The engine pulls the rows' gradients back in one backward batched with vmap, and "
+            "an operation between the losses and the hooked modules has no batching rule (see "
+            "the error above), e.g. a recurrent layer on cuDNN outside the modules given to "
+            "the Engine. Give the Engine a module that contains it (its backward is then taken "
+            "row by row), or run it under torch.backends.cudnn.flags(enabled=False)."
+        ) from error
+    return tuple(grads)
+
+
+def _capture_row_by_row(
+    losses: Tensor, inputs: list[object], cotangents: Tensor, retain_graph: bool
+) -> tuple[Tensor | None, ...]:
+    """:func:`_capture` with one backward per row of ``cotangents``, stacked."""
+    per_row = [
+        torch.autograd.grad(
             losses,
             inputs,  # type: ignore[arg-type]
-            grad_outputs=cotangents,
-            retain_graph=retain_graph,
+            grad_outputs=cotangent,
+            retain_graph=retain_graph or r < len(cotangents) - 1,
             allow_unused=True,
-            is_grads_batched=batched,
             materialize_grads=False,
         )
-    return tuple(grads)
+        for r, cotangent in enumerate(cotangents)
+    ]
+    stacked: list[Tensor | None] = []
+    for grads in zip(*per_row, strict=True):
+        some = next((g for g in grads if g is not None), None)
+        stacked.append(
+            None
+            if some is None
+            else torch.stack([torch.zeros_like(some) if g is None else g for g in grads])
+        )
+    return tuple(stacked)
 
 
 def _rows_shaped(

@@ -9,6 +9,7 @@ custom layers); register a closed form for big ones.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -97,6 +98,14 @@ def _replay_per_task(
     return grads
 
 
+def _native_rnn(module: nn.Module) -> contextlib.AbstractContextManager[Any]:
+    """torch's fused recurrent kernels (cuDNN, MIOpen) have no batching rule, so the re-run of
+    a module holding a recurrent layer uses torch's native kernels: the same function."""
+    if any(isinstance(sub, nn.RNNBase) for sub in module.modules()):
+        return torch.backends.cudnn.flags(enabled=False)
+    return contextlib.nullcontext()
+
+
 class FallbackRule(Rule):
     """Generic rule: the module and all its children's parameters, via ``torch.func``."""
 
@@ -111,7 +120,12 @@ class FallbackRule(Rule):
         for call in calls:
             cots = tuple(call.grad(j) for j in range(len(call.grads)))
             try:
-                with torch.enable_grad(), quiet_vmap_fallback(), replay_autocast(call):
+                with (
+                    torch.enable_grad(),
+                    quiet_vmap_fallback(),
+                    replay_autocast(call),
+                    _native_rnn(module),
+                ):
                     if rows.per_task:
                         new = _replay_per_task(module, detached, call, cots)
                     else:

@@ -101,6 +101,18 @@ def find_units(modules: tuple[nn.Module, ...]) -> list[Unit]:
     return units
 
 
+def _from_fused_rnn(node: Any, depth: int = 3) -> bool:
+    """Whether ``node`` or a node it reads first within ``depth`` steps (a layer's outputs pass
+    through a transpose or a squeeze) is the backward of torch's fused recurrent kernel."""
+    for _ in range(depth):
+        if node is None:
+            return False
+        if node.name().startswith(("CudnnRnn", "MiopenRnn")):
+            return True
+        node = node.next_functions[0][0] if node.next_functions else None
+    return False
+
+
 class Recorder:
     """Holds the hooks and the calls recorded since the last Gramian."""
 
@@ -109,6 +121,7 @@ class Recorder:
         self.handles: list[RemovableHandle] = []
         self.coupled: str | None = None
         self.outside: tuple[str, str] | None = None  # (child, unit) of a call outside the unit
+        self.fused_rnn = False  # a recurrent layer ran torch's fused kernel (cuDNN, MIOpen)
 
     def hook(self, index: int, unit: Unit) -> None:
         handle = unit.module.register_forward_hook(partial(self._record, index), with_kwargs=True)
@@ -150,6 +163,20 @@ class Recorder:
         if module.training and torch.is_grad_enabled():
             self.coupled = f"{name} ({type(module).__name__})"
 
+    def watch_fused_rnn(self, module: nn.Module) -> None:
+        """Flag grad-enabled forwards of a recurrent layer that ran torch's fused kernel: its
+        backward has no batching rule, so the rows' gradients cannot be captured in one batched
+        backward."""
+        self.handles.append(module.register_forward_hook(self._flag_fused))
+
+    def _flag_fused(self, module: nn.Module, args: Any, output: Any) -> None:
+        if torch.is_grad_enabled() and any(
+            _from_fused_rnn(leaf.grad_fn)
+            for leaf in tree_flatten(output)[0]
+            if isinstance(leaf, Tensor) and leaf.grad_fn is not None
+        ):
+            self.fused_rnn = True
+
     def _record(self, index: int, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         if not torch.is_grad_enabled():
             return
@@ -183,6 +210,7 @@ class Recorder:
         """The recorded calls; the record starts afresh."""
         calls, self.calls = self.calls, []
         self.coupled = self.outside = None
+        self.fused_rnn = False
         return calls
 
     def remove(self) -> None:
