@@ -10,6 +10,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from torch import Tensor, nn
 from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
+from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 from tests.autogram._zoo import Case
 from tests.autogram.test_engine import check_case, hooked_params
@@ -63,16 +64,26 @@ class Attention(nn.Module):
 
 
 class Recurrent(nn.Module):
-    """An RNN, LSTM or GRU; optionally adds its last final state to every step."""
+    """An RNN, LSTM or GRU, on the padded batch or (``seed``) on a packed one of random
+    lengths; optionally adds its last final state to every step."""
 
-    def __init__(self, rnn: nn.RNNBase, use_state: bool) -> None:
+    def __init__(self, rnn: nn.RNNBase, use_state: bool, seed: int | None = None) -> None:
         super().__init__()
-        self.rnn, self.use_state = rnn, use_state
+        self.rnn, self.use_state, self.seed = rnn, use_state, seed
 
     def forward(self, x: Tensor) -> Tensor:
         first = self.rnn.batch_first
-        y, h = self.rnn(x if first else x.transpose(0, 1))
-        y = y if first else y.transpose(0, 1)
+        if self.seed is None:
+            y, h = self.rnn(x if first else x.transpose(0, 1))
+            y = y if first else y.transpose(0, 1)
+        else:  # (lengths drawn on the CPU, where packing wants them)
+            (b, t, _), g = x.shape, torch.Generator().manual_seed(self.seed)
+            lengths = torch.randint(1, t + 1, (b,), generator=g, device="cpu")
+            packed = pack_padded_sequence(
+                x if first else x.transpose(0, 1), lengths, first, enforce_sorted=False
+            )
+            y, h = self.rnn(packed)
+            y = pad_packed_sequence(y, batch_first=True, total_length=t)[0]
         if self.use_state:
             h = h[0] if isinstance(h, tuple) else h  # [L D, B, H]
             y = y + h[-1].sum(-1)[:, None, None]
@@ -161,7 +172,8 @@ def recurrent(rng: random.Random, d: int, t: int) -> Block:
     options = {"nonlinearity": rng.choice(["tanh", "relu"])} if kind is nn.RNN else {}
     layers, bias, first = rng.randint(1, 2), rng.random() < 0.8, rng.random() < 0.5
     rnn = kind(d, h, layers, bias=bias, batch_first=first, bidirectional=bi, **options)
-    return Recurrent(rnn, rng.random() < 0.4), h * (2 if bi else 1), t
+    seed = rng.randint(0, 10**6) if rng.random() < 0.4 else None  # a packed batch
+    return Recurrent(rnn, rng.random() < 0.4, seed), h * (2 if bi else 1), t
 
 
 def shared(rng: random.Random, d: int, t: int) -> Block:

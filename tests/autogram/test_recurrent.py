@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 from torch import Tensor, nn
-from torch.nn.utils.rnn import pack_padded_sequence
+from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 from jacflow.aggregation import MeanWeighting
 from jacflow.autogram import Engine, _engine, _hooks
@@ -118,22 +118,94 @@ def test_lstm_projections(on_device: str) -> None:
 
 
 def test_refusals_leave_grads_untouched() -> None:
-    """Packed sequences and dropout between layers in training mode get clear errors."""
+    """Dropout between layers in training mode and an input that is neither a tensor nor a
+    packed sequence get clear errors."""
     lstm = nn.LSTM(D, H, num_layers=2, dropout=0.5, batch_first=True)
     x = torch.randn(B, T, D)
     with Engine(lstm, batch_dim=0) as engine:
         losses = lstm(x)[0].pow(2).sum((1, 2))
         with pytest.raises(RuntimeError, match=r"dropout=0\.0"):
             engine.backward(losses, MeanWeighting())
-    gru = nn.GRU(D, H, batch_first=True)
-    packed = pack_padded_sequence(x, torch.tensor([5, 3, 2]), batch_first=True)
-    for batch_dim in (0, None):  # (per sample, before the outputs' batch-size check)
-        with Engine(gru, batch_dim=batch_dim) as engine:
-            h_n = gru(packed)[1]
-            losses = h_n.pow(2).sum((0, 2)) if batch_dim == 0 else h_n.pow(2).sum().reshape(1)
-            with pytest.raises(ValueError, match="packed sequences"):
-                engine.backward(losses, MeanWeighting())
-    assert all(p.grad is None for p in [*lstm.parameters(), *gru.parameters()])
+    assert all(p.grad is None for p in lstm.parameters())
+
+
+class _Packed(nn.Module):
+    """Variable-length sequences: an encoder on the padded batch, the recurrent layer on the
+    packed one (from an encoded initial state if ``initial``), a head on the unpacked outputs;
+    the loss per sample reads the outputs (if ``outputs``) and the final states."""
+
+    def __init__(self, kind: str, sorted_: bool, k: int | None, **options: Any) -> None:
+        super().__init__()
+        self.initial, self.outputs = options.pop("initial", False), options.pop("outputs", True)
+        self.encode = nn.Linear(D, D)
+        self.rnn = getattr(nn, kind)(D, H, **options)
+        directions = 2 if self.rnn.bidirectional else 1
+        self.head = nn.Linear(directions * H, k or 1)
+        self.init = nn.Linear(D, H)
+        self.sorted, self.k = sorted_, k
+
+    def forward(self, x: Tensor, lengths: Tensor) -> Tensor:
+        h = torch.tanh(self.encode(x))  # [B, T, D]
+        if not self.rnn.batch_first:
+            h = h.transpose(0, 1)
+        packed = pack_padded_sequence(
+            h, lengths, batch_first=self.rnn.batch_first, enforce_sorted=self.sorted
+        )
+        hx: Any = None
+        if self.initial:
+            layers = self.rnn.num_layers * (2 if self.rnn.bidirectional else 1)
+            h0 = torch.tanh(self.init(x[:, 0])).expand(layers, -1, -1).contiguous()
+            hx = (h0, 0.5 * h0) if isinstance(self.rnn, nn.LSTM) else h0
+        out, state = self.rnn(packed, hx)
+        finals = state if isinstance(state, tuple) else (state,)
+        losses = sum(f.pow(2).sum((0, 2))[:, None] for f in finals)
+        if self.outputs:
+            steps = pad_packed_sequence(out, batch_first=True)[0]  # [B, T, D H], zero padded
+            losses = losses + self.head(steps).pow(2).sum(1)
+        return losses if self.k else losses.squeeze(1)
+
+
+def _packed_case(
+    name: str, kind: str, batch_dim: int | None = 0, sorted_: bool = False, **options: Any
+) -> Case:
+    k = options.pop("k", None)
+    options.setdefault("batch_first", True)
+
+    def build(dtype: torch.dtype) -> Built:
+        torch.manual_seed(0)
+        model = _Packed(kind, sorted_, k, **options).to(dtype)
+        x = torch.randn(4, T, D, dtype=dtype)
+        lengths = torch.tensor([5, 5, 3, 1] if sorted_ else [2, 5, 1, 4], device="cpu")
+        if batch_dim is None:
+            return model, (model,), lambda: model(x, lengths)[:2] * torch.tensor([1.0, -0.5])
+        return model, (model,), lambda: model(x, lengths)
+
+    return Case(name, build, batch_dim)
+
+
+PACKED = [
+    _packed_case("packed_lstm", "LSTM"),
+    _packed_case("packed_gru_sorted", "GRU", sorted_=True),
+    _packed_case("packed_rnn_relu", "RNN", nonlinearity="relu"),
+    _packed_case("packed_lstm_bidirectional_two_layers", "LSTM", num_layers=2, bidirectional=True),
+    _packed_case("packed_gru_bidirectional_initial", "GRU", bidirectional=True, initial=True),
+    _packed_case("packed_lstm_sequence_first", "LSTM", batch_first=False, initial=True),
+    _packed_case("packed_gru_states_only", "GRU", num_layers=2, outputs=False),
+    _packed_case("packed_lstm_rows_per_output", "LSTM", k=2, bidirectional=True),
+    _packed_case("tasks_packed_lstm", "LSTM", None, num_layers=2, bidirectional=True),
+    _packed_case("tasks_packed_gru_states_only", "GRU", None, outputs=False),
+]
+
+
+@pytest.mark.parametrize("case", PACKED, ids=[c.name for c in PACKED])
+def test_packed_sequences(case: Case, on_device: str) -> None:
+    """Packed variable-length batches, against the brute-force Jacobian: sorted or not, both
+    directions, initial states, losses that read the outputs or only the final states."""
+    check_case(case, torch.float64)
+
+
+def test_packed_sequences_float32() -> None:
+    check_case(PACKED[3], torch.float32)
 
 
 def _tied(kind: str, slot: str, to: str) -> Callable[[torch.dtype], Built]:
@@ -220,16 +292,23 @@ def test_modes_and_weights_as_the_forward_saw_them() -> None:
     assert all(p.grad is None for p in lstm.parameters())
 
 
-def test_lstm_initial_state_under_autocast() -> None:
-    """The initial states inside the (h0, c0) tuple come in bfloat16 under autocast: the replay
-    takes them in the weights' dtype."""
+@pytest.mark.parametrize("packed", [False, True])
+def test_lstm_initial_state_under_autocast(packed: bool) -> None:
+    """The initial states inside the (h0, c0) tuple, and a packed sequence's data, come in
+    bfloat16 under autocast: the replay takes them in the weights' dtype."""
     torch.manual_seed(0)
     init, lstm = nn.Linear(D, H), nn.LSTM(D, H, batch_first=True)
     x = torch.randn(B, T, D)
     with Engine(init, lstm, batch_dim=0) as engine:
         with torch.autocast("cpu", dtype=torch.bfloat16):
             h0 = torch.tanh(init(x[:, 0]))[None]
-            losses = lstm(x, (h0, h0)).__getitem__(0).float().pow(2).sum((1, 2))
+            if packed:
+                lengths = torch.tensor([2, 5, 3])
+                data = pack_padded_sequence(init(x)[..., :D], lengths, True, False)
+                out = pad_packed_sequence(lstm(data, (h0, h0))[0], batch_first=True)[0]
+            else:
+                out = lstm(x, (h0, h0))[0]
+            losses = out.float().pow(2).sum((1, 2))
         gramian = engine.compute_gramian(losses)
         jacobian = reference_jacobian(losses, [*init.parameters(), *lstm.parameters()])
     reference = jacobian @ jacobian.T

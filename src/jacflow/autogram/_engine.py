@@ -368,7 +368,7 @@ class Engine:
                 continue
             unit = self._units[index]
             unit.rule.validate(unit.module, call, rows)
-            dims = [unit.rule.output_batch_dim(unit.module, j) for j in call.output_positions]
+            dims = [unit.rule.output_batch_dim(unit.module, call, j) for j in call.output_positions]
             _check_batch(unit, call, rows, dims)
             _check_versions(call)
             call.grads = _rows_shaped(call_grads, call, rows, dims)
@@ -496,7 +496,7 @@ def _capture_row_by_row(
 
 
 def _rows_shaped(
-    call_grads: list[Tensor | None], call: Call, rows: Rows, batch_dims: list[int]
+    call_grads: list[Tensor | None], call: Call, rows: Rows, batch_dims: list[int | None]
 ) -> list[Tensor | None]:
     """Gradients of every row w.r.t. each output, ``[R, *sample_shape]`` (per sample: the
     output's batch dimension ``batch_dims[j]`` taken out); zeros for outputs that the losses do
@@ -504,7 +504,13 @@ def _rows_shaped(
     reference = next(g for g in call_grads if g is not None)
     shaped: list[Tensor | None] = []
     for grad, shape, dim in zip(call_grads, call.output_shapes, batch_dims, strict=True):
-        sample_shape = shape if rows.per_task else shape[:dim] + shape[dim + 1 :]
+        if rows.per_task:
+            sample_shape = shape
+        elif dim is None:  # (no batch dimension: the rule's to lay out)
+            shaped.append(grad)
+            continue
+        else:
+            sample_shape = shape[:dim] + shape[dim + 1 :]
         if grad is None:
             shaped.append(reference.new_zeros(rows.num_rows, *sample_shape))
             continue
@@ -526,10 +532,12 @@ def _check_versions(call: Call) -> None:
             )
 
 
-def _check_batch(unit: Unit, call: Call, rows: Rows, batch_dims: list[int]) -> None:
+def _check_batch(unit: Unit, call: Call, rows: Rows, batch_dims: list[int | None]) -> None:
     if rows.per_task:
         return
     for shape, dim in zip(call.output_shapes, batch_dims, strict=True):
+        if dim is None:
+            continue
         if len(shape) <= dim or shape[dim] != rows.num_samples:
             raise ValueError(
                 f"With batch_dim=0, the outputs of {unit.name} ({type(unit.module).__name__}) "

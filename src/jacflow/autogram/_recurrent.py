@@ -11,11 +11,13 @@ its own, so per-sample mode needs no re-run per sample, which ``vmap`` cannot do
 fused recurrent kernels.
 
 Covered: every layer count, both directions, with or without biases, ``batch_first`` either
-way, a given initial state, weights tied between slots. Refused with a clear error: packed
-sequences, unbatched inputs in per-sample mode, dropout between layers in a training-mode
-forward (its random mask cannot be replayed), weights changed in place since the forward, and
-(per sample) LSTM projections; per task, the projections, unbatched inputs and a subclass with
-its own ``forward`` go to the generic rule.
+way, packed sequences, a given initial state, weights tied between slots. A packed batch is
+replayed padded, each sample's state frozen past its length (the reverse direction starts at
+its last step), and the packed outputs' gradients are laid out padded with zeros at the padded
+steps, so those steps add nothing. Refused with a clear error: unbatched inputs in per-sample
+mode, dropout between layers in a training-mode forward (its random mask cannot be replayed),
+weights changed in place since the forward, and (per sample) LSTM projections; per task, the
+projections, unbatched inputs and a subclass with its own ``forward`` go to the generic rule.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.utils.rnn import PackedSequence, pad_packed_sequence
 
 from jacflow.autogram._fallback import FallbackRule
 from jacflow.autogram._linear import JoinedLinear, UnfoldedContribution, linear_part
@@ -90,7 +93,9 @@ class _Replay:
     tensors each weight's Linear form needs: per layer and direction, the inputs ``x_t``, the
     previous states ``h_{t-1}``, ``a = W_ih x + b_ih`` for all steps and every step's ``c_t``."""
 
-    def __init__(self, module: nn.RNNBase, x: Tensor, hx: Any) -> None:
+    def __init__(
+        self, module: nn.RNNBase, x: Tensor, hx: Any, lengths: Tensor | None = None
+    ) -> None:
         self.mode = module.mode
         directions = 2 if module.bidirectional else 1
         n, steps, size = x.shape[0], x.shape[1], module.hidden_size
@@ -107,6 +112,11 @@ class _Replay:
             h0 = hx.detach().to(x.dtype)
         self.parts: list[tuple[str, Tensor, Tensor, Tensor, list[Tensor]]] = []
         layer_input, last_h, last_c = x.detach(), [], []
+        # (a packed batch: each sample's steps; past them its state stays as it is)
+        active = None
+        if lengths is not None:
+            steps_of = torch.arange(steps, device=x.device)
+            active = (steps_of[:, None] < lengths.to(x.device)[None, :])[..., None]  # [T, N, 1]
         for layer in range(module.num_layers):
             outputs = []
             for direction in range(directions):
@@ -129,7 +139,13 @@ class _Replay:
                     cs[t] = F.linear(h, w_hh, b_hh)
                     if not cs[t].requires_grad:  # (first step: from the constant h_0)
                         cs[t].requires_grad_()
-                    h, state = _cell(module.mode, a[:, t], cs[t], h, state)
+                    new_h, new_state = _cell(module.mode, a[:, t], cs[t], h, state)
+                    if active is None:
+                        h, state = new_h, new_state
+                    else:
+                        h = torch.where(active[t], new_h, h)
+                        if state is not None and new_state is not None:
+                            state = torch.where(active[t], new_state, state)
                     hs[t] = h
                 outputs.append(torch.stack(hs, 1))
                 last_h.append(h)
@@ -172,8 +188,33 @@ class _Replay:
 
 
 def _input(call: Call) -> Any:
-    """The recorded input: a tensor, or a packed sequence (refused in ``validate``)."""
+    """The recorded input: a tensor or a packed sequence (anything else is refused in
+    ``validate``)."""
     return call.args[0] if call.args else call.kwargs.get("input")
+
+
+def _unbatched(call: Call) -> bool:
+    x = _input(call)
+    return isinstance(x, Tensor) and x.dim() != 3
+
+
+def _replay_index(call: Call, position: int) -> int:
+    """The replay's output (0: the outputs, 1: ``h_n``, 2: ``c_n``) of the module's output leaf
+    ``position``: a packed output is four leaves (data, batch sizes and the two orders)."""
+    return (
+        position if position == 0 or not isinstance(_input(call), PackedSequence) else position - 3
+    )
+
+
+def _padded(grad: Tensor, packed: PackedSequence, lead: int) -> Tensor:
+    """The gradient ``[*lead, total, F]`` of a packed output's data, laid out as the padded
+    batch ``[*lead, N, T, F]`` (batch first, in the samples' order; zeros at padded steps)."""
+    data = grad.movedim(0, 1) if lead else grad
+    fields = PackedSequence(
+        data, packed.batch_sizes, packed.sorted_indices, packed.unsorted_indices
+    )
+    padded = pad_packed_sequence(fields, batch_first=True)[0]
+    return padded.movedim(2, 0) if lead else padded
 
 
 def _grouped(
@@ -207,19 +248,21 @@ class RecurrentRule(Rule):
     """``nn.RNN``, ``nn.LSTM``, ``nn.GRU``: every weight as a Linear layer over the time steps
     (see the module docstring)."""
 
-    def output_batch_dim(self, module: nn.Module, position: int) -> int:
+    def output_batch_dim(self, module: nn.Module, call: Call, position: int) -> int | None:
         assert isinstance(module, nn.RNNBase)
-        return 0 if position == 0 and module.batch_first else 1  # h_n, c_n: [L D, N, H]
+        if position == 0:  # the outputs: packed (no batch dimension), [N, T, ...] or [T, N, ...]
+            packed = isinstance(_input(call), PackedSequence)
+            return None if packed else (0 if module.batch_first else 1)
+        return 1  # h_n, c_n: [L D, N, H]
 
     def validate(self, module: nn.Module, call: Call, rows: Rows) -> None:
         x = _input(call)
-        if not isinstance(x, Tensor):
+        if not isinstance(x, (Tensor, PackedSequence)):
             raise ValueError(
-                f"{type(module).__name__} received a {type(x).__name__}: the engine needs the "
-                "padded batch as a tensor (packed sequences are not supported); pad the "
-                "sequences and mask the losses of the padded steps instead."
+                f"{type(module).__name__} received a {type(x).__name__}: the engine needs a "
+                "tensor or a PackedSequence."
             )
-        if not rows.per_task and x.dim() != 3:
+        if not rows.per_task and isinstance(x, Tensor) and x.dim() != 3:
             raise ValueError(
                 f"{type(module).__name__} received an unbatched input of shape "
                 f"{tuple(x.shape)}: the per-sample engine (batch_dim=0) needs a batch "
@@ -230,7 +273,7 @@ class RecurrentRule(Rule):
         self, module: nn.Module, params: dict[str, Tensor], calls: list[Call], rows: Rows
     ) -> Contribution:
         assert isinstance(module, nn.RNNBase)
-        unbatched = any(_input(call).dim() != 3 for call in calls)
+        unbatched = any(_unbatched(call) for call in calls)
         if not covered(module) or (rows.per_task and unbatched):
             if rows.per_task:
                 return _GENERIC.prepare(module, params, calls, rows)
@@ -269,23 +312,34 @@ class RecurrentRule(Rule):
         (batch first) and their rows' output gradients."""
         x = _input(call)
         hx = call.args[1] if len(call.args) > 1 else call.kwargs.get("hx")
-        if not module.batch_first:
+        packed = x if isinstance(x, PackedSequence) else None
+        lengths: Tensor | None = None
+        if packed is not None:  # replayed padded, batch first (in the weights' dtype: the
+            # upcast of a call made under autocast does not reach into the packed sequence)
+            x, lengths = pad_packed_sequence(packed, batch_first=True)
+            x = x.to(module.all_weights[0][0].dtype)
+        elif not module.batch_first:
             x = x.transpose(0, 1)
         with torch.enable_grad():  # (the engine prepares under no_grad)
-            replay = _Replay(module, x, hx)
+            replay = _Replay(module, x, hx, lengths)
         cotangents: list[Tensor | None] = [None] * len(replay.outputs)
         for position, grad in zip(call.output_positions, call.grads, strict=True):
-            cotangents[position] = grad
+            cotangents[_replay_index(call, position)] = grad
         batched = rows.per_task or rows.index is not None
+        first_batched = module.batch_first or packed is not None
+        if packed is not None and cotangents[0] is not None:  # -> [*, N, T, F]
+            cotangents[0] = _padded(cotangents[0], packed, 1 if batched else 0)
         if rows.per_task:  # [R, *output shape] -> [R, N, ...]
             cotangents = [
-                c if c is None or (j == 0 and module.batch_first) else c.transpose(1, 2)
+                c if c is None or (j == 0 and first_batched) else c.transpose(1, 2)
                 for j, c in enumerate(cotangents)
             ]
         elif batched:  # [k N, ...] -> [k, N, ...] (row c N + i: sample i)
             cotangents = [
-                None if c is None else c.reshape(-1, rows.num_samples, *c.shape[1:])
-                for c in cotangents
+                c
+                if c is None or (j == 0 and packed is not None)
+                else c.reshape(-1, rows.num_samples, *c.shape[1:])
+                for j, c in enumerate(cotangents)
             ]
         with torch.enable_grad():
             row_grads = replay.row_grads(cotangents, batched)

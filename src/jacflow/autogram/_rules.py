@@ -273,9 +273,12 @@ class Rule(ABC):
         """
         return None  # (every call is accepted by default)
 
-    def output_batch_dim(self, module: nn.Module, position: int) -> int:
-        """The batch dimension of the module's output leaf ``position`` (per-sample mode);
+    def output_batch_dim(self, module: nn.Module, call: Call, position: int) -> int | None:
+        """The batch dimension of the output leaf ``position`` of ``call`` (per-sample mode);
         the engine hands the rule that output's gradients with it taken out (``[R, ...]``).
+        ``None``: the output has none (a packed sequence's data); the engine then hands its
+        gradient as captured (``[*output shape]`` with one row per sample, ``[k, *output
+        shape]`` with ``k``), or ``None`` when the losses do not reach it.
 
         Example:
             >>> from torch import nn
@@ -283,9 +286,9 @@ class Rule(ABC):
             >>> class SequenceFirst(Rule):
             ...     def prepare(self, module, params, calls, rows):
             ...         raise NotImplementedError
-            ...     def output_batch_dim(self, module, position):
+            ...     def output_batch_dim(self, module, call, position):
             ...         return 1  # outputs [T, B, ...]
-            >>> SequenceFirst().output_batch_dim(nn.Identity(), 0)
+            >>> SequenceFirst().output_batch_dim(nn.Identity(), None, 0)
             1
         """
         return 0
