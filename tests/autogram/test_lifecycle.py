@@ -340,3 +340,54 @@ def test_attention_out_projection_alone_is_refused() -> None:
     with pytest.raises(ValueError, match=r"out-projection of an nn\.MultiheadAttention"):
         Engine(nn.Linear(4, 4), attention.out_proj, batch_dim=0)
     Engine(attention, attention.out_proj, batch_dim=0).remove()  # (the attention covers it)
+
+
+class _ScaledNorm(nn.Module):
+    """Parameters of its own (the generic rule) around a BatchNorm and a Dropout, whose output
+    depends on the training mode."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, d, dtype=torch.float64))
+        self.norm = nn.BatchNorm1d(d).double()
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.drop(self.norm(x)) * self.scale
+
+
+@pytest.mark.parametrize("batch_dim", [0, None])
+def test_generic_rule_replays_the_forward_mode(batch_dim: int | None) -> None:
+    """A module under the generic rule is re-run in the training modes of its forward, not in
+    its modes at the step (switched by ``.train()`` in between), and left in those."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), _ScaledNorm(4)).double()
+    model[1].norm.running_mean.uniform_(-1, 1)
+    model[1].norm.running_var.uniform_(0.5, 2)
+    x = torch.randn(5, 3, dtype=torch.float64)
+    with Engine(model.eval(), batch_dim=batch_dim) as engine:
+        out = model(x)
+        losses = out.pow(2).sum(1) if batch_dim == 0 else torch.stack([out.sum(), out[0, 0]])
+        jacobian = reference_jacobian(losses, list(model.parameters()))
+        running = model[1].norm.running_mean.clone()
+        model.train()  # (the step follows in the other mode)
+        gramian = engine.compute_gramian(losses)
+    torch.testing.assert_close(gramian, jacobian @ jacobian.T, rtol=1e-6, atol=1e-6)
+    assert all(m.training for m in model.modules())
+    torch.testing.assert_close(model[1].norm.running_mean, running, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("batch_dim", [0, None])
+def test_generic_rule_refuses_weights_changed_since_the_forward(batch_dim: int | None) -> None:
+    """The generic rule re-runs the module with its weights as they are at the step: changed in
+    place since the forward (an optimiser step in between), they are refused."""
+    model = nn.Sequential(_ScaledNorm(3), nn.Linear(3, 4)).double().eval()
+    x = torch.randn(5, 3, dtype=torch.float64)
+    with Engine(model, batch_dim=batch_dim) as engine:
+        out = model(x)
+        losses = out.pow(2).sum(1) if batch_dim == 0 else torch.stack([out.sum(), out[0, 0]])
+        with torch.no_grad():
+            model[0].scale.mul_(2)
+        with pytest.raises(RuntimeError, match="modified in place"):
+            engine.backward(losses, MeanWeighting())
+    assert all(p.grad is None for p in model.parameters())

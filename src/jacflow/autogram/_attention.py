@@ -204,6 +204,9 @@ class AttentionRule(Rule):
     """``nn.MultiheadAttention``: the projections' parameters in closed form (see the module
     docstring); configurations outside it use the generic rule."""
 
+    def replays(self) -> bool:
+        return True
+
     def covers_children(self) -> bool:
         return True  # out_proj's parameters: the module uses them without calling out_proj
 

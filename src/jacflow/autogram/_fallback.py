@@ -112,18 +112,23 @@ class FallbackRule(Rule):
     def covers_children(self) -> bool:
         return True
 
+    def replays(self) -> bool:
+        return True
+
     def prepare(
         self, module: nn.Module, params: dict[str, Tensor], calls: list[Call], rows: Rows
     ) -> Contribution:
         detached = {name: p.detach() for name, p in params.items()}
         total: dict[str, Tensor] = {}
         for call in calls:
+            call.check_weights_unchanged()  # (the re-run reads the weights as they are now)
             cots = tuple(call.grad(j) for j in range(len(call.grads)))
             try:
                 with (
                     torch.enable_grad(),
                     quiet_vmap_fallback(),
                     replay_autocast(call),
+                    call.forward_modes(module),
                     _native_rnn(module),
                 ):
                     if rows.per_task:

@@ -124,7 +124,8 @@ class Recorder:
         self.fused_rnn = False  # a recurrent layer ran torch's fused kernel (cuDNN, MIOpen)
 
     def hook(self, index: int, unit: Unit) -> None:
-        handle = unit.module.register_forward_hook(partial(self._record, index), with_kwargs=True)
+        record = partial(self._record, index, unit.rule.replays())
+        handle = unit.module.register_forward_hook(record, with_kwargs=True)
         self.handles.append(handle)
 
     def watch_children(self, unit: Unit) -> None:
@@ -177,7 +178,9 @@ class Recorder:
         ):
             self.fused_rnn = True
 
-    def _record(self, index: int, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+    def _record(
+        self, index: int, replays: bool, module: nn.Module, args: Any, kwargs: Any, output: Any
+    ) -> None:
         if not torch.is_grad_enabled():
             return
         # Fast path for the common single-tensor output and tensor-only positional inputs.
@@ -202,8 +205,10 @@ class Recorder:
             versions=[(t, t._version) for t in inputs if isinstance(t, Tensor)],
             autocast=autocast_state(leaves[positions[0]].device.type),
             training=module.training,
-            weight_versions=[(p, p._version) for p in module.parameters()],
         )
+        if replays:  # (what a replay of the module needs: the weights and modes it ran with)
+            call.weight_versions = [(p, p._version) for p in module.parameters()]
+            call.modes = tuple(sub.training for sub in module.modules())
         self.calls.append((index, call))
 
     def take(self) -> list[tuple[int, Call]]:

@@ -248,6 +248,9 @@ class RecurrentRule(Rule):
     """``nn.RNN``, ``nn.LSTM``, ``nn.GRU``: every weight as a Linear layer over the time steps
     (see the module docstring)."""
 
+    def replays(self) -> bool:
+        return True
+
     def output_batch_dim(self, module: nn.Module, call: Call, position: int) -> int | None:
         assert isinstance(module, nn.RNNBase)
         if position == 0:  # the outputs: packed (no batch dimension), [N, T, ...] or [T, N, ...]

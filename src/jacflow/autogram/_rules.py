@@ -101,8 +101,10 @@ class Call:
     autocast: tuple[str, torch.dtype] | None = None
     # the module's training mode during the forward (``None``: not recorded)
     training: bool | None = None
-    # the versions of the module's parameters at the forward, for the rules that read them
+    # the versions of the module's parameters at the forward, and the training modes of the
+    # module and its submodules (``module.modules()`` order), for the rules that replay it
     weight_versions: list[tuple[Tensor, int]] = field(default_factory=list)
+    modes: tuple[bool, ...] | None = None
 
     def trained(self, module: nn.Module) -> bool:
         """Whether the forward ran in training mode (the module's mode now, if unrecorded).
@@ -141,6 +143,42 @@ class Call:
                 "the Jacobian-descent step; the Gramian needs the weights the forward used. "
                 "Run the step before changing them."
             )
+
+    @contextlib.contextmanager
+    def forward_modes(self, module: nn.Module) -> Iterator[None]:
+        """The module and its submodules in the training modes of the forward (recorded for
+        the rules that replay it), their modes now restored after.
+
+        Example:
+            >>> import torch
+            >>> from torch import nn
+            >>> from jacflow.autogram import Call
+            >>> block = nn.Sequential(nn.Linear(2, 2), nn.Dropout())
+            >>> call = Call((), {}, [0], [torch.Size([1])], [None], [], modes=(False, False, False))
+            >>> with call.forward_modes(block):
+            ...     print(block[1].training)
+            False
+            >>> block[1].training
+            True
+        """
+        subs = list(module.modules())
+        now = [sub.training for sub in subs]
+        if self.modes is None or tuple(now) == self.modes:
+            yield
+            return
+        if len(self.modes) != len(subs):
+            raise RuntimeError(
+                f"{type(module).__name__} gained or lost submodules between the forward and the "
+                "Jacobian-descent step; the engine replays it as the forward ran it. Run the "
+                "step before changing the module."
+            )
+        for sub, mode in zip(subs, self.modes, strict=True):
+            sub.training = mode
+        try:
+            yield
+        finally:
+            for sub, mode in zip(subs, now, strict=True):
+                sub.training = mode
 
     def grad(self, j: int = 0) -> Tensor:
         """Gradient of the rows w.r.t. output ``j``, zeros when the output was unused."""
@@ -249,6 +287,24 @@ class Rule(ABC):
 
     def covers_children(self) -> bool:
         """Whether the rule covers the parameters of the module's children too."""
+        return False
+
+    def replays(self) -> bool:
+        """Whether the rule recomputes part of the module's forward from the recorded inputs
+        and the module's weights (attention, recurrent layers, the generic rule). The engine
+        then records, at each call, the parameters' versions
+        (:meth:`Call.check_weights_unchanged`) and the training modes of the module and its
+        submodules (:meth:`Call.forward_modes`); other rules read only the recorded inputs and
+        output gradients and skip that work.
+
+        Example:
+            >>> from jacflow.autogram import Rule
+            >>> class FromInputsOnly(Rule):
+            ...     def prepare(self, module, params, calls, rows):
+            ...         raise NotImplementedError
+            >>> FromInputsOnly().replays()
+            False
+        """
         return False
 
     def validate(self, module: nn.Module, call: Call, rows: Rows) -> None:
