@@ -242,3 +242,56 @@ def test_shared_factorisations_give_the_same_step(
         shared = _step(u, inverse, padded, active, size, share=True)
     assert alone is not None and shared is not None
     torch.testing.assert_close(shared, alone, rtol=0, atol=1e-12)
+
+
+def _grouped_and_padded(m: int, seed: int, kind: str, cost: float) -> int:
+    """Dual PDAS with the active systems in groups of similar size (forced from any size at
+    the cost ``cost`` per extra group) against one padded batch: the same iterates, and
+    KKT-certified solutions. Returns how many steps were split into groups."""
+    gramian = per_sample_gramian(m, seed) if kind == "ps" else make_gramian(m, "psd", 1.0, seed)
+    u, g = normalised(upgrad_rows(m), gramian)
+    inverse = safe_inverse(g)
+    assert inverse is not None
+    start = start_at_u(u, g)
+    split = []
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(dual_pdas, "_GROUP_MIN_SIZE", 10**9)
+        padded, padded_residual = dual_pdas_solve(u, g, inverse, start, 50, 1e-12)
+        original = dual_pdas.size_groups
+        patch.setattr(dual_pdas, "_GROUP_MIN_SIZE", 1)
+        patch.setattr(dual_pdas, "_GROUP_COST", cost)
+        patch.setattr(dual_pdas, "size_groups", lambda *a: split.append(original(*a)) or split[-1])
+        v, residual = dual_pdas_solve(u, g, inverse, start, 50, 1e-12)
+    torch.testing.assert_close(v, padded, rtol=0, atol=1e-12)
+    torch.testing.assert_close(residual, padded_residual, rtol=0, atol=1e-14)
+    for row in (residual[0] <= 1e-10).nonzero().flatten().tolist():
+        assert_kkt(v[0, row], u[0, row], g[0], rtol=1e-9)
+    return sum(groups is not None for groups in split)
+
+
+@settings(max_examples=30)
+@given(
+    m=st.integers(2, 90),
+    seed=st.integers(0, 2**31 - 1),
+    kind=st.sampled_from(["ps", "psd"]),
+    cost=st.sampled_from([0.0, 1e3, 1e5]),
+)
+def test_steps_by_size_groups_are_the_padded_steps(
+    m: int, seed: int, kind: str, cost: float
+) -> None:
+    _grouped_and_padded(m, seed, kind, cost)
+
+
+@pytest.mark.parametrize("m", [40, 64])
+def test_steps_split_into_size_groups(m: int) -> None:
+    assert _grouped_and_padded(m, 0, "ps", 0.0) > 0
+
+
+def test_size_groups_cover_every_problem_once() -> None:
+    counts = torch.tensor([3, 40, 41, 7, 39, 2, 60, 5] * 16)
+    groups = dual_pdas.size_groups(counts, 60)
+    assert groups is not None
+    rows = torch.cat([r for r, _ in groups])
+    assert sorted(rows.tolist()) == list(range(counts.numel()))
+    for r, size in groups:
+        assert int(counts[r].max()) == size
