@@ -169,11 +169,16 @@ def norm(rng: random.Random, d: int, t: int) -> Block:
 
 def recurrent(rng: random.Random, d: int, t: int) -> Block:
     kind, h, bi = rng.choice([nn.RNN, nn.LSTM, nn.GRU]), rng.randint(2, 4), rng.random() < 0.5
-    options = {"nonlinearity": rng.choice(["tanh", "relu"])} if kind is nn.RNN else {}
+    options: dict[str, object] = {}
+    if kind is nn.RNN:
+        options["nonlinearity"] = rng.choice(["tanh", "relu"])
+    if kind is nn.LSTM and rng.random() < 0.3:
+        options["proj_size"] = rng.randint(1, h - 1)
     layers, bias, first = rng.randint(1, 2), rng.random() < 0.8, rng.random() < 0.5
     rnn = kind(d, h, layers, bias=bias, batch_first=first, bidirectional=bi, **options)
     seed = rng.randint(0, 10**6) if rng.random() < 0.4 else None  # a packed batch
-    return Recurrent(rnn, rng.random() < 0.4, seed), h * (2 if bi else 1), t
+    size = int(options.get("proj_size", h))  # type: ignore[call-overload]
+    return Recurrent(rnn, rng.random() < 0.4, seed), size * (2 if bi else 1), t
 
 
 def shared(rng: random.Random, d: int, t: int) -> Block:

@@ -12,7 +12,7 @@ from torch import Tensor, nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 from jacflow.aggregation import MeanWeighting
-from jacflow.autogram import Engine, _engine, _hooks
+from jacflow.autogram import Engine, _engine, _hooks, _recurrent
 from tests.autogram._zoo import Built, Case
 from tests.autogram.test_engine import check_case, reference_jacobian
 
@@ -40,7 +40,8 @@ class _Sequence(nn.Module):
         if self.init is not None:  # [L D, B, H], from the first step
             layers = self.rnn.num_layers * (2 if self.rnn.bidirectional else 1)
             h0 = torch.tanh(self.init(x[:, 0])).expand(layers, -1, -1).contiguous()
-            hx = (h0, 0.5 * h0) if isinstance(self.rnn, nn.LSTM) else h0
+            projected = getattr(self.rnn, "proj_size", 0) or H  # (h_0 of the projected size)
+            hx = (h0[..., :projected], 0.5 * h0) if isinstance(self.rnn, nn.LSTM) else h0
         out, state = self.rnn(h if batch_first else h.transpose(0, 1), hx)
         out = out if batch_first else out.transpose(0, 1)
         finals = state if isinstance(state, tuple) else (state,)
@@ -80,6 +81,17 @@ CASES = [
     _case("tasks_gru_sequence_first", "GRU", None, batch_first=False, initial=True),
     _case("tasks_rnn", "RNN", None),
     _case("lstm_eval_dropout", "LSTM", num_layers=2, dropout=0.5),  # built, then .eval()
+    _case("lstm_projections", "LSTM", proj_size=2),
+    _case(
+        "lstm_projections_two_layers_bidirectional_initial",
+        "LSTM",
+        num_layers=2,
+        bidirectional=True,
+        proj_size=3,
+        initial=True,
+    ),
+    _case("lstm_projections_rows_per_output", "LSTM", k=2, proj_size=2, batch_first=False),
+    _case("tasks_lstm_projections", "LSTM", None, num_layers=2, proj_size=2, bias=False),
 ]
 
 
@@ -107,16 +119,6 @@ def test_gramian_and_update_float32(name: str, on_device: str) -> None:
     check_case(next(c for c in CASES if c.name == name), torch.float32)
 
 
-def test_lstm_projections(on_device: str) -> None:
-    """No closed form: refused per sample when the engine is built, the generic rule per
-    task."""
-    lstm = nn.LSTM(D, H, proj_size=2, batch_first=True)
-    with pytest.raises(ValueError, match="proj_size"):
-        Engine(lstm, batch_dim=0)
-    case = _case("tasks_lstm_projections", "LSTM", None, proj_size=2)
-    check_case(case, torch.float64)
-
-
 def test_refusals_leave_grads_untouched() -> None:
     """Dropout between layers in training mode and an input that is neither a tensor nor a
     packed sequence get clear errors."""
@@ -140,7 +142,7 @@ class _Packed(nn.Module):
         self.encode = nn.Linear(D, D)
         self.rnn = getattr(nn, kind)(D, H, **options)
         directions = 2 if self.rnn.bidirectional else 1
-        self.head = nn.Linear(directions * H, k or 1)
+        self.head = nn.Linear(directions * (getattr(self.rnn, "proj_size", 0) or H), k or 1)
         self.init = nn.Linear(D, H)
         self.sorted, self.k = sorted_, k
 
@@ -194,6 +196,7 @@ PACKED = [
     _packed_case("packed_lstm_rows_per_output", "LSTM", k=2, bidirectional=True),
     _packed_case("tasks_packed_lstm", "LSTM", None, num_layers=2, bidirectional=True),
     _packed_case("tasks_packed_gru_states_only", "GRU", None, outputs=False),
+    _packed_case("packed_lstm_projections_bidirectional", "LSTM", bidirectional=True, proj_size=2),
 ]
 
 
@@ -261,11 +264,83 @@ def test_module_around_a_recurrent_layer(on_device: str) -> None:
     check_case(case, torch.float64)
 
 
-def test_unbatched_input_per_task(on_device: str) -> None:
-    lstm = nn.LSTM(D, H).double()
-    x = torch.randn(T, D, dtype=torch.float64)
-    case = Case("unbatched", lambda dt: (lstm, (lstm,), lambda: lstm(x)[0][-2:].sum(1)), None)
-    check_case(case, torch.float64)
+@pytest.mark.parametrize("kind", ["LSTM", "GRU"])
+def test_unbatched_input_per_task(
+    kind: str, on_device: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One sequence without a batch dimension (per task), with an initial state from a hooked
+    encoder and a batched call of the same layer: the closed form, as a batch of one."""
+    torch.manual_seed(0)
+    encode, rnn = nn.Linear(D, H).double(), getattr(nn, kind)(D, H, num_layers=2).double()
+    x, batch = torch.randn(T, D, dtype=torch.float64), torch.randn(T, B, D, dtype=torch.float64)
+
+    def forward() -> Tensor:
+        h0 = torch.tanh(encode(x[:2]))  # [L, H]
+        out, state = rnn(x, (h0, 0.5 * h0) if kind == "LSTM" else h0)
+        finals = state if isinstance(state, tuple) else (state,)
+        batched = rnn(batch)[0].pow(2).sum()
+        return torch.stack([out[-2:].sum(), sum(f.pow(2).sum() for f in finals) + batched])
+
+    monkeypatch.setattr(_recurrent._GENERIC, "prepare", None)  # (not called)
+    check_case(Case("unbatched", lambda dt: (rnn, (encode, rnn), forward), None), torch.float64)
+
+
+class _Doubled(nn.LSTM):
+    """A subclass with a forward of its own: the generic rule per task."""
+
+    def forward(self, input: Any, hx: Any = None) -> Any:
+        out, state = super().forward(input, hx)
+        return out, tuple(2 * s for s in state)
+
+
+class _LearnedScale(nn.Module):
+    """Parameters of its own around an LSTM fed a packed batch: the generic rule per task."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(H, dtype=torch.float64))
+        self.lstm = nn.LSTM(D, H, batch_first=True).double()
+
+    def forward(self, packed: Any) -> Tensor:
+        return self.lstm(packed)[1][0] * self.scale
+
+
+@pytest.mark.parametrize("make", [lambda: _Doubled(D, H, batch_first=True).double(), _LearnedScale])
+def test_packed_sequences_under_the_generic_rule_are_refused_clearly(
+    make: Callable[[], nn.Module],
+) -> None:
+    """torch.func cannot re-run torch's recurrent kernels on a packed batch: per task, the
+    generic rule names the packed sequences and the ways out, and writes nothing."""
+    module = make()
+    x = torch.randn(B, T, D, dtype=torch.float64)
+    packed = pack_padded_sequence(x, torch.tensor([2, 5, 3]), True, False)
+    with Engine(module, batch_dim=None) as engine:
+        out = module(packed)
+        h_n = out[1][0] if isinstance(out, tuple) else out
+        losses = torch.stack([h_n.sum(), h_n.pow(2).sum()])
+        with pytest.raises(RuntimeError, match=r"packed sequences\. Pad the sequences"):
+            engine.backward(losses, MeanWeighting())
+    assert all(p.grad is None for p in module.parameters())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs cuDNN")
+def test_fused_kernel_behind_a_forward_of_its_own() -> None:
+    """Per task, a subclass whose forward transforms cuDNN's outputs (the kernel hidden from
+    its outputs' graph) is still pulled back row by row: judged by its input."""
+
+    class Tanh(nn.GRU):
+        def forward(self, input: Any, hx: Any = None) -> Any:
+            out, h = super().forward(input, hx)
+            return torch.tanh(out * 2 + 1).pow(2).sin(), h
+
+    def build(dtype: torch.dtype) -> Built:
+        torch.manual_seed(0)
+        encode, rnn = nn.Linear(D, D).to(dtype), Tanh(D, H, batch_first=True).to(dtype)
+        x = torch.randn(B, T, D, dtype=dtype)
+        return rnn, (encode, rnn), lambda: rnn(encode(x))[0].sum((0, 1))[:2]
+
+    with torch.device("cuda"):
+        check_case(Case("hidden_fused", build, None), torch.float64)
 
 
 def test_modes_and_weights_as_the_forward_saw_them() -> None:

@@ -137,6 +137,15 @@ class FallbackRule(Rule):
                         new = _per_sample_grads(module, detached, call, cots, rows)
             except RuntimeError as error:
                 if "random" not in str(error):
+                    if any(isinstance(sub, nn.RNNBase) for sub in module.modules()):
+                        raise RuntimeError(
+                            f"{type(module).__name__} has no closed-form Gramian rule and holds "
+                            "a recurrent layer, so the engine re-runs it with torch.func, which "
+                            f"failed: {error}. torch.func cannot run torch's recurrent kernels "
+                            "on packed sequences. Pad the sequences, or let the closed form "
+                            "cover the recurrent layer: a plain nn.RNN/LSTM/GRU, with no "
+                            "parameters of its own around it."
+                        ) from error
                     raise
                 raise RuntimeError(
                     f"{type(module).__name__} has no closed-form Gramian rule, so the engine "

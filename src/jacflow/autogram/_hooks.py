@@ -165,13 +165,17 @@ class Recorder:
             self.coupled = f"{name} ({type(module).__name__})"
 
     def watch_fused_rnn(self, module: nn.Module) -> None:
-        """Flag grad-enabled forwards of a recurrent layer that ran torch's fused kernel: its
-        backward has no batching rule, so the rows' gradients cannot be captured in one batched
-        backward."""
+        """Flag grad-enabled forwards of a recurrent layer that may run torch's fused kernel
+        (cuDNN, MIOpen): its backward has no batching rule, so the rows' gradients cannot be
+        captured in one batched backward. Judged by the input, which the kernel accepts, or by
+        the outputs, which come from it (a subclass's own forward may hide them)."""
         self.handles.append(module.register_forward_hook(self._flag_fused))
 
     def _flag_fused(self, module: nn.Module, args: Any, output: Any) -> None:
-        if torch.is_grad_enabled() and any(
+        if not torch.is_grad_enabled():
+            return
+        first = next((x for x in tree_flatten(args)[0] if isinstance(x, Tensor)), None)
+        if (first is not None and torch.backends.cudnn.is_acceptable(first)) or any(
             _from_fused_rnn(leaf.grad_fn)
             for leaf in tree_flatten(output)[0]
             if isinstance(leaf, Tensor) and leaf.grad_fn is not None

@@ -8,21 +8,25 @@ forms, and its book-keeping update, give their Gramians and updates. The rows' `
 ``dc_t`` come from one replay of the layer's recurrence from the recorded inputs (one backward
 through it, batched over the rows when they are not the samples). Each sample's recurrence is
 its own, so per-sample mode needs no re-run per sample, which ``vmap`` cannot do for torch's
-fused recurrent kernels.
+fused recurrent kernels. An LSTM's projection (``proj_size``: ``h_t = W_hr (o_t * tanh(s_t))``
+with the cell state ``s_t``) is one more Linear layer over time, with inputs ``o_t * tanh(s_t)``
+and output gradients ``dh_t``.
 
 Covered: every layer count, both directions, with or without biases, ``batch_first`` either
-way, packed sequences, a given initial state, weights tied between slots. A packed batch is
+way, LSTM projections, packed sequences, a given initial state, weights tied between slots.
+A packed batch is
 replayed padded, each sample's state frozen past its length (the reverse direction starts at
 its last step), and the packed outputs' gradients are laid out padded with zeros at the padded
 steps, so those steps add nothing. Refused with a clear error: unbatched inputs in per-sample
 mode, dropout between layers in a training-mode forward (its random mask cannot be replayed),
-weights changed in place since the forward, and (per sample) LSTM projections; per task, the
-projections, unbatched inputs and a subclass with its own ``forward`` go to the generic rule.
+weights changed in place since the forward, and (per sample) a subclass with its own
+``forward``; per task, that subclass goes to the generic rule, and an unbatched input is
+replayed as a batch of one.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -44,13 +48,15 @@ def covered(module: nn.RNNBase) -> bool:
     Example:
         >>> from torch import nn
         >>> from jacflow.autogram._recurrent import covered
-        >>> covered(nn.GRU(3, 4, num_layers=2, bidirectional=True))
+        >>> covered(nn.LSTM(3, 4, num_layers=2, proj_size=2))
         True
-        >>> covered(nn.LSTM(3, 4, proj_size=2))
+        >>> class Reversed(nn.GRU):
+        ...     def forward(self, x, hx=None):
+        ...         return super().forward(x.flip(1), hx)
+        >>> covered(Reversed(3, 4))
         False
     """
-    own_forward = any(type(module).forward is kind.forward for kind in _TYPES)
-    return own_forward and getattr(module, "proj_size", 0) == 0
+    return any(type(module).forward is kind.forward for kind in _TYPES)
 
 
 def uncovered_refusal(where: str, module: nn.RNNBase) -> ValueError:
@@ -59,13 +65,13 @@ def uncovered_refusal(where: str, module: nn.RNNBase) -> ValueError:
     Example:
         >>> from torch import nn
         >>> from jacflow.autogram._recurrent import uncovered_refusal
-        >>> str(uncovered_refusal("rnn", nn.LSTM(3, 4, proj_size=2))).split(":")[0]
-        'rnn is a LSTM with projections (proj_size > 0) or a forward of its own'
+        >>> str(uncovered_refusal("rnn", nn.LSTM(3, 4))).split(":")[0]
+        'rnn is a LSTM subclass with a forward of its own'
     """
     return ValueError(
-        f"{where} is a {type(module).__name__} with projections (proj_size > 0) or a forward "
-        "of its own: no closed form covers it, and the per-sample engine (batch_dim=0) cannot "
-        "re-run it sample by sample. Use batch_dim=None, or jacflow.autojac.backward."
+        f"{where} is a {type(module).__name__} subclass with a forward of its own: no closed "
+        "form covers it, and the per-sample engine (batch_dim=0) cannot re-run it sample by "
+        "sample. Use batch_dim=None, or jacflow.autojac.backward."
     )
 
 
@@ -88,6 +94,22 @@ def _cell(
     return (pre.tanh() if mode == "RNN_TANH" else pre.relu()), None
 
 
+class _Part(NamedTuple):
+    """One layer and direction of a replay: the inputs of ``W_ih`` (``x``) and ``W_hh``
+    (``previous``, the ``h_{t-1}``), ``a = W_ih x + b_ih`` for all steps, every step's ``c_t``,
+    and with projections the inputs (``unprojected``) and outputs (``hps``) of ``W_hr`` per
+    step, in the recurrence's order (a Linear form pairs them step by step: the order of the
+    steps plays no part)."""
+
+    suffix: str
+    x: Tensor
+    previous: Tensor
+    a: Tensor
+    cs: list[Tensor]
+    unprojected: list[Tensor]
+    hps: list[Tensor]
+
+
 class _Replay:
     """The recurrence of one call, replayed batch first from its recorded inputs, with the
     tensors each weight's Linear form needs: per layer and direction, the inputs ``x_t``, the
@@ -100,17 +122,18 @@ class _Replay:
         directions = 2 if module.bidirectional else 1
         n, steps, size = x.shape[0], x.shape[1], module.hidden_size
         lstm = module.mode == "LSTM"
+        projected = getattr(module, "proj_size", 0)  # (an LSTM's h_t = W_hr (o * tanh(c_t)))
         shape = (module.num_layers * directions, n, size)
         c0: Tensor | None = None
         if hx is None:
-            h0 = x.new_zeros(shape)
+            h0 = x.new_zeros((*shape[:2], projected or size))
             c0 = x.new_zeros(shape) if lstm else None
         elif lstm:  # [L D, N, H], as the module takes them (in the weights' dtype: the
             # upcast of a call made under autocast does not reach into the tuple)
             h0, c0 = hx[0].detach().to(x.dtype), hx[1].detach().to(x.dtype)
         else:
             h0 = hx.detach().to(x.dtype)
-        self.parts: list[tuple[str, Tensor, Tensor, Tensor, list[Tensor]]] = []
+        self.parts: list[_Part] = []
         layer_input, last_h, last_c = x.detach(), [], []
         # (a packed batch: each sample's steps; past them its state stays as it is)
         active = None
@@ -126,6 +149,7 @@ class _Replay:
                     getattr(module, f"bias_{k}{suffix}").detach() if module.bias else None
                     for k in ("ih", "hh")
                 )
+                w_hr = getattr(module, f"weight_hr{suffix}").detach() if projected else None
                 a = F.linear(layer_input, w_ih, b_ih)  # every step at once
                 if not a.requires_grad:  # (first layer: a leaf, whose gradient is da)
                     a.requires_grad_()
@@ -134,12 +158,18 @@ class _Replay:
                 hs: list[Tensor] = [h] * steps
                 previous: list[Tensor] = [h] * steps
                 cs: list[Tensor] = [h] * steps
+                unprojected: list[Tensor] = []  # o * tanh(c_t), W_hr's inputs
+                hps: list[Tensor] = []  # W_hr's outputs
                 for t in range(steps - 1, -1, -1) if direction else range(steps):
                     previous[t] = h
                     cs[t] = F.linear(h, w_hh, b_hh)
                     if not cs[t].requires_grad:  # (first step: from the constant h_0)
                         cs[t].requires_grad_()
                     new_h, new_state = _cell(module.mode, a[:, t], cs[t], h, state)
+                    if w_hr is not None:
+                        unprojected.append(new_h)
+                        new_h = F.linear(new_h, w_hr)
+                        hps.append(new_h)
                     if active is None:
                         h, state = new_h, new_state
                     else:
@@ -151,7 +181,9 @@ class _Replay:
                 last_h.append(h)
                 if state is not None:
                     last_c.append(state)
-                self.parts.append((suffix, layer_input, torch.stack(previous, 1), a, cs))
+                self.parts.append(
+                    _Part(suffix, layer_input, torch.stack(previous, 1), a, cs, unprojected, hps)
+                )
             layer_input = outputs[0] if directions == 1 else torch.cat(outputs, -1)
         # the module's outputs, batch first: [N, T, D H], [N, L D, H] (and the cell states)
         self.outputs = [layer_input, torch.stack(last_h, 1)]
@@ -160,16 +192,17 @@ class _Replay:
 
     def row_grads(
         self, cotangents: list[Tensor | None], batched: bool
-    ) -> list[tuple[Tensor, Tensor]]:
-        """``(da, dc)`` per layer and direction, ``[*, N, T, G H]``, from the rows' gradients
-        of the outputs (``batched``: with a leading row dimension). Outside the GRU a cell
-        reads ``a + c`` only, so ``dc = da``: only the GRU's ``c_t`` are differentiated."""
+    ) -> list[tuple[Tensor, Tensor, Tensor | None]]:
+        """``(da, dc, dh)`` per layer and direction, ``[*, N, T, G H]`` (``dh``: of the
+        projections' outputs ``[*, N, T, P]``, or ``None``), from the rows' gradients of the
+        outputs (``batched``: with a leading row dimension). Outside the GRU a cell reads
+        ``a + c`` only, so ``dc = da``: only the GRU's ``c_t`` are differentiated."""
         pairs = [(o, c) for o, c in zip(self.outputs, cotangents, strict=True) if c is not None]
         own_c = self.mode == "GRU"
-        groups = [(a, cs if own_c else []) for _, _, _, a, cs in self.parts]
+        groups = [(part.a, part.cs if own_c else [], part.hps) for part in self.parts]
         grads = torch.autograd.grad(
             [o for o, _ in pairs],
-            [t for a, cs in groups for t in (a, *cs)],
+            [t for a, cs, hps in groups for t in (a, *cs, *hps)],
             [c for _, c in pairs],
             is_grads_batched=batched,
             allow_unused=True,
@@ -177,13 +210,21 @@ class _Replay:
         reference = next(c for c in cotangents if c is not None)
         lead = reference.shape[:1] if batched else ()
         out, cursor = [], 0
-        for a, cs in groups:
+        for a, cs, hps in groups:
+            targets = (a, *cs, *hps)
             group = [
                 g if g is not None else t.new_zeros(*lead, *t.shape)
-                for g, t in zip(grads[cursor : cursor + 1 + len(cs)], (a, *cs), strict=True)
+                for g, t in zip(grads[cursor : cursor + len(targets)], targets, strict=True)
             ]
-            cursor += 1 + len(cs)
-            out.append((group[0], torch.stack(group[1:], -2) if own_c else group[0]))
+            cursor += len(targets)
+            da, dcs, dhs = group[0], group[1 : 1 + len(cs)], group[1 + len(cs) :]
+            out.append(
+                (
+                    da,
+                    torch.stack(dcs, -2) if own_c else da,
+                    torch.stack(dhs, -2) if dhs else None,
+                )
+            )
         return out
 
 
@@ -230,7 +271,7 @@ def _grouped(
     """
     name_of = {id(t): name for name, t in params.items()}
     weights = [getattr(module, f"weight_{k}") for k in keys]
-    biases = [getattr(module, f"bias_{k}") if module.bias else None for k in keys]
+    biases = [getattr(module, f"bias_{k}", None) if module.bias else None for k in keys]
     tied = len({id(w) for w in weights}) < len(keys) or (
         module.bias and len({id(b) for b in biases}) < len(keys)
     )
@@ -276,8 +317,7 @@ class RecurrentRule(Rule):
         self, module: nn.Module, params: dict[str, Tensor], calls: list[Call], rows: Rows
     ) -> Contribution:
         assert isinstance(module, nn.RNNBase)
-        unbatched = any(_unbatched(call) for call in calls)
-        if not covered(module) or (rows.per_task and unbatched):
+        if not covered(module):
             if rows.per_task:
                 return _GENERIC.prepare(module, params, calls, rows)
             raise uncovered_refusal(type(module).__name__, module)  # (Engine refuses it first)
@@ -292,10 +332,9 @@ class RecurrentRule(Rule):
         grads: dict[str, list[Tensor]] = {}
         for call in calls:
             call.check_weights_unchanged()
-            for suffix, (u_ih, u_hh, da, dc) in self._terms(module, call, rows).items():
-                for kind, u, d in (("ih", u_ih, da), ("hh", u_hh, dc)):
-                    inputs.setdefault(kind + suffix, []).append(u)
-                    grads.setdefault(kind + suffix, []).append(d)
+            for slot, (u, d) in self._terms(module, call, rows).items():
+                inputs.setdefault(slot, []).append(u)
+                grads.setdefault(slot, []).append(d)
         parts: list[tuple[set[str], UnfoldedContribution]] = []
         for slots, names in _grouped(list(inputs), module, params):
             weight = getattr(module, f"weight_{slots[0]}")
@@ -310,17 +349,22 @@ class RecurrentRule(Rule):
 
     def _terms(
         self, module: nn.RNNBase, call: Call, rows: Rows
-    ) -> dict[str, tuple[Tensor, Tensor, Tensor, Tensor]]:
-        """Per layer and direction (``_l{k}[_reverse]``): the inputs of ``W_ih`` and ``W_hh``
-        (batch first) and their rows' output gradients."""
+    ) -> dict[str, tuple[Tensor, Tensor]]:
+        """Per weight slot (``ih_l{k}[_reverse]``, ``hh_...``, ``hr_...``): its Linear form's
+        inputs (batch first) and their rows' output gradients."""
         x = _input(call)
         hx = call.args[1] if len(call.args) > 1 else call.kwargs.get("hx")
         packed = x if isinstance(x, PackedSequence) else None
         lengths: Tensor | None = None
+        unbatched = _unbatched(call)  # (per task: one sequence, replayed as a batch of one)
         if packed is not None:  # replayed padded, batch first (in the weights' dtype: the
             # upcast of a call made under autocast does not reach into the packed sequence)
             x, lengths = pad_packed_sequence(packed, batch_first=True)
             x = x.to(module.all_weights[0][0].dtype)
+        elif unbatched:  # [T, D] -> [1, T, D]; the states [L D, H] -> [L D, 1, H]
+            x = x.unsqueeze(0)
+            if hx is not None:
+                hx = tuple(h.unsqueeze(1) for h in hx) if isinstance(hx, tuple) else hx.unsqueeze(1)
         elif not module.batch_first:
             x = x.transpose(0, 1)
         with torch.enable_grad():  # (the engine prepares under no_grad)
@@ -332,7 +376,9 @@ class RecurrentRule(Rule):
         first_batched = module.batch_first or packed is not None
         if packed is not None and cotangents[0] is not None:  # -> [*, N, T, F]
             cotangents[0] = _padded(cotangents[0], packed, 1 if batched else 0)
-        if rows.per_task:  # [R, *output shape] -> [R, N, ...]
+        if unbatched:  # [R, T, F] -> [R, 1, T, F]; [R, L D, H] -> [R, 1, L D, H]
+            cotangents = [None if c is None else c.unsqueeze(1) for c in cotangents]
+        elif rows.per_task:  # [R, *output shape] -> [R, N, ...]
             cotangents = [
                 c if c is None or (j == 0 and first_batched) else c.transpose(1, 2)
                 for j, c in enumerate(cotangents)
@@ -347,8 +393,11 @@ class RecurrentRule(Rule):
         with torch.enable_grad():
             row_grads = replay.row_grads(cotangents, batched)
         terms = {}
-        for (suffix, u_ih, u_hh, _, _), (da, dc) in zip(replay.parts, row_grads, strict=True):
-            terms[suffix] = (u_ih.detach(), u_hh.detach(), da, dc)
+        for part, (da, dc, dh) in zip(replay.parts, row_grads, strict=True):
+            terms["ih" + part.suffix] = (part.x.detach(), da)
+            terms["hh" + part.suffix] = (part.previous.detach(), dc)
+            if dh is not None:
+                terms["hr" + part.suffix] = (torch.stack(part.unprojected, 1).detach(), dh)
         return terms
 
 
