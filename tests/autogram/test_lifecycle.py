@@ -391,3 +391,90 @@ def test_generic_rule_refuses_weights_changed_since_the_forward(batch_dim: int |
         with pytest.raises(RuntimeError, match="modified in place"):
             engine.backward(losses, MeanWeighting())
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_generic_rule_trains_batchnorm_per_task() -> None:
+    """Per task, a BatchNorm in training mode under the generic rule is re-run on copies of its
+    running statistics (torch.func refuses updates of the module's): exact, and the statistics
+    stay as the forward left them."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), _ScaledNorm(4)).double()
+    model[1].drop.p = 0.0
+    x = torch.randn(6, 3, dtype=torch.float64)
+    with Engine(model, batch_dim=None) as engine:
+        out = model(x)
+        losses = torch.stack([out.sum(), out.pow(2).sum(), out[0, 1]])
+        jacobian = reference_jacobian(losses, list(model.parameters()))
+        running = model[1].norm.running_mean.clone()
+        gramian = engine.compute_gramian(losses)
+    torch.testing.assert_close(gramian, jacobian @ jacobian.T, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(model[1].norm.running_mean, running, rtol=0, atol=0)
+
+
+class _RenormedEmbedding(nn.Module):
+    """An embedding with ``max_norm`` (its forward renormalises the weight in place) and a
+    parameter of its own: the generic rule."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.linspace(0.5, 2.0, 3, dtype=torch.float64))
+        self.embedding = nn.Embedding(10, 3, max_norm=1.0).double()
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return self.embedding(ids) * self.scale
+
+
+def test_weights_the_forward_itself_changes_are_not_refused() -> None:
+    """A module that changes its own weights during the forward (``max_norm``), called twice:
+    the check compares with the last call, so only changes after the forward are refused."""
+    torch.manual_seed(0)
+    module, ids = _RenormedEmbedding(), torch.tensor([1, 2, 3])
+    with Engine(module, batch_dim=None) as engine:
+        out = module(ids) + module(ids.flip(0))
+        losses = torch.stack([out.sum(), out.pow(2).sum()])
+        jacobian = reference_jacobian(losses, list(module.parameters()))
+        gramian = engine.compute_gramian(losses)
+    torch.testing.assert_close(gramian, jacobian @ jacobian.T, rtol=1e-6, atol=1e-6)
+
+
+class _Holder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(4, dtype=torch.float64))
+        self.act: nn.Module = nn.Tanh()
+        self.lstm = nn.LSTM(3, 4, batch_first=True).double()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.act(self.lstm(x)[0]) * self.scale
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ("swap", "gained, lost or replaced submodules"),
+        ("add", "gained, lost or replaced submodules"),
+        ("parameter", "modified in place or replaced"),
+        ("in_place", "modified in place or replaced"),
+    ],
+)
+def test_generic_rule_refuses_a_module_changed_since_the_forward(change: str, message: str) -> None:
+    """A submodule swapped or added, a parameter replaced or edited in place between the
+    forward and the step: the re-run would differentiate another function, so it is refused
+    (not mistaken for a failure of the recurrent kernels), and nothing is written."""
+    module = _Holder()
+    x = torch.randn(2, 5, 3, dtype=torch.float64)
+    with Engine(module, batch_dim=None) as engine:
+        out = module(x)
+        losses = torch.stack([out.sum(), out.pow(2).sum()])
+        if change == "swap":
+            module.act = nn.ReLU()
+        elif change == "add":
+            module.extra = nn.Identity()
+        elif change == "parameter":
+            module.scale = nn.Parameter(2 * torch.ones(4, dtype=torch.float64))
+        else:
+            with torch.no_grad():
+                module.scale.add_(1.0)
+        with pytest.raises(RuntimeError, match=message):
+            engine.backward(losses, MeanWeighting())
+    assert all(p.grad is None for p in module.parameters())

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch import Tensor, nn
 
+from jacflow.autogram import Call, Contribution, Engine, Rule, _rules
 from jacflow.autogram._linear import PER_ROW_SLOWDOWN, ghost_cost, materialized_cost
 from jacflow.autogram._rules import Rows, gram
 
@@ -47,3 +50,33 @@ def test_route_of_sequence_linear_layers() -> None:
     assert materialized_cost(tasks, 64, 1, 8, 4) == 2 * 64 * 8 * 4 + 2 * 2 * 8 * 4
     samples = Rows(2, 2, None, per_task=False)
     assert materialized_cost(samples, 64, 1, 8, 4) == (PER_ROW_SLOWDOWN * 64 + 2) * 2 * 8 * 4
+
+
+class _Scale(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(2, dtype=torch.float64))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * self.weight
+
+
+class _ChecksWithoutReplaying(Rule):
+    """Reads the module's weights (checks them) but does not say so with ``replays()``."""
+
+    def prepare(
+        self, module: nn.Module, params: dict[str, Tensor], calls: list[Call], rows: Rows
+    ) -> Contribution:
+        calls[-1].check_weights_unchanged(module)
+        raise AssertionError("unreachable")
+
+
+def test_weight_check_needs_a_replaying_rule(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine records the weights only for rules whose ``replays()`` is True: a rule that
+    checks them without it gets an error saying so, not a check that always passes."""
+    monkeypatch.setitem(_rules._RULES, _Scale, _ChecksWithoutReplaying())
+    module = _Scale()
+    with Engine(module, batch_dim=0) as engine:
+        losses = module(torch.randn(3, 2, dtype=torch.float64)).sum(1)
+        with pytest.raises(RuntimeError, match=r"replays\(\)"):
+            engine.compute_gramian(losses)

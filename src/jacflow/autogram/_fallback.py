@@ -34,11 +34,18 @@ def _selected_outputs(out: Any, positions: list[int]) -> tuple[Tensor, ...]:
     return tuple(leaves[i] for i in positions)
 
 
+def _with_buffers(module: nn.Module, params: dict[str, Tensor]) -> dict[str, Tensor]:
+    """``params`` and copies of the module's buffers, made inside the transforms: a re-run in
+    training mode updates the copies (BatchNorm's running statistics), which torch.func allows,
+    and leaves the module's as the forward left them."""
+    return {**{name: b.clone() for name, b in module.named_buffers()}, **params}
+
+
 def _per_task_grads(
     module: nn.Module, params: dict[str, Tensor], call: Call, cots: tuple[Tensor, ...]
 ) -> dict[str, Tensor]:
     def forward(p: dict[str, Tensor]) -> tuple[Tensor, ...]:
-        out = functional_call(module, p, call.args, call.kwargs)
+        out = functional_call(module, _with_buffers(module, p), call.args, call.kwargs)
         return _selected_outputs(out, call.output_positions)
 
     pullback = vjp(forward, params)[1]
@@ -66,7 +73,7 @@ def _per_sample_grads(
         args, kwargs = tree_unflatten(full, spec)
 
         def forward(p: dict[str, Tensor]) -> tuple[Tensor, ...]:
-            out = functional_call(module, p, tuple(args), dict(kwargs))
+            out = functional_call(module, _with_buffers(module, p), tuple(args), dict(kwargs))
             return tuple(o.squeeze(0) for o in _selected_outputs(out, call.output_positions))
 
         pullback = vjp(forward, params)[1]
@@ -118,10 +125,10 @@ class FallbackRule(Rule):
     def prepare(
         self, module: nn.Module, params: dict[str, Tensor], calls: list[Call], rows: Rows
     ) -> Contribution:
+        calls[-1].check_weights_unchanged(module)  # (the re-run reads the module as it is now)
         detached = {name: p.detach() for name, p in params.items()}
         total: dict[str, Tensor] = {}
         for call in calls:
-            call.check_weights_unchanged()  # (the re-run reads the weights as they are now)
             cots = tuple(call.grad(j) for j in range(len(call.grads)))
             try:
                 with (
@@ -137,7 +144,8 @@ class FallbackRule(Rule):
                         new = _per_sample_grads(module, detached, call, cots, rows)
             except RuntimeError as error:
                 if "random" not in str(error):
-                    if any(isinstance(sub, nn.RNNBase) for sub in module.modules()):
+                    recurrent = any(isinstance(sub, nn.RNNBase) for sub in module.modules())
+                    if recurrent and "storage" in str(error):  # (torch's packed kernels)
                         raise RuntimeError(
                             f"{type(module).__name__} has no closed-form Gramian rule and holds "
                             "a recurrent layer, so the engine re-runs it with torch.func, which "

@@ -212,7 +212,7 @@ class Recorder:
         )
         if replays:  # (what a replay of the module needs: the weights and modes it ran with)
             call.weight_versions = [(p, p._version) for p in module.parameters()]
-            call.modes = tuple(sub.training for sub in module.modules())
+            call.modes = tuple((sub, sub.training) for sub in module.modules())
         self.calls.append((index, call))
 
     def take(self) -> list[tuple[int, Call]]:

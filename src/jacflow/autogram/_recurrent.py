@@ -330,8 +330,8 @@ class RecurrentRule(Rule):
             )
         inputs: dict[str, list[Tensor]] = {}
         grads: dict[str, list[Tensor]] = {}
+        calls[-1].check_weights_unchanged(module)
         for call in calls:
-            call.check_weights_unchanged()
             for slot, (u, d) in self._terms(module, call, rows).items():
                 inputs.setdefault(slot, []).append(u)
                 grads.setdefault(slot, []).append(d)

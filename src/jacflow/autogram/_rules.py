@@ -101,10 +101,10 @@ class Call:
     autocast: tuple[str, torch.dtype] | None = None
     # the module's training mode during the forward (``None``: not recorded)
     training: bool | None = None
-    # the versions of the module's parameters at the forward, and the training modes of the
-    # module and its submodules (``module.modules()`` order), for the rules that replay it
+    # for the rules that replay the module (``Rule.replays``): its parameters with their
+    # versions at the forward, and its submodules (``module.modules()``) with their modes
     weight_versions: list[tuple[Tensor, int]] = field(default_factory=list)
-    modes: tuple[bool, ...] | None = None
+    modes: tuple[tuple[nn.Module, bool], ...] | None = None
 
     def trained(self, module: nn.Module) -> bool:
         """Whether the forward ran in training mode (the module's mode now, if unrecorded).
@@ -119,65 +119,78 @@ class Call:
         """
         return module.training if self.training is None else self.training
 
-    def check_weights_unchanged(self) -> None:
-        """Raise if a parameter of the module was modified in place since the forward (for a
-        closed form that reads the parameters: it would differentiate other weights than the
-        forward used).
+    def check_weights_unchanged(self, module: nn.Module) -> None:
+        """Raise if, since this call, a parameter of ``module`` was modified in place or
+        replaced, or a submodule added, removed or replaced: a rule that replays the module
+        (:meth:`Rule.replays`) would differentiate another function than the forward's. Check
+        the module's last call (a module may change its own weights during the forward, e.g.
+        an embedding's ``max_norm``). Edits through ``.data`` bypass the version counters and
+        cannot be seen.
 
         Example:
             >>> import torch
+            >>> from torch import nn
             >>> from jacflow.autogram import Call
-            >>> weight = torch.ones(2)
+            >>> layer = nn.Linear(2, 1)
             >>> call = Call((), {}, [0], [torch.Size([1])], [None], [])
-            >>> call.weight_versions = [(weight, weight._version)]
-            >>> call.check_weights_unchanged()  # unchanged: nothing happens
-            >>> _ = weight.mul_(2)
-            >>> call.check_weights_unchanged()
+            >>> call.weight_versions = [(p, p._version) for p in layer.parameters()]
+            >>> call.modes = ((layer, True),)
+            >>> call.check_weights_unchanged(layer)  # unchanged: nothing happens
+            >>> with torch.no_grad():
+            ...     _ = layer.weight.mul_(2)
+            >>> call.check_weights_unchanged(layer)
             Traceback (most recent call last):
             ...
-            RuntimeError: A parameter of a hooked module was modified in place between the ...
+            RuntimeError: A parameter of Linear was modified in place or replaced between ...
         """
-        if any(t._version != version for t, version in self.weight_versions):
+        if self.modes is None:
             raise RuntimeError(
-                "A parameter of a hooked module was modified in place between the forward and "
-                "the Jacobian-descent step; the Gramian needs the weights the forward used. "
-                "Run the step before changing them."
+                "The engine records the weights and submodules of a call only for the rules that "
+                "replay their module: return True from the rule's `replays()`."
+            )
+        params = list(module.parameters())
+        if len(params) != len(self.weight_versions) or any(
+            p is not t or t._version != v for p, (t, v) in zip(params, self.weight_versions)
+        ):
+            raise RuntimeError(
+                f"A parameter of {type(module).__name__} was modified in place or replaced "
+                "between the forward and the Jacobian-descent step; the Gramian needs the weights "
+                "the forward used. Run the step before changing them."
+            )
+        subs = list(module.modules())
+        if len(subs) != len(self.modes) or any(s is not r for s, (r, _) in zip(subs, self.modes)):
+            raise RuntimeError(
+                f"{type(module).__name__} gained, lost or replaced submodules between the "
+                "forward and the Jacobian-descent step; the engine replays it as the forward ran "
+                "it. Run the step before changing the module."
             )
 
     @contextlib.contextmanager
     def forward_modes(self, module: nn.Module) -> Iterator[None]:
-        """The module and its submodules in the training modes of the forward (recorded for
-        the rules that replay it), their modes now restored after.
+        """The module's submodules (itself included) in the training modes of this call's
+        forward (recorded for the rules that replay it), their modes now restored after.
 
         Example:
             >>> import torch
             >>> from torch import nn
             >>> from jacflow.autogram import Call
             >>> block = nn.Sequential(nn.Linear(2, 2), nn.Dropout())
-            >>> call = Call((), {}, [0], [torch.Size([1])], [None], [], modes=(False, False, False))
+            >>> call = Call((), {}, [0], [torch.Size([1])], [None], [])
+            >>> call.modes = tuple((sub, False) for sub in block.modules())
             >>> with call.forward_modes(block):
             ...     print(block[1].training)
             False
             >>> block[1].training
             True
         """
-        subs = list(module.modules())
-        now = [sub.training for sub in subs]
-        if self.modes is None or tuple(now) == self.modes:
-            yield
-            return
-        if len(self.modes) != len(subs):
-            raise RuntimeError(
-                f"{type(module).__name__} gained or lost submodules between the forward and the "
-                "Jacobian-descent step; the engine replays it as the forward ran it. Run the "
-                "step before changing the module."
-            )
-        for sub, mode in zip(subs, self.modes, strict=True):
+        recorded = self.modes or ()
+        now = [(sub, sub.training) for sub, _ in recorded]
+        for sub, mode in recorded:
             sub.training = mode
         try:
             yield
         finally:
-            for sub, mode in zip(subs, now, strict=True):
+            for sub, mode in now:
                 sub.training = mode
 
     def grad(self, j: int = 0) -> Tensor:
