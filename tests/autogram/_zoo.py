@@ -227,6 +227,42 @@ def _eval_batchnorm(dtype: torch.dtype) -> Built:
     return _simple(model, torch.randn(B, 3, dtype=dtype))
 
 
+def _eval_batchnorm_cnn(dtype: torch.dtype) -> Built:
+    """BatchNorm2d and BatchNorm1d on [N, C, L] in eval mode, with running statistics."""
+    model = nn.Sequential(
+        nn.Conv2d(2, 3, 3),
+        nn.BatchNorm2d(3),
+        nn.ReLU(),
+        nn.Flatten(2),
+        nn.BatchNorm1d(3),
+        nn.Flatten(),
+        nn.Linear(3 * 16, 2),
+    ).to(dtype)
+    for norm in (model[1], model[4]):
+        norm.running_mean.normal_()
+        norm.running_var.uniform_(0.5, 2.0)
+    model.eval()
+    return _simple(model, torch.randn(B, 2, 6, 6, dtype=dtype))
+
+
+def _tasks_batchnorm(dtype: torch.dtype) -> Built:
+    """Per task, BatchNorms normalising with their batch's statistics: in training mode, and
+    in eval mode without running statistics; and a BatchNorm3d in eval mode."""
+    trunk = nn.Sequential(  # (a nonlinearity after each, or the next one's statistics
+        # would cancel its affine parameters)
+        nn.Conv3d(1, 2, 2),
+        nn.BatchNorm3d(2).eval(),
+        nn.Tanh(),
+        nn.Flatten(2),
+        nn.BatchNorm1d(2),
+        nn.Tanh(),
+        nn.BatchNorm1d(2, track_running_stats=False).eval(),
+        nn.Tanh(),
+    )
+    trunk[1].running_mean.normal_()
+    return _tasks(trunk, 2 * 8, torch.randn(5, 1, 3, 3, 3, dtype=dtype), 3, dtype)
+
+
 def _generic(
     module: Callable[[], nn.Module], shape: tuple[int, ...]
 ) -> Callable[[torch.dtype], Built]:
@@ -346,6 +382,8 @@ CASES = [
     Case("frozen_params", _frozen),
     Case("engine_on_subset", _subset),
     Case("eval_batchnorm", _eval_batchnorm),
+    Case("eval_batchnorm_cnn", _eval_batchnorm_cnn),
+    Case("tasks_batchnorm", _tasks_batchnorm, batch_dim=None),
     Case("seq_losses_Bk", _tasks_seq_bk),
     Case("tasks_mlp", _tasks_mlp, batch_dim=None),
     Case("tasks_cnn", _tasks_cnn, batch_dim=None),

@@ -115,20 +115,32 @@ def test_nothing_written_when_weighting_fails() -> None:
     assert all(p.grad is None for p in model.parameters())
 
 
-def test_training_batchnorm_rejected_at_construction() -> None:
-    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
-    with pytest.raises(ValueError, match=r"modules\[0\]\.1 is a BatchNorm1d in training mode"):
+@pytest.mark.parametrize("running", [True, False])
+def test_training_batchnorm_rejected_at_construction(running: bool) -> None:
+    """A BatchNorm in training mode, or in eval mode without running statistics (which then
+    normalises with the batch's), mixes the samples."""
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4, track_running_stats=running))
+    if not running:
+        model.eval()
+    with pytest.raises(ValueError, match=r"modules\[0\]\.1 is a BatchNorm1d that normalises"):
         Engine(model, batch_dim=0)
     Engine(model, batch_dim=None).remove()  # per-task mode allows it
 
 
-def test_batchnorm_switched_to_training_rejected_at_step() -> None:
-    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4)).double().eval()
-    engine = Engine(model, batch_dim=0)
-    model.train()
-    losses = model(X).sum(1)
-    with pytest.raises(ValueError, match=r"ran in training mode during the forward"):
-        engine.compute_gramian(losses)
+def test_batchnorm_switched_to_batch_statistics_rejected_at_step() -> None:
+    """Switched to training mode, or its running statistics dropped, after the engine was built:
+    refused at the step, before anything is written."""
+    for switch in ("train", "drop_running"):
+        model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4)).double().eval()
+        engine = Engine(model, batch_dim=0)
+        if switch == "train":
+            model.train()
+        else:
+            model[1].running_mean = model[1].running_var = None
+        losses = model(X).sum(1)
+        with pytest.raises(ValueError, match=r"normalised with its batch's statistics"):
+            engine.compute_gramian(losses)
+        assert all(p.grad is None for p in model.parameters())
 
 
 class _OwnForwardGRU(nn.GRU):

@@ -13,7 +13,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from jacflow.aggregation import GramianWeighting
 from jacflow.autogram._buffers import GradientBuffers, worth_reusing
 from jacflow.autogram._fallback import FallbackRule
-from jacflow.autogram._hooks import Recorder, Unit, find_units
+from jacflow.autogram._hooks import Recorder, Unit, batch_statistics, find_units
 from jacflow.autogram._precision import upcast, without_autocast
 from jacflow.autogram._recurrent import covered, uncovered_refusal
 from jacflow.autogram._rules import Call, Contribution, Rows, gram, quiet_vmap_fallback
@@ -44,12 +44,13 @@ def _check_modules(modules: tuple[nn.Module, ...], batch_dim: int | None) -> Non
                 continue
             if isinstance(sub, nn.RNNBase) and not covered(sub):
                 raise uncovered_refusal(where, sub)
-            if isinstance(sub, _BatchNorm) and sub.training:
+            if isinstance(sub, _BatchNorm) and batch_statistics(sub):
                 raise ValueError(
-                    f"{where} is a {type(sub).__name__} in training mode: it mixes the samples "
-                    "of a batch, so per-sample gradients cannot be read from one backward. "
-                    "Replace it (e.g. by GroupNorm or LayerNorm), call .eval() on it, or use "
-                    "batch_dim=None."
+                    f"{where} is a {type(sub).__name__} that normalises with its batch's "
+                    "statistics (training mode, or track_running_stats=False): it mixes the "
+                    "samples of a batch, so per-sample gradients cannot be read from one "
+                    "backward. Replace it (e.g. by GroupNorm or LayerNorm), call .eval() on one "
+                    "with running statistics, or use batch_dim=None."
                 )
 
 
@@ -100,13 +101,13 @@ class Engine:
     the Jacobian; and the whole Jacobian-descent step with one activation-only backward.
 
     Create the engine *before* the forward pass: it hooks every module that has a closed-form
-    rule (Linear, Conv1d/2d/3d, Embedding, LayerNorm, RMSNorm, GroupNorm, MultiheadAttention,
-    RNN, LSTM, GRU), or, for other modules, each one with direct trainable parameters (a
-    generic ``torch.func`` rule covering it and its children). Each grad-enabled forward call
-    is recorded; the calls that the losses do not reach (stray or evaluation forwards) are
-    ignored and dropped at the next step. A parameter is seen through the hooked modules'
-    calls only: one also used by a module outside them (a weight tied to an unhooked layer)
-    gets only its uses inside them counted, so hook every module that uses it.
+    rule (Linear, Conv1d/2d/3d, Embedding, LayerNorm, RMSNorm, GroupNorm, BatchNorm1d/2d/3d,
+    MultiheadAttention, RNN, LSTM, GRU), or, for other modules, each one with direct trainable
+    parameters (a generic ``torch.func`` rule covering it and its children). Each grad-enabled
+    forward call is recorded; the calls that the losses do not reach (stray or evaluation
+    forwards) are ignored and dropped at the next step. A parameter is seen through the hooked
+    modules' calls only: one also used by a module outside them (a weight tied to an unhooked
+    layer) gets only its uses inside them counted, so hook every module that uses it.
 
     The output gradients of several rows per sample (``[B, k]`` losses) or of per-task losses
     are pulled back in one backward batched with ``vmap``. Torch's fused recurrent kernels
@@ -348,9 +349,10 @@ class Engine:
             )
         if coupled is not None:
             raise ValueError(
-                f"{coupled} ran in training mode during the forward: it mixes the samples, so "
-                "the per-sample engine (batch_dim=0) cannot be used. Call .eval() on it, replace "
-                "it (e.g. by GroupNorm), or use batch_dim=None."
+                f"{coupled} normalised with its batch's statistics during the forward (training "
+                "mode, or track_running_stats=False): it mixes the samples, so the per-sample "
+                "engine (batch_dim=0) cannot be used. Call .eval() on one with running "
+                "statistics, replace it (e.g. by GroupNorm), or use batch_dim=None."
             )
         rows, cotangents, order = self._rows(losses)
         batched = cotangents.ndim > losses.ndim

@@ -101,6 +101,22 @@ def find_units(modules: tuple[nn.Module, ...]) -> list[Unit]:
     return units
 
 
+def batch_statistics(module: nn.Module) -> bool:
+    """Whether a BatchNorm normalises with the statistics of its batch (mixing the samples):
+    in training mode, or without running statistics (``track_running_stats=False``).
+
+    Example:
+        >>> from torch import nn
+        >>> from jacflow.autogram._hooks import batch_statistics
+        >>> batch_statistics(nn.BatchNorm1d(3).eval())
+        False
+        >>> batch_statistics(nn.BatchNorm1d(3, track_running_stats=False).eval())
+        True
+    """
+    running = getattr(module, "running_mean", None) is not None
+    return module.training or not running
+
+
 def _from_fused_rnn(node: Any, depth: int = 3) -> bool:
     """Whether ``node`` or a node it reads first within ``depth`` steps (a layer's outputs pass
     through a transpose or a squeeze) is the backward of torch's fused recurrent kernel."""
@@ -161,7 +177,7 @@ class Recorder:
         self.handles.append(module.register_forward_pre_hook(partial(self._flag, name)))
 
     def _flag(self, name: str, module: nn.Module, args: Any) -> None:
-        if module.training and torch.is_grad_enabled():
+        if torch.is_grad_enabled() and batch_statistics(module):
             self.coupled = f"{name} ({type(module).__name__})"
 
     def watch_fused_rnn(self, module: nn.Module) -> None:

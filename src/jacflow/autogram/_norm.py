@@ -1,14 +1,19 @@
-"""LayerNorm, RMSNorm and GroupNorm: materialise the (small) per-row affine gradients.
+"""LayerNorm, RMSNorm, GroupNorm and BatchNorm: materialise the (small) per-row affine
+gradients.
 
 With ``x_hat`` the normalised input (recomputed from the saved input), row ``r``'s gradients are
 ``g_gamma = sum x_hat * b_r`` and ``g_beta = sum b_r``, summed over every axis except the
 affine one. They have the size of the affine parameters, so ``G = Gamma Gamma^T + Beta Beta^T``.
+A BatchNorm normalises with its running statistics (eval mode), or with its batch's (training
+mode, or without running statistics: per task only, since it mixes the samples), as its
+forward did; the gradient flowing back through the batch's statistics is the capture's.
 """
 
 from __future__ import annotations
 
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from jacflow.autogram._rules import (
     Call,
@@ -21,14 +26,20 @@ from jacflow.autogram._rules import (
 )
 
 
-def _normalized(module: nn.Module, x: Tensor) -> tuple[Tensor, int]:
-    """``x_hat`` and the number of trailing axes that the affine parameters span."""
+def _normalized(module: nn.Module, x: Tensor, training: bool) -> tuple[Tensor, int]:
+    """``x_hat`` and the number of trailing axes that the affine parameters span (``training``:
+    the module's mode during the forward)."""
     if isinstance(module, nn.LayerNorm):
         shape = tuple(module.normalized_shape)
         return F.layer_norm(x, shape, None, None, module.eps), len(shape)
     if isinstance(module, nn.RMSNorm):
         shape = tuple(module.normalized_shape)
         return F.rms_norm(x, shape, None, module.eps), len(shape)
+    if isinstance(module, _BatchNorm):
+        if training or module.running_mean is None:  # the batch's statistics, no update
+            return F.batch_norm(x, None, None, None, None, True, 0.0, module.eps), 0
+        running = (module.running_mean, module.running_var)
+        return F.batch_norm(x, *running, None, None, False, 0.0, module.eps), 0
     assert isinstance(module, nn.GroupNorm)
     return F.group_norm(x, module.num_groups, None, None, module.eps), 0
 
@@ -36,13 +47,14 @@ def _normalized(module: nn.Module, x: Tensor) -> tuple[Tensor, int]:
 def _keep_axes(module: nn.Module, x: Tensor, trailing: int) -> tuple[int, ...]:
     """Axes of a per-row ``[R, *sample]`` tensor that the affine parameters index (from the
     end)."""
-    if isinstance(module, nn.GroupNorm):
+    if isinstance(module, (nn.GroupNorm, _BatchNorm)):
         return (-(x.ndim - 1),)  # the channel axis of [N, C, *spatial]
     return tuple(range(-trailing, 0))
 
 
 class NormRule(Rule):
-    """Affine parameters (``weight``, ``bias``) of LayerNorm, RMSNorm and GroupNorm."""
+    """Affine parameters (``weight``, ``bias``) of LayerNorm, RMSNorm, GroupNorm and
+    BatchNorm."""
 
     def prepare(
         self, module: nn.Module, params: dict[str, Tensor], calls: list[Call], rows: Rows
@@ -50,7 +62,7 @@ class NormRule(Rule):
         total: dict[str, Tensor] = {}
         for call in calls:
             raw = call.input()
-            x_hat, trailing = _normalized(module, raw)
+            x_hat, trailing = _normalized(module, raw, call.trained(module))
             keep = _keep_axes(module, raw, trailing)
             grad = call.grad()
             dims = [a for a in range(1, grad.ndim) if a - grad.ndim not in keep]
@@ -64,5 +76,12 @@ class NormRule(Rule):
         return MaterializedContribution(total)
 
 
-for _norm_type in (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm):
+for _norm_type in (
+    nn.LayerNorm,
+    nn.RMSNorm,
+    nn.GroupNorm,
+    nn.BatchNorm1d,
+    nn.BatchNorm2d,
+    nn.BatchNorm3d,
+):
     register_rule(_norm_type, NormRule())
