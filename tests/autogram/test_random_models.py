@@ -159,11 +159,16 @@ def conv2d(rng: random.Random, d: int, t: int) -> Block:
 
 
 def norm(rng: random.Random, d: int, t: int) -> Block:
-    affine, kind = rng.random() < 0.8, rng.choice(["ln", "rms", "gn"])
+    affine, kind = rng.random() < 0.8, rng.choice(["ln", "rms", "gn", "bn"])
     if kind == "ln":
         return nn.LayerNorm(d, elementwise_affine=affine, bias=rng.random() < 0.7), d, t
     if kind == "rms":
         return nn.RMSNorm(d, elementwise_affine=affine), d, t
+    if kind == "bn":  # in eval mode, with running statistics (per sample it must be)
+        batch_norm = nn.BatchNorm1d(d, affine=affine).eval()
+        batch_norm.running_mean.uniform_(-1, 1)
+        batch_norm.running_var.uniform_(0.5, 2)
+        return ChannelsFirst(batch_norm), d, t
     return ChannelsFirst(nn.GroupNorm(groups(rng, d), d, affine=affine)), d, t
 
 
