@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import copy
+import warnings
 from collections.abc import Callable
 
 import pytest
 import torch
 from torch import Tensor, nn
+from torch.nn.utils import parametrize
 
 from jacflow.aggregation import MeanWeighting, UPGradWeighting
 from jacflow.autogram import Engine
@@ -490,3 +493,160 @@ def test_generic_rule_refuses_a_module_changed_since_the_forward(change: str, me
         with pytest.raises(RuntimeError, match=message):
             engine.backward(losses, MeanWeighting())
     assert all(p.grad is None for p in module.parameters())
+
+
+class _Scaled(nn.Module):
+    """A parameter of its own: the generic rule."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 3, dtype=torch.float64))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.tanh(x * self.scale)
+
+
+@pytest.mark.parametrize("batch_dim", [0, None])
+@pytest.mark.parametrize("kind", ["generic", "attention", "gru"])
+def test_weights_edited_between_two_calls_are_refused(kind: str, batch_dim: int | None) -> None:
+    """A weight edited between two calls of one module in the forward: every call is replayed
+    with the weights of the step, so the step is refused, and nothing is written."""
+    torch.manual_seed(0)
+    module: nn.Module
+    if kind == "generic":
+        module, x = _Scaled(), torch.randn(4, 3, dtype=torch.float64)
+    elif kind == "attention":
+        module = nn.MultiheadAttention(3, 1, batch_first=True).double()
+        x = torch.randn(4, 2, 3, dtype=torch.float64)
+    else:
+        module, x = (
+            nn.GRU(3, 3, batch_first=True).double(),
+            torch.randn(4, 2, 3, dtype=torch.float64),
+        )
+
+    def call(inputs: Tensor) -> Tensor:
+        if kind == "generic":
+            return module(inputs)
+        return module(inputs, inputs, inputs)[0] if kind == "attention" else module(inputs)[0]
+
+    weight = next(module.parameters())
+    with Engine(module, batch_dim=batch_dim) as engine:
+        first = call(x)
+        with torch.no_grad():
+            weight.mul_(1.5)
+        per_sample = (first + call(x).pow(2)).flatten(1).sum(1)
+        losses = per_sample if batch_dim == 0 else torch.stack([per_sample.sum(), per_sample[0]])
+        with pytest.raises(RuntimeError, match="between two of its calls"):
+            engine.backward(losses, MeanWeighting())
+    assert all(p.grad is None for p in module.parameters())
+
+
+def test_batchnorm_reads_the_statistics_its_call_read() -> None:
+    """One BatchNorm called in eval mode, then in training mode (which updates its running
+    statistics in place, without a version bump): the eval call is replayed with the
+    statistics it read. Against finite differences, since autograd itself reads the updated
+    statistics there (it is about 5% off)."""
+    torch.manual_seed(1)
+    x = torch.randn(6, 4, dtype=torch.float64)
+    start = nn.BatchNorm1d(4).double()
+    start.running_mean.uniform_(-1, 1)
+    with torch.no_grad():
+        start.weight.uniform_(0.5, 1.5)
+        start.bias.uniform_(-0.5, 0.5)
+
+    def losses_of(norm: nn.BatchNorm1d) -> Tensor:
+        norm.eval()
+        first = norm(x)
+        norm.train()
+        out = torch.tanh(first) + torch.tanh(norm(2 * x))
+        return torch.stack([out.pow(2).sum(), out[:, 0].sum()])
+
+    def at(flat: Tensor) -> Tensor:  # (a fresh module each time: the same statistics)
+        norm = copy.deepcopy(start)
+        with torch.no_grad():
+            norm.weight.copy_(flat[:4])
+            norm.bias.copy_(flat[4:])
+            return losses_of(norm)
+
+    flat, step = torch.cat([start.weight.detach(), start.bias.detach()]), 1e-6
+    columns = [(at(flat + step * e) - at(flat - step * e)) / (2 * step) for e in torch.eye(8)]
+    jacobian = torch.stack(columns, 1)
+    norm = copy.deepcopy(start)
+    with Engine(norm, batch_dim=None) as engine:
+        gramian = engine.compute_gramian(losses_of(norm))
+    torch.testing.assert_close(gramian, jacobian @ jacobian.T, rtol=1e-7, atol=1e-7)
+
+
+class _RenormedTwice(nn.Module):
+    """A generic unit whose forward renormalises an embedding's weight in place and reads it
+    again (the tied output layer of a language model)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(3, dtype=torch.float64))
+        self.embedding = nn.Embedding(8, 3, max_norm=1.0).double()
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return (self.embedding(ids) * self.scale) @ self.embedding.weight.T
+
+
+def test_the_step_leaves_parameter_versions_alone() -> None:
+    """The generic rule re-runs a module on copies of its parameters: a re-run that
+    renormalises a weight in place does not bump the parameter's version, so a plain backward
+    through the forward's graph still works after the step."""
+    torch.manual_seed(0)
+    module, ids = _RenormedTwice(), torch.tensor([1, 2, 5])
+    with Engine(module, batch_dim=None) as engine:
+        out = module(ids)
+        losses = torch.stack([out.sum(), out.pow(2).sum()])
+        version = module.embedding.weight._version
+        engine.compute_gramian(losses)
+        assert module.embedding.weight._version == version
+        losses.sum().backward()  # (it would fail on a bumped version)
+    assert module.scale.grad is not None
+
+
+@pytest.mark.parametrize("batch_dim", [0, None])
+@pytest.mark.parametrize("norm", ["weight_norm", "spectral_norm"])
+def test_older_weight_norm_hooks_use_the_generic_rule(norm: str, batch_dim: int | None) -> None:
+    """torch.nn.utils.weight_norm / spectral_norm (the hook-based ones) compute the weight from
+    other parameters before each call: the generic rule, exactly (they had the Linear rule,
+    which saw no `weight` parameter and gave them nothing)."""
+    torch.manual_seed(0)
+    wrap = getattr(torch.nn.utils, norm)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # (deprecated for parametrizations)
+        model = nn.Sequential(wrap(nn.Linear(3, 4)), nn.Tanh(), nn.Linear(4, 2)).double()
+    x = torch.randn(5, 3, dtype=torch.float64)
+    with Engine(model, batch_dim=batch_dim) as engine:
+        out = model(x)
+        losses = out.pow(2).sum(1) if batch_dim == 0 else torch.stack([out.sum(), out[0, 1]])
+        jacobian = reference_jacobian(losses, [p for p in model.parameters() if p.requires_grad])
+        gramian = engine.compute_gramian(losses)
+    torch.testing.assert_close(gramian, jacobian @ jacobian.T, rtol=1e-6, atol=1e-6)
+
+
+def test_generic_rule_failing_per_sample_is_named() -> None:
+    """A module that vmap cannot re-run sample by sample (an embedding renormalising its weight
+    in place): the error names the module and the ways out."""
+    module = _RenormedTwice()
+    with Engine(module, batch_dim=0) as engine:
+        losses = module(torch.tensor([[1], [2]])).sum((1, 2))
+        with pytest.raises(RuntimeError, match=r"_RenormedTwice has no closed-form.*batch_dim"):
+            engine.backward(losses, MeanWeighting())
+    assert all(p.grad is None for p in module.parameters())
+
+
+def test_step_inside_parametrize_cached_is_refused() -> None:
+    layer = nn.Linear(3, 2).double()
+    parametrize.register_parametrization(layer, "weight", _Double())
+    x = torch.randn(4, 3, dtype=torch.float64)
+    with Engine(layer, batch_dim=0) as engine, parametrize.cached():
+        losses = layer(x).sum(1)
+        with pytest.raises(RuntimeError, match=r"outside the cached\(\) block"):
+            engine.compute_gramian(losses)
+
+
+class _Double(nn.Module):
+    def forward(self, weight: Tensor) -> Tensor:
+        return 2 * weight

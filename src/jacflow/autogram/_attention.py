@@ -230,7 +230,6 @@ class AttentionRule(Rule):
         arguments = [_arguments(call) for call in calls]
         if not _covered(module, params, calls, arguments):
             return _GENERIC.prepare(module, params, calls, rows)
-        calls[-1].check_weights_unchanged(module)
         terms = [
             _projection_terms(module, call, args, rows)
             for call, args in zip(calls, arguments, strict=True)

@@ -16,7 +16,14 @@ from jacflow.autogram._fallback import FallbackRule
 from jacflow.autogram._hooks import Recorder, Unit, batch_statistics, find_units
 from jacflow.autogram._precision import upcast, without_autocast
 from jacflow.autogram._recurrent import covered, uncovered_refusal
-from jacflow.autogram._rules import Call, Contribution, Rows, gram, quiet_vmap_fallback
+from jacflow.autogram._rules import (
+    Call,
+    Contribution,
+    Rows,
+    check_replayed_calls,
+    gram,
+    quiet_vmap_fallback,
+)
 
 _COMPILE_HINT = (
     "torch.compile'd modules cannot be hooked (their layers run inside one fused graph node). "
@@ -362,8 +369,11 @@ class Engine:
         captured_bytes = sum(g.numel() * g.element_size() for g in grads if g is not None)
         extra_grads = grads[len(edges) :]
         reached: dict[int, list[Call]] = {}
+        recorded: dict[int, list[Call]] = {}  # (the replayed units' calls, reached or not)
         cursor = 0
         for index, call in calls:
+            if call.modes is not None:
+                recorded.setdefault(index, []).append(call)
             call_grads = list(grads[cursor : cursor + len(call.edges)])
             cursor += len(call.edges)
             if all(g is None for g in call_grads):
@@ -381,6 +391,10 @@ class Engine:
                 "Engine before the forward, run the forward with grad enabled, and make the "
                 f"losses depend on the hooked modules' outputs. {_COMPILE_HINT}"
             )
+        for index, unit_calls in recorded.items():
+            if index in reached:  # from its first reached call on
+                first = next(i for i, c in enumerate(unit_calls) if c is reached[index][0])
+                check_replayed_calls(self._units[index].module, unit_calls[first:])
         contributions = []
         for index, unit_calls in reached.items():
             unit = self._units[index]

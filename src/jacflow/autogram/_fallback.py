@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call, vjp, vmap
+from torch.nn.utils import parametrize
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from jacflow.autogram._precision import replay_autocast
@@ -34,18 +35,20 @@ def _selected_outputs(out: Any, positions: list[int]) -> tuple[Tensor, ...]:
     return tuple(leaves[i] for i in positions)
 
 
-def _with_buffers(module: nn.Module, params: dict[str, Tensor]) -> dict[str, Tensor]:
-    """``params`` and copies of the module's buffers, made inside the transforms: a re-run in
-    training mode updates the copies (BatchNorm's running statistics), which torch.func allows,
-    and leaves the module's as the forward left them."""
-    return {**{name: b.clone() for name, b in module.named_buffers()}, **params}
+def _with_buffers(call: Call, module: nn.Module, params: dict[str, Tensor]) -> dict[str, Tensor]:
+    """``params`` and copies of the module's buffers as the call found them (recorded at its
+    start; else as they are now), made inside the transforms: a re-run updates the copies
+    (BatchNorm's running statistics in training mode), which torch.func allows, reads what the
+    call read, and leaves the module's as the forward left them."""
+    buffers = dict(module.named_buffers()) if call.buffers is None else call.buffers
+    return {**{name: b.clone() for name, b in buffers.items()}, **params}
 
 
 def _per_task_grads(
     module: nn.Module, params: dict[str, Tensor], call: Call, cots: tuple[Tensor, ...]
 ) -> dict[str, Tensor]:
     def forward(p: dict[str, Tensor]) -> tuple[Tensor, ...]:
-        out = functional_call(module, _with_buffers(module, p), call.args, call.kwargs)
+        out = functional_call(module, _with_buffers(call, module, p), call.args, call.kwargs)
         return _selected_outputs(out, call.output_positions)
 
     pullback = vjp(forward, params)[1]
@@ -73,7 +76,7 @@ def _per_sample_grads(
         args, kwargs = tree_unflatten(full, spec)
 
         def forward(p: dict[str, Tensor]) -> tuple[Tensor, ...]:
-            out = functional_call(module, _with_buffers(module, p), tuple(args), dict(kwargs))
+            out = functional_call(module, _with_buffers(call, module, p), tuple(args), dict(kwargs))
             return tuple(o.squeeze(0) for o in _selected_outputs(out, call.output_positions))
 
         pullback = vjp(forward, params)[1]
@@ -125,8 +128,16 @@ class FallbackRule(Rule):
     def prepare(
         self, module: nn.Module, params: dict[str, Tensor], calls: list[Call], rows: Rows
     ) -> Contribution:
-        calls[-1].check_weights_unchanged(module)  # (the re-run reads the module as it is now)
-        detached = {name: p.detach() for name, p in params.items()}
+        if parametrize._cache_enabled and any(map(parametrize.is_parametrized, module.modules())):
+            raise RuntimeError(
+                f"The Jacobian-descent step runs inside torch.nn.utils.parametrize.cached(): "
+                f"the re-run of {type(module).__name__} would read the cached parametrised "
+                "weights, which do not follow the parameters it differentiates. Take the step "
+                "outside the cached() block (the forward may stay in it)."
+            )
+        # (copies: a re-run that renormalises a weight in place, as an embedding's max_norm
+        # does, must not touch the parameter, whose version the forward's graph checks)
+        detached = {name: p.detach().clone() for name, p in params.items()}
         total: dict[str, Tensor] = {}
         for call in calls:
             cots = tuple(call.grad(j) for j in range(len(call.grads)))
@@ -153,6 +164,13 @@ class FallbackRule(Rule):
                             "on packed sequences. Pad the sequences, or let the closed form "
                             "cover the recurrent layer: a plain nn.RNN/LSTM/GRU, with no "
                             "parameters of its own around it."
+                        ) from error
+                    if not rows.per_task:
+                        raise RuntimeError(
+                            f"{type(module).__name__} has no closed-form Gramian rule, so the "
+                            "engine re-runs it sample by sample under torch.func's vmap, which "
+                            f"failed: {error}. Use batch_dim=None, or register a closed form "
+                            "for it (jacflow.autogram.register_rule)."
                         ) from error
                     raise
                 raise RuntimeError(

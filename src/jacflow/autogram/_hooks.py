@@ -18,6 +18,8 @@ from torch import Tensor, nn
 from torch.autograd.graph import get_gradient_edge
 from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 from torch.nn.utils.parametrize import is_parametrized
+from torch.nn.utils.spectral_norm import SpectralNorm
+from torch.nn.utils.weight_norm import WeightNorm
 from torch.utils._pytree import tree_flatten
 from torch.utils.hooks import RemovableHandle
 
@@ -62,9 +64,13 @@ def find_units(modules: tuple[nn.Module, ...]) -> list[Unit]:
             return
         seen.add(id(module))
         direct = [p for p in module.parameters(recurse=False) if p.requires_grad]
-        # a parametrised tensor (torch.nn.utils.parametrize) is computed from parameters of
-        # child modules: no closed form sees them, the generic rule (covering children) does
-        parametrized = is_parametrized(module)
+        # a parametrised tensor (torch.nn.utils.parametrize, or the older weight_norm and
+        # spectral_norm hooks) is computed from other parameters: no closed form sees them,
+        # the generic rule (covering children) does
+        parametrized = is_parametrized(module) or any(
+            isinstance(hook, (WeightNorm, SpectralNorm))
+            for hook in module._forward_pre_hooks.values()
+        )
         rule = None if parametrized else find_rule(module)
         # a rule covering the children (attention: out_proj's parameters, used without calling
         # out_proj) applies as soon as any of them is trainable
@@ -138,9 +144,16 @@ class Recorder:
         self.coupled: str | None = None
         self.outside: tuple[str, str] | None = None  # (child, unit) of a call outside the unit
         self.fused_rnn = False  # a recurrent layer ran torch's fused kernel (cuDNN, MIOpen)
+        # per replayed module under way: its weights' versions and copies of its buffers at
+        # the start of each call (a stack: a module may call itself)
+        self._starts: dict[int, list[tuple[list[tuple[Tensor, int]], dict[str, Tensor]]]] = {}
 
     def hook(self, index: int, unit: Unit) -> None:
-        record = partial(self._record, index, unit.rule.replays())
+        replays = unit.rule.replays()
+        if replays:  # (first: before other pre-hooks, e.g. spectral_norm's, change the module)
+            start = unit.module.register_forward_pre_hook(self._start, prepend=True)
+            self.handles.append(start)
+        record = partial(self._record, index, replays)
         handle = unit.module.register_forward_hook(record, with_kwargs=True)
         self.handles.append(handle)
 
@@ -198,11 +211,19 @@ class Recorder:
         ):
             self.fused_rnn = True
 
+    def _start(self, module: nn.Module, args: Any) -> None:
+        if torch.is_grad_enabled():
+            weights: list[tuple[Tensor, int]] = [(p, p._version) for p in module.parameters()]
+            buffers = {name: b.detach().clone() for name, b in module.named_buffers()}
+            self._starts.setdefault(id(module), []).append((weights, buffers))
+
     def _record(
         self, index: int, replays: bool, module: nn.Module, args: Any, kwargs: Any, output: Any
     ) -> None:
         if not torch.is_grad_enabled():
             return
+        pending = self._starts.get(id(module)) if replays else None
+        start = pending.pop() if pending else None
         # Fast path for the common single-tensor output and tensor-only positional inputs.
         leaves = [output] if isinstance(output, Tensor) else tree_flatten(output)[0]
         positions = [
@@ -226,9 +247,11 @@ class Recorder:
             autocast=autocast_state(leaves[positions[0]].device.type),
             training=module.training,
         )
-        if replays:  # (what a replay of the module needs: the weights and modes it ran with)
+        if replays:  # (what a replay of the module needs: the weights, buffers and modes)
             call.weight_versions = [(p, p._version) for p in module.parameters()]
             call.modes = tuple((sub, sub.training) for sub in module.modules())
+            if start is not None:
+                call.start_weights, call.buffers = start
         self.calls.append((index, call))
 
     def take(self) -> list[tuple[int, Call]]:
@@ -236,6 +259,7 @@ class Recorder:
         calls, self.calls = self.calls, []
         self.coupled = self.outside = None
         self.fused_rnn = False
+        self._starts = {}
         return calls
 
     def remove(self) -> None:

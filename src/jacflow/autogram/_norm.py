@@ -26,9 +26,9 @@ from jacflow.autogram._rules import (
 )
 
 
-def _normalized(module: nn.Module, x: Tensor, training: bool) -> tuple[Tensor, int]:
-    """``x_hat`` and the number of trailing axes that the affine parameters span (``training``:
-    the module's mode during the forward)."""
+def _normalized(module: nn.Module, x: Tensor, call: Call) -> tuple[Tensor, int]:
+    """``x_hat`` and the number of trailing axes that the affine parameters span, as ``call``
+    computed it (its mode, and a BatchNorm's running statistics as the call found them)."""
     if isinstance(module, nn.LayerNorm):
         shape = tuple(module.normalized_shape)
         return F.layer_norm(x, shape, None, None, module.eps), len(shape)
@@ -36,9 +36,10 @@ def _normalized(module: nn.Module, x: Tensor, training: bool) -> tuple[Tensor, i
         shape = tuple(module.normalized_shape)
         return F.rms_norm(x, shape, None, module.eps), len(shape)
     if isinstance(module, _BatchNorm):
-        if training or module.running_mean is None:  # the batch's statistics, no update
+        if call.trained(module) or module.running_mean is None:  # the batch's statistics
             return F.batch_norm(x, None, None, None, None, True, 0.0, module.eps), 0
-        running = (module.running_mean, module.running_var)
+        found = dict(module.named_buffers()) if call.buffers is None else call.buffers
+        running = (found["running_mean"], found["running_var"])
         return F.batch_norm(x, *running, None, None, False, 0.0, module.eps), 0
     assert isinstance(module, nn.GroupNorm)
     return F.group_norm(x, module.num_groups, None, None, module.eps), 0
@@ -62,7 +63,7 @@ class NormRule(Rule):
         total: dict[str, Tensor] = {}
         for call in calls:
             raw = call.input()
-            x_hat, trailing = _normalized(module, raw, call.trained(module))
+            x_hat, trailing = _normalized(module, raw, call)
             keep = _keep_axes(module, raw, trailing)
             grad = call.grad()
             dims = [a for a in range(1, grad.ndim) if a - grad.ndim not in keep]
@@ -76,12 +77,24 @@ class NormRule(Rule):
         return MaterializedContribution(total)
 
 
-for _norm_type in (
-    nn.LayerNorm,
-    nn.RMSNorm,
-    nn.GroupNorm,
-    nn.BatchNorm1d,
-    nn.BatchNorm2d,
-    nn.BatchNorm3d,
-):
-    register_rule(_norm_type, NormRule())
+class BatchNormRule(Rule):
+    """BatchNorm: :class:`NormRule`'s form with the running statistics each call found
+    (recorded at its start: the engine replays what the forward read, and refuses weights
+    changed since)."""
+
+    def replays(self) -> bool:
+        return True
+
+    def prepare(
+        self, module: nn.Module, params: dict[str, Tensor], calls: list[Call], rows: Rows
+    ) -> Contribution:
+        return _NORM.prepare(module, params, calls, rows)
+
+
+_NORM = NormRule()
+
+
+for _norm_type in (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm):
+    register_rule(_norm_type, _NORM)
+for _batch_norm_type in (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d):
+    register_rule(_batch_norm_type, BatchNormRule())

@@ -105,6 +105,10 @@ class Call:
     # versions at the forward, and its submodules (``module.modules()``) with their modes
     weight_versions: list[tuple[Tensor, int]] = field(default_factory=list)
     modes: tuple[tuple[nn.Module, bool], ...] | None = None
+    # the same at the call's start: the weights' versions, and copies of the module's buffers
+    # (a replay reads the buffers the call read, not those the step finds)
+    start_weights: list[tuple[Tensor, int]] = field(default_factory=list)
+    buffers: dict[str, Tensor] | None = None
 
     def trained(self, module: nn.Module) -> bool:
         """Whether the forward ran in training mode (the module's mode now, if unrecorded).
@@ -275,6 +279,48 @@ class Contribution(ABC):
             (True, tensor([1., 2.]))
         """
         return self.weighted_grads(weights)
+
+
+def check_replayed_calls(module: nn.Module, calls: list[Call]) -> None:
+    """Raise if ``module``'s weights were modified in place or replaced outside its own
+    forward since the first of ``calls`` (its recorded calls in order, from the first that the
+    losses reach): between two calls, or after the last. A rule that replays the module reads
+    the weights as they are now; changes the module makes in its own forward (an embedding's
+    ``max_norm``) are part of its function.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> from jacflow.autogram import Call
+        >>> from jacflow.autogram._rules import check_replayed_calls
+        >>> layer = nn.Linear(2, 1)
+        >>> def call() -> Call:  # (as the engine records one for a replaying rule)
+        ...     c = Call((), {}, [0], [torch.Size([1])], [None], [])
+        ...     c.start_weights = c.weight_versions = [(p, p._version) for p in layer.parameters()]
+        ...     c.modes, c.buffers = ((layer, True),), {}
+        ...     return c
+        >>> first = call()
+        >>> with torch.no_grad():
+        ...     _ = layer.weight.mul_(2)  # between the two calls
+        >>> check_replayed_calls(layer, [first, call()])
+        Traceback (most recent call last):
+        ...
+        RuntimeError: A parameter of Linear was modified in place or replaced between two of ...
+    """
+    for before, after in itertools.pairwise(calls):
+        if after.buffers is None:  # (no start recorded)
+            continue
+        ends, starts = before.weight_versions, after.start_weights
+        if len(ends) != len(starts) or any(
+            t is not u or v != w for (t, v), (u, w) in zip(ends, starts)
+        ):
+            raise RuntimeError(
+                f"A parameter of {type(module).__name__} was modified in place or replaced "
+                "between two of its calls in the forward; the engine replays every call with "
+                "the weights as they are at the step. Change the weights before the forward or "
+                "after the step."
+            )
+    calls[-1].check_weights_unchanged(module)
 
 
 class Rule(ABC):
