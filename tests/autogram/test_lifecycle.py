@@ -650,3 +650,106 @@ def test_step_inside_parametrize_cached_is_refused() -> None:
 class _Double(nn.Module):
     def forward(self, weight: Tensor) -> Tensor:
         return 2 * weight
+
+
+@pytest.mark.parametrize("batch_dim", [0, None])
+def test_two_engines_and_the_generic_re_run(batch_dim: int | None) -> None:
+    """The generic rule's re-run calls the module: no engine records those calls (the second
+    engine's step was refused, and the model held vmap's tensors until the next step)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 3), _Scaled()).double()
+    x = torch.randn(4, 3, dtype=torch.float64)
+    with (
+        Engine(model, batch_dim=batch_dim) as first,
+        Engine(model[1], batch_dim=batch_dim) as second,
+    ):
+        for _ in range(2):
+            out = model(x)
+            losses = out.pow(2).sum(1) if batch_dim == 0 else torch.stack([out.sum(), out[0, 1]])
+            jacobian = reference_jacobian(losses, [model[1].scale])
+            full = reference_jacobian(losses, list(model.parameters()))
+            torch.testing.assert_close(first.compute_gramian(losses), full @ full.T)
+            model.zero_grad()
+            weights = second.backward(losses, MeanWeighting())
+            torch.testing.assert_close(model[1].scale.grad, weights @ jacobian)
+            assert not first._recorder.calls and not second._recorder.calls
+    copy.deepcopy(model)  # (no tensor of a transform is left on it)
+
+
+class _Tree(nn.Module):
+    """A generic module that calls itself on the halves of its input (a recursive network),
+    renormalising an embedding's weight at each call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 3, dtype=torch.float64))
+        self.embedding = nn.Embedding(6, 3, max_norm=1.0).double()
+
+    def forward(self, ids: Tensor) -> Tensor:
+        own = torch.tanh(self.embedding(ids) * self.scale).sum(1)
+        if ids.shape[1] == 1:
+            return own
+        half = ids.shape[1] // 2
+        return own * (self(ids[:, :half]) + self(ids[:, half:]))
+
+
+@pytest.mark.parametrize("batch_dim", [0, None])
+@pytest.mark.parametrize("renormalised", [True, False])
+def test_module_calling_itself(batch_dim: int | None, renormalised: bool) -> None:
+    """The re-run of the outermost call runs the calls made inside it: counted once (they
+    were counted twice), and the module's own renormalisations are not refused."""
+    torch.manual_seed(0)
+    module, ids = _Tree(), torch.randint(0, 6, (3, 4))
+    module.embedding.max_norm = 1.0 if renormalised else None
+    with Engine(module, batch_dim=batch_dim) as engine:
+        out = module(ids)
+        losses = out.pow(2).sum(1) if batch_dim == 0 else torch.stack([out.sum(), out[0, 1]])
+        jacobian = reference_jacobian(losses, list(module.parameters()))
+        if batch_dim == 0 and renormalised:  # (vmap cannot re-run max_norm per sample)
+            with pytest.raises(RuntimeError, match="no closed-form"):
+                engine.compute_gramian(losses)
+            return
+        gramian = engine.compute_gramian(losses)
+    torch.testing.assert_close(gramian, jacobian @ jacobian.T, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("batch_dim", [0, None])
+def test_pruned_layers_use_the_generic_rule(batch_dim: int | None) -> None:
+    """torch.nn.utils.prune computes the weight from `weight_orig` and a mask before each call:
+    the generic rule, exactly (the Linear rule gave `weight_orig` nothing)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    torch.nn.utils.prune.random_unstructured(model[0], "weight", amount=0.5)
+    x = torch.randn(5, 3, dtype=torch.float64)
+    with Engine(model, batch_dim=batch_dim) as engine:
+        out = model(x)
+        losses = out.pow(2).sum(1) if batch_dim == 0 else torch.stack([out.sum(), out[0, 1]])
+        jacobian = reference_jacobian(losses, list(model.parameters()))
+        gramian = engine.compute_gramian(losses)
+    torch.testing.assert_close(gramian, jacobian @ jacobian.T, rtol=1e-6, atol=1e-6)
+
+
+def test_forwards_that_raise_leave_nothing_behind() -> None:
+    """A call that raises still takes its recorded start off the stack: retries of a failing
+    forward keep no copies of the buffers."""
+
+    class Fails(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.scale = nn.Parameter(torch.ones(3, dtype=torch.float64))
+            self.register_buffer("big", torch.zeros(1000, dtype=torch.float64))
+
+        def forward(self, x: Tensor) -> Tensor:
+            if x.shape[0] > 2:
+                raise MemoryError("too large")
+            return x * self.scale
+
+    module = Fails()
+    with Engine(module, batch_dim=0) as engine:
+        for _ in range(5):
+            with pytest.raises(MemoryError):
+                module(torch.randn(4, 3, dtype=torch.float64))
+        assert not any(engine._recorder._starts.values())
+        out = module(torch.randn(2, 3, dtype=torch.float64))
+        engine.backward(out.sum(1), MeanWeighting())
+    assert module.scale.grad is not None

@@ -372,7 +372,7 @@ class Engine:
         recorded: dict[int, list[Call]] = {}  # (the replayed units' calls, reached or not)
         cursor = 0
         for index, call in calls:
-            if call.modes is not None:
+            if call.modes is not None and not call.nested:
                 recorded.setdefault(index, []).append(call)
             call_grads = list(grads[cursor : cursor + len(call.edges)])
             cursor += len(call.edges)
@@ -393,7 +393,8 @@ class Engine:
             )
         for index, unit_calls in recorded.items():
             if index in reached:  # from its first reached call on
-                first = next(i for i, c in enumerate(unit_calls) if c is reached[index][0])
+                calls_reached = {id(c) for c in reached[index]}
+                first = next((i for i, c in enumerate(unit_calls) if id(c) in calls_reached), 0)
                 check_replayed_calls(self._units[index].module, unit_calls[first:])
         contributions = []
         for index, unit_calls in reached.items():

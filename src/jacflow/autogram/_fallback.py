@@ -27,6 +27,7 @@ from jacflow.autogram._rules import (
     Rule,
     add_grads,
     quiet_vmap_fallback,
+    replaying,
 )
 
 
@@ -139,11 +140,13 @@ class FallbackRule(Rule):
         # does, must not touch the parameter, whose version the forward's graph checks)
         detached = {name: p.detach().clone() for name, p in params.items()}
         total: dict[str, Tensor] = {}
-        for call in calls:
+        # (a module that calls itself: the re-run of a call runs the calls made inside it)
+        for call in [c for c in calls if not c.nested] or calls:
             cots = tuple(call.grad(j) for j in range(len(call.grads)))
             try:
                 with (
                     torch.enable_grad(),
+                    replaying(),
                     quiet_vmap_fallback(),
                     replay_autocast(call),
                     call.forward_modes(module),

@@ -18,6 +18,7 @@ from torch import Tensor, nn
 from torch.autograd.graph import get_gradient_edge
 from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 from torch.nn.utils.parametrize import is_parametrized
+from torch.nn.utils.prune import BasePruningMethod
 from torch.nn.utils.spectral_norm import SpectralNorm
 from torch.nn.utils.weight_norm import WeightNorm
 from torch.utils._pytree import tree_flatten
@@ -25,7 +26,7 @@ from torch.utils.hooks import RemovableHandle
 
 from jacflow.autogram._fallback import FallbackRule
 from jacflow.autogram._precision import autocast_state
-from jacflow.autogram._rules import Call, Rule, find_rule
+from jacflow.autogram._rules import Call, Rule, find_rule, is_replaying
 
 _FALLBACK = FallbackRule()
 
@@ -64,11 +65,11 @@ def find_units(modules: tuple[nn.Module, ...]) -> list[Unit]:
             return
         seen.add(id(module))
         direct = [p for p in module.parameters(recurse=False) if p.requires_grad]
-        # a parametrised tensor (torch.nn.utils.parametrize, or the older weight_norm and
-        # spectral_norm hooks) is computed from other parameters: no closed form sees them,
+        # a parametrised tensor (torch.nn.utils.parametrize, or the hooks of weight_norm,
+        # spectral_norm and prune) is computed from other parameters: no closed form sees them,
         # the generic rule (covering children) does
         parametrized = is_parametrized(module) or any(
-            isinstance(hook, (WeightNorm, SpectralNorm))
+            isinstance(hook, (WeightNorm, SpectralNorm, BasePruningMethod))
             for hook in module._forward_pre_hooks.values()
         )
         rule = None if parametrized else find_rule(module)
@@ -146,7 +147,8 @@ class Recorder:
         self.fused_rnn = False  # a recurrent layer ran torch's fused kernel (cuDNN, MIOpen)
         # per replayed module under way: its weights' versions and copies of its buffers at
         # the start of each call (a stack: a module may call itself)
-        self._starts: dict[int, list[tuple[list[tuple[Tensor, int]], dict[str, Tensor]]]] = {}
+        self._starts: dict[int, list[tuple[list[tuple[Tensor, int]], dict[str, Tensor], bool]]]
+        self._starts = {}
 
     def hook(self, index: int, unit: Unit) -> None:
         replays = unit.rule.replays()
@@ -154,7 +156,8 @@ class Recorder:
             start = unit.module.register_forward_pre_hook(self._start, prepend=True)
             self.handles.append(start)
         record = partial(self._record, index, replays)
-        handle = unit.module.register_forward_hook(record, with_kwargs=True)
+        # (always: a call that raises still takes its start off the stack)
+        handle = unit.module.register_forward_hook(record, with_kwargs=True, always_call=True)
         self.handles.append(handle)
 
     def watch_children(self, unit: Unit) -> None:
@@ -164,10 +167,12 @@ class Recorder:
         depth = [0]  # the unit's forward calls under way
 
         def enter(module: nn.Module, args: Any) -> None:
-            depth[0] += 1
+            if not is_replaying():
+                depth[0] += 1
 
         def leave(module: nn.Module, args: Any, output: Any) -> None:
-            depth[0] -= 1
+            if not is_replaying():
+                depth[0] -= 1
 
         self.handles.append(unit.module.register_forward_pre_hook(enter))
         self.handles.append(unit.module.register_forward_hook(leave, always_call=True))
@@ -180,7 +185,7 @@ class Recorder:
         self, child: str, unit: str, depth: list[int], module: nn.Module, args: Any
     ) -> None:
         # (inside the unit's forward, the usual case, nothing more is read)
-        if depth[0] or not torch.is_grad_enabled():
+        if depth[0] or not torch.is_grad_enabled() or is_replaying():
             return
         if any(p.requires_grad for p in module.parameters(recurse=False)):
             self.outside = (child, unit)
@@ -190,7 +195,7 @@ class Recorder:
         self.handles.append(module.register_forward_pre_hook(partial(self._flag, name)))
 
     def _flag(self, name: str, module: nn.Module, args: Any) -> None:
-        if torch.is_grad_enabled() and batch_statistics(module):
+        if torch.is_grad_enabled() and not is_replaying() and batch_statistics(module):
             self.coupled = f"{name} ({type(module).__name__})"
 
     def watch_fused_rnn(self, module: nn.Module) -> None:
@@ -201,7 +206,7 @@ class Recorder:
         self.handles.append(module.register_forward_hook(self._flag_fused))
 
     def _flag_fused(self, module: nn.Module, args: Any, output: Any) -> None:
-        if not torch.is_grad_enabled():
+        if not torch.is_grad_enabled() or is_replaying():
             return
         first = next((x for x in tree_flatten(args)[0] if isinstance(x, Tensor)), None)
         if (first is not None and torch.backends.cudnn.is_acceptable(first)) or any(
@@ -212,15 +217,16 @@ class Recorder:
             self.fused_rnn = True
 
     def _start(self, module: nn.Module, args: Any) -> None:
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() and not is_replaying():
             weights: list[tuple[Tensor, int]] = [(p, p._version) for p in module.parameters()]
             buffers = {name: b.detach().clone() for name, b in module.named_buffers()}
-            self._starts.setdefault(id(module), []).append((weights, buffers))
+            stack = self._starts.setdefault(id(module), [])
+            stack.append((weights, buffers, bool(stack)))
 
     def _record(
         self, index: int, replays: bool, module: nn.Module, args: Any, kwargs: Any, output: Any
     ) -> None:
-        if not torch.is_grad_enabled():
+        if not torch.is_grad_enabled() or is_replaying():
             return
         pending = self._starts.get(id(module)) if replays else None
         start = pending.pop() if pending else None
@@ -251,7 +257,7 @@ class Recorder:
             call.weight_versions = [(p, p._version) for p in module.parameters()]
             call.modes = tuple((sub, sub.training) for sub in module.modules())
             if start is not None:
-                call.start_weights, call.buffers = start
+                call.start_weights, call.buffers, call.nested = start
         self.calls.append((index, call))
 
     def take(self) -> list[tuple[int, Call]]:
@@ -267,3 +273,4 @@ class Recorder:
             handle.remove()
         self.handles = []
         self.calls = []
+        self._starts = {}

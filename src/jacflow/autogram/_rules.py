@@ -109,6 +109,9 @@ class Call:
     # (a replay reads the buffers the call read, not those the step finds)
     start_weights: list[tuple[Tensor, int]] = field(default_factory=list)
     buffers: dict[str, Tensor] | None = None
+    # made inside another call of the same module (a module that calls itself): that call's
+    # re-run covers it
+    nested: bool = False
 
     def trained(self, module: nn.Module) -> bool:
         """Whether the forward ran in training mode (the module's mode now, if unrecorded).
@@ -279,6 +282,33 @@ class Contribution(ABC):
             (True, tensor([1., 2.]))
         """
         return self.weighted_grads(weights)
+
+
+_REPLAYING = [0]  # the rules' re-runs of modules under way (the hooks record none of them)
+
+
+@contextlib.contextmanager
+def replaying() -> Iterator[None]:
+    """A rule's re-run of a module: every engine's hooks ignore the calls it makes (they are
+    not forward calls of the model, and would be recorded as such).
+
+    Example:
+        >>> from jacflow.autogram._rules import is_replaying, replaying
+        >>> with replaying():
+        ...     print(is_replaying())
+        True
+        >>> is_replaying()
+        False
+    """
+    _REPLAYING[0] += 1
+    try:
+        yield
+    finally:
+        _REPLAYING[0] -= 1
+
+
+def is_replaying() -> bool:
+    return _REPLAYING[0] > 0
 
 
 def check_replayed_calls(module: nn.Module, calls: list[Call]) -> None:
