@@ -753,3 +753,65 @@ def test_forwards_that_raise_leave_nothing_behind() -> None:
         out = module(torch.randn(2, 3, dtype=torch.float64))
         engine.backward(out.sum(1), MeanWeighting())
     assert module.scale.grad is not None
+
+
+class _Supervised(nn.Module):
+    """Calls itself on a transformed input and keeps the inner output (deep supervision): the
+    inner call reaches the losses through the outer call and on its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 3, dtype=torch.float64))
+        self.aux: Tensor | None = None
+
+    def forward(self, x: Tensor, depth: int = 2) -> Tensor:
+        own = torch.tanh(x * self.scale)
+        if depth == 0:
+            return own
+        inner = self(own.flip(1), depth - 1)  # (its input carries the outer call's uses)
+        self.aux = inner
+        return own * inner
+
+
+@pytest.mark.parametrize("batch_dim", [0, None])
+@pytest.mark.parametrize("reads", ["outer", "inner", "both", "inner_then_second_call"])
+def test_module_calling_itself_read_at_several_depths(batch_dim: int | None, reads: str) -> None:
+    """Each call is re-run with its own output gradients, the calls made inside it using the
+    parameters as constants: exact whichever calls the losses read (an inner output read on
+    its own was dropped, or counted twice)."""
+    torch.manual_seed(0)
+    module, x = _Supervised(), torch.randn(4, 3, dtype=torch.float64)
+
+    def losses_of(out: Tensor) -> Tensor:
+        per_sample = out.pow(2).sum(1) + out[:, 0]
+        return per_sample if batch_dim == 0 else torch.stack([per_sample.sum(), per_sample[1]])
+
+    with Engine(module, batch_dim=batch_dim) as engine:
+        out = module(x)
+        assert module.aux is not None
+        if reads == "outer":
+            losses = losses_of(out)
+        elif reads == "inner":
+            losses = losses_of(module.aux)
+        elif reads == "both":
+            losses = losses_of(out) + losses_of(module.aux)
+        else:
+            first = module.aux
+            losses = losses_of(first) + losses_of(module(0.7 * x))
+        jacobian = reference_jacobian(losses, [module.scale])
+        gramian = engine.compute_gramian(losses)
+    torch.testing.assert_close(gramian, jacobian @ jacobian.T, rtol=1e-6, atol=1e-6)
+
+
+def test_checkpointed_forward_recomputed_by_the_step_is_not_recorded() -> None:
+    """Activation checkpointing recomputes the forward inside the step's backward: those are
+    not forward calls (one stayed recorded, with its tensors, until the next step)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    x = torch.randn(5, 3, dtype=torch.float64)
+    with Engine(model, batch_dim=0) as engine:
+        out = torch.utils.checkpoint.checkpoint(model, x, use_reentrant=False)
+        losses = out.pow(2).sum(1)
+        jacobian = reference_jacobian(losses, list(model.parameters()))
+        torch.testing.assert_close(engine.compute_gramian(losses), jacobian @ jacobian.T)
+        assert not engine._recorder.calls

@@ -23,6 +23,7 @@ from jacflow.autogram._rules import (
     check_replayed_calls,
     gram,
     quiet_vmap_fallback,
+    replaying,
 )
 
 _COMPILE_HINT = (
@@ -365,14 +366,15 @@ class Engine:
         batched = cotangents.ndim > losses.ndim
         edges = [edge for _, call in calls for edge in call.edges]
         inputs = [*edges, *extra_inputs]
-        grads = _capture(losses, inputs, cotangents, batched, retain_graph, row_by_row)
+        with replaying():  # (a checkpointed forward recomputed by it is not a forward call)
+            grads = _capture(losses, inputs, cotangents, batched, retain_graph, row_by_row)
         captured_bytes = sum(g.numel() * g.element_size() for g in grads if g is not None)
         extra_grads = grads[len(edges) :]
         reached: dict[int, list[Call]] = {}
         recorded: dict[int, list[Call]] = {}  # (the replayed units' calls, reached or not)
         cursor = 0
         for index, call in calls:
-            if call.modes is not None and not call.nested:
+            if call.modes is not None:
                 recorded.setdefault(index, []).append(call)
             call_grads = list(grads[cursor : cursor + len(call.edges)])
             cursor += len(call.edges)
@@ -392,10 +394,13 @@ class Engine:
                 f"losses depend on the hooked modules' outputs. {_COMPILE_HINT}"
             )
         for index, unit_calls in recorded.items():
-            if index in reached:  # from its first reached call on
+            if index in reached:  # from its first reached call on (calls nested in another
+                # call end before it: the chain runs over the outermost ones)
                 calls_reached = {id(c) for c in reached[index]}
-                first = next((i for i, c in enumerate(unit_calls) if id(c) in calls_reached), 0)
-                check_replayed_calls(self._units[index].module, unit_calls[first:])
+                first = next(i for i, c in enumerate(unit_calls) if id(c) in calls_reached)
+                chain = [c for c in unit_calls[first:] if not c.nested]
+                if chain:
+                    check_replayed_calls(self._units[index].module, chain)
         contributions = []
         for index, unit_calls in reached.items():
             unit = self._units[index]

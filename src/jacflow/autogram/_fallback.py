@@ -10,13 +10,14 @@ custom layers); register a closed form for big ones.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call, vjp, vmap
 from torch.nn.utils import parametrize
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from jacflow.autogram._precision import replay_autocast
 from jacflow.autogram._rules import (
@@ -49,11 +50,13 @@ def _per_task_grads(
     module: nn.Module, params: dict[str, Tensor], call: Call, cots: tuple[Tensor, ...]
 ) -> dict[str, Tensor]:
     def forward(p: dict[str, Tensor]) -> tuple[Tensor, ...]:
-        out = functional_call(module, _with_buffers(call, module, p), call.args, call.kwargs)
-        return _selected_outputs(out, call.output_positions)
+        kept: list[Tensor] = []
+        with _inner_calls(module, list(p), call.children, kept):
+            out = functional_call(module, _with_buffers(call, module, p), call.args, call.kwargs)
+        return (*_selected_outputs(out, call.output_positions), *kept)
 
     pullback = vjp(forward, params)[1]
-    grads: dict[str, Tensor] = vmap(pullback)(cots)[0]
+    grads: dict[str, Tensor] = vmap(pullback)((*cots, *_reached_children(call)))[0]
     return grads
 
 
@@ -77,14 +80,19 @@ def _per_sample_grads(
         args, kwargs = tree_unflatten(full, spec)
 
         def forward(p: dict[str, Tensor]) -> tuple[Tensor, ...]:
-            out = functional_call(module, _with_buffers(call, module, p), tuple(args), dict(kwargs))
-            return tuple(o.squeeze(0) for o in _selected_outputs(out, call.output_positions))
+            kept: list[Tensor] = []
+            with _inner_calls(module, list(p), call.children, kept):
+                out = functional_call(
+                    module, _with_buffers(call, module, p), tuple(args), dict(kwargs)
+                )
+            outputs = (*_selected_outputs(out, call.output_positions), *kept)
+            return tuple(o.squeeze(0) for o in outputs)
 
         pullback = vjp(forward, params)[1]
         result: dict[str, Tensor] = pullback(cot)[0]
         return result
 
-    grads: dict[str, Tensor] = vmap(per_row)(row_leaves, cots)
+    grads: dict[str, Tensor] = vmap(per_row)(row_leaves, (*cots, *_reached_children(call)))
     return grads
 
 
@@ -117,6 +125,96 @@ def _native_rnn(module: nn.Module) -> contextlib.AbstractContextManager[Any]:
     return contextlib.nullcontext()
 
 
+def _put_parameters(module: nn.Module, values: dict[str, Any]) -> dict[str, Any]:
+    """Put ``values`` in the module's parameter slots (names within it) and return what they
+    held: parameters, or the tensors a transform (``functional_call``) put there."""
+    previous = {}
+    for name, value in values.items():
+        owner, _, slot = name.rpartition(".")
+        parameters = module.get_submodule(owner)._parameters
+        previous[name] = parameters[slot]
+        parameters[slot] = value
+    return previous
+
+
+@contextlib.contextmanager
+def _inner_calls(
+    module: nn.Module, names: list[str], children: list[Call | None], kept: list[Tensor]
+) -> Iterator[None]:
+    """While a call of a module that calls itself is re-run, the calls it makes of the module
+    use its parameters ``names`` as constants, and their outputs enter it as constants. Each
+    of those calls is re-run on its own, for its uses of the parameters; the outputs of those
+    that the losses reach (``children``, the recorded ones in order) are also ``kept`` as
+    extra outputs of this re-run, which depend on the parameters through their inputs only, to
+    be pulled back with their own output gradients. So every use of the parameters counts
+    once, by every path to the losses (through this call's outputs or not)."""
+    depth, direct = [0], [0]
+    frames: list[tuple[bool, dict[str, Any] | None]] = []  # (a direct child, what it swapped)
+
+    def enter(_: nn.Module, args: Any) -> None:
+        depth[0] += 1
+        if depth[0] == 1:  # (the re-run call itself)
+            frames.append((False, None))
+            return
+        held = _put_parameters(module, dict.fromkeys(names))
+        _put_parameters(module, {n: t.detach() for n, t in held.items()})
+        # (a call without grad was not recorded either)
+        frames.append((depth[0] == 2 and torch.is_grad_enabled(), held))
+
+    def leave(_: nn.Module, args: Any, output: Any) -> Any:
+        depth[0] -= 1
+        child, held = frames.pop()
+        if held is not None:
+            _put_parameters(module, held)
+        if not child:
+            return None
+        index, direct[0] = direct[0], direct[0] + 1
+        recorded = children[index] if index < len(children) else None
+        if recorded is not None and recorded.grads:
+            kept.extend(_selected_outputs(output, recorded.output_positions))
+        return tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, output)
+
+    handles = [
+        module.register_forward_pre_hook(enter),
+        module.register_forward_hook(leave, always_call=True),
+    ]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+    if direct[0] != len(children):
+        raise RuntimeError(
+            f"{type(module).__name__} calls itself a different number of times in the engine's "
+            f"re-run ({direct[0]}) than in the forward ({len(children)}): its calls of itself "
+            "must depend on its inputs only."
+        )
+
+
+def _with_enclosing_calls(calls: list[Call], rows: Rows) -> list[Call]:
+    """``calls`` and the calls of the module that they run inside, which the losses may not
+    reach: their uses of the parameters feed the inner calls' inputs (they get zero output
+    gradients, and their reached inner calls' own)."""
+    everything, seen = list(calls), {id(c) for c in calls}
+    reference = next(g for c in calls for g in c.grads if g is not None)
+    for call in calls:
+        outer = call.parent
+        while outer is not None and id(outer) not in seen:
+            seen.add(id(outer))
+            everything.append(outer)
+            shapes = [s if rows.per_task else s[1:] for s in outer.output_shapes]
+            outer.grads = [reference.new_zeros(rows.num_rows, *s) for s in shapes]
+            outer = outer.parent
+    return everything
+
+
+def _reached_children(call: Call) -> tuple[Tensor, ...]:
+    """The output gradients of the calls made inside ``call`` that the losses reach, in the
+    order :func:`_inner_calls` keeps their outputs."""
+    reached = [c for c in call.children if c is not None and c.grads]
+    return tuple(c.grad(j) for c in reached for j in range(len(c.grads)))
+
+
 class FallbackRule(Rule):
     """Generic rule: the module and all its children's parameters, via ``torch.func``."""
 
@@ -140,8 +238,7 @@ class FallbackRule(Rule):
         # does, must not touch the parameter, whose version the forward's graph checks)
         detached = {name: p.detach().clone() for name, p in params.items()}
         total: dict[str, Tensor] = {}
-        # (a module that calls itself: the re-run of a call runs the calls made inside it)
-        for call in [c for c in calls if not c.nested] or calls:
+        for call in _with_enclosing_calls(calls, rows):
             cots = tuple(call.grad(j) for j in range(len(call.grads)))
             try:
                 with (

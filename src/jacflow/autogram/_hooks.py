@@ -136,6 +136,18 @@ def _from_fused_rnn(node: Any, depth: int = 3) -> bool:
     return False
 
 
+@dataclass
+class _Start:
+    """A replayed module's call under way: its weights' versions and copies of its buffers at
+    the start, whether it runs inside another call of the module, and the calls of the module
+    made inside it (``None`` for one without a recorded call)."""
+
+    weights: list[tuple[Tensor, int]]
+    buffers: dict[str, Tensor]
+    nested: bool
+    children: list[Call | None]
+
+
 class Recorder:
     """Holds the hooks and the calls recorded since the last Gramian."""
 
@@ -147,8 +159,7 @@ class Recorder:
         self.fused_rnn = False  # a recurrent layer ran torch's fused kernel (cuDNN, MIOpen)
         # per replayed module under way: its weights' versions and copies of its buffers at
         # the start of each call (a stack: a module may call itself)
-        self._starts: dict[int, list[tuple[list[tuple[Tensor, int]], dict[str, Tensor], bool]]]
-        self._starts = {}
+        self._starts: dict[int, list[_Start]] = {}
 
     def hook(self, index: int, unit: Unit) -> None:
         replays = unit.rule.replays()
@@ -221,7 +232,7 @@ class Recorder:
             weights: list[tuple[Tensor, int]] = [(p, p._version) for p in module.parameters()]
             buffers = {name: b.detach().clone() for name, b in module.named_buffers()}
             stack = self._starts.setdefault(id(module), [])
-            stack.append((weights, buffers, bool(stack)))
+            stack.append(_Start(weights, buffers, bool(stack), []))
 
     def _record(
         self, index: int, replays: bool, module: nn.Module, args: Any, kwargs: Any, output: Any
@@ -230,6 +241,7 @@ class Recorder:
             return
         pending = self._starts.get(id(module)) if replays else None
         start = pending.pop() if pending else None
+        parent = pending[-1] if pending else None  # (the call this one runs inside)
         # Fast path for the common single-tensor output and tensor-only positional inputs.
         leaves = [output] if isinstance(output, Tensor) else tree_flatten(output)[0]
         positions = [
@@ -238,6 +250,8 @@ class Recorder:
             if isinstance(leaf, Tensor) and leaf.requires_grad and leaf.grad_fn is not None
         ]
         if not positions:
+            if parent is not None:
+                parent.children.append(None)
             return
         if not kwargs and all(isinstance(a, Tensor) for a in args):
             inputs = args
@@ -257,7 +271,13 @@ class Recorder:
             call.weight_versions = [(p, p._version) for p in module.parameters()]
             call.modes = tuple((sub, sub.training) for sub in module.modules())
             if start is not None:
-                call.start_weights, call.buffers, call.nested = start
+                call.start_weights, call.buffers = start.weights, start.buffers
+                call.nested, call.children = start.nested, start.children
+                for child in call.children:
+                    if child is not None:
+                        child.parent = call
+            if parent is not None:
+                parent.children.append(call)
         self.calls.append((index, call))
 
     def take(self) -> list[tuple[int, Call]]:

@@ -109,9 +109,11 @@ class Call:
     # (a replay reads the buffers the call read, not those the step finds)
     start_weights: list[tuple[Tensor, int]] = field(default_factory=list)
     buffers: dict[str, Tensor] | None = None
-    # made inside another call of the same module (a module that calls itself): that call's
-    # re-run covers it
+    # a module that calls itself: whether this call runs inside another of its calls, and the
+    # calls made inside this one, in order (``None``: one without a recorded call)
     nested: bool = False
+    children: list[Call | None] = field(default_factory=list)
+    parent: Call | None = None
 
     def trained(self, module: nn.Module) -> bool:
         """Whether the forward ran in training mode (the module's mode now, if unrecorded).
