@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import copy
+import random
 import warnings
 from collections.abc import Callable
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
@@ -815,3 +818,57 @@ def test_checkpointed_forward_recomputed_by_the_step_is_not_recorded() -> None:
         jacobian = reference_jacobian(losses, list(model.parameters()))
         torch.testing.assert_close(engine.compute_gramian(losses), jacobian @ jacobian.T)
         assert not engine._recorder.calls
+
+
+class _Recursive(nn.Module):
+    """Calls itself ``fanout`` times per level, on inputs that depend on its parameters or not,
+    and keeps every inner output (any of which the losses may read)."""
+
+    def __init__(self, dependent: bool, fanout: int) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.linspace(-1.0, 1.5, 3, dtype=torch.float64))
+        self.lin = nn.Linear(3, 3).double()
+        self.dependent, self.fanout = dependent, fanout
+        self.kept: list[Tensor] = []
+
+    def forward(self, x: Tensor, depth: int) -> Tensor:
+        own = torch.tanh(self.lin(x) * self.scale)
+        total = own
+        for k in range(self.fanout if depth else 0):
+            inner = self((own if self.dependent else x).flip(1) * (k + 1), depth - 1)
+            self.kept.append(inner)
+            total = total * (0.5 + inner) if k % 2 == 0 else total + inner.sin()
+        return total
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    per_sample=st.booleans(),
+    dependent=st.booleans(),
+    fanout=st.integers(1, 2),
+    depth=st.integers(1, 3),
+    reads=st.sampled_from(["outer", "inner", "both", "two_forwards"]),
+)
+def test_random_recursions(
+    seed: int, per_sample: bool, dependent: bool, fanout: int, depth: int, reads: str
+) -> None:
+    """Random self-calling modules, the losses reading the outermost output and/or inner ones
+    at any depth, against the brute-force Jacobian."""
+    rng, batch_dim = random.Random(seed), 0 if per_sample else None
+    torch.manual_seed(seed)
+    module, x = _Recursive(dependent, fanout), torch.randn(4, 3, dtype=torch.float64)
+    with Engine(module, batch_dim=batch_dim) as engine:
+        out = module(x, depth)
+        read = [out] if reads in ("outer", "both") else []
+        if reads in ("inner", "both"):
+            read += rng.sample(module.kept, rng.randint(1, len(module.kept)))
+        if reads == "two_forwards":
+            read += [rng.choice(module.kept), module(0.3 * x, depth)]
+        per = sum(r.pow(2).sum(1) + r[:, 0] for r in read)
+        assert isinstance(per, Tensor)
+        losses = per if per_sample else torch.stack([per.sum(), per[0]])
+        jacobian = reference_jacobian(losses, list(module.parameters()))
+        gramian = engine.compute_gramian(losses)
+    scale = jacobian.pow(2).sum(1).max() + 1.0
+    torch.testing.assert_close(gramian / scale, jacobian @ jacobian.T / scale, rtol=1e-6, atol=1e-6)

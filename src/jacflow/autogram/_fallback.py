@@ -51,12 +51,12 @@ def _per_task_grads(
 ) -> dict[str, Tensor]:
     def forward(p: dict[str, Tensor]) -> tuple[Tensor, ...]:
         kept: list[Tensor] = []
-        with _inner_calls(module, list(p), call.children, kept):
+        with _inner_calls(module, list(p), call, kept):
             out = functional_call(module, _with_buffers(call, module, p), call.args, call.kwargs)
         return (*_selected_outputs(out, call.output_positions), *kept)
 
     pullback = vjp(forward, params)[1]
-    grads: dict[str, Tensor] = vmap(pullback)((*cots, *_reached_children(call)))[0]
+    grads: dict[str, Tensor] = vmap(pullback)((*cots, *_reached_inner_calls(call)))[0]
     return grads
 
 
@@ -81,7 +81,7 @@ def _per_sample_grads(
 
         def forward(p: dict[str, Tensor]) -> tuple[Tensor, ...]:
             kept: list[Tensor] = []
-            with _inner_calls(module, list(p), call.children, kept):
+            with _inner_calls(module, list(p), call, kept):
                 out = functional_call(
                     module, _with_buffers(call, module, p), tuple(args), dict(kwargs)
                 )
@@ -92,7 +92,7 @@ def _per_sample_grads(
         result: dict[str, Tensor] = pullback(cot)[0]
         return result
 
-    grads: dict[str, Tensor] = vmap(per_row)(row_leaves, (*cots, *_reached_children(call)))
+    grads: dict[str, Tensor] = vmap(per_row)(row_leaves, (*cots, *_reached_inner_calls(call)))
     return grads
 
 
@@ -139,37 +139,51 @@ def _put_parameters(module: nn.Module, values: dict[str, Any]) -> dict[str, Any]
 
 @contextlib.contextmanager
 def _inner_calls(
-    module: nn.Module, names: list[str], children: list[Call | None], kept: list[Tensor]
+    module: nn.Module, names: list[str], call: Call, kept: list[Tensor]
 ) -> Iterator[None]:
-    """While a call of a module that calls itself is re-run, the calls it makes of the module
-    use its parameters ``names`` as constants, and their outputs enter it as constants. Each
-    of those calls is re-run on its own, for its uses of the parameters; the outputs of those
-    that the losses reach (``children``, the recorded ones in order) are also ``kept`` as
-    extra outputs of this re-run, which depend on the parameters through their inputs only, to
-    be pulled back with their own output gradients. So every use of the parameters counts
-    once, by every path to the losses (through this call's outputs or not)."""
-    depth, direct = [0], [0]
-    frames: list[tuple[bool, dict[str, Any] | None]] = []  # (a direct child, what it swapped)
+    """While ``call`` of a module that calls itself is re-run, the calls it makes of the module
+    (at any depth) use its parameters ``names`` as constants, and their outputs enter their
+    callers as constants. Each of those calls is re-run on its own, for its uses of the
+    parameters; the outputs of those that the losses reach are also ``kept`` (in the order
+    they end) as extra outputs of this re-run, which depend on the parameters through their
+    inputs only, to be pulled back with their own output gradients. So every use of the
+    parameters counts once, by every path to the losses."""
+    # per call under way: its recorded call (None: unknown) and how many calls it has made
+    frames: list[list[Any]] = []
+    swaps: list[dict[str, Any] | None] = []
 
     def enter(_: nn.Module, args: Any) -> None:
-        depth[0] += 1
-        if depth[0] == 1:  # (the re-run call itself)
-            frames.append((False, None))
+        if not frames:  # (the re-run call itself)
+            frames.append([call, 0])
+            swaps.append(None)
             return
+        parent = frames[-1]
+        recorded = None
+        if torch.is_grad_enabled():  # (a call without grad was not recorded)
+            index, parent[1] = parent[1], parent[1] + 1
+            children = parent[0].children if parent[0] is not None else []
+            recorded = children[index] if index < len(children) else _MISSING
+        frames.append([recorded, 0])
         held = _put_parameters(module, dict.fromkeys(names))
         _put_parameters(module, {n: t.detach() for n, t in held.items()})
-        # (a call without grad was not recorded either)
-        frames.append((depth[0] == 2 and torch.is_grad_enabled(), held))
+        swaps.append(held)
 
     def leave(_: nn.Module, args: Any, output: Any) -> Any:
-        depth[0] -= 1
-        child, held = frames.pop()
-        if held is not None:
-            _put_parameters(module, held)
-        if not child:
+        recorded, made = frames.pop()
+        held = swaps.pop()
+        if recorded is _MISSING or (recorded is not None and made != len(recorded.children)):
+            raise RuntimeError(
+                f"{type(module).__name__} calls itself otherwise in the engine's re-run than in "
+                "the forward: its calls of itself must depend on its inputs only."
+            )
+        if held is None:  # (the re-run call itself)
+            if made != len(call.children):
+                raise RuntimeError(
+                    f"{type(module).__name__} calls itself otherwise in the engine's re-run "
+                    "than in the forward: its calls of itself must depend on its inputs only."
+                )
             return None
-        index, direct[0] = direct[0], direct[0] + 1
-        recorded = children[index] if index < len(children) else None
+        _put_parameters(module, held)
         if recorded is not None and recorded.grads:
             kept.extend(_selected_outputs(output, recorded.output_positions))
         return tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, output)
@@ -183,12 +197,21 @@ def _inner_calls(
     finally:
         for handle in handles:
             handle.remove()
-    if direct[0] != len(children):
-        raise RuntimeError(
-            f"{type(module).__name__} calls itself a different number of times in the engine's "
-            f"re-run ({direct[0]}) than in the forward ({len(children)}): its calls of itself "
-            "must depend on its inputs only."
-        )
+
+
+_MISSING = Call((), {}, [], [], [], [])  # (a call of the re-run that the forward did not make)
+
+
+def _reached_inner_calls(call: Call) -> tuple[Tensor, ...]:
+    """The output gradients of the calls made inside ``call`` (at any depth) that the losses
+    reach, in the order :func:`_inner_calls` keeps their outputs (the order they end)."""
+    grads: list[Tensor] = []
+    for child in call.children:
+        if child is not None:
+            grads.extend(_reached_inner_calls(child))
+            if child.grads:
+                grads.extend(child.grad(j) for j in range(len(child.grads)))
+    return tuple(grads)
 
 
 def _with_enclosing_calls(calls: list[Call], rows: Rows) -> list[Call]:
@@ -206,13 +229,6 @@ def _with_enclosing_calls(calls: list[Call], rows: Rows) -> list[Call]:
             outer.grads = [reference.new_zeros(rows.num_rows, *s) for s in shapes]
             outer = outer.parent
     return everything
-
-
-def _reached_children(call: Call) -> tuple[Tensor, ...]:
-    """The output gradients of the calls made inside ``call`` that the losses reach, in the
-    order :func:`_inner_calls` keeps their outputs."""
-    reached = [c for c in call.children if c is not None and c.grads]
-    return tuple(c.grad(j) for c in reached for j in range(len(c.grads)))
 
 
 class FallbackRule(Rule):
