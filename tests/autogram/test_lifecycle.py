@@ -872,3 +872,82 @@ def test_random_recursions(
         gramian = engine.compute_gramian(losses)
     scale = jacobian.pow(2).sum(1).max() + 1.0
     torch.testing.assert_close(gramian / scale, jacobian @ jacobian.T / scale, rtol=1e-6, atol=1e-6)
+
+
+class _TwoOutputs(nn.Module):
+    """Returns ``h`` and ``h.exp()``: the second output is computed from the first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 3, dtype=torch.float64))
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        h = torch.tanh(x * self.scale)
+        return h, h.exp()
+
+
+@pytest.mark.parametrize("batch_dim", [0, None])
+def test_outputs_computed_from_one_another(batch_dim: int | None) -> None:
+    """The captured gradient of ``h`` counts the path through ``h.exp()``: the re-run would
+    count it twice (it did, silently). Refused when the losses read both, exact with one."""
+    torch.manual_seed(0)
+    module, x = _TwoOutputs(), torch.randn(4, 3, dtype=torch.float64)
+
+    def losses_of(per_sample: Tensor) -> Tensor:
+        return per_sample if batch_dim == 0 else torch.stack([per_sample.sum(), per_sample[1]])
+
+    with Engine(module, batch_dim=batch_dim) as engine:
+        h, e = module(x)
+        with pytest.raises(RuntimeError, match="counts those paths twice"):
+            engine.backward(losses_of(h.sum(1) + e.pow(2).sum(1)), MeanWeighting())
+        assert module.scale.grad is None
+        h, _ = module(x)
+        losses = losses_of(h.pow(2).sum(1))
+        jacobian = reference_jacobian(losses, [module.scale])
+        torch.testing.assert_close(engine.compute_gramian(losses), jacobian @ jacobian.T)
+
+
+class _OnItsOutput(nn.Module):
+    """Returns its state and calls itself on it (depth 1), keeping the inner output; or, with
+    ``detach_middle``, returns a detached state from the middle call of three."""
+
+    def __init__(self, detach_middle: bool) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 3, dtype=torch.float64))
+        self.detach_middle, self.kept = detach_middle, []
+
+    def forward(self, x: Tensor, depth: int) -> Tensor:
+        h = torch.tanh(x * self.scale)
+        if self.detach_middle:
+            if depth:
+                h = h + self(h, depth - 1)
+            return h.detach() if depth == 1 else h
+        if depth:
+            self.kept.append(self(h, depth - 1))
+        return h
+
+
+@pytest.mark.parametrize("batch_dim", [0, None])
+def test_calls_of_itself_on_its_output_and_through_a_detached_middle(
+    batch_dim: int | None,
+) -> None:
+    """A call of the module on its own output is refused (its captured gradient counts the
+    inner call's path); a middle call whose output is detached keeps the calls made inside it
+    (it crashed) and is exact."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 3, dtype=torch.float64)
+
+    def losses_of(per_sample: Tensor) -> Tensor:
+        return per_sample if batch_dim == 0 else torch.stack([per_sample.sum(), per_sample[1]])
+
+    module = _OnItsOutput(detach_middle=False)
+    with Engine(module, batch_dim=batch_dim) as engine:
+        out = module(x, 1)
+        losses = losses_of(out.sum(1) + module.kept[0].pow(2).sum(1))
+        with pytest.raises(RuntimeError, match="call the module on its own output"):
+            engine.compute_gramian(losses)
+    module = _OnItsOutput(detach_middle=True)
+    with Engine(module, batch_dim=batch_dim) as engine:
+        losses = losses_of(module(x, 2).pow(2).sum(1))
+        jacobian = reference_jacobian(losses, [module.scale])
+        torch.testing.assert_close(engine.compute_gramian(losses), jacobian @ jacobian.T)

@@ -104,6 +104,17 @@ def _check_weights(weights: object, m: int, weighting: GramianWeighting) -> Tens
     return weights
 
 
+# what Engine._prepare returns: the contributions, the row layout, the row<->loss
+# permutations, the per-row gradients of the extra inputs and the captured bytes
+_Prepared = tuple[
+    list[tuple[dict[str, Tensor], Contribution]],
+    Rows,
+    tuple[Tensor, Tensor] | None,
+    tuple[Tensor | None, ...],
+    int,
+]
+
+
 class Engine:
     """Gramian of the Jacobian of many losses w.r.t. the parameters of some modules, without
     the Jacobian; and the whole Jacobian-descent step with one activation-only backward.
@@ -330,13 +341,7 @@ class Engine:
 
     def _prepare(
         self, losses: Tensor, retain_graph: bool, extra_inputs: Sequence[Tensor]
-    ) -> tuple[
-        list[tuple[dict[str, Tensor], Contribution]],
-        Rows,
-        tuple[Tensor, Tensor] | None,
-        tuple[Tensor | None, ...],
-        int,
-    ]:
+    ) -> _Prepared:
         """Capture the output gradients, then build every unit's contribution (the part after
         the capture runs in the caller's ``no_grad``).
 
@@ -347,6 +352,25 @@ class Engine:
         coupled, outside = self._recorder.coupled, self._recorder.outside
         row_by_row = self._recorder.fused_rnn
         calls = self._recorder.take()
+        try:
+            return self._prepare_calls(
+                calls, coupled, outside, row_by_row, losses, retain_graph, extra_inputs
+            )
+        finally:  # (the tree of a module's calls of itself is a reference cycle)
+            for _, call in calls:
+                call.parent, call.children = None, []
+
+    def _prepare_calls(
+        self,
+        calls: list[tuple[int, Call]],
+        coupled: str | None,
+        outside: tuple[str, str] | None,
+        row_by_row: bool,
+        losses: Tensor,
+        retain_graph: bool,
+        extra_inputs: Sequence[Tensor],
+    ) -> _Prepared:
+        """:meth:`_prepare` on the ``calls`` taken from the recorder."""
         if outside is not None:
             child, parent = outside
             raise ValueError(
@@ -385,6 +409,7 @@ class Engine:
             dims = [unit.rule.output_batch_dim(unit.module, call, j) for j in call.output_positions]
             _check_batch(unit, call, rows, dims)
             _check_versions(call)
+            call.reached = [g is not None for g in call_grads]
             call.grads = _rows_shaped(call_grads, call, rows, dims)
             reached.setdefault(index, []).append(call)
         if not reached:

@@ -214,6 +214,57 @@ def _reached_inner_calls(call: Call) -> tuple[Tensor, ...]:
     return tuple(grads)
 
 
+def _reached_inner(call: Call) -> list[Call]:
+    """The calls made inside ``call`` (at any depth) that the losses reach."""
+    found: list[Call] = []
+    for child in call.children:
+        if child is not None:
+            found.extend(_reached_inner(child))
+            if child.grads:
+                found.append(child)
+    return found
+
+
+def _check_independent_outputs(module: nn.Module, call: Call) -> None:
+    """Refuse a call whose pulled-back tensors depend on one of its outputs: an output computed
+    from another (``return h, h.exp()``), or a call of the module made on its own output. The
+    captured gradient of an output counts every path from it, those through the other tensors
+    too, so the re-run would count them twice."""
+
+    def reached(c: Call) -> list[Any]:  # (an output the losses do not reach counts no path)
+        return [e for e, r in zip(c.edges, c.reached, strict=False) if r]
+
+    own = reached(call)
+    starts = [edge.node for edge in own] + [
+        e.node for c in _reached_inner(call) for e in reached(c)
+    ]
+    if len(starts) < 2:
+        return
+    twice = len({(id(e.node), e.output_nr) for e in own}) < len(own)
+    inputs = tree_flatten((call.args, call.kwargs))[0]
+    boundary = {id(t.grad_fn) for t in inputs if isinstance(t, Tensor) and t.grad_fn is not None}
+    outputs = {id(edge.node): j for j, edge in enumerate(own)}
+    for position, start in enumerate(starts):
+        pending, seen = [start], {id(start)}
+        while pending:
+            node = pending.pop()
+            if twice or (id(node) in outputs and (node is not start or position >= len(own))):
+                raise RuntimeError(
+                    f"An output of {type(module).__name__} is also computed from in the call: "
+                    "another of its outputs, or a call of the module inside it, depends on it. "
+                    "The engine re-runs the module with every output's gradient, which counts "
+                    "those paths twice. Return outputs that do not depend on one another, and "
+                    "do not call the module on its own output (e.g. pass a detached copy), or "
+                    "register a closed form (jacflow.autogram.register_rule)."
+                )
+            if id(node) in boundary:
+                continue
+            for parent, _ in node.next_functions:
+                if parent is not None and id(parent) not in seen:
+                    seen.add(id(parent))
+                    pending.append(parent)
+
+
 def _with_enclosing_calls(calls: list[Call], rows: Rows) -> list[Call]:
     """``calls`` and the calls of the module that they run inside, which the losses may not
     reach: their uses of the parameters feed the inner calls' inputs (they get zero output
@@ -255,6 +306,7 @@ class FallbackRule(Rule):
         detached = {name: p.detach().clone() for name, p in params.items()}
         total: dict[str, Tensor] = {}
         for call in _with_enclosing_calls(calls, rows):
+            _check_independent_outputs(module, call)
             cots = tuple(call.grad(j) for j in range(len(call.grads)))
             try:
                 with (

@@ -249,7 +249,10 @@ class Recorder:
             for j, leaf in enumerate(leaves)
             if isinstance(leaf, Tensor) and leaf.requires_grad and leaf.grad_fn is not None
         ]
-        if not positions:
+        # (a call with no output to record is kept in the tree of a module's calls of itself
+        # when calls were made inside it: its re-run carries its uses to their inputs)
+        bare = not positions and not (start is not None and any(start.children))
+        if bare:
             if parent is not None:
                 parent.children.append(None)
             return
@@ -264,7 +267,7 @@ class Recorder:
             output_shapes=[leaves[j].shape for j in positions],
             edges=[get_gradient_edge(leaves[j]) for j in positions],
             versions=[(t, t._version) for t in inputs if isinstance(t, Tensor)],
-            autocast=autocast_state(leaves[positions[0]].device.type),
+            autocast=autocast_state(leaves[positions[0]].device.type) if positions else None,
             training=module.training,
         )
         if replays:  # (what a replay of the module needs: the weights, buffers and modes)
@@ -278,7 +281,8 @@ class Recorder:
                         child.parent = call
             if parent is not None:
                 parent.children.append(call)
-        self.calls.append((index, call))
+        if positions:
+            self.calls.append((index, call))
 
     def take(self) -> list[tuple[int, Call]]:
         """The recorded calls; the record starts afresh."""

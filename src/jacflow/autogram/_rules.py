@@ -114,6 +114,8 @@ class Call:
     nested: bool = False
     children: list[Call | None] = field(default_factory=list)
     parent: Call | None = None
+    # which recorded outputs the losses reach (set with ``grads``)
+    reached: list[bool] = field(default_factory=list)
 
     def trained(self, module: nn.Module) -> bool:
         """Whether the forward ran in training mode (the module's mode now, if unrecorded).
