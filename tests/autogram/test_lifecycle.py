@@ -951,3 +951,31 @@ def test_calls_of_itself_on_its_output_and_through_a_detached_middle(
         losses = losses_of(module(x, 2).pow(2).sum(1))
         jacobian = reference_jacobian(losses, [module.scale])
         torch.testing.assert_close(engine.compute_gramian(losses), jacobian @ jacobian.T)
+
+
+class _WeighsByGramian(nn.Module):
+    """Runs an engine step inside its forward (weights its outputs by an inner Gramian)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 3, dtype=torch.float64))
+        self.inner = nn.Linear(3, 2).double()
+        self.engine = Engine(self.inner, batch_dim=None)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = torch.tanh(x * self.scale)
+        y = self.inner(h)
+        gramian = self.engine.compute_gramian(y.pow(2).sum(0))
+        return (y * (gramian.diagonal() / gramian.trace()).detach()).sum(1, keepdim=True) * h
+
+
+def test_engine_step_inside_a_re_run_module_is_named() -> None:
+    """Another engine's re-run of that module records none of its calls: the inner step says
+    so (it said that no forward call was in the graph), and nothing is written."""
+    torch.manual_seed(0)
+    module = _WeighsByGramian()
+    with Engine(module, batch_dim=None) as outer:
+        out = module(torch.randn(4, 3, dtype=torch.float64))
+        with pytest.raises(RuntimeError, match="outside the module's forward"):
+            outer.backward(torch.stack([out.sum(), out[0, 0]]), MeanWeighting())
+    assert all(p.grad is None for p in module.parameters())

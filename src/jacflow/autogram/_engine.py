@@ -22,6 +22,7 @@ from jacflow.autogram._rules import (
     Rows,
     check_replayed_calls,
     gram,
+    is_replaying,
     quiet_vmap_fallback,
     replaying,
 )
@@ -412,6 +413,12 @@ class Engine:
             call.reached = [g is not None for g in call_grads]
             call.grads = _rows_shaped(call_grads, call, rows, dims)
             reached.setdefault(index, []).append(call)
+        if not reached and is_replaying():
+            raise RuntimeError(
+                "An Engine step ran inside the forward of a module that another engine re-runs "
+                "(its generic rule, with torch.func): the calls of that re-run are not recorded. "
+                "Take the step outside the module's forward."
+            )
         if not reached:
             raise RuntimeError(
                 "No forward call of the hooked modules is in the graph of `losses`. Create the "
