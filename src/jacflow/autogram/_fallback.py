@@ -10,7 +10,7 @@ custom layers); register a closed form for big ones.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -42,8 +42,7 @@ def _with_buffers(call: Call, module: nn.Module, params: dict[str, Tensor]) -> d
     start; else as they are now), made inside the transforms: a re-run updates the copies
     (BatchNorm's running statistics in training mode), which torch.func allows, reads what the
     call read, and leaves the module's as the forward left them."""
-    buffers = dict(module.named_buffers()) if call.buffers is None else call.buffers
-    return {**{name: b.clone() for name, b in buffers.items()}, **params}
+    return {**{name: b.clone() for name, b in call.found_buffers(module).items()}, **params}
 
 
 def _per_task_grads(
@@ -125,15 +124,18 @@ def _native_rnn(module: nn.Module) -> contextlib.AbstractContextManager[Any]:
     return contextlib.nullcontext()
 
 
-def _put_parameters(module: nn.Module, values: dict[str, Any]) -> dict[str, Any]:
-    """Put ``values`` in the module's parameter slots (names within it) and return what they
-    held: parameters, or the tensors a transform (``functional_call``) put there."""
+def _put_parameters(
+    module: nn.Module, names: list[str], value: Callable[[str, Any], Any]
+) -> dict[str, Any]:
+    """Put ``value(name, held)`` in each of the module's parameter slots ``names`` (within it)
+    and return what they held: parameters, or the tensors a transform (``functional_call``)
+    put there."""
     previous = {}
-    for name, value in values.items():
+    for name in names:
         owner, _, slot = name.rpartition(".")
         parameters = module.get_submodule(owner)._parameters
         previous[name] = parameters[slot]
-        parameters[slot] = value
+        parameters[slot] = value(name, previous[name])
     return previous
 
 
@@ -164,26 +166,20 @@ def _inner_calls(
             children = parent[0].children if parent[0] is not None else []
             recorded = children[index] if index < len(children) else _MISSING
         frames.append([recorded, 0])
-        held = _put_parameters(module, dict.fromkeys(names))
-        _put_parameters(module, {n: t.detach() for n, t in held.items()})
-        swaps.append(held)
+        swaps.append(_put_parameters(module, names, lambda _, held: held.detach()))
 
     def leave(_: nn.Module, args: Any, output: Any) -> Any:
         recorded, made = frames.pop()
         held = swaps.pop()
+        # (the re-run call itself is its recorded call: the same check)
         if recorded is _MISSING or (recorded is not None and made != len(recorded.children)):
             raise RuntimeError(
                 f"{type(module).__name__} calls itself otherwise in the engine's re-run than in "
                 "the forward: its calls of itself must depend on its inputs only."
             )
         if held is None:  # (the re-run call itself)
-            if made != len(call.children):
-                raise RuntimeError(
-                    f"{type(module).__name__} calls itself otherwise in the engine's re-run "
-                    "than in the forward: its calls of itself must depend on its inputs only."
-                )
             return None
-        _put_parameters(module, held)
+        _put_parameters(module, list(held), lambda name, _: held[name])
         if recorded is not None and recorded.grads:
             kept.extend(_selected_outputs(output, recorded.output_positions))
         return tree_map(lambda t: t.detach() if isinstance(t, Tensor) else t, output)
@@ -204,18 +200,13 @@ _MISSING = Call((), {}, [], [], [], [])  # (a call of the re-run that the forwar
 
 def _reached_inner_calls(call: Call) -> tuple[Tensor, ...]:
     """The output gradients of the calls made inside ``call`` (at any depth) that the losses
-    reach, in the order :func:`_inner_calls` keeps their outputs (the order they end)."""
-    grads: list[Tensor] = []
-    for child in call.children:
-        if child is not None:
-            grads.extend(_reached_inner_calls(child))
-            if child.grads:
-                grads.extend(child.grad(j) for j in range(len(child.grads)))
-    return tuple(grads)
+    reach, in the order :func:`_inner_calls` keeps their outputs."""
+    return tuple(c.grad(j) for c in _reached_inner(call) for j in range(len(c.grads)))
 
 
 def _reached_inner(call: Call) -> list[Call]:
-    """The calls made inside ``call`` (at any depth) that the losses reach."""
+    """The calls made inside ``call`` (at any depth) that the losses reach, in the order they
+    end."""
     found: list[Call] = []
     for child in call.children:
         if child is not None:

@@ -38,7 +38,7 @@ def _normalized(module: nn.Module, x: Tensor, call: Call) -> tuple[Tensor, int]:
     if isinstance(module, _BatchNorm):
         if call.trained(module) or module.running_mean is None:  # the batch's statistics
             return F.batch_norm(x, None, None, None, None, True, 0.0, module.eps), 0
-        found = dict(module.named_buffers()) if call.buffers is None else call.buffers
+        found = call.found_buffers(module)
         running = (found["running_mean"], found["running_var"])
         return F.batch_norm(x, *running, None, None, False, 0.0, module.eps), 0
     assert isinstance(module, nn.GroupNorm)

@@ -159,10 +159,7 @@ class Call:
                 "The engine records the weights and submodules of a call only for the rules that "
                 "replay their module: return True from the rule's `replays()`."
             )
-        params = list(module.parameters())
-        if len(params) != len(self.weight_versions) or any(
-            p is not t or t._version != v for p, (t, v) in zip(params, self.weight_versions)
-        ):
+        if not _same_weights([(p, p._version) for p in module.parameters()], self.weight_versions):
             raise RuntimeError(
                 f"A parameter of {type(module).__name__} was modified in place or replaced "
                 "between the forward and the Jacobian-descent step; the Gramian needs the weights "
@@ -175,6 +172,21 @@ class Call:
                 "forward and the Jacobian-descent step; the engine replays it as the forward ran "
                 "it. Run the step before changing the module."
             )
+
+    def found_buffers(self, module: nn.Module) -> dict[str, Tensor]:
+        """The module's buffers as this call found them (copies recorded at its start, for the
+        rules that replay the module), else as they are now.
+
+        Example:
+            >>> import torch
+            >>> from torch import nn
+            >>> from jacflow.autogram import Call
+            >>> norm = nn.BatchNorm1d(2)
+            >>> call = Call((), {}, [0], [torch.Size([1])], [None], [])
+            >>> call.found_buffers(norm)["running_var"]
+            tensor([1., 1.])
+        """
+        return dict(module.named_buffers()) if self.buffers is None else self.buffers
 
     @contextlib.contextmanager
     def forward_modes(self, module: nn.Module) -> Iterator[None]:
@@ -315,6 +327,11 @@ def is_replaying() -> bool:
     return _REPLAYING[0] > 0
 
 
+def _same_weights(a: list[tuple[Tensor, int]], b: list[tuple[Tensor, int]]) -> bool:
+    """Whether two records of weights hold the same tensors at the same versions."""
+    return len(a) == len(b) and all(t is u and v == w for (t, v), (u, w) in zip(a, b))
+
+
 def check_replayed_calls(module: nn.Module, calls: list[Call]) -> None:
     """Raise if ``module``'s weights were modified in place or replaced outside its own
     forward since the first of ``calls`` (its recorded calls in order, from the first that the
@@ -344,10 +361,7 @@ def check_replayed_calls(module: nn.Module, calls: list[Call]) -> None:
     for before, after in itertools.pairwise(calls):
         if after.buffers is None:  # (no start recorded)
             continue
-        ends, starts = before.weight_versions, after.start_weights
-        if len(ends) != len(starts) or any(
-            t is not u or v != w for (t, v), (u, w) in zip(ends, starts)
-        ):
+        if not _same_weights(before.weight_versions, after.start_weights):
             raise RuntimeError(
                 f"A parameter of {type(module).__name__} was modified in place or replaced "
                 "between two of its calls in the forward; the engine replays every call with "
@@ -384,11 +398,12 @@ class Rule(ABC):
 
     def replays(self) -> bool:
         """Whether the rule recomputes part of the module's forward from the recorded inputs
-        and the module's weights (attention, recurrent layers, the generic rule). The engine
-        then records, at each call, the parameters' versions
-        (:meth:`Call.check_weights_unchanged`) and the training modes of the module and its
-        submodules (:meth:`Call.forward_modes`); other rules read only the recorded inputs and
-        output gradients and skip that work.
+        and the module's weights or buffers (attention, recurrent layers, BatchNorm, the generic
+        rule). The engine then records, at each call, the parameters' versions (checked with
+        :func:`check_replayed_calls`), copies of the buffers at its start
+        (:meth:`Call.found_buffers`) and the training modes of the module and its submodules
+        (:meth:`Call.forward_modes`); other rules read only the recorded inputs and output
+        gradients and skip that work.
 
         Example:
             >>> from jacflow.autogram import Rule
