@@ -204,20 +204,20 @@ def _step(
         if grouped is None:
             return None
         mu = grouped.reshape(b, k, m)
-        return torch.where(active, u, torch.bmm(mu, inverse)), mu
-    factor, info = cholesky_ex(gather_blocks(padded, set_which, order, valid))
-    if bool(info.any()):
-        return None
-    if shared is not None:
-        owner = shared[1]
-        order, valid = order.index_select(0, owner), valid.index_select(0, owner)
-        # in LAPACK's column-major layout, which cholesky_solve then uses without a copy
-        factor = factor.mT.index_select(0, owner).mT
-    rhs = u.reshape(b * k, m).gather(1, order).masked_fill_(~valid, 0.0)
-    # The blocks are [[H_AA, 0], [0, I]] and the unused right-hand sides 0: so are their mu,
-    # exactly, and the scatter writes zeros there.
-    mu_active = torch.cholesky_solve(rhs[..., None], factor).squeeze(-1)
-    mu = u.new_zeros(b * k, m).scatter_(1, order, mu_active).reshape(b, k, m)
+    else:
+        factor, info = cholesky_ex(gather_blocks(padded, set_which, order, valid))
+        if bool(info.any()):
+            return None
+        if shared is not None:
+            owner = shared[1]
+            order, valid = order.index_select(0, owner), valid.index_select(0, owner)
+            # in LAPACK's column-major layout, which cholesky_solve then uses without a copy
+            factor = factor.mT.index_select(0, owner).mT
+        rhs = u.reshape(b * k, m).gather(1, order).masked_fill_(~valid, 0.0)
+        # The blocks are [[H_AA, 0], [0, I]] and the unused right-hand sides 0: so are their
+        # mu, exactly, and the scatter writes zeros there.
+        mu_active = torch.cholesky_solve(rhs[..., None], factor).squeeze(-1)
+        mu = u.new_zeros(b * k, m).scatter_(1, order, mu_active).reshape(b, k, m)
     return torch.where(active, u, torch.bmm(mu, inverse)), mu
 
 
