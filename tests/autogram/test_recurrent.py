@@ -40,8 +40,13 @@ class _Sequence(nn.Module):
         if self.init is not None:  # [L D, B, H], from the first step
             layers = self.rnn.num_layers * (2 if self.rnn.bidirectional else 1)
             h0 = torch.tanh(self.init(x[:, 0])).expand(layers, -1, -1).contiguous()
-            projected = getattr(self.rnn, "proj_size", 0) or H  # (h_0 of the projected size)
-            hx = (h0[..., :projected], 0.5 * h0) if isinstance(self.rnn, nn.LSTM) else h0
+            # h_0 has the projected size; cuDNN takes contiguous states only
+            projected = getattr(self.rnn, "proj_size", 0) or H
+            hx = (
+                (h0[..., :projected].contiguous(), 0.5 * h0)
+                if isinstance(self.rnn, nn.LSTM)
+                else h0
+            )
         out, state = self.rnn(h if batch_first else h.transpose(0, 1), hx)
         out = out if batch_first else out.transpose(0, 1)
         finals = state if isinstance(state, tuple) else (state,)
