@@ -12,7 +12,7 @@ from torch import Tensor, nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 from jacflow.aggregation import MeanWeighting
-from jacflow.autogram import Engine, _engine, _hooks, _recurrent
+from jacflow.autogram import Engine, _capture, _hooks, _recurrent
 from tests.autogram._zoo import Built, Case
 from tests.autogram.test_engine import check_case, reference_jacobian
 
@@ -406,10 +406,8 @@ def test_rows_pulled_back_one_by_one(case: Case, monkeypatch: pytest.MonkeyPatch
     flag is forced here, where no layer runs the fused kernel."""
     monkeypatch.setattr(_hooks, "_from_fused_rnn", lambda node: True)
     rows_pulled = []
-    one_by_one = _engine._capture_row_by_row
-    monkeypatch.setattr(
-        _engine, "_capture_row_by_row", lambda *a: rows_pulled.append(1) or one_by_one(*a)
-    )
+    one_by_one = _capture._row_by_row
+    monkeypatch.setattr(_capture, "_row_by_row", lambda *a: rows_pulled.append(1) or one_by_one(*a))
     check_case(case, torch.float64)
     assert rows_pulled
 

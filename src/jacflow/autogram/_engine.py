@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Iterable, Sequence
 from types import TracebackType
 
@@ -12,6 +11,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from jacflow.aggregation import GramianWeighting
 from jacflow.autogram._buffers import GradientBuffers, worth_reusing
+from jacflow.autogram._capture import capture
 from jacflow.autogram._fallback import FallbackRule
 from jacflow.autogram._hooks import Recorder, Unit, batch_statistics, find_units
 from jacflow.autogram._precision import upcast, without_autocast
@@ -23,7 +23,6 @@ from jacflow.autogram._rules import (
     check_replayed_calls,
     gram,
     is_replaying,
-    quiet_vmap_fallback,
     replaying,
 )
 
@@ -106,12 +105,12 @@ def _check_weights(weights: object, m: int, weighting: GramianWeighting) -> Tens
 
 
 # what Engine._prepare returns: the contributions, the row layout, the row<->loss
-# permutations, the per-row gradients of the extra inputs and the captured bytes
+# permutations, the gradients of the rows' sum w.r.t. the extra inputs and the captured bytes
 _Prepared = tuple[
     list[tuple[dict[str, Tensor], Contribution]],
     Rows,
     tuple[Tensor, Tensor] | None,
-    tuple[Tensor | None, ...],
+    list[Tensor | None],
     int,
 ]
 
@@ -324,9 +323,7 @@ class Engine:
                 worth = worth_reusing(params, captured_bytes)
                 buffers = self._buffers if worth else None
                 updates = _weighted_grads(contributions, row_weights, buffers)
-                for param, grad in zip(tasks, task_grads, strict=True):
-                    if grad is not None:
-                        updates.append((param, grad.sum(0) if grad.shape != param.shape else grad))
+                updates += [(p, g) for p, g in zip(tasks, task_grads, strict=True) if g is not None]
         if others:
             extra = torch.autograd.grad(
                 losses,
@@ -347,8 +344,8 @@ class Engine:
         the capture runs in the caller's ``no_grad``).
 
         Returns the contributions, the row layout, the row<->loss permutations (``None`` when
-        they are the identity), the per-row gradients of ``extra_inputs`` and the bytes of all
-        captured gradients.
+        they are the identity), the gradients of the rows' sum w.r.t. ``extra_inputs`` and the
+        bytes of all captured gradients.
         """
         coupled, outside = self._recorder.coupled, self._recorder.outside
         row_by_row = self._recorder.fused_rnn
@@ -388,13 +385,12 @@ class Engine:
                 "statistics, replace it (e.g. by GroupNorm), or use batch_dim=None."
             )
         rows, cotangents, order = self._rows(losses)
-        batched = cotangents.ndim > losses.ndim
         edges = [edge for _, call in calls for edge in call.edges]
-        inputs = [*edges, *extra_inputs]
         with replaying():  # (a checkpointed forward recomputed by it is not a forward call)
-            grads = _capture(losses, inputs, cotangents, batched, retain_graph, row_by_row)
+            grads, extra_grads = capture(
+                losses, edges, extra_inputs, cotangents, rows.per_task, retain_graph, row_by_row
+            )
         captured_bytes = sum(g.numel() * g.element_size() for g in grads if g is not None)
-        extra_grads = grads[len(edges) :]
         reached: dict[int, list[Call]] = {}
         recorded: dict[int, list[Call]] = {}  # (the replayed units' calls, reached or not)
         cursor = 0
@@ -480,73 +476,6 @@ class Engine:
         row_of_loss = torch.empty_like(loss_of_row)
         row_of_loss[loss_of_row] = r
         return Rows(m, b, index, per_task=False), cot, (row_of_loss, loss_of_row)
-
-
-def _capture(
-    losses: Tensor,
-    inputs: list[object],
-    cotangents: Tensor,
-    batched: bool,
-    retain_graph: bool,
-    row_by_row: bool = False,
-) -> tuple[Tensor | None, ...]:
-    """Gradients of the losses w.r.t. the recorded output edges: activation gradients only.
-
-    ``batched``: one backward under vmap for all the rows of ``cotangents``, or, with
-    ``row_by_row`` (the graph holds an op that vmap cannot batch), one backward per row."""
-    if not inputs:
-        return ()
-    if batched and row_by_row:
-        return _capture_row_by_row(losses, inputs, cotangents, retain_graph)
-    try:
-        # (batched: under vmap, whose loop over ops without a batching rule is only slower)
-        with quiet_vmap_fallback() if batched else contextlib.nullcontext():
-            grads = torch.autograd.grad(
-                losses,
-                inputs,  # type: ignore[arg-type]
-                grad_outputs=cotangents,
-                retain_graph=retain_graph,
-                allow_unused=True,
-                is_grads_batched=batched,
-                materialize_grads=False,
-            )
-    except RuntimeError as error:
-        if not (batched and "Batching rule not implemented" in str(error)):
-            raise
-        raise RuntimeError(
-            "The engine pulls the rows' gradients back in one backward batched with vmap, and "
-            "an operation between the losses and the hooked modules has no batching rule (see "
-            "the error above), e.g. a recurrent layer on cuDNN outside the modules given to "
-            "the Engine. Give the Engine a module that contains it (its backward is then taken "
-            "row by row), or run it under torch.backends.cudnn.flags(enabled=False)."
-        ) from error
-    return tuple(grads)
-
-
-def _capture_row_by_row(
-    losses: Tensor, inputs: list[object], cotangents: Tensor, retain_graph: bool
-) -> tuple[Tensor | None, ...]:
-    """:func:`_capture` with one backward per row of ``cotangents``, stacked."""
-    per_row = [
-        torch.autograd.grad(
-            losses,
-            inputs,  # type: ignore[arg-type]
-            grad_outputs=cotangent,
-            retain_graph=retain_graph or r < len(cotangents) - 1,
-            allow_unused=True,
-            materialize_grads=False,
-        )
-        for r, cotangent in enumerate(cotangents)
-    ]
-    stacked: list[Tensor | None] = []
-    for grads in zip(*per_row, strict=True):
-        some = next((g for g in grads if g is not None), None)
-        stacked.append(
-            None
-            if some is None
-            else torch.stack([torch.zeros_like(some) if g is None else g for g in grads])
-        )
-    return tuple(stacked)
 
 
 def _rows_shaped(

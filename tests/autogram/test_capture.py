@@ -1,0 +1,234 @@
+"""The engine's one backward: per task, losses stacked from scalars that meet the hooked modules
+at one output are pulled back head by head, then batched; every layout against the brute-force
+Jacobian, and the route each one takes."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import Tensor, nn
+
+from jacflow.aggregation import UPGradWeighting
+from jacflow.autogram import Engine, _capture, mtl_gramian_step
+from tests.autogram.test_engine import reference_jacobian
+
+Losses = Callable[[Tensor, Tensor, Tensor, nn.ModuleList], Tensor]
+
+
+def _heads_apart(x: Tensor, hidden: Tensor, features: Tensor, heads: nn.ModuleList) -> Tensor:
+    return torch.stack([head(features).tanh().pow(2).mean() for head in heads])
+
+
+def _one_head_sliced(x: Tensor, hidden: Tensor, features: Tensor, heads: nn.ModuleList) -> Tensor:
+    shared = heads[-1](features).sin()  # (every task reads a column of one head)
+    return torch.stack([shared[:, i % shared.shape[1]].pow(2).mean() for i in range(len(heads))])
+
+
+def _skip_to_hidden(x: Tensor, hidden: Tensor, features: Tensor, heads: nn.ModuleList) -> Tensor:
+    # the last task also reads the trunk's first layer: two outputs meet the heads
+    losses = [head(features).pow(2).mean() for head in heads[:-1]]
+    return torch.stack([*losses, heads[-1](features).mean() * hidden.sum()])
+
+
+def _task_on_input(x: Tensor, hidden: Tensor, features: Tensor, heads: nn.ModuleList) -> Tensor:
+    # the first task reads the input only: its row is zero
+    first = heads[0].weight.sum() * x.pow(2).mean()
+    return torch.stack([first, *[head(features).pow(2).mean() for head in heads]])
+
+
+def _constant_task(x: Tensor, hidden: Tensor, features: Tensor, heads: nn.ModuleList) -> Tensor:
+    # a loss that depends on no parameter (a metric stacked with the losses)
+    return torch.stack([x.pow(2).mean(), *[head(features).exp().mean() for head in heads]])
+
+
+def _tied_heads(x: Tensor, hidden: Tensor, features: Tensor, heads: nn.ModuleList) -> Tensor:
+    # every head also reads the first head's weight: a task parameter shared by all tasks
+    tied = heads[0].weight
+    return torch.stack([(head(features) * (features @ tied.T)).mean() for head in heads])
+
+
+def _cat_of_pairs(x: Tensor, hidden: Tensor, features: Tensor, heads: nn.ModuleList) -> Tensor:
+    # not a stack of scalars: batched over the rows
+    return torch.cat([head(features).pow(2).mean(0) for head in heads])
+
+
+# the layout, and whether it goes head by head: with the last head unhooked, and hooked (its
+# output is then where the heads meet the hooked modules, besides the trunk's, unless no other
+# head reads the trunk)
+LAYOUTS: dict[str, tuple[Losses, bool, bool]] = {
+    "heads_apart": (_heads_apart, True, False),
+    "one_head_sliced": (_one_head_sliced, True, True),
+    "skip_to_hidden": (_skip_to_hidden, False, False),
+    "task_on_input": (_task_on_input, True, False),
+    "constant_task": (_constant_task, True, False),
+    "tied_heads": (_tied_heads, True, False),
+    "cat_of_pairs": (_cat_of_pairs, False, False),
+}
+
+
+def _spy(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts the head-by-head pullbacks."""
+    calls: list[int] = []
+    by_task = _capture._by_task
+    monkeypatch.setattr(_capture, "_by_task", lambda *a: calls.append(1) or by_task(*a))
+    return calls
+
+
+def _check_layout(name: str, m: int, width: int, hooked_head: bool, seed: int) -> bool:
+    """The Gramian, the trunk's update and the heads' gradients against the brute force;
+    returns whether the head-by-head route was taken."""
+    torch.manual_seed(seed)
+    layout = LAYOUTS[name][0]
+    first, rest = nn.Linear(3, width), nn.Sequential(nn.Tanh(), nn.Linear(width, 4), nn.ReLU())
+    heads = nn.ModuleList([nn.Linear(4, 2) for _ in range(m)])
+    first, rest, heads = first.double(), rest.double(), heads.double()
+    modules = (first, rest, heads[-1]) if hooked_head else (first, rest)
+    engine = Engine(*modules, batch_dim=None)
+    x = torch.randn(5, 3, dtype=torch.float64)
+    shared = [*first.parameters(), *rest.parameters()]
+    if hooked_head:
+        shared += list(heads[-1].parameters())
+    tasks = [p for h in (heads[:-1] if hooked_head else heads) for p in h.parameters()]
+
+    def forward() -> Tensor:
+        hidden = first(x)
+        return layout(x, hidden, rest(hidden), heads)
+
+    losses = forward()
+    jacobian = reference_jacobian(losses, shared)
+    head_grads = torch.autograd.grad(
+        losses.sum(), tasks, retain_graph=True, allow_unused=True, materialize_grads=True
+    )
+    calls: list[int] = []
+    by_task = _capture._by_task
+    _capture._by_task = lambda *a: calls.append(1) or by_task(*a)  # type: ignore[assignment]
+    try:
+        torch.testing.assert_close(engine.compute_gramian(losses), jacobian @ jacobian.T)
+        weights = mtl_gramian_step(forward(), engine, UPGradWeighting(), tasks_params=tasks)
+    finally:
+        _capture._by_task = by_task  # type: ignore[assignment]
+    actual = torch.cat([p.grad.flatten() for p in shared])  # type: ignore[union-attr]
+    torch.testing.assert_close(actual, weights @ jacobian)
+    for param, expected in zip(tasks, head_grads, strict=True):
+        torch.testing.assert_close(
+            torch.zeros_like(param) if param.grad is None else param.grad, expected
+        )
+    return bool(calls)
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_layouts(name: str) -> None:
+    """Each layout is exact, and goes head by head exactly when its heads meet the trunk at
+    one output."""
+    assert _check_layout(name, m=3, width=6, hooked_head=False, seed=0) == LAYOUTS[name][1]
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_hooked_head(name: str) -> None:
+    """A hooked module inside a head: the heads reach the hooked modules at several outputs
+    (batched), or all through that head (head by head); exact either way."""
+    assert _check_layout(name, m=3, width=6, hooked_head=True, seed=1) == LAYOUTS[name][2]
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    name=st.sampled_from(sorted(LAYOUTS)),
+    m=st.integers(2, 5),
+    width=st.integers(1, 7),
+    hooked_head=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_random_layouts(name: str, m: int, width: int, hooked_head: bool, seed: int) -> None:
+    taken = _check_layout(name, m, width, hooked_head, seed)
+    assert taken == LAYOUTS[name][2 if hooked_head else 1]
+
+
+def test_long_heads_are_pulled_back_batched(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Heads longer than the walk's budget (per task) are not walked to their end: batched."""
+    calls = _spy(monkeypatch)
+    torch.manual_seed(0)
+    trunk = nn.Linear(3, 4).double()
+    engine = Engine(trunk, batch_dim=None)
+    features = trunk(torch.randn(5, 3, dtype=torch.float64))
+    long = features
+    for _ in range(_capture._WALK_PER_TASK * 2):
+        long = long * 1.01  # (one autograd node per step, shared by both tasks)
+    losses = torch.stack([long.pow(2).mean(), long.sin().mean()])
+    jacobian = reference_jacobian(losses, list(trunk.parameters()))
+    torch.testing.assert_close(engine.compute_gramian(losses), jacobian @ jacobian.T)
+    assert not calls
+
+
+def test_per_sample_rows_are_pulled_back_batched(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Per sample, the losses' rows are not tasks: no head-by-head route."""
+    calls = _spy(monkeypatch)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    engine = Engine(model, batch_dim=0)
+    out = model(torch.randn(2, 3, dtype=torch.float64))
+    losses = torch.stack([out[0].sum(), out[1].pow(2).sum()])  # (stacked, one per sample)
+    jacobian = reference_jacobian(losses, list(model.parameters()))
+    torch.testing.assert_close(engine.compute_gramian(losses), jacobian @ jacobian.T)
+    assert not calls
+
+
+def test_trunk_graph_freed_as_asked() -> None:
+    """With ``retain_graph=False`` the trunk's graph is freed, as on the batched route: a later
+    backward through it is refused by autograd."""
+    trunk = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 4))
+    heads = nn.ModuleList([nn.Linear(4, 1) for _ in range(2)])
+    engine = Engine(trunk, batch_dim=None)
+    features = trunk(torch.randn(5, 3))
+    losses = torch.stack([head(features).mean() for head in heads])
+    engine.compute_gramian(losses, retain_graph=False)
+    with pytest.raises(RuntimeError, match="second time"):
+        losses.sum().backward()
+
+
+def test_task_params_past_the_meeting_output() -> None:
+    """``tasks_params`` behind the hooked modules (an unhooked first layer) get the plain
+    gradient of the losses' sum through the trunk, on the head-by-head route too."""
+    torch.manual_seed(0)
+    first, trunk = nn.Linear(3, 4).double(), nn.Linear(4, 4).double()
+    heads = nn.ModuleList([nn.Linear(4, 1) for _ in range(3)]).double()
+    engine = Engine(trunk, batch_dim=None)
+    x = torch.randn(5, 3, dtype=torch.float64)
+
+    def forward() -> Tensor:
+        features = trunk(first(x).tanh())
+        return torch.stack([head(features).pow(2).mean() for head in heads])
+
+    losses = forward()
+    tasks = [*first.parameters(), *heads.parameters()]
+    jacobian = reference_jacobian(losses, list(trunk.parameters()))
+    expected = torch.autograd.grad(losses.sum(), tasks)
+    weights = mtl_gramian_step(forward(), engine, UPGradWeighting(), tasks_params=tasks)
+    actual = torch.cat([p.grad.flatten() for p in trunk.parameters()])  # type: ignore[union-attr]
+    torch.testing.assert_close(actual, weights @ jacobian)
+    for param, grad in zip(tasks, expected, strict=True):
+        torch.testing.assert_close(param.grad, grad)
+
+
+class _NoGradient(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: object, x: Tensor) -> Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: object, grad: Tensor) -> None:
+        return None
+
+
+def test_heads_that_pass_no_gradient() -> None:
+    """Heads whose backward returns no gradient reach the trunk in the graph but not in the
+    gradients: the engine names the missing forward calls; the task parameters are untouched."""
+    trunk, heads = nn.Linear(3, 4), nn.ModuleList([nn.Linear(4, 1) for _ in range(2)])
+    engine = Engine(trunk, batch_dim=None)
+    features = _NoGradient.apply(trunk(torch.randn(5, 3)))
+    losses = torch.stack([head(features).mean() for head in heads])
+    with pytest.raises(RuntimeError, match="No forward call of the hooked modules"):
+        mtl_gramian_step(losses, engine, UPGradWeighting(), tasks_params=heads.parameters())
+    assert all(p.grad is None for p in [*trunk.parameters(), *heads.parameters()])
