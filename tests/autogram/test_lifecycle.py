@@ -36,6 +36,21 @@ def _expected(model: nn.Module, x: Tensor) -> Tensor:
 X = torch.linspace(-1, 1, 12, dtype=torch.float64).reshape(4, 3)
 
 
+def _assert_exact(
+    model: nn.Module, x: Tensor, batch_dim: int | None, between: Callable[[], object] = list
+) -> None:
+    """The Gramian of one forward's losses (per sample: each row's squared norm; per task: two
+    losses) equals the brute-force ``J J^T``; ``between`` runs after the forward, before the
+    step."""
+    with Engine(model, batch_dim=batch_dim) as engine:
+        out = model(x)
+        losses = out.pow(2).sum(1) if batch_dim == 0 else torch.stack([out.sum(), out[0, 1]])
+        jacobian = reference_jacobian(losses, [p for p in model.parameters() if p.requires_grad])
+        between()
+        gramian = engine.compute_gramian(losses)
+    torch.testing.assert_close(gramian, jacobian @ jacobian.T, rtol=1e-6, atol=1e-6)
+
+
 def test_stray_grad_forwards_are_ignored() -> None:
     model = _mlp()
     engine = Engine(model, batch_dim=0)
@@ -620,13 +635,7 @@ def test_older_weight_norm_hooks_use_the_generic_rule(norm: str, batch_dim: int 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # (deprecated for parametrizations)
         model = nn.Sequential(wrap(nn.Linear(3, 4)), nn.Tanh(), nn.Linear(4, 2)).double()
-    x = torch.randn(5, 3, dtype=torch.float64)
-    with Engine(model, batch_dim=batch_dim) as engine:
-        out = model(x)
-        losses = out.pow(2).sum(1) if batch_dim == 0 else torch.stack([out.sum(), out[0, 1]])
-        jacobian = reference_jacobian(losses, [p for p in model.parameters() if p.requires_grad])
-        gramian = engine.compute_gramian(losses)
-    torch.testing.assert_close(gramian, jacobian @ jacobian.T, rtol=1e-6, atol=1e-6)
+    _assert_exact(model, torch.randn(5, 3, dtype=torch.float64), batch_dim)
 
 
 def test_generic_rule_failing_per_sample_is_named() -> None:
@@ -723,13 +732,7 @@ def test_pruned_layers_use_the_generic_rule(batch_dim: int | None) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
     torch.nn.utils.prune.random_unstructured(model[0], "weight", amount=0.5)
-    x = torch.randn(5, 3, dtype=torch.float64)
-    with Engine(model, batch_dim=batch_dim) as engine:
-        out = model(x)
-        losses = out.pow(2).sum(1) if batch_dim == 0 else torch.stack([out.sum(), out[0, 1]])
-        jacobian = reference_jacobian(losses, list(model.parameters()))
-        gramian = engine.compute_gramian(losses)
-    torch.testing.assert_close(gramian, jacobian @ jacobian.T, rtol=1e-6, atol=1e-6)
+    _assert_exact(model, torch.randn(5, 3, dtype=torch.float64), batch_dim)
 
 
 def test_forwards_that_raise_leave_nothing_behind() -> None:
@@ -979,3 +982,87 @@ def test_engine_step_inside_a_re_run_module_is_named() -> None:
         with pytest.raises(RuntimeError, match="outside the module's forward"):
             outer.backward(torch.stack([out.sum(), out[0, 0]]), MeanWeighting())
     assert all(p.grad is None for p in module.parameters())
+
+
+@pytest.mark.parametrize("batch_dim", [0, None])
+@pytest.mark.parametrize("kind", ["BatchNorm1d", "LayerNorm", "GroupNorm"])
+def test_one_parameter_in_two_slots(kind: str, batch_dim: int | None) -> None:
+    """A norm whose bias is its weight (one Parameter in both slots, registered once): the
+    closed form sums both slots' gradients into it."""
+    torch.manual_seed(0)
+    norm = nn.GroupNorm(1, 2) if kind == "GroupNorm" else getattr(nn, kind)(2)
+    norm = norm.double().eval()
+    norm.bias = norm.weight
+    model = nn.Sequential(nn.Linear(3, 2), norm, nn.Tanh(), nn.Linear(2, 2)).double().eval()
+    _assert_exact(model, torch.randn(5, 3, dtype=torch.float64), batch_dim)
+
+
+@pytest.mark.parametrize("batch_dim", [0, None])
+def test_lazy_module_before_its_first_forward_is_refused(batch_dim: int | None) -> None:
+    """A lazy module has no parameters to hook before its first forward: refused, and the model
+    still runs; after one forward the engine takes it."""
+    model = nn.Sequential(nn.LazyLinear(3), nn.LazyBatchNorm1d()).double().eval()
+    with pytest.raises(ValueError, match=r"lazy module .* Run one forward"):
+        Engine(model, batch_dim=batch_dim)
+    x = torch.randn(4, 2, dtype=torch.float64)
+    model(x)
+    _assert_exact(model, x, batch_dim)
+
+
+class _FreezesItsNorm(nn.Module):
+    """Uses its BatchNorm in training mode, then switches it to eval mode (freezing the
+    statistics after the first call)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 3, dtype=torch.float64))
+        self.norm = nn.BatchNorm1d(3).double()
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = self.norm(x)
+        self.norm.eval()
+        return y * self.scale
+
+
+def test_generic_rule_replays_the_modes_a_call_started_in() -> None:
+    """The generic rule re-runs a call from the modes it started in: a forward that switches a
+    child's mode replays the switch itself."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(2, 3), _FreezesItsNorm(), nn.Tanh(), nn.Linear(3, 1)).double()
+    with Engine(model, batch_dim=None) as engine:
+        out = model(torch.randn(5, 2, dtype=torch.float64) * 3 + 2)
+        losses = torch.stack([out.sum(), out.pow(2).sum()])
+        jacobian = reference_jacobian(losses, list(model.parameters()))
+        gramian = engine.compute_gramian(losses)
+    torch.testing.assert_close(gramian, jacobian @ jacobian.T, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["Linear", "BatchNorm1d"])
+def test_forward_hook_replacing_the_output_before_the_engine(kind: str) -> None:
+    """A user's forward hook that replaces a module's output, registered before the engine:
+    the engine still records the module's own output (its hook runs first)."""
+    torch.manual_seed(0)
+    layer = nn.Linear(2, 2) if kind == "Linear" else nn.BatchNorm1d(2)
+    layer = layer.double().eval()
+    layer.register_forward_hook(lambda module, args, output: output * 2 + 1)
+    model = nn.Sequential(nn.Linear(2, 2), layer, nn.Tanh(), nn.Linear(2, 1)).double().eval()
+    with Engine(model, batch_dim=0) as engine:
+        losses = model(torch.randn(4, 2, dtype=torch.float64)).pow(2).sum(1)
+        jacobian = reference_jacobian(losses, list(model.parameters()))
+        gramian = engine.compute_gramian(losses)
+    torch.testing.assert_close(gramian, jacobian @ jacobian.T, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("batch_dim", [0, None])
+def test_batchnorm_reads_running_statistics_its_call_found(batch_dim: int | None) -> None:
+    """A BatchNorm's running statistics dropped after an eval forward: the closed form uses
+    those the call found, not the batch's."""
+    torch.manual_seed(0)
+    norm = nn.BatchNorm1d(2).double().eval()
+    norm.running_mean.uniform_(-1, 1)
+    model = nn.Sequential(nn.Linear(3, 2), norm, nn.Tanh(), nn.Linear(2, 2)).double().eval()
+
+    def drop_statistics() -> None:
+        norm.running_mean = norm.running_var = None
+
+    _assert_exact(model, torch.randn(5, 3, dtype=torch.float64), batch_dim, drop_statistics)

@@ -8,6 +8,7 @@ from types import TracebackType
 import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.parameter import is_lazy
 
 from jacflow.aggregation import GramianWeighting
 from jacflow.autogram._buffers import GradientBuffers, worth_reusing
@@ -43,6 +44,13 @@ def _check_modules(modules: tuple[nn.Module, ...], batch_dim: int | None) -> Non
             where = f"modules[{i}]" + (f".{name}" if name else "")
             if type(sub).__name__ == "OptimizedModule" or getattr(sub, "_compiled_call_impl", None):
                 raise ValueError(f"{where} is compiled. {_COMPILE_HINT}")
+            if any(is_lazy(t) for t in [*sub.parameters(False), *sub.buffers(False)]):
+                raise ValueError(
+                    f"{where} is a lazy module whose parameters are not initialised yet: its "
+                    "rule is chosen, and its hooks run, before its first forward would make it a "
+                    "regular module. Run one forward (e.g. on a dummy batch) before creating the "
+                    "Engine."
+                )
             if isinstance(sub, nn.Embedding) and sub.scale_grad_by_freq:
                 raise ValueError(
                     f"{where} is an Embedding with scale_grad_by_freq=True, whose gradient "

@@ -138,12 +138,13 @@ def _from_fused_rnn(node: Any, depth: int = 3) -> bool:
 
 @dataclass
 class _Start:
-    """A replayed module's call under way: its weights' versions and copies of its buffers at
-    the start, whether it runs inside another call of the module, and the calls of the module
-    made inside it (``None`` for one without a recorded call)."""
+    """A replayed module's call under way: its weights' versions, copies of its buffers and its
+    submodules' modes at the start, whether it runs inside another call of the module, and the
+    calls of the module made inside it (``None`` for one without a recorded call)."""
 
     weights: list[tuple[Tensor, int]]
     buffers: dict[str, Tensor]
+    modes: tuple[tuple[nn.Module, bool], ...]
     nested: bool
     children: list[Call | None]
 
@@ -167,8 +168,11 @@ class Recorder:
             start = unit.module.register_forward_pre_hook(self._start, prepend=True)
             self.handles.append(start)
         record = partial(self._record, index, replays)
-        # (always: a call that raises still takes its start off the stack)
-        handle = unit.module.register_forward_hook(record, with_kwargs=True, always_call=True)
+        # (always: a call that raises still takes its start off the stack; first: the module's
+        # own output, before a user's hook replaces it)
+        handle = unit.module.register_forward_hook(
+            record, with_kwargs=True, always_call=True, prepend=True
+        )
         self.handles.append(handle)
 
     def watch_children(self, unit: Unit) -> None:
@@ -231,8 +235,9 @@ class Recorder:
         if torch.is_grad_enabled() and not is_replaying():
             weights: list[tuple[Tensor, int]] = [(p, p._version) for p in module.parameters()]
             buffers = {name: b.detach().clone() for name, b in module.named_buffers()}
+            modes = tuple((sub, sub.training) for sub in module.modules())
             stack = self._starts.setdefault(id(module), [])
-            stack.append(_Start(weights, buffers, bool(stack), []))
+            stack.append(_Start(weights, buffers, modes, bool(stack), []))
 
     def _record(
         self, index: int, replays: bool, module: nn.Module, args: Any, kwargs: Any, output: Any
@@ -273,7 +278,8 @@ class Recorder:
         if replays:  # (what a replay of the module needs: the weights, buffers and modes)
             call.weight_versions = [(p, p._version) for p in module.parameters()]
             call.modes = tuple((sub, sub.training) for sub in module.modules())
-            if start is not None:
+            if start is not None:  # (the modes the call started in: its forward may change them)
+                call.modes, call.training = start.modes, start.modes[0][1]
                 call.start_weights, call.buffers = start.weights, start.buffers
                 call.nested, call.children = start.nested, start.children
                 for child in call.children:

@@ -36,9 +36,9 @@ def _normalized(module: nn.Module, x: Tensor, call: Call) -> tuple[Tensor, int]:
         shape = tuple(module.normalized_shape)
         return F.rms_norm(x, shape, None, module.eps), len(shape)
     if isinstance(module, _BatchNorm):
-        if call.trained(module) or module.running_mean is None:  # the batch's statistics
-            return F.batch_norm(x, None, None, None, None, True, 0.0, module.eps), 0
         found = call.found_buffers(module)
+        if call.trained(module) or "running_mean" not in found:  # the batch's statistics
+            return F.batch_norm(x, None, None, None, None, True, 0.0, module.eps), 0
         running = (found["running_mean"], found["running_var"])
         return F.batch_norm(x, *running, None, None, False, 0.0, module.eps), 0
     assert isinstance(module, nn.GroupNorm)
@@ -61,19 +61,19 @@ class NormRule(Rule):
         self, module: nn.Module, params: dict[str, Tensor], calls: list[Call], rows: Rows
     ) -> Contribution:
         total: dict[str, Tensor] = {}
+        names = {id(tensor): name for name, tensor in params.items()}
         for call in calls:
             raw = call.input()
             x_hat, trailing = _normalized(module, raw, call)
             keep = _keep_axes(module, raw, trailing)
             grad = call.grad()
             dims = [a for a in range(1, grad.ndim) if a - grad.ndim not in keep]
-            new: dict[str, Tensor] = {}
-            if "weight" in params:
+            # (by the tensor in each slot: one Parameter in both, registered once, sums both)
+            if (weight := names.get(id(getattr(module, "weight", None)))) is not None:
                 product = rows.gather(rows.samples(x_hat.detach())) * grad
-                new["weight"] = product.sum(dim=dims) if dims else product
-            if "bias" in params:
-                new["bias"] = grad.sum(dim=dims) if dims else grad
-            add_grads(total, new)
+                add_grads(total, {weight: product.sum(dim=dims) if dims else product})
+            if (bias := names.get(id(getattr(module, "bias", None)))) is not None:
+                add_grads(total, {bias: grad.sum(dim=dims) if dims else grad})
         return MaterializedContribution(total)
 
 
