@@ -232,3 +232,13 @@ def test_heads_that_pass_no_gradient() -> None:
     with pytest.raises(RuntimeError, match="No forward call of the hooked modules"):
         mtl_gramian_step(losses, engine, UPGradWeighting(), tasks_params=heads.parameters())
     assert all(p.grad is None for p in [*trunk.parameters(), *heads.parameters()])
+
+
+@pytest.mark.parametrize("forced", [False, True])
+def test_devices(on_device: str, forced: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Heads are pulled back task by task on the CPU only (on an accelerator, kernel launches
+    outweigh the saved work); forced onto another device, that route is exact there too."""
+    if forced:
+        monkeypatch.setattr(_capture, "_BY_TASK_DEVICES", ("cpu", on_device))
+    taken = _check_layout("heads_apart", m=3, width=6, hooked_head=False, seed=2)
+    assert taken == (forced or on_device == "cpu")

@@ -24,6 +24,9 @@ from jacflow.autogram._rules import quiet_vmap_fallback
 # nodes walked per task, looking for the output that the tasks' heads meet at; a longer walk
 # means heads (or a trunk left out of the engine) too large for the task-by-task route to pay
 _WALK_PER_TASK = 64
+# devices where heads are pulled back task by task: on an accelerator the m backward passes'
+# kernel launches cost more than the batched backward's extra work
+_BY_TASK_DEVICES = ("cpu",)
 
 _NO_BATCHING_RULE = (
     "The engine pulls the rows' gradients back in one backward batched with vmap, and an "
@@ -135,7 +138,9 @@ def _task_heads(
     recorded output through which all of them reach the hooked modules; ``None`` when there is
     no such output (several, or a walk too long to pay)."""
     root = losses.grad_fn
-    if losses.ndim != 1 or losses.device.type != "cpu" or type(root).__name__ != "StackBackward0":
+    if losses.ndim != 1 or losses.device.type not in _BY_TASK_DEVICES:
+        return None
+    if type(root).__name__ != "StackBackward0":
         return None
     branches: list[Any] = list(root.next_functions)  # type: ignore[union-attr]
     if len(branches) != losses.numel() or len(branches) < 2:
