@@ -175,17 +175,73 @@ def test_per_sample_rows_are_pulled_back_batched(monkeypatch: pytest.MonkeyPatch
     assert not calls
 
 
-def test_trunk_graph_freed_as_asked() -> None:
-    """With ``retain_graph=False`` the trunk's graph is freed, as on the batched route: a later
-    backward through it is refused by autograd."""
-    trunk = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 4))
-    heads = nn.ModuleList([nn.Linear(4, 1) for _ in range(2)])
+@pytest.mark.parametrize("layers", [1, 2])
+def test_graph_freed_as_asked(layers: int) -> None:
+    """With ``retain_graph=False`` the graph is freed, heads included, as on the batched route:
+    a later backward through it is refused by autograd."""
+    trunk = nn.Sequential(*[nn.Linear(4, 4) for _ in range(layers)])
+    heads = nn.ModuleList([nn.Linear(4, 1) for _ in range(3)])
     engine = Engine(trunk, batch_dim=None)
-    features = trunk(torch.randn(5, 3))
+    features = trunk(torch.randn(5, 4))
     losses = torch.stack([head(features).mean() for head in heads])
     engine.compute_gramian(losses, retain_graph=False)
     with pytest.raises(RuntimeError, match="second time"):
         losses.sum().backward()
+    assert all(p.grad is None for p in heads.parameters())
+
+
+@pytest.mark.parametrize("hook", ["scaled", "reversed"])
+def test_gradient_hook_on_the_meeting_output(hook: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A user's gradient hook on the output where the heads meet the trunk (a gradient reversal)
+    would run in both backward passes of the head-by-head route: that output is pulled back
+    batched, and the hook runs once."""
+    calls = _spy(monkeypatch)
+    torch.manual_seed(0)
+    trunk = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 4)).double()
+    heads = nn.ModuleList([nn.Linear(4, 1) for _ in range(3)]).double()
+    engine = Engine(trunk, batch_dim=None)
+    x = torch.randn(6, 3, dtype=torch.float64)
+    scale = 3.0 if hook == "scaled" else -1.0
+
+    def forward() -> Tensor:
+        features = trunk(x)
+        features.register_hook(lambda grad: grad * scale)
+        return torch.stack([head(features.tanh()).pow(2).mean() for head in heads])
+
+    losses = forward()
+    shared = list(trunk.parameters())
+    jacobian = reference_jacobian(losses, shared)
+    torch.testing.assert_close(engine.compute_gramian(losses), jacobian @ jacobian.T)
+    weights = mtl_gramian_step(forward(), engine, UPGradWeighting())
+    actual = torch.cat([p.grad.flatten() for p in shared])  # type: ignore[union-attr]
+    torch.testing.assert_close(actual, weights @ jacobian)
+    assert not calls
+
+
+def test_task_param_also_past_the_meeting_output() -> None:
+    """A task parameter also used below the hooked trunk (tied with its unhooked input layer):
+    the first task's backward goes past the meeting output, so the heads' graph is kept for the
+    batched backward from there; exact."""
+    torch.manual_seed(0)
+    tied = nn.Parameter(torch.randn(4, 4, dtype=torch.float64))
+    trunk = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4)).double()
+    head = nn.Linear(4, 1).double()
+    engine = Engine(trunk, batch_dim=None)
+    x = torch.randn(5, 4, dtype=torch.float64)
+
+    def forward() -> Tensor:
+        features = trunk((x @ tied.T).tanh())
+        return torch.stack([(features @ tied.T).pow(2).mean(), head(features).pow(2).mean()])
+
+    losses = forward()
+    tasks = [tied, *head.parameters()]
+    jacobian = reference_jacobian(losses, list(trunk.parameters()))
+    expected = torch.autograd.grad(losses.sum(), tasks)
+    weights = mtl_gramian_step(forward(), engine, UPGradWeighting(), tasks_params=tasks)
+    actual = torch.cat([p.grad.flatten() for p in trunk.parameters()])  # type: ignore[union-attr]
+    torch.testing.assert_close(actual, weights @ jacobian)
+    for param, grad in zip(tasks, expected, strict=True):
+        torch.testing.assert_close(param.grad, grad)
 
 
 def test_task_params_past_the_meeting_output() -> None:
@@ -242,3 +298,38 @@ def test_devices(on_device: str, forced: bool, monkeypatch: pytest.MonkeyPatch) 
         monkeypatch.setattr(_capture, "_BY_TASK_DEVICES", ("cpu", on_device))
     taken = _check_layout("heads_apart", m=3, width=6, hooked_head=False, seed=2)
     assert taken == (forced or on_device == "cpu")
+
+
+@pytest.mark.parametrize("layout", ["per_sample", "per_sample_rows", "per_task"])
+@pytest.mark.parametrize("where", [0, 2])
+@pytest.mark.parametrize("scale", [3.0, -1.0])
+def test_gradient_hooks_on_hooked_outputs(layout: str, where: int, scale: float) -> None:
+    """A user's gradient hook on a hooked layer's output (a scaling, a gradient reversal): where
+    the backward goes on through that layer, autograd captures the gradient before the hook,
+    and the engine runs the hook on it; on the deepest layer it captured it after. Exact, with
+    the update's sign, in every layout."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+    model = model.double()
+    engine = Engine(model, batch_dim=None if layout == "per_task" else 0)
+    x = torch.randn(5, 3, dtype=torch.float64)
+
+    def forward() -> Tensor:
+        out = model[0](x) if where == 0 else model[:2](x)
+        if where == 2:
+            out = model[2](out)
+        out.register_hook(lambda grad: grad * scale)
+        out = model[where + 1 :](out)
+        if layout == "per_sample":
+            return out.pow(2).sum(1)
+        if layout == "per_sample_rows":
+            return out.pow(2)
+        return torch.stack([out.sum(), out.pow(2).mean(), out[0, 1]])
+
+    losses = forward()
+    params = list(model.parameters())
+    jacobian = reference_jacobian(losses, params)
+    torch.testing.assert_close(engine.compute_gramian(losses), jacobian @ jacobian.T)
+    weights = engine.backward(forward(), UPGradWeighting())
+    actual = torch.cat([p.grad.flatten() for p in params])  # type: ignore[union-attr]
+    torch.testing.assert_close(actual, weights.flatten() @ jacobian)

@@ -12,8 +12,8 @@ its own head, and from there in one batched backward.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -28,6 +28,8 @@ _WALK_PER_TASK = 64
 # kernel launches cost more than the batched backward's extra work
 _BY_TASK_DEVICES = ("cpu",)
 
+Hook = Callable[[Tensor], Tensor | None]
+
 _NO_BATCHING_RULE = (
     "The engine pulls the rows' gradients back in one backward batched with vmap, and an "
     "operation between the losses and the hooked modules has no batching rule (see the error "
@@ -40,6 +42,7 @@ _NO_BATCHING_RULE = (
 def capture(
     losses: Tensor,
     edges: Sequence[GradientEdge],
+    hooks: Sequence[Sequence[Hook]],
     extra_inputs: Sequence[Tensor],
     cotangents: Tensor,
     per_task: bool,
@@ -51,23 +54,62 @@ def capture(
 
     ``cotangents`` holds one cotangent of ``losses`` per row (``[R, *losses.shape]``), or is the
     cotangent of the single row (``losses.shape``); ``per_task``: the rows are the losses
-    themselves (an identity), which the task-by-task route needs.
+    themselves (an identity), which the task-by-task route needs; ``hooks``: the gradient hooks
+    a user registered on each edge's tensor.
     """
     batched = cotangents.ndim > losses.ndim
-    heads = _task_heads(losses, edges) if batched and per_task else None
+    heads = _task_heads(losses, edges, hooks) if batched and per_task else None
     if heads is not None:
-        branches, meeting = heads
-        meeting_rows, extra = _by_task(losses, branches, meeting, extra_inputs)
+        meeting_rows, extra = _by_task(losses, heads, extra_inputs, retain_graph)
         if meeting_rows is None:  # (no task's gradient reaches it)
             return [None] * len(edges), extra
-        grads = pull_back([meeting], edges, meeting_rows, True, retain_graph, row_by_row)
-        return list(grads), extra
-    grads = pull_back(
-        [losses], [*edges, *extra_inputs], cotangents, batched, retain_graph, row_by_row
-    )
-    extra_rows = grads[len(edges) :]
-    extra = [g if g is None or not batched else g.sum(0) for g in extra_rows]
-    return list(grads[: len(edges)]), extra
+        with _hooks_run(edges, hooks, batched=True) as grads:
+            grads += pull_back([heads.meeting], edges, meeting_rows, True, retain_graph, row_by_row)
+        return grads, extra
+    with _hooks_run(edges, hooks, batched) as grads:
+        pulled = pull_back(
+            [losses], [*edges, *extra_inputs], cotangents, batched, retain_graph, row_by_row
+        )
+        grads += pulled[: len(edges)]
+    extra = [g if g is None or not batched else g.sum(0) for g in pulled[len(edges) :]]
+    return grads, extra
+
+
+@contextlib.contextmanager
+def _hooks_run(
+    edges: Sequence[GradientEdge], hooks: Sequence[Sequence[Hook]], batched: bool
+) -> Iterator[list[Tensor | None]]:
+    """Around a backward that fills the yielded list with the edges' gradients: where an edge's
+    node ran in it, autograd captured that edge's gradient before the user's hooks on its tensor
+    (which the gradient flowing on did pass through), so they are run on the captured one here
+    (per row, under vmap, when ``batched``); an edge where the backward stopped was captured
+    after them."""
+    ran: set[int] = set()
+    watches = [
+        edges[i].node.register_prehook(lambda grads, i=i: ran.add(i))
+        for i, user_hooks in enumerate(hooks)
+        if user_hooks
+    ]
+    grads: list[Tensor | None] = []
+    try:
+        yield grads
+    finally:
+        for watch in watches:
+            watch.remove()
+    for i in ran:
+        grad = grads[i]
+        if grad is not None:
+            grads[i] = (torch.vmap(_run(hooks[i])) if batched else _run(hooks[i]))(grad)
+
+
+def _run(hooks: Sequence[Hook]) -> Callable[[Tensor], Tensor]:
+    def run(grad: Tensor) -> Tensor:
+        for hook in hooks:
+            changed = hook(grad)
+            grad = grad if changed is None else changed
+        return grad
+
+    return run
 
 
 def pull_back(
@@ -131,12 +173,21 @@ def _stacked(grads: list[Tensor | None]) -> Tensor | None:
     return torch.stack([torch.zeros_like(some) if g is None else g for g in grads])
 
 
+class _Heads(NamedTuple):
+    """The tasks' branches (``None`` for a loss that depends on no parameter) and the one
+    recorded output through which they reach the hooked modules."""
+
+    branches: list[GradientEdge | None]
+    meeting: GradientEdge
+
+
 def _task_heads(
-    losses: Tensor, edges: Sequence[GradientEdge]
-) -> tuple[list[GradientEdge | None], GradientEdge] | None:
-    """For ``m`` losses stacked from scalars (on the CPU), each loss's branch and the one
-    recorded output through which all of them reach the hooked modules; ``None`` when there is
-    no such output (several, or a walk too long to pay)."""
+    losses: Tensor, edges: Sequence[GradientEdge], hooks: Sequence[Sequence[Hook]]
+) -> _Heads | None:
+    """For ``m`` losses stacked from scalars (on the devices of ``_BY_TASK_DEVICES``), the
+    heads that meet the hooked modules at one recorded output without gradient hooks of a
+    user's (taken by both backward passes, they would run twice); ``None`` otherwise (several
+    outputs, or a walk too long to pay)."""
     root = losses.grad_fn
     if losses.ndim != 1 or losses.device.type not in _BY_TASK_DEVICES:
         return None
@@ -165,38 +216,41 @@ def _task_heads(
     if not meeting:
         return None
     ((node, output_nr),) = meeting
+    if any(h and (e.node, e.output_nr) == (node, output_nr) for e, h in zip(edges, hooks)):
+        return None
     heads = [None if b[0] is None else GradientEdge(b[0], b[1]) for b in branches]
-    return heads, GradientEdge(node, output_nr)
+    return _Heads(heads, GradientEdge(node, output_nr))
 
 
 def _by_task(
-    losses: Tensor,
-    branches: list[GradientEdge | None],
-    meeting: GradientEdge,
-    extra_inputs: Sequence[Tensor],
+    losses: Tensor, heads: _Heads, extra_inputs: Sequence[Tensor], retain_graph: bool
 ) -> tuple[Tensor | None, list[Tensor | None]]:
-    """Each task's gradient w.r.t. the ``meeting`` output, stacked (``None`` if none reaches
-    it), and the gradients of the tasks' sum w.r.t. ``extra_inputs``: one backward per task,
-    along its own branch. The heads' graph is kept: ``extra_inputs`` may lie past the meeting
-    output, where the batched backward from there still has to go."""
+    """Each task's gradient w.r.t. the meeting output, stacked (``None`` if none reaches it),
+    and the gradients of the tasks' sum w.r.t. ``extra_inputs``: one backward per task, along
+    its own branch. The last one frees the heads' graph unless ``retain_graph``, or unless the
+    first went on past the meeting output (an extra input lies there, where the batched
+    backward from that output still has to go)."""
     one = torch.ones((), dtype=losses.dtype, device=losses.device)
-    meeting_grads: list[Tensor | None] = []
+    taken = [i for i, branch in enumerate(heads.branches) if branch is not None]
+    went_past: list[bool] = []
+    watch = heads.meeting.node.register_prehook(lambda grads: went_past.append(True))
+    meeting_grads: list[Tensor | None] = [None] * len(heads.branches)
     extra: list[Tensor | None] = [None] * len(extra_inputs)
-    for branch in branches:
-        if branch is None:  # (a loss that depends on no parameter)
-            meeting_grads.append(None)
-            continue
-        grads = torch.autograd.grad(
-            [branch],
-            [meeting, *extra_inputs],  # type: ignore[arg-type]
-            grad_outputs=[one],
-            retain_graph=True,
-            allow_unused=True,
-            materialize_grads=False,
-        )
-        meeting_grads.append(grads[0])
-        for j, grad in enumerate(grads[1:]):
-            if grad is not None:
-                previous = extra[j]
-                extra[j] = grad if previous is None else previous + grad
+    try:
+        for i in taken:
+            grads = torch.autograd.grad(
+                [heads.branches[i]],  # type: ignore[arg-type]
+                [heads.meeting, *extra_inputs],  # type: ignore[arg-type]
+                grad_outputs=[one],
+                retain_graph=retain_graph or i != taken[-1] or i == taken[0] or bool(went_past),
+                allow_unused=True,
+                materialize_grads=False,
+            )
+            meeting_grads[i] = grads[0]
+            for j, grad in enumerate(grads[1:]):
+                if grad is not None:
+                    previous = extra[j]
+                    extra[j] = grad if previous is None else previous + grad
+    finally:
+        watch.remove()
     return _stacked(meeting_grads), extra

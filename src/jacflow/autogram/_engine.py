@@ -394,9 +394,17 @@ class Engine:
             )
         rows, cotangents, order = self._rows(losses)
         edges = [edge for _, call in calls for edge in call.edges]
+        hooks = [h for _, call in calls for h in call.user_hooks()]
         with replaying():  # (a checkpointed forward recomputed by it is not a forward call)
             grads, extra_grads = capture(
-                losses, edges, extra_inputs, cotangents, rows.per_task, retain_graph, row_by_row
+                losses,
+                edges,
+                hooks,
+                extra_inputs,
+                cotangents,
+                rows.per_task,
+                retain_graph,
+                row_by_row,
             )
         captured_bytes = sum(g.numel() * g.element_size() for g in grads if g is not None)
         reached: dict[int, list[Call]] = {}

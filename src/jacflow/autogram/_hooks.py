@@ -26,7 +26,7 @@ from torch.utils.hooks import RemovableHandle
 
 from jacflow.autogram._fallback import FallbackRule
 from jacflow.autogram._precision import autocast_state
-from jacflow.autogram._rules import Call, Rule, find_rule, is_replaying
+from jacflow.autogram._rules import Call, Rule, find_rule, is_replaying, no_hook
 
 _FALLBACK = FallbackRule()
 
@@ -147,6 +147,13 @@ class _Start:
     modes: tuple[tuple[nn.Module, bool], ...]
     nested: bool
     children: list[Call | None]
+
+
+def _hooks_of(tensor: Tensor) -> dict[Any, Any]:
+    """The dict of ``tensor``'s gradient hooks, opened with a no-op one: hooks registered on it
+    later land in that dict, which outlives the tensor (its node keeps it)."""
+    tensor.register_hook(no_hook)
+    return tensor._backward_hooks  # type: ignore[return-value]
 
 
 class Recorder:
@@ -275,6 +282,8 @@ class Recorder:
             autocast=autocast_state(leaves[positions[0]].device.type) if positions else None,
             training=module.training,
         )
+        # (the step runs a user's hooks on these outputs where autograd's capture skips them)
+        call.output_hooks = [_hooks_of(leaves[j]) for j in positions]
         if replays:  # (what a replay of the module needs: the weights, buffers and modes)
             call.weight_versions = [(p, p._version) for p in module.parameters()]
             call.modes = tuple((sub, sub.training) for sub in module.modules())

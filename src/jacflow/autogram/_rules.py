@@ -73,6 +73,12 @@ class Rows:
         return out.index_add_(0, self.index, scaled)
 
 
+def no_hook(grad: Tensor) -> None:
+    """The engine's own gradient hook on each recorded output: it opens the tensor's dict of
+    hooks, where a user's later hooks land (see :attr:`Call.output_hooks`)."""
+    return None
+
+
 @dataclass
 class Call:
     """One recorded forward call of a hooked module.
@@ -116,6 +122,16 @@ class Call:
     parent: Call | None = None
     # which recorded outputs the losses reach (set with ``grads``)
     reached: list[bool] = field(default_factory=list)
+    # each recorded output's dict of gradient hooks, opened by the engine with a no-op hook of
+    # its own (``no_hook``: a user's hooks registered later land in it), else ``None``
+    output_hooks: list[dict[Any, Any]] | None = None
+
+    def user_hooks(self) -> list[list[Callable[[Tensor], Tensor | None]]]:
+        """The gradient hooks on each recorded output other than the engine's own (none when
+        they were not watched)."""
+        if self.output_hooks is None:
+            return [[] for _ in self.edges]
+        return [[h for h in hooks.values() if h is not no_hook] for hooks in self.output_hooks]
 
     def trained(self, module: nn.Module) -> bool:
         """Whether the forward ran in training mode (the module's mode now, if unrecorded).
