@@ -218,6 +218,21 @@ def test_gradient_hook_on_the_meeting_output(hook: str, monkeypatch: pytest.Monk
     assert not calls
 
 
+def _check_step(
+    forward: Callable[[], Tensor], engine: Engine, shared: list[Tensor], tasks: list[Tensor]
+) -> None:
+    """``mtl_gramian_step`` on a fresh forward: the shared parameters get ``weights @ J``, the
+    task parameters the gradient of the losses' sum."""
+    losses = forward()
+    jacobian = reference_jacobian(losses, shared)
+    expected = torch.autograd.grad(losses.sum(), tasks)
+    weights = mtl_gramian_step(forward(), engine, UPGradWeighting(), tasks_params=tasks)
+    actual = torch.cat([p.grad.flatten() for p in shared])  # type: ignore[union-attr]
+    torch.testing.assert_close(actual, weights @ jacobian)
+    for param, grad in zip(tasks, expected, strict=True):
+        torch.testing.assert_close(param.grad, grad)
+
+
 def test_task_param_also_past_the_meeting_output() -> None:
     """A task parameter also used below the hooked trunk (tied with its unhooked input layer):
     the first task's backward goes past the meeting output, so the heads' graph is kept for the
@@ -233,15 +248,7 @@ def test_task_param_also_past_the_meeting_output() -> None:
         features = trunk((x @ tied.T).tanh())
         return torch.stack([(features @ tied.T).pow(2).mean(), head(features).pow(2).mean()])
 
-    losses = forward()
-    tasks = [tied, *head.parameters()]
-    jacobian = reference_jacobian(losses, list(trunk.parameters()))
-    expected = torch.autograd.grad(losses.sum(), tasks)
-    weights = mtl_gramian_step(forward(), engine, UPGradWeighting(), tasks_params=tasks)
-    actual = torch.cat([p.grad.flatten() for p in trunk.parameters()])  # type: ignore[union-attr]
-    torch.testing.assert_close(actual, weights @ jacobian)
-    for param, grad in zip(tasks, expected, strict=True):
-        torch.testing.assert_close(param.grad, grad)
+    _check_step(forward, engine, list(trunk.parameters()), [tied, *head.parameters()])
 
 
 def test_task_params_past_the_meeting_output() -> None:
@@ -257,15 +264,9 @@ def test_task_params_past_the_meeting_output() -> None:
         features = trunk(first(x).tanh())
         return torch.stack([head(features).pow(2).mean() for head in heads])
 
-    losses = forward()
-    tasks = [*first.parameters(), *heads.parameters()]
-    jacobian = reference_jacobian(losses, list(trunk.parameters()))
-    expected = torch.autograd.grad(losses.sum(), tasks)
-    weights = mtl_gramian_step(forward(), engine, UPGradWeighting(), tasks_params=tasks)
-    actual = torch.cat([p.grad.flatten() for p in trunk.parameters()])  # type: ignore[union-attr]
-    torch.testing.assert_close(actual, weights @ jacobian)
-    for param, grad in zip(tasks, expected, strict=True):
-        torch.testing.assert_close(param.grad, grad)
+    _check_step(
+        forward, engine, list(trunk.parameters()), [*first.parameters(), *heads.parameters()]
+    )
 
 
 class _NoGradient(torch.autograd.Function):
