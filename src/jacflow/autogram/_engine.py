@@ -137,7 +137,12 @@ class Engine:
     layer) gets only its uses inside them counted, so hook every module that uses it.
 
     The output gradients of several rows per sample (``[B, k]`` losses) or of per-task losses
-    are pulled back in one backward batched with ``vmap``. Torch's fused recurrent kernels
+    are pulled back in one backward batched with ``vmap``. Per task on the CPU, losses stacked
+    from scalars (``torch.stack``) whose heads reach the hooked modules through one output (the
+    shared trunk's) are first pulled back to that output head by head, one backward per task
+    along its own head: batched, each head would carry every task's row. Gradient hooks that
+    a user registers on a hooked module's output (``out.register_hook``) are honoured. Torch's
+    fused recurrent kernels
     (cuDNN) have no batching rule: when a recurrent layer inside the given modules ran one, that
     backward is taken row by row (``k`` or ``m`` backward passes); one outside them, between the
     losses and the hooked modules, is refused with a clear error (give the Engine a module that
