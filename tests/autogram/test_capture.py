@@ -334,3 +334,104 @@ def test_gradient_hooks_on_hooked_outputs(layout: str, where: int, scale: float)
     weights = engine.backward(forward(), UPGradWeighting())
     actual = torch.cat([p.grad.flatten() for p in params])  # type: ignore[union-attr]
     torch.testing.assert_close(actual, weights.flatten() @ jacobian)
+
+
+class _Scaled(nn.Module):
+    """Parameters of its own (the generic rule), optionally hooking its own output."""
+
+    def __init__(self, hook_inside: bool) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 4, dtype=torch.float64))
+        self.hook_inside = hook_inside
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = x * self.scale
+        if self.hook_inside:
+            out.register_hook(lambda grad: -grad)
+        return out
+
+
+@pytest.mark.parametrize("batch_dim", [0, None])
+@pytest.mark.parametrize("inside", [False, True])
+def test_gradient_hook_on_a_re_run_module_is_refused(batch_dim: int | None, inside: bool) -> None:
+    """The generic rule re-runs its module's forward with torch.func, which registers again the
+    hooks the forward registered: a hook on that module's own output is refused, before anything
+    is written; one on a tensor computed from it is exact."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), _Scaled(inside), nn.Tanh(), nn.Linear(4, 2)).double()
+    engine = Engine(model, batch_dim=batch_dim)
+    x = torch.randn(5, 3, dtype=torch.float64)
+
+    def losses(view: bool) -> Tensor:
+        model[1].hook_inside = inside and not view
+        out = model[1](model[0](x))
+        if view:
+            out = out.view_as(out)
+        if not inside or view:
+            out.register_hook(lambda grad: -grad)
+        out = model[2:](out)
+        return out.pow(2).sum(1) if batch_dim == 0 else torch.stack([out.sum(), out[0, 1]])
+
+    with pytest.raises(ValueError, match="carries a gradient hook"):
+        engine.backward(losses(view=False), UPGradWeighting())
+    assert all(p.grad is None for p in model.parameters())
+    reference = losses(view=True)
+    jacobian = reference_jacobian(reference, list(model.parameters()))
+    torch.testing.assert_close(engine.compute_gramian(reference), jacobian @ jacobian.T)
+
+
+class _ViewOut(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4, 4, dtype=torch.float64))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return (x @ self.weight).view(*x.shape[:-1], 2, 2)
+
+
+@pytest.mark.parametrize("kind", ["attention", "view"])
+def test_in_place_op_on_a_view_output_is_refused(kind: str) -> None:
+    """An in-place op on a hooked module's output that is a view (batch-first attention's output
+    is a transpose) takes the recorded node out of the graph: refused with the workaround."""
+    torch.manual_seed(0)
+    first = nn.Linear(4, 4).double()
+    module: nn.Module
+    if kind == "attention":
+        module = nn.MultiheadAttention(4, 2, batch_first=True).double()
+    else:
+        module = _ViewOut()
+    engine = Engine(first, module, batch_dim=0)
+    h = first(torch.randn(3, 5, 4, dtype=torch.float64))
+    out = module(h, h, h, need_weights=False)[0] if kind == "attention" else module(h)
+    out.relu_()
+    losses = out.pow(2).sum(tuple(range(1, out.ndim)))
+    with pytest.raises(RuntimeError, match=r"is a view .* modified in place"):
+        engine.backward(losses, UPGradWeighting())
+    assert all(p.grad is None for p in [*first.parameters(), *module.parameters()])
+
+
+def test_hooked_outputs_pickle_without_warnings() -> None:
+    """The engine's own hook on each recorded output is marked unserializable: saving such an
+    output does not warn about it."""
+    import io
+    import warnings
+
+    layer = nn.Linear(3, 2)
+    engine = Engine(layer, batch_dim=0)
+    out = layer(torch.randn(4, 3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        torch.save(out, io.BytesIO())
+    engine.remove()
+
+
+def test_hook_reading_values_under_the_batched_backward_is_named() -> None:
+    """A gradient hook that reads values out of its gradient cannot run under vmap: the error
+    names such a hook."""
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    engine = Engine(model, batch_dim=None)
+    hidden = model[0](torch.randn(5, 3))
+    hidden.register_hook(lambda grad: grad * grad.sum().item())
+    out = model[1:](hidden)
+    with pytest.raises(RuntimeError, match=r"gradient hook \(register_hook\) that reads values"):
+        engine.compute_gramian(torch.stack([out.sum(), out.pow(2).mean()]))

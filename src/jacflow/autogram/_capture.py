@@ -33,9 +33,11 @@ Hook = Callable[[Tensor], Tensor | None]
 _NO_BATCHING_RULE = (
     "The engine pulls the rows' gradients back in one backward batched with vmap, and an "
     "operation between the losses and the hooked modules has no batching rule (see the error "
-    "above), e.g. a recurrent layer on cuDNN outside the modules given to the Engine. Give the "
-    "Engine a module that contains it (its backward is then taken row by row), or run it under "
-    "torch.backends.cudnn.flags(enabled=False)."
+    "above): e.g. a recurrent layer on cuDNN outside the modules given to the Engine (give the "
+    "Engine a module that contains it, whose backward is then taken row by row, or run it under "
+    "torch.backends.cudnn.flags(enabled=False)), or a gradient hook (register_hook) that reads "
+    "values out of its gradient (.item(), .tolist(), data-dependent control flow), which vmap "
+    "cannot batch: compute such statistics outside the hook."
 )
 
 

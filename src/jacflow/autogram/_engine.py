@@ -399,7 +399,11 @@ class Engine:
             )
         rows, cotangents, order = self._rows(losses)
         edges = [edge for _, call in calls for edge in call.edges]
-        hooks = [h for _, call in calls for h in call.user_hooks()]
+        # (a module re-run with torch.func replays the hooks its forward registered: its own
+        # outputs' hooks are refused below rather than run here)
+        hooks = [
+            [] if self._reruns(index) else h for index, call in calls for h in call.user_hooks()
+        ]
         with replaying():  # (a checkpointed forward recomputed by it is not a forward call)
             grads, extra_grads = capture(
                 losses,
@@ -420,9 +424,12 @@ class Engine:
                 recorded.setdefault(index, []).append(call)
             call_grads = list(grads[cursor : cursor + len(call.edges)])
             cursor += len(call.edges)
+            unit = self._units[index]
+            _check_output_views(unit, call)
             if all(g is None for g in call_grads):
                 continue
-            unit = self._units[index]
+            if self._reruns(index):
+                _check_no_output_hooks(unit, call, call_grads)
             unit.rule.validate(unit.module, call, rows)
             dims = [unit.rule.output_batch_dim(unit.module, call, j) for j in call.output_positions]
             _check_batch(unit, call, rows, dims)
@@ -462,6 +469,10 @@ class Engine:
                     upcast(call, dtype)
             contributions.append((params, unit.rule.prepare(unit.module, params, unit_calls, rows)))
         return contributions, rows, order, extra_grads, captured_bytes
+
+    def _reruns(self, index: int) -> bool:
+        """Whether the unit's rule re-runs its module's own forward (the generic rule)."""
+        return isinstance(self._units[index].rule, FallbackRule)
 
     def _checked_losses(self, losses: object) -> Tensor:
         if self._removed:
@@ -525,6 +536,34 @@ def _rows_shaped(
         # (usually already so: a reshape is a dispatch, the comparison is not)
         shaped.append(grad if grad.shape == target else grad.reshape(target))
     return shaped
+
+
+def _check_output_views(unit: Unit, call: Call) -> None:
+    for ref, version in call.output_views:
+        view = ref()
+        if view is not None and view._version != version:
+            raise RuntimeError(
+                f"An output of {unit.name} ({type(unit.module).__name__}) is a view (e.g. a "
+                "transposed or reshaped tensor) and was modified in place after the forward "
+                "(relu_, +=, indexing assignment): that takes the module's call out of the "
+                "graph, so its gradients cannot be read. Use an out-of-place operation on it "
+                "(torch.relu(x), x = x + y), or .clone() it first."
+            )
+
+
+def _check_no_output_hooks(unit: Unit, call: Call, grads: list[Tensor | None]) -> None:
+    """The generic rule re-runs the module's forward under torch.func, which registers the
+    hooks its forward registers again: a user's gradient hook on the module's own output
+    would be run twice (or, registered later, not at all)."""
+    for hooks, grad in zip(call.user_hooks(), grads, strict=True):
+        if hooks and grad is not None:
+            raise ValueError(
+                f"An output of {unit.name} ({type(unit.module).__name__}, which the engine "
+                "re-runs with torch.func: no closed form covers it) carries a gradient hook "
+                "(register_hook). The re-run cannot tell whether its forward registered it. "
+                "Register the hook on a tensor computed from that output (e.g. "
+                "out = out.view_as(out) first), or on one inside the module."
+            )
 
 
 def _check_versions(call: Call) -> None:

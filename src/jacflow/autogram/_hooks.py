@@ -9,6 +9,7 @@ forwards of other graphs) are ignored when the Gramian is computed.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -284,6 +285,9 @@ class Recorder:
         )
         # (the step runs a user's hooks on these outputs where autograd's capture skips them)
         call.output_hooks = [_hooks_of(leaves[j]) for j in positions]
+        call.output_views = [
+            (weakref.ref(leaves[j]), leaves[j]._version) for j in positions if leaves[j]._is_view()
+        ]
         if replays:  # (what a replay of the module needs: the weights, buffers and modes)
             call.weight_versions = [(p, p._version) for p in module.parameters()]
             call.modes = tuple((sub, sub.training) for sub in module.modules())

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import warnings
+import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.utils.hooks import unserializable_hook
 
 from jacflow.linalg._cholesky import cholesky_ex
 
@@ -73,6 +75,7 @@ class Rows:
         return out.index_add_(0, self.index, scaled)
 
 
+@unserializable_hook
 def no_hook(grad: Tensor) -> None:
     """The engine's own gradient hook on each recorded output: it opens the tensor's dict of
     hooks, where a user's later hooks land (see :attr:`Call.output_hooks`)."""
@@ -125,6 +128,9 @@ class Call:
     # each recorded output's dict of gradient hooks, opened by the engine with a no-op hook of
     # its own (``no_hook``: a user's hooks registered later land in it), else ``None``
     output_hooks: list[dict[Any, Any]] | None = None
+    # the recorded outputs that are views, with their versions at the forward: an in-place op
+    # on one afterwards takes its recorded node out of the graph
+    output_views: list[tuple[weakref.ref[Tensor], int]] = field(default_factory=list)
 
     def user_hooks(self) -> list[list[Callable[[Tensor], Tensor | None]]]:
         """The gradient hooks on each recorded output other than the engine's own (none when
