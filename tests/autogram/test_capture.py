@@ -435,3 +435,33 @@ def test_hook_reading_values_under_the_batched_backward_is_named() -> None:
     out = model[1:](hidden)
     with pytest.raises(RuntimeError, match=r"gradient hook \(register_hook\) that reads values"):
         engine.compute_gramian(torch.stack([out.sum(), out.pow(2).mean()]))
+
+
+@pytest.mark.parametrize("batch_dim", [0, None])
+@pytest.mark.parametrize("which", ["generic", "linear"])
+def test_module_backward_hooks(batch_dim: int | None, which: str) -> None:
+    """Module backward hooks (a pre-hook that scales the output gradient, an observing hook) act
+    in the real backward; the generic rule's torch.func re-run, which cannot run them, is given
+    the output gradients past them. Exact, the hooks running once per backward."""
+    torch.manual_seed(0)
+    middle = _Scaled(hook_inside=False) if which == "generic" else nn.Linear(4, 4)
+    model = nn.Sequential(nn.Linear(3, 4), middle, nn.Tanh(), nn.Linear(4, 2)).double()
+    fired: list[str] = []
+    middle.register_full_backward_pre_hook(lambda m, grads: (grads[0] * -2.0,))
+    middle.register_full_backward_hook(lambda m, grads_in, grads_out: fired.append("hook"))
+    engine = Engine(model, batch_dim=batch_dim)
+    x = torch.randn(5, 3, dtype=torch.float64)
+
+    def forward() -> Tensor:
+        out = model(x)
+        return out.pow(2).sum(1) if batch_dim == 0 else torch.stack([out.sum(), out[0, 1]])
+
+    losses = forward()
+    params = list(model.parameters())
+    jacobian = reference_jacobian(losses, params)
+    fired.clear()
+    torch.testing.assert_close(engine.compute_gramian(losses), jacobian @ jacobian.T)
+    weights = engine.backward(forward(), UPGradWeighting())
+    actual = torch.cat([p.grad.flatten() for p in params])  # type: ignore[union-attr]
+    torch.testing.assert_close(actual, weights @ jacobian)
+    assert fired == ["hook", "hook"]

@@ -10,6 +10,7 @@ custom layers); register a closed form for big ones.
 from __future__ import annotations
 
 import contextlib
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -114,6 +115,22 @@ def _replay_per_task(
     if any(not torch.equal(a, b) for a, b in zip(before, _rng_states(device), strict=True)):
         raise RuntimeError("the re-run of the module drew random numbers")
     return grads
+
+
+@contextlib.contextmanager
+def _without_backward_hooks(module: nn.Module) -> Iterator[None]:
+    """The re-run differentiates the module's parameters with torch.func, whose transforms
+    cannot run the autograd Function behind module backward hooks
+    (``register_full_backward_hook``). Those hooks act in the real backward, whose output
+    gradients (taken past a pre-hook's change) the re-run is given, so they stay out of it."""
+    held = [(sub, sub._backward_hooks, sub._backward_pre_hooks) for sub in module.modules()]
+    for sub, _, _ in held:
+        sub._backward_hooks, sub._backward_pre_hooks = OrderedDict(), OrderedDict()
+    try:
+        yield
+    finally:
+        for sub, hooks, pre_hooks in held:
+            sub._backward_hooks, sub._backward_pre_hooks = hooks, pre_hooks
 
 
 def _native_rnn(module: nn.Module) -> contextlib.AbstractContextManager[Any]:
@@ -307,6 +324,7 @@ class FallbackRule(Rule):
                     replay_autocast(call),
                     call.forward_modes(module),
                     _native_rnn(module),
+                    _without_backward_hooks(module),
                 ):
                     if rows.per_task:
                         new = _replay_per_task(module, detached, call, cots)
