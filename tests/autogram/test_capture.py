@@ -465,3 +465,81 @@ def test_module_backward_hooks(batch_dim: int | None, which: str) -> None:
     actual = torch.cat([p.grad.flatten() for p in params])  # type: ignore[union-attr]
     torch.testing.assert_close(actual, weights @ jacobian)
     assert fired == ["hook", "hook"]
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")  # (torch deprecates these hooks)
+@pytest.mark.parametrize("batch_dim", [0, None])
+def test_legacy_module_backward_hook_on_a_re_run_module(batch_dim: int | None) -> None:
+    """The older ``register_backward_hook``, which changes the gradients inside the module,
+    runs in the generic rule's re-run as in the real backward: exact."""
+    torch.manual_seed(0)
+    middle = _Scaled(hook_inside=False)
+    model = nn.Sequential(nn.Linear(3, 4), middle, nn.Tanh(), nn.Linear(4, 2)).double()
+    middle.register_backward_hook(
+        lambda m, grads_in, grads_out: tuple(None if g is None else g * 0.5 for g in grads_in)
+    )
+    engine = Engine(model, batch_dim=batch_dim)
+    out = model(torch.randn(5, 3, dtype=torch.float64))
+    losses = out.pow(2).sum(1) if batch_dim == 0 else torch.stack([out.sum(), out[0, 1]])
+    jacobian = reference_jacobian(losses, list(model.parameters()))
+    torch.testing.assert_close(engine.compute_gramian(losses), jacobian @ jacobian.T)
+
+
+class _Wrapper(nn.Module):
+    """Parameters of its own (the generic rule) around a Linear child."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 4, dtype=torch.float64))
+        self.inner = nn.Linear(4, 4).double()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.inner(x) * self.scale
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # (torch's note on hooks without inputs)
+@pytest.mark.parametrize("where", ["child", "global"])
+def test_module_backward_hooks_inside_a_re_run_module_are_refused(where: str) -> None:
+    """A full module backward hook on a child of a generic-rule module (or one registered for
+    every module) would change gradients inside the torch.func re-run, which cannot run it:
+    refused with the workaround, before anything is written."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), _Wrapper(), nn.Tanh(), nn.Linear(4, 2)).double()
+    if where == "child":
+        handle = model[1].inner.register_full_backward_pre_hook(lambda m, g: (g[0] * -3.0,))
+    else:  # (an observer: every module's pre-hook)
+        handle = torch.nn.modules.module.register_module_full_backward_pre_hook(lambda m, g: None)
+    try:
+        engine = Engine(model, batch_dim=None)
+        out = model(torch.randn(5, 3, dtype=torch.float64))
+        with pytest.raises(RuntimeError, match=r"cannot run the .*backward hook"):
+            engine.backward(torch.stack([out.sum(), out[0, 1]]), UPGradWeighting())
+    finally:
+        handle.remove()
+    assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize("case", ["stray_forward", "detached_metric"])
+def test_view_outputs_changed_in_place_outside_the_losses(case: str) -> None:
+    """An in-place op on a view output that the losses do not go through (a stray forward's, or
+    a detached copy sharing its version counter) leaves the step exact."""
+    torch.manual_seed(0)
+    first = nn.Linear(4, 4).double()
+    attention = nn.MultiheadAttention(4, 2, batch_first=True).double()
+    engine = Engine(first, attention, batch_dim=0)
+
+    def forward(x: Tensor) -> Tensor:
+        h = first(x)
+        return attention(h, h, h, need_weights=False)[0]
+
+    x = torch.randn(3, 5, 4, dtype=torch.float64)
+    stray = forward(torch.randn(2, 5, 4, dtype=torch.float64))  # (kept alive: a metric)
+    if case == "stray_forward":
+        stray.relu_()
+    out = forward(x)
+    losses = out.sum((1, 2)).pow(2)  # (nothing saves out: a metric may change it in place)
+    if case == "detached_metric":
+        out.detach().clamp_(min=0)
+    params = [*first.parameters(), *attention.parameters()]
+    jacobian = reference_jacobian(losses, params)
+    torch.testing.assert_close(engine.compute_gramian(losses), jacobian @ jacobian.T)

@@ -425,7 +425,7 @@ class Engine:
             call_grads = list(grads[cursor : cursor + len(call.edges)])
             cursor += len(call.edges)
             unit = self._units[index]
-            _check_output_views(unit, call)
+            _check_output_views(unit, call, call_grads, losses)
             if all(g is None for g in call_grads):
                 continue
             if self._reruns(index):
@@ -538,10 +538,15 @@ def _rows_shaped(
     return shaped
 
 
-def _check_output_views(unit: Unit, call: Call) -> None:
-    for ref, version in call.output_views:
+def _check_output_views(unit: Unit, call: Call, grads: list[Tensor | None], losses: Tensor) -> None:
+    """An output that is a view, modified in place since the forward (``relu_``, ``+=``), has a
+    new node in the graph and its recorded one drops out: refused when the losses reach that
+    new node, so that the call's gradient through it would be missed."""
+    for i, ref, version in call.output_views:
         view = ref()
-        if view is not None and view._version != version:
+        if grads[i] is not None or view is None or view._version == version:
+            continue
+        if view.grad_fn is not None and _reaches(losses.grad_fn, view.grad_fn):
             raise RuntimeError(
                 f"An output of {unit.name} ({type(unit.module).__name__}) is a view (e.g. a "
                 "transposed or reshaped tensor) and was modified in place after the forward "
@@ -549,6 +554,22 @@ def _check_output_views(unit: Unit, call: Call) -> None:
                 "graph, so its gradients cannot be read. Use an out-of-place operation on it "
                 "(torch.relu(x), x = x + y), or .clone() it first."
             )
+
+
+def _reaches(root: object, target: object) -> bool:
+    """Whether the autograd graph from ``root`` holds the node ``target`` (only walked for a
+    view modified in place, whose recorded node got no gradient)."""
+    seen: set[object] = set()
+    todo = [root]
+    while todo:
+        node = todo.pop()
+        if node is target:
+            return True
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        todo.extend(following for following, _ in node.next_functions)  # type: ignore[attr-defined]
+    return False
 
 
 def _check_no_output_hooks(unit: Unit, call: Call, grads: list[Tensor | None]) -> None:

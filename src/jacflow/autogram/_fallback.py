@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call, vjp, vmap
+from torch.nn.modules import module as torch_module
 from torch.nn.utils import parametrize
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
@@ -120,17 +121,42 @@ def _replay_per_task(
 @contextlib.contextmanager
 def _without_backward_hooks(module: nn.Module) -> Iterator[None]:
     """The re-run differentiates the module's parameters with torch.func, whose transforms
-    cannot run the autograd Function behind module backward hooks
-    (``register_full_backward_hook``). Those hooks act in the real backward, whose output
-    gradients (taken past a pre-hook's change) the re-run is given, so they stay out of it."""
-    held = [(sub, sub._backward_hooks, sub._backward_pre_hooks) for sub in module.modules()]
-    for sub, _, _ in held:
-        sub._backward_hooks, sub._backward_pre_hooks = OrderedDict(), OrderedDict()
+    cannot run the autograd Function behind full module backward hooks
+    (``register_full_backward_hook`` and its pre-hook). Those of the module itself act in the
+    real backward, whose output gradients (past a pre-hook's change) the re-run is given, so
+    they stay out of it; the older ``register_backward_hook`` ones run in it as they are."""
+    hooks, pre_hooks = module._backward_hooks, module._backward_pre_hooks
+    if module._is_full_backward_hook:
+        module._backward_hooks = OrderedDict()
+    module._backward_pre_hooks = OrderedDict()
     try:
         yield
     finally:
-        for sub, hooks, pre_hooks in held:
-            sub._backward_hooks, sub._backward_pre_hooks = hooks, pre_hooks
+        module._backward_hooks, module._backward_pre_hooks = hooks, pre_hooks
+
+
+def _check_backward_hooks(module: nn.Module) -> None:
+    """Full module backward hooks inside the module, or registered for every module, would act
+    on the gradients inside the re-run, which torch.func cannot run."""
+    # (read at each step: torch rebinds the flag when such a hook is registered)
+    full = torch_module._global_is_full_backward_hook
+    if torch_module._global_backward_pre_hooks or (torch_module._global_backward_hooks and full):
+        raise RuntimeError(
+            f"{type(module).__name__} has no closed-form Gramian rule, so the engine re-runs it "
+            "with torch.func, which cannot run the global module backward hooks registered "
+            "(torch.nn.modules.module.register_module_full_backward_hook or its pre-hook). "
+            "Remove them for the step, or register them on the modules that need them."
+        )
+    for name, sub in module.named_modules():
+        if sub is not module and (
+            sub._backward_pre_hooks or (sub._backward_hooks and sub._is_full_backward_hook)
+        ):
+            raise RuntimeError(
+                f"{type(module).__name__} has no closed-form Gramian rule, so the engine re-runs "
+                f"it with torch.func, which cannot run the module backward hook of its child "
+                f"{name} ({type(sub).__name__}). Register the hook on {type(module).__name__} "
+                "itself, or use a gradient hook (register_hook) on a tensor inside its forward."
+            )
 
 
 def _native_rnn(module: nn.Module) -> contextlib.AbstractContextManager[Any]:
@@ -309,6 +335,7 @@ class FallbackRule(Rule):
                 "weights, which do not follow the parameters it differentiates. Take the step "
                 "outside the cached() block (the forward may stay in it)."
             )
+        _check_backward_hooks(module)
         # (copies: a re-run that renormalises a weight in place, as an embedding's max_norm
         # does, must not touch the parameter, whose version the forward's graph checks)
         detached = {name: p.detach().clone() for name, p in params.items()}

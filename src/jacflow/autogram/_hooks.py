@@ -286,7 +286,9 @@ class Recorder:
         # (the step runs a user's hooks on these outputs where autograd's capture skips them)
         call.output_hooks = [_hooks_of(leaves[j]) for j in positions]
         call.output_views = [
-            (weakref.ref(leaves[j]), leaves[j]._version) for j in positions if leaves[j]._is_view()
+            (i, weakref.ref(leaves[j]), leaves[j]._version)
+            for i, j in enumerate(positions)
+            if leaves[j]._is_view()
         ]
         if replays:  # (what a replay of the module needs: the weights, buffers and modes)
             call.weight_versions = [(p, p._version) for p in module.parameters()]
