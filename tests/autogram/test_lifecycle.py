@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import random
 import warnings
 from collections.abc import Callable
@@ -1066,3 +1067,26 @@ def test_batchnorm_reads_running_statistics_its_call_found(batch_dim: int | None
         norm.running_mean = norm.running_var = None
 
     _assert_exact(model, torch.randn(5, 3, dtype=torch.float64), batch_dim, drop_statistics)
+
+
+@pytest.mark.parametrize("batch_dim", [0, None])
+def test_deep_copy_between_forward_and_step(batch_dim: int | None) -> None:
+    """A deep copy of a hooked model (an average of the weights), taken between the forward and
+    the step, copies no pending call: its hooks record nothing, and the step stays exact."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), _ScaledNorm(4), nn.Linear(4, 2)).double().eval()
+    engine = Engine(model, batch_dim=batch_dim)
+    x = torch.randn(5, 3, dtype=torch.float64)
+    out = model(x)
+    losses = out.pow(2).sum(1) if batch_dim == 0 else torch.stack([out.sum(), out[0, 1]])
+    jacobian = reference_jacobian(losses, list(model.parameters()))
+    twin = copy.deepcopy(model)
+    torch.testing.assert_close(twin(x), out.detach())  # (grad-enabled: recorded by no one)
+    torch.testing.assert_close(engine.compute_gramian(losses), jacobian @ jacobian.T)
+    recorders = {
+        id(hook.func.__self__): hook.func.__self__
+        for sub in twin.modules()
+        for hook in sub._forward_hooks.values()
+        if isinstance(hook, functools.partial)
+    }
+    assert recorders and all(r.idle and not r.calls for r in recorders.values())

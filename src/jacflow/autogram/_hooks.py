@@ -160,7 +160,8 @@ def _hooks_of(tensor: Tensor) -> dict[Any, Any]:
 class Recorder:
     """Holds the hooks and the calls recorded since the last Gramian."""
 
-    def __init__(self) -> None:
+    def __init__(self, idle: bool = False) -> None:
+        self.idle = idle  # (a deep copy's: it records nothing, see __deepcopy__)
         self.calls: list[tuple[int, Call]] = []
         self.handles: list[RemovableHandle] = []
         self.coupled: str | None = None
@@ -169,6 +170,12 @@ class Recorder:
         # per replayed module under way: its weights' versions and copies of its buffers at
         # the start of each call (a stack: a module may call itself)
         self._starts: dict[int, list[_Start]] = {}
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Recorder:
+        """A deep copy of a hooked model (an average of the weights, an evaluation copy) takes
+        its hooks along but no engine: they get an idle recorder, which keeps nothing (the
+        pending calls' graphs could not be copied, and no engine would read the copy's)."""
+        return Recorder(idle=True)
 
     def hook(self, index: int, unit: Unit) -> None:
         replays = unit.rule.replays()
@@ -208,7 +215,7 @@ class Recorder:
         self, child: str, unit: str, depth: list[int], module: nn.Module, args: Any
     ) -> None:
         # (inside the unit's forward, the usual case, nothing more is read)
-        if depth[0] or not torch.is_grad_enabled() or is_replaying():
+        if depth[0] or self.idle or not torch.is_grad_enabled() or is_replaying():
             return
         if any(p.requires_grad for p in module.parameters(recurse=False)):
             self.outside = (child, unit)
@@ -218,7 +225,9 @@ class Recorder:
         self.handles.append(module.register_forward_pre_hook(partial(self._flag, name)))
 
     def _flag(self, name: str, module: nn.Module, args: Any) -> None:
-        if torch.is_grad_enabled() and not is_replaying() and batch_statistics(module):
+        if self.idle or not torch.is_grad_enabled() or is_replaying():
+            return
+        if batch_statistics(module):
             self.coupled = f"{name} ({type(module).__name__})"
 
     def watch_fused_rnn(self, module: nn.Module) -> None:
@@ -229,7 +238,7 @@ class Recorder:
         self.handles.append(module.register_forward_hook(self._flag_fused))
 
     def _flag_fused(self, module: nn.Module, args: Any, output: Any) -> None:
-        if not torch.is_grad_enabled() or is_replaying():
+        if self.idle or not torch.is_grad_enabled() or is_replaying():
             return
         first = next((x for x in tree_flatten(args)[0] if isinstance(x, Tensor)), None)
         if (first is not None and torch.backends.cudnn.is_acceptable(first)) or any(
@@ -240,7 +249,7 @@ class Recorder:
             self.fused_rnn = True
 
     def _start(self, module: nn.Module, args: Any) -> None:
-        if torch.is_grad_enabled() and not is_replaying():
+        if torch.is_grad_enabled() and not is_replaying() and not self.idle:
             weights: list[tuple[Tensor, int]] = [(p, p._version) for p in module.parameters()]
             buffers = {name: b.detach().clone() for name, b in module.named_buffers()}
             modes = tuple((sub, sub.training) for sub in module.modules())
@@ -250,7 +259,7 @@ class Recorder:
     def _record(
         self, index: int, replays: bool, module: nn.Module, args: Any, kwargs: Any, output: Any
     ) -> None:
-        if not torch.is_grad_enabled() or is_replaying():
+        if self.idle or not torch.is_grad_enabled() or is_replaying():
             return
         pending = self._starts.get(id(module)) if replays else None
         start = pending.pop() if pending else None
