@@ -389,10 +389,12 @@ class _ViewOut(nn.Module):
         return (x @ self.weight).view(*x.shape[:-1], 2, 2)
 
 
+@pytest.mark.parametrize("pattern", ["in_place", "used_before_and_after", "again_after"])
 @pytest.mark.parametrize("kind", ["attention", "view"])
-def test_in_place_op_on_a_view_output_is_refused(kind: str) -> None:
+def test_in_place_op_on_a_view_output_is_refused(kind: str, pattern: str) -> None:
     """An in-place op on a hooked module's output that is a view (batch-first attention's output
-    is a transpose) takes the recorded node out of the graph: refused with the workaround."""
+    is a transpose) takes the recorded node out of the graph: refused with the workaround, also
+    when the losses use the view before the op too, or when another op follows the losses."""
     torch.manual_seed(0)
     first = nn.Linear(4, 4).double()
     module: nn.Module
@@ -403,8 +405,11 @@ def test_in_place_op_on_a_view_output_is_refused(kind: str) -> None:
     engine = Engine(first, module, batch_dim=0)
     h = first(torch.randn(3, 5, 4, dtype=torch.float64))
     out = module(h, h, h, need_weights=False)[0] if kind == "attention" else module(h)
-    out.relu_()
-    losses = out.pow(2).sum(tuple(range(1, out.ndim)))
+    before = out * 2 if pattern == "used_before_and_after" else 0.0
+    out.add_(1.0)
+    losses = (out + before).sum(tuple(range(1, out.ndim))).pow(2)
+    if pattern == "again_after":
+        out.mul_(0.5)
     with pytest.raises(RuntimeError, match=r"is a view .* modified in place"):
         engine.backward(losses, UPGradWeighting())
     assert all(p.grad is None for p in [*first.parameters(), *module.parameters()])
@@ -519,10 +524,12 @@ def test_module_backward_hooks_inside_a_re_run_module_are_refused(where: str) ->
     assert all(p.grad is None for p in model.parameters())
 
 
-@pytest.mark.parametrize("case", ["stray_forward", "detached_metric"])
-def test_view_outputs_changed_in_place_outside_the_losses(case: str) -> None:
-    """An in-place op on a view output that the losses do not go through (a stray forward's, or
-    a detached copy sharing its version counter) leaves the step exact."""
+@pytest.mark.parametrize("case", ["no_grad_change", "detached_metric", "stray_forward"])
+def test_view_outputs_changed_in_place_outside_autograd(case: str) -> None:
+    """A view output changed in place outside autograd (under no_grad, or through a detached
+    copy sharing its version counter) keeps its base's node: the step is exact. Changed under
+    autograd, a stray forward's view kept alive is refused too (telling whether the losses use
+    its new node would take a walk of their graph)."""
     torch.manual_seed(0)
     first = nn.Linear(4, 4).double()
     attention = nn.MultiheadAttention(4, 2, batch_first=True).double()
@@ -540,6 +547,13 @@ def test_view_outputs_changed_in_place_outside_the_losses(case: str) -> None:
     losses = out.sum((1, 2)).pow(2)  # (nothing saves out: a metric may change it in place)
     if case == "detached_metric":
         out.detach().clamp_(min=0)
+    if case == "no_grad_change":
+        with torch.no_grad():
+            out.relu_()
     params = [*first.parameters(), *attention.parameters()]
     jacobian = reference_jacobian(losses, params)
+    if case == "stray_forward":
+        with pytest.raises(RuntimeError, match="is a view"):
+            engine.compute_gramian(losses)
+        return
     torch.testing.assert_close(engine.compute_gramian(losses), jacobian @ jacobian.T)

@@ -7,6 +7,7 @@ import functools
 import random
 import warnings
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -1069,6 +1070,17 @@ def test_batchnorm_reads_running_statistics_its_call_found(batch_dim: int | None
     _assert_exact(model, torch.randn(5, 3, dtype=torch.float64), batch_dim, drop_statistics)
 
 
+def _recorders_of(model: nn.Module) -> list[Any]:
+    """The recorders behind the engines' forward hooks on ``model`` (bound methods in partials)."""
+    found = {
+        id(hook.func.__self__): hook.func.__self__
+        for sub in model.modules()
+        for hook in sub._forward_hooks.values()
+        if isinstance(hook, functools.partial) and hasattr(hook.func, "__self__")
+    }
+    return list(found.values())
+
+
 @pytest.mark.parametrize("batch_dim", [0, None])
 def test_deep_copy_between_forward_and_step(batch_dim: int | None) -> None:
     """A deep copy of a hooked model (an average of the weights), taken between the forward and
@@ -1083,10 +1095,59 @@ def test_deep_copy_between_forward_and_step(batch_dim: int | None) -> None:
     twin = copy.deepcopy(model)
     torch.testing.assert_close(twin(x), out.detach())  # (grad-enabled: recorded by no one)
     torch.testing.assert_close(engine.compute_gramian(losses), jacobian @ jacobian.T)
-    recorders = {
-        id(hook.func.__self__): hook.func.__self__
-        for sub in twin.modules()
-        for hook in sub._forward_hooks.values()
-        if isinstance(hook, functools.partial)
-    }
-    assert recorders and all(r.idle and not r.calls for r in recorders.values())
+    recorders = _recorders_of(twin)
+    assert recorders and all(r.idle and not r.calls for r in recorders)
+
+
+def test_hooked_model_saved_between_forward_and_step() -> None:
+    """``torch.save`` of a whole hooked model (generic and attention units, whose hooks watch
+    their children): the loaded copy's hooks are idle, and the original's step stays exact."""
+    import io
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), _ScaledNorm(4), nn.Linear(4, 4)).double().eval()
+    attention = nn.MultiheadAttention(4, 2, batch_first=True).double()
+    engine = Engine(model, attention, batch_dim=None)
+    x = torch.randn(10, 3, dtype=torch.float64)
+    h = model(x)
+    tokens = h.reshape(5, 2, 4)
+    out = attention(tokens, tokens, tokens, need_weights=False)[0]
+    losses = torch.stack([out.sum(), out.pow(2).mean()])
+    jacobian = reference_jacobian(losses, [*model.parameters(), *attention.parameters()])
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    torch.testing.assert_close(loaded(x), h.detach())
+    torch.testing.assert_close(engine.compute_gramian(losses), jacobian @ jacobian.T)
+    recorders = _recorders_of(loaded)
+    assert recorders and all(r.idle and not r.calls for r in recorders)
+
+
+def test_engine_is_not_copied() -> None:
+    engine = Engine(nn.Linear(2, 1), batch_dim=0)
+    with pytest.raises(TypeError, match="Create a new Engine on the copied model"):
+        copy.deepcopy(engine)
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")  # (torch deprecates these hooks)
+@pytest.mark.parametrize("where", ["module", "global"])
+def test_older_module_backward_hooks_on_a_closed_form_are_refused(where: str) -> None:
+    """``register_backward_hook`` (the older kind) changes the gradients of a module's last
+    node, its weights' included, which the closed form does not see: refused, nothing written."""
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    halve = lambda m, grads_in, grads_out: tuple(  # noqa: E731
+        None if g is None else g * 0.5 for g in grads_in
+    )
+    if where == "module":
+        handle = model[0].register_backward_hook(halve)
+    else:
+        handle = torch.nn.modules.module.register_module_backward_hook(halve)
+    try:
+        engine = Engine(model, batch_dim=0)
+        losses = model(torch.randn(5, 3, dtype=torch.float64)).pow(2).sum(1)
+        with pytest.raises(ValueError, match="older kind"):
+            engine.backward(losses, UPGradWeighting())
+    finally:
+        handle.remove()
+    assert all(p.grad is None for p in model.parameters())

@@ -7,6 +7,7 @@ from types import TracebackType
 
 import torch
 from torch import Tensor, nn
+from torch.nn.modules import module as torch_module
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.parameter import is_lazy
 
@@ -216,6 +217,15 @@ class Engine:
             self._recorder.watch_fused_rnn(sub)
 
     # ----------------------------------------------------------------------------- lifecycle
+    def __deepcopy__(self, memo: dict[int, object]) -> Engine:
+        raise TypeError(
+            "An Engine cannot be copied: it hooks the modules it was created on. Create a new "
+            "Engine on the copied model (a deep copy of a hooked model carries no engine)."
+        )
+
+    def __reduce__(self) -> tuple[object, ...]:
+        raise TypeError("An Engine cannot be pickled: create a new one after loading the model.")
+
     def remove(self) -> None:
         """Remove every hook, drop the recorded calls and the kept gradient memory. Calling it
         twice is harmless."""
@@ -397,6 +407,8 @@ class Engine:
                 "engine (batch_dim=0) cannot be used. Call .eval() on one with running "
                 "statistics, replace it (e.g. by GroupNorm), or use batch_dim=None."
             )
+        for index, call in calls:  # (before the backward: autograd may fail on such a view)
+            _check_output_views(self._units[index], call)
         rows, cotangents, order = self._rows(losses)
         edges = [edge for _, call in calls for edge in call.edges]
         # (a module re-run with torch.func replays the hooks its forward registered: its own
@@ -425,11 +437,12 @@ class Engine:
             call_grads = list(grads[cursor : cursor + len(call.edges)])
             cursor += len(call.edges)
             unit = self._units[index]
-            _check_output_views(unit, call, call_grads, losses)
             if all(g is None for g in call_grads):
                 continue
             if self._reruns(index):
                 _check_no_output_hooks(unit, call, call_grads)
+            else:
+                _check_no_legacy_backward_hooks(unit)
             unit.rule.validate(unit.module, call, rows)
             dims = [unit.rule.output_batch_dim(unit.module, call, j) for j in call.output_positions]
             _check_batch(unit, call, rows, dims)
@@ -538,15 +551,15 @@ def _rows_shaped(
     return shaped
 
 
-def _check_output_views(unit: Unit, call: Call, grads: list[Tensor | None], losses: Tensor) -> None:
-    """An output that is a view, modified in place since the forward (``relu_``, ``+=``), has a
-    new node in the graph and its recorded one drops out: refused when the losses reach that
-    new node, so that the call's gradient through it would be missed."""
-    for i, ref, version in call.output_views:
+def _check_output_views(unit: Unit, call: Call) -> None:
+    """An output that is a view, changed in place under autograd since the forward (``relu_``,
+    ``+=``), gives its base a new node, through which the gradient bypasses the recorded one:
+    refused (also for a stray forward's output kept alive: whether the losses use the new node
+    would take a walk of their graph). A view freed before the step cannot be checked; a change
+    outside autograd (under ``no_grad``, through ``.detach()``) keeps the base's node."""
+    for _, ref, base_node in call.output_views:
         view = ref()
-        if grads[i] is not None or view is None or view._version == version:
-            continue
-        if view.grad_fn is not None and _reaches(losses.grad_fn, view.grad_fn):
+        if view is not None and view._base is not None and view._base.grad_fn is not base_node:
             raise RuntimeError(
                 f"An output of {unit.name} ({type(unit.module).__name__}) is a view (e.g. a "
                 "transposed or reshaped tensor) and was modified in place after the forward "
@@ -556,20 +569,20 @@ def _check_output_views(unit: Unit, call: Call, grads: list[Tensor | None], loss
             )
 
 
-def _reaches(root: object, target: object) -> bool:
-    """Whether the autograd graph from ``root`` holds the node ``target`` (only walked for a
-    view modified in place, whose recorded node got no gradient)."""
-    seen: set[object] = set()
-    todo = [root]
-    while todo:
-        node = todo.pop()
-        if node is target:
-            return True
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        todo.extend(following for following, _ in node.next_functions)  # type: ignore[attr-defined]
-    return False
+def _check_no_legacy_backward_hooks(unit: Unit) -> None:
+    """PyTorch's older module backward hooks (``register_backward_hook``) change the gradients
+    of the module's last node, its parameters' included, which a closed form does not see."""
+    module = unit.module
+    legacy = bool(module._backward_hooks) and not module._is_full_backward_hook
+    hooks = torch_module._global_backward_hooks
+    if legacy or (hooks and not torch_module._global_is_full_backward_hook):
+        raise ValueError(
+            f"{unit.name} ({type(module).__name__}) has a module backward hook of the older "
+            "kind (register_backward_hook, on it or on every module), which changes gradients "
+            "that its closed form computes from the captured ones. Use "
+            "register_full_backward_hook (deprecated by PyTorch for the older one), whose "
+            "changes act on the module's inputs."
+        )
 
 
 def _check_no_output_hooks(unit: Unit, call: Call, grads: list[Tensor | None]) -> None:

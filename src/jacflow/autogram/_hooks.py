@@ -157,6 +157,16 @@ def _hooks_of(tensor: Tensor) -> dict[Any, Any]:
     return tensor._backward_hooks  # type: ignore[return-value]
 
 
+def _enter(depth: list[int], module: nn.Module, args: Any) -> None:
+    if not is_replaying():
+        depth[0] += 1
+
+
+def _leave(depth: list[int], module: nn.Module, args: Any, output: Any) -> None:
+    if not is_replaying():
+        depth[0] -= 1
+
+
 class Recorder:
     """Holds the hooks and the calls recorded since the last Gramian."""
 
@@ -177,6 +187,10 @@ class Recorder:
         pending calls' graphs could not be copied, and no engine would read the copy's)."""
         return Recorder(idle=True)
 
+    def __reduce__(self) -> tuple[type[Recorder], tuple[bool]]:
+        """Pickled with a hooked model (``torch.save(model)``): idle, as a deep copy's."""
+        return Recorder, (True,)
+
     def hook(self, index: int, unit: Unit) -> None:
         replays = unit.rule.replays()
         if replays:  # (first: before other pre-hooks, e.g. spectral_norm's, change the module)
@@ -195,16 +209,8 @@ class Recorder:
         forward of ``unit``, whose rule covers the child's parameters but sees them only through
         the unit's own calls."""
         depth = [0]  # the unit's forward calls under way
-
-        def enter(module: nn.Module, args: Any) -> None:
-            if not is_replaying():
-                depth[0] += 1
-
-        def leave(module: nn.Module, args: Any, output: Any) -> None:
-            if not is_replaying():
-                depth[0] -= 1
-
-        self.handles.append(unit.module.register_forward_pre_hook(enter))
+        self.handles.append(unit.module.register_forward_pre_hook(partial(_enter, depth)))
+        leave = partial(_leave, depth)
         self.handles.append(unit.module.register_forward_hook(leave, always_call=True))
         for name, child in unit.module.named_modules():
             if child is not unit.module and next(child.parameters(recurse=False), None) is not None:
@@ -294,11 +300,10 @@ class Recorder:
         )
         # (the step runs a user's hooks on these outputs where autograd's capture skips them)
         call.output_hooks = [_hooks_of(leaves[j]) for j in positions]
-        call.output_views = [
-            (i, weakref.ref(leaves[j]), leaves[j]._version)
-            for i, j in enumerate(positions)
-            if leaves[j]._is_view()
-        ]
+        for i, j in enumerate(positions):
+            base = leaves[j]._base
+            if base is not None:  # (a view)
+                call.output_views.append((i, weakref.ref(leaves[j]), base.grad_fn))
         if replays:  # (what a replay of the module needs: the weights, buffers and modes)
             call.weight_versions = [(p, p._version) for p in module.parameters()]
             call.modes = tuple((sub, sub.training) for sub in module.modules())

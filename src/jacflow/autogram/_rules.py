@@ -128,9 +128,10 @@ class Call:
     # each recorded output's dict of gradient hooks, opened by the engine with a no-op hook of
     # its own (``no_hook``: a user's hooks registered later land in it), else ``None``
     output_hooks: list[dict[Any, Any]] | None = None
-    # the recorded outputs that are views (their index among the recorded outputs), with their
-    # versions at the forward: an in-place op on one afterwards takes its node out of the graph
-    output_views: list[tuple[int, weakref.ref[Tensor], int]] = field(default_factory=list)
+    # the recorded outputs that are views (by their index among the recorded outputs), with
+    # their base's node at the forward: an in-place op on one under autograd afterwards gives
+    # the base a new node, through which the gradient bypasses the recorded one
+    output_views: list[tuple[int, weakref.ref[Tensor], Any]] = field(default_factory=list)
 
     def user_hooks(self) -> list[list[Callable[[Tensor], Tensor | None]]]:
         """The gradient hooks on each recorded output other than the engine's own (none when
