@@ -557,3 +557,38 @@ def test_view_outputs_changed_in_place_outside_autograd(case: str) -> None:
             engine.compute_gramian(losses)
         return
     torch.testing.assert_close(engine.compute_gramian(losses), jacobian @ jacobian.T)
+
+
+@pytest.mark.parametrize("batch_dim", [0, None])
+@pytest.mark.parametrize("op", ["relu_inplace", "residual_in_place", "dropout_inplace", "hooked"])
+def test_in_place_ops_on_a_sequence_linear_output(batch_dim: int | None, op: str) -> None:
+    """A Linear on ``[B, T, d]`` returns its product reshaped (a view): the engine reads the
+    gradient at the product, so in-place ops on the output (``ReLU(inplace=True)``, an in-place
+    residual, in-place dropout, also after a gradient hook) leave the step exact."""
+    torch.manual_seed(0)
+    first, second = nn.Linear(4, 4).double(), nn.Linear(4, 2).double()
+    engine = Engine(first, second, batch_dim=batch_dim)
+    x = torch.randn(3, 5, 4, dtype=torch.float64)
+
+    def forward() -> Tensor:
+        torch.manual_seed(1)  # (the same dropout mask in both forwards)
+        h = first(x)
+        if op == "relu_inplace":
+            h = nn.ReLU(inplace=True)(h)
+        elif op == "residual_in_place":
+            h += x
+        elif op == "dropout_inplace":
+            h = nn.functional.dropout(h, 0.3, training=True, inplace=True)
+        else:
+            h.register_hook(lambda grad: -2.0 * grad)
+            h.relu_()
+        out = second(h)
+        return out.pow(2).sum((1, 2)) if batch_dim == 0 else torch.stack([out.sum(), out[0, 0, 1]])
+
+    losses = forward()
+    params = [*first.parameters(), *second.parameters()]
+    jacobian = reference_jacobian(losses, params)
+    torch.testing.assert_close(engine.compute_gramian(losses), jacobian @ jacobian.T)
+    weights = engine.backward(forward(), UPGradWeighting())
+    actual = torch.cat([p.grad.flatten() for p in params])  # type: ignore[union-attr]
+    torch.testing.assert_close(actual, weights.flatten() @ jacobian)

@@ -436,6 +436,11 @@ class Engine:
                 recorded.setdefault(index, []).append(call)
             call_grads = list(grads[cursor : cursor + len(call.edges)])
             cursor += len(call.edges)
+            for i, base_shape in call.base_shapes.items():  # (read at a reshaped output's base)
+                grad = call_grads[i]
+                if grad is not None:
+                    lead = grad.shape[: grad.ndim - len(base_shape)]
+                    call_grads[i] = grad.reshape(*lead, *call.output_shapes[i])
             unit = self._units[index]
             if all(g is None for g in call_grads):
                 continue

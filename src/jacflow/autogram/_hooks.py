@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.autograd.graph import get_gradient_edge
+from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 from torch.nn.utils.parametrize import is_parametrized
 from torch.nn.utils.prune import BasePruningMethod
@@ -155,6 +155,17 @@ def _hooks_of(tensor: Tensor) -> dict[Any, Any]:
     later land in that dict, which outlives the tensor (its node keeps it)."""
     tensor.register_hook(no_hook)
     return tensor._backward_hooks  # type: ignore[return-value]
+
+
+def _reshaped_base(view: Tensor, base: Tensor) -> bool:
+    """Whether ``view`` is all of ``base`` reshaped, by one view node on the base's own."""
+    node = view.grad_fn
+    if node is None or view.numel() != base.numel():
+        return False
+    if not (view.is_contiguous() and base.is_contiguous()):
+        return False
+    following = node.next_functions
+    return len(following) == 1 and following[0][0] is base.grad_fn
 
 
 def _enter(depth: list[int], module: nn.Module, args: Any) -> None:
@@ -302,7 +313,18 @@ class Recorder:
         call.output_hooks = [_hooks_of(leaves[j]) for j in positions]
         for i, j in enumerate(positions):
             base = leaves[j]._base
-            if base is not None:  # (a view)
+            if base is None:
+                continue
+            if isinstance(module, nn.Linear) and _reshaped_base(leaves[j], base):
+                # a Linear on a [..., T, d] input returns its product reshaped: read the
+                # gradient at the product, which an in-place op on the output (ReLU(inplace))
+                # cannot bypass, and reshape it (the user's hooks on the output come before)
+                node = leaves[j].grad_fn
+                assert node is not None  # (checked by _reshaped_base)
+                call.edges[i] = GradientEdge(*node.next_functions[0])
+                call.base_shapes[i] = base.shape
+                call.output_hooks[i] = {}
+            else:  # (a view: an in-place op on it would bypass its recorded node)
                 call.output_views.append((i, weakref.ref(leaves[j]), base.grad_fn))
         if replays:  # (what a replay of the module needs: the weights, buffers and modes)
             call.weight_versions = [(p, p._version) for p in module.parameters()]

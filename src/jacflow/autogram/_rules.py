@@ -132,6 +132,9 @@ class Call:
     # their base's node at the forward: an in-place op on one under autograd afterwards gives
     # the base a new node, through which the gradient bypasses the recorded one
     output_views: list[tuple[int, weakref.ref[Tensor], Any]] = field(default_factory=list)
+    # recorded outputs whose gradient is read at their base (index -> the base's shape): a
+    # Linear's product reshaped to its output
+    base_shapes: dict[int, torch.Size] = field(default_factory=dict)
 
     def user_hooks(self) -> list[list[Callable[[Tensor], Tensor | None]]]:
         """The gradient hooks on each recorded output other than the engine's own (none when
