@@ -7,7 +7,6 @@ from types import TracebackType
 
 import torch
 from torch import Tensor, nn
-from torch.nn.modules import module as torch_module
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.parameter import is_lazy
 
@@ -22,6 +21,7 @@ from jacflow.autogram._rules import (
     Call,
     Contribution,
     Rows,
+    backward_hooks,
     check_replayed_calls,
     gram,
     is_replaying,
@@ -562,7 +562,7 @@ def _check_output_views(unit: Unit, call: Call) -> None:
     refused (also for a stray forward's output kept alive: whether the losses use the new node
     would take a walk of their graph). A view freed before the step cannot be checked; a change
     outside autograd (under ``no_grad``, through ``.detach()``) keeps the base's node."""
-    for _, ref, base_node in call.output_views:
+    for ref, base_node in call.output_views:
         view = ref()
         if view is not None and view._base is not None and view._base.grad_fn is not base_node:
             raise RuntimeError(
@@ -578,9 +578,7 @@ def _check_no_legacy_backward_hooks(unit: Unit) -> None:
     """PyTorch's older module backward hooks (``register_backward_hook``) change the gradients
     of the module's last node, its parameters' included, which a closed form does not see."""
     module = unit.module
-    legacy = bool(module._backward_hooks) and not module._is_full_backward_hook
-    hooks = torch_module._global_backward_hooks
-    if legacy or (hooks and not torch_module._global_is_full_backward_hook):
+    if backward_hooks(module)[1] or backward_hooks(None)[1]:
         raise ValueError(
             f"{unit.name} ({type(module).__name__}) has a module backward hook of the older "
             "kind (register_backward_hook, on it or on every module), which changes gradients "

@@ -17,7 +17,6 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call, vjp, vmap
-from torch.nn.modules import module as torch_module
 from torch.nn.utils import parametrize
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
@@ -29,6 +28,7 @@ from jacflow.autogram._rules import (
     Rows,
     Rule,
     add_grads,
+    backward_hooks,
     quiet_vmap_fallback,
     replaying,
 )
@@ -138,9 +138,7 @@ def _without_backward_hooks(module: nn.Module) -> Iterator[None]:
 def _check_backward_hooks(module: nn.Module) -> None:
     """Full module backward hooks inside the module, or registered for every module, would act
     on the gradients inside the re-run, which torch.func cannot run."""
-    # (read at each step: torch rebinds the flag when such a hook is registered)
-    full = torch_module._global_is_full_backward_hook
-    if torch_module._global_backward_pre_hooks or (torch_module._global_backward_hooks and full):
+    if backward_hooks(None)[0]:
         raise RuntimeError(
             f"{type(module).__name__} has no closed-form Gramian rule, so the engine re-runs it "
             "with torch.func, which cannot run the global module backward hooks registered "
@@ -148,9 +146,7 @@ def _check_backward_hooks(module: nn.Module) -> None:
             "Remove them for the step, or register them on the modules that need them."
         )
     for name, sub in module.named_modules():
-        if sub is not module and (
-            sub._backward_pre_hooks or (sub._backward_hooks and sub._is_full_backward_hook)
-        ):
+        if sub is not module and backward_hooks(sub)[0]:
             raise RuntimeError(
                 f"{type(module).__name__} has no closed-form Gramian rule, so the engine re-runs "
                 f"it with torch.func, which cannot run the module backward hook of its child "

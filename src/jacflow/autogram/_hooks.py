@@ -309,23 +309,23 @@ class Recorder:
             autocast=autocast_state(leaves[positions[0]].device.type) if positions else None,
             training=module.training,
         )
-        # (the step runs a user's hooks on these outputs where autograd's capture skips them)
-        call.output_hooks = [_hooks_of(leaves[j]) for j in positions]
+        call.output_hooks = []
         for i, j in enumerate(positions):
-            base = leaves[j]._base
-            if base is None:
-                continue
-            if isinstance(module, nn.Linear) and _reshaped_base(leaves[j], base):
+            leaf, base = leaves[j], leaves[j]._base
+            if base is not None and isinstance(module, nn.Linear) and _reshaped_base(leaf, base):
                 # a Linear on a [..., T, d] input returns its product reshaped: read the
                 # gradient at the product, which an in-place op on the output (ReLU(inplace))
                 # cannot bypass, and reshape it (the user's hooks on the output come before)
-                node = leaves[j].grad_fn
+                node = leaf.grad_fn
                 assert node is not None  # (checked by _reshaped_base)
                 call.edges[i] = GradientEdge(*node.next_functions[0])
                 call.base_shapes[i] = base.shape
-                call.output_hooks[i] = {}
-            else:  # (a view: an in-place op on it would bypass its recorded node)
-                call.output_views.append((i, weakref.ref(leaves[j]), base.grad_fn))
+                call.output_hooks.append({})
+                continue
+            # (the step runs a user's hooks on this output where autograd's capture skips them)
+            call.output_hooks.append(_hooks_of(leaf))
+            if base is not None:  # (a view: an in-place op on it would bypass its node)
+                call.output_views.append((weakref.ref(leaf), base.grad_fn))
         if replays:  # (what a replay of the module needs: the weights, buffers and modes)
             call.weight_versions = [(p, p._version) for p in module.parameters()]
             call.modes = tuple((sub, sub.training) for sub in module.modules())

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.nn.modules import module as torch_module
 from torch.utils.hooks import unserializable_hook
 
 from jacflow.linalg._cholesky import cholesky_ex
@@ -73,6 +74,34 @@ class Rows:
             return scaled
         out = scaled.new_zeros(self.num_samples, *per_row.shape[1:])
         return out.index_add_(0, self.index, scaled)
+
+
+def backward_hooks(module: nn.Module | None) -> tuple[bool, bool]:
+    """Whether ``module`` (``None``: every module, the global registrations) has full module
+    backward hooks or pre-hooks (``register_full_backward_hook``), and whether it has older
+    ones (``register_backward_hook``); torch keeps one kind of hooks per module.
+
+    Example:
+        >>> from torch import nn
+        >>> from jacflow.autogram._rules import backward_hooks
+        >>> layer = nn.Linear(2, 2)
+        >>> _ = layer.register_full_backward_hook(lambda module, grads_in, grads_out: None)
+        >>> backward_hooks(layer)
+        (True, False)
+    """
+    if module is None:
+        hooks, pre_hooks = (
+            torch_module._global_backward_hooks,
+            torch_module._global_backward_pre_hooks,
+        )
+        full = torch_module._global_is_full_backward_hook  # (read now: torch rebinds it)
+    else:
+        hooks, pre_hooks, full = (
+            module._backward_hooks,
+            module._backward_pre_hooks,
+            module._is_full_backward_hook,
+        )
+    return bool(pre_hooks) or (bool(hooks) and bool(full)), bool(hooks) and not full
 
 
 @unserializable_hook
@@ -128,10 +157,10 @@ class Call:
     # each recorded output's dict of gradient hooks, opened by the engine with a no-op hook of
     # its own (``no_hook``: a user's hooks registered later land in it), else ``None``
     output_hooks: list[dict[Any, Any]] | None = None
-    # the recorded outputs that are views (by their index among the recorded outputs), with
-    # their base's node at the forward: an in-place op on one under autograd afterwards gives
-    # the base a new node, through which the gradient bypasses the recorded one
-    output_views: list[tuple[int, weakref.ref[Tensor], Any]] = field(default_factory=list)
+    # the recorded outputs that are views, with their base's node at the forward: an in-place
+    # op on one under autograd afterwards gives the base a new node, through which the
+    # gradient bypasses the recorded one
+    output_views: list[tuple[weakref.ref[Tensor], Any]] = field(default_factory=list)
     # recorded outputs whose gradient is read at their base (index -> the base's shape): a
     # Linear's product reshaped to its output
     base_shapes: dict[int, torch.Size] = field(default_factory=dict)
