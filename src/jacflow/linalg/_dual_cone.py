@@ -326,9 +326,10 @@ def _solve(
         method = "pdas" if m <= _AUTO_PDAS_MAX_M else "admm"
         # PDAS's first guess of the active sets (lam > 0 at v = u): small ones (e.g.
         # per-sample conflicts) are solved fastest on G^-1; the chosen method takes the rest.
-        inverse = safe_inverse(g) if active_systems_pay((lam > 0).sum(-1), m) else None
+        guess = lam > 0
+        inverse = safe_inverse(g) if active_systems_pay(guess.sum(-1), m) else None
         if inverse is not None:
-            dual = dual_pdas_solve(u, g, inverse, (lam, residual, c), _DUAL_MAX_ITER, tol)
+            dual = dual_pdas_solve(u, g, inverse, (guess, residual, c), _DUAL_MAX_ITER, tol)
     cap = max_iter or (_PDAS_MAX_ITER if method == "pdas" else _FIRST_ORDER_MAX_ITER)
     low_precision = tol >= _LOW_PRECISION_TOL or m >= _LOW_PRECISION_MIN_M
 

@@ -230,8 +230,8 @@ def dual_pdas_solve(
     tol: float,
 ) -> tuple[Tensor, Tensor]:
     """Dual PDAS from ``v = u`` for at most ``max_iter`` steps; ``start`` is
-    ``(lam, residual, c)`` at ``v = u`` (``lam = 2 u G``, the KKT residual, the multiplier
-    scale), as the caller has them.
+    ``(active, residual, c)`` at ``v = u`` (PDAS's first guess ``lam > 0`` with
+    ``lam = 2 u G``, the KKT residual, the multiplier scale), as the caller has them.
 
     Returns ``(v, residual)``: the better of ``u`` and the last iterate of each problem, and its
     KKT residual with the true ``G``. The steps stop early when an active system is not
@@ -246,15 +246,14 @@ def dual_pdas_solve(
         >>> g = torch.tensor([[[0.2, -0.2], [-0.2, 0.8]]], dtype=torch.float64)
         >>> u = torch.tensor([[[1.0, 0.0]]], dtype=torch.float64)
         >>> lam, c = 2 * torch.bmm(u, g), multiplier_scale(g)
-        >>> start = lam, kkt_residual(u, u, lam, c), c
+        >>> start = lam > 0, kkt_residual(u, u, lam, c), c
         >>> v, _ = dual_pdas_solve(u, g, safe_inverse(g), start, 8, 1e-12)
         >>> v
         tensor([[[1.0000, 0.2500]]], dtype=torch.float64)
     """
-    lam, residual, c = start
+    active, residual, c = start
     padded: Tensor | None = None  # padded on demand, with room for active sets to grow
     v = u
-    active = lam > 0  # PDAS's first guess at v = u
     slots = None  # the problem slots still iterated (None: all)
     pending_u = u
     for iteration in range(max_iter):
@@ -268,13 +267,15 @@ def dual_pdas_solve(
             break
         pending_v, mu = step
         v = pending_v if slots is None else v.index_copy(1, slots, pending_v)
-        following = torch.where(active, mu > 0, pending_v < pending_u)
-        moving = (following != active).any(-1).any(0)  # slots whose guess changed somewhere
-        count = int(moving.sum())
+        # (mu is 0 off the active set and v = u on it: the rule needs no select)
+        following = (mu > 0) | (pending_v < pending_u)
+        # the slots whose guess changed somewhere (bool reductions are slow on the CPU)
+        moving = (following ^ active).view(torch.uint8).amax(-1).amax(0).nonzero().squeeze(1)
+        count = moving.numel()
         if count == 0:
             break
-        if count < moving.numel():
-            index = moving.nonzero().squeeze(1)
+        if count < active.shape[1]:
+            index = moving
             slots = index if slots is None else slots[index]
             pending_u, following = pending_u[:, index], following[:, index]
         active = following
