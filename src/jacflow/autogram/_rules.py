@@ -589,35 +589,25 @@ def quiet_vmap_fallback() -> Iterator[None]:
         yield
 
 
-def gram(flat: Tensor, leaf: int = 32, min_columns: int = 1024) -> Tensor:
-    """``flat @ flat.T`` computing each off-diagonal block once (recursive 2 x 2 blocking).
+def gram(flat: Tensor) -> Tensor:
+    """``flat @ flat.T``: the Gramian of the rows of ``flat``, as one product.
 
-    A Gramian is symmetric, so splitting the rows in halves needs the two diagonal blocks and
-    one off-diagonal block: about ``(1/2 + 1/2^k)`` of the multiply-adds after ``k`` levels, down
-    to ``leaf`` rows (27-35% faster on ``[128, 9216]`` and ``[256, 2048]``, float32, 1 thread,
-    on one host; on a later host with a faster CPU, within -10% to +2% of one product, and
-    engine steps within 3% either way).
-    Narrow matrices (fewer than ``min_columns`` columns) use one product, and so does every
-    matrix off the CPU: on a GPU the blocks' launches and concatenations cost more than the
-    multiply-adds they save (an H100 profile of a per-sample step of a width-4096 MLP: 57
-    products and 63 concatenations a step, of which the blocking made most).
+    A recursive 2 x 2 blocking that computes each off-diagonal block once (about half the
+    multiply-adds) was 27-35% faster on one early host, within -10% to +2% on a later one, and
+    is 0-45% slower on the current one (float32, 1 thread, ``[128, 432]`` to ``[256, 2048]``
+    and ``[128, 9216]``; the per-sample steps of the width-1024 MLP at B = 128 took 0.92x and
+    of the CNN 0.99x the time without it, in one process, interleaved): the smaller products
+    and their concatenation cost what the symmetry saves. Off the CPU the blocks' launches
+    cost more still.
 
     Example:
         >>> import torch
         >>> from jacflow.autogram._rules import gram
-        >>> f = torch.arange(12.0).reshape(4, 3)
-        >>> torch.equal(gram(f, leaf=1, min_columns=1), f @ f.T)
-        True
+        >>> gram(torch.tensor([[1.0, 2.0], [3.0, 4.0]]))
+        tensor([[ 5., 11.],
+                [11., 25.]])
     """
-    rows = flat.shape[0]
-    if rows < 2 * leaf or flat.shape[1] < min_columns or flat.device.type != "cpu":
-        return flat @ flat.T
-    half = rows // 2
-    top, bottom = flat[:half], flat[half:]
-    cross = bottom @ top.T
-    upper = torch.cat([gram(top, leaf, min_columns), cross.T], dim=1)
-    lower = torch.cat([cross, gram(bottom, leaf, min_columns)], dim=1)
-    return torch.cat([upper, lower], dim=0)
+    return flat @ flat.T
 
 
 # The Cholesky blocks of kernel_gram pay when the multiply-adds they save (about half of
