@@ -98,3 +98,64 @@ def test_no_recorded_call_keeps_its_own_error() -> None:
     engine = Engine(model, batch_dim=0)  # (created after the forward)
     with pytest.raises(RuntimeError, match="No forward call of the hooked modules"):
         engine.compute_gramian(out.sum(1))
+
+
+class _TableThroughLayer(nn.Module):
+    """An embedding table given as is, a parameter, as the input of a hooked Linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10, 6)
+        self.proj = nn.Linear(6, 6)
+
+    def forward(self, idx: Tensor) -> Tensor:
+        return self.embed(idx) @ self.proj(self.embed.weight).T
+
+
+class _Skipped(nn.Module):
+    """A block under the generic rule that returns its input as it is (a skipped layer)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gamma = nn.Parameter(torch.full((6,), 0.5))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x
+
+
+class _TiedBeforeSkip(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10, 6)
+        self.block = _Skipped()
+        self.out = nn.Linear(10, 1)
+
+    def forward(self, idx: Tensor) -> Tensor:
+        tied = F.linear(self.embed(idx), self.embed.weight)
+        return self.out(self.block(tied)).squeeze(1)
+
+
+@pytest.mark.parametrize("model", ["table_as_input", "before_a_skipped_block"])
+def test_outside_uses_past_inputs_and_pass_through_calls_are_refused(model: str) -> None:
+    """The walk goes on into a parameter given as a call's input, and through a call that
+    returns its input as it is (its output's node is that input's)."""
+    torch.manual_seed(0)
+    module = _TableThroughLayer() if model == "table_as_input" else _TiedBeforeSkip()
+    module = module.double()
+    engine = Engine(module, batch_dim=None)
+    out = module(torch.randint(0, 10, (4, 3)))
+    with pytest.raises(ValueError, match=r"embed\.weight is used outside"):
+        engine.compute_gramian(torch.stack([out.pow(2).mean(), out[0].sum()]))
+
+
+def test_check_runs_again_after_a_step_that_met_no_call() -> None:
+    """A first step that failed before the walk met a recorded call leaves the check for the
+    next step."""
+    torch.manual_seed(0)
+    model = _TiedLM("functional").double()
+    stale = model(torch.randint(0, 10, (4, 3)))
+    engine = Engine(model, batch_dim=0)  # (created after that forward)
+    with pytest.raises(RuntimeError, match="No forward call"):
+        engine.compute_gramian(stale.pow(2).mean((1, 2)))
+    with pytest.raises(ValueError, match=r"embed\.weight is used outside"):
+        engine.compute_gramian(_losses(model, 0))

@@ -414,7 +414,6 @@ class Engine:
             _check_output_views(self._units[index], call)
         if not self._outside_checked:
             self._check_no_outside_use(losses, calls)
-            self._outside_checked = True
         rows, cotangents, order = self._rows(losses)
         edges = [edge for _, call in calls for edge in call.edges]
         # (a module re-run with torch.func replays the hooks its forward registered: its own
@@ -501,14 +500,18 @@ class Engine:
         of a small model (per sample, the width-256 MLP at B = 128; per task, width 256 with 10
         heads)."""
         # (the generic rule re-runs its module, its calls of itself and of its children
-        # included: it covers what other checks, at the forward, do not refuse)
+        # included: it covers what other checks, at the forward, do not refuse; its calls are
+        # walked through, what their inputs hide included)
         params: dict[int, str] = {}
         for unit in self._units:
             if not unit.rule.replays():
                 for key, param in unit.params().items():
                     params.setdefault(id(param), f"{unit.name}.{key}")  # (a tie: the first)
-        outside = used_outside(losses, (call for _, call in calls), params)
-        if outside is not None:
+        closed = (call for index, call in calls if not self._units[index].rule.replays())
+        met, outside = used_outside(losses, closed, params) if params else (True, None)
+        # (checked once the walk met a recorded call: else the step fails for that)
+        self._outside_checked = met
+        if met and outside is not None:
             raise ValueError(
                 f"The parameter {outside} is used outside the forward calls of the hooked modules "
                 "(e.g. a weight tied through a functional call, F.linear(h, "

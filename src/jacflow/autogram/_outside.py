@@ -14,43 +14,51 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from torch import Tensor
+from torch.autograd.graph import get_gradient_edge
 
 from jacflow.autogram._rules import Call
 
 
-def used_outside(losses: Tensor, calls: Iterable[Call], params: dict[int, str]) -> str | None:
-    """The name (a value of ``params``, keyed by ``id`` of the parameter) of a hooked parameter
-    that ``losses`` reach outside the recorded ``calls``, else ``None``; also ``None`` when they
-    reach none of the calls (the engine's own error then says that no call was recorded).
+def used_outside(
+    losses: Tensor, calls: Iterable[Call], params: dict[int, str]
+) -> tuple[bool, str | None]:
+    """Whether ``losses`` reach any of the recorded ``calls``, and the name (a value of
+    ``params``, keyed by ``id`` of the parameter) of a hooked parameter that they reach outside
+    those calls, else ``None``.
+
+    The walk steps over each call, from its output's node to its inputs' (a parameter given as
+    an input included). A call that returns one of its inputs as it is (its output's node is an
+    input's) covers nothing there and is walked through.
 
     Example:
         >>> import torch
         >>> from torch import nn
+        >>> from jacflow.autogram import Engine
         >>> from jacflow.autogram._outside import used_outside
         >>> layer = nn.Linear(2, 2)
-        >>> from jacflow.autogram import Engine
         >>> engine = Engine(layer, batch_dim=0)
         >>> losses = layer(torch.ones(1, 2)) @ layer.weight  # (the weight used again)
         >>> calls = [call for _, call in engine._recorder.take()]
         >>> used_outside(losses.sum(), calls, {id(layer.weight): "weight"})
-        'weight'
+        (True, 'weight')
     """
     over: dict[int, list[object]] = {}  # a recorded output's node -> its call's inputs' nodes
     for call in calls:
-        inputs: list[object] = [t.grad_fn for t, _ in call.versions if t.grad_fn is not None]
+        inputs = [get_gradient_edge(t).node for t, _ in call.versions if t.requires_grad]
         for edge in call.edges:
-            over[id(edge.node)] = inputs
+            if not any(node is edge.node for node in inputs):
+                over.setdefault(id(edge.node), []).extend(inputs)
     stack: list[object] = [losses.grad_fn]
     seen: dict[int, object] = {}  # (holding the nodes' Python objects: their ids stay theirs)
     found: str | None = None
-    recorded = False
+    met = False
     while stack:
         node = stack.pop()
         if node is None or id(node) in seen:
             continue
         seen[id(node)] = node
         if id(node) in over:
-            recorded = True
+            met = True
             stack.extend(over[id(node)])
             continue
         variable = getattr(node, "variable", None)  # (a gradient accumulator's parameter)
@@ -58,4 +66,4 @@ def used_outside(losses: Tensor, calls: Iterable[Call], params: dict[int, str]) 
             found = found or params[id(variable)]
             continue
         stack.extend(following for following, _ in node.next_functions)  # type: ignore[attr-defined]
-    return found if recorded else None
+    return met, found
