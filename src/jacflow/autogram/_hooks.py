@@ -158,9 +158,7 @@ def _hooks_of(tensor: Tensor) -> dict[Any, Any]:
     return tensor._backward_hooks  # type: ignore[return-value]
 
 
-def _copy_views(
-    leaves: list[Any], positions: list[int], read_at_base: list[int], inputs: Any
-) -> bool:
+def _copy_views(leaves: list[Any], positions: list[int], read_at_base: list[int]) -> bool:
     """Replace each recorded output that is a view by a copy (the call's output then is the
     copy); whether any was.
 
@@ -168,23 +166,13 @@ def _copy_views(
     and the gradient then bypasses the view's own, which the engine records: the call would
     drop out of the Gramian silently once the view is freed (a batch-first attention's output,
     a module ending in ``.view()`` or ``.transpose()``). On a copy the same op stacks a node on
-    the recorded one. Left as they are: the outputs read at their base; views that already carry
-    gradient hooks (registered inside the forward, which the copy would not run first); and
-    views whose base the caller can reach otherwise (another output, or an input, or a view of
-    either), whose aliasing a copy would break.
+    the recorded one. The outputs read at their base are left, and so are views that already
+    carry gradient hooks (registered inside the forward, which the copy would not run first).
     """
-    tensors = [t for t in (*leaves, *inputs) if isinstance(t, Tensor)]
-    reachable: dict[int, int] = {}  # id of each base -> how many of those tensors lead to it
-    for t in tensors:
-        base = t if t._base is None else t._base
-        reachable[id(base)] = reachable.get(id(base), 0) + 1
     copied = False
     for j in positions:
         leaf = leaves[j]
-        base = leaf._base
-        if base is None or j in read_at_base or leaf._backward_hooks:
-            continue
-        if reachable.get(id(base), 0) == 1:  # (only this output leads to its base)
+        if leaf._base is not None and j not in read_at_base and not leaf._backward_hooks:
             leaves[j], copied = leaf.clone(), True
     return copied
 
@@ -339,11 +327,11 @@ class Recorder:
                 parent.children.append(None)
             return None
         read_at_base = [j for j in positions if _read_at_base(module, leaves[j])]
+        copied = _copy_views(leaves, positions, read_at_base)
         if not kwargs and all(isinstance(a, Tensor) for a in args):
             inputs = args
         else:
             inputs = tree_flatten((args, kwargs))[0]
-        copied = _copy_views(leaves, positions, read_at_base, inputs)
         call = Call(
             args=tuple(args),
             kwargs=dict(kwargs),
