@@ -590,12 +590,11 @@ def _rows_shaped(
 
 
 def _check_output_views(unit: Unit, call: Call) -> None:
-    """An output kept as a view (one its module's forward hooked; the others are copied at the
-    forward), changed in place under autograd since the forward (``relu_``, ``+=``), gives its
-    base a new node, through which the gradient bypasses the recorded one: refused (also for a
-    stray forward's output kept alive: whether the losses use the new node would take a walk of
-    their graph). A view freed before the step cannot be checked; a change outside autograd
-    (under ``no_grad``, through ``.detach()``) keeps the base's node."""
+    """An output that is a view, changed in place under autograd since the forward (``relu_``,
+    ``+=``), gives its base a new node, through which the gradient bypasses the recorded one:
+    refused (also for a stray forward's output kept alive: whether the losses use the new node
+    would take a walk of their graph). A view freed before the step cannot be checked; a change
+    outside autograd (under ``no_grad``, through ``.detach()``) keeps the base's node."""
     for ref, base_node in call.output_views:
         view = ref()
         if view is not None and view._base is not None and view._base.grad_fn is not base_node:

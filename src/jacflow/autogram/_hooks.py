@@ -2,9 +2,8 @@
 
 A forward hook stores each grad-enabled call's inputs and the autograd *edges* of its outputs
 (the node that produced each output, taken at forward time, so later in-place operations on the
-output do not move it). Nothing is added to the graph but a copy of each output that is a view
-(see :func:`_copy_views`), so several engines can hook one model and un-hooked code paths are
-unaffected. Calls whose edges the losses do not reach (stray forwards,
+output do not move it). Nothing is added to the graph, so several engines can hook one model and
+un-hooked code paths are unaffected. Calls whose edges the losses do not reach (stray forwards,
 forwards of other graphs) are ignored when the Gramian is computed.
 """
 
@@ -23,7 +22,7 @@ from torch.nn.utils.parametrize import is_parametrized
 from torch.nn.utils.prune import BasePruningMethod
 from torch.nn.utils.spectral_norm import SpectralNorm
 from torch.nn.utils.weight_norm import WeightNorm
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten
 from torch.utils.hooks import RemovableHandle
 
 from jacflow.autogram._fallback import FallbackRule
@@ -158,32 +157,6 @@ def _hooks_of(tensor: Tensor) -> dict[Any, Any]:
     return tensor._backward_hooks  # type: ignore[return-value]
 
 
-def _copy_views(leaves: list[Any], positions: list[int], read_at_base: list[int]) -> bool:
-    """Replace each recorded output that is a view by a copy (the call's output then is the
-    copy); whether any was.
-
-    An in-place op on a view under autograd (``out += x``, ``relu_``) gives its base a new node,
-    and the gradient then bypasses the view's own, which the engine records: the call would
-    drop out of the Gramian silently once the view is freed (a batch-first attention's output,
-    a module ending in ``.view()`` or ``.transpose()``). On a copy the same op stacks a node on
-    the recorded one. The outputs read at their base are left, and so are views that already
-    carry gradient hooks (registered inside the forward, which the copy would not run first).
-    """
-    copied = False
-    for j in positions:
-        leaf = leaves[j]
-        if leaf._base is not None and j not in read_at_base and not leaf._backward_hooks:
-            leaves[j], copied = leaf.clone(), True
-    return copied
-
-
-def _read_at_base(module: nn.Module, output: Tensor) -> bool:
-    """Whether ``output`` is a Linear's product reshaped, whose gradient is read at the
-    product."""
-    base = output._base
-    return base is not None and isinstance(module, nn.Linear) and _reshaped_base(output, base)
-
-
 def _reshaped_base(view: Tensor, base: Tensor) -> bool:
     """Whether ``view`` is all of ``base`` reshaped, by one view node on the base's own."""
     node = view.grad_fn
@@ -302,18 +275,14 @@ class Recorder:
 
     def _record(
         self, index: int, replays: bool, module: nn.Module, args: Any, kwargs: Any, output: Any
-    ) -> Any:
+    ) -> None:
         if self.idle or not torch.is_grad_enabled() or is_replaying():
-            return None
+            return
         pending = self._starts.get(id(module)) if replays else None
         start = pending.pop() if pending else None
         parent = pending[-1] if pending else None  # (the call this one runs inside)
         # Fast path for the common single-tensor output and tensor-only positional inputs.
-        leaves: list[Any]
-        if isinstance(output, Tensor):
-            leaves, spec = [output], None
-        else:
-            leaves, spec = tree_flatten(output)
+        leaves = [output] if isinstance(output, Tensor) else tree_flatten(output)[0]
         positions = [
             j
             for j, leaf in enumerate(leaves)
@@ -325,9 +294,7 @@ class Recorder:
         if bare:
             if parent is not None:
                 parent.children.append(None)
-            return None
-        read_at_base = [j for j in positions if _read_at_base(module, leaves[j])]
-        copied = _copy_views(leaves, positions, read_at_base)
+            return
         if not kwargs and all(isinstance(a, Tensor) for a in args):
             inputs = args
         else:
@@ -345,7 +312,7 @@ class Recorder:
         call.output_hooks = []
         for i, j in enumerate(positions):
             leaf, base = leaves[j], leaves[j]._base
-            if j in read_at_base:
+            if base is not None and isinstance(module, nn.Linear) and _reshaped_base(leaf, base):
                 # a Linear on a [..., T, d] input returns its product reshaped: read the
                 # gradient at the product, which an in-place op on the output (ReLU(inplace))
                 # cannot bypass, and reshape it (the user's hooks on the output come before)
@@ -357,8 +324,7 @@ class Recorder:
                 continue
             # (the step runs a user's hooks on this output where autograd's capture skips them)
             call.output_hooks.append(_hooks_of(leaf))
-            if base is not None:  # (a view kept, its hooks registered in the forward: an
-                # in-place op on it would bypass its node)
+            if base is not None:  # (a view: an in-place op on it would bypass its node)
                 call.output_views.append((weakref.ref(leaf), base.grad_fn))
         if replays:  # (what a replay of the module needs: the weights, buffers and modes)
             call.weight_versions = [(p, p._version) for p in module.parameters()]
@@ -374,9 +340,6 @@ class Recorder:
                 parent.children.append(call)
         if positions:
             self.calls.append((index, call))
-        if not copied:
-            return None
-        return leaves[0] if spec is None else tree_unflatten(leaves, spec)
 
     def take(self) -> list[tuple[int, Call]]:
         """The recorded calls; the record starts afresh."""
