@@ -389,12 +389,17 @@ class _ViewOut(nn.Module):
         return (x @ self.weight).view(*x.shape[:-1], 2, 2)
 
 
-@pytest.mark.parametrize("pattern", ["in_place", "used_before_and_after", "again_after"])
+@pytest.mark.parametrize("batch_dim", [0, None])
+@pytest.mark.parametrize("pattern", ["in_place", "used_before_and_after", "again_after", "freed"])
 @pytest.mark.parametrize("kind", ["attention", "view"])
-def test_in_place_op_on_a_view_output_is_refused(kind: str, pattern: str) -> None:
+def test_in_place_op_on_a_view_output_is_refused(
+    kind: str, pattern: str, batch_dim: int | None
+) -> None:
     """An in-place op on a hooked module's output that is a view (batch-first attention's output
     is a transpose) takes the recorded node out of the graph: refused with the workaround, also
-    when the losses use the view before the op too, or when another op follows the losses."""
+    when the losses use the view before the op too, when another op follows the losses, and
+    when the view is freed before the step (an in-place residual inside a forward, which was
+    silently wrong: the engine now holds the views until the step)."""
     torch.manual_seed(0)
     first = nn.Linear(4, 4).double()
     module: nn.Module
@@ -402,16 +407,21 @@ def test_in_place_op_on_a_view_output_is_refused(kind: str, pattern: str) -> Non
         module = nn.MultiheadAttention(4, 2, batch_first=True).double()
     else:
         module = _ViewOut()
-    engine = Engine(first, module, batch_dim=0)
-    h = first(torch.randn(3, 5, 4, dtype=torch.float64))
-    out = module(h, h, h, need_weights=False)[0] if kind == "attention" else module(h)
-    before = out * 2 if pattern == "used_before_and_after" else 0.0
-    out.add_(1.0)
-    losses = (out + before).sum(tuple(range(1, out.ndim))).pow(2)
-    if pattern == "again_after":
-        out.mul_(0.5)
+    engine = Engine(first, module, batch_dim=batch_dim)
+
+    def forward() -> Tensor:
+        h = first(torch.randn(3, 5, 4, dtype=torch.float64))
+        out = module(h, h, h, need_weights=False)[0] if kind == "attention" else module(h)
+        before = out * 2 if pattern == "used_before_and_after" else 0.0
+        out.add_(1.0)
+        total = (out + before).pow(2)
+        losses = total.sum(tuple(range(1, out.ndim))) if batch_dim == 0 else total.flatten()[:4]
+        if pattern == "again_after":
+            out.mul_(0.5)
+        return losses
+
     with pytest.raises(RuntimeError, match=r"is a view .* modified in place"):
-        engine.backward(losses, UPGradWeighting())
+        engine.backward(forward(), UPGradWeighting())
     assert all(p.grad is None for p in [*first.parameters(), *module.parameters()])
 
 

@@ -592,12 +592,12 @@ def _rows_shaped(
 def _check_output_views(unit: Unit, call: Call) -> None:
     """An output that is a view, changed in place under autograd since the forward (``relu_``,
     ``+=``), gives its base a new node, through which the gradient bypasses the recorded one:
-    refused (also for a stray forward's output kept alive: whether the losses use the new node
-    would take a walk of their graph). A view freed before the step cannot be checked; a change
-    outside autograd (under ``no_grad``, through ``.detach()``) keeps the base's node."""
-    for ref, base_node in call.output_views:
-        view = ref()
-        if view is not None and view._base is not None and view._base.grad_fn is not base_node:
+    refused. The engine holds the recorded views until the step, so that a change made after
+    the caller freed the view is seen too; that covers a stray forward's output as well
+    (whether the losses use the new node would take a walk of their graph). A change outside
+    autograd (under ``no_grad``, through ``.detach()``) keeps the base's node."""
+    for view, base_node in call.output_views:
+        if view._base is not None and view._base.grad_fn is not base_node:
             raise RuntimeError(
                 f"An output of {unit.name} ({type(unit.module).__name__}) is a view (e.g. a "
                 "transposed or reshaped tensor) and was modified in place after the forward "

@@ -9,7 +9,6 @@ forwards of other graphs) are ignored when the Gramian is computed.
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -324,8 +323,9 @@ class Recorder:
                 continue
             # (the step runs a user's hooks on this output where autograd's capture skips them)
             call.output_hooks.append(_hooks_of(leaf))
-            if base is not None:  # (a view: an in-place op on it would bypass its node)
-                call.output_views.append((weakref.ref(leaf), base.grad_fn))
+            if base is not None:  # (a view: an in-place op on it would bypass its node; kept
+                # until the step, so that one made after the view is freed is seen too)
+                call.output_views.append((leaf, base.grad_fn))
         if replays:  # (what a replay of the module needs: the weights, buffers and modes)
             call.weight_versions = [(p, p._version) for p in module.parameters()]
             call.modes = tuple((sub, sub.training) for sub in module.modules())

@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import warnings
-import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -157,10 +156,10 @@ class Call:
     # each recorded output's dict of gradient hooks, opened by the engine with a no-op hook of
     # its own (``no_hook``: a user's hooks registered later land in it), else ``None``
     output_hooks: list[dict[Any, Any]] | None = None
-    # the recorded outputs that are views, with their base's node at the forward: an in-place
-    # op on one under autograd afterwards gives the base a new node, through which the
-    # gradient bypasses the recorded one
-    output_views: list[tuple[weakref.ref[Tensor], Any]] = field(default_factory=list)
+    # the recorded outputs that are views (held until the step), with their base's node at the
+    # forward: an in-place op on one under autograd afterwards gives the base a new node,
+    # through which the gradient bypasses the recorded one
+    output_views: list[tuple[Tensor, Any]] = field(default_factory=list)
     # recorded outputs whose gradient is read at their base (index -> the base's shape): a
     # Linear's product reshaped to its output
     base_shapes: dict[int, torch.Size] = field(default_factory=dict)
