@@ -159,3 +159,25 @@ def test_check_runs_again_after_a_step_that_met_no_call() -> None:
         engine.compute_gramian(stale.pow(2).mean((1, 2)))
     with pytest.raises(ValueError, match=r"embed\.weight is used outside"):
         engine.compute_gramian(_losses(model, 0))
+
+
+@pytest.mark.parametrize("substitute", [False, True])
+def test_functional_call_with_other_tensors_is_refused(substitute: bool) -> None:
+    """``torch.func.functional_call`` with the module's own parameters is exact; with other
+    tensors in their place (a scaled weight) the closed form would give the gradient of those
+    as the parameter's (49% off on this model): refused before anything is written."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 1)).double()
+    engine = Engine(model, batch_dim=0)
+    params = {
+        k: v * 0.5 if substitute and k == "2.weight" else v for k, v in model.named_parameters()
+    }
+    x = torch.randn(5, 4, dtype=torch.float64)
+    losses = torch.func.functional_call(model, params, (x,)).squeeze(1).pow(2)
+    if substitute:
+        with pytest.raises(ValueError, match="read other tensors than its parameters"):
+            engine.backward(losses, UPGradWeighting())
+        assert all(p.grad is None for p in model.parameters())
+        return
+    jacobian = reference_jacobian(losses, list(model.parameters()))
+    torch.testing.assert_close(engine.compute_gramian(losses), jacobian @ jacobian.T)

@@ -14,7 +14,13 @@ from jacflow.aggregation import GramianWeighting
 from jacflow.autogram._buffers import GradientBuffers, worth_reusing
 from jacflow.autogram._capture import capture
 from jacflow.autogram._fallback import FallbackRule
-from jacflow.autogram._hooks import Recorder, Unit, batch_statistics, find_units
+from jacflow.autogram._hooks import (
+    Recorder,
+    Unit,
+    batch_statistics,
+    find_units,
+    own_parameter_ids,
+)
 from jacflow.autogram._outside import used_outside
 from jacflow.autogram._precision import upcast, without_autocast
 from jacflow.autogram._recurrent import covered, uncovered_refusal
@@ -457,6 +463,7 @@ class Engine:
             dims = [unit.rule.output_batch_dim(unit.module, call, j) for j in call.output_positions]
             _check_batch(unit, call, rows, dims)
             _check_versions(call)
+            _check_same_parameters(unit, call)
             call.reached = [g is not None for g in call_grads]
             call.grads = _rows_shaped(call_grads, call, rows, dims)
             reached.setdefault(index, []).append(call)
@@ -634,6 +641,19 @@ def _check_no_output_hooks(unit: Unit, call: Call, grads: list[Tensor | None]) -
                 "Register the hook on a tensor computed from that output (e.g. "
                 "out = out.view_as(out) first), or on one inside the module."
             )
+
+
+def _check_same_parameters(unit: Unit, call: Call) -> None:
+    """A closed form writes the gradients of the module's parameters from what the forward
+    read as them: refused when those were other tensors (``torch.func.functional_call``)."""
+    if call.param_ids is not None and call.param_ids != own_parameter_ids(unit.module):
+        raise ValueError(
+            f"The forward call of {unit.name} ({type(unit.module).__name__}) read other tensors "
+            "than its parameters as its weights (e.g. through torch.func.functional_call), or "
+            "its parameters were replaced since: the engine computes the Jacobian with respect "
+            "to the module's parameters from that call. Call the module itself, with its own "
+            "parameters, or use jacflow.autojac for functional calls."
+        )
 
 
 def _check_versions(call: Call) -> None:

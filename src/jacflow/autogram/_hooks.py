@@ -156,6 +156,11 @@ def _hooks_of(tensor: Tensor) -> dict[Any, Any]:
     return tensor._backward_hooks  # type: ignore[return-value]
 
 
+def own_parameter_ids(module: nn.Module) -> tuple[int, ...]:
+    """The ids of the module's own parameters (the tensors its forward reads as such)."""
+    return tuple(id(p) for p in module._parameters.values() if p is not None)
+
+
 def _reshaped_base(view: Tensor, base: Tensor) -> bool:
     """Whether ``view`` is all of ``base`` reshaped, by one view node on the base's own."""
     node = view.grad_fn
@@ -326,6 +331,8 @@ class Recorder:
             if base is not None:  # (a view: an in-place op on it would bypass its node; kept
                 # until the step, so that one made after the view is freed is seen too)
                 call.output_views.append((leaf, base.grad_fn))
+        if not replays:
+            call.param_ids = own_parameter_ids(module)
         if replays:  # (what a replay of the module needs: the weights, buffers and modes)
             call.weight_versions = [(p, p._version) for p in module.parameters()]
             call.modes = tuple((sub, sub.training) for sub in module.modules())

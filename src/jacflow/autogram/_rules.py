@@ -163,6 +163,9 @@ class Call:
     # recorded outputs whose gradient is read at their base (index -> the base's shape): a
     # Linear's product reshaped to its output
     base_shapes: dict[int, torch.Size] = field(default_factory=dict)
+    # for the rules that do not replay: the ids of the module's own parameters during the
+    # forward (``torch.func.functional_call`` puts other tensors in their place)
+    param_ids: tuple[int, ...] | None = None
 
     def user_hooks(self) -> list[list[Callable[[Tensor], Tensor | None]]]:
         """The gradient hooks on each recorded output other than the engine's own (none when
