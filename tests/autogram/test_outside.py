@@ -181,3 +181,28 @@ def test_functional_call_with_other_tensors_is_refused(substitute: bool) -> None
         return
     jacobian = reference_jacobian(losses, list(model.parameters()))
     torch.testing.assert_close(engine.compute_gramian(losses), jacobian @ jacobian.T)
+
+
+@pytest.mark.parametrize("kind", ["attention", "lstm", "batchnorm"])
+def test_outside_uses_of_replayed_closed_forms_are_refused(kind: str) -> None:
+    """Attention, recurrent and BatchNorm layers have closed forms that replay the module:
+    their parameters are checked too (a weight reused through a functional call, 31-38% off
+    before)."""
+    torch.manual_seed(0)
+    x = torch.randn(5, 3, 4, dtype=torch.float64)
+    module: nn.Module
+    if kind == "attention":
+        module = nn.MultiheadAttention(4, 2, batch_first=True).double()
+    elif kind == "lstm":
+        module = nn.LSTM(4, 4, batch_first=True).double()
+    else:
+        module = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(3)).double().eval()
+    engine = Engine(module, batch_dim=None)
+    if isinstance(module, nn.MultiheadAttention):
+        out = F.linear(module(x, x, x)[0], module.out_proj.weight)
+    elif isinstance(module, nn.LSTM):
+        out = module(x)[0] @ module.weight_ih_l0[:4]
+    else:
+        out = module(x) * module[1].weight[:, None]
+    with pytest.raises(ValueError, match="is used outside the forward calls"):
+        engine.compute_gramian(torch.stack([out.sum(), out.pow(2).mean()]))

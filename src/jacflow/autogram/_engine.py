@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from types import TracebackType
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -21,7 +22,7 @@ from jacflow.autogram._hooks import (
     find_units,
     own_parameter_ids,
 )
-from jacflow.autogram._outside import used_outside
+from jacflow.autogram._outside import reaches_any, used_outside
 from jacflow.autogram._precision import upcast, without_autocast
 from jacflow.autogram._recurrent import covered, uncovered_refusal
 from jacflow.autogram._rules import (
@@ -416,8 +417,8 @@ class Engine:
                 "engine (batch_dim=0) cannot be used. Call .eval() on one with running "
                 "statistics, replace it (e.g. by GroupNorm), or use batch_dim=None."
             )
-        for index, call in calls:  # (before the backward: autograd may fail on such a view)
-            _check_output_views(self._units[index], call)
+        # (before the backward: autograd may fail on such a view)
+        _check_output_views(losses, [(self._units[index], call) for index, call in calls])
         if not self._outside_checked:
             self._check_no_outside_use(losses, calls)
         rows, cotangents, order = self._rows(losses)
@@ -510,11 +511,11 @@ class Engine:
         # included: it covers what other checks, at the forward, do not refuse; its calls are
         # walked through, what their inputs hide included)
         params: dict[int, str] = {}
-        for unit in self._units:
-            if not unit.rule.replays():
+        for index, unit in enumerate(self._units):
+            if not self._reruns(index):
                 for key, param in unit.params().items():
                     params.setdefault(id(param), f"{unit.name}.{key}")  # (a tie: the first)
-        closed = (call for index, call in calls if not self._units[index].rule.replays())
+        closed = (call for index, call in calls if not self._reruns(index))
         met, outside = used_outside(losses, closed, params) if params else (True, None)
         # (checked once the walk met a recorded call: else the step fails for that)
         self._outside_checked = met
@@ -596,15 +597,22 @@ def _rows_shaped(
     return shaped
 
 
-def _check_output_views(unit: Unit, call: Call) -> None:
+def _check_output_views(losses: Tensor, calls: list[tuple[Unit, Call]]) -> None:
     """An output that is a view, changed in place under autograd since the forward (``relu_``,
-    ``+=``), gives its base a new node, through which the gradient bypasses the recorded one:
-    refused. The engine holds the recorded views until the step, so that a change made after
-    the caller freed the view is seen too; that covers a stray forward's output as well
-    (whether the losses use the new node would take a walk of their graph). A change outside
-    autograd (under ``no_grad``, through ``.detach()``) keeps the base's node."""
-    for view, base_node in call.output_views:
-        if view._base is not None and view._base.grad_fn is not base_node:
+    ``+=``), gives its base new nodes, through which the gradient bypasses the recorded one:
+    refused when the losses reach one of them. The engine holds the recorded views until the
+    step, so that a change made after the caller freed the view is seen too; a stray forward's
+    view changed so is left alone (the walk of the losses' graph that tells is made only then).
+    A change outside autograd (under ``no_grad``, through ``.detach()``) keeps the base's
+    node."""
+    changed: list[tuple[Unit, dict[int, object]]] = []
+    for unit, call in calls:
+        for view, base_node in call.output_views:
+            base = view._base
+            if base is not None and base.grad_fn is not base_node:
+                changed.append((unit, _new_base_nodes(base.grad_fn, base_node)))
+    for unit, nodes in changed:
+        if reaches_any(losses, nodes):
             raise RuntimeError(
                 f"An output of {unit.name} ({type(unit.module).__name__}) is a view (e.g. a "
                 "transposed or reshaped tensor) and was modified in place after the forward "
@@ -612,6 +620,16 @@ def _check_output_views(unit: Unit, call: Call) -> None:
                 "graph, so its gradients cannot be read. Use an out-of-place operation on it "
                 "(torch.relu(x), x = x + y), or .clone() it first."
             )
+
+
+def _new_base_nodes(node: Any, recorded: Any) -> dict[int, object]:
+    """The nodes that in-place ops on a view gave its base since the forward, newest first:
+    each one's first input is the base's node before it."""
+    nodes: dict[int, object] = {}
+    while node is not None and node is not recorded and id(node) not in nodes:
+        nodes[id(node)] = node
+        node = node.next_functions[0][0] if node.next_functions else None
+    return nodes
 
 
 def _check_no_legacy_backward_hooks(unit: Unit) -> None:

@@ -1,4 +1,4 @@
-"""Hooked parameters that the losses reach outside the hooked modules' recorded calls.
+"""Walks of the losses' autograd graph, for what the recorded calls alone cannot show.
 
 The engine computes each hooked parameter's share of the Jacobian from its module's recorded
 calls (their inputs and output gradients). A use of that parameter anywhere else, for instance
@@ -7,6 +7,10 @@ intermediate of the module kept and used later, adds gradient that no rule sees.
 graph shows such a use: walking it from the losses while stepping over each recorded call
 (from its output's node straight to its inputs' nodes) reaches the parameter's gradient
 accumulator. Only the nodes between the hooked modules are visited, not those inside them.
+
+An in-place op on a recorded output that is a view gives the view's base new nodes, through
+which the gradient bypasses the recorded one; whether the losses use them (or only a stray
+forward did) takes a walk too, made only when some view was changed so.
 """
 
 from __future__ import annotations
@@ -67,3 +71,26 @@ def used_outside(
             continue
         stack.extend(following for following, _ in node.next_functions)  # type: ignore[attr-defined]
     return met, found
+
+
+def reaches_any(losses: Tensor, targets: dict[int, object]) -> bool:
+    """Whether the graph of ``losses`` contains one of the nodes ``targets`` (keyed by ``id``).
+
+    Example:
+        >>> import torch
+        >>> x = torch.ones(2, requires_grad=True)
+        >>> y = x * 2
+        >>> reaches_any((y + 1).sum(), {id(y.grad_fn): y.grad_fn}), reaches_any(x.sum(), {})
+        (True, False)
+    """
+    stack: list[object] = [losses.grad_fn]
+    seen: dict[int, object] = {}  # (holding the nodes' Python objects: their ids stay theirs)
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        if id(node) in targets:
+            return True
+        seen[id(node)] = node
+        stack.extend(following for following, _ in node.next_functions)  # type: ignore[attr-defined]
+    return False
