@@ -22,7 +22,7 @@ from jacflow.autogram._hooks import (
     find_units,
     own_parameter_ids,
 )
-from jacflow.autogram._outside import reaches_any, used_outside
+from jacflow.autogram._outside import first_reached, used_outside
 from jacflow.autogram._precision import upcast, without_autocast
 from jacflow.autogram._recurrent import covered, uncovered_refusal
 from jacflow.autogram._rules import (
@@ -605,16 +605,18 @@ def _check_output_views(losses: Tensor, calls: list[tuple[Unit, Call]]) -> None:
     view changed so is left alone (the walk of the losses' graph that tells is made only then).
     A change outside autograd (under ``no_grad``, through ``.detach()``) keeps the base's
     node."""
-    changed: list[tuple[Unit, dict[int, object]]] = []
+    new_nodes: dict[int, tuple[Unit, object]] = {}  # (one walk for all the changed views)
     for unit, call in calls:
         for view, base_node in call.output_views:
             base = view._base
             if base is not None and base.grad_fn is not base_node:
-                changed.append((unit, _new_base_nodes(base.grad_fn, base_node)))
-    for unit, nodes in changed:
-        if reaches_any(losses, nodes):
+                for node in _new_base_nodes(base.grad_fn, base_node):
+                    new_nodes[id(node)] = (unit, node)
+    if new_nodes:
+        changed = first_reached(losses, new_nodes)
+        if changed is not None:
             raise RuntimeError(
-                f"An output of {unit.name} ({type(unit.module).__name__}) is a view (e.g. a "
+                f"An output of {changed.name} ({type(changed.module).__name__}) is a view (e.g. a "
                 "transposed or reshaped tensor) and was modified in place after the forward "
                 "(relu_, +=, indexing assignment): that takes the module's call out of the "
                 "graph, so its gradients cannot be read. Use an out-of-place operation on it "
@@ -622,12 +624,12 @@ def _check_output_views(losses: Tensor, calls: list[tuple[Unit, Call]]) -> None:
             )
 
 
-def _new_base_nodes(node: Any, recorded: Any) -> dict[int, object]:
+def _new_base_nodes(node: Any, recorded: Any) -> list[object]:
     """The nodes that in-place ops on a view gave its base since the forward, newest first:
     each one's first input is the base's node before it."""
-    nodes: dict[int, object] = {}
-    while node is not None and node is not recorded and id(node) not in nodes:
-        nodes[id(node)] = node
+    nodes: list[object] = []
+    while node is not None and node is not recorded and all(node is not n for n in nodes):
+        nodes.append(node)
         node = node.next_functions[0][0] if node.next_functions else None
     return nodes
 

@@ -331,9 +331,9 @@ class Recorder:
             if base is not None:  # (a view: an in-place op on it would bypass its node; kept
                 # until the step, so that one made after the view is freed is seen too)
                 call.output_views.append((leaf, base.grad_fn))
-        if not replays:
+        if not replays:  # (a closed form: which tensors the forward read as its parameters)
             call.param_ids = own_parameter_ids(module)
-        if replays:  # (what a replay of the module needs: the weights, buffers and modes)
+        else:  # (what a replay of the module needs: the weights, buffers and modes)
             call.weight_versions = [(p, p._version) for p in module.parameters()]
             call.modes = tuple((sub, sub.training) for sub in module.modules())
             if start is not None:  # (the modes the call started in: its forward may change them)

@@ -15,12 +15,33 @@ forward did) takes a walk too, made only when some view was changed so.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, TypeVar
 
 from torch import Tensor
 from torch.autograd.graph import get_gradient_edge
 
 from jacflow.autogram._rules import Call
+
+_Target = TypeVar("_Target")
+
+
+def _walk(losses: Tensor, following: Callable[[Any], Iterable[Any]]) -> Iterator[Any]:
+    """Each node of the graph of ``losses`` once, depth first; ``following(node)`` gives the
+    nodes to visit after it."""
+    stack: list[Any] = [losses.grad_fn]
+    seen: dict[int, object] = {}  # (holding the nodes' Python objects: their ids stay theirs)
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen[id(node)] = node
+        yield node
+        stack.extend(following(node))
+
+
+def _inputs(node: Any) -> Iterator[Any]:
+    return (following for following, _ in node.next_functions)
 
 
 def used_outside(
@@ -52,45 +73,28 @@ def used_outside(
         for edge in call.edges:
             if not any(node is edge.node for node in inputs):
                 over.setdefault(id(edge.node), []).extend(inputs)
-    stack: list[object] = [losses.grad_fn]
-    seen: dict[int, object] = {}  # (holding the nodes' Python objects: their ids stay theirs)
     found: str | None = None
     met = False
-    while stack:
-        node = stack.pop()
-        if node is None or id(node) in seen:
-            continue
-        seen[id(node)] = node
-        if id(node) in over:
-            met = True
-            stack.extend(over[id(node)])
-            continue
+    for node in _walk(losses, lambda node: over[id(node)] if id(node) in over else _inputs(node)):
+        met = met or id(node) in over
         variable = getattr(node, "variable", None)  # (a gradient accumulator's parameter)
         if variable is not None and id(variable) in params:
             found = found or params[id(variable)]
-            continue
-        stack.extend(following for following, _ in node.next_functions)  # type: ignore[attr-defined]
     return met, found
 
 
-def reaches_any(losses: Tensor, targets: dict[int, object]) -> bool:
-    """Whether the graph of ``losses`` contains one of the nodes ``targets`` (keyed by ``id``).
+def first_reached(losses: Tensor, targets: dict[int, tuple[_Target, object]]) -> _Target | None:
+    """The first value of ``targets`` (keyed by ``id`` of a node, each with that node) whose
+    node is in the graph of ``losses``, else ``None``.
 
     Example:
         >>> import torch
+        >>> from jacflow.autogram._outside import first_reached
         >>> x = torch.ones(2, requires_grad=True)
         >>> y = x * 2
-        >>> reaches_any((y + 1).sum(), {id(y.grad_fn): y.grad_fn}), reaches_any(x.sum(), {})
-        (True, False)
+        >>> targets = {id(y.grad_fn): ("y", y.grad_fn)}
+        >>> first_reached((y + 1).sum(), targets), first_reached(x.sum(), targets)
+        ('y', None)
     """
-    stack: list[object] = [losses.grad_fn]
-    seen: dict[int, object] = {}  # (holding the nodes' Python objects: their ids stay theirs)
-    while stack:
-        node = stack.pop()
-        if node is None or id(node) in seen:
-            continue
-        if id(node) in targets:
-            return True
-        seen[id(node)] = node
-        stack.extend(following for following, _ in node.next_functions)  # type: ignore[attr-defined]
-    return False
+    hits = (targets[id(node)][0] for node in _walk(losses, _inputs) if id(node) in targets)
+    return next(hits, None)

@@ -275,9 +275,8 @@ def dual_pdas_solve(
         if count == 0:
             break
         if count < active.shape[1]:
-            index = moving
-            slots = index if slots is None else slots[index]
-            pending_u, following = pending_u[:, index], following[:, index]
+            slots = moving if slots is None else slots[moving]
+            pending_u, following = pending_u[:, moving], following[:, moving]
         active = following
     if v is u:
         return u, residual
