@@ -36,6 +36,9 @@ from jacflow.autogram._rules import (
     replaying,
 )
 
+# the most patterns of recorded calls remembered as checked for outside uses (then forgotten)
+_MAX_PATTERNS = 64
+
 _COMPILE_HINT = (
     "torch.compile'd modules cannot be hooked (their layers run inside one fused graph node). "
     "Create the Engine on the uncompiled module, or use jacflow.autojac.backward with "
@@ -142,9 +145,10 @@ class Engine:
     parameters (a generic ``torch.func`` rule covering it and its children). Each grad-enabled
     forward call is recorded; the calls that the losses do not reach (stray or evaluation
     forwards) are ignored and dropped at the next step. A parameter is seen through the hooked
-    modules' calls only: at the first step, one that the losses also reach elsewhere (a weight
-    tied through a functional call or to an unhooked layer) is refused with a clear error, so
-    hook every module that uses it (modules under the generic rule are not checked).
+    modules' calls only: at the first step, and again when the recorded calls change, one that
+    the losses also reach elsewhere (a weight tied through a functional call or to an unhooked
+    layer) is refused with a clear error, so hook every module that uses it (modules under the
+    generic rule are not checked).
 
     The output gradients of several rows per sample (``[B, k]`` losses) or of per-task losses
     are pulled back in one backward batched with ``vmap``. Per task on the CPU, losses stacked
@@ -210,7 +214,9 @@ class Engine:
         self._buffers: GradientBuffers | None = GradientBuffers()
         self._per_task_rows: dict[tuple[torch.Size, torch.dtype, torch.device], tuple[Rows, Tensor]]
         self._per_task_rows = {}
-        self._outside_checked = False  # (the losses' graph is walked at the first step only)
+        # the patterns of recorded calls (their units, in order) whose steps passed the check of
+        # outside uses: the losses' graph is walked again only for a new pattern
+        self._outside_checked: set[tuple[int, ...]] = set()
         for index, unit in enumerate(self._units):
             self._recorder.hook(index, unit)
             if unit.rule.covers_children():
@@ -419,8 +425,9 @@ class Engine:
             )
         # (before the backward: autograd may fail on such a view)
         _check_output_views(losses, [(self._units[index], call) for index, call in calls])
-        if not self._outside_checked:
-            self._check_no_outside_use(losses, calls)
+        pattern = tuple(index for index, _ in calls)
+        if pattern not in self._outside_checked:
+            self._check_no_outside_use(losses, calls, pattern)
         rows, cotangents, order = self._rows(losses)
         edges = [edge for _, call in calls for edge in call.edges]
         # (a module re-run with torch.func replays the hooks its forward registered: its own
@@ -501,12 +508,15 @@ class Engine:
             contributions.append((params, unit.rule.prepare(unit.module, params, unit_calls, rows)))
         return contributions, rows, order, extra_grads, captured_bytes
 
-    def _check_no_outside_use(self, losses: Tensor, calls: list[tuple[int, Call]]) -> None:
+    def _check_no_outside_use(
+        self, losses: Tensor, calls: list[tuple[int, Call]], pattern: tuple[int, ...]
+    ) -> None:
         """Refuse a hooked parameter that the losses reach outside the recorded calls (a
-        weight tied through a functional call): its share there would be missing. Run at the
-        first step only: such a use is the model's structure, and the walk costs 1-3% of a step
-        of a small model (per sample, the width-256 MLP at B = 128; per task, width 256 with 10
-        heads)."""
+        weight tied through a functional call): its share there would be missing. Run once per
+        ``pattern`` of recorded calls (the units called, in order): such a use is the model's
+        structure, which changes with the calls made (a branch taken at some steps only), and
+        the walk costs 1-3% of a step of a small model (per sample, the width-256 MLP at
+        B = 128; per task, width 256 with 10 heads)."""
         # (the generic rule re-runs its module, its calls of itself and of its children
         # included: it covers what other checks, at the forward, do not refuse; its calls are
         # walked through, what their inputs hide included)
@@ -518,7 +528,10 @@ class Engine:
         closed = (call for index, call in calls if not self._reruns(index))
         met, outside = used_outside(losses, closed, params) if params else (True, None)
         # (checked once the walk met a recorded call: else the step fails for that)
-        self._outside_checked = met
+        if met and outside is None:
+            if len(self._outside_checked) >= _MAX_PATTERNS:  # (a model whose calls vary a lot)
+                self._outside_checked.clear()
+            self._outside_checked.add(pattern)
         if met and outside is not None:
             raise ValueError(
                 f"The parameter {outside} is used outside the forward calls of the hooked modules "
