@@ -147,8 +147,8 @@ class Engine:
     forwards) are ignored and dropped at the next step. A parameter is seen through the hooked
     modules' calls only: at the first step, and again when the recorded calls change, one that
     the losses also reach elsewhere (a weight tied through a functional call or to an unhooked
-    layer) is refused with a clear error, so hook every module that uses it (modules under the
-    generic rule are not checked).
+    layer) is refused with a clear error, so hook every module that uses it (for a module under
+    the generic rule, the uses inside its calls are its own).
 
     The output gradients of several rows per sample (``[B, k]`` losses) or of per-task losses
     are pulled back in one backward batched with ``vmap``. Per task on the CPU, losses stacked
@@ -517,16 +517,18 @@ class Engine:
         structure, which changes with the calls made (a branch taken at some steps only), and
         the walk costs 1-3% of a step of a small model (per sample, the width-256 MLP at
         B = 128; per task, width 256 with 10 heads)."""
-        # (the generic rule re-runs its module, its calls of itself and of its children
-        # included: it covers what other checks, at the forward, do not refuse; its calls are
-        # walked through, what their inputs hide included)
+        # (a module under the generic rule is re-run, its calls of itself and of its children
+        # included: the uses of its parameters inside its calls are its own)
         params: dict[int, str] = {}
+        covered: dict[int, set[int]] = {}
         for index, unit in enumerate(self._units):
-            if not self._reruns(index):
-                for key, param in unit.params().items():
-                    params.setdefault(id(param), f"{unit.name}.{key}")  # (a tie: the first)
+            for key, param in unit.params().items():
+                params.setdefault(id(param), f"{unit.name}.{key}")  # (a tie: the first)
+                if self._reruns(index):
+                    covered.setdefault(index, set()).add(id(param))
         closed = (call for index, call in calls if not self._reruns(index))
-        met, outside = used_outside(losses, closed, params) if params else (True, None)
+        replayed = ((call, covered[index]) for index, call in calls if index in covered)
+        met, outside = used_outside(losses, closed, replayed, params) if params else (True, None)
         # (checked once the walk met a recorded call: else the step fails for that)
         if met and outside is None:
             if len(self._outside_checked) >= _MAX_PATTERNS:  # (a model whose calls vary a lot)
