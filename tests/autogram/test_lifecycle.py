@@ -1151,3 +1151,63 @@ def test_older_module_backward_hooks_on_a_closed_form_are_refused(where: str) ->
     finally:
         handle.remove()
     assert all(p.grad is None for p in model.parameters())
+
+
+class _Scale(nn.Module):
+    """A module without a closed form (the generic rule)."""
+
+    def __init__(self, features: int) -> None:
+        super().__init__()
+        self.s = nn.Parameter(torch.linspace(0.5, 1.5, features))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * self.s
+
+
+@pytest.mark.parametrize("frozen", ["first_layer", "whole_model", "generic_scale"])
+@pytest.mark.parametrize("batch_dim", [0, None])
+def test_unfrozen_parameters_are_hooked(frozen: str, batch_dim: int | None) -> None:
+    """A module frozen when the Engine is created (a backbone during a warm-up) and unfrozen
+    later is hooked at the next forward: the Gramian and the update are exact (its share was
+    silently missing, 41% of the Gramian here, and it got no `.grad`)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), _Scale(8), nn.Linear(8, 3)).double()
+    part = {"first_layer": model[0], "whole_model": model, "generic_scale": model[2]}[frozen]
+    part.requires_grad_(False)
+    engine = Engine(model, batch_dim=batch_dim)
+    x = torch.randn(5, 4, dtype=torch.float64)
+
+    def losses_of(out: Tensor) -> Tensor:
+        per_sample = out.pow(2).sum(1)
+        return per_sample if batch_dim == 0 else torch.stack([per_sample.sum(), per_sample[0]])
+
+    if frozen != "whole_model":  # (a warm-up step)
+        engine.backward(losses_of(model(x)), MeanWeighting())
+        model.zero_grad()
+    part.requires_grad_(True)
+    losses = losses_of(model(x))
+    params = list(model.parameters())
+    jacobian = reference_jacobian(losses, params)
+    weights = engine.backward(losses, UPGradWeighting())
+    expected = weights.reshape(-1) @ jacobian
+    got = torch.cat([p.grad.reshape(-1) for p in params])
+    torch.testing.assert_close(got, expected)
+
+
+def test_parameters_unfrozen_between_forward_and_step_are_refused() -> None:
+    """Unfrozen after the forward, too late to hook its calls: refused before anything is
+    written, and the next forward is hooked again and exact."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+    model[0].requires_grad_(False)
+    engine = Engine(model, batch_dim=0)
+    x = torch.randn(5, 4, dtype=torch.float64)
+    out = model(x)
+    model[0].requires_grad_(True)
+    with pytest.raises(ValueError, match=r"modules\[0\]\.0\.weight was frozen"):
+        engine.backward(out.pow(2).sum(1), UPGradWeighting())
+    assert all(p.grad is None for p in model.parameters())
+    losses = model(x).pow(2).sum(1)
+    jacobian = reference_jacobian(losses, list(model.parameters()))
+    torch.testing.assert_close(engine.compute_gramian(losses), jacobian @ jacobian.T)
+    copy.deepcopy(model)(x)  # (a copy of the hooked model carries no engine)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable, Sequence
 from types import TracebackType
 from typing import Any
@@ -135,6 +136,26 @@ _Prepared = tuple[
 ]
 
 
+class _Rehook:
+    """The forward pre-hook that hooks an engine's modules again when a frozen parameter was
+    made trainable. It holds the engine weakly; a deep copy or a pickle of a hooked model gets
+    an inert one (an engine cannot be copied)."""
+
+    def __init__(self, engine: Engine | None) -> None:
+        self._engine = None if engine is None else weakref.ref(engine)
+
+    def __call__(self, module: nn.Module, args: Any) -> None:
+        engine = None if self._engine is None else self._engine()
+        if engine is not None:
+            engine._rehook_if_unfrozen()
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Rehook:
+        return _Rehook(None)
+
+    def __reduce__(self) -> tuple[type[_Rehook], tuple[None]]:
+        return _Rehook, (None,)
+
+
 class Engine:
     """Gramian of the Jacobian of many losses w.r.t. the parameters of some modules, without
     the Jacobian; and the whole Jacobian-descent step with one activation-only backward.
@@ -148,7 +169,9 @@ class Engine:
     modules' calls only: at the first step, and again when the recorded calls change, one that
     the losses also reach elsewhere (a weight tied through a functional call or to an unhooked
     layer) is refused with a clear error, so hook every module that uses it (for a module under
-    the generic rule, the uses inside its calls are its own).
+    the generic rule, the uses inside its calls are its own). Frozen parameters
+    (``requires_grad=False``) are left out; a module unfrozen later (a backbone after a warm-up)
+    is hooked at the next forward of the given modules.
 
     The output gradients of several rows per sample (``[B, k]`` losses) or of per-task losses
     are pulled back in one backward batched with ``vmap``. Per task on the CPU, losses stacked
@@ -204,9 +227,7 @@ class Engine:
             )
         _check_modules(modules, batch_dim)
         self.batch_dim = batch_dim
-        self._units: list[Unit] = find_units(modules)
-        if batch_dim is not None:
-            _check_generic_units(self._units)
+        self._modules = modules
         self._recorder = Recorder()
         self._removed = False
         # reused .grad memory, for the steps whose new gradients outweigh what they captured
@@ -214,13 +235,38 @@ class Engine:
         self._buffers: GradientBuffers | None = GradientBuffers()
         self._per_task_rows: dict[tuple[torch.Size, torch.dtype, torch.device], tuple[Rows, Tensor]]
         self._per_task_rows = {}
+        self._units: list[Unit] = []
+        # the parameters no unit covers (frozen when the modules were hooked): one made
+        # trainable since calls for hooking the modules again
+        self._uncovered: list[Tensor] = []
         # the patterns of recorded calls (their units, in order) whose steps passed the check of
         # outside uses: the losses' graph is walked again only for a new pattern
         self._outside_checked: set[tuple[int, ...]] = set()
+        self._hook_modules()
+        # (a forward of any given module first hooks them again if a frozen parameter was
+        # made trainable, e.g. a backbone unfrozen after a warm-up)
+        rehook = _Rehook(self)
+        self._watches = [m.register_forward_pre_hook(rehook) for m in modules]
+
+    def _hook_modules(self) -> None:
+        """Find the units among the modules' parameters trainable now and hook them."""
+        modules, batch_dim = self._modules, self.batch_dim
+        units = find_units(modules)
+        if batch_dim is not None:
+            _check_generic_units(units)
+        self._recorder.remove()
+        self._units = units
+        self._outside_checked.clear()
+        covered: set[int] = set()
         for index, unit in enumerate(self._units):
             self._recorder.hook(index, unit)
             if unit.rule.covers_children():
                 self._recorder.watch_children(unit)
+                covered.update(id(p) for p in unit.module.parameters())
+            else:
+                covered.update(id(p) for p in unit.module.parameters(recurse=False))
+        params = {id(p): p for m in modules for p in m.parameters()}
+        self._uncovered = [p for key, p in params.items() if key not in covered]
         if batch_dim is not None:
             for i, module in enumerate(modules):
                 for name, sub in module.named_modules():
@@ -231,6 +277,32 @@ class Engine:
         }
         for sub in recurrent.values():
             self._recorder.watch_fused_rnn(sub)
+
+    def _rehook_if_unfrozen(self) -> None:
+        # (not with calls pending, whose units would change: the step refuses them instead)
+        if self._recorder.calls or is_replaying() or self._recorder.idle:
+            return
+        if any(p.requires_grad for p in self._uncovered):
+            self._hook_modules()
+
+    def _check_none_unfrozen(self) -> None:
+        """Refuse a parameter made trainable since the modules were hooked, with calls recorded
+        before they could be hooked again: its module's calls were not recorded."""
+        unfrozen = next((p for p in self._uncovered if p.requires_grad), None)
+        if unfrozen is None:
+            return
+        names = {
+            id(p): f"modules[{i}].{n}"
+            for i, m in enumerate(self._modules)
+            for n, p in m.named_parameters()
+        }
+        raise ValueError(
+            f"The parameter {names.get(id(unfrozen), 'of shape ' + str(tuple(unfrozen.shape)))} "
+            "was frozen (requires_grad=False) when the Engine hooked its modules and is "
+            "trainable now, so this forward's calls of its module were not recorded. Run the "
+            "forward again: the Engine hooks its modules again at the start of a forward of "
+            "one of them (the one given to the Engine) when no recorded call is pending."
+        )
 
     # ----------------------------------------------------------------------------- lifecycle
     def __deepcopy__(self, memo: dict[int, object]) -> Engine:
@@ -245,6 +317,9 @@ class Engine:
     def remove(self) -> None:
         """Remove every hook, drop the recorded calls and the kept gradient memory. Calling it
         twice is harmless."""
+        for handle in self._watches:
+            handle.remove()
+        self._watches = []
         self._recorder.remove()
         self._removed = True
         self._buffers = None
@@ -408,6 +483,7 @@ class Engine:
         extra_inputs: Sequence[Tensor],
     ) -> _Prepared:
         """:meth:`_prepare` on the ``calls`` taken from the recorder."""
+        self._check_none_unfrozen()
         if outside is not None:
             child, parent = outside
             raise ValueError(
