@@ -254,3 +254,70 @@ def test_default_device_plays_no_part(case: Case) -> None:
     torch.testing.assert_close(gramian_m, gramian, rtol=0, atol=0)
     torch.testing.assert_close(weights_m, weights, rtol=0, atol=0)
     torch.testing.assert_close(grads_m, grads, rtol=0, atol=0)
+
+
+class _TiedHead(nn.Module):
+    """An embedding whose table is also the output layer's weight (through a hooked Linear)."""
+
+    def __init__(self, sparse: bool = False) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(7, 4, sparse=sparse)
+        self.head = nn.Linear(4, 7, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, idx: Tensor) -> Tensor:
+        return self.head(torch.tanh(self.embed(idx))).pow(2).mean((1, 2))
+
+
+def _weighted_backward(model: nn.Module, losses: Tensor, weights: Tensor) -> list[Tensor]:
+    """The gradients that autograd accumulates for ``weights @ losses`` (hooks included)."""
+    (weights.detach() @ losses).backward()
+    return [p.grad.to_dense() for p in model.parameters()]
+
+
+def test_parameter_gradient_hooks_run_on_the_update() -> None:
+    """Gradient hooks on the parameters (a mask, a clip of a tied weight, summed over its uses
+    first) and post-accumulate hooks run as after ``(w @ losses).backward()``; they were
+    skipped (70% off with a mask)."""
+    torch.manual_seed(0)
+    idx = torch.randint(0, 7, (5, 3))
+    models, calls = [], []
+    for _ in range(2):
+        torch.manual_seed(0)
+        model = _TiedHead().double()
+        model.head.weight.register_hook(lambda g: g.clamp(-0.01, 0.01))
+        model.head.weight.register_hook(lambda g: g * (torch.arange(4) % 2).double())
+        model.head.weight.register_post_accumulate_grad_hook(calls.append)
+        models.append(model)
+    engine = Engine(models[0], batch_dim=0)
+    weights = engine.backward(models[0](idx), UPGradWeighting())
+    expected = _weighted_backward(models[1], models[1](idx), weights)
+    for param, grad in zip(models[0].parameters(), expected, strict=True):
+        torch.testing.assert_close(param.grad, grad)
+    assert len(calls) == 2 and calls[0] is models[0].head.weight
+
+
+def test_sparse_embedding_tied_to_a_linear_accumulates() -> None:
+    """A sparse embedding's update plus its tied Linear's dense one (``add(sparse, dense)``
+    failed)."""
+    torch.manual_seed(0)
+    idx = torch.randint(0, 7, (5, 3))
+    sparse, dense = _TiedHead(sparse=True).double(), _TiedHead().double()
+    dense.load_state_dict(sparse.state_dict())
+    weights = Engine(sparse, batch_dim=0).backward(sparse(idx), UPGradWeighting())
+    expected = _weighted_backward(dense, dense(idx), weights)
+    torch.testing.assert_close(sparse.embed.weight.grad.to_dense(), expected[0])
+
+
+def test_other_params_skip_the_hooked_ones() -> None:
+    """``other_params=model.parameters()`` (every parameter, hooked ones included, and a
+    repeat) gives each one ``w @ J`` once; the hooked ones got it twice."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2)).double()
+    engine = Engine(model[2], batch_dim=0)
+    losses = model(torch.randn(5, 4, dtype=torch.float64)).pow(2).sum(1)
+    params = list(model.parameters())
+    jacobian = reference_jacobian(losses, params)
+    weights = engine.backward(losses, UPGradWeighting(), other_params=[*params, params[0]])
+    got = torch.cat([p.grad.flatten() for p in params])
+    torch.testing.assert_close(got, weights @ jacobian)

@@ -8,7 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from jacflow.aggregation import UPGradWeighting
+from jacflow import mtl_backward
+from jacflow.aggregation import UPGrad, UPGradWeighting
 from jacflow.autogram import Engine, mtl_gramian_step
 from tests.autogram._zoo import CASES
 from tests.autogram.test_engine import hooked_params, reference_jacobian
@@ -165,3 +166,24 @@ def test_large_batch_per_task_gramian(duplicated: bool) -> None:
     jacobian = reference_jacobian(losses, shared)
     gramian = engine.compute_gramian(losses)
     torch.testing.assert_close(gramian, jacobian @ jacobian.T, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("overlap", ["features_inside_the_trunk", "heads_hooked"])
+def test_task_parameters_of_the_engine_are_refused(overlap: str) -> None:
+    """A task parameter that the engine also hooks would get both the weighted update and the
+    plain task gradient (silently, before): refused before anything is written."""
+    torch.manual_seed(0)
+    trunk = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 7), nn.ReLU()).double()
+    heads = nn.ModuleList([nn.Linear(7, 1).double() for _ in range(2)])
+    x = torch.randn(6, 5, dtype=torch.float64)
+    if overlap == "features_inside_the_trunk":
+        engine = Engine(trunk, batch_dim=None)
+        features = trunk[1](trunk[0](x))
+        out = trunk[3](trunk[2](features))  # (trunk[2] after the features: a task parameter)
+    else:
+        engine = Engine(nn.ModuleList([trunk, heads]), batch_dim=None)
+        features = out = trunk(x)
+    losses = [heads[0](out).pow(2).mean(), heads[1](out).abs().mean()]
+    with pytest.raises(ValueError, match="is also a parameter of the engine's modules"):
+        mtl_backward(losses, features, A=UPGrad(), engine=engine)
+    assert all(p.grad is None for p in [*trunk.parameters(), *heads.parameters()])

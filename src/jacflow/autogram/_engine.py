@@ -381,7 +381,10 @@ class Engine:
         The weighted gradient of each hooked layer comes from its stored inputs and output
         gradients (book-keeping), so there is no second backward. Parameters outside the hooked
         modules are left untouched unless listed in ``other_params``, which then receive
-        ``sum_i w_i grad(losses_i)`` through one ordinary autograd call.
+        ``sum_i w_i grad(losses_i)`` through one ordinary autograd call (the hooked modules'
+        parameters there are skipped: e.g. ``other_params=model.parameters()`` is right).
+        Gradient hooks on the parameters (``p.register_hook``) run on their update, and their
+        post-accumulate hooks after it is written, as after ``(weights @ losses).backward()``.
 
         When a step's large new gradients outweigh the output gradients it captured (per-sample
         mode, or few tasks in per-task mode), a new ``.grad`` of 1 MiB or more (a CPU Linear
@@ -423,7 +426,7 @@ class Engine:
                 f"UPGradWeighting()), received {type(weighting)}."
             )
         losses = self._checked_losses(losses)
-        others, tasks = list(other_params), list(tasks_params)
+        others, tasks = self._checked_params(other_params, tasks_params)
         with without_autocast(losses.device.type):  # (the weighting's products too)
             # (autograd.grad needs no grad mode: no graph of the grads)
             with torch.no_grad():
@@ -436,7 +439,7 @@ class Engine:
                 params = (p for named, _ in contributions for p in named.values())
                 worth = worth_reusing(params, captured_bytes)
                 buffers = self._buffers if worth else None
-                updates = _weighted_grads(contributions, row_weights, buffers)
+                updates = _through_param_hooks(_weighted_grads(contributions, row_weights, buffers))
                 updates += [(p, g) for p, g in zip(tasks, task_grads, strict=True) if g is not None]
         if others:
             extra = torch.autograd.grad(
@@ -450,6 +453,26 @@ class Engine:
                     updates.append((param, grad))
         _accumulate(updates)
         return weights.reshape(losses.shape)
+
+    def _checked_params(
+        self, other_params: Iterable[Tensor], tasks_params: Iterable[Tensor]
+    ) -> tuple[list[Tensor], list[Tensor]]:
+        """``other_params`` without the hooked parameters (the engine's update reaches them
+        once) and repeats; ``tasks_params``, refused where one is a hooked parameter."""
+        others, tasks = list(other_params), list(tasks_params)
+        if not (others or tasks):
+            return others, tasks
+        hooked = {id(p): f"{u.name}.{n}" for u in self._units for n, p in u.params().items()}
+        for param in tasks:
+            if id(param) in hooked:
+                raise ValueError(
+                    f"The task parameter {hooked[id(param)]} is also a parameter of the "
+                    "engine's modules, whose update is the weighted one: it would get both. "
+                    "Hook only the shared modules (the trunk), and pass the trunk's output as "
+                    "the features."
+                )
+        unique = {id(p): p for p in others if id(p) not in hooked}
+        return list(unique.values()), tasks
 
     def _prepare(
         self, losses: Tensor, retain_graph: bool, extra_inputs: Sequence[Tensor]
@@ -858,21 +881,63 @@ def _weighted_grads(
     return updates
 
 
+def _as_update(param: Tensor, grad: Tensor) -> Tensor:
+    """``grad`` in ``param``'s dtype and shape (each conversion only when needed: it costs a
+    dispatch per parameter)."""
+    if grad.dtype != param.dtype:
+        grad = grad.to(param.dtype)
+    if not grad.is_sparse and grad.shape != param.shape:
+        grad = grad.reshape(param.shape)
+    return grad
+
+
+def _added(total: Tensor, grad: Tensor) -> Tensor:
+    """``total + grad`` out of place, sparse or dense (dense + sparse is; sparse + dense
+    is not, in torch)."""
+    return grad + total if total.is_sparse and not grad.is_sparse else total + grad
+
+
+def _through_param_hooks(updates: list[tuple[Tensor, Tensor]]) -> list[tuple[Tensor, Tensor]]:
+    """Each parameter with gradient hooks (``p.register_hook``, e.g. a pruning mask) gets one
+    update, the sum of its pieces (a tie's), passed through its hooks in order: as autograd
+    passes the gradient of ``weights @ losses`` through them."""
+    if not any(param._backward_hooks for param, _ in updates):
+        return updates
+    pieces: dict[int, tuple[Tensor, Tensor]] = {}
+    plain: list[tuple[Tensor, Tensor]] = []
+    for param, grad in updates:
+        if not param._backward_hooks:
+            plain.append((param, grad))
+            continue
+        grad = _as_update(param, grad)
+        if id(param) in pieces:
+            grad = _added(pieces[id(param)][1], grad)
+        pieces[id(param)] = (param, grad)
+    for param, grad in pieces.values():
+        for hook in list((param._backward_hooks or {}).values()):
+            result = hook(grad)
+            if result is not None:
+                grad = result
+        plain.append((param, grad))
+    return plain
+
+
 def _accumulate(updates: list[tuple[Tensor, Tensor]]) -> None:
-    """Write last: ``.grad`` is untouched if anything before failed."""
+    """Write last: ``.grad`` is untouched if anything before failed. Then the parameters'
+    post-accumulate hooks run (``register_post_accumulate_grad_hook``), once each."""
     with torch.no_grad():
         for param, grad in updates:
-            # (the conversions are skipped when not needed: each costs a dispatch per parameter)
-            if grad.dtype != param.dtype:
-                grad = grad.to(param.dtype)
-            if not grad.is_sparse and grad.shape != param.shape:
-                grad = grad.reshape(param.shape)
+            grad = _as_update(param, grad)
             if param.grad is None:
                 # Every update is a fresh tensor of ours or a view of the engine's buffer,
                 # which nothing else refers to: no copy needed.
                 dense_copy = not grad.is_sparse and not grad.is_contiguous()
                 param.grad = grad.contiguous() if dense_copy else grad
             elif grad.is_sparse or param.grad.is_sparse:
-                param.grad = param.grad + grad
+                param.grad = _added(param.grad, grad)
             else:
                 param.grad.add_(grad)
+        updated = {id(param): param for param, _ in updates}
+        for param in updated.values():
+            for hook in list((getattr(param, "_post_accumulate_grad_hooks", None) or {}).values()):
+                hook(param)
