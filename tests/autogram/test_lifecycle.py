@@ -1211,3 +1211,55 @@ def test_parameters_unfrozen_between_forward_and_step_are_refused() -> None:
     jacobian = reference_jacobian(losses, list(model.parameters()))
     torch.testing.assert_close(engine.compute_gramian(losses), jacobian @ jacobian.T)
     copy.deepcopy(model)(x)  # (a copy of the hooked model carries no engine)
+
+
+class _BatchScaled(_Scale):
+    """Divides by the batch size: per sample, its re-run (a batch of one) is another function."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.tanh(x * self.s / x.shape[0])
+
+
+class _Counted(_Scale):
+    """Reads a call counter that its forward increments: its re-run sees another count."""
+
+    def __init__(self, features: int) -> None:
+        super().__init__(features)
+        self.calls = 0
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.calls += 1
+        return torch.tanh(x * self.s * self.calls)
+
+
+@pytest.mark.parametrize("batch_dim", [0, None])
+@pytest.mark.parametrize("kind", ["batch_size", "counter", "in_place_after"])
+def test_generic_re_run_must_reproduce_the_forward(kind: str, batch_dim: int | None) -> None:
+    """A generic module whose re-run gives other outputs than its forward (the batch size read
+    as a number, per sample; state the forward changes) is refused: its Gramian was silently
+    2-30% off. An output changed in place after the forward is not compared, and is exact."""
+    torch.manual_seed(0)
+    module = {"batch_size": _BatchScaled, "counter": _Counted, "in_place_after": _Scale}[kind]
+    model = nn.Sequential(nn.Linear(3, 4), module(4), nn.Linear(4, 2)).double()
+    if kind == "in_place_after":
+        model.insert(2, nn.ReLU(inplace=True))
+    engine = Engine(model, batch_dim=batch_dim)
+    out = model(torch.randn(5, 3, dtype=torch.float64)).pow(2).sum(1)
+    losses = out if batch_dim == 0 else torch.stack([out.sum(), out[0], out.pow(2).mean()])
+    refused = kind == "counter" or (kind == "batch_size" and batch_dim == 0)
+    if refused:
+        with pytest.raises(RuntimeError, match="gave other outputs than its forward"):
+            engine.backward(losses, UPGradWeighting())
+        assert all(p.grad is None for p in model.parameters())
+        return
+    jacobian = reference_jacobian(losses, list(model.parameters()))
+    torch.testing.assert_close(engine.compute_gramian(losses), jacobian @ jacobian.T)
+
+
+def test_a_step_without_trainable_parameters_says_so() -> None:
+    """Every parameter frozen: the error names that, not the recorded calls."""
+    model = nn.Sequential(nn.Linear(3, 2)).double().requires_grad_(False)
+    engine = Engine(model, batch_dim=0)
+    x = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
+    with pytest.raises(RuntimeError, match="has a trainable parameter"):
+        engine.compute_gramian(model(x).sum(1))

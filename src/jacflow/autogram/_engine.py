@@ -581,10 +581,19 @@ class Engine:
                 "Take the step outside the module's forward."
             )
         if not reached:
+            if not self._units:
+                raise RuntimeError(
+                    "None of the Engine's modules has a trainable parameter (requires_grad): "
+                    "there is nothing to differentiate. Unfreeze some before the forward."
+                )
             raise RuntimeError(
                 "No forward call of the hooked modules is in the graph of `losses`. Create the "
                 "Engine before the forward, run the forward with grad enabled, and make the "
-                f"losses depend on the hooked modules' outputs. {_COMPILE_HINT}"
+                "losses depend on the hooked modules' outputs. Each step takes the calls "
+                "recorded since the previous one: a second step on the same forward "
+                "(compute_gramian then backward, a retry after a failed step, or a step for "
+                "each of two forwards run before either) finds none; run the forward before "
+                f"each step. {_COMPILE_HINT}"
             )
         for index, unit_calls in recorded.items():
             if index in reached:  # from its first reached call on (calls nested in another

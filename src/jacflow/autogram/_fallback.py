@@ -33,6 +33,10 @@ from jacflow.autogram._rules import (
     replaying,
 )
 
+# a re-run's outputs may differ from the forward's by this many units of roundoff, relative
+# to the largest output (a batch of one and the batch take other kernels)
+_SAME_OUTPUT_EPS = 1e3
+
 
 def _selected_outputs(out: Any, positions: list[int]) -> tuple[Tensor, ...]:
     leaves, _ = tree_flatten(out)
@@ -49,16 +53,18 @@ def _with_buffers(call: Call, module: nn.Module, params: dict[str, Tensor]) -> d
 
 def _per_task_grads(
     module: nn.Module, params: dict[str, Tensor], call: Call, cots: tuple[Tensor, ...]
-) -> dict[str, Tensor]:
+) -> tuple[dict[str, Tensor], tuple[Tensor, ...]]:
+    """The rows' gradients, and the re-run's outputs."""
+
     def forward(p: dict[str, Tensor]) -> tuple[Tensor, ...]:
         kept: list[Tensor] = []
         with _inner_calls(module, list(p), call, kept):
             out = functional_call(module, _with_buffers(call, module, p), call.args, call.kwargs)
         return (*_selected_outputs(out, call.output_positions), *kept)
 
-    pullback = vjp(forward, params)[1]
+    outputs, pullback = vjp(forward, params)[:2]
     grads: dict[str, Tensor] = vmap(pullback)((*cots, *_reached_inner_calls(call)))[0]
-    return grads
+    return grads, outputs
 
 
 def _per_sample_grads(
@@ -75,7 +81,9 @@ def _per_sample_grads(
     ]
     row_leaves = [rows.gather(leaf) for leaf, b in zip(leaves, batched, strict=True) if b]
 
-    def per_row(row_inputs: list[Tensor], cot: tuple[Tensor, ...]) -> dict[str, Tensor]:
+    def per_row(
+        row_inputs: list[Tensor], cot: tuple[Tensor, ...]
+    ) -> tuple[dict[str, Tensor], tuple[Tensor, ...]]:
         it = iter(row_inputs)
         full = [next(it).unsqueeze(0) if b else leaf for leaf, b in zip(leaves, batched)]
         args, kwargs = tree_unflatten(full, spec)
@@ -89,12 +97,48 @@ def _per_sample_grads(
             outputs = (*_selected_outputs(out, call.output_positions), *kept)
             return tuple(o.squeeze(0) for o in outputs)
 
-        pullback = vjp(forward, params)[1]
+        outputs, pullback = vjp(forward, params)[:2]
         result: dict[str, Tensor] = pullback(cot)[0]
-        return result
+        return result, outputs
 
-    grads: dict[str, Tensor] = vmap(per_row)(row_leaves, (*cots, *_reached_inner_calls(call)))
+    grads, outputs = vmap(per_row)(row_leaves, (*cots, *_reached_inner_calls(call)))
+    _check_same_outputs(module, call, outputs, rows)
     return grads
+
+
+class ReplayMismatchError(RuntimeError):
+    """A re-run of a module gave other outputs than its forward."""
+
+
+def _check_same_outputs(
+    module: nn.Module, call: Call, outputs: tuple[Tensor, ...], rows: Rows | None
+) -> None:
+    """Refuse a re-run whose outputs differ from the forward's (``rows``: per sample, the
+    re-run's rows of samples): its forward read something that the re-run does not reproduce,
+    and the gradients of the re-run would be those of another function. Outputs changed in
+    place since the forward, or not batched as the rows, are not compared."""
+    for (recorded, version), again in zip(call.outputs, outputs, strict=False):
+        if recorded._version != version or not recorded.is_floating_point():
+            continue
+        if rows is not None:
+            if recorded.ndim == 0 or recorded.shape[0] != rows.num_samples:
+                continue
+            recorded = rows.gather(recorded)
+        if recorded.shape != again.shape:
+            continue
+        scale = float(recorded.detach().abs().amax()) if recorded.numel() else 0.0
+        error = float((again.detach() - recorded.detach()).abs().amax()) if again.numel() else 0.0
+        if error > _SAME_OUTPUT_EPS * torch.finfo(again.dtype).eps * max(scale, 1e-30):
+            per_sample = " (the batch size as a number: the re-run sees one sample)"
+            raise ReplayMismatchError(
+                f"{type(module).__name__} has no closed-form Gramian rule, so the engine re-runs "
+                "it from its recorded inputs and parameters, which gave other outputs than its "
+                f"forward (max difference {error:.2e}, outputs up to {scale:.2e}): its forward "
+                "depends on something else"
+                f"{per_sample if rows is not None else ''}, or on state that it changes (a "
+                "call counter). Make the forward a function of its inputs and parameters, or "
+                "register a closed form for it (jacflow.autogram.register_rule)."
+            )
 
 
 def _rng_states(device: torch.device) -> list[Tensor]:
@@ -109,12 +153,14 @@ def _replay_per_task(
     module: nn.Module, params: dict[str, Tensor], call: Call, cots: tuple[Tensor, ...]
 ) -> dict[str, Tensor]:
     """:func:`_per_task_grads`, refused when the re-run drew random numbers (dropout): it then
-    drew other ones than the forward did. (Per sample, ``vmap`` raises on them itself.)"""
+    drew other ones than the forward did (per sample, ``vmap`` raises on them itself), or gave
+    other outputs."""
     device = cots[0].device
     before = _rng_states(device)
-    grads = _per_task_grads(module, params, call, cots)
+    grads, outputs = _per_task_grads(module, params, call, cots)
     if any(not torch.equal(a, b) for a, b in zip(before, _rng_states(device), strict=True)):
         raise RuntimeError("the re-run of the module drew random numbers")
+    _check_same_outputs(module, call, outputs, None)
     return grads
 
 
@@ -353,6 +399,8 @@ class FallbackRule(Rule):
                         new = _replay_per_task(module, detached, call, cots)
                     else:
                         new = _per_sample_grads(module, detached, call, cots, rows)
+            except ReplayMismatchError:
+                raise
             except RuntimeError as error:
                 if "random" not in str(error):
                     recurrent = any(isinstance(sub, nn.RNNBase) for sub in module.modules())

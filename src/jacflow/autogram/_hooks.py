@@ -335,6 +335,7 @@ class Recorder:
             call.param_ids = own_parameter_ids(module)
         else:  # (what a replay of the module needs: the weights, buffers and modes)
             call.weight_versions = [(p, p._version) for p in module.parameters()]
+            call.outputs = [(leaves[j], leaves[j]._version) for j in positions]
             call.modes = tuple((sub, sub.training) for sub in module.modules())
             if start is not None:  # (the modes the call started in: its forward may change them)
                 call.modes, call.training = start.modes, start.modes[0][1]

@@ -166,6 +166,9 @@ class Call:
     # for the rules that do not replay: the ids of the module's own parameters during the
     # forward (``torch.func.functional_call`` puts other tensors in their place)
     param_ids: tuple[int, ...] | None = None
+    # for the rules that replay: the recorded outputs with their versions at the forward (a
+    # re-run is checked against them)
+    outputs: list[tuple[Tensor, int]] = field(default_factory=list)
 
     def user_hooks(self) -> list[list[Callable[[Tensor], Tensor | None]]]:
         """The gradient hooks on each recorded output other than the engine's own (none when
