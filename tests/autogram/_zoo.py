@@ -160,6 +160,17 @@ def _block(dtype: torch.dtype) -> Built:
     return _simple(model, torch.randn(B, 3, 8, dtype=dtype))
 
 
+class Scale(nn.Module):
+    """An elementwise learned scale: a module without a closed form (the generic rule)."""
+
+    def __init__(self, features: int) -> None:
+        super().__init__()
+        self.s = nn.Parameter(torch.linspace(0.5, 1.5, features))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * self.s
+
+
 class _ScaleShift(nn.Module):
     """A module with direct parameters only (generic rule)."""
 

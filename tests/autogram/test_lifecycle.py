@@ -18,6 +18,7 @@ from torch.nn.utils import parametrize
 
 from jacflow.aggregation import MeanWeighting, UPGradWeighting
 from jacflow.autogram import Engine
+from tests.autogram._zoo import Scale
 from tests.autogram.test_engine import reference_jacobian
 
 
@@ -1153,17 +1154,6 @@ def test_older_module_backward_hooks_on_a_closed_form_are_refused(where: str) ->
     assert all(p.grad is None for p in model.parameters())
 
 
-class _Scale(nn.Module):
-    """A module without a closed form (the generic rule)."""
-
-    def __init__(self, features: int) -> None:
-        super().__init__()
-        self.s = nn.Parameter(torch.linspace(0.5, 1.5, features))
-
-    def forward(self, x: Tensor) -> Tensor:
-        return x * self.s
-
-
 @pytest.mark.parametrize("frozen", ["first_layer", "whole_model", "generic_scale"])
 @pytest.mark.parametrize("batch_dim", [0, None])
 def test_unfrozen_parameters_are_hooked(frozen: str, batch_dim: int | None) -> None:
@@ -1171,7 +1161,7 @@ def test_unfrozen_parameters_are_hooked(frozen: str, batch_dim: int | None) -> N
     later is hooked at the next forward: the Gramian and the update are exact (its share was
     silently missing, 41% of the Gramian here, and it got no `.grad`)."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), _Scale(8), nn.Linear(8, 3)).double()
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), Scale(8), nn.Linear(8, 3)).double()
     part = {"first_layer": model[0], "whole_model": model, "generic_scale": model[2]}[frozen]
     part.requires_grad_(False)
     engine = Engine(model, batch_dim=batch_dim)
@@ -1213,14 +1203,14 @@ def test_parameters_unfrozen_between_forward_and_step_are_refused() -> None:
     copy.deepcopy(model)(x)  # (a copy of the hooked model carries no engine)
 
 
-class _BatchScaled(_Scale):
+class _BatchScaled(Scale):
     """Divides by the batch size: per sample, its re-run (a batch of one) is another function."""
 
     def forward(self, x: Tensor) -> Tensor:
         return torch.tanh(x * self.s / x.shape[0])
 
 
-class _Counted(_Scale):
+class _Counted(Scale):
     """Reads a call counter that its forward increments: its re-run sees another count."""
 
     def __init__(self, features: int) -> None:
@@ -1239,7 +1229,7 @@ def test_generic_re_run_must_reproduce_the_forward(kind: str, batch_dim: int | N
     as a number, per sample; state the forward changes) is refused: its Gramian was silently
     2-30% off. An output changed in place after the forward is not compared, and is exact."""
     torch.manual_seed(0)
-    module = {"batch_size": _BatchScaled, "counter": _Counted, "in_place_after": _Scale}[kind]
+    module = {"batch_size": _BatchScaled, "counter": _Counted, "in_place_after": Scale}[kind]
     model = nn.Sequential(nn.Linear(3, 4), module(4), nn.Linear(4, 2)).double()
     if kind == "in_place_after":
         model.insert(2, nn.ReLU(inplace=True))

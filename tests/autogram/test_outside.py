@@ -9,6 +9,7 @@ from torch import Tensor, nn
 
 from jacflow.aggregation import UPGradWeighting
 from jacflow.autogram import Engine
+from tests.autogram._zoo import Scale
 from tests.autogram.test_engine import reference_jacobian
 
 
@@ -232,17 +233,6 @@ def test_outside_uses_of_replayed_closed_forms_are_refused(kind: str) -> None:
         engine.compute_gramian(torch.stack([out.sum(), out.pow(2).mean()]))
 
 
-class _Scale(nn.Module):
-    """A module without a closed form (the generic rule re-runs it)."""
-
-    def __init__(self, features: int) -> None:
-        super().__init__()
-        self.s = nn.Parameter(torch.rand(features) + 0.5)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return x * self.s
-
-
 class _Gated(nn.Module):
     """A generic module whose forward calls a hooked Linear that is not its child on its own
     parameter (an input of that call) and uses a weight tied to that Linear's."""
@@ -260,10 +250,10 @@ class _Gated(nn.Module):
 @pytest.mark.parametrize("batch_dim", [0, None])
 def test_generic_parameter_used_outside_its_calls_is_refused(batch_dim: int | None) -> None:
     """A parameter of a module under the generic rule that the losses also reach outside its
-    calls (a learned scale reused in the loss) is refused; it was not checked (silently 74%
-    off in this Gramian)."""
+    calls (a learned scale reused in the loss) is refused; it was not checked (silently
+    wrong)."""
     torch.manual_seed(0)
-    scale, head = _Scale(4).double(), nn.Linear(4, 3).double()
+    scale, head = Scale(4).double(), nn.Linear(4, 3).double()
     engine = Engine(scale, head, batch_dim=batch_dim)
     x = torch.randn(5, 4, dtype=torch.float64)
     out = head(scale(x)).tanh().pow(2).sum(1) + (x * scale.s).sum(1)
@@ -278,7 +268,7 @@ def test_generic_uses_inside_its_calls_are_exact() -> None:
     called inside them, and a weight tied to that Linear's, are not refused, and exact."""
     torch.manual_seed(0)
     shared = nn.Linear(4, 4).double()
-    gated, scale = _Gated(shared).double(), _Scale(4).double()
+    gated, scale = _Gated(shared).double(), Scale(4).double()
     engine = Engine(shared, gated, scale, batch_dim=None)
     x = torch.randn(5, 4, dtype=torch.float64)
     out = shared(scale(gated(x))).pow(2).sum(1)
@@ -288,7 +278,7 @@ def test_generic_uses_inside_its_calls_are_exact() -> None:
     torch.testing.assert_close(engine.compute_gramian(losses), jacobian @ jacobian.T)
 
 
-class _ScaleKeeps(_Scale):
+class _ScaleKeeps(Scale):
     """A generic module that keeps an intermediate of its parameter, and reads a context
     tensor that is not an argument (set before the call)."""
 
