@@ -24,6 +24,7 @@ Example:
 
 from jacflow.autogram import (  # noqa: F401  (register rules)
     _attention,
+    _cells,
     _conv,
     _embedding,
     _linear,

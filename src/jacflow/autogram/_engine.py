@@ -162,8 +162,9 @@ class Engine:
 
     Create the engine *before* the forward pass: it hooks every module that has a closed-form
     rule (Linear, Conv1d/2d/3d, Embedding, LayerNorm, RMSNorm, GroupNorm, BatchNorm1d/2d/3d,
-    MultiheadAttention, RNN, LSTM, GRU), or, for other modules, each one with direct trainable
-    parameters (a generic ``torch.func`` rule covering it and its children). Each grad-enabled
+    MultiheadAttention, RNN, LSTM, GRU and their cells), or, for other modules, each one with
+    direct trainable parameters (a generic ``torch.func`` rule covering it and its children).
+    Each grad-enabled
     forward call is recorded; the calls that the losses do not reach (stray or evaluation
     forwards) are ignored and dropped at the next step. A parameter is seen through the hooked
     modules' calls only: at the first step, and again when the recorded calls change, one that
@@ -257,16 +258,16 @@ class Engine:
         self._recorder.remove()
         self._units = units
         self._outside_checked.clear()
-        covered: set[int] = set()
+        covered_ids: set[int] = set()
         for index, unit in enumerate(self._units):
             self._recorder.hook(index, unit)
             if unit.rule.covers_children():
                 self._recorder.watch_children(unit)
-                covered.update(id(p) for p in unit.module.parameters())
+                covered_ids.update(id(p) for p in unit.module.parameters())
             else:
-                covered.update(id(p) for p in unit.module.parameters(recurse=False))
+                covered_ids.update(id(p) for p in unit.module.parameters(recurse=False))
         params = {id(p): p for m in modules for p in m.parameters()}
-        self._uncovered = [p for key, p in params.items() if key not in covered]
+        self._uncovered = [p for key, p in params.items() if key not in covered_ids]
         if batch_dim is not None:
             for i, module in enumerate(modules):
                 for name, sub in module.named_modules():

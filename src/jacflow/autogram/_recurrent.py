@@ -75,7 +75,7 @@ def uncovered_refusal(where: str, module: nn.RNNBase) -> ValueError:
     )
 
 
-def _cell(
+def cell_step(
     mode: str, a: Tensor, c: Tensor, h: Tensor, state: Tensor | None
 ) -> tuple[Tensor, Tensor | None]:
     """One step of torch's cells from ``a = W_ih x + b_ih`` and ``c = W_hh h + b_hh``."""
@@ -165,7 +165,7 @@ class _Replay:
                     cs[t] = F.linear(h, w_hh, b_hh)
                     if not cs[t].requires_grad:  # (first step: from the constant h_0)
                         cs[t].requires_grad_()
-                    new_h, new_state = _cell(module.mode, a[:, t], cs[t], h, state)
+                    new_h, new_state = cell_step(module.mode, a[:, t], cs[t], h, state)
                     if w_hr is not None:
                         unprojected.append(new_h)
                         new_h = F.linear(new_h, w_hr)
@@ -259,7 +259,7 @@ def _padded(grad: Tensor, packed: PackedSequence, lead: int) -> Tensor:
 
 
 def _grouped(
-    keys: list[str], module: nn.RNNBase, params: dict[str, Tensor]
+    keys: list[str], module: nn.RNNBase | nn.RNNCellBase, params: dict[str, Tensor]
 ) -> list[tuple[list[str], tuple[str, str]]]:
     """The slots (``ih_l0``, ``hh_l0_reverse``, ...) whose Linear parts are joined, with the
     names of the weight and bias they give gradients to.
@@ -285,6 +285,40 @@ def _grouped(
     return [(slots, names) for names, slots in groups.items() if any(names)]
 
 
+def unbatched_refusal(module: nn.Module, x: Tensor) -> ValueError:
+    return ValueError(
+        f"{type(module).__name__} received an unbatched input of shape {tuple(x.shape)}: the "
+        "per-sample engine (batch_dim=0) needs a batch dimension."
+    )
+
+
+def slots_contribution(
+    module: nn.RNNBase | nn.RNNCellBase,
+    params: dict[str, Tensor],
+    terms: list[dict[str, tuple[Tensor, Tensor]]],
+    rows: Rows,
+) -> JoinedLinear:
+    """The Linear forms of a recurrent module's weight slots, from each call's ``terms`` (per
+    slot: its inputs and their rows' output gradients), joined along the calls' positions."""
+    inputs: dict[str, list[Tensor]] = {}
+    grads: dict[str, list[Tensor]] = {}
+    for call_terms in terms:
+        for slot, (u, d) in call_terms.items():
+            inputs.setdefault(slot, []).append(u)
+            grads.setdefault(slot, []).append(d)
+    parts: list[tuple[set[str], UnfoldedContribution]] = []
+    for slots, names in _grouped(list(inputs), module, params):
+        weight = getattr(module, f"weight_{slots[0]}")
+        # (a bias alone reads no input: one column keeps the positions of slots whose inputs
+        # differ in width)
+        us = [u if names[0] else u[..., :1] for key in slots for u in inputs[key]]
+        ds = [d for key in slots for d in grads[key]]
+        part = linear_part(us, ds, rows, weight, names, params)
+        if part[0]:
+            parts.append(part)
+    return JoinedLinear(parts)
+
+
 class RecurrentRule(Rule):
     """``nn.RNN``, ``nn.LSTM``, ``nn.GRU``: every weight as a Linear layer over the time steps
     (see the module docstring)."""
@@ -307,11 +341,7 @@ class RecurrentRule(Rule):
                 "tensor or a PackedSequence."
             )
         if not rows.per_task and isinstance(x, Tensor) and x.dim() != 3:
-            raise ValueError(
-                f"{type(module).__name__} received an unbatched input of shape "
-                f"{tuple(x.shape)}: the per-sample engine (batch_dim=0) needs a batch "
-                "dimension."
-            )
+            raise unbatched_refusal(module, x)
 
     def prepare(
         self, module: nn.Module, params: dict[str, Tensor], calls: list[Call], rows: Rows
@@ -328,23 +358,9 @@ class RecurrentRule(Rule):
                 "layers at random in training mode, which the engine cannot replay to compute "
                 "the Gramian. Build it with dropout=0.0, or call .eval() on it."
             )
-        inputs: dict[str, list[Tensor]] = {}
-        grads: dict[str, list[Tensor]] = {}
-        for call in calls:
-            for slot, (u, d) in self._terms(module, call, rows).items():
-                inputs.setdefault(slot, []).append(u)
-                grads.setdefault(slot, []).append(d)
-        parts: list[tuple[set[str], UnfoldedContribution]] = []
-        for slots, names in _grouped(list(inputs), module, params):
-            weight = getattr(module, f"weight_{slots[0]}")
-            # (a bias alone reads no input: one column keeps the positions of slots whose
-            # inputs differ in width)
-            us = [u if names[0] else u[..., :1] for key in slots for u in inputs[key]]
-            ds = [d for key in slots for d in grads[key]]
-            part = linear_part(us, ds, rows, weight, names, params)
-            if part[0]:
-                parts.append(part)
-        return JoinedLinear(parts)
+        return slots_contribution(
+            module, params, [self._terms(module, call, rows) for call in calls], rows
+        )
 
     def _terms(
         self, module: nn.RNNBase, call: Call, rows: Rows
