@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -319,4 +321,128 @@ def test_generic_call_reading_a_context_is_walked_inside(foreign: bool) -> None:
             engine.compute_gramian(losses)
         return
     jacobian = reference_jacobian(losses, [*scale.parameters(), *proj.parameters()])
+    torch.testing.assert_close(engine.compute_gramian(losses), jacobian @ jacobian.T)
+
+
+class _Gate(Scale):
+    """Ends its forward with a call of a module that is not its child (its output as is)."""
+
+    def forward(self, x: Tensor, proj: nn.Module) -> Tensor:  # type: ignore[override]
+        return proj(torch.tanh(x) * self.s)
+
+
+class _Reads(Scale):
+    """Reads the parameter of the module that calls it (by attribute)."""
+
+    def __init__(self, owner: nn.Module) -> None:
+        super().__init__(4)
+        self.owner = [owner]  # (a plain list: not a child)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * self.s * self.owner[0].s
+
+
+class _Calls(Scale):
+    def forward(self, x: Tensor, inner: nn.Module) -> Tensor:  # type: ignore[override]
+        return torch.tanh(inner(x * self.s))
+
+
+class _Deep(Scale):
+    """Calls itself on its input as it is; keeps every call's output."""
+
+    def __init__(self, features: int) -> None:
+        super().__init__(features)
+        self.outs: list[Tensor] = []
+
+    def forward(self, x: Tensor, depth: int = 1) -> Tensor:
+        out = torch.tanh(x * self.s) if depth == 0 else torch.tanh(self(x, depth - 1) * self.s) + x
+        self.outs.append(out)
+        return out
+
+
+class _Precomputed(Scale):
+    """Reads a weight computed from its parameter outside its calls (once per sequence)."""
+
+    w: Tensor | None = None
+
+    def forward(self, x: Tensor) -> Tensor:
+        assert self.w is not None
+        return torch.tanh(x * self.w)
+
+
+@pytest.mark.parametrize(
+    "case", ["ends_with_a_call", "reads_its_caller", "recursion_on_its_input", "precomputed"]
+)
+@pytest.mark.parametrize("batch_dim", [0, None])
+def test_the_insides_of_generic_calls(case: str, batch_dim: int | None) -> None:
+    """The walk steps over a call that a generic call ends with (it was refused: exact); a use
+    of the caller's parameter inside a generic call that it calls is the caller's (refused:
+    exact); it leaves a generic call's inside at the nodes made before the call: a recursion
+    on its own input with the parameter used before it (silently 6% off), a weight computed
+    from the parameter before the call (silently 6-100% off) are refused."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 4, dtype=torch.float64)
+    head = nn.Linear(4, 1).double()
+    forward: Callable[[], Tensor]
+    if case == "ends_with_a_call":
+        gate, proj = _Gate(4).double(), nn.Linear(4, 4).double()
+        hooked: list[nn.Module] = [gate, proj, head]
+        forward = lambda: head(gate(x, proj))  # noqa: E731
+    elif case == "reads_its_caller":
+        outer = _Calls(4).double()
+        inner = _Reads(outer).double()
+        hooked = [outer, inner, head]
+        forward = lambda: head(outer(x, inner))  # noqa: E731
+    elif case == "recursion_on_its_input":
+        deep = _Deep(4).double()
+        hooked = [deep, head]
+        # (the parameter used before the outer call; the losses read the inner call's output)
+        forward = lambda: head(deep.outs[0] if deep(x * deep.s) is not None else x)  # noqa: E731
+    else:
+        pre = _Precomputed(4).double()
+        hooked = [pre, head]
+
+        def forward() -> Tensor:
+            pre.w = pre.s * 2
+            return head(pre(x))
+
+    engine = Engine(*hooked, batch_dim=batch_dim)
+    per_sample = forward().pow(2).sum(1)
+    losses = per_sample if batch_dim == 0 else torch.stack([per_sample.sum(), per_sample[0]])
+    if case in ("recursion_on_its_input", "precomputed"):
+        with pytest.raises(ValueError, match=r"\.s is used outside the forward calls"):
+            engine.compute_gramian(losses)
+        return
+    params = [p for module in hooked for p in module.parameters()]
+    jacobian = reference_jacobian(losses, list({id(p): p for p in params}.values()))
+    torch.testing.assert_close(engine.compute_gramian(losses), jacobian @ jacobian.T)
+
+
+class _Returns(Scale):
+    """Calls itself and returns nothing: the inner call's output is kept."""
+
+    def __init__(self, features: int) -> None:
+        super().__init__(features)
+        self.outs: list[Tensor] = []
+
+    def forward(self, x: Tensor, depth: int = 1) -> Tensor | None:
+        h = torch.tanh(x * self.s)
+        if depth == 0:
+            return h
+        self.outs.append(self(h, depth - 1))
+        return None
+
+
+@pytest.mark.parametrize("batch_dim", [0, None])
+def test_recursion_whose_outer_call_returns_nothing(batch_dim: int | None) -> None:
+    """A module that calls itself and returns nothing (its inner output kept): the outer call,
+    unrecorded, still carries the inner call's input (it was refused; per task the engine then
+    failed on it)."""
+    torch.manual_seed(0)
+    module = _Returns(4).double()
+    engine = Engine(module, batch_dim=batch_dim)
+    module(torch.randn(4, 4, dtype=torch.float64))
+    per_sample = module.outs[-1].pow(2).sum(1)
+    losses = per_sample if batch_dim == 0 else torch.stack([per_sample.sum(), per_sample[0]])
+    jacobian = reference_jacobian(losses, [module.s])
     torch.testing.assert_close(engine.compute_gramian(losses), jacobian @ jacobian.T)

@@ -155,7 +155,7 @@ def _replay_per_task(
     """:func:`_per_task_grads`, refused when the re-run drew random numbers (dropout): it then
     drew other ones than the forward did (per sample, ``vmap`` raises on them itself), or gave
     other outputs."""
-    device = cots[0].device
+    device = next(iter(params.values())).device  # (an enclosing call may have no output)
     before = _rng_states(device)
     grads, outputs = _per_task_grads(module, params, call, cots)
     if any(not torch.equal(a, b) for a, b in zip(before, _rng_states(device), strict=True)):

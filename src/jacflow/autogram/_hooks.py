@@ -9,6 +9,7 @@ forwards of other graphs) are ignored when the Gramian is computed.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -147,6 +148,17 @@ class _Start:
     modes: tuple[tuple[nn.Module, bool], ...]
     nested: bool
     children: list[Call | None]
+    sequence: int | None  # autograd's next sequence number (see next_sequence_nr)
+
+
+# (a private function of torch's autograd: without it, calls have no span)
+_SEQUENCE_NR: Callable[[], int] | None = getattr(torch._C._autograd, "_get_sequence_nr", None)
+
+
+def next_sequence_nr() -> int | None:
+    """The sequence number autograd gives the next node it creates (in this thread): the nodes
+    of a call's forward have numbers from the one at its start to the one at its end."""
+    return None if _SEQUENCE_NR is None else int(_SEQUENCE_NR())
 
 
 def _hooks_of(tensor: Tensor) -> dict[Any, Any]:
@@ -275,7 +287,7 @@ class Recorder:
             buffers = {name: b.detach().clone() for name, b in module.named_buffers()}
             modes = tuple((sub, sub.training) for sub in module.modules())
             stack = self._starts.setdefault(id(module), [])
-            stack.append(_Start(weights, buffers, modes, bool(stack), []))
+            stack.append(_Start(weights, buffers, modes, bool(stack), [], next_sequence_nr()))
 
     def _record(
         self, index: int, replays: bool, module: nn.Module, args: Any, kwargs: Any, output: Any
@@ -341,6 +353,9 @@ class Recorder:
                 call.modes, call.training = start.modes, start.modes[0][1]
                 call.start_weights, call.buffers = start.weights, start.buffers
                 call.nested, call.children = start.nested, start.children
+                end = next_sequence_nr()
+                if start.sequence is not None and end is not None:
+                    call.span = (start.sequence, end)
                 for child in call.children:
                     if child is not None:
                         child.parent = call

@@ -16,6 +16,7 @@ forward did) takes a walk too, made only when some view was changed so.
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from torch import Tensor
@@ -48,6 +49,29 @@ def _input_nodes(call: Call) -> list[Any]:
     return [get_gradient_edge(t).node for t, _ in call.versions if t.requires_grad]
 
 
+@dataclass(eq=False)
+class _Replayed:
+    """A call of a module that the generic rule re-runs, as the walk sees it."""
+
+    call: Call
+    inputs: list[Any]  # its inputs' nodes
+    covered: Collection[int]  # the parameters its re-run covers
+    order: int  # in the record (a call ends, and is recorded, before the call around it)
+
+    def contains(self, node: Any) -> bool:
+        """Whether ``node`` was created by the call's forward (by its span of sequence numbers;
+        without one, any node but its inputs')."""
+        span = self.call.span
+        if span is None:
+            return not any(node is i for i in self.inputs)
+        return span[0] <= node._sequence_nr() < span[1]
+
+    def outer(self) -> tuple[int, int]:
+        """Sorts the calls ending at one node outermost first."""
+        span = self.call.span
+        return (span[0], -self.order) if span is not None else (0, -self.order)
+
+
 def used_outside(
     losses: Tensor,
     closed: Iterable[Call],
@@ -63,10 +87,11 @@ def used_outside(
     nothing there and is walked through. ``closed`` are the calls of closed forms, whose rules
     cover their own parameters' uses inside them. ``replayed`` are the calls of modules that
     the generic rule re-runs, each with the ``id`` of the parameters its re-run covers: the
-    inside of each one reached is walked too (from its output's node back to its inputs', what
-    it reads otherwise included), where a use of those parameters is the call's own. So is the
-    inside of a call that a call of the same module made inside it reaches (deep
-    supervision): the re-run of the outer call carries it.
+    inside of each one reached is walked too, entered from its output's node, where a use of
+    those parameters (or of those of the calls around it) is the call's own; the walk leaves it
+    at the nodes its forward did not create (its inputs, a tensor it read otherwise). The
+    inputs of a call made inside a call of the same module are inside that one (its re-run
+    carries them: deep supervision).
 
     Example:
         >>> import torch
@@ -86,63 +111,72 @@ def used_outside(
         for edge in call.edges:
             if not any(node is edge.node for node in inputs):
                 jumps.setdefault(id(edge.node), []).extend(inputs)
-    ends: dict[int, list[Call]] = {}  # a replayed output's node -> the calls it ends
-    inputs_of: dict[int, list[Any]] = {}  # (by id of a replayed call)
-    stops: dict[int, set[int]] = {}  # its inputs' nodes, where its inside ends
-    outputs: dict[int, set[int]] = {}  # its outputs' nodes
-    covers: dict[int, Collection[int]] = {}  # the parameters its re-run covers
-    for call, covered in replayed:
-        inputs = inputs_of[id(call)] = _input_nodes(call)
-        stops[id(call)] = {id(node) for node in inputs}
-        covers[id(call)] = covered
-        outputs[id(call)] = set()
-        for edge in call.edges:
-            if id(edge.node) not in stops[id(call)]:
-                ends.setdefault(id(edge.node), []).append(call)
-                outputs[id(call)].add(id(edge.node))
+    known: dict[int, _Replayed] = {}
+    ends: dict[int, list[_Replayed]] = {}  # a replayed output's node -> the calls it ends
 
-    def around(call: Call, context: Call | None) -> Call | None:
-        """The context of a replayed call's inputs: the outer call of the same module for a
-        call made inside it, else the context the walk met the call in."""
-        outer = call.parent if call.nested else None
-        return outer if outer is not None and id(outer) in covers else context
+    def know(call: Call, covered: Collection[int]) -> _Replayed:
+        if id(call) not in known:
+            known[id(call)] = _Replayed(call, _input_nodes(call), covered, len(known))
+            for edge in call.edges:
+                if not any(node is edge.node for node in known[id(call)].inputs):
+                    ends.setdefault(id(edge.node), []).append(known[id(call)])
+        return known[id(call)]
+
+    for call, covered in replayed:
+        know(call, covered)
+
+    def around(replay: _Replayed) -> list[_Replayed]:
+        """The calls of the same module that ``replay`` ran inside (recorded or not)."""
+        outer, call = [], replay.call
+        while call.nested and call.parent is not None:
+            call = call.parent
+            outer.append(know(call, replay.covered))
+        return outer
+
+    Chain = tuple[_Replayed, ...]  # the replayed calls the walk is inside
+
+    def within(chain: Chain, node: Any) -> Chain:
+        """The calls of ``chain`` still around ``node``: those of a module with a call that
+        created it (a weight that ``parametrize.cached()`` computed at the module's first
+        call and its later calls read: each re-run computes it again)."""
+        kept = []
+        for replay in chain:
+            calls = (r for r in known.values() if r.covered is replay.covered)
+            if replay.contains(node) or any(r.contains(node) for r in calls):
+                kept.append(replay)
+        return tuple(kept)
 
     found: str | None = None
     met = False
-    entered: set[int] = set()  # the replayed calls whose inside was entered from their output
-    stack: list[tuple[Any, Call | None]] = [(losses.grad_fn, None)]
-    seen: dict[tuple[int, int], object] = {}  # (holding the nodes: their ids stay theirs)
+    stack: list[tuple[Any, Chain]] = [(losses.grad_fn, ())]
+    seen: dict[tuple[int, frozenset[int]], object] = {}  # (holding the nodes: ids stay theirs)
     while stack and (found is None or not met):
-        node, context = stack.pop()
-        key = (id(node), id(context))
+        node, chain = stack.pop()
+        key = (id(node), frozenset(id(replay) for replay in chain))
         if node is None or key in seen:
             continue
         seen[key] = node
-        following: list[tuple[Any, Call | None]] = []
-        own = context is not None and id(node) in outputs[id(context)]
-        if not own and (id(node) in jumps or id(node) in ends):
+        allowed = {p for replay in chain for p in replay.covered}
+        entering = sorted(
+            (r for r in ends.get(id(node), ()) if r not in chain), key=_Replayed.outer
+        )
+        if entering:  # step over the outermost call ending here, and walk its inside
             met = True
-            following += [(m, context) for m in jumps.get(id(node), ())]
-            for call in ends.get(id(node), ()):
-                if id(call) not in entered:
-                    entered.add(id(call))
-                    stack.append((node, call))
-                following += [(m, around(call, context)) for m in inputs_of[id(call)]]
+            replay = entering[0]
+            base = (*chain, *(r for r in around(replay) if r not in chain))
+            stack.append((node, (*base, replay)))
+            allowed |= {p for r in base for p in r.covered}
+            following = [(m, within(base, m)) for m in replay.inputs]
+        elif id(node) in jumps:  # step over a closed form's call
+            met = True
+            following = [(m, within(chain, m)) for m in jumps[id(node)]]
         else:
-            for m in _inputs(node):
-                if context is not None and id(m) in stops[id(context)]:
-                    if id(context) in entered:
-                        continue  # (the step over the call goes on from there)
-                    # (entered from a call made inside it: on to the context around it)
-                    following.append((m, around(context, None)))
-                else:
-                    following.append((m, context))
-        for m, outer in following:
-            variable = getattr(m, "variable", None)  # (a gradient accumulator's)
-            allowed = () if outer is None else covers[id(outer)]
+            following = [(m, within(chain, m)) for m in _inputs(node) if m is not None]
+        for m, next_chain in following:
+            variable = getattr(m, "variable", None)  # (a gradient accumulator's parameter)
             if variable is not None and id(variable) in params and id(variable) not in allowed:
                 found = found or params[id(variable)]
-            stack.append((m, outer))
+            stack.append((m, next_chain))
     return met, found
 
 

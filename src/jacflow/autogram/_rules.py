@@ -169,6 +169,9 @@ class Call:
     # for the rules that replay: the recorded outputs with their versions at the forward (a
     # re-run is checked against them)
     outputs: list[tuple[Tensor, int]] = field(default_factory=list)
+    # for the rules that replay: autograd's sequence numbers of the nodes the forward created
+    # (from, to), where known
+    span: tuple[int, int] | None = None
 
     def user_hooks(self) -> list[list[Callable[[Tensor], Tensor | None]]]:
         """The gradient hooks on each recorded output other than the engine's own (none when
