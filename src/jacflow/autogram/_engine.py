@@ -11,6 +11,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.parameter import is_lazy
+from torch.utils.hooks import RemovableHandle
 
 from jacflow.aggregation import GramianWeighting
 from jacflow.autogram._buffers import GradientBuffers, worth_reusing
@@ -136,6 +137,13 @@ _Prepared = tuple[
 ]
 
 
+def _unhook(recorder: Recorder, watches: list[RemovableHandle]) -> None:
+    for handle in watches:
+        handle.remove()
+    watches.clear()
+    recorder.remove()
+
+
 class _Rehook:
     """The forward pre-hook that hooks an engine's modules again when a frozen parameter was
     made trainable. It holds the engine weakly; a deep copy or a pickle of a hooked model gets
@@ -147,7 +155,7 @@ class _Rehook:
     def __call__(self, module: nn.Module, args: Any) -> None:
         engine = None if self._engine is None else self._engine()
         if engine is not None:
-            engine._rehook_if_unfrozen()
+            engine._rehook_if_changed(module, args)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> _Rehook:
         return _Rehook(None)
@@ -243,11 +251,15 @@ class Engine:
         # the patterns of recorded calls (their units, in order) whose steps passed the check of
         # outside uses: the losses' graph is walked again only for a new pattern
         self._outside_checked: set[tuple[int, ...]] = set()
+        self._hook_error: ValueError | None = None  # (of hooking them again at a forward)
+        self._known: tuple[int, ...] = ()  # the ids of the modules' submodules when hooked
         self._hook_modules()
-        # (a forward of any given module first hooks them again if a frozen parameter was
-        # made trainable, e.g. a backbone unfrozen after a warm-up)
+        # (a forward of a given module first hooks them again if they changed: a frozen
+        # parameter made trainable, e.g. a backbone after a warm-up, or a module added)
         rehook = _Rehook(self)
         self._watches = [m.register_forward_pre_hook(rehook) for m in modules]
+        # (an engine dropped without remove() unhooks the modules when it is collected)
+        weakref.finalize(self, _unhook, self._recorder, self._watches)
 
     def _hook_modules(self) -> None:
         """Find the units among the modules' parameters trainable now and hook them."""
@@ -258,6 +270,7 @@ class Engine:
         self._recorder.remove()
         self._units = units
         self._outside_checked.clear()
+        self._hook_error = None
         covered_ids: set[int] = set()
         for index, unit in enumerate(self._units):
             self._recorder.hook(index, unit)
@@ -266,6 +279,7 @@ class Engine:
                 covered_ids.update(id(p) for p in unit.module.parameters())
             else:
                 covered_ids.update(id(p) for p in unit.module.parameters(recurse=False))
+        self._known = self._module_ids()
         params = {id(p): p for m in modules for p in m.parameters()}
         self._uncovered = [p for key, p in params.items() if key not in covered_ids]
         if batch_dim is not None:
@@ -279,30 +293,47 @@ class Engine:
         for sub in recurrent.values():
             self._recorder.watch_fused_rnn(sub)
 
-    def _rehook_if_unfrozen(self) -> None:
-        # (not with calls pending, whose units would change: the step refuses them instead)
-        if self._recorder.calls or is_replaying() or self._recorder.idle:
-            return
-        if any(p.requires_grad for p in self._uncovered):
-            self._hook_modules()
+    def _module_ids(self) -> tuple[int, ...]:
+        # (not the parameters: torch.func.functional_call swaps them for the call's length)
+        return tuple(id(sub) for m in self._modules for sub in m.modules())
 
-    def _check_none_unfrozen(self) -> None:
-        """Refuse a parameter made trainable since the modules were hooked, with calls recorded
-        before they could be hooked again: its module's calls were not recorded."""
-        unfrozen = next((p for p in self._uncovered if p.requires_grad), None)
-        if unfrozen is None:
+    def _changed(self) -> bool:
+        """Whether the modules changed since they were hooked: a frozen parameter made
+        trainable, or a module added or replaced."""
+        return any(p.requires_grad for p in self._uncovered) or self._module_ids() != self._known
+
+    def _rehook_if_changed(self, module: nn.Module, args: Any) -> None:
+        # (not with calls pending, whose units would change: the step refuses them instead;
+        # nor for a forward that records nothing)
+        if self._recorder.calls or self._recorder.idle or is_replaying():
             return
-        names = {
-            id(p): f"modules[{i}].{n}"
-            for i, m in enumerate(self._modules)
-            for n, p in m.named_parameters()
-        }
+        if not torch.is_grad_enabled() or not self._changed():
+            return
+        try:
+            self._hook_modules()
+        except ValueError as error:  # (refused by the step, not in the model's forward)
+            self._hook_error = error
+            return
+        self._recorder.run_pre_hooks(module, args)
+
+    def _check_unchanged(self) -> None:
+        """Refuse a step whose forward ran with the modules changed since they were hooked
+        (its calls were not all recorded), after hooking them again for the next forward."""
+        if not self._changed():
+            return
+        error = self._hook_error
+        try:
+            self._hook_modules()  # (the calls were taken: none is pending)
+        except ValueError as refusal:
+            error = refusal
+        if error is not None:
+            raise error
         raise ValueError(
-            f"The parameter {names.get(id(unfrozen), 'of shape ' + str(tuple(unfrozen.shape)))} "
-            "was frozen (requires_grad=False) when the Engine hooked its modules and is "
-            "trainable now, so this forward's calls of its module were not recorded. Run the "
-            "forward again: the Engine hooks its modules again at the start of a forward of "
-            "one of them (the one given to the Engine) when no recorded call is pending."
+            "The Engine's modules changed since it hooked them, after this forward began (a "
+            "frozen parameter made trainable, or a module added or replaced, while calls of a "
+            "forward were pending), so not all of its calls were recorded. The Engine has "
+            "hooked them again: run the forward again. (It hooks them again at the start of a "
+            "forward of a module given to it when no call is pending.)"
         )
 
     # ----------------------------------------------------------------------------- lifecycle
@@ -318,10 +349,7 @@ class Engine:
     def remove(self) -> None:
         """Remove every hook, drop the recorded calls and the kept gradient memory. Calling it
         twice is harmless."""
-        for handle in self._watches:
-            handle.remove()
-        self._watches = []
-        self._recorder.remove()
+        _unhook(self._recorder, self._watches)
         self._removed = True
         self._buffers = None
 
@@ -383,7 +411,8 @@ class Engine:
         gradients (book-keeping), so there is no second backward. Parameters outside the hooked
         modules are left untouched unless listed in ``other_params``, which then receive
         ``sum_i w_i grad(losses_i)`` through one ordinary autograd call (the hooked modules'
-        parameters there are skipped: e.g. ``other_params=model.parameters()`` is right).
+        parameters and the frozen ones there are skipped: ``other_params=model.parameters()``
+        is right).
         Gradient hooks on the parameters (``p.register_hook``) run on their update, and their
         post-accumulate hooks after it is written, as after ``(weights @ losses).backward()``.
 
@@ -440,8 +469,9 @@ class Engine:
                 params = (p for named, _ in contributions for p in named.values())
                 worth = worth_reusing(params, captured_bytes)
                 buffers = self._buffers if worth else None
-                updates = _through_param_hooks(_weighted_grads(contributions, row_weights, buffers))
-                updates += [(p, g) for p, g in zip(tasks, task_grads, strict=True) if g is not None]
+                updates = _weighted_grads(contributions, row_weights, buffers)
+        # (autograd runs the hooks of the tasks' and the other parameters on their gradients)
+        plain = [(p, g) for p, g in zip(tasks, task_grads, strict=True) if g is not None]
         if others:
             extra = torch.autograd.grad(
                 losses,
@@ -449,10 +479,11 @@ class Engine:
                 grad_outputs=weights.reshape(losses.shape).to(losses.dtype),
                 allow_unused=True,
             )
-            for param, grad in zip(others, extra, strict=True):
-                if grad is not None:
-                    updates.append((param, grad))
-        _accumulate(updates)
+            plain += [(p, g) for p, g in zip(others, extra, strict=True) if g is not None]
+        # (the hooked parameters' hooks last: after everything that may fail)
+        with torch.no_grad():
+            updates = _through_param_hooks(updates)
+        _accumulate(updates + plain)
         return weights.reshape(losses.shape)
 
     def _checked_params(
@@ -472,7 +503,7 @@ class Engine:
                     "Hook only the shared modules (the trunk), and pass the trunk's output as "
                     "the features."
                 )
-        unique = {id(p): p for p in others if id(p) not in hooked}
+        unique = {id(p): p for p in others if id(p) not in hooked and p.requires_grad}
         return list(unique.values()), tasks
 
     def _prepare(
@@ -507,7 +538,7 @@ class Engine:
         extra_inputs: Sequence[Tensor],
     ) -> _Prepared:
         """:meth:`_prepare` on the ``calls`` taken from the recorder."""
-        self._check_none_unfrozen()
+        self._check_unchanged()
         if outside is not None:
             child, parent = outside
             raise ValueError(
@@ -928,7 +959,9 @@ def _through_param_hooks(updates: list[tuple[Tensor, Tensor]]) -> list[tuple[Ten
             result = hook(grad)
             if result is not None:
                 grad = result
-        plain.append((param, grad))
+        # (a hook may keep the tensor it saw or return one held elsewhere: as autograd does
+        # for a gradient referred to elsewhere, .grad gets a copy)
+        plain.append((param, grad.clone()))
     return plain
 
 

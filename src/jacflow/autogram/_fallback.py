@@ -34,8 +34,10 @@ from jacflow.autogram._rules import (
 )
 
 # a re-run's outputs may differ from the forward's by this many units of roundoff, relative
-# to the largest output (a batch of one and the batch take other kernels)
-_SAME_OUTPUT_EPS = 1e3
+# to the largest output (a batch of one and the batch take other kernels, whose roundoff a
+# cancelling output magnifies), and by at most this fraction (bfloat16 has 8 bits)
+_SAME_OUTPUT_EPS = 1e4
+_SAME_OUTPUT_MAX = 0.05
 
 
 def _selected_outputs(out: Any, positions: list[int]) -> tuple[Tensor, ...]:
@@ -128,7 +130,8 @@ def _check_same_outputs(
             continue
         scale = float(recorded.detach().abs().amax()) if recorded.numel() else 0.0
         error = float((again.detach() - recorded.detach()).abs().amax()) if again.numel() else 0.0
-        if error > _SAME_OUTPUT_EPS * torch.finfo(again.dtype).eps * max(scale, 1e-30):
+        tolerance = min(_SAME_OUTPUT_EPS * torch.finfo(again.dtype).eps, _SAME_OUTPUT_MAX)
+        if error > tolerance * max(scale, 1e-30):
             per_sample = " (the batch size as a number: the re-run sees one sample)"
             raise ReplayMismatchError(
                 f"{type(module).__name__} has no closed-form Gramian rule, so the engine re-runs "

@@ -207,6 +207,7 @@ class Recorder:
         # per replayed module under way: its weights' versions and copies of its buffers at
         # the start of each call (a stack: a module may call itself)
         self._starts: dict[int, list[_Start]] = {}
+        self._pre_hooks: list[tuple[nn.Module, Callable[[nn.Module, Any], None]]] = []
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Recorder:
         """A deep copy of a hooked model (an average of the weights, an evaluation copy) takes
@@ -218,11 +219,23 @@ class Recorder:
         """Pickled with a hooked model (``torch.save(model)``): idle, as a deep copy's."""
         return Recorder, (True,)
 
+    def _pre_hook(
+        self, module: nn.Module, hook: Callable[[nn.Module, Any], None], prepend: bool = False
+    ) -> None:
+        self.handles.append(module.register_forward_pre_hook(hook, prepend=prepend))
+        self._pre_hooks.append((module, hook))
+
+    def run_pre_hooks(self, module: nn.Module, args: Any) -> None:
+        """Run this recorder's forward pre-hooks of ``module`` for a call under way: hooks
+        registered inside one of its pre-hooks miss that call (torch has fixed its list)."""
+        for hooked, hook in self._pre_hooks:
+            if hooked is module:
+                hook(module, args)
+
     def hook(self, index: int, unit: Unit) -> None:
         replays = unit.rule.replays()
         if replays:  # (first: before other pre-hooks, e.g. spectral_norm's, change the module)
-            start = unit.module.register_forward_pre_hook(self._start, prepend=True)
-            self.handles.append(start)
+            self._pre_hook(unit.module, self._start, prepend=True)
         record = partial(self._record, index, replays)
         # (always: a call that raises still takes its start off the stack; first: the module's
         # own output, before a user's hook replaces it)
@@ -236,13 +249,13 @@ class Recorder:
         forward of ``unit``, whose rule covers the child's parameters but sees them only through
         the unit's own calls."""
         depth = [0]  # the unit's forward calls under way
-        self.handles.append(unit.module.register_forward_pre_hook(partial(_enter, depth)))
+        self._pre_hook(unit.module, partial(_enter, depth))
         leave = partial(_leave, depth)
         self.handles.append(unit.module.register_forward_hook(leave, always_call=True))
         for name, child in unit.module.named_modules():
             if child is not unit.module and next(child.parameters(recurse=False), None) is not None:
                 flag = partial(self._flag_outside, f"{unit.name}.{name}", unit.name, depth)
-                self.handles.append(child.register_forward_pre_hook(flag))
+                self._pre_hook(child, flag)
 
     def _flag_outside(
         self, child: str, unit: str, depth: list[int], module: nn.Module, args: Any
@@ -255,7 +268,7 @@ class Recorder:
 
     def watch_coupling(self, name: str, module: nn.Module) -> None:
         """Flag training-mode, grad-enabled forwards of a module that mixes the samples."""
-        self.handles.append(module.register_forward_pre_hook(partial(self._flag, name)))
+        self._pre_hook(module, partial(self._flag, name))
 
     def _flag(self, name: str, module: nn.Module, args: Any) -> None:
         if self.idle or not torch.is_grad_enabled() or is_replaying():
@@ -376,5 +389,6 @@ class Recorder:
         for handle in self.handles:
             handle.remove()
         self.handles = []
+        self._pre_hooks = []
         self.calls = []
         self._starts = {}
