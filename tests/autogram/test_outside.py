@@ -446,3 +446,24 @@ def test_recursion_whose_outer_call_returns_nothing(batch_dim: int | None) -> No
     losses = per_sample if batch_dim == 0 else torch.stack([per_sample.sum(), per_sample[0]])
     jacobian = reference_jacobian(losses, [module.s])
     torch.testing.assert_close(engine.compute_gramian(losses), jacobian @ jacobian.T)
+
+
+class _Lazy(Scale):
+    """Computes a weight from its parameter at its first call and keeps it for the later ones
+    (by hand: not a parametrisation, which each re-run computes again)."""
+
+    w: Tensor | None = None
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.w is None:
+            self.w = self.s.exp()
+        return torch.tanh(x * self.w)
+
+
+def test_a_weight_kept_from_an_earlier_call_is_refused() -> None:
+    """The later calls' re-runs would read it as a constant (the Gramian was 0, silently)."""
+    module = _Lazy(4).double()
+    engine = Engine(module, batch_dim=0)
+    losses = module(module(torch.randn(5, 4, dtype=torch.float64))).pow(2).sum(1)
+    with pytest.raises(ValueError, match=r"\.s is used outside the forward calls"):
+        engine.compute_gramian(losses)

@@ -45,13 +45,16 @@ def _state(call: Call) -> Any:
     return call.args[1] if len(call.args) > 1 else call.kwargs.get("hx")
 
 
-def _reads_state(h: Tensor, state: Tensor) -> bool:
+def _reads_state(call: Call) -> bool:
     """Whether the LSTM cell's ``h'`` was computed from its ``s'`` in the graph (``h' = o *
-    tanh(s')``, two nodes away), so that the gradient captured at ``s'`` holds that path."""
-    node = h.grad_fn
+    tanh(s')``, two nodes away), so that the gradient captured at ``s'`` holds that path. Read
+    on the nodes recorded at the forward (an in-place op on an output gives it another)."""
+    if len(call.edges) != 2:
+        return False
+    node, state = call.edges[0].node, call.edges[1].node
     for _ in range(2):
         following = [n for n, _ in node.next_functions if n is not None] if node else []
-        if any(n is state.grad_fn for n in following):
+        if any(n is state for n in following):
             return True
         node = next((n for n in following if n.name().startswith("Tanh")), None)
     return False
@@ -112,9 +115,7 @@ def _terms(module: nn.RNNCellBase, call: Call, rows: Rows) -> dict[str, tuple[Te
             assert state is not None
             new_state = f.sigmoid() * state + i.sigmoid() * g.tanh()
             # (the captured gradient of s' holds the path through h' where the graph has it)
-            recorded = [out for out, _ in call.outputs]
-            holds = len(recorded) == 2 and _reads_state(recorded[0], recorded[1])
-            read = new_state.detach() if holds else new_state
+            read = new_state.detach() if _reads_state(call) else new_state
             outputs = [o.sigmoid() * read.tanh(), new_state]
         else:
             outputs = [cell_step(mode, a, c, h, None)[0]]

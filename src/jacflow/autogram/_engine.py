@@ -11,6 +11,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.parameter import is_lazy
+from torch.nn.utils.parametrize import is_parametrized
 from torch.utils.hooks import RemovableHandle
 
 from jacflow.aggregation import GramianWeighting
@@ -137,11 +138,13 @@ _Prepared = tuple[
 ]
 
 
-def _unhook(recorder: Recorder, watches: list[RemovableHandle]) -> None:
+def _unhook(recorder: weakref.ref[Recorder], watches: list[RemovableHandle]) -> None:
     for handle in watches:
         handle.remove()
     watches.clear()
-    recorder.remove()
+    alive = recorder()
+    if alive is not None:
+        alive.remove()
 
 
 class _Rehook:
@@ -245,25 +248,29 @@ class Engine:
         self._per_task_rows: dict[tuple[torch.Size, torch.dtype, torch.device], tuple[Rows, Tensor]]
         self._per_task_rows = {}
         self._units: list[Unit] = []
-        # the parameters no unit covers (frozen when the modules were hooked): one made
-        # trainable since calls for hooking the modules again
-        self._uncovered: list[Tensor] = []
+        # the modules whose trainable parameters a unit covers, and those watched (BatchNorm,
+        # recurrent layers), held (their ids stay theirs): a trainable parameter of any other
+        # module, or another such module, is a change that calls for hooking them again
+        self._covered: dict[int, nn.Module] = {}
+        self._watched: dict[int, nn.Module] = {}
+        self._checked = False  # (the change was looked for since the last step)
         # the patterns of recorded calls (their units, in order) whose steps passed the check of
         # outside uses: the losses' graph is walked again only for a new pattern
         self._outside_checked: set[tuple[int, ...]] = set()
-        self._hook_error: ValueError | None = None  # (of hooking them again at a forward)
-        self._known: tuple[int, ...] = ()  # the ids of the modules' submodules when hooked
+        self._hook_error: Exception | None = None  # (of hooking them again at a forward)
         self._hook_modules()
         # (a forward of a given module first hooks them again if they changed: a frozen
         # parameter made trainable, e.g. a backbone after a warm-up, or a module added)
         rehook = _Rehook(self)
         self._watches = [m.register_forward_pre_hook(rehook) for m in modules]
-        # (an engine dropped without remove() unhooks the modules when it is collected)
-        weakref.finalize(self, _unhook, self._recorder, self._watches)
+        # (an engine dropped without remove() unhooks the modules when it is collected; the
+        # recorder held weakly: its hooks keep it while the modules live)
+        weakref.finalize(self, _unhook, weakref.ref(self._recorder), self._watches)
 
     def _hook_modules(self) -> None:
         """Find the units among the modules' parameters trainable now and hook them."""
         modules, batch_dim = self._modules, self.batch_dim
+        _check_modules(modules, batch_dim)
         units = find_units(modules)
         if batch_dim is not None:
             _check_generic_units(units)
@@ -271,47 +278,54 @@ class Engine:
         self._units = units
         self._outside_checked.clear()
         self._hook_error = None
-        covered_ids: set[int] = set()
+        self._covered = {}
         for index, unit in enumerate(self._units):
             self._recorder.hook(index, unit)
+            covered = [unit.module]
             if unit.rule.covers_children():
                 self._recorder.watch_children(unit)
-                covered_ids.update(id(p) for p in unit.module.parameters())
-            else:
-                covered_ids.update(id(p) for p in unit.module.parameters(recurse=False))
-        self._known = self._module_ids()
-        params = {id(p): p for m in modules for p in m.parameters()}
-        self._uncovered = [p for key, p in params.items() if key not in covered_ids]
-        if batch_dim is not None:
-            for i, module in enumerate(modules):
-                for name, sub in module.named_modules():
-                    if isinstance(sub, _BatchNorm):
-                        self._recorder.watch_coupling(f"modules[{i}].{name}", sub)
-        recurrent = {
-            id(sub): sub for m in modules for sub in m.modules() if isinstance(sub, nn.RNNBase)
-        }
-        for sub in recurrent.values():
-            self._recorder.watch_fused_rnn(sub)
-
-    def _module_ids(self) -> tuple[int, ...]:
-        # (not the parameters: torch.func.functional_call swaps them for the call's length)
-        return tuple(id(sub) for m in self._modules for sub in m.modules())
+                covered = list(unit.module.modules())
+            self._covered.update((id(m), m) for m in covered)
+        self._watched = {}
+        for i, module in enumerate(modules):
+            for name, sub in module.named_modules():
+                if isinstance(sub, _BatchNorm) and batch_dim is not None:
+                    self._recorder.watch_coupling(f"modules[{i}].{name}", sub)
+                    self._watched[id(sub)] = sub
+                if isinstance(sub, nn.RNNBase) and id(sub) not in self._watched:
+                    self._recorder.watch_fused_rnn(sub)
+                    self._watched[id(sub)] = sub
 
     def _changed(self) -> bool:
-        """Whether the modules changed since they were hooked: a frozen parameter made
-        trainable, or a module added or replaced."""
-        return any(p.requires_grad for p in self._uncovered) or self._module_ids() != self._known
+        """Whether the modules changed since they were hooked: a trainable parameter that no
+        unit covers (a frozen one made trainable, a module or a parameter added), or another
+        BatchNorm or recurrent layer. (Not the parameters' identities: functional_call swaps
+        them for the length of a call.)"""
+        per_sample = self.batch_dim is not None
+        for root in self._modules:
+            for sub in root.modules():
+                if id(sub) in self._covered:
+                    continue
+                watch = isinstance(sub, nn.RNNBase) or (per_sample and isinstance(sub, _BatchNorm))
+                if watch and id(sub) not in self._watched:
+                    return True
+                if any(p is not None and p.requires_grad for p in sub._parameters.values()):
+                    return True
+        return False
 
     def _rehook_if_changed(self, module: nn.Module, args: Any) -> None:
         # (not with calls pending, whose units would change: the step refuses them instead;
-        # nor for a forward that records nothing)
+        # nor for a forward that records nothing; looked for once between steps)
         if self._recorder.calls or self._recorder.idle or is_replaying():
             return
-        if not torch.is_grad_enabled() or not self._changed():
+        if not torch.is_grad_enabled() or self._checked:
+            return
+        self._checked = True
+        if not self._changed():
             return
         try:
             self._hook_modules()
-        except ValueError as error:  # (refused by the step, not in the model's forward)
+        except (ValueError, TypeError) as error:  # (refused by the step, not in the forward)
             self._hook_error = error
             return
         self._recorder.run_pre_hooks(module, args)
@@ -319,12 +333,13 @@ class Engine:
     def _check_unchanged(self) -> None:
         """Refuse a step whose forward ran with the modules changed since they were hooked
         (its calls were not all recorded), after hooking them again for the next forward."""
+        self._checked = False
         if not self._changed():
             return
         error = self._hook_error
         try:
             self._hook_modules()  # (the calls were taken: none is pending)
-        except ValueError as refusal:
+        except (ValueError, TypeError) as refusal:
             error = refusal
         if error is not None:
             raise error
@@ -349,7 +364,7 @@ class Engine:
     def remove(self) -> None:
         """Remove every hook, drop the recorded calls and the kept gradient memory. Calling it
         twice is harmless."""
-        _unhook(self._recorder, self._watches)
+        _unhook(weakref.ref(self._recorder), self._watches)
         self._removed = True
         self._buffers = None
 
@@ -667,7 +682,13 @@ class Engine:
                 if self._reruns(index):
                     covered.setdefault(index, set()).add(id(param))
         closed = (call for index, call in calls if not self._reruns(index))
-        replayed = ((call, covered[index]) for index, call in calls if index in covered)
+        recomputed = {  # (a parametrisation's weight, cached or not, is computed again)
+            index: any(map(is_parametrized, self._units[index].module.modules()))
+            for index in covered
+        }
+        replayed = (
+            (call, covered[index], recomputed[index]) for index, call in calls if index in covered
+        )
         met, outside = used_outside(losses, closed, replayed, params) if params else (True, None)
         # (checked once the walk met a recorded call: else the step fails for that)
         if met and outside is None:

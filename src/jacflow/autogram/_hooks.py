@@ -207,7 +207,8 @@ class Recorder:
         # per replayed module under way: its weights' versions and copies of its buffers at
         # the start of each call (a stack: a module may call itself)
         self._starts: dict[int, list[_Start]] = {}
-        self._pre_hooks: list[tuple[nn.Module, Callable[[nn.Module, Any], None]]] = []
+        # (by id of the module: the recorder does not keep modules alive)
+        self._pre_hooks: list[tuple[int, Callable[[nn.Module, Any], None]]] = []
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Recorder:
         """A deep copy of a hooked model (an average of the weights, an evaluation copy) takes
@@ -223,13 +224,13 @@ class Recorder:
         self, module: nn.Module, hook: Callable[[nn.Module, Any], None], prepend: bool = False
     ) -> None:
         self.handles.append(module.register_forward_pre_hook(hook, prepend=prepend))
-        self._pre_hooks.append((module, hook))
+        self._pre_hooks.append((id(module), hook))
 
     def run_pre_hooks(self, module: nn.Module, args: Any) -> None:
         """Run this recorder's forward pre-hooks of ``module`` for a call under way: hooks
         registered inside one of its pre-hooks miss that call (torch has fixed its list)."""
         for hooked, hook in self._pre_hooks:
-            if hooked is module:
+            if hooked == id(module):
                 hook(module, args)
 
     def hook(self, index: int, unit: Unit) -> None:

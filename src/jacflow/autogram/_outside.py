@@ -56,6 +56,7 @@ class _Replayed:
     call: Call
     inputs: list[Any]  # its inputs' nodes
     covered: Collection[int]  # the parameters its re-run covers
+    recomputes: bool  # whether its re-run computes what its module's other calls computed
     order: int  # in the record (a call ends, and is recorded, before the call around it)
 
     def contains(self, node: Any) -> bool:
@@ -75,7 +76,7 @@ class _Replayed:
 def used_outside(
     losses: Tensor,
     closed: Iterable[Call],
-    replayed: Iterable[tuple[Call, Collection[int]]],
+    replayed: Iterable[tuple[Call, Collection[int], bool]],
     params: dict[int, str],
 ) -> tuple[bool, str | None]:
     """Whether ``losses`` reach any of the recorded calls, and the name (a value of ``params``,
@@ -86,7 +87,9 @@ def used_outside(
     parameter given as an input included); a call that returns an input as it is covers
     nothing there and is walked through. ``closed`` are the calls of closed forms, whose rules
     cover their own parameters' uses inside them. ``replayed`` are the calls of modules that
-    the generic rule re-runs, each with the ``id`` of the parameters its re-run covers: the
+    the generic rule re-runs, each with the ``id`` of the parameters its re-run covers and
+    whether that re-run computes again what another call of its module computed (a
+    parametrisation's weight, which ``parametrize.cached()`` computes once): the
     inside of each one reached is walked too, entered from its output's node, where a use of
     those parameters (or of those of the calls around it) is the call's own; the walk leaves it
     at the nodes its forward did not create (its inputs, a tensor it read otherwise). The
@@ -114,35 +117,38 @@ def used_outside(
     known: dict[int, _Replayed] = {}
     ends: dict[int, list[_Replayed]] = {}  # a replayed output's node -> the calls it ends
 
-    def know(call: Call, covered: Collection[int]) -> _Replayed:
+    def know(call: Call, covered: Collection[int], recomputes: bool) -> _Replayed:
         if id(call) not in known:
-            known[id(call)] = _Replayed(call, _input_nodes(call), covered, len(known))
+            inputs = _input_nodes(call)
+            known[id(call)] = _Replayed(call, inputs, covered, recomputes, len(known))
             for edge in call.edges:
                 if not any(node is edge.node for node in known[id(call)].inputs):
                     ends.setdefault(id(edge.node), []).append(known[id(call)])
         return known[id(call)]
 
-    for call, covered in replayed:
-        know(call, covered)
+    for call, covered, recomputes in replayed:
+        know(call, covered, recomputes)
 
     def around(replay: _Replayed) -> list[_Replayed]:
         """The calls of the same module that ``replay`` ran inside (recorded or not)."""
         outer, call = [], replay.call
         while call.nested and call.parent is not None:
             call = call.parent
-            outer.append(know(call, replay.covered))
+            outer.append(know(call, replay.covered, replay.recomputes))
         return outer
 
     Chain = tuple[_Replayed, ...]  # the replayed calls the walk is inside
 
     def within(chain: Chain, node: Any) -> Chain:
-        """The calls of ``chain`` still around ``node``: those of a module with a call that
-        created it (a weight that ``parametrize.cached()`` computed at the module's first
-        call and its later calls read: each re-run computes it again)."""
+        """The calls of ``chain`` still around ``node``: those that created it, and those
+        whose re-run computes again what another call of their module created (a weight that
+        ``parametrize.cached()`` computed at the module's first call and later calls read)."""
         kept = []
         for replay in chain:
             calls = (r for r in known.values() if r.covered is replay.covered)
-            if replay.contains(node) or any(r.contains(node) for r in calls):
+            if replay.contains(node) or (
+                replay.recomputes and any(r.contains(node) for r in calls)
+            ):
                 kept.append(replay)
         return tuple(kept)
 
