@@ -1264,13 +1264,14 @@ def test_generic_re_run_must_reproduce_the_forward(kind: str, batch_dim: int | N
     torch.testing.assert_close(engine.compute_gramian(losses), jacobian @ jacobian.T)
 
 
-def test_a_step_without_trainable_parameters_says_so() -> None:
-    """Every parameter frozen: the error names that, not the recorded calls."""
+def test_a_step_without_trainable_parameters_gives_zeros() -> None:
+    """Every parameter frozen from the start: a zero Gramian and no update (it failed, saying
+    no call was recorded)."""
     model = nn.Sequential(nn.Linear(3, 2)).double().requires_grad_(False)
     engine = Engine(model, batch_dim=0)
     x = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
-    with pytest.raises(RuntimeError, match="has a trainable parameter"):
-        engine.compute_gramian(model(x).sum(1))
+    gramian = engine.compute_gramian(model(x).sum(1))
+    torch.testing.assert_close(gramian, torch.zeros(4, 4, dtype=torch.float64))
 
 
 class _Backbone(nn.Module):
@@ -1426,3 +1427,40 @@ def test_a_model_keeping_its_engine_is_collected() -> None:
     del model
     gc.collect()
     assert model_ref() is None and engine_ref() is None
+
+
+class _Block(nn.Module):
+    """A parameter of its own around an inner module: a unit of the generic rule."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.s = nn.Parameter(torch.tensor(1.3))
+        self.inner = inner
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.inner(x) * self.s
+
+
+@pytest.mark.parametrize("change", ["moved_in", "pruned", "adapter_added"])
+def test_units_that_change_after_the_engine(change: str) -> None:
+    """A Linear moved into a generic module (counted twice: 259% off), pruning applied after
+    the engine (14% off), an adapter added to a Linear and applied by a forward hook (missing):
+    the modules are hooked again, exact."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_Block(nn.Identity()), nn.Tanh(), nn.Linear(3, 3)).double()
+    engine = Engine(model, batch_dim=0)
+    x = torch.randn(5, 3, dtype=torch.float64)
+    engine.compute_gramian(model(x).pow(2).sum(1))
+    if change == "moved_in":
+        linear, model[2] = model[2], nn.Identity()
+        model[0].inner = linear
+    elif change == "pruned":
+        torch.nn.utils.prune.l1_unstructured(model[2], "weight", amount=0.3)
+    else:
+        model[2].adapter = nn.Linear(3, 3, bias=False).double()
+        model[2].register_forward_hook(lambda module, args, out: out + module.adapter(args[0]))
+    for _ in range(2):
+        losses = model(x).pow(2).sum(1)
+        params = [p for p in model.parameters() if p.requires_grad]
+        jacobian = reference_jacobian(losses, params)
+        torch.testing.assert_close(engine.compute_gramian(losses), jacobian @ jacobian.T)

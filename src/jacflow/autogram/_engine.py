@@ -138,6 +138,14 @@ _Prepared = tuple[
 ]
 
 
+def _layout(units: list[Unit]) -> list[tuple[nn.Module, type, frozenset[str]]]:
+    """Each unit's module (held: its id stays its own), rule type and trainable parameters'
+    names: another layout calls for hooking the modules again (a parameter added to a hooked
+    module, frozen or unfrozen; not one replaced under its name, which a unit reads at each
+    step)."""
+    return [(unit.module, type(unit.rule), frozenset(unit.params())) for unit in units]
+
+
 def _unhook(recorder: weakref.ref[Recorder], watches: list[RemovableHandle]) -> None:
     for handle in watches:
         handle.remove()
@@ -248,11 +256,11 @@ class Engine:
         self._per_task_rows: dict[tuple[torch.Size, torch.dtype, torch.device], tuple[Rows, Tensor]]
         self._per_task_rows = {}
         self._units: list[Unit] = []
-        # the modules whose trainable parameters a unit covers, and those watched (BatchNorm,
-        # recurrent layers), held (their ids stay theirs): a trainable parameter of any other
-        # module, or another such module, is a change that calls for hooking them again
-        self._covered: dict[int, nn.Module] = {}
-        self._watched: dict[int, nn.Module] = {}
+        # the modules watched (BatchNorm per sample, recurrent layers), held (their ids stay
+        # theirs): the units found now and those watched differing from these is a change
+        # that calls for hooking the modules again
+        self._watched: list[nn.Module] = []
+        self._layout: list[tuple[nn.Module, type, frozenset[str]]] = []
         self._checked = False  # (the change was looked for since the last step)
         # the patterns of recorded calls (their units, in order) whose steps passed the check of
         # outside uses: the losses' graph is walked again only for a new pattern
@@ -276,42 +284,53 @@ class Engine:
             _check_generic_units(units)
         self._recorder.remove()
         self._units = units
+        self._layout = _layout(units)
         self._outside_checked.clear()
         self._hook_error = None
-        self._covered = {}
         for index, unit in enumerate(self._units):
             self._recorder.hook(index, unit)
-            covered = [unit.module]
             if unit.rule.covers_children():
                 self._recorder.watch_children(unit)
-                covered = list(unit.module.modules())
-            self._covered.update((id(m), m) for m in covered)
-        self._watched = {}
+        self._watched = self._to_watch()
         for i, module in enumerate(modules):
             for name, sub in module.named_modules():
                 if isinstance(sub, _BatchNorm) and batch_dim is not None:
                     self._recorder.watch_coupling(f"modules[{i}].{name}", sub)
-                    self._watched[id(sub)] = sub
-                if isinstance(sub, nn.RNNBase) and id(sub) not in self._watched:
-                    self._recorder.watch_fused_rnn(sub)
-                    self._watched[id(sub)] = sub
+        for sub in self._watched:
+            if isinstance(sub, nn.RNNBase):
+                self._recorder.watch_fused_rnn(sub)
 
-    def _changed(self) -> bool:
-        """Whether the modules changed since they were hooked: a trainable parameter that no
-        unit covers (a frozen one made trainable, a module or a parameter added), or another
-        BatchNorm or recurrent layer. (Not the parameters' identities: functional_call swaps
-        them for the length of a call.)"""
+    def _to_watch(self) -> list[nn.Module]:
+        """The BatchNorm layers (per sample) and the recurrent layers of the modules, once."""
         per_sample = self.batch_dim is not None
+        found: dict[int, nn.Module] = {}
         for root in self._modules:
             for sub in root.modules():
-                if id(sub) in self._covered:
-                    continue
-                watch = isinstance(sub, nn.RNNBase) or (per_sample and isinstance(sub, _BatchNorm))
-                if watch and id(sub) not in self._watched:
-                    return True
-                if any(p is not None and p.requires_grad for p in sub._parameters.values()):
-                    return True
-        return False
+                if isinstance(sub, nn.RNNBase) or (per_sample and isinstance(sub, _BatchNorm)):
+                    found.setdefault(id(sub), sub)
+        return list(found.values())
+
+    def _changed(self) -> bool:
+        """Whether the modules changed since they were hooked: another layout of units now (a
+        frozen module made trainable, a module added, moved or replaced, a weight norm or
+        pruning applied, a parameter added), or other layers to watch. (Not the parameters'
+        identities, which functional_call swaps for the length of a call; a unit reads its
+        parameters at each step.)"""
+        try:
+            units = find_units(self._modules)
+        except ValueError:  # (hooking them again raises it, at the step)
+            return True
+        layout = _layout(units)
+        same = len(layout) == len(self._layout) and all(
+            new[0] is old[0] and new[1:] == old[1:]
+            for new, old in zip(layout, self._layout, strict=True)
+        )
+        watched = self._to_watch()
+        return (
+            not same
+            or len(watched) != len(self._watched)
+            or any(new is not old for new, old in zip(watched, self._watched, strict=True))
+        )
 
     def _rehook_if_changed(self, module: nn.Module, args: Any) -> None:
         # (not with calls pending, whose units would change: the step refuses them instead;
@@ -382,6 +401,7 @@ class Engine:
     def clear(self) -> None:
         """Drop the calls recorded so far (e.g. after grad-enabled forwards you won't use)."""
         self._recorder.take()
+        self._checked = False
 
     # ----------------------------------------------------------------------------- public API
     def compute_gramian(self, losses: Tensor, *, retain_graph: bool = True) -> Tensor:
@@ -627,12 +647,9 @@ class Engine:
                 "(its generic rule, with torch.func): the calls of that re-run are not recorded. "
                 "Take the step outside the module's forward."
             )
+        if not reached and not self._units:  # (every parameter frozen: a zero Gramian)
+            return [], rows, order, extra_grads, captured_bytes
         if not reached:
-            if not self._units:
-                raise RuntimeError(
-                    "None of the Engine's modules has a trainable parameter (requires_grad): "
-                    "there is nothing to differentiate. Unfreeze some before the forward."
-                )
             raise RuntimeError(
                 "No forward call of the hooked modules is in the graph of `losses`. Create the "
                 "Engine before the forward, run the forward with grad enabled, and make the "
@@ -710,6 +727,7 @@ class Engine:
         return isinstance(self._units[index].rule, FallbackRule)
 
     def _checked_losses(self, losses: object) -> Tensor:
+        self._checked = False  # (a step, even one that fails: look for a change again)
         if self._removed:
             raise RuntimeError("This Engine was removed; create a new one before the forward.")
         return _check_losses(losses, self.batch_dim)

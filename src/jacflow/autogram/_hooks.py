@@ -81,6 +81,9 @@ def find_units(modules: tuple[nn.Module, ...]) -> list[Unit]:
             trainable = [p for p in module.parameters() if p.requires_grad]
         if rule is not None and trainable:
             units.append(Unit(name, module, rule))
+            if not rule.covers_children():  # (a child attached to it, e.g. an adapter)
+                for child_name, child in module.named_children():
+                    visit(f"{name}.{child_name}" if name else child_name, child)
         elif direct or parametrized:
             units.append(Unit(name, module, _FALLBACK))
         else:
