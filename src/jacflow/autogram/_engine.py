@@ -261,6 +261,7 @@ class Engine:
         # that calls for hooking the modules again
         self._watched: list[nn.Module] = []
         self._layout: list[tuple[nn.Module, type, frozenset[str]]] = []
+        self._snapshot_at: tuple[Any, ...] = ()
         self._checked = False  # (the change was looked for since the last step)
         # the patterns of recorded calls (their units, in order) whose steps passed the check of
         # outside uses: the losses' graph is walked again only for a new pattern
@@ -285,6 +286,7 @@ class Engine:
         self._recorder.remove()
         self._units = units
         self._layout = _layout(units)
+        self._snapshot_at = self._snapshot()
         self._outside_checked.clear()
         self._hook_error = None
         for index, unit in enumerate(self._units):
@@ -316,6 +318,9 @@ class Engine:
         pruning applied, a parameter added), or other layers to watch. (Not the parameters'
         identities, which functional_call swaps for the length of a call; a unit reads its
         parameters at each step.)"""
+        snapshot = self._snapshot()
+        if snapshot == self._snapshot_at:  # (the usual case, without finding the units)
+            return False
         try:
             units = find_units(self._modules)
         except ValueError:  # (hooking them again raises it, at the step)
@@ -326,11 +331,26 @@ class Engine:
             for new, old in zip(layout, self._layout, strict=True)
         )
         watched = self._to_watch()
-        return (
+        changed = (
             not same
             or len(watched) != len(self._watched)
             or any(new is not old for new, old in zip(watched, self._watched, strict=True))
         )
+        if not changed:
+            self._snapshot_at = snapshot
+        return changed
+
+    def _snapshot(self) -> tuple[tuple[nn.Module, ...], tuple[tuple[int, bool], ...], int]:
+        """The modules (held, compared by identity), their parameters with their flags, and
+        their forward pre-hooks (pruning, old weight norms): equal, no unit changed."""
+        modules = tuple(sub for root in self._modules for sub in root.modules())
+        params = tuple(
+            (id(p), p.requires_grad)
+            for sub in modules
+            for p in sub._parameters.values()
+            if p is not None
+        )
+        return modules, params, sum(len(sub._forward_pre_hooks) for sub in modules)
 
     def _rehook_if_changed(self, module: nn.Module, args: Any) -> None:
         # (not with calls pending, whose units would change: the step refuses them instead;
