@@ -1464,3 +1464,53 @@ def test_units_that_change_after_the_engine(change: str) -> None:
         params = [p for p in model.parameters() if p.requires_grad]
         jacobian = reference_jacobian(losses, params)
         torch.testing.assert_close(engine.compute_gramian(losses), jacobian @ jacobian.T)
+
+
+class _Mover(nn.Module):
+    """A generic block then a Linear; the Linear may be moved into the block (the modules'
+    preorder stays the same)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = _Block(nn.Identity())
+        self.lin = nn.Linear(3, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = self.block(x)
+        return self.lin(x) if "lin" in self._modules else x
+
+
+@pytest.mark.parametrize("change", ["same_preorder", "instance_forward", "frequency"])
+def test_changes_that_keep_the_modules_listed_alike(change: str) -> None:
+    """A Linear moved into the generic block before it (the same modules in the same order:
+    counted twice), a forward set on a Linear's instance (its closed form kept), an embedding
+    set to scale by frequency: seen at the next step (they were silently wrong)."""
+    torch.manual_seed(0)
+    model = _Mover().double()
+    emb = nn.Embedding(5, 3).double()
+    engine = Engine(model, emb, batch_dim=0)
+    x, ids = torch.randn(4, 3, dtype=torch.float64), torch.tensor([0, 1, 2, 3])
+
+    def losses_of() -> Tensor:
+        return (model(x) + emb(ids)).pow(2).sum(1)
+
+    engine.compute_gramian(losses_of())
+    if change == "same_preorder":
+        model.block.inner = model._modules.pop("lin")
+    elif change == "class":
+        model.lin.__class__ = type(
+            "Shifted", (nn.Linear,), {"forward": lambda s, x: s.weight @ x.T}
+        )
+    elif change == "instance_forward":
+        linear = model.lin
+        linear.forward = lambda x: torch.tanh(x @ linear.weight.T)  # type: ignore[method-assign]
+    else:
+        emb.scale_grad_by_freq = True
+        with pytest.raises(ValueError, match="scale_grad_by_freq=True"):
+            engine.compute_gramian(losses_of())
+        return
+    for _ in range(2):
+        losses = losses_of()
+        params = [*model.parameters(), *emb.parameters()]
+        jacobian = reference_jacobian(losses, params)
+        torch.testing.assert_close(engine.compute_gramian(losses), jacobian @ jacobian.T)

@@ -74,8 +74,21 @@ class EmbeddingContribution(Contribution):
         return {"weight": grad.to_sparse() if self.sparse else grad}
 
 
+def frequency_refusal(where: str) -> ValueError:
+    return ValueError(
+        f"{where} is an Embedding with scale_grad_by_freq=True, whose gradient depends on "
+        "token counts over the whole batch; set scale_grad_by_freq=False."
+    )
+
+
 class EmbeddingRule(Rule):
-    """``nn.Embedding`` (``scale_grad_by_freq=True`` is rejected by the engine)."""
+    """``nn.Embedding`` (``scale_grad_by_freq=True`` is refused: at the Engine's creation, or
+    at a step if set since)."""
+
+    def validate(self, module: nn.Module, call: Call, rows: Rows) -> None:
+        assert isinstance(module, nn.Embedding)
+        if module.scale_grad_by_freq:
+            raise frequency_refusal(type(module).__name__)
 
     def prepare(
         self, module: nn.Module, params: dict[str, Tensor], calls: list[Call], rows: Rows

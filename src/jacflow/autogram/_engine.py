@@ -17,6 +17,7 @@ from torch.utils.hooks import RemovableHandle
 from jacflow.aggregation import GramianWeighting
 from jacflow.autogram._buffers import GradientBuffers, worth_reusing
 from jacflow.autogram._capture import capture
+from jacflow.autogram._embedding import frequency_refusal
 from jacflow.autogram._fallback import FallbackRule
 from jacflow.autogram._hooks import (
     Recorder,
@@ -67,10 +68,7 @@ def _check_modules(modules: tuple[nn.Module, ...], batch_dim: int | None) -> Non
                     "Engine."
                 )
             if isinstance(sub, nn.Embedding) and sub.scale_grad_by_freq:
-                raise ValueError(
-                    f"{where} is an Embedding with scale_grad_by_freq=True, whose gradient "
-                    "depends on token counts over the whole batch; set scale_grad_by_freq=False."
-                )
+                raise frequency_refusal(where)
             if batch_dim is None:
                 continue
             if isinstance(sub, nn.RNNBase) and not covered(sub):
@@ -272,6 +270,7 @@ class Engine:
         # parameter made trainable, e.g. a backbone after a warm-up, or a module added)
         rehook = _Rehook(self)
         self._watches = [m.register_forward_pre_hook(rehook) for m in modules]
+        self._snapshot_at = self._snapshot()  # (with these hooks)
         # (an engine dropped without remove() unhooks the modules when it is collected; the
         # recorder held weakly: its hooks keep it while the modules live)
         weakref.finalize(self, _unhook, weakref.ref(self._recorder), self._watches)
@@ -340,17 +339,24 @@ class Engine:
             self._snapshot_at = snapshot
         return changed
 
-    def _snapshot(self) -> tuple[tuple[nn.Module, ...], tuple[tuple[int, bool], ...], int]:
-        """The modules (held, compared by identity), their parameters with their flags, and
-        their forward pre-hooks (pruning, old weight norms): equal, no unit changed."""
-        modules = tuple(sub for root in self._modules for sub in root.modules())
-        params = tuple(
-            (id(p), p.requires_grad)
-            for sub in modules
-            for p in sub._parameters.values()
-            if p is not None
+    def _snapshot(self) -> tuple[Any, ...]:
+        """Per module (held, compared by identity): its type, whether its instance has a
+        forward of its own, its children by name, its parameters by name with their flags, and
+        its forward pre-hooks (pruning, old weight norms). Equal, no unit changed."""
+        return tuple(
+            (
+                sub,
+                type(sub),
+                "forward" in sub.__dict__,
+                tuple(sub._modules.items()),
+                tuple(
+                    (n, id(p), p.requires_grad) for n, p in sub._parameters.items() if p is not None
+                ),
+                tuple(sub._forward_pre_hooks),
+            )
+            for root in self._modules
+            for sub in root.modules()
         )
-        return modules, params, sum(len(sub._forward_pre_hooks) for sub in modules)
 
     def _rehook_if_changed(self, module: nn.Module, args: Any) -> None:
         # (not with calls pending, whose units would change: the step refuses them instead;

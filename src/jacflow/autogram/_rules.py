@@ -575,7 +575,10 @@ def register_rule(module_type: type[nn.Module], rule: Rule) -> None:
 
 def find_rule(module: nn.Module) -> Rule | None:
     """The registered rule of ``module``'s nearest registered base type, if its ``forward``
-    is that base type's own (a subclass with another ``forward`` gets no closed form)."""
+    is that base type's own (a subclass with another ``forward``, or a ``forward`` set on the
+    instance, gets no closed form)."""
+    if "forward" in module.__dict__:  # (a forward set on the instance)
+        return None
     for klass in type(module).__mro__:
         rule = _RULES.get(klass)
         if rule is not None:
