@@ -243,7 +243,6 @@ class Engine:
                 f"`batch_dim` must be 0 or None, received {batch_dim!r}. Move the batch "
                 "dimension of your inputs and losses to 0."
             )
-        _check_modules(modules, batch_dim)
         self.batch_dim = batch_dim
         self._modules = modules
         self._recorder = Recorder()
@@ -285,7 +284,6 @@ class Engine:
         self._recorder.remove()
         self._units = units
         self._layout = _layout(units)
-        self._snapshot_at = self._snapshot()
         self._outside_checked.clear()
         self._hook_error = None
         for index, unit in enumerate(self._units):
@@ -293,13 +291,15 @@ class Engine:
             if unit.rule.covers_children():
                 self._recorder.watch_children(unit)
         self._watched = self._to_watch()
-        for i, module in enumerate(modules):
-            for name, sub in module.named_modules():
-                if isinstance(sub, _BatchNorm) and batch_dim is not None:
-                    self._recorder.watch_coupling(f"modules[{i}].{name}", sub)
+        if batch_dim is not None:
+            for i, module in enumerate(modules):
+                for name, sub in module.named_modules():
+                    if isinstance(sub, _BatchNorm):
+                        self._recorder.watch_coupling(f"modules[{i}].{name}", sub)
         for sub in self._watched:
             if isinstance(sub, nn.RNNBase):
                 self._recorder.watch_fused_rnn(sub)
+        self._snapshot_at = self._snapshot()  # (with the hooks just registered)
 
     def _to_watch(self) -> list[nn.Module]:
         """The BatchNorm layers (per sample) and the recurrent layers of the modules, once."""
@@ -324,17 +324,8 @@ class Engine:
             units = find_units(self._modules)
         except ValueError:  # (hooking them again raises it, at the step)
             return True
-        layout = _layout(units)
-        same = len(layout) == len(self._layout) and all(
-            new[0] is old[0] and new[1:] == old[1:]
-            for new, old in zip(layout, self._layout, strict=True)
-        )
-        watched = self._to_watch()
-        changed = (
-            not same
-            or len(watched) != len(self._watched)
-            or any(new is not old for new, old in zip(watched, self._watched, strict=True))
-        )
+        # (modules compare by identity, as in the snapshot)
+        changed = _layout(units) != self._layout or self._to_watch() != self._watched
         if not changed:
             self._snapshot_at = snapshot
         return changed
@@ -378,7 +369,6 @@ class Engine:
     def _check_unchanged(self) -> None:
         """Refuse a step whose forward ran with the modules changed since they were hooked
         (its calls were not all recorded), after hooking them again for the next forward."""
-        self._checked = False
         if not self._changed():
             return
         error = self._hook_error
@@ -555,7 +545,7 @@ class Engine:
         others, tasks = list(other_params), list(tasks_params)
         if not (others or tasks):
             return others, tasks
-        hooked = {id(p): f"{u.name}.{n}" for u in self._units for n, p in u.params().items()}
+        hooked = self._hooked_names()
         for param in tasks:
             if id(param) in hooked:
                 raise ValueError(
@@ -717,13 +707,12 @@ class Engine:
         B = 128; per task, width 256 with 10 heads)."""
         # (a module under the generic rule is re-run, its calls of itself and of its children
         # included: the uses of its parameters inside its calls are its own)
-        params: dict[int, str] = {}
-        covered: dict[int, set[int]] = {}
-        for index, unit in enumerate(self._units):
-            for key, param in unit.params().items():
-                params.setdefault(id(param), f"{unit.name}.{key}")  # (a tie: the first)
-                if self._reruns(index):
-                    covered.setdefault(index, set()).add(id(param))
+        params = self._hooked_names()
+        covered = {
+            index: {id(p) for p in unit.params().values()}
+            for index, unit in enumerate(self._units)
+            if self._reruns(index) and unit.params()
+        }
         closed = (call for index, call in calls if not self._reruns(index))
         recomputed = {  # (a parametrisation's weight, cached or not, is computed again)
             index: any(map(is_parametrized, self._units[index].module.modules()))
@@ -747,6 +736,14 @@ class Engine:
                 "whose weight is the tied parameter), give the engine that module too, or "
                 "freeze the parameter."
             )
+
+    def _hooked_names(self) -> dict[int, str]:
+        """The trainable hooked parameters' names, keyed by ``id`` (a tie: its first name)."""
+        names: dict[int, str] = {}
+        for unit in self._units:
+            for key, param in unit.params().items():
+                names.setdefault(id(param), f"{unit.name}.{key}")
+        return names
 
     def _reruns(self, index: int) -> bool:
         """Whether the unit's rule re-runs its module's own forward (the generic rule)."""
