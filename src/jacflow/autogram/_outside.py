@@ -6,7 +6,8 @@ a weight tied through a functional call (``F.linear(h, model.embed.weight)``) or
 intermediate of the module kept and used later, adds gradient that no rule sees. The losses'
 graph shows such a use: walking it from the losses while stepping over each recorded call
 (from its output's node straight to its inputs' nodes) reaches the parameter's gradient
-accumulator. Only the nodes between the hooked modules are visited, not those inside them.
+accumulator. The nodes inside a closed form's calls are not visited; those inside a call of
+a module that the generic rule re-runs are, where that module's parameters are its own.
 
 An in-place op on a recorded output that is a view gives the view's base new nodes, through
 which the gradient bypasses the recorded one; whether the losses use them (or only a stray
@@ -47,6 +48,12 @@ def _inputs(node: Any) -> Iterator[Any]:
 
 def _input_nodes(call: Call) -> list[Any]:
     return [get_gradient_edge(t).node for t, _ in call.versions if t.requires_grad]
+
+
+def _output_nodes(call: Call, inputs: list[Any]) -> list[Any]:
+    """The call's recorded outputs' nodes but those of an input returned as it is (the call
+    covers nothing there: it is walked through)."""
+    return [edge.node for edge in call.edges if not any(edge.node is i for i in inputs)]
 
 
 @dataclass(eq=False)
@@ -111,19 +118,17 @@ def used_outside(
     jumps: dict[int, list[Any]] = {}  # a closed form's output node -> its call's inputs' nodes
     for call in closed:
         inputs = _input_nodes(call)
-        for edge in call.edges:
-            if not any(node is edge.node for node in inputs):
-                jumps.setdefault(id(edge.node), []).extend(inputs)
+        for node in _output_nodes(call, inputs):
+            jumps.setdefault(id(node), []).extend(inputs)
     known: dict[int, _Replayed] = {}
     ends: dict[int, list[_Replayed]] = {}  # a replayed output's node -> the calls it ends
 
     def know(call: Call, covered: Collection[int], recomputes: bool) -> _Replayed:
         if id(call) not in known:
             inputs = _input_nodes(call)
-            known[id(call)] = _Replayed(call, inputs, covered, recomputes, len(known))
-            for edge in call.edges:
-                if not any(node is edge.node for node in known[id(call)].inputs):
-                    ends.setdefault(id(edge.node), []).append(known[id(call)])
+            replay = known[id(call)] = _Replayed(call, inputs, covered, recomputes, len(known))
+            for node in _output_nodes(call, inputs):
+                ends.setdefault(id(node), []).append(replay)
         return known[id(call)]
 
     for call, covered, recomputes in replayed:
