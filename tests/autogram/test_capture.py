@@ -14,7 +14,7 @@ from torch import Tensor, nn
 
 from jacflow.aggregation import UPGradWeighting
 from jacflow.autogram import Engine, _capture, mtl_gramian_step
-from tests.autogram.test_engine import reference_jacobian
+from tests.autogram.test_engine import assert_exact_gramian, reference_jacobian
 
 Losses = Callable[[Tensor, Tensor, Tensor, nn.ModuleList], Tensor]
 
@@ -158,8 +158,7 @@ def test_long_heads_are_pulled_back_batched(monkeypatch: pytest.MonkeyPatch) -> 
     for _ in range(_capture._WALK_PER_TASK * 2):
         long = long * 1.01  # (one autograd node per step, shared by both tasks)
     losses = torch.stack([long.pow(2).mean(), long.sin().mean()])
-    jacobian = reference_jacobian(losses, list(trunk.parameters()))
-    torch.testing.assert_close(engine.compute_gramian(losses), jacobian @ jacobian.T)
+    assert_exact_gramian(engine, losses, list(trunk.parameters()))
     assert not calls
 
 
@@ -170,8 +169,7 @@ def test_per_sample_rows_are_pulled_back_batched(monkeypatch: pytest.MonkeyPatch
     engine = Engine(model, batch_dim=0)
     out = model(torch.randn(2, 3, dtype=torch.float64))
     losses = torch.stack([out[0].sum(), out[1].pow(2).sum()])  # (stacked, one per sample)
-    jacobian = reference_jacobian(losses, list(model.parameters()))
-    torch.testing.assert_close(engine.compute_gramian(losses), jacobian @ jacobian.T)
+    assert_exact_gramian(engine, losses, list(model.parameters()))
     assert not calls
 
 
@@ -376,8 +374,7 @@ def test_gradient_hook_on_a_re_run_module_is_refused(batch_dim: int | None, insi
         engine.backward(losses(view=False), UPGradWeighting())
     assert all(p.grad is None for p in model.parameters())
     reference = losses(view=True)
-    jacobian = reference_jacobian(reference, list(model.parameters()))
-    torch.testing.assert_close(engine.compute_gramian(reference), jacobian @ jacobian.T)
+    assert_exact_gramian(engine, reference, list(model.parameters()))
 
 
 class _ViewOut(nn.Module):
@@ -496,8 +493,7 @@ def test_legacy_module_backward_hook_on_a_re_run_module(batch_dim: int | None) -
     engine = Engine(model, batch_dim=batch_dim)
     out = model(torch.randn(5, 3, dtype=torch.float64))
     losses = out.pow(2).sum(1) if batch_dim == 0 else torch.stack([out.sum(), out[0, 1]])
-    jacobian = reference_jacobian(losses, list(model.parameters()))
-    torch.testing.assert_close(engine.compute_gramian(losses), jacobian @ jacobian.T)
+    assert_exact_gramian(engine, losses, list(model.parameters()))
 
 
 class _Wrapper(nn.Module):
@@ -564,8 +560,7 @@ def test_view_outputs_changed_in_place_outside_the_losses(case: str) -> None:
         with torch.no_grad():
             out.relu_()
     params = [*first.parameters(), *attention.parameters()]
-    jacobian = reference_jacobian(losses, params)
-    torch.testing.assert_close(engine.compute_gramian(losses), jacobian @ jacobian.T)
+    assert_exact_gramian(engine, losses, params)
 
 
 @pytest.mark.parametrize("batch_dim", [0, None])

@@ -35,6 +35,13 @@ def reference_jacobian(losses: Tensor, params: list[Tensor]) -> Tensor:
     return torch.stack(rows)
 
 
+def assert_exact_gramian(engine: Engine, losses: Tensor, params: list[Tensor]) -> None:
+    """The engine's Gramian of ``losses`` equals the brute-force ``J J^T`` (with
+    ``torch.testing.assert_close``'s default tolerances)."""
+    jacobian = reference_jacobian(losses, params)
+    torch.testing.assert_close(engine.compute_gramian(losses), jacobian @ jacobian.T)
+
+
 def tolerances(dtype: torch.dtype) -> dict[str, float]:
     return {"rtol": 1e-6, "atol": 1e-6} if dtype == torch.float64 else {"rtol": 2e-3, "atol": 2e-4}
 
@@ -117,8 +124,7 @@ def test_large_vocabulary_embedding_uses_pairwise_form() -> None:
     ids = torch.tensor([[3, 999, 3], [5, 6, 7]])
     engine = Engine(embedding, batch_dim=0)
     losses = embedding(ids).sin().sum((1, 2))
-    jacobian = reference_jacobian(losses, [embedding.weight])
-    torch.testing.assert_close(engine.compute_gramian(losses), jacobian @ jacobian.T)
+    assert_exact_gramian(engine, losses, [embedding.weight])
 
 
 ROUTE_CASES = [

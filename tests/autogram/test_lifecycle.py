@@ -19,7 +19,7 @@ from torch.nn.utils import parametrize
 from jacflow.aggregation import MeanWeighting, UPGradWeighting
 from jacflow.autogram import Engine
 from tests.autogram._zoo import Scale
-from tests.autogram.test_engine import reference_jacobian
+from tests.autogram.test_engine import assert_exact_gramian, reference_jacobian
 
 
 def _mlp() -> nn.Sequential:
@@ -277,8 +277,7 @@ def test_random_ops_in_generic_module_get_clear_error(batch_dim: int | None) -> 
     module.eval()  # dropout off: the generic rule applies
     out = module(torch.randn(3, 4, dtype=torch.float64))
     losses = out.pow(2).sum(1) if batch_dim == 0 else torch.stack([out.sum(), out.pow(2).sum()])
-    jacobian = reference_jacobian(losses, [module.scale])
-    torch.testing.assert_close(engine.compute_gramian(losses), jacobian @ jacobian.T)
+    assert_exact_gramian(engine, losses, [module.scale])
 
 
 def test_sparse_embedding_gets_sparse_grad() -> None:
@@ -350,8 +349,7 @@ def test_child_called_outside_its_covering_unit_is_refused() -> None:
             with torch.no_grad():
                 child(x)
             losses = forward()
-            jacobian = reference_jacobian(losses, list(module.parameters()))
-            torch.testing.assert_close(engine.compute_gramian(losses), jacobian @ jacobian.T)
+            assert_exact_gramian(engine, losses, list(module.parameters()))
 
 
 @pytest.mark.parametrize("batch_dim", [0, None])
@@ -367,8 +365,7 @@ def test_module_given_twice_through_a_covering_unit(
     with Engine(*modules, batch_dim=batch_dim) as engine:
         out = gate(x)
         losses = out.pow(2).sum(1) if batch_dim == 0 else torch.stack([out.sum(), out.pow(2).sum()])
-        jacobian = reference_jacobian(losses, list(gate.parameters()))
-        torch.testing.assert_close(engine.compute_gramian(losses), jacobian @ jacobian.T)
+        assert_exact_gramian(engine, losses, list(gate.parameters()))
 
 
 def test_attention_out_projection_alone_is_refused() -> None:
@@ -821,8 +818,7 @@ def test_checkpointed_forward_recomputed_by_the_step_is_not_recorded() -> None:
     with Engine(model, batch_dim=0) as engine:
         out = torch.utils.checkpoint.checkpoint(model, x, use_reentrant=False)
         losses = out.pow(2).sum(1)
-        jacobian = reference_jacobian(losses, list(model.parameters()))
-        torch.testing.assert_close(engine.compute_gramian(losses), jacobian @ jacobian.T)
+        assert_exact_gramian(engine, losses, list(model.parameters()))
         assert not engine._recorder.calls
 
 
@@ -909,8 +905,7 @@ def test_outputs_computed_from_one_another(batch_dim: int | None) -> None:
         assert module.scale.grad is None
         h, _ = module(x)
         losses = losses_of(h.pow(2).sum(1))
-        jacobian = reference_jacobian(losses, [module.scale])
-        torch.testing.assert_close(engine.compute_gramian(losses), jacobian @ jacobian.T)
+        assert_exact_gramian(engine, losses, [module.scale])
 
 
 class _OnItsOutput(nn.Module):
@@ -955,8 +950,7 @@ def test_calls_of_itself_on_its_output_and_through_a_detached_middle(
     module = _OnItsOutput(detach_middle=True)
     with Engine(module, batch_dim=batch_dim) as engine:
         losses = losses_of(module(x, 2).pow(2).sum(1))
-        jacobian = reference_jacobian(losses, [module.scale])
-        torch.testing.assert_close(engine.compute_gramian(losses), jacobian @ jacobian.T)
+        assert_exact_gramian(engine, losses, [module.scale])
 
 
 class _WeighsByGramian(nn.Module):
@@ -1198,8 +1192,7 @@ def test_parameters_unfrozen_between_forward_and_step_are_refused() -> None:
         engine.backward(out.pow(2).sum(1), UPGradWeighting())
     assert all(p.grad is None for p in model.parameters())
     losses = model(x).pow(2).sum(1)
-    jacobian = reference_jacobian(losses, list(model.parameters()))
-    torch.testing.assert_close(engine.compute_gramian(losses), jacobian @ jacobian.T)
+    assert_exact_gramian(engine, losses, list(model.parameters()))
     copy.deepcopy(model)(x)  # (a copy of the hooked model carries no engine)
 
 
@@ -1260,8 +1253,7 @@ def test_generic_re_run_must_reproduce_the_forward(kind: str, batch_dim: int | N
             engine.backward(losses, UPGradWeighting())
         assert all(p.grad is None for p in model.parameters())
         return
-    jacobian = reference_jacobian(losses, list(model.parameters()))
-    torch.testing.assert_close(engine.compute_gramian(losses), jacobian @ jacobian.T)
+    assert_exact_gramian(engine, losses, list(model.parameters()))
 
 
 def test_a_step_without_trainable_parameters_gives_zeros() -> None:
@@ -1318,8 +1310,7 @@ def test_a_given_generic_module_unfrozen_or_a_module_added_later(given: str) -> 
     params = list(model.parameters())
     for _ in range(2):
         losses = model(x).pow(2).sum(1) if given == "sequential" else losses_of()
-        jacobian = reference_jacobian(losses, params)
-        torch.testing.assert_close(engine.compute_gramian(losses), jacobian @ jacobian.T)
+        assert_exact_gramian(engine, losses, params)
 
 
 class _Encoder(nn.Module):
@@ -1386,8 +1377,7 @@ def test_replaced_or_added_parameters_are_hooked(change: str) -> None:
     for _ in range(2):
         losses = model(x).pow(2).sum(1)
         params = [p for p in model.parameters() if p.requires_grad]
-        jacobian = reference_jacobian(losses, params)
-        torch.testing.assert_close(engine.compute_gramian(losses), jacobian @ jacobian.T)
+        assert_exact_gramian(engine, losses, params)
 
 
 class _Rebuilds(nn.Module):
@@ -1410,8 +1400,7 @@ def test_modules_without_parameters_rebuilt_at_each_forward() -> None:
     x = torch.randn(6, 4, dtype=torch.float64)
     for _ in range(3):
         losses = model(x).pow(2).sum(1)
-        jacobian = reference_jacobian(losses, list(model.parameters()))
-        torch.testing.assert_close(engine.compute_gramian(losses), jacobian @ jacobian.T)
+        assert_exact_gramian(engine, losses, list(model.parameters()))
 
 
 def test_a_model_keeping_its_engine_is_collected() -> None:
@@ -1462,8 +1451,7 @@ def test_units_that_change_after_the_engine(change: str) -> None:
     for _ in range(2):
         losses = model(x).pow(2).sum(1)
         params = [p for p in model.parameters() if p.requires_grad]
-        jacobian = reference_jacobian(losses, params)
-        torch.testing.assert_close(engine.compute_gramian(losses), jacobian @ jacobian.T)
+        assert_exact_gramian(engine, losses, params)
 
 
 class _Mover(nn.Module):
@@ -1512,5 +1500,4 @@ def test_changes_that_keep_the_modules_listed_alike(change: str) -> None:
     for _ in range(2):
         losses = losses_of()
         params = [*model.parameters(), *emb.parameters()]
-        jacobian = reference_jacobian(losses, params)
-        torch.testing.assert_close(engine.compute_gramian(losses), jacobian @ jacobian.T)
+        assert_exact_gramian(engine, losses, params)

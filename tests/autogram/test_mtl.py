@@ -12,7 +12,7 @@ from jacflow import mtl_backward
 from jacflow.aggregation import UPGrad, UPGradWeighting
 from jacflow.autogram import Engine, mtl_gramian_step
 from tests.autogram._zoo import CASES
-from tests.autogram.test_engine import hooked_params, reference_jacobian
+from tests.autogram.test_engine import assert_exact_gramian, hooked_params, reference_jacobian
 
 
 def _setup(m: int, seq: bool) -> tuple[nn.Module, nn.ModuleList, torch.Tensor]:
@@ -94,8 +94,7 @@ def test_random_mlps(batch: int, k: int, width: int, seq: int, per_task: bool) -
     engine = Engine(model, batch_dim=None if per_task else 0)
     out = model(x)
     losses = out.pow(2).sum(1) if seq else out.pow(2)
-    jacobian = reference_jacobian(losses, list(model.parameters()))
-    torch.testing.assert_close(engine.compute_gramian(losses), jacobian @ jacobian.T)
+    assert_exact_gramian(engine, losses, list(model.parameters()))
 
 
 def test_vmap_fallback_warnings_stay_inside_the_engine() -> None:

@@ -12,7 +12,7 @@ from torch import Tensor, nn
 from jacflow.aggregation import UPGradWeighting
 from jacflow.autogram import Engine
 from tests.autogram._zoo import Scale
-from tests.autogram.test_engine import reference_jacobian
+from tests.autogram.test_engine import assert_exact_gramian
 
 
 class _TiedLM(nn.Module):
@@ -67,8 +67,7 @@ def test_weight_tied_through_hooked_modules_is_exact(batch_dim: int | None) -> N
     engine = Engine(model, batch_dim=batch_dim)
     losses = _losses(model, batch_dim)
     params = list(model.parameters())
-    jacobian = reference_jacobian(losses, params)
-    torch.testing.assert_close(engine.compute_gramian(losses), jacobian @ jacobian.T)
+    assert_exact_gramian(engine, losses, params)
 
 
 @pytest.mark.parametrize("batch_dim", [0, None])
@@ -89,8 +88,7 @@ def test_a_tie_on_a_branch_taken_later_is_refused(batch_dim: int | None) -> None
     assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads, strict=True))
     model.tie = "module"  # (back to a checked pattern: no walk needed, still exact)
     losses = _losses(model, batch_dim)
-    jacobian = reference_jacobian(losses, list(model.parameters()))
-    torch.testing.assert_close(engine.compute_gramian(losses), jacobian @ jacobian.T)
+    assert_exact_gramian(engine, losses, list(model.parameters()))
 
 
 class _KeepsIntermediate(nn.Module):
@@ -206,8 +204,7 @@ def test_functional_call_with_other_tensors_is_refused(substitute: bool) -> None
             engine.backward(losses, UPGradWeighting())
         assert all(p.grad is None for p in model.parameters())
         return
-    jacobian = reference_jacobian(losses, list(model.parameters()))
-    torch.testing.assert_close(engine.compute_gramian(losses), jacobian @ jacobian.T)
+    assert_exact_gramian(engine, losses, list(model.parameters()))
 
 
 @pytest.mark.parametrize("kind", ["attention", "lstm", "batchnorm"])
@@ -276,8 +273,7 @@ def test_generic_uses_inside_its_calls_are_exact() -> None:
     out = shared(scale(gated(x))).pow(2).sum(1)
     losses = torch.stack([out.sum(), out[0]])
     params = [*shared.parameters(), gated.gate, *scale.parameters()]
-    jacobian = reference_jacobian(losses, params)
-    torch.testing.assert_close(engine.compute_gramian(losses), jacobian @ jacobian.T)
+    assert_exact_gramian(engine, losses, params)
 
 
 class _ScaleKeeps(Scale):
@@ -320,8 +316,7 @@ def test_generic_call_reading_a_context_is_walked_inside(foreign: bool) -> None:
         with pytest.raises(ValueError, match=r"modules\[1\]\.weight is used outside"):
             engine.compute_gramian(losses)
         return
-    jacobian = reference_jacobian(losses, [*scale.parameters(), *proj.parameters()])
-    torch.testing.assert_close(engine.compute_gramian(losses), jacobian @ jacobian.T)
+    assert_exact_gramian(engine, losses, [*scale.parameters(), *proj.parameters()])
 
 
 class _Gate(Scale):
@@ -414,8 +409,7 @@ def test_the_insides_of_generic_calls(case: str, batch_dim: int | None) -> None:
             engine.compute_gramian(losses)
         return
     params = [p for module in hooked for p in module.parameters()]
-    jacobian = reference_jacobian(losses, list({id(p): p for p in params}.values()))
-    torch.testing.assert_close(engine.compute_gramian(losses), jacobian @ jacobian.T)
+    assert_exact_gramian(engine, losses, list({id(p): p for p in params}.values()))
 
 
 class _Returns(Scale):
@@ -444,8 +438,7 @@ def test_recursion_whose_outer_call_returns_nothing(batch_dim: int | None) -> No
     module(torch.randn(4, 4, dtype=torch.float64))
     per_sample = module.outs[-1].pow(2).sum(1)
     losses = per_sample if batch_dim == 0 else torch.stack([per_sample.sum(), per_sample[0]])
-    jacobian = reference_jacobian(losses, [module.s])
-    torch.testing.assert_close(engine.compute_gramian(losses), jacobian @ jacobian.T)
+    assert_exact_gramian(engine, losses, [module.s])
 
 
 class _Lazy(Scale):
