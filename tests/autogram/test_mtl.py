@@ -186,3 +186,39 @@ def test_task_parameters_of_the_engine_are_refused(overlap: str) -> None:
     with pytest.raises(ValueError, match="is also a parameter of the engine's modules"):
         mtl_backward(losses, features, A=UPGrad(), engine=engine)
     assert all(p.grad is None for p in [*trunk.parameters(), *heads.parameters()])
+
+
+@pytest.mark.parametrize("join", ["stack", "cat"])
+def test_task_parameter_hooks_see_the_summed_gradient(join: str) -> None:
+    """Hooks on task parameters (a normalisation, a clip) run once on the gradient of the
+    losses' sum, as in ``losses.sum().backward()``, on every route: the batched one (losses not
+    stacked from scalars) and the task-by-task one, where a parameter shared by two heads gets
+    both tasks' parts before its hook."""
+    torch.manual_seed(0)
+    trunk = nn.Sequential(nn.Linear(5, 7), nn.Tanh()).double()
+    heads = nn.ModuleList([nn.Linear(7, 1) for _ in range(3)]).double()
+    scale = nn.Parameter(torch.tensor([1.5, -0.5], dtype=torch.float64))  # heads 1 and 2
+    x = torch.randn(6, 5, dtype=torch.float64)
+
+    def forward() -> torch.Tensor:
+        features = trunk(x)
+        scalars = [heads[0](features).pow(2).mean()]
+        scalars += [(heads[k](features) * scale[k - 1]).pow(2).mean() for k in (1, 2)]
+        if join == "stack":
+            return torch.stack(scalars)
+        return torch.cat([s.reshape(1) for s in scalars])
+
+    specific = [*heads.parameters(), scale]
+    expected = torch.autograd.grad(forward().sum(), specific)
+    heads[0].weight.register_hook(lambda g: g / g.norm())
+    heads[1].weight.register_hook(lambda g: g.clamp(-0.01, 0.01))
+    scale.register_hook(lambda g: g / g.norm())
+    hooked = {
+        0: lambda g: g / g.norm(),
+        2: lambda g: g.clamp(-0.01, 0.01),
+        6: lambda g: g / g.norm(),
+    }
+    engine = Engine(trunk, batch_dim=None)
+    mtl_gramian_step(forward(), engine, UPGradWeighting(), tasks_params=specific)
+    for i, (param, grad) in enumerate(zip(specific, expected, strict=True)):
+        torch.testing.assert_close(param.grad, hooked.get(i, lambda g: g)(grad))

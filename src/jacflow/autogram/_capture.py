@@ -60,21 +60,50 @@ def capture(
     a user registered on each edge's tensor.
     """
     batched = cotangents.ndim > losses.ndim
+    # A gradient hook on an extra input (a task head's `register_hook`, e.g. a normalisation)
+    # takes the gradient of the rows' sum, as in a plain backward; the batched routes below
+    # would run it on each row (under vmap, zeros for a row that does not reach the input) or
+    # each task. Such inputs get one plain backward of their own, which stops at them.
+    hooked = [bool(batched and tensor._backward_hooks) for tensor in extra_inputs]
+    plain = _summed_grads(losses, extra_inputs, hooked, cotangents)
+    extra_inputs = [tensor for tensor, has in zip(extra_inputs, hooked, strict=True) if not has]
     heads = _task_heads(losses, edges, hooks) if batched and per_task else None
     if heads is not None:
         meeting_rows, extra = _by_task(losses, heads, extra_inputs, retain_graph)
         if meeting_rows is None:  # (no task's gradient reaches it)
-            return [None] * len(edges), extra
+            return [None] * len(edges), _merged(hooked, plain, extra)
         with _hooks_run(edges, hooks, batched=True) as grads:
             grads += pull_back([heads.meeting], edges, meeting_rows, True, retain_graph, row_by_row)
-        return grads, extra
+        return grads, _merged(hooked, plain, extra)
     with _hooks_run(edges, hooks, batched) as grads:
         pulled = pull_back(
             [losses], [*edges, *extra_inputs], cotangents, batched, retain_graph, row_by_row
         )
         grads += pulled[: len(edges)]
     extra = [g if g is None or not batched else g.sum(0) for g in pulled[len(edges) :]]
-    return grads, extra
+    return grads, _merged(hooked, plain, extra)
+
+
+def _summed_grads(
+    losses: Tensor, inputs: Sequence[Tensor], which: list[bool], cotangents: Tensor
+) -> list[Tensor | None]:
+    """The gradients of the rows' sum w.r.t. the ``inputs`` marked in ``which``."""
+    chosen = [tensor for tensor, take in zip(inputs, which, strict=True) if take]
+    if not chosen:
+        return []
+    rows_sum = cotangents.sum(0) if cotangents.ndim > losses.ndim else cotangents
+    grads = torch.autograd.grad(
+        [losses], chosen, grad_outputs=[rows_sum], retain_graph=True, allow_unused=True
+    )
+    return list(grads)
+
+
+def _merged(
+    which: list[bool], chosen: list[Tensor | None], rest: list[Tensor | None]
+) -> list[Tensor | None]:
+    """``chosen`` where ``which`` is true and ``rest`` elsewhere, in order."""
+    chosen_iter, rest_iter = iter(chosen), iter(rest)
+    return [next(chosen_iter) if take else next(rest_iter) for take in which]
 
 
 @contextlib.contextmanager
