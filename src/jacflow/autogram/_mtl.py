@@ -24,7 +24,9 @@ def mtl_gramian_step(
     task's gradient w.r.t. every trunk layer's output (no weight gradients); per-layer closed
     forms give the ``m x m`` Gramian; the trunk receives ``sum_k w_k grad(loss_k)`` from the
     stored layer inputs (book-keeping); ``tasks_params`` (the task heads) receive the plain
-    gradient of ``losses.sum()`` from the same backward, as in ``mtl_backward``.
+    gradient of ``losses.sum()`` from the same backward, as in ``mtl_backward`` (those with
+    gradient hooks from a backward of their own, so that the hooks see that sum, as they would
+    in ``losses.sum().backward()``).
 
     Args:
         losses: the ``m`` task losses (any shape, ``m = losses.numel()``).
