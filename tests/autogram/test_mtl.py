@@ -222,3 +222,70 @@ def test_task_parameter_hooks_see_the_summed_gradient(join: str) -> None:
     mtl_gramian_step(forward(), engine, UPGradWeighting(), tasks_params=specific)
     for i, (param, grad) in enumerate(zip(specific, expected, strict=True)):
         torch.testing.assert_close(param.grad, hooked.get(i, lambda g: g)(grad))
+
+
+def _trunk_and_heads() -> tuple[nn.Module, nn.ModuleList, torch.Tensor]:
+    torch.manual_seed(0)
+    trunk = nn.Sequential(nn.Linear(5, 7), nn.Tanh()).double()
+    heads = nn.ModuleList([nn.Linear(7, 1) for _ in range(2)]).double()
+    return trunk, heads, torch.randn(6, 5, dtype=torch.float64)
+
+
+def test_task_parameters_repeated_or_frozen() -> None:
+    """A parameter listed twice (a module shared by two heads, chained from both) gets the
+    gradient of the losses' sum once, and a frozen one is skipped, as in ``other_params``."""
+    trunk, heads, x = _trunk_and_heads()
+    heads[1].bias.requires_grad_(False)
+    engine = Engine(trunk, batch_dim=None)
+    features = trunk(x)
+    losses = torch.stack([head(features).sin().mean() for head in heads])
+    expected = torch.autograd.grad(losses.sum(), [heads[0].weight], retain_graph=True)[0]
+    listed = [*heads[0].parameters(), *heads[1].parameters(), heads[0].weight]
+    mtl_gramian_step(losses, engine, UPGradWeighting(), tasks_params=listed)
+    torch.testing.assert_close(heads[0].weight.grad, expected)
+    assert heads[1].bias.grad is None
+
+
+@pytest.mark.parametrize(
+    ("tasks_params", "error", "match"),
+    [
+        ([1.0], TypeError, "must hold tensors"),
+        ("heads", TypeError, "pass its .parameters"),
+        ("module", TypeError, "iterable of parameters"),
+        ("computed", ValueError, "leaf tensors"),
+    ],
+)
+def test_bad_task_parameters_are_refused(
+    tasks_params: object, error: type[Exception], match: str
+) -> None:
+    trunk, heads, x = _trunk_and_heads()
+    given = {
+        "heads": [heads[0]],
+        "module": heads[0],
+        "computed": [heads[0].weight * 2],
+    }.get(str(tasks_params), tasks_params)
+    engine = Engine(trunk, batch_dim=None)
+    features = trunk(x)
+    losses = torch.stack([head(features).sin().mean() for head in heads])
+    with pytest.raises(error, match=match):
+        mtl_gramian_step(losses, engine, UPGradWeighting(), tasks_params=given)  # type: ignore[arg-type]
+    with pytest.raises(error, match=match.replace("tasks", "other")):
+        Engine(trunk, batch_dim=None).backward(losses, UPGradWeighting(), other_params=given)  # type: ignore[arg-type]
+    assert all(p.grad is None for p in [*trunk.parameters(), *heads.parameters()])
+
+
+def test_retain_graph_keeps_the_graph() -> None:
+    """``retain_graph=True`` (``mtl_backward``, ``mtl_gramian_step``, ``Engine.backward``)
+    keeps the graph: a second step on the same losses accumulates the same update."""
+    trunk, heads, x = _trunk_and_heads()
+    engine = Engine(trunk, batch_dim=None)
+    features = trunk(x)
+    losses = [head(features).sin().mean() for head in heads]
+    mtl_backward(losses, features, A=UPGrad(), engine=engine, retain_graph=True)
+    first = [p.grad.clone() for p in [*trunk.parameters(), *heads.parameters()]]  # type: ignore[union-attr]
+    torch.stack(losses).sum().backward()  # (the graph is still there)
+    per_sample = Engine(trunk, batch_dim=0)
+    out = heads[0](trunk(x)).squeeze(1)
+    per_sample.backward(out, UPGradWeighting(), retain_graph=True)
+    out.sum().backward()
+    assert all(g.abs().sum() > 0 for g in first)

@@ -455,6 +455,7 @@ class Engine:
         weighting: GramianWeighting,
         *,
         other_params: Iterable[Tensor] = (),
+        retain_graph: bool = False,
     ) -> Tensor:
         """One Jacobian-descent step: ``G``, ``w = weighting(G)``, and ``.grad += w @ J``.
 
@@ -466,6 +467,7 @@ class Engine:
         is right).
         Gradient hooks on the parameters (``p.register_hook``) run on their update, and their
         post-accumulate hooks after it is written, as after ``(weights @ losses).backward()``.
+        ``retain_graph=True`` keeps the graph of ``losses`` for another differentiation.
 
         When a step's large new gradients outweigh the output gradients it captured (per-sample
         mode, or few tasks in per-task mode), a new ``.grad`` of 1 MiB or more (a CPU Linear
@@ -489,7 +491,7 @@ class Engine:
             >>> layer.weight.grad, layer.bias.grad
             (tensor([[0.5000, 0.5000]]), tensor([1.]))
         """
-        return self._step(losses, weighting, other_params, ())
+        return self._step(losses, weighting, other_params, (), retain_graph)
 
     # ----------------------------------------------------------------------------- internals
     def _step(
@@ -498,6 +500,7 @@ class Engine:
         weighting: GramianWeighting,
         other_params: Iterable[Tensor],
         tasks_params: Iterable[Tensor],
+        retain_graph: bool,
     ) -> Tensor:
         """Gramian, weights, weighted grads; ``tasks_params`` get the plain gradient of
         ``losses.sum()`` from the same batched backward (per-task mode only)."""
@@ -511,7 +514,7 @@ class Engine:
         with without_autocast(losses.device.type):  # (the weighting's products too)
             # (autograd.grad needs no grad mode: no graph of the grads)
             with torch.no_grad():
-                prepared = self._prepare(losses, bool(others), tasks)
+                prepared = self._prepare(losses, retain_graph or bool(others), tasks)
                 contributions, rows, order, task_grads, captured_bytes = prepared
                 gramian = _to_loss_order(_assemble(contributions, rows, losses), order)
             weights = _check_weights(weighting(gramian), gramian.shape[0], weighting)
@@ -528,6 +531,7 @@ class Engine:
                 losses,
                 others,
                 grad_outputs=weights.reshape(losses.shape).to(losses.dtype),
+                retain_graph=retain_graph,
                 allow_unused=True,
             )
             plain += [(p, g) for p, g in zip(others, extra, strict=True) if g is not None]
@@ -541,8 +545,10 @@ class Engine:
         self, other_params: Iterable[Tensor], tasks_params: Iterable[Tensor]
     ) -> tuple[list[Tensor], list[Tensor]]:
         """``other_params`` without the hooked parameters (the engine's update reaches them
-        once) and repeats; ``tasks_params``, refused where one is a hooked parameter."""
-        others, tasks = list(other_params), list(tasks_params)
+        once); ``tasks_params``, refused where one is a hooked parameter; both without the
+        frozen parameters and repeats."""
+        others = _parameter_list(other_params, "other_params")
+        tasks = _parameter_list(tasks_params, "tasks_params")
         if not (others or tasks):
             return others, tasks
         hooked = self._hooked_names()
@@ -554,8 +560,7 @@ class Engine:
                     "Hook only the shared modules (the trunk), and pass the trunk's output as "
                     "the features."
                 )
-        unique = {id(p): p for p in others if id(p) not in hooked and p.requires_grad}
-        return list(unique.values()), tasks
+        return [p for p in others if id(p) not in hooked], tasks
 
     def _prepare(
         self, losses: Tensor, retain_graph: bool, extra_inputs: Sequence[Tensor]
@@ -940,6 +945,32 @@ def _assemble(
     if total is None:  # every hooked parameter is frozen
         return losses.new_zeros(rows.num_rows, rows.num_rows)
     return total
+
+
+def _parameter_list(params: Iterable[Tensor], name: str) -> list[Tensor]:
+    """The trainable tensors of ``params``, each once; a clear error for anything but leaf
+    tensors."""
+    if isinstance(params, (Tensor, nn.Module)):
+        raise TypeError(
+            f"`{name}` must be an iterable of parameters (e.g. `head.parameters()`), received "
+            f"a {type(params).__name__}."
+        )
+    unique: dict[int, Tensor] = {}
+    for param in params:
+        if not isinstance(param, Tensor):
+            hint = " (pass its .parameters())" if isinstance(param, nn.Module) else ""
+            raise TypeError(
+                f"`{name}` must hold tensors (parameters), received a {type(param).__name__}{hint}."
+            )
+        if not param.is_leaf:
+            raise ValueError(
+                f"`{name}` must hold leaf tensors (parameters), whose .grad the step writes; "
+                f"received a tensor computed by {type(param.grad_fn).__name__}. Pass the "
+                "parameters it is computed from."
+            )
+        if param.requires_grad:
+            unique.setdefault(id(param), param)
+    return list(unique.values())
 
 
 def _to_loss_order(gramian: Tensor, order: tuple[Tensor, Tensor] | None) -> Tensor:

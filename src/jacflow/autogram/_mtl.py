@@ -16,6 +16,7 @@ def mtl_gramian_step(
     weighting: GramianWeighting,
     *,
     tasks_params: Iterable[Tensor] = (),
+    retain_graph: bool = False,
 ) -> Tensor:
     """One multi-task JD step on a shared trunk, at about ``(m + 2) / 3`` SGD steps.
 
@@ -24,15 +25,15 @@ def mtl_gramian_step(
     task's gradient w.r.t. every trunk layer's output (no weight gradients); per-layer closed
     forms give the ``m x m`` Gramian; the trunk receives ``sum_k w_k grad(loss_k)`` from the
     stored layer inputs (book-keeping); ``tasks_params`` (the task heads) receive the plain
-    gradient of ``losses.sum()`` from the same backward, as in ``mtl_backward`` (those with
-    gradient hooks from a backward of their own, so that the hooks see that sum, as they would
-    in ``losses.sum().backward()``).
+    gradient of ``losses.sum()`` from the same backward (those with gradient hooks from a
+    backward of their own, so that the hooks see that sum, as in ``losses.sum().backward()``).
 
     Args:
         losses: the ``m`` task losses (any shape, ``m = losses.numel()``).
         engine: a per-task :class:`Engine` hooked on the shared modules.
         weighting: the Gramian weighting (e.g. ``UPGradWeighting()``).
-        tasks_params: task-specific parameters.
+        tasks_params: task-specific parameters (frozen ones and repeats are skipped).
+        retain_graph: keep the graph of ``losses`` for another differentiation.
 
     Returns:
         The weights of the tasks, with the shape of ``losses``.
@@ -58,4 +59,4 @@ def mtl_gramian_step(
             "mtl_gramian_step needs a per-task engine: create it with batch_dim=None, received "
             f"an engine with batch_dim={engine.batch_dim}."
         )
-    return engine._step(losses, weighting, (), tasks_params)
+    return engine._step(losses, weighting, (), tasks_params, retain_graph)

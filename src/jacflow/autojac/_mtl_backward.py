@@ -108,7 +108,8 @@ def mtl_backward(
             step then goes through the Gramian engine: no trunk Jacobian is formed and the
             trunk's weight gradients are computed once, for about ``(m + 2) / 3`` SGD steps
             instead of ``(2m + 1) / 3``. The trunk is the engine's modules (``shared_params``
-            must be left to its default).
+            must be left to its default). A head parameter's gradient hooks then see the
+            gradient of the losses' sum (one backward of their own), not each task's part.
 
     Example:
         >>> import torch
@@ -135,7 +136,9 @@ def mtl_backward(
     aggregator = check_aggregator(A)
     chunk_size = check_chunk_size(parallel_chunk_size, "parallel_chunk_size")
     if engine is not None:
-        _engine_step(loss_tuple, feature_tuple, aggregator, tasks_params, shared_params, engine)
+        _engine_step(
+            loss_tuple, feature_tuple, aggregator, tasks_params, shared_params, engine, retain_graph
+        )
         return
     heads, shared = _resolve_params(loss_tuple, feature_tuple, tasks_params, shared_params)
     check_non_empty(shared, "shared_params")
@@ -169,6 +172,7 @@ def _engine_step(
     tasks_params: Sequence[Iterable[Tensor]] | None,
     shared_params: Iterable[Tensor] | None,
     engine: Engine,
+    retain_graph: bool,
 ) -> None:
     """``mtl_backward`` through the per-task Gramian engine (validated first, written last)."""
     from jacflow.autogram import Engine, mtl_gramian_step
@@ -192,5 +196,9 @@ def _engine_step(
     unique_heads = {id(p): p for params in heads for p in params}
     stacked = torch.stack([loss.reshape(()) for loss in losses])
     mtl_gramian_step(
-        stacked, engine, aggregator.gramian_weighting, tasks_params=unique_heads.values()
+        stacked,
+        engine,
+        aggregator.gramian_weighting,
+        tasks_params=unique_heads.values(),
+        retain_graph=retain_graph,
     )
