@@ -223,11 +223,13 @@ def test_frozen_projections() -> None:
         check_case(Case(f"frozen_{frozen}", build), torch.float64)
 
 
-def test_sequence_first_in_per_sample_mode_is_refused() -> None:
+@pytest.mark.parametrize("positions", [B, T])
+def test_sequence_first_in_per_sample_mode_is_refused(positions: int) -> None:
     """batch_first=False batches on dimension 1: with as many positions as samples the shape
-    check cannot tell, so the rule refuses it rather than mix the samples."""
+    check cannot tell, so the rule refuses it rather than mix the samples, with its own
+    message whatever the number of positions (before the generic check of the batch size)."""
     attn = nn.MultiheadAttention(E, H)  # batch_first=False
-    x = torch.randn(B, B, E)
+    x = torch.randn(positions, B, E)
     with Engine(attn, batch_dim=0) as engine:
         losses = attn(x, x, x)[0].pow(2).sum(dim=(0, 2))
         with pytest.raises(ValueError, match="batch_first=True"):

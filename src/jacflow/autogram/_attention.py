@@ -210,9 +210,7 @@ class AttentionRule(Rule):
     def covers_children(self) -> bool:
         return True  # out_proj's parameters: the module uses them without calling out_proj
 
-    def prepare(
-        self, module: nn.Module, params: dict[str, Tensor], calls: list[Call], rows: Rows
-    ) -> Contribution:
+    def validate(self, module: nn.Module, call: Call, rows: Rows) -> None:
         assert isinstance(module, nn.MultiheadAttention)
         if not rows.per_task and not module.batch_first:
             raise ValueError(
@@ -220,6 +218,11 @@ class AttentionRule(Rule):
                 "the per-sample engine (batch_dim=0) reads it on dimension 0. Build it with "
                 "batch_first=True, or use batch_dim=None."
             )
+
+    def prepare(
+        self, module: nn.Module, params: dict[str, Tensor], calls: list[Call], rows: Rows
+    ) -> Contribution:
+        assert isinstance(module, nn.MultiheadAttention)
         if module.dropout > 0 and any(call.trained(module) for call in calls):
             raise RuntimeError(
                 f"nn.MultiheadAttention(dropout={module.dropout}) drops attention weights at "

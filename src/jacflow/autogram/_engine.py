@@ -219,7 +219,7 @@ class Engine:
             shared trunk); one batched backward over the ``m`` losses.
 
     Raises:
-        ValueError: a module mixes the samples (BatchNorm in training mode, RNNs) while
+        ValueError: a module mixes the samples (BatchNorm in training mode) while
             ``batch_dim=0``; a module is compiled; an Embedding uses ``scale_grad_by_freq``.
 
     Example:

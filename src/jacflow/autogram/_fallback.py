@@ -328,13 +328,15 @@ def _check_independent_outputs(module: nn.Module, call: Call) -> None:
         while pending:
             node = pending.pop()
             if twice or (id(node) in outputs and (node is not start or position >= len(own))):
-                raise RuntimeError(
-                    f"An output of {type(module).__name__} is also computed from in the call: "
-                    "another of its outputs, or a call of the module inside it, depends on it. "
-                    "The engine re-runs the module with every output's gradient, which counts "
-                    "those paths twice. Return outputs that do not depend on one another, and "
-                    "do not call the module on its own output (e.g. pass a detached copy), or "
-                    "register a closed form (jacflow.autogram.register_rule)."
+                raise ValueError(
+                    f"{type(module).__name__} has no closed-form Gramian rule, and one of its "
+                    "outputs is computed from another in the same call (e.g. `return h, "
+                    "h.pow(2).mean()`, an auxiliary loss), or the module is called on its own "
+                    "output inside it. The engine re-runs the module with every output's "
+                    "gradient, which would count those paths twice. Return outputs that do not "
+                    "depend on one another (compute the auxiliary term from the returned output "
+                    "outside the module), do not call the module on its own output (pass a "
+                    "detached copy), or register a closed form (jacflow.autogram.register_rule)."
                 )
             if id(node) in boundary:
                 continue
