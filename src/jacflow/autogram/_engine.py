@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.parallel import DistributedDataParallel
 from torch.nn.parameter import is_lazy
 from torch.nn.utils.parametrize import is_parametrized
 from torch.utils.hooks import RemovableHandle
@@ -17,6 +18,12 @@ from torch.utils.hooks import RemovableHandle
 from jacflow.aggregation import GramianWeighting
 from jacflow.autogram._buffers import GradientBuffers, worth_reusing
 from jacflow.autogram._capture import capture
+from jacflow.autogram._distributed import (
+    averaged_gramian,
+    averaged_updates,
+    synchronizing,
+    wrappers_in,
+)
 from jacflow.autogram._embedding import frequency_refusal
 from jacflow.autogram._fallback import FallbackRule
 from jacflow.autogram._hooks import (
@@ -217,6 +224,16 @@ class Engine:
             module's batch (dimension 0 of its inputs and outputs); one backward then gives every
             sample's output gradients. ``None``: no such structure (e.g. one loss per task on a
             shared trunk); one batched backward over the ``m`` losses.
+        ddp: the ``DistributedDataParallel`` wrapping the model, when the modules given are
+            inside it (e.g. its trunk; a wrapper among the modules given is found). DDP averages
+            the replicas' gradients in hooks of ``backward``, which the engine's step does not
+            run: the step then averages instead. Per task, the replicas' ``m x m`` Gramians are
+            averaged before the weighting (every replica gets the same weights, and the update
+            is ``w^T`` times their average Jacobian); per sample, each replica weighs its own
+            samples and the updates are averaged, as DDP averages the replicas' gradients. The
+            ``.grad`` written is the replicas' average of their accumulated ``.grad``, as after
+            DDP's synchronised backward; inside ``ddp.no_sync()`` nothing is communicated.
+            Without it, each replica keeps its own update.
 
     Raises:
         ValueError: a module mixes the samples (BatchNorm in training mode) while
@@ -237,7 +254,12 @@ class Engine:
         (torch.Size([5]), torch.Size([4, 3]))
     """
 
-    def __init__(self, *modules: nn.Module, batch_dim: int | None) -> None:
+    def __init__(
+        self,
+        *modules: nn.Module,
+        batch_dim: int | None,
+        ddp: DistributedDataParallel | None = None,
+    ) -> None:
         if batch_dim is not None and (isinstance(batch_dim, bool) or batch_dim != 0):
             raise ValueError(
                 f"`batch_dim` must be 0 or None, received {batch_dim!r}. Move the batch "
@@ -264,6 +286,8 @@ class Engine:
         # outside uses: the losses' graph is walked again only for a new pattern
         self._outside_checked: set[tuple[int, ...]] = set()
         self._hook_error: Exception | None = None  # (of hooking them again at a forward)
+        # (DistributedDataParallel wrappers: the step takes their averaging over the replicas)
+        self._replicas = wrappers_in([*modules, *([] if ddp is None else [_checked_ddp(ddp)])])
         self._hook_modules()
         # (a forward of a given module first hooks them again if they changed: a frozen
         # parameter made trainable, e.g. a backbone after a warm-up, or a module added)
@@ -517,6 +541,9 @@ class Engine:
                 prepared = self._prepare(losses, retain_graph or bool(others), tasks)
                 contributions, rows, order, task_grads, captured_bytes = prepared
                 gramian = _to_loss_order(_assemble(contributions, rows, losses), order)
+                syncing = bool(self._replicas) and synchronizing(self._replicas)
+                if syncing and rows.per_task:  # (the same weights on every replica)
+                    gramian = averaged_gramian(gramian, self._replicas)
             weights = _check_weights(weighting(gramian), gramian.shape[0], weighting)
             with torch.no_grad():
                 row_weights = weights if order is None else weights[order[1]]
@@ -537,8 +564,10 @@ class Engine:
             plain += [(p, g) for p, g in zip(others, extra, strict=True) if g is not None]
         # (the hooked parameters' hooks last: after everything that may fail)
         with torch.no_grad():
-            updates = _through_param_hooks(updates)
-        _accumulate(updates + plain)
+            updates = _through_param_hooks(updates) + plain
+            if syncing:
+                updates = averaged_updates(updates, self._replicas)
+        _accumulate(updates)
         return weights.reshape(losses.shape)
 
     def _checked_params(
@@ -945,6 +974,15 @@ def _assemble(
     if total is None:  # every hooked parameter is frozen
         return losses.new_zeros(rows.num_rows, rows.num_rows)
     return total
+
+
+def _checked_ddp(ddp: object) -> DistributedDataParallel:
+    if not isinstance(ddp, DistributedDataParallel):
+        raise TypeError(
+            "`ddp` must be the torch.nn.parallel.DistributedDataParallel wrapping the model, "
+            f"or None; received {type(ddp).__name__}."
+        )
+    return ddp
 
 
 def _parameter_list(params: Iterable[Tensor], name: str) -> list[Tensor]:

@@ -1,0 +1,116 @@
+"""The engine on a model wrapped in ``DistributedDataParallel`` (DDP): the step takes DDP's part.
+
+DDP averages the replicas' gradients in hooks that autograd runs during ``backward``. The
+engine writes ``.grad`` without that backward (its capture pulls gradients back to the layers'
+outputs only), so each replica would keep its own update and the replicas would drift apart,
+silently. Given a DDP wrapper, the step averages what DDP would have averaged:
+
+* per task, the ``m x m`` Gramian is averaged over the replicas before the weighting, so that
+  every replica uses the same weights, and the update is ``w^T`` times the replicas' average
+  Jacobian, exactly;
+* per sample, each replica weighs its own samples (the Gramian of the global batch would need
+  every replica's per-sample gradients) and the updates are averaged, as DDP averages the
+  gradients of the replicas' losses;
+* the ``.grad`` written is the replicas' average of their accumulated ``.grad``, as after DDP's
+  synchronised backward (gradients accumulated under ``no_sync()`` included); under
+  ``no_sync()`` nothing is communicated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
+
+
+def wrappers_in(modules: Sequence[nn.Module]) -> list[DistributedDataParallel]:
+    """The DDP wrappers among ``modules`` and their submodules, once each; refused when they do
+    not share one process group (the Gramian of a per-task step is averaged over one).
+
+    Example:
+        >>> from torch import nn
+        >>> from jacflow.autogram._distributed import wrappers_in
+        >>> wrappers_in([nn.Sequential(nn.Linear(2, 2))])
+        []
+    """
+    found: dict[int, DistributedDataParallel] = {}
+    for root in modules:  # (anything else is refused with the engine's other checks)
+        for sub in root.modules() if isinstance(root, nn.Module) else ():
+            if isinstance(sub, DistributedDataParallel):
+                found.setdefault(id(sub), sub)
+    wrappers = list(found.values())
+    if len({id(w.process_group) for w in wrappers}) > 1:
+        raise ValueError(
+            "The modules given to the Engine hold DistributedDataParallel wrappers on different "
+            "process groups; the step averages over one. Wrap the model once."
+        )
+    return wrappers
+
+
+def synchronizing(wrappers: Sequence[DistributedDataParallel]) -> bool:
+    """Whether this step averages over the replicas (not inside ``no_sync()``)."""
+    return any(w.require_backward_grad_sync for w in wrappers)
+
+
+def averaged_gramian(gramian: Tensor, wrappers: Sequence[DistributedDataParallel]) -> Tensor:
+    """The replicas' average of their Gramians (per task, the same ``m`` losses on each)."""
+    group = wrappers[0].process_group
+    total = gramian.contiguous().clone()
+    dist.all_reduce(total, group=group)
+    return total / dist.get_world_size(group)
+
+
+def averaged_updates(
+    updates: list[tuple[Tensor, Tensor]], wrappers: Sequence[DistributedDataParallel]
+) -> list[tuple[Tensor, Tensor]]:
+    """The updates of the wrapped parameters replaced by what makes each ``.grad`` the
+    replicas' average of ``.grad + update``; the other parameters' updates as they are.
+
+    Every replica sends every trainable wrapped parameter, in the wrapper's order, with a flag
+    of whether it has a gradient there (an update or a ``.grad``; zeros where not): the
+    collectives then match whatever each replica's losses reached, and a parameter that none
+    reached keeps no ``.grad``. One all-reduce per dtype and device."""
+    own: dict[int, Tensor] = {}
+    rest: list[tuple[Tensor, Tensor]] = []
+    wrapped = {id(p): p for w in wrappers for p in w.module.parameters() if p.requires_grad}
+    for param, grad in updates:
+        if id(param) not in wrapped:
+            rest.append((param, grad))
+            continue
+        dense = _dense(grad).reshape(param.shape)
+        own[id(param)] = dense if id(param) not in own else own[id(param)] + dense
+    by_kind: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
+    for param in wrapped.values():
+        by_kind.setdefault((param.dtype, param.device), []).append(param)
+    group = wrappers[0].process_group
+    size = dist.get_world_size(group)
+    averaged: list[tuple[Tensor, Tensor]] = []
+    for params in by_kind.values():
+        pieces, flags = [], []
+        for param in params:
+            total = own.get(id(param))
+            if param.grad is not None:  # (DDP averages the accumulated .grad)
+                previous = _dense(param.grad)
+                total = previous if total is None else total + previous
+            flags.append(0.0 if total is None else 1.0)
+            pieces.append(torch.zeros_like(param) if total is None else total)
+        flat = torch.cat([*(t.reshape(-1) for t in pieces), pieces[0].new_tensor(flags)])
+        dist.all_reduce(flat, group=group)
+        flat /= size
+        sizes = [t.numel() for t in pieces]
+        split = flat.split([*sizes, len(flags)])
+        for param, mean, reached in zip(params, split[:-1], split[-1].tolist(), strict=True):
+            if reached == 0:
+                continue
+            mean = mean.view(param.shape)
+            if param.grad is not None:  # (the caller adds the update: the difference)
+                mean = mean - _dense(param.grad)
+            averaged.append((param, mean))
+    return averaged + rest
+
+
+def _dense(grad: Tensor) -> Tensor:
+    return grad.to_dense() if grad.is_sparse else grad

@@ -1,0 +1,157 @@
+"""The engine on a ``DistributedDataParallel`` model: two CPU processes (gloo), against the
+replicas' brute-force Jacobians gathered from both."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from jacflow.aggregation import UPGradWeighting
+from jacflow.autogram import Engine, mtl_gramian_step
+
+WORLD = 2
+
+pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is missing")
+
+
+def _jacobian(losses: torch.Tensor, params: list[nn.Parameter]) -> torch.Tensor:
+    rows = []
+    for loss in losses.reshape(-1):
+        grads = torch.autograd.grad(loss, params, retain_graph=True)
+        rows.append(torch.cat([g.reshape(-1) for g in grads]))
+    return torch.stack(rows)
+
+
+def _gathered(t: torch.Tensor) -> torch.Tensor:
+    parts = [torch.empty_like(t) for _ in range(WORLD)]
+    dist.all_gather(parts, t.contiguous())
+    return torch.stack(parts)
+
+
+def _model() -> tuple[nn.Module, nn.ModuleList]:
+    torch.manual_seed(0)  # (the same initial weights on every replica)
+    trunk = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 5)).double()
+    heads = nn.ModuleList([nn.Linear(5, 1) for _ in range(3)]).double()
+    return trunk, heads
+
+
+def _grads(params: list[nn.Parameter]) -> torch.Tensor:
+    return torch.cat([p.grad.reshape(-1) for p in params])  # type: ignore[union-attr]
+
+
+def _per_sample(rank: int) -> None:
+    trunk, heads = _model()
+    model = nn.Sequential(trunk, heads[0])
+    params = list(model.parameters())
+    ddp = DistributedDataParallel(model)
+    engine = Engine(ddp, batch_dim=0)
+    torch.manual_seed(1 + rank)  # (each replica its own samples)
+    batches = [torch.randn(5, 4, dtype=torch.float64) for _ in range(2)]
+    updates = []
+    for x in batches:
+        losses = model(x).squeeze(1).sin()
+        jacobian = _jacobian(losses, params)
+        updates.append(UPGradWeighting()(jacobian @ jacobian.T) @ jacobian)
+    # a step under no_sync() keeps its update local; the synchronised one averages both
+    with ddp.no_sync():
+        engine.backward(ddp(batches[0]).squeeze(1).sin(), UPGradWeighting())
+    torch.testing.assert_close(_grads(params), updates[0])
+    engine.backward(ddp(batches[1]).squeeze(1).sin(), UPGradWeighting())
+    expected = _gathered(updates[0] + updates[1]).mean(0)
+    torch.testing.assert_close(_grads(params), expected)
+
+
+def _per_task(rank: int) -> None:
+    trunk, heads = _model()
+    shared, specific = list(trunk.parameters()), list(heads.parameters())
+    ddp = DistributedDataParallel(nn.ModuleList([trunk, heads]))
+    engine = Engine(trunk, batch_dim=None, ddp=ddp)  # (the trunk only; the wrapper holds both)
+    torch.manual_seed(1 + rank)
+    x = torch.randn(7, 4, dtype=torch.float64)
+    features = trunk(x)
+    losses = torch.stack([head(features).pow(2).mean() for head in heads])
+    jacobian = _jacobian(losses, shared)
+    head_grads = torch.cat(
+        [g.reshape(-1) for g in torch.autograd.grad(losses.sum(), specific, retain_graph=True)]
+    )
+    weights = mtl_gramian_step(losses, engine, UPGradWeighting(), tasks_params=specific)
+    jacobians = _gathered(jacobian)
+    gramian = (jacobians @ jacobians.mT).mean(0)
+    torch.testing.assert_close(weights, UPGradWeighting()(gramian))
+    torch.testing.assert_close(_grads(shared), weights @ jacobians.mean(0))
+    torch.testing.assert_close(_grads(specific), _gathered(head_grads).mean(0))
+
+
+class _Branches(nn.Module):
+    def __init__(self, trunk: nn.Module, heads: nn.ModuleList) -> None:
+        super().__init__()
+        self.trunk, self.heads = trunk, heads
+
+    def forward(self, x: torch.Tensor, head: int) -> torch.Tensor:
+        return self.heads[head](self.trunk(x)).squeeze(1)
+
+
+def _branches(rank: int) -> None:
+    """Each replica's losses reach another head (a head reached on no replica keeps no
+    ``.grad``): the collectives still match, and each head gets half its replica's update."""
+    trunk, heads = _model()
+    model = _Branches(trunk, heads)
+    torch.manual_seed(1 + rank)
+    x = torch.randn(5, 4, dtype=torch.float64)
+    used = [*trunk.parameters(), *heads[rank].parameters()]
+    jacobian = _jacobian(model(x, rank).sin(), used)
+    update = UPGradWeighting()(jacobian @ jacobian.T) @ jacobian
+    ddp = DistributedDataParallel(model, find_unused_parameters=True)
+    engine = Engine(ddp, batch_dim=0)
+    engine.backward(ddp(x, rank).sin(), UPGradWeighting())
+    updates = _gathered(update)  # [replica, trunk + its head]
+    trunk_size = sum(p.numel() for p in trunk.parameters())
+    torch.testing.assert_close(_grads(list(trunk.parameters())), updates[:, :trunk_size].mean(0))
+    for replica in range(WORLD):
+        torch.testing.assert_close(
+            _grads(list(heads[replica].parameters())), updates[replica, trunk_size:] / WORLD
+        )
+    assert all(p.grad is None for p in heads[2].parameters())
+    ddp.zero_grad()
+    engine.backward(ddp(x, rank).sin(), UPGradWeighting())  # (DDP's next forward: no error)
+    torch.testing.assert_close(_grads(list(trunk.parameters())), updates[:, :trunk_size].mean(0))
+
+
+def _worker(rank: int, port: int) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD
+    )
+    try:
+        _per_sample(rank)
+        _per_task(rank)
+        _branches(rank)
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_ddp_replicas_get_the_averaged_update() -> None:
+    """Per sample, each replica's UPGrad update of its own samples, averaged (with what was
+    accumulated under ``no_sync()``, where nothing is averaged); per task, the weights of the
+    replicas' average Gramian on every replica and ``w^T`` times their average Jacobian; the
+    task parameters the replicas' average gradient of the losses' sum."""
+    mp.spawn(_worker, args=(_free_port(),), nprocs=WORLD, join=True)
+
+
+def test_ddp_must_be_the_wrapper() -> None:
+    model = nn.Linear(2, 1)
+    with pytest.raises(TypeError, match="DistributedDataParallel"):
+        Engine(model, batch_dim=0, ddp=model)  # type: ignore[arg-type]
+    assert not model._forward_hooks and not model._forward_pre_hooks  # (nothing hooked)
