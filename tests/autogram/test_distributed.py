@@ -24,7 +24,7 @@ def _jacobian(losses: torch.Tensor, params: list[nn.Parameter]) -> torch.Tensor:
     rows = []
     for loss in losses.reshape(-1):
         grads = torch.autograd.grad(loss, params, retain_graph=True)
-        rows.append(torch.cat([g.reshape(-1) for g in grads]))
+        rows.append(torch.cat([g.to_dense().reshape(-1) for g in grads]))
     return torch.stack(rows)
 
 
@@ -65,6 +65,8 @@ def _per_sample(rank: int) -> None:
     engine.backward(ddp(batches[1]).squeeze(1).sin(), UPGradWeighting())
     expected = _gathered(updates[0] + updates[1]).mean(0)
     torch.testing.assert_close(_grads(params), expected)
+    replicas = _gathered(_grads(params))
+    assert torch.equal(replicas[0], replicas[1])  # (bit for bit: the replicas stay the same)
 
 
 def _per_task(rank: int) -> None:
@@ -123,6 +125,35 @@ def _branches(rank: int) -> None:
     torch.testing.assert_close(_grads(list(trunk.parameters())), updates[:, :trunk_size].mean(0))
 
 
+def _sparse_and_refusals(rank: int) -> None:
+    """A sparse embedding's ``.grad`` stays sparse (``SparseAdam`` needs it) and is the
+    replicas' average; a ``ddp`` that does not wrap the engine's modules, and per-task steps
+    with other numbers of losses on the replicas, are refused on every replica."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(10, 3, sparse=True), nn.Flatten(), nn.Linear(6, 1))
+    model = model.double()
+    params = list(model.parameters())
+    torch.manual_seed(1 + rank)
+    tokens = torch.randint(0, 10, (4, 2))
+    jacobian = _jacobian(model(tokens).squeeze(1).sin(), params)
+    update = UPGradWeighting()(jacobian @ jacobian.T) @ jacobian
+    ddp = DistributedDataParallel(model)
+    engine = Engine(ddp, batch_dim=0)
+    engine.backward(ddp(tokens).squeeze(1).sin(), UPGradWeighting())
+    assert model[0].weight.grad is not None and model[0].weight.grad.is_sparse
+    grads = torch.cat([p.grad.to_dense().reshape(-1) for p in params])  # type: ignore[union-attr]
+    torch.testing.assert_close(grads, _gathered(update).mean(0))
+    trunk, heads = _model()
+    with pytest.raises(ValueError, match="does not wrap"):
+        Engine(trunk, batch_dim=None, ddp=ddp)
+    engine = Engine(trunk, batch_dim=None, ddp=DistributedDataParallel(nn.ModuleList([trunk])))
+    features = trunk(torch.randn(3, 4, dtype=torch.float64))
+    losses = torch.stack([head(features).sum() for head in heads[: 2 + rank]])
+    with pytest.raises(ValueError, match="different numbers of losses"):
+        mtl_gramian_step(losses, engine, UPGradWeighting())
+    assert all(p.grad is None for p in trunk.parameters())
+
+
 def _worker(rank: int, port: int) -> None:
     torch.set_num_threads(1)
     dist.init_process_group(
@@ -132,6 +163,7 @@ def _worker(rank: int, port: int) -> None:
         _per_sample(rank)
         _per_task(rank)
         _branches(rank)
+        _sparse_and_refusals(rank)
     finally:
         dist.destroy_process_group()
 

@@ -50,32 +50,71 @@ def wrappers_in(modules: Sequence[nn.Module]) -> list[DistributedDataParallel]:
     return wrappers
 
 
+def check_wrapped(modules: Sequence[nn.Module], ddp: DistributedDataParallel) -> None:
+    """Refuse a ``ddp`` that does not wrap the given modules: their updates would not be
+    averaged, while a per-task Gramian would be."""
+    wrapped = {id(p) for p in ddp.module.parameters()}
+    outside = [
+        name
+        for i, module in enumerate(modules)
+        if isinstance(module, nn.Module)  # (anything else is refused with the other checks)
+        for name, param in module.named_parameters(prefix=f"modules[{i}]")
+        if id(param) not in wrapped
+    ]
+    if outside:
+        raise ValueError(
+            f"`ddp` does not wrap the modules given to the Engine ({outside[0]} is not one of "
+            "its parameters): give the DistributedDataParallel that wraps the model they "
+            "belong to."
+        )
+
+
 def synchronizing(wrappers: Sequence[DistributedDataParallel]) -> bool:
     """Whether this step averages over the replicas (not inside ``no_sync()``)."""
     return any(w.require_backward_grad_sync for w in wrappers)
 
 
 def averaged_gramian(gramian: Tensor, wrappers: Sequence[DistributedDataParallel]) -> Tensor:
-    """The replicas' average of their Gramians (per task, the same ``m`` losses on each)."""
+    """The replicas' average of their Gramians (per task: the same ``m`` losses on each,
+    checked first, on every replica, by one small all-reduce)."""
     group = wrappers[0].process_group
+    m = gramian.shape[0]
+    sizes = torch.tensor([m, -m], dtype=torch.int64, device=gramian.device)
+    dist.all_reduce(sizes, op=dist.ReduceOp.MAX, group=group)
+    largest, smallest = int(sizes[0]), -int(sizes[1])
+    if largest != smallest:
+        raise ValueError(
+            f"The replicas' per-task steps have different numbers of losses ({smallest} to "
+            f"{largest}; this one {m}): their Gramians cannot be averaged. Give every replica "
+            "the same tasks."
+        )
     total = gramian.contiguous().clone()
     dist.all_reduce(total, group=group)
     return total / dist.get_world_size(group)
 
 
-def averaged_updates(
+def averaged_grads(
     updates: list[tuple[Tensor, Tensor]], wrappers: Sequence[DistributedDataParallel]
-) -> list[tuple[Tensor, Tensor]]:
-    """The updates of the wrapped parameters replaced by what makes each ``.grad`` the
-    replicas' average of ``.grad + update``; the other parameters' updates as they are.
+) -> tuple[list[tuple[Tensor, Tensor]], list[tuple[Tensor, Tensor]]]:
+    """``(written, rest)``: the new ``.grad`` of the wrapped parameters, the replicas' average
+    of ``.grad + update`` (to be written as they are: every replica then holds the same
+    values, bit for bit), and the other parameters' updates as they are.
 
     Every replica sends every trainable wrapped parameter, in the wrapper's order, with a flag
     of whether it has a gradient there (an update or a ``.grad``; zeros where not): the
     collectives then match whatever each replica's losses reached, and a parameter that none
-    reached keeps no ``.grad``. One all-reduce per dtype and device."""
+    reached keeps no ``.grad``. One all-reduce per dtype and device. A parameter whose update
+    and ``.grad`` are sparse (``nn.Embedding(sparse=True)``) gets a sparse average."""
     own: dict[int, Tensor] = {}
     rest: list[tuple[Tensor, Tensor]] = []
     wrapped = {id(p): p for w in wrappers for p in w.module.parameters() if p.requires_grad}
+    # (decided by the module, not the update: the same layout on every replica)
+    sparse = {
+        id(sub.weight)
+        for w in wrappers
+        for sub in w.module.modules()
+        if isinstance(sub, nn.Embedding) and sub.sparse
+    }
     for param, grad in updates:
         if id(param) not in wrapped:
             rest.append((param, grad))
@@ -87,7 +126,7 @@ def averaged_updates(
         by_kind.setdefault((param.dtype, param.device), []).append(param)
     group = wrappers[0].process_group
     size = dist.get_world_size(group)
-    averaged: list[tuple[Tensor, Tensor]] = []
+    written: list[tuple[Tensor, Tensor]] = []
     for params in by_kind.values():
         pieces, flags = [], []
         for param in params:
@@ -100,16 +139,15 @@ def averaged_updates(
         flat = torch.cat([*(t.reshape(-1) for t in pieces), pieces[0].new_tensor(flags)])
         dist.all_reduce(flat, group=group)
         flat /= size
-        sizes = [t.numel() for t in pieces]
-        split = flat.split([*sizes, len(flags)])
+        split = flat.split([*(t.numel() for t in pieces), len(flags)])
         for param, mean, reached in zip(params, split[:-1], split[-1].tolist(), strict=True):
             if reached == 0:
                 continue
-            mean = mean.view(param.shape)
-            if param.grad is not None:  # (the caller adds the update: the difference)
-                mean = mean - _dense(param.grad)
-            averaged.append((param, mean))
-    return averaged + rest
+            grad = mean.view(param.shape).clone()
+            if id(param) in sparse and (param.grad is None or param.grad.is_sparse):
+                grad = grad.to_sparse()
+            written.append((param, grad))
+    return written, rest
 
 
 def _dense(grad: Tensor) -> Tensor:

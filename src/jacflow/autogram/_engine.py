@@ -19,8 +19,9 @@ from jacflow.aggregation import GramianWeighting
 from jacflow.autogram._buffers import GradientBuffers, worth_reusing
 from jacflow.autogram._capture import capture
 from jacflow.autogram._distributed import (
+    averaged_grads,
     averaged_gramian,
-    averaged_updates,
+    check_wrapped,
     synchronizing,
     wrappers_in,
 )
@@ -287,7 +288,8 @@ class Engine:
         self._outside_checked: set[tuple[int, ...]] = set()
         self._hook_error: Exception | None = None  # (of hooking them again at a forward)
         # (DistributedDataParallel wrappers: the step takes their averaging over the replicas)
-        self._replicas = wrappers_in([*modules, *([] if ddp is None else [_checked_ddp(ddp)])])
+        given = [] if ddp is None else [_checked_ddp(ddp, modules)]
+        self._replicas = wrappers_in([*modules, *given])
         self._hook_modules()
         # (a forward of a given module first hooks them again if they changed: a frozen
         # parameter made trainable, e.g. a backbone after a warm-up, or a module added)
@@ -565,9 +567,10 @@ class Engine:
         # (the hooked parameters' hooks last: after everything that may fail)
         with torch.no_grad():
             updates = _through_param_hooks(updates) + plain
+            written: list[tuple[Tensor, Tensor]] = []
             if syncing:
-                updates = averaged_updates(updates, self._replicas)
-        _accumulate(updates)
+                written, updates = averaged_grads(updates, self._replicas)
+        _accumulate(updates, written)
         return weights.reshape(losses.shape)
 
     def _checked_params(
@@ -976,12 +979,13 @@ def _assemble(
     return total
 
 
-def _checked_ddp(ddp: object) -> DistributedDataParallel:
+def _checked_ddp(ddp: object, modules: Sequence[nn.Module]) -> DistributedDataParallel:
     if not isinstance(ddp, DistributedDataParallel):
         raise TypeError(
             "`ddp` must be the torch.nn.parallel.DistributedDataParallel wrapping the model, "
             f"or None; received {type(ddp).__name__}."
         )
+    check_wrapped(modules, ddp)
     return ddp
 
 
@@ -1096,10 +1100,13 @@ def _through_param_hooks(updates: list[tuple[Tensor, Tensor]]) -> list[tuple[Ten
     return plain
 
 
-def _accumulate(updates: list[tuple[Tensor, Tensor]]) -> None:
-    """Write last: ``.grad`` is untouched if anything before failed. Then the parameters'
+def _accumulate(updates: list[tuple[Tensor, Tensor]], written: list[tuple[Tensor, Tensor]]) -> None:
+    """Write last: ``.grad`` is untouched if anything before failed. ``updates`` are added to
+    ``.grad``, ``written`` (the replicas' averages under DDP) replace it. Then the parameters'
     post-accumulate hooks run (``register_post_accumulate_grad_hook``), once each."""
     with torch.no_grad():
+        for param, grad in written:
+            param.grad = grad
         for param, grad in updates:
             grad = _as_update(param, grad)
             if param.grad is None:
@@ -1111,7 +1118,7 @@ def _accumulate(updates: list[tuple[Tensor, Tensor]]) -> None:
                 param.grad = _added(param.grad, grad)
             else:
                 param.grad.add_(grad)
-        updated = {id(param): param for param, _ in updates}
+        updated = {id(param): param for param, _ in [*written, *updates]}
         for param in updated.values():
             for hook in list((getattr(param, "_post_accumulate_grad_hooks", None) or {}).values()):
                 hook(param)
