@@ -109,9 +109,13 @@ def _branches(rank: int) -> None:
     used = [*trunk.parameters(), *heads[rank].parameters()]
     jacobian = _jacobian(model(x, rank).sin(), used)
     update = UPGradWeighting()(jacobian @ jacobian.T) @ jacobian
+    ran: list[int] = []
+    for k, head in enumerate(heads):
+        head.weight.register_post_accumulate_grad_hook(lambda p, k=k: ran.append(k))
     ddp = DistributedDataParallel(model, find_unused_parameters=True)
     engine = Engine(ddp, batch_dim=0)
     engine.backward(ddp(x, rank).sin(), UPGradWeighting())
+    assert ran == [rank]  # (not the other replica's head, whose .grad is written here too)
     updates = _gathered(update)  # [replica, trunk + its head]
     trunk_size = sum(p.numel() for p in trunk.parameters())
     torch.testing.assert_close(_grads(list(trunk.parameters())), updates[:, :trunk_size].mean(0))
@@ -127,8 +131,9 @@ def _branches(rank: int) -> None:
 
 def _sparse_and_refusals(rank: int) -> None:
     """A sparse embedding's ``.grad`` stays sparse (``SparseAdam`` needs it) and is the
-    replicas' average; a ``ddp`` that does not wrap the engine's modules, and per-task steps
-    with other numbers of losses on the replicas, are refused on every replica."""
+    replicas' average; a parameter the wrapper ignores keeps its own update; a ``ddp`` that
+    does not wrap the engine's modules, and per-task steps with other numbers of losses on the
+    replicas, are refused on every replica."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Embedding(10, 3, sparse=True), nn.Flatten(), nn.Linear(6, 1))
     model = model.double()
@@ -143,6 +148,15 @@ def _sparse_and_refusals(rank: int) -> None:
     assert model[0].weight.grad is not None and model[0].weight.grad.is_sparse
     grads = torch.cat([p.grad.to_dense().reshape(-1) for p in params])  # type: ignore[union-attr]
     torch.testing.assert_close(grads, _gathered(update).mean(0))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 2), nn.Linear(2, 1)).double()
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ["1.bias"])
+    ddp = DistributedDataParallel(model)
+    torch.manual_seed(1 + rank)
+    x = torch.randn(4, 3, dtype=torch.float64)
+    Engine(ddp, batch_dim=0).backward(ddp(x).squeeze(1) * (1 + rank), UPGradWeighting())
+    bias, weight = _gathered(model[1].bias.grad), _gathered(model[1].weight.grad)  # type: ignore[arg-type]
+    assert not torch.equal(bias[0], bias[1]) and torch.equal(weight[0], weight[1])
     trunk, heads = _model()
     with pytest.raises(ValueError, match="does not wrap"):
         Engine(trunk, batch_dim=None, ddp=ddp)

@@ -7,7 +7,10 @@ silently. Given a DDP wrapper, the step averages what DDP would have averaged:
 
 * per task, the ``m x m`` Gramian is averaged over the replicas before the weighting, so that
   every replica uses the same weights, and the update is ``w^T`` times the replicas' average
-  Jacobian, exactly;
+  Jacobian, exactly. The weights are those of the average Gramian ``mean_r J_r J_r^T``, which
+  adds the spread between the replicas to the whole batch's ``J J^T``: not those of one
+  process on the whole batch, and the update may conflict with a task's gradient on the whole
+  batch (the cross terms ``J_r J_s^T`` would need every replica's per-layer tensors);
 * per sample, each replica weighs its own samples (the Gramian of the global batch would need
   every replica's per-sample gradients) and the updates are averaged, as DDP averages the
   gradients of the replicas' losses;
@@ -103,11 +106,18 @@ def averaged_grads(
     Every replica sends every trainable wrapped parameter, in the wrapper's order, with a flag
     of whether it has a gradient there (an update or a ``.grad``; zeros where not): the
     collectives then match whatever each replica's losses reached, and a parameter that none
-    reached keeps no ``.grad``. One all-reduce per dtype and device. A parameter whose update
-    and ``.grad`` are sparse (``nn.Embedding(sparse=True)``) gets a sparse average."""
+    reached keeps no ``.grad``. One all-reduce per dtype and device, in full precision (a
+    communication hook registered on the wrapper is not applied), of dense tensors: a sparse
+    embedding's table is sent whole, and its ``.grad`` written sparse again. The parameters the
+    wrapper ignores (``parameters_to_ignore``) are left to the caller, as DDP leaves them."""
     own: dict[int, Tensor] = {}
     rest: list[tuple[Tensor, Tensor]] = []
-    wrapped = {id(p): p for w in wrappers for p in w.module.parameters() if p.requires_grad}
+    wrapped = {
+        id(p): p
+        for w in wrappers
+        for name, p in w.module.named_parameters()
+        if p.requires_grad and name not in w.parameters_to_ignore  # (DDP leaves those alone)
+    }
     # (decided by the module, not the update: the same layout on every replica)
     sparse = {
         id(sub.weight)

@@ -229,8 +229,9 @@ class Engine:
             inside it (e.g. its trunk; a wrapper among the modules given is found). DDP averages
             the replicas' gradients in hooks of ``backward``, which the engine's step does not
             run: the step then averages instead. Per task, the replicas' ``m x m`` Gramians are
-            averaged before the weighting (every replica gets the same weights, and the update
-            is ``w^T`` times their average Jacobian); per sample, each replica weighs its own
+            averaged before the weighting (every replica gets the same weights, those of the
+            average Gramian, not of the whole batch's, and the update is ``w^T`` times their
+            average Jacobian); per sample, each replica weighs its own
             samples and the updates are averaged, as DDP averages the replicas' gradients. The
             ``.grad`` written is the replicas' average of their accumulated ``.grad``, as after
             DDP's synchronised backward; inside ``ddp.no_sync()`` nothing is communicated.
@@ -529,7 +530,7 @@ class Engine:
         retain_graph: bool,
     ) -> Tensor:
         """Gramian, weights, weighted grads; ``tasks_params`` get the plain gradient of
-        ``losses.sum()`` from the same batched backward (per-task mode only)."""
+        ``losses.sum()`` (per-task mode only; see :func:`capture`)."""
         if not isinstance(weighting, GramianWeighting):
             raise TypeError(
                 "`weighting` must be a jacflow.aggregation.GramianWeighting (e.g. "
@@ -567,10 +568,11 @@ class Engine:
         # (the hooked parameters' hooks last: after everything that may fail)
         with torch.no_grad():
             updates = _through_param_hooks(updates) + plain
+            reached = {id(param) for param, _ in updates}  # (their post-accumulate hooks run)
             written: list[tuple[Tensor, Tensor]] = []
             if syncing:
                 written, updates = averaged_grads(updates, self._replicas)
-        _accumulate(updates, written)
+        _accumulate(updates, written, reached)
         return weights.reshape(losses.shape)
 
     def _checked_params(
@@ -1100,10 +1102,14 @@ def _through_param_hooks(updates: list[tuple[Tensor, Tensor]]) -> list[tuple[Ten
     return plain
 
 
-def _accumulate(updates: list[tuple[Tensor, Tensor]], written: list[tuple[Tensor, Tensor]]) -> None:
+def _accumulate(
+    updates: list[tuple[Tensor, Tensor]], written: list[tuple[Tensor, Tensor]], reached: set[int]
+) -> None:
     """Write last: ``.grad`` is untouched if anything before failed. ``updates`` are added to
-    ``.grad``, ``written`` (the replicas' averages under DDP) replace it. Then the parameters'
-    post-accumulate hooks run (``register_post_accumulate_grad_hook``), once each."""
+    ``.grad``, ``written`` (the replicas' averages under DDP) replace it. Then the
+    post-accumulate hooks (``register_post_accumulate_grad_hook``) of the parameters this
+    step ``reached`` run, once each (under DDP, not those of a parameter that only another
+    replica's losses reached: autograd would not have accumulated into it here)."""
     with torch.no_grad():
         for param, grad in written:
             param.grad = grad
@@ -1118,7 +1124,8 @@ def _accumulate(updates: list[tuple[Tensor, Tensor]], written: list[tuple[Tensor
                 param.grad = _added(param.grad, grad)
             else:
                 param.grad.add_(grad)
-        updated = {id(param): param for param, _ in [*written, *updates]}
+        pairs = [*written, *updates]
+        updated = {id(param): param for param, _ in pairs if id(param) in reached}
         for param in updated.values():
             for hook in list((getattr(param, "_post_accumulate_grad_hooks", None) or {}).values()):
                 hook(param)
