@@ -21,7 +21,9 @@ silently. Given a DDP wrapper, the step averages what DDP would have averaged:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import final
 
 import torch
 import torch.distributed as dist
@@ -77,20 +79,73 @@ def synchronizing(wrappers: Sequence[DistributedDataParallel]) -> bool:
     return any(w.require_backward_grad_sync for w in wrappers)
 
 
+@final
+class Meetings:
+    """The replicas' meeting points in a synchronised step. Every replica takes part in each
+    meeting with whether its step has failed, so that a failure on one replica (a refusal of
+    its own, an empty batch) is raised on all of them at the same point, instead of leaving the
+    others waiting in the next collective (as DDP's own backward does) until the process
+    group's timeout. One all-reduce of three integers per meeting.
+    """
+
+    def __init__(self, wrappers: Sequence[DistributedDataParallel]) -> None:
+        self.group = wrappers[0].process_group
+        nccl = dist.get_backend(self.group) == "nccl"
+        self.device = torch.device("cuda", torch.cuda.current_device()) if nccl else None
+        self.settled = False  # (a failure announced or seen: no more meetings in this step)
+
+    def meet(self, tasks: int | None = None, last: bool = False) -> None:
+        """Meet the other replicas; ``tasks``: this replica's number of per-task losses, which
+        must be the same on all. Raises when a replica has failed or the numbers differ.
+        After the ``last`` meeting, a failure is not announced (no replica waits for one)."""
+        largest, smallest, failed = self._exchange(tasks, failed=False)
+        self.settled = self.settled or last
+        if failed:
+            raise RuntimeError(
+                "The step failed on another replica (its own error says why): it is abandoned "
+                "on every replica, and .grad is left as it was."
+            )
+        if tasks is not None and largest != smallest:
+            self.settled = True
+            raise ValueError(
+                f"The replicas' per-task steps have different numbers of losses ({smallest} to "
+                f"{largest}; this one {tasks}): their Gramians cannot be averaged. Give every "
+                "replica the same tasks."
+            )
+
+    def fail(self) -> None:
+        """Announce this replica's failure at the next meeting (once per step)."""
+        if not self.settled:
+            self._exchange(None, failed=True)
+
+    def _exchange(self, tasks: int | None, failed: bool) -> tuple[int, int, bool]:
+        low = -(2**62)  # (no number of tasks: leaves the others' maximum and minimum)
+        mine = [low, low] if tasks is None else [tasks, -tasks]
+        message = torch.tensor([*mine, int(failed)], dtype=torch.int64, device=self.device)
+        self.settled = True  # (a collective that raises is not met again)
+        dist.all_reduce(message, op=dist.ReduceOp.MAX, group=self.group)
+        largest, negated_smallest, anyone_failed = (int(x) for x in message.tolist())
+        self.settled = bool(anyone_failed)
+        return largest, -negated_smallest, bool(anyone_failed)
+
+
+@contextlib.contextmanager
+def meetings_of(wrappers: Sequence[DistributedDataParallel]) -> Iterator[Meetings | None]:
+    """The meetings of a step (``None`` when it averages nothing: no wrapper, or inside
+    ``no_sync()``); a failure inside is announced to the other replicas before it goes on."""
+    meetings = Meetings(wrappers) if wrappers and synchronizing(wrappers) else None
+    try:
+        yield meetings
+    except Exception:
+        if meetings is not None:
+            meetings.fail()
+        raise
+
+
 def averaged_gramian(gramian: Tensor, wrappers: Sequence[DistributedDataParallel]) -> Tensor:
-    """The replicas' average of their Gramians (per task: the same ``m`` losses on each,
-    checked first, on every replica, by one small all-reduce)."""
+    """The replicas' average of their Gramians (per task: the same ``m`` losses on each, which
+    the caller's meeting has checked)."""
     group = wrappers[0].process_group
-    m = gramian.shape[0]
-    sizes = torch.tensor([m, -m], dtype=torch.int64, device=gramian.device)
-    dist.all_reduce(sizes, op=dist.ReduceOp.MAX, group=group)
-    largest, smallest = int(sizes[0]), -int(sizes[1])
-    if largest != smallest:
-        raise ValueError(
-            f"The replicas' per-task steps have different numbers of losses ({smallest} to "
-            f"{largest}; this one {m}): their Gramians cannot be averaged. Give every replica "
-            "the same tasks."
-        )
     total = gramian.contiguous().clone()
     dist.all_reduce(total, group=group)
     return total / dist.get_world_size(group)

@@ -22,7 +22,7 @@ from jacflow.autogram._distributed import (
     averaged_grads,
     averaged_gramian,
     check_wrapped,
-    synchronizing,
+    meetings_of,
     wrappers_in,
 )
 from jacflow.autogram._embedding import frequency_refusal
@@ -530,50 +530,53 @@ class Engine:
         retain_graph: bool,
     ) -> Tensor:
         """Gramian, weights, weighted grads; ``tasks_params`` get the plain gradient of
-        ``losses.sum()`` (per-task mode only; see :func:`capture`)."""
-        if not isinstance(weighting, GramianWeighting):
-            raise TypeError(
-                "`weighting` must be a jacflow.aggregation.GramianWeighting (e.g. "
-                f"UPGradWeighting()), received {type(weighting)}."
-            )
-        losses = self._checked_losses(losses)
-        others, tasks = self._checked_params(other_params, tasks_params)
-        with without_autocast(losses.device.type):  # (the weighting's products too)
-            # (autograd.grad needs no grad mode: no graph of the grads)
+        ``losses.sum()`` (per-task mode only; see :func:`capture`). Under DDP, a failure on
+        this replica is announced to the others at the step's next meeting."""
+        with meetings_of(self._replicas) as meetings:
+            if not isinstance(weighting, GramianWeighting):
+                raise TypeError(
+                    "`weighting` must be a jacflow.aggregation.GramianWeighting (e.g. "
+                    f"UPGradWeighting()), received {type(weighting)}."
+                )
+            losses = self._checked_losses(losses)
+            others, tasks = self._checked_params(other_params, tasks_params)
+            with without_autocast(losses.device.type):  # (the weighting's products too)
+                # (autograd.grad needs no grad mode: no graph of the grads)
+                with torch.no_grad():
+                    prepared = self._prepare(losses, retain_graph or bool(others), tasks)
+                    contributions, rows, order, task_grads, captured_bytes = prepared
+                    gramian = _to_loss_order(_assemble(contributions, rows, losses), order)
+                    if meetings is not None and rows.per_task:  # (the same weights everywhere)
+                        meetings.meet(gramian.shape[0])
+                        gramian = averaged_gramian(gramian, self._replicas)
+                weights = _check_weights(weighting(gramian), gramian.shape[0], weighting)
+                with torch.no_grad():
+                    row_weights = weights if order is None else weights[order[1]]
+                    params = (p for named, _ in contributions for p in named.values())
+                    worth = worth_reusing(params, captured_bytes)
+                    buffers = self._buffers if worth else None
+                    updates = _weighted_grads(contributions, row_weights, buffers)
+            # (autograd runs the hooks of the tasks' and the other parameters on their gradients)
+            plain = [(p, g) for p, g in zip(tasks, task_grads, strict=True) if g is not None]
+            if others:
+                extra = torch.autograd.grad(
+                    losses,
+                    others,
+                    grad_outputs=weights.reshape(losses.shape).to(losses.dtype),
+                    retain_graph=retain_graph,
+                    allow_unused=True,
+                )
+                plain += [(p, g) for p, g in zip(others, extra, strict=True) if g is not None]
+            # (the hooked parameters' hooks last: after everything that may fail)
             with torch.no_grad():
-                prepared = self._prepare(losses, retain_graph or bool(others), tasks)
-                contributions, rows, order, task_grads, captured_bytes = prepared
-                gramian = _to_loss_order(_assemble(contributions, rows, losses), order)
-                syncing = bool(self._replicas) and synchronizing(self._replicas)
-                if syncing and rows.per_task:  # (the same weights on every replica)
-                    gramian = averaged_gramian(gramian, self._replicas)
-            weights = _check_weights(weighting(gramian), gramian.shape[0], weighting)
-            with torch.no_grad():
-                row_weights = weights if order is None else weights[order[1]]
-                params = (p for named, _ in contributions for p in named.values())
-                worth = worth_reusing(params, captured_bytes)
-                buffers = self._buffers if worth else None
-                updates = _weighted_grads(contributions, row_weights, buffers)
-        # (autograd runs the hooks of the tasks' and the other parameters on their gradients)
-        plain = [(p, g) for p, g in zip(tasks, task_grads, strict=True) if g is not None]
-        if others:
-            extra = torch.autograd.grad(
-                losses,
-                others,
-                grad_outputs=weights.reshape(losses.shape).to(losses.dtype),
-                retain_graph=retain_graph,
-                allow_unused=True,
-            )
-            plain += [(p, g) for p, g in zip(others, extra, strict=True) if g is not None]
-        # (the hooked parameters' hooks last: after everything that may fail)
-        with torch.no_grad():
-            updates = _through_param_hooks(updates) + plain
-            reached = {id(param) for param, _ in updates}  # (their post-accumulate hooks run)
-            written: list[tuple[Tensor, Tensor]] = []
-            if syncing:
-                written, updates = averaged_grads(updates, self._replicas)
-        _accumulate(updates, written, reached)
-        return weights.reshape(losses.shape)
+                updates = _through_param_hooks(updates) + plain
+                reached = {id(param) for param, _ in updates}  # (their post-accumulate hooks run)
+                written: list[tuple[Tensor, Tensor]] = []
+                if meetings is not None:
+                    meetings.meet(last=True)
+                    written, updates = averaged_grads(updates, self._replicas)
+            _accumulate(updates, written, reached)
+            return weights.reshape(losses.shape)
 
     def _checked_params(
         self, other_params: Iterable[Tensor], tasks_params: Iterable[Tensor]
