@@ -70,12 +70,15 @@ def interleaved_medians(
     rounds: int = 15,
     warmup: int = 3,
     device: torch.device | str = "cpu",
+    now: Callable[[], float] | None = None,
+    before: Callable[[], object] | None = None,
 ) -> dict[str, float]:
-    """Median time (ms, by :func:`clock`) of each step, methods interleaved round-robin.
+    """Median time (ms, by :func:`clock`, or ``now``) of each step, methods interleaved
+    round-robin; ``before`` runs before each timed step (a barrier of several processes).
 
     The order alternates every round so that no method always runs after the same one.
     """
-    now = clock(device)
+    now = clock(device) if now is None else now
     names = list(steps)
     for _ in range(warmup):
         for name in names:
@@ -84,6 +87,8 @@ def interleaved_medians(
     for r in range(rounds):
         order = names if r % 2 == 0 else names[::-1]
         for name in order:
+            if before is not None:
+                before()
             start = now()
             steps[name]()
             samples[name].append((now() - start) * 1e3)

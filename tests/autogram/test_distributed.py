@@ -13,7 +13,8 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from jacflow.aggregation import GramianWeighting, UPGradWeighting
+from jacflow import mtl_backward
+from jacflow.aggregation import GramianWeighting, UPGrad, UPGradWeighting
 from jacflow.autogram import Engine, mtl_gramian_step
 
 WORLD = 2
@@ -200,6 +201,23 @@ def _one_fails(rank: int) -> None:
     error, match = (RuntimeError, "another replica" if rank == 0 else "No forward call")
     with pytest.raises(error, match=match):
         mtl_gramian_step(losses, engine, UPGradWeighting())
+    # mtl_backward's own checks before the step (the same loss twice on one replica)
+    features = trunk(x)
+    losses_list = [head(features).sum() for head in heads]
+    if rank == 1:
+        losses_list[2] = losses_list[0]
+    error, match = (RuntimeError, "another replica") if rank == 0 else (ValueError, "distinct")
+    with pytest.raises(error, match=match):
+        mtl_backward(losses_list, features, A=UPGrad(), engine=engine)
+    # a parameter hook that returns another shape, refused before the averaging
+    hook = trunk[0].bias.register_hook(lambda g: g[:1] if rank == 1 else g)
+    features = trunk(x)
+    error, match = (RuntimeError, "another replica") if rank == 0 else (ValueError, "hook")
+    with pytest.raises(error, match=match):
+        mtl_backward([head(features).sum() for head in heads], features, A=UPGrad(), engine=engine)
+    hook.remove()
+    with pytest.raises(ValueError, match="static_graph"):
+        Engine(DistributedDataParallel(nn.Linear(2, 1), static_graph=True), batch_dim=0)
 
 
 def _worker(rank: int, port: int) -> None:

@@ -303,6 +303,25 @@ def test_parameter_gradient_hooks_run_on_the_update() -> None:
     assert len(calls) == 2 and calls[0] is models[0].head.weight
 
 
+@pytest.mark.parametrize("returned", ["shape", "dtype", "not a tensor"])
+def test_parameter_hooks_returning_another_gradient_are_refused(returned: str) -> None:
+    """What autograd refuses from a gradient hook (another shape or dtype), refused before any
+    ``.grad`` is written; other parameters keep theirs."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1)).double()
+    change = {
+        "shape": lambda g: g[:, :1],
+        "dtype": lambda g: g.float(),
+        "not a tensor": lambda g: 1.0,
+    }[returned]
+    model[2].weight.register_hook(change)
+    engine = Engine(model, batch_dim=0)
+    losses = model(torch.randn(5, 3, dtype=torch.float64)).squeeze(1)
+    with pytest.raises(ValueError, match="must return None or a tensor like its argument"):
+        engine.backward(losses, UPGradWeighting())
+    assert all(p.grad is None for p in model.parameters())
+
+
 def test_sparse_embedding_tied_to_a_linear_accumulates() -> None:
     """A sparse embedding's update plus its tied Linear's dense one (``add(sparse, dense)``
     failed)."""

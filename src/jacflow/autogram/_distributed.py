@@ -47,12 +47,24 @@ def wrappers_in(modules: Sequence[nn.Module]) -> list[DistributedDataParallel]:
             if isinstance(sub, DistributedDataParallel):
                 found.setdefault(id(sub), sub)
     wrappers = list(found.values())
+    check_dynamic(wrappers)
     if len({id(w.process_group) for w in wrappers}) > 1:
         raise ValueError(
             "The modules given to the Engine hold DistributedDataParallel wrappers on different "
             "process groups; the step averages over one. Wrap the model once."
         )
     return wrappers
+
+
+def check_dynamic(wrappers: Sequence[DistributedDataParallel]) -> None:
+    """Refuse ``static_graph=True``: DDP then expects every iteration's backward to be its own,
+    and after an engine step it stops averaging the plain backward passes, silently."""
+    if any(w.static_graph for w in wrappers):
+        raise ValueError(
+            "DistributedDataParallel(static_graph=True) expects every iteration to run its own "
+            "backward, which the engine's steps do not: after one, DDP stops averaging the "
+            "plain backward passes. Build the wrapper without static_graph."
+        )
 
 
 def check_wrapped(modules: Sequence[nn.Module], ddp: DistributedDataParallel) -> None:
@@ -133,6 +145,7 @@ class Meetings:
 def meetings_of(wrappers: Sequence[DistributedDataParallel]) -> Iterator[Meetings | None]:
     """The meetings of a step (``None`` when it averages nothing: no wrapper, or inside
     ``no_sync()``); a failure inside is announced to the other replicas before it goes on."""
+    check_dynamic(wrappers)  # (static_graph may be set after the engine was created)
     meetings = Meetings(wrappers) if wrappers and synchronizing(wrappers) else None
     try:
         yield meetings

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -19,6 +20,7 @@ from jacflow.aggregation import GramianWeighting
 from jacflow.autogram._buffers import GradientBuffers, worth_reusing
 from jacflow.autogram._capture import capture
 from jacflow.autogram._distributed import (
+    Meetings,
     averaged_grads,
     averaged_gramian,
     check_wrapped,
@@ -291,6 +293,8 @@ class Engine:
         # (DistributedDataParallel wrappers: the step takes their averaging over the replicas)
         given = [] if ddp is None else [_checked_ddp(ddp, modules)]
         self._replicas = wrappers_in([*modules, *given])
+        self._meeting_open = False  # (a step's meetings, shared by a caller's checks)
+        self._meetings: Meetings | None = None
         self._hook_modules()
         # (a forward of a given module first hooks them again if they changed: a frozen
         # parameter made trainable, e.g. a backbone after a warm-up, or a module added)
@@ -532,7 +536,7 @@ class Engine:
         """Gramian, weights, weighted grads; ``tasks_params`` get the plain gradient of
         ``losses.sum()`` (per-task mode only; see :func:`capture`). Under DDP, a failure on
         this replica is announced to the others at the step's next meeting."""
-        with meetings_of(self._replicas) as meetings:
+        with self._meeting() as meetings:
             if not isinstance(weighting, GramianWeighting):
                 raise TypeError(
                     "`weighting` must be a jacflow.aggregation.GramianWeighting (e.g. "
@@ -571,12 +575,28 @@ class Engine:
             with torch.no_grad():
                 updates = _through_param_hooks(updates) + plain
                 reached = {id(param) for param, _ in updates}  # (their post-accumulate hooks run)
+                _check_update_sizes(updates)
                 written: list[tuple[Tensor, Tensor]] = []
                 if meetings is not None:
                     meetings.meet(last=True)
                     written, updates = averaged_grads(updates, self._replicas)
             _accumulate(updates, written, reached)
             return weights.reshape(losses.shape)
+
+    @contextlib.contextmanager
+    def _meeting(self) -> Iterator[Meetings | None]:
+        """The replicas' meetings of one step (see :class:`Meetings`), opened once: a caller's
+        checks before the step (``mtl_backward``'s) take part in them, so that a failure
+        there is announced at the step's meetings too."""
+        if self._meeting_open:
+            yield self._meetings
+            return
+        with meetings_of(self._replicas) as meetings:
+            self._meeting_open, self._meetings = True, meetings
+            try:
+                yield meetings
+            finally:
+                self._meeting_open, self._meetings = False, None
 
     def _checked_params(
         self, other_params: Iterable[Tensor], tasks_params: Iterable[Tensor]
@@ -984,6 +1004,12 @@ def _assemble(
     return total
 
 
+def step_meeting(engine: Engine) -> contextlib.AbstractContextManager[Meetings | None]:
+    """The meetings of ``engine``'s next step, opened by a caller whose own checks come first
+    (``mtl_backward``): under DDP, a failure there is then announced to the other replicas."""
+    return engine._meeting()
+
+
 def _checked_ddp(ddp: object, modules: Sequence[nn.Module]) -> DistributedDataParallel:
     if not isinstance(ddp, DistributedDataParallel):
         raise TypeError(
@@ -1098,11 +1124,45 @@ def _through_param_hooks(updates: list[tuple[Tensor, Tensor]]) -> list[tuple[Ten
         for hook in list((param._backward_hooks or {}).values()):
             result = hook(grad)
             if result is not None:
+                _check_hook_result(hook, grad, result)
                 grad = result
         # (a hook may keep the tensor it saw or return one held elsewhere: as autograd does
         # for a gradient referred to elsewhere, .grad gets a copy)
         plain.append((param, grad.clone()))
     return plain
+
+
+def _check_update_sizes(updates: list[tuple[Tensor, Tensor]]) -> None:
+    """Refuse, before anything is written, a gradient that does not fit its parameter (what a
+    gradient hook of a task or other parameter returned: autograd checks it on the tensor it
+    ran on, not against the parameter)."""
+    for param, grad in updates:
+        if grad.shape != param.shape and (grad.is_sparse or grad.numel() != param.numel()):
+            raise ValueError(
+                f"A gradient of shape {tuple(grad.shape)} was computed for a parameter of shape "
+                f"{tuple(param.shape)}: a gradient hook (register_hook) must return None or a "
+                "tensor like its argument."
+            )
+
+
+def _check_hook_result(hook: Any, grad: Tensor, result: Any) -> None:
+    """Refuse what autograd refuses from a gradient hook: another type, shape or dtype."""
+    same = isinstance(result, Tensor) and (result.shape, result.dtype, result.device) == (
+        grad.shape,
+        grad.dtype,
+        grad.device,
+    )
+    if not same:
+        received = (
+            f"{tuple(result.shape)} {result.dtype} on {result.device}"
+            if isinstance(result, Tensor)
+            else type(result).__name__
+        )
+        raise ValueError(
+            f"The gradient hook {getattr(hook, '__name__', hook)!r} of a parameter returned "
+            f"{received} for a gradient of {tuple(grad.shape)} {grad.dtype} on {grad.device}: "
+            "a hook must return None or a tensor like its argument, as in autograd."
+        )
 
 
 def _accumulate(

@@ -125,21 +125,32 @@ def mtl_backward(
         >>> trunk.weight.grad.shape, head1.weight.grad.shape
         (torch.Size([4, 3]), torch.Size([1, 4]))
     """
-    loss_tuple = as_tensor_tuple(losses, "losses")
-    check_non_empty(loss_tuple, "losses")
-    check_unique(loss_tuple, "losses")
-    _check_scalar_losses(loss_tuple)
-    feature_tuple = as_tensor_tuple(features, "features")
-    check_non_empty(feature_tuple, "features")
-    check_unique(feature_tuple, "features")
-    check_inputs_require_grad(feature_tuple, "features")
-    aggregator = check_aggregator(A)
-    chunk_size = check_chunk_size(parallel_chunk_size, "parallel_chunk_size")
     if engine is not None:
-        _engine_step(
-            loss_tuple, feature_tuple, aggregator, tasks_params, shared_params, engine, retain_graph
-        )
+        from jacflow.autogram import Engine
+        from jacflow.autogram._engine import step_meeting
+
+        if not isinstance(engine, Engine):
+            raise TypeError(
+                f"`engine` must be a jacflow.autogram.Engine or None, received {type(engine)}."
+            )
+        # (under DDP, a failure of the checks on one replica is announced to the others)
+        with step_meeting(engine):
+            loss_tuple, feature_tuple, aggregator, _ = _checked(
+                losses, features, A, parallel_chunk_size
+            )
+            _engine_step(
+                loss_tuple,
+                feature_tuple,
+                aggregator,
+                tasks_params,
+                shared_params,
+                engine,
+                retain_graph,
+            )
         return
+    loss_tuple, feature_tuple, aggregator, chunk_size = _checked(
+        losses, features, A, parallel_chunk_size
+    )
     heads, shared = _resolve_params(loss_tuple, feature_tuple, tasks_params, shared_params)
     check_non_empty(shared, "shared_params")
     if aggregator is None:
@@ -165,6 +176,26 @@ def mtl_backward(
     accumulate_grads([p for p, _ in head_grads.values()], [g for _, g in head_grads.values()])
 
 
+def _checked(
+    losses: Sequence[Tensor],
+    features: Tensor | Sequence[Tensor],
+    A: Aggregator | None,
+    parallel_chunk_size: int | None,
+) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...], Aggregator | None, int | None]:
+    """``mtl_backward``'s arguments, checked."""
+    loss_tuple = as_tensor_tuple(losses, "losses")
+    check_non_empty(loss_tuple, "losses")
+    check_unique(loss_tuple, "losses")
+    _check_scalar_losses(loss_tuple)
+    feature_tuple = as_tensor_tuple(features, "features")
+    check_non_empty(feature_tuple, "features")
+    check_unique(feature_tuple, "features")
+    check_inputs_require_grad(feature_tuple, "features")
+    aggregator = check_aggregator(A)
+    chunk_size = check_chunk_size(parallel_chunk_size, "parallel_chunk_size")
+    return loss_tuple, feature_tuple, aggregator, chunk_size
+
+
 def _engine_step(
     losses: tuple[Tensor, ...],
     features: tuple[Tensor, ...],
@@ -175,12 +206,8 @@ def _engine_step(
     retain_graph: bool,
 ) -> None:
     """``mtl_backward`` through the per-task Gramian engine (validated first, written last)."""
-    from jacflow.autogram import Engine, mtl_gramian_step
+    from jacflow.autogram import mtl_gramian_step
 
-    if not isinstance(engine, Engine):
-        raise TypeError(
-            f"`engine` must be a jacflow.autogram.Engine or None, received {type(engine)}."
-        )
     if not isinstance(aggregator, GramianWeightedAggregator):
         raise ValueError(
             "`engine` needs a Gramian-based aggregator `A` (e.g. UPGrad(), MGDA(), Mean()): the "
