@@ -303,7 +303,7 @@ def test_parameter_gradient_hooks_run_on_the_update() -> None:
     assert len(calls) == 2 and calls[0] is models[0].head.weight
 
 
-@pytest.mark.parametrize("returned", ["shape", "dtype", "not a tensor"])
+@pytest.mark.parametrize("returned", ["shape", "dtype", "not a tensor", "sparse"])
 def test_parameter_hooks_returning_another_gradient_are_refused(returned: str) -> None:
     """What autograd refuses from a gradient hook (another shape or dtype), refused before any
     ``.grad`` is written; other parameters keep theirs."""
@@ -313,6 +313,7 @@ def test_parameter_hooks_returning_another_gradient_are_refused(returned: str) -
         "shape": lambda g: g[:, :1],
         "dtype": lambda g: g.float(),
         "not a tensor": lambda g: 1.0,
+        "sparse": lambda g: g.to_sparse(),
     }[returned]
     model[2].weight.register_hook(change)
     engine = Engine(model, batch_dim=0)

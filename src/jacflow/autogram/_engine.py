@@ -1147,22 +1147,23 @@ def _check_update_sizes(updates: list[tuple[Tensor, Tensor]]) -> None:
 
 def _check_hook_result(hook: Any, grad: Tensor, result: Any) -> None:
     """Refuse what autograd refuses from a gradient hook: another type, shape or dtype."""
-    same = isinstance(result, Tensor) and (result.shape, result.dtype, result.device) == (
-        grad.shape,
-        grad.dtype,
-        grad.device,
-    )
+    same = isinstance(result, Tensor) and (
+        result.shape,
+        result.dtype,
+        result.device,
+        result.is_sparse,
+    ) == (grad.shape, grad.dtype, grad.device, grad.is_sparse)
     if not same:
-        received = (
-            f"{tuple(result.shape)} {result.dtype} on {result.device}"
-            if isinstance(result, Tensor)
-            else type(result).__name__
-        )
+        received = _described(result) if isinstance(result, Tensor) else type(result).__name__
         raise ValueError(
             f"The gradient hook {getattr(hook, '__name__', hook)!r} of a parameter returned "
-            f"{received} for a gradient of {tuple(grad.shape)} {grad.dtype} on {grad.device}: "
-            "a hook must return None or a tensor like its argument, as in autograd."
+            f"{received} for a gradient of {_described(grad)}: a hook must return None or a "
+            "tensor like its argument (shape, dtype, device, layout), as in autograd."
         )
+
+
+def _described(t: Tensor) -> str:
+    return f"{tuple(t.shape)} {t.dtype} on {t.device}{' (sparse)' if t.is_sparse else ''}"
 
 
 def _accumulate(

@@ -130,6 +130,7 @@ def mtl_backward(
         from jacflow.autogram._engine import step_meeting
 
         if not isinstance(engine, Engine):
+            _checked(losses, features, A, parallel_chunk_size)  # (their errors first)
             raise TypeError(
                 f"`engine` must be a jacflow.autogram.Engine or None, received {type(engine)}."
             )
