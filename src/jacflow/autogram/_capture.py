@@ -87,13 +87,13 @@ def capture(
 def _summed_grads(
     losses: Tensor, inputs: Sequence[Tensor], which: list[bool], cotangents: Tensor
 ) -> list[Tensor | None]:
-    """The gradients of the rows' sum w.r.t. the ``inputs`` marked in ``which``."""
+    """The gradients of the rows' sum w.r.t. the ``inputs`` marked in ``which`` (only in the
+    batched routes: ``cotangents`` holds one row per loss row)."""
     chosen = [tensor for tensor, take in zip(inputs, which, strict=True) if take]
     if not chosen:
         return []
-    rows_sum = cotangents.sum(0) if cotangents.ndim > losses.ndim else cotangents
     grads = torch.autograd.grad(
-        [losses], chosen, grad_outputs=[rows_sum], retain_graph=True, allow_unused=True
+        [losses], chosen, grad_outputs=[cotangents.sum(0)], retain_graph=True, allow_unused=True
     )
     return list(grads)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
@@ -129,13 +130,9 @@ def mtl_backward(
         from jacflow.autogram import Engine
         from jacflow.autogram._engine import step_meeting
 
-        if not isinstance(engine, Engine):
-            _checked(losses, features, A, parallel_chunk_size)  # (their errors first)
-            raise TypeError(
-                f"`engine` must be a jacflow.autogram.Engine or None, received {type(engine)}."
-            )
         # (under DDP, a failure of the checks on one replica is announced to the others)
-        with step_meeting(engine):
+        meeting = step_meeting(engine) if isinstance(engine, Engine) else contextlib.nullcontext()
+        with meeting:
             loss_tuple, feature_tuple, aggregator, _ = _checked(
                 losses, features, A, parallel_chunk_size
             )
@@ -207,8 +204,12 @@ def _engine_step(
     retain_graph: bool,
 ) -> None:
     """``mtl_backward`` through the per-task Gramian engine (validated first, written last)."""
-    from jacflow.autogram import mtl_gramian_step
+    from jacflow.autogram import Engine, mtl_gramian_step
 
+    if not isinstance(engine, Engine):
+        raise TypeError(
+            f"`engine` must be a jacflow.autogram.Engine or None, received {type(engine)}."
+        )
     if not isinstance(aggregator, GramianWeightedAggregator):
         raise ValueError(
             "`engine` needs a Gramian-based aggregator `A` (e.g. UPGrad(), MGDA(), Mean()): the "
@@ -221,12 +222,11 @@ def _engine_step(
             "`shared_params` to None."
         )
     heads, _ = _resolve_params(losses, features, tasks_params, ())
-    unique_heads = {id(p): p for params in heads for p in params}
     stacked = torch.stack([loss.reshape(()) for loss in losses])
-    mtl_gramian_step(
+    mtl_gramian_step(  # (which takes a parameter of several heads once)
         stacked,
         engine,
         aggregator.gramian_weighting,
-        tasks_params=unique_heads.values(),
+        tasks_params=[p for params in heads for p in params],
         retain_graph=retain_graph,
     )
