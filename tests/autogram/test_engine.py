@@ -364,3 +364,49 @@ def test_a_tensor_a_hook_keeps_or_returns_is_not_the_grad() -> None:
         engine.backward(layer(torch.randn(3, 2, dtype=torch.float64)).squeeze(1), MeanWeighting())
     torch.testing.assert_close(layer.weight.grad, torch.full((1, 2), 0.3, dtype=torch.float64))
     assert float(constant[0, 0]) == 0.1 and all(g is not layer.weight.grad for g in seen)
+
+
+class _Gated(nn.Module):
+    """A module without a closed form (the generic rule) whose forward uses ``b`` only when
+    asked, and reads ``c`` without grad."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Parameter(torch.randn(4, dtype=torch.float64))
+        self.b = nn.Parameter(torch.randn(4, dtype=torch.float64))
+        self.c = nn.Parameter(torch.randn(4, dtype=torch.float64))
+
+    def forward(self, x: Tensor, use_b: bool) -> Tensor:
+        with torch.no_grad():
+            shift = self.c.sum()
+        return x * self.a + (x * self.b if use_b else 0.0) + shift
+
+
+@pytest.mark.parametrize("batch_dim", [0, None])
+def test_generic_parameters_the_losses_do_not_reach_keep_their_grad(batch_dim: int | None) -> None:
+    """A parameter of a generic-rule module that the losses do not reach (not used by this
+    forward, or used without grad) keeps ``.grad`` as autograd leaves it: ``None``, or its
+    earlier value; the reached ones get the weighted gradient. Before, they got zeros, which an
+    optimiser with weight decay or momentum then applied."""
+    x = torch.randn(5, 4, dtype=torch.float64)
+    models = []
+    for _ in range(2):  # (the engine's, and autograd's reference)
+        torch.manual_seed(0)
+        models.append(nn.ModuleList([_Gated(), nn.Linear(4, 2, dtype=torch.float64)]))
+
+    def losses_of(model: nn.ModuleList, use_b: bool) -> Tensor:
+        out = model[1](model[0](x, use_b))
+        return out.sum(1) if batch_dim == 0 else out.pow(2).mean(0)
+
+    engine = Engine(*models[0], batch_dim=batch_dim)
+    for use_b in (False, True, False):
+        weights = engine.backward(losses_of(models[0], use_b), UPGradWeighting())
+        (weights.detach() * losses_of(models[1], use_b)).sum().backward()
+        for got, expected in zip(models[0].parameters(), models[1].parameters(), strict=True):
+            if expected.grad is None:
+                assert got.grad is None
+            else:
+                assert got.grad is not None
+                torch.testing.assert_close(got.grad, expected.grad)
+    assert models[0][0].c.grad is None
+    assert models[0][0].b.grad is not None  # (from the middle step, kept through the last)

@@ -36,7 +36,7 @@ from jacflow.autogram._hooks import (
     find_units,
     own_parameter_ids,
 )
-from jacflow.autogram._outside import first_reached, used_outside
+from jacflow.autogram._outside import first_reached, unreached, used_outside
 from jacflow.autogram._precision import upcast, without_autocast
 from jacflow.autogram._recurrent import covered, uncovered_refusal
 from jacflow.autogram._rules import (
@@ -749,6 +749,8 @@ class Engine:
         for index, unit_calls in reached.items():
             unit = self._units[index]
             params = unit.params()
+            if self._reruns(index):
+                params = _reached_params(params, unit_calls)
             if not params:
                 continue
             if not unit.rule.covers_children():  # (the generic rule replays the autocast)
@@ -1051,6 +1053,23 @@ def _to_loss_order(gramian: Tensor, order: tuple[Tensor, Tensor] | None) -> Tens
         return gramian
     row_of_loss = order[0]
     return gramian[row_of_loss][:, row_of_loss]
+
+
+def _reached_params(params: dict[str, Tensor], calls: list[Call]) -> dict[str, Tensor]:
+    """``params`` (a generic-rule unit's) but those that the losses do not reach: one its
+    forward did not use (a branch not taken), or used without grad. Autograd leaves their
+    ``.grad`` as it is, where the re-run would give zeros. The losses reach a parameter only
+    through its calls' outputs (another use is refused), so the walk starts from their reached
+    outputs; which parameters a forward uses may change with its inputs, so it runs at every
+    step. (The closed forms' calls use all their parameters.)"""
+    starts = [
+        edge.node
+        for call in calls
+        for edge, hit in zip(call.edges, call.reached, strict=True)
+        if hit
+    ]
+    unused = unreached(starts, {id(p): p for p in params.values()})
+    return {name: p for name, p in params.items() if id(p) not in unused} if unused else params
 
 
 def _weighted_grads(

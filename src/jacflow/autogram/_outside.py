@@ -206,3 +206,23 @@ def first_reached(losses: Tensor, targets: dict[int, tuple[_Target, object]]) ->
     """
     nodes = _walk([losses.grad_fn], _inputs)
     return next((targets[id(node)][0] for node in nodes if id(node) in targets), None)
+
+
+def unreached(starts: Iterable[Any], params: dict[int, Tensor]) -> set[int]:
+    """The ``id`` of each of ``params`` (keyed by ``id``) whose gradient accumulator is not
+    reached from the autograd nodes ``starts``: autograd, run from there, would leave its
+    ``.grad`` as it is. (The walk ends once every accumulator is found.)
+
+    Example:
+        >>> import torch
+        >>> from jacflow.autogram._outside import unreached
+        >>> a, b = torch.ones(2, requires_grad=True), torch.ones(2, requires_grad=True)
+        >>> unreached([(a * 2).sum().grad_fn], {id(a): a, id(b): b}) == {id(b)}
+        True
+    """
+    left = dict(params)
+    for node in _walk(starts, _inputs):
+        variable = getattr(node, "variable", None)  # (a gradient accumulator's parameter)
+        if variable is not None and left.pop(id(variable), None) is not None and not left:
+            break
+    return set(left)
