@@ -18,7 +18,7 @@ from torch.utils.hooks import RemovableHandle
 
 from jacflow.aggregation import GramianWeighting
 from jacflow.autogram._buffers import GradientBuffers, worth_reusing
-from jacflow.autogram._capture import capture
+from jacflow.autogram._capture import capture, pull_back
 from jacflow.autogram._distributed import (
     Meetings,
     averaged_grads,
@@ -49,6 +49,7 @@ from jacflow.autogram._rules import (
     is_replaying,
     replaying,
 )
+from jacflow.autogram._separable import leaks, probe_cotangent, probe_samples
 
 # the most patterns of recorded calls remembered as checked for outside uses (then forgotten)
 _MAX_PATTERNS = 64
@@ -201,6 +202,15 @@ class Engine:
     (``requires_grad=False``) are left out; a module unfrozen later (a backbone after a warm-up)
     is hooked at the next forward of the given modules.
 
+    Per sample, the first step of each pattern of recorded calls checks that every loss reads
+    the hooked calls' outputs at its own sample only, by one more backward from the losses of
+    two samples: a loss over pairs of samples, a module outside the engine that mixes them, or a
+    module called on a tensor without the batch dimension whose first size equals the batch size
+    (position embeddings of ``torch.arange(T)`` with ``T == B``) is refused with a clear error
+    (the shapes alone cannot tell). Where the engine sees gradient hooks that it runs once per
+    backward (on the hooked modules' outputs, module backward hooks), this check is left out;
+    hooks elsewhere on that path run in it too.
+
     The output gradients of several rows per sample (``[B, k]`` losses) or of per-task losses
     are pulled back in one backward batched with ``vmap``. Per task on the CPU, losses stacked
     from scalars (``torch.stack``) whose heads reach the hooked modules through one output (the
@@ -240,8 +250,9 @@ class Engine:
             Without it, each replica keeps its own update.
 
     Raises:
-        ValueError: a module mixes the samples (BatchNorm in training mode) while
-            ``batch_dim=0``; a module is compiled; an Embedding uses ``scale_grad_by_freq``.
+        ValueError: a module mixes the samples (BatchNorm in training mode), or the losses read
+            a hooked output at other samples than their own, while ``batch_dim=0``; a module is
+            compiled; an Embedding uses ``scale_grad_by_freq``.
 
     Example:
         >>> import torch
@@ -289,6 +300,8 @@ class Engine:
         # the patterns of recorded calls (their units, in order) whose steps passed the check of
         # outside uses: the losses' graph is walked again only for a new pattern
         self._outside_checked: set[tuple[int, ...]] = set()
+        # (and, per sample, those whose losses read each output at its own sample only)
+        self._separable_checked: set[tuple[int, ...]] = set()
         self._hook_error: Exception | None = None  # (of hooking them again at a forward)
         # (DistributedDataParallel wrappers: the step takes their averaging over the replicas)
         given = [] if ddp is None else [_checked_ddp(ddp, modules)]
@@ -316,6 +329,7 @@ class Engine:
         self._units = units
         self._layout = _layout(units)
         self._outside_checked.clear()
+        self._separable_checked.clear()
         self._hook_error = None
         for index, unit in enumerate(self._units):
             self._recorder.hook(index, unit)
@@ -679,6 +693,9 @@ class Engine:
         hooks = [
             [] if self._reruns(index) else h for index, call in calls for h in call.user_hooks()
         ]
+        # (per sample, a new pattern's losses are probed after the checks below: the graph stays)
+        probing = not rows.per_task and rows.num_samples > 1
+        probing = probing and pattern not in self._separable_checked and not self._hooked(calls)
         with replaying():  # (a checkpointed forward recomputed by it is not a forward call)
             grads, extra_grads = capture(
                 losses,
@@ -687,23 +704,19 @@ class Engine:
                 extra_inputs,
                 cotangents,
                 rows.per_task,
-                retain_graph,
+                retain_graph or probing,
                 row_by_row,
             )
         captured_bytes = sum(g.numel() * g.element_size() for g in grads if g is not None)
         reached: dict[int, list[Call]] = {}
         recorded: dict[int, list[Call]] = {}  # (the replayed units' calls, reached or not)
+        batch_dims: list[tuple[Unit, Call, list[int | None]]] = []  # (of the reached calls)
         cursor = 0
         for index, call in calls:
             if call.modes is not None:
                 recorded.setdefault(index, []).append(call)
-            call_grads = list(grads[cursor : cursor + len(call.edges)])
+            call_grads = _at_outputs(call, grads[cursor : cursor + len(call.edges)])
             cursor += len(call.edges)
-            for i, base_shape in call.base_shapes.items():  # (read at a reshaped output's base)
-                grad = call_grads[i]
-                if grad is not None:
-                    lead = grad.shape[: grad.ndim - len(base_shape)]
-                    call_grads[i] = grad.reshape(*lead, *call.output_shapes[i])
             unit = self._units[index]
             if all(g is None for g in call_grads):
                 continue
@@ -719,6 +732,12 @@ class Engine:
             call.reached = [g is not None for g in call_grads]
             call.grads = _rows_shaped(call_grads, call, rows, dims)
             reached.setdefault(index, []).append(call)
+            batch_dims.append((unit, call, dims))
+        if probing and batch_dims:
+            _check_separable(losses, batch_dims, rows.num_samples, retain_graph)
+            if len(self._separable_checked) >= _MAX_PATTERNS:
+                self._separable_checked.clear()
+            self._separable_checked.add(pattern)
         if not reached and is_replaying():
             raise RuntimeError(
                 "An Engine step ran inside the forward of a module that another engine re-runs "
@@ -808,6 +827,15 @@ class Engine:
             for key, param in unit.params().items():
                 names.setdefault(id(param), f"{unit.name}.{key}")
         return names
+
+    def _hooked(self, calls: list[tuple[int, Call]]) -> bool:
+        """Whether the engine sees gradient hooks that the step runs, once per backward (on the
+        recorded outputs, module backward hooks): the probe of ``_check_separable``, another
+        backward, would run them again, and is left out."""
+        if any(hooks for _, call in calls for hooks in call.user_hooks()):
+            return True
+        modules = (sub for root in self._modules for sub in root.modules())
+        return any(any(backward_hooks(module)) for module in (None, *modules))
 
     def _reruns(self, index: int) -> bool:
         """Whether the unit's rule re-runs its module's own forward (the generic rule)."""
@@ -966,6 +994,50 @@ def _check_versions(call: Call) -> None:
             )
 
 
+def _at_outputs(call: Call, grads: Sequence[Tensor | None]) -> list[Tensor | None]:
+    """The gradients of ``call``'s edges in its outputs' shapes (an edge at a reshaped
+    output's base has the base's), with any leading dimensions of rows kept."""
+    at_outputs = list(grads)
+    for i, base_shape in call.base_shapes.items():
+        grad = at_outputs[i]
+        if grad is not None:
+            lead = grad.shape[: grad.ndim - len(base_shape)]
+            at_outputs[i] = grad.reshape(*lead, *call.output_shapes[i])
+    return at_outputs
+
+
+def _check_separable(
+    losses: Tensor,
+    calls: list[tuple[Unit, Call, list[int | None]]],
+    num_samples: int,
+    retain_graph: bool,
+) -> None:
+    """Refuse a per-sample step in which the losses read a reached call's output at other
+    samples than their own (see ``_separable``), from one probing backward of the losses of one
+    or two samples, which frees the graph unless ``retain_graph``."""
+    samples = probe_samples(num_samples)
+    edges = [edge for _, call, _ in calls for edge in call.edges]
+    with replaying():
+        grads = pull_back([losses], edges, probe_cotangent(losses, samples), False, retain_graph)
+    cursor = 0
+    for unit, call, dims in calls:
+        call_grads = _at_outputs(call, grads[cursor : cursor + len(call.edges)])
+        cursor += len(call.edges)
+        for grad, dim in zip(call_grads, dims, strict=True):
+            if grad is not None and dim is not None and leaks(grad, dim, samples):
+                raise ValueError(
+                    f"Per sample (batch_dim=0), the losses read the output of {unit.name} "
+                    f"({type(unit.module).__name__}) at other samples than their own, so its "
+                    "per-sample gradients are not those of one backward's rows. Either its input "
+                    "has no batch dimension and a first size equal to the batch size (position "
+                    "embeddings of torch.arange(T) with T == B, a table kept as a buffer or a "
+                    "parameter): expand it to the batch first (e.g. positions.expand(B, T)); or "
+                    "something after it mixes the samples (a loss over pairs of samples, a "
+                    "BatchNorm in training mode outside the Engine's modules, h - h.mean(0)). "
+                    "Use batch_dim=None for such models."
+                )
+
+
 def _check_batch(unit: Unit, call: Call, rows: Rows, batch_dims: list[int | None]) -> None:
     if rows.per_task:
         return
@@ -976,8 +1048,9 @@ def _check_batch(unit: Unit, call: Call, rows: Rows, batch_dims: list[int | None
             raise ValueError(
                 f"With batch_dim=0, the outputs of {unit.name} ({type(unit.module).__name__}) "
                 f"must have the batch size {rows.num_samples} of `losses` on dimension {dim}, "
-                f"received shape {tuple(shape)}. Use batch_dim=None for modules that do not "
-                "batch there."
+                f"received shape {tuple(shape)}. Expand a tensor without the batch dimension to "
+                "the batch before the call (e.g. positions.expand(B, T)), or use batch_dim=None "
+                "for modules that do not batch there."
             )
 
 

@@ -1,0 +1,62 @@
+"""The per-sample engine's premise, checked: each loss reads a hooked call's output only at its
+own sample.
+
+Per sample, the engine takes every sample's gradient w.r.t. a call's output from one backward
+of the losses' sum: its row ``b`` is loss ``b``'s own gradient only when no other loss reads
+that row. The shapes cannot tell when it is not:
+
+* a module called on a tensor without the batch dimension whose first size equals the batch
+  size (position embeddings of ``torch.arange(T)`` with ``T == B``, a Linear on a table kept as
+  a buffer or a parameter), whose output is then broadcast over the batch;
+* anything after the call that mixes the samples: a loss over pairs of samples (contrastive),
+  a BatchNorm in training mode outside the engine's modules, ``h - h.mean(0)``.
+
+One probing backward from the losses of one or two samples shows it, as the gradient w.r.t.
+each output must vanish, exactly, at every other sample (zero rows stay zero through every
+operation that keeps the samples apart).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def probe_samples(num_samples: int) -> list[int]:
+    """The samples whose losses the probe pulls back: the first and the last (which catches a
+    mixing in either direction along the batch), or only the first of two (else nothing is
+    left to see).
+
+    Example:
+        >>> from jacflow.autogram._separable import probe_samples
+        >>> probe_samples(2), probe_samples(5)
+        ([0], [0, 4])
+    """
+    return [0] if num_samples == 2 else [0, num_samples - 1]
+
+
+def probe_cotangent(losses: Tensor, samples: list[int]) -> Tensor:
+    """Ones on the losses of ``samples`` (batch on dimension 0), zeros elsewhere."""
+    cotangent = torch.zeros_like(losses)
+    cotangent[samples] = 1.0
+    return cotangent
+
+
+def leaks(grad: Tensor, dim: int, samples: list[int]) -> bool:
+    """Whether ``grad``, the probing losses' gradient w.r.t. an output whose batch is on
+    ``dim``, is nonzero at a sample outside ``samples`` (not judged where it is not finite:
+    the step propagates NaN as it is).
+
+    Example:
+        >>> import torch
+        >>> from jacflow.autogram._separable import leaks
+        >>> leaks(torch.tensor([[1.0, 2.0], [0.0, 0.0], [3.0, 0.0]]), 0, [0, 2])
+        False
+        >>> leaks(torch.tensor([[1.0, 2.0], [0.0, 1e-30], [3.0, 0.0]]), 0, [0, 2])
+        True
+    """
+    others = torch.ones(grad.shape[dim], dtype=torch.bool, device=grad.device)
+    others[samples] = False
+    rest = grad.movedim(dim, 0)[others]
+    nonzero, finite = bool(rest.count_nonzero()), bool(torch.isfinite(rest).all())
+    return nonzero and finite

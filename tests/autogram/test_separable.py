@@ -1,0 +1,122 @@
+"""Per sample, losses that read a hooked call's output at other samples than their own are
+refused (the probe of ``autogram._separable``); the shapes alone could not tell."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from jacflow.aggregation import UPGradWeighting
+from jacflow.autogram import Engine
+from tests.autogram.test_engine import assert_exact_gramian, hooked_params, reference_jacobian
+
+_MESSAGE = r"read the output of .* at other samples than their own"
+
+
+class _Positions(nn.Module):
+    """Token and position embeddings, a projection of a fixed positional table kept as a buffer
+    (``[T, d]``), and a head: the positions and the table have no batch dimension unless
+    ``expand`` gives them one."""
+
+    def __init__(self, positions: int, expand: bool) -> None:
+        super().__init__()
+        self.tokens = nn.Embedding(7, 4)
+        self.positions = nn.Embedding(positions, 4)
+        self.register_buffer("table", torch.randn(positions, 4))
+        self.projection = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 2)
+        self.expand = expand
+
+    def forward(self, idx: Tensor) -> Tensor:
+        b, t = idx.shape
+        where, table = torch.arange(t), self.table
+        if self.expand:
+            where, table = where.expand(b, t), table.expand(b, *table.shape)
+        h = self.tokens(idx) + self.positions(where) + self.projection(table)
+        return self.head(torch.tanh(h)).pow(2).sum((1, 2))
+
+
+@pytest.mark.parametrize("batch", [2, 5])
+def test_positions_without_the_batch_dimension_are_refused(batch: int) -> None:
+    """Position embeddings of ``arange(T)`` and a Linear on a ``[T, d]`` buffer with
+    ``T == B``: taken as batched, their Gramian was 5-21% off, silently (refused when
+    ``T != B`` by the shapes). Refused now, ``.grad`` untouched; expanded to the batch, exact."""
+    torch.manual_seed(0)
+    idx = torch.randint(0, 7, (batch, batch))
+    model = _Positions(batch, expand=False).double()
+    engine = Engine(model, batch_dim=0)
+    with pytest.raises(ValueError, match=_MESSAGE):
+        engine.backward(model(idx), UPGradWeighting())
+    assert all(p.grad is None for p in model.parameters())
+    model.expand = True
+    assert_exact_gramian(engine, model(idx), hooked_params((model,)))
+
+
+def _contrastive(z: Tensor) -> Tensor:
+    return -torch.log_softmax(z @ z.T, dim=1).diagonal()
+
+
+def _centred(h: Tensor) -> Tensor:
+    return h - h.mean(0, keepdim=True)
+
+
+@pytest.mark.parametrize(
+    ("case", "batch"),
+    [("contrastive", 5), ("contrastive", 2), ("centred", 5), ("columns", 4), ("last", 3)],
+)
+def test_losses_mixing_the_samples_are_refused(case: str, batch: int) -> None:
+    """Losses over pairs of samples (contrastive, 66% off), a parameter-free centring over the
+    batch between two hooked layers (24% off), the same with ``[B, k]`` losses, and a mixing
+    that only the last sample's loss shows (each loss reads the samples before it): all
+    silent before, refused now, with ``.grad`` untouched."""
+    torch.manual_seed(0)
+    first, second = nn.Linear(3, 4).double(), nn.Linear(4, 3).double()
+    x = torch.randn(batch, 3, dtype=torch.float64)
+    forwards: dict[str, Callable[[], Tensor]] = {
+        "contrastive": lambda: _contrastive(second(torch.tanh(first(x)))),
+        "centred": lambda: second(_centred(torch.tanh(first(x)))).pow(2).sum(1),
+        "columns": lambda: second(_centred(torch.tanh(first(x)))).pow(2),
+        "last": lambda: second(torch.tanh(first(x)).cumsum(0)).pow(2).sum(1),
+    }
+    engine = Engine(first, second, batch_dim=0)
+    with pytest.raises(ValueError, match=_MESSAGE):
+        engine.backward(forwards[case](), UPGradWeighting())
+    assert all(p.grad is None for p in [*first.parameters(), *second.parameters()])
+
+
+def test_the_probe_runs_once_per_pattern_of_calls() -> None:
+    """The probe is one more backward at the first step of a pattern of calls (a hook on an
+    intermediate tensor sees it), none at the next steps; its steps are exact."""
+    models = []
+    for _ in range(2):  # (the engine's, and one for the reference)
+        torch.manual_seed(0)
+        models.append(nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double())
+    x = torch.randn(6, 3, dtype=torch.float64)
+    jacobian = reference_jacobian(models[1](x).pow(2).sum(1), [*models[1].parameters()])
+    model, engine = models[0], Engine(models[0], batch_dim=0)
+    seen: list[int] = []
+    runs = []
+    for _ in range(2):
+        hidden = model[1](model[0](x))
+        hidden.register_hook(lambda grad: seen.append(1))
+        before = len(seen)
+        gramian = engine.compute_gramian(model[2](hidden).pow(2).sum(1))
+        runs.append(len(seen) - before)
+        torch.testing.assert_close(gramian, jacobian @ jacobian.T)
+    assert runs == [2, 1]
+
+
+def test_non_finite_gradients_are_not_judged() -> None:
+    """A NaN in the weights reaches every loss: the step propagates it (its weights are NaN),
+    and the probe does not call it a mixing."""
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    with torch.no_grad():
+        model[2].weight[0, 0] = float("nan")
+    engine = Engine(model, batch_dim=0)
+    weights = engine.backward(
+        model(torch.randn(4, 3, dtype=torch.float64)).sum(1), UPGradWeighting()
+    )
+    assert bool(weights.isnan().all())
