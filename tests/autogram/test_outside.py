@@ -460,3 +460,44 @@ def test_a_weight_kept_from_an_earlier_call_is_refused() -> None:
     losses = module(module(torch.randn(5, 4, dtype=torch.float64))).pow(2).sum(1)
     with pytest.raises(ValueError, match=r"\.s is used outside the forward calls"):
         engine.compute_gramian(losses)
+
+
+def test_a_penalty_added_at_a_later_step_is_refused() -> None:
+    """An L2 penalty on a hooked weight added to the losses from the second step on, with the
+    same calls: the check of outside uses ran at the first step only, and the penalty's share
+    was missing from the Gramian and the update (46% off). It is checked again when the
+    losses' graph around the calls changes."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+    engine = Engine(model, batch_dim=0)
+    x = torch.randn(6, 5, dtype=torch.float64)
+    engine.backward(model(x).pow(2).sum(1), UPGradWeighting())
+    before = [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+    with pytest.raises(ValueError, match="is used outside the forward calls"):
+        engine.backward(model(x).pow(2).sum(1) + model[2].weight.pow(2).sum(), UPGradWeighting())
+    for p, grad in zip(model.parameters(), before, strict=True):
+        torch.testing.assert_close(p.grad, grad)
+
+
+@pytest.mark.parametrize("hooked", ["model", "block"])
+def test_reentrant_checkpoints_are_refused(hooked: str) -> None:
+    """A reentrant activation checkpoint hides its calls from the engine and writes ``.grad``
+    of the parameters inside it in its backward: the checkpointed layers got no update (or an
+    unrelated error). Refused with a clear error; the non-reentrant checkpoint is exact."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(5, 8), nn.Tanh())
+    head = nn.Linear(8, 3)
+    model = nn.ModuleDict({"block": block, "head": head}).double()
+    x = torch.randn(6, 5, dtype=torch.float64, requires_grad=True)
+    engine = Engine(model if hooked == "model" else block, batch_dim=0)
+
+    def losses(reentrant: bool) -> Tensor:
+        return head(checkpoint(block, x, use_reentrant=reentrant)).pow(2).sum(1)
+
+    with pytest.raises(ValueError, match="use_reentrant=False"):
+        engine.backward(losses(True), UPGradWeighting())
+    assert all(p.grad is None for p in model.parameters())
+    params = [*model.parameters()] if hooked == "model" else [*block.parameters()]
+    assert_exact_gramian(engine, losses(False), params)

@@ -120,3 +120,22 @@ def test_non_finite_gradients_are_not_judged() -> None:
         model(torch.randn(4, 3, dtype=torch.float64)).sum(1), UPGradWeighting()
     )
     assert bool(weights.isnan().all())
+
+
+def test_a_mixing_from_a_later_step_or_with_hooks_is_refused() -> None:
+    """The probe runs again when the losses' graph around the calls changes with the same calls
+    (a centring over the batch from the second step on: it was checked at the first step only),
+    and runs where module backward hooks are registered (a monitoring hook: it was left out)."""
+    torch.manual_seed(0)
+    first, second = nn.Linear(3, 4).double(), nn.Linear(4, 3).double()
+    second.register_full_backward_hook(lambda module, grads_in, grads_out: None)
+    x = torch.randn(6, 3, dtype=torch.float64)
+    engine = Engine(first, second, batch_dim=0)
+    for mixed in (False, True):
+        hidden = torch.tanh(first(x))
+        losses = second(_centred(hidden) if mixed else hidden).pow(2).sum(1)
+        if mixed:
+            with pytest.raises(ValueError, match=_MESSAGE):
+                engine.backward(losses, UPGradWeighting())
+        else:
+            engine.backward(losses, UPGradWeighting())

@@ -36,7 +36,7 @@ from jacflow.autogram._hooks import (
     find_units,
     own_parameter_ids,
 )
-from jacflow.autogram._outside import first_reached, unreached, used_outside
+from jacflow.autogram._outside import first_reached, outside_calls, unreached, used_outside
 from jacflow.autogram._precision import upcast, without_autocast
 from jacflow.autogram._recurrent import covered, uncovered_refusal
 from jacflow.autogram._rules import (
@@ -51,6 +51,9 @@ from jacflow.autogram._rules import (
 )
 from jacflow.autogram._separable import leaks, probe_cotangent, probe_samples
 
+# A pattern of recorded calls: their units, in order, and the losses' graph outside them (see
+# outside_calls); the checks that hold for one are made once per pattern.
+Pattern = tuple[tuple[int, ...], tuple[object, ...]]
 # the most patterns of recorded calls remembered as checked for outside uses (then forgotten)
 _MAX_PATTERNS = 64
 
@@ -195,21 +198,24 @@ class Engine:
     Each grad-enabled
     forward call is recorded; the calls that the losses do not reach (stray or evaluation
     forwards) are ignored and dropped at the next step. A parameter is seen through the hooked
-    modules' calls only: at the first step, and again when the recorded calls change, one that
-    the losses also reach elsewhere (a weight tied through a functional call or to an unhooked
-    layer) is refused with a clear error, so hook every module that uses it (for a module under
-    the generic rule, the uses inside its calls are its own). Frozen parameters
+    modules' calls only: at the first step, and again when the recorded calls or the losses'
+    graph around them change, one that the losses also reach elsewhere (a weight tied through
+    a functional call or to an unhooked layer, a penalty on it added to the losses) is refused
+    with a clear error, so hook every module that uses it (for a module under the generic
+    rule, the uses inside its calls are its own). Frozen parameters
     (``requires_grad=False``) are left out; a module unfrozen later (a backbone after a warm-up)
     is hooked at the next forward of the given modules.
 
-    Per sample, the first step of each pattern of recorded calls checks that every loss reads
-    the hooked calls' outputs at its own sample only, by one more backward from the losses of
-    two samples: a loss over pairs of samples, a module outside the engine that mixes them, or a
-    module called on a tensor without the batch dimension whose first size equals the batch size
-    (position embeddings of ``torch.arange(T)`` with ``T == B``) is refused with a clear error
-    (the shapes alone cannot tell). Where the engine sees gradient hooks that it runs once per
-    backward (on the hooked modules' outputs, module backward hooks), this check is left out;
-    hooks elsewhere on that path run in it too.
+    Per sample, the first step of each pattern of recorded calls (the hooked modules called,
+    and the losses' graph around their calls) checks that every loss reads the hooked calls'
+    outputs at its own sample only, by one more backward from the losses of about half the
+    samples (gradient hooks on that path run in it too): a loss over pairs of samples, a module
+    outside the engine that mixes them, or a module called on a tensor without the batch
+    dimension whose first size equals the batch size (position embeddings of
+    ``torch.arange(T)`` with ``T == B``) is refused with a clear error, where the shapes alone
+    cannot tell. (A mixing of only two samples shows with probability one half.) A reentrant
+    activation checkpoint (``use_reentrant=True``), whose calls the engine cannot see, is
+    refused; the non-reentrant one is supported.
 
     The output gradients of several rows per sample (``[B, k]`` losses) or of per-task losses
     are pulled back in one backward batched with ``vmap``. Per task on the CPU, losses stacked
@@ -252,7 +258,7 @@ class Engine:
     Raises:
         ValueError: a module mixes the samples (BatchNorm in training mode), or the losses read
             a hooked output at other samples than their own, while ``batch_dim=0``; a module is
-            compiled; an Embedding uses ``scale_grad_by_freq``.
+            compiled; an Embedding uses ``scale_grad_by_freq``; a reentrant checkpoint.
 
     Example:
         >>> import torch
@@ -297,11 +303,11 @@ class Engine:
         self._layout: list[tuple[nn.Module, type, frozenset[str]]] = []
         self._snapshot_at: tuple[Any, ...] = ()
         self._checked = False  # (the change was looked for since the last step)
-        # the patterns of recorded calls (their units, in order) whose steps passed the check of
-        # outside uses: the losses' graph is walked again only for a new pattern
-        self._outside_checked: set[tuple[int, ...]] = set()
+        # the patterns of recorded calls whose steps passed the check of outside uses: the
+        # losses' graph is walked again only for a new pattern
+        self._outside_checked: set[Pattern] = set()
         # (and, per sample, those whose losses read each output at its own sample only)
-        self._separable_checked: set[tuple[int, ...]] = set()
+        self._separable_checked: set[Pattern] = set()
         self._hook_error: Exception | None = None  # (of hooking them again at a forward)
         # (DistributedDataParallel wrappers: the step takes their averaging over the replicas)
         given = [] if ddp is None else [_checked_ddp(ddp, modules)]
@@ -683,7 +689,8 @@ class Engine:
             )
         # (before the backward: autograd may fail on such a view)
         _check_output_views(losses, [(self._units[index], call) for index, call in calls])
-        pattern = tuple(index for index, _ in calls)
+        # (the checks below hold for a pattern of calls and the graph around them)
+        pattern = (tuple(i for i, _ in calls), outside_calls(losses, [c for _, c in calls]))
         if pattern not in self._outside_checked:
             self._check_no_outside_use(losses, calls, pattern)
         rows, cotangents, order = self._rows(losses)
@@ -695,7 +702,7 @@ class Engine:
         ]
         # (per sample, a new pattern's losses are probed after the checks below: the graph stays)
         probing = not rows.per_task and rows.num_samples > 1
-        probing = probing and pattern not in self._separable_checked and not self._hooked(calls)
+        probing = probing and pattern not in self._separable_checked
         with replaying():  # (a checkpointed forward recomputed by it is not a forward call)
             grads, extra_grads = capture(
                 losses,
@@ -780,14 +787,14 @@ class Engine:
         return contributions, rows, order, extra_grads, captured_bytes
 
     def _check_no_outside_use(
-        self, losses: Tensor, calls: list[tuple[int, Call]], pattern: tuple[int, ...]
+        self, losses: Tensor, calls: list[tuple[int, Call]], pattern: Pattern
     ) -> None:
         """Refuse a hooked parameter that the losses reach outside the recorded calls (a
         weight tied through a functional call): its share there would be missing. Run once per
-        ``pattern`` of recorded calls (the units called, in order): such a use is the model's
-        structure, which changes with the calls made (a branch taken at some steps only), and
-        the walk costs 1-3% of a step of a small model (per sample, the width-256 MLP at
-        B = 128; per task, width 256 with 10 heads)."""
+        ``pattern`` of recorded calls (the units called, in order, and the graph around them):
+        such a use is the model's or the losses' structure (a branch taken at some steps only,
+        a penalty added later), and the walk costs 1-3% of a step of a small model (per
+        sample, the width-256 MLP at B = 128; per task, width 256 with 10 heads)."""
         # (a module under the generic rule is re-run, its calls of itself and of its children
         # included: the uses of its parameters inside its calls are its own)
         params = self._hooked_names()
@@ -827,15 +834,6 @@ class Engine:
             for key, param in unit.params().items():
                 names.setdefault(id(param), f"{unit.name}.{key}")
         return names
-
-    def _hooked(self, calls: list[tuple[int, Call]]) -> bool:
-        """Whether the engine sees gradient hooks that the step runs, once per backward (on the
-        recorded outputs, module backward hooks): the probe of ``_check_separable``, another
-        backward, would run them again, and is left out."""
-        if any(hooks for _, call in calls for hooks in call.user_hooks()):
-            return True
-        modules = (sub for root in self._modules for sub in root.modules())
-        return any(any(backward_hooks(module)) for module in (None, *modules))
 
     def _reruns(self, index: int) -> bool:
         """Whether the unit's rule re-runs its module's own forward (the generic rule)."""

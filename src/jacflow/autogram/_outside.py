@@ -16,7 +16,7 @@ forward did) takes a walk too, made only when some view was changed so.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -189,6 +189,60 @@ def used_outside(
                 found = found or params[id(variable)]
             stack.append((m, next_chain))
     return met, found
+
+
+def outside_calls(losses: Tensor, calls: Sequence[Call]) -> tuple[object, ...]:
+    """The losses' graph outside the recorded ``calls``, as a key: the type of each node in a
+    walk that steps over each call (from its outputs' nodes to its inputs', as
+    :func:`used_outside` does), a call as its position in ``calls``. Equal keys, with equal
+    calls, have the same uses of the hooked parameters outside the calls and the same ways
+    for one sample's loss to read another's outputs: an L2 penalty added to the losses, a
+    mixing of the samples or a functional use of a weight changes it.
+
+    Raises:
+        ValueError: the graph holds a reentrant checkpoint (``use_reentrant=True``), whose
+            calls the engine cannot see and whose backward writes ``.grad`` of the parameters
+            inside it.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> from jacflow.autogram import Engine
+        >>> from jacflow.autogram._outside import outside_calls
+        >>> layer = nn.Linear(2, 2)
+        >>> engine = Engine(layer, batch_dim=0)
+        >>> losses = layer(torch.ones(3, 2)).pow(2).sum(1)
+        >>> outside_calls(losses, [call for _, call in engine._recorder.take()])
+        ('SumBackward1', 'PowBackward0', 0)
+    """
+    ends: dict[int, int] = {}  # a call's output node -> the call's position
+    for position, call in enumerate(calls):
+        for edge in call.edges:
+            ends.setdefault(id(edge.node), position)
+    key: list[object] = []
+
+    def following(node: Any) -> list[Any]:
+        end = ends.get(id(node))
+        if end is not None:
+            # (the inputs' own nodes: a leaf input, a tensor or parameter, adds nothing here)
+            inputs = [t.grad_fn for t, _ in calls[end].versions if t.grad_fn is not None]
+            if not any(node is i for i in inputs):  # (else an input returned as it is)
+                key.append(end)
+                return inputs
+        name = type(node).__name__
+        if name == "CheckpointFunctionBackward":
+            raise ValueError(
+                "The losses' graph holds a reentrant activation checkpoint "
+                "(torch.utils.checkpoint with use_reentrant=True): the Engine cannot see the "
+                "calls inside it, and its backward writes .grad of the parameters inside it. "
+                "Use checkpoint(..., use_reentrant=False), which the Engine supports."
+            )
+        key.append(name)
+        return [node for node, _ in node.next_functions]
+
+    for _ in _walk([losses.grad_fn], following):
+        pass
+    return tuple(key)
 
 
 def first_reached(losses: Tensor, targets: dict[int, tuple[_Target, object]]) -> _Target | None:

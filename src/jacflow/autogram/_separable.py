@@ -11,28 +11,34 @@ that row. The shapes cannot tell when it is not:
 * anything after the call that mixes the samples: a loss over pairs of samples (contrastive),
   a BatchNorm in training mode outside the engine's modules, ``h - h.mean(0)``.
 
-One probing backward from the losses of one or two samples shows it, as the gradient w.r.t.
+One probing backward from the losses of about half the samples shows it, as the gradient w.r.t.
 each output must vanish, exactly, at every other sample (zero rows stay zero through every
 operation that keeps the samples apart).
 """
 
 from __future__ import annotations
 
+import random
+
 import torch
 from torch import Tensor
 
 
 def probe_samples(num_samples: int) -> list[int]:
-    """The samples whose losses the probe pulls back: the first and the last (which catches a
-    mixing in either direction along the batch), or only the first of two (else nothing is
-    left to see).
+    """The samples whose losses the probe pulls back: the first, the last (a mixing along the
+    batch in either direction) and a fixed pseudo-random half of the others, so that a mixing
+    of two samples shows with probability one half or more, and one of many pairs (a mixup, a
+    contrastive loss) almost surely; the first of two.
 
     Example:
         >>> from jacflow.autogram._separable import probe_samples
-        >>> probe_samples(2), probe_samples(5)
-        ([0], [0, 4])
+        >>> probe_samples(2), probe_samples(3), len(probe_samples(10))
+        ([0], [0, 2], 6)
     """
-    return [0] if num_samples == 2 else [0, num_samples - 1]
+    if num_samples == 2:
+        return [0]
+    middle = random.Random(num_samples).sample(range(1, num_samples - 1), (num_samples - 2) // 2)
+    return sorted([0, num_samples - 1, *middle])
 
 
 def probe_cotangent(losses: Tensor, samples: list[int]) -> Tensor:
