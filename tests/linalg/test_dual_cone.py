@@ -554,3 +554,65 @@ def test_one_sync_normalisation_is_the_batched_one(
     assert torch.equal(torch.isfinite(fast), torch.isfinite(guarded))
     finite = torch.isfinite(guarded)
     torch.testing.assert_close(fast[finite], guarded[finite], rtol=1e-14, atol=0)
+
+
+def _projection_onto_dual_cone(j: Tensor, g: Tensor) -> Tensor:
+    """The primal QP on ``J`` itself, independent of the Gramian: ``argmin |x - g|^2`` subject
+    to ``J x >= 0`` (quadprog, float64)."""
+    n = j.shape[1]
+    x = quadprog.solve_qp(
+        torch.eye(n, dtype=torch.float64).numpy(),
+        g.double().numpy(),
+        j.double().T.contiguous().numpy(),
+        torch.zeros(j.shape[0], dtype=torch.float64).numpy(),
+    )[0]
+    return torch.from_numpy(x)
+
+
+# (row norms 0.03 to 73 in float32, and 2.5e-4 to 1.7e3 in float64: two reviewed cases)
+_SPREAD_ROWS = {
+    torch.float32: [
+        [0.015923108905553818, -0.03018845058977604, 0.005432105623185635],
+        [-0.04856562614440918, 0.05658954381942749, 0.11892170459032059],
+        [0.2697981297969818, -1.23176109790802, -1.2911725044250488],
+        [0.6047760248184204, -7.1842732429504395, -10.918421745300293],
+        [49.25053405761719, 52.090736389160156, 11.286518096923828],
+    ],
+    torch.float64: [
+        [-0.00013420613650887866, -0.0002142356623581206, 4.005388807538127e-06],
+        [0.05570190322900979, 0.3431284471081381, -0.195091586233169],
+        [972.2052549085097, 404.10742060064365, -1343.823291068561],
+    ],
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_objectives_of_very_different_norms_are_not_conflicted(dtype: torch.dtype) -> None:
+    """The problem is solved at unit diagonal (an exact rescaling), so that the solvers'
+    tolerance weighs every objective by its own gradient's norm. On ``G`` itself, a conflict
+    with a gradient 1e3 (float32) or 1e7 (float64) times smaller than another's was below it:
+    UPGrad's update there conflicted with an objective (cosine -0.92 and -0.46)."""
+    j = torch.tensor(_SPREAD_ROWS[dtype], dtype=dtype)
+    m = j.shape[0]
+    gramian = j @ j.T
+    upgrad = project_diagonal(torch.full((m,), 1 / m, dtype=dtype), gramian).sum(0) @ j
+    expected = sum(_projection_onto_dual_cone(j, row / m) for row in j)
+    scale = float(j.double().norm(dim=1).max())  # (float32: the Gramian's rounding, about
+    tol = 1e-6 if dtype == torch.float32 else 1e-12  # eps times its largest entries)
+    torch.testing.assert_close(upgrad.double(), expected, rtol=0, atol=tol * scale)
+    norms = j.double().norm(dim=1)
+    assert bool(((j.double() @ upgrad.double()) >= -tol * scale * norms).all())
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10_000), spread=st.floats(1.0, 9.0), m=st.integers(2, 12))
+def test_row_norms_spread_over_orders_of_magnitude(seed: int, spread: float, m: int) -> None:
+    """float64 Jacobians whose row norms span up to 1e9: every UPGrad projection agrees with
+    the primal QP on ``J``, each to the precision of its own row."""
+    gen = torch.Generator().manual_seed(seed)
+    j = torch.randn(m, m + 3, generator=gen, dtype=torch.float64)
+    j = j * 10 ** (spread * torch.rand(m, 1, generator=gen, dtype=torch.float64))
+    v = project_weights(torch.eye(m, dtype=torch.float64), j @ j.T)
+    for i in range(m):
+        expected = _projection_onto_dual_cone(j, j[i])
+        torch.testing.assert_close(v[i] @ j, expected, rtol=0, atol=1e-8 * float(j[i].norm()))

@@ -164,23 +164,29 @@ class _Settings(TypedDict):
 
 
 def _solved_on_host(
-    solve: Callable[..., Tensor], first: Tensor, gramian: Tensor, settings: _Settings
+    solve: Callable[[Tensor, Tensor, torch.dtype, _Settings], Tensor],
+    first: Tensor,
+    gramian: Tensor,
+    dtype: torch.dtype,
+    settings: _Settings,
 ) -> Tensor:
     """``solve`` on host copies of ``first`` and ``gramian``, sent back to the Gramian's device."""
-    return solve(first.cpu(), gramian.cpu(), **settings).to(gramian.device, non_blocking=True)
+    on_host = solve(first.cpu(), gramian.cpu(), dtype, settings)
+    return on_host.to(gramian.device, non_blocking=True)
 
 
 def tolerances(dtype: torch.dtype, m: int, tol: float | None) -> tuple[float, float]:
     """The residual the solvers aim for, and the one accepted without a warning.
 
     A given ``tol`` is both. By default they aim for ``1e-10`` (float64) or ``1e-6`` and accept
-    up to ``10 m eps`` more: the residual that rounding errors of a Gramian stored in ``dtype``
-    (slightly indefinite for float32) may leave even for an exact method.
+    up to ``100 m eps`` more: the residual that rounding errors of a Gramian stored in ``dtype``
+    (slightly indefinite for float32) may leave even for an exact method, measured with every
+    objective at its own scale (a float32 Gramian of condition 1e9 left 1.3e-5 at ``m = 9``).
     """
     if tol is not None:
         return float(tol), float(tol)
     target = _DEFAULT_TOL.get(dtype, 1e-6)
-    return target, max(target, 10 * m * torch.finfo(dtype).eps)
+    return target, max(target, 100 * m * torch.finfo(dtype).eps)
 
 
 class SolverWarning(UserWarning):
@@ -532,8 +538,11 @@ def project_weights(
 
     Problem statement. ``G`` is first divided by its trace (a trace ``<= norm_eps`` gives
     ``G = 0``, hence ``v = u``) and ``reg_eps * I`` is added. With the defaults
-    ``norm_eps = reg_eps = 0`` the problem solved is exactly the one above (dividing by the trace
-    does not change the solution). TorchJD uses ``norm_eps = reg_eps = 1e-4``.
+    ``norm_eps = reg_eps = 0`` the problem solved is exactly the one above, rescaled to a unit
+    diagonal: with ``d = sqrt(diag(G))``, ``w = d v`` solves ``min w^T G' w s.t. w >= d u`` for
+    ``G' = G / (d d^T)`` (neither this nor dividing by the trace changes the solution), so that
+    the tolerance below weighs every objective by its own gradient's norm. TorchJD uses
+    ``norm_eps = reg_eps = 1e-4``, without the rescaling.
 
     Solvers. ``"pdas"``: exact primal-dual active set (a few batched Cholesky solves; exact also
     for singular ``G``). ``"admm"``: ADMM with one eigendecomposition of ``G`` shared by all
@@ -566,7 +575,8 @@ def project_weights(
     float32 loses the active set on ill-conditioned Gramians); the result has the promoted
     dtype of ``u`` and ``gramian``. A problem counts as solved when its KKT residual
     ``max_i |min(v_i - u_i, lam_i / c)| / max(1, |v|_inf)`` (with ``u`` scaled to max-norm 1,
-    ``lam = 2 G v`` and ``c = 2 max_i G_ii``, ``G`` of trace 1) is at most ``tol``. If some
+    ``lam = 2 G v`` and ``c = 2 max_i G_ii``, ``G`` of trace 1, rescaled as above) is at most
+    ``tol``. If some
     problem does not meet ``tol`` within ``max_iter``, a :class:`SolverWarning` is issued and
     the best iterate is returned. NaN or infinite entries in ``G`` (or in a row of ``u``) give
     NaN rows.
@@ -586,7 +596,7 @@ def project_weights(
             iterations); an explicit cap also disables the exact fallback.
         tol: KKT residual at which a problem counts as solved. By default the solvers aim for
             1e-10 (float64 inputs) or 1e-6 (float32) and accept, without a warning, up to
-            ``max(1e-6, 10 m eps)`` for float32 inputs, whose rounded Gramians may be slightly
+            ``max(1e-6, 100 m eps)`` for float32 inputs, whose rounded Gramians may be slightly
             indefinite.
 
     Returns:
@@ -608,12 +618,62 @@ def project_weights(
     dtype = torch.promote_types(u.dtype, gramian.dtype)
     if m == 0 or u.numel() == 0:
         return u.detach().to(dtype).clone()
+    settings = _Settings(
+        norm_eps=norm_eps, reg_eps=reg_eps, method=method, max_iter=max_iter, tol=tol
+    )
+    if norm_eps == 0 and reg_eps == 0:  # (the exact problem: solved with unit diagonal)
+        d = _unit_diagonal_scale(gramian)
+        d_rows = d if gramian.ndim == 2 else d.unsqueeze(-2)  # (u's rows: [*batch, k, m])
+        first = u * d_rows
+        scaled = _project_weights(first, _scaled(gramian, d), dtype, settings)
+        return _unscaled(scaled, first, d_rows, u.to(dtype))
+    return _project_weights(u, gramian, dtype, settings)
+
+
+def _unit_diagonal_scale(gramian: Tensor) -> Tensor:
+    """``d = sqrt(diag(G))`` (``[..., m]``; 1 where the diagonal is not positive): with
+    ``G' = G / (d d^T)``, of unit diagonal, ``v`` solves ``min v^T G v s.t. v >= u`` exactly
+    when ``d v`` solves ``min w^T G' w s.t. w >= d u``. The solvers' residuals then weigh every
+    objective by its own gradient's norm, not by the largest: on ``G`` itself, a conflict
+    with an objective whose gradient is ``1e3`` times smaller than another's (float32) or
+    ``1e4`` to ``1e7`` times (float64) was below their tolerance, and the update conflicted
+    with it."""
+    diagonal = gramian.diagonal(dim1=-2, dim2=-1)
+    return torch.where(diagonal > 0, diagonal, torch.ones_like(diagonal)).sqrt()
+
+
+def _scaled(gramian: Tensor, d: Tensor) -> Tensor:
+    return gramian / (d.unsqueeze(-1) * d.unsqueeze(-2))
+
+
+def _unscaled_diagonal(scaled: Tensor, first: Tensor, d: Tensor, pref: Tensor) -> Tensor:
+    """:func:`_unscaled` for the rows of ``diag(pref)``, whose other constraints are ``v_j >= 0``:
+    ``0 / d`` is exact, and only the diagonal needs the exact ``u``."""
+    v = scaled / d
+    diagonal = torch.where(scaled.diagonal() == first, pref, v.diagonal())
+    v.diagonal().copy_(torch.maximum(diagonal, pref))
+    return v
+
+
+def _unscaled(scaled: Tensor, first: Tensor, d: Tensor, u: Tensor) -> Tensor:
+    """``v = scaled / d``, with ``v_i = u_i`` exactly where the scaled problem's constraint is
+    active (``scaled_i = first_i``: ``(u d) / d`` may round off ``u``), and feasible elsewhere
+    (``max(v, u)`` in value, a rounding error, with ``v``'s gradient)."""
+    v = torch.where(scaled == first.to(scaled.dtype), u, scaled / d.to(scaled.dtype))
+    return v + (u - v).clamp_min(0).detach()
+
+
+def _project_weights(u: Tensor, gramian: Tensor, dtype: torch.dtype, settings: _Settings) -> Tensor:
+    """:func:`project_weights` after its checks, on the problem as given (``dtype``: the
+    result's)."""
+    norm_eps, reg_eps, method = settings["norm_eps"], settings["reg_eps"], settings["method"]
+    max_iter, tol = settings["max_iter"], settings["tol"]
+    m = gramian.shape[-1]
+    if m == 0 or u.numel() == 0:
+        return u.detach().to(dtype).clone()
     differentiable = torch.is_grad_enabled() and (gramian.requires_grad or u.requires_grad)
     if _offloads(gramian, differentiable, method):
-        settings = _Settings(
-            norm_eps=norm_eps, reg_eps=reg_eps, method=method, max_iter=max_iter, tol=tol
-        )
-        return _solved_on_host(project_weights, u, gramian, settings)
+        return _solved_on_host(_project_weights, u, gramian, dtype, settings)
     target, accept = tolerances(dtype, m, tol)
     if _short_routes_apply(gramian, differentiable, method, max_iter):
         if u.numel() // m * m**3 <= _HOST_MAX_WORK:
@@ -674,25 +734,39 @@ def project_diagonal(
                 [1.0000, 1.0000]], dtype=torch.float64)
     """
     _check_inputs(pref, gramian, diagonal=True)
-    m = gramian.shape[-1]
-    differentiable = torch.is_grad_enabled() and (pref.requires_grad or gramian.requires_grad)
+    check_solver_settings(norm_eps, reg_eps, method, max_iter, tol)
     settings = _Settings(
         norm_eps=norm_eps, reg_eps=reg_eps, method=method, max_iter=max_iter, tol=tol
     )
+    dtype = torch.promote_types(pref.dtype, gramian.dtype)
+    if gramian.shape[-1] > 0 and norm_eps == 0 and reg_eps == 0:  # (see project_weights)
+        d = _unit_diagonal_scale(gramian)
+        first = pref * d
+        scaled = _project_diagonal(first, _scaled(gramian, d), dtype, settings)
+        return _unscaled_diagonal(scaled, first.to(dtype), d.to(dtype), pref.to(dtype))
+    return _project_diagonal(pref, gramian, dtype, settings)
+
+
+def _project_diagonal(
+    pref: Tensor, gramian: Tensor, dtype: torch.dtype, settings: _Settings
+) -> Tensor:
+    """:func:`project_diagonal` after its checks, on the problem as given."""
+    norm_eps, reg_eps, method = settings["norm_eps"], settings["reg_eps"], settings["method"]
+    max_iter, tol = settings["max_iter"], settings["tol"]
+    m = gramian.shape[-1]
+    differentiable = torch.is_grad_enabled() and (pref.requires_grad or gramian.requires_grad)
     if _offloads(gramian, differentiable, method):
-        return _solved_on_host(project_diagonal, pref, gramian, settings)
+        return _solved_on_host(_project_diagonal, pref, gramian, dtype, settings)
     short = _short_routes_apply(gramian, differentiable, method, max_iter)
     host = gramian.device.type == "cpu" and m**4 <= _HOST_MAX_WORK
     if m == 0 or differentiable or (host and not short):
-        return project_weights(torch.diag(pref), gramian, **settings)
-    check_solver_settings(norm_eps, reg_eps, method, max_iter, tol)
-    dtype = torch.promote_types(pref.dtype, gramian.dtype)
+        return _project_weights(torch.diag(pref), gramian, dtype, settings)
     target, accept = tolerances(dtype, m, tol)
     if host:
         on_host = _diagonal_on_host(pref, gramian, norm_eps, reg_eps, target, dtype)
-        return (
-            project_weights(torch.diag(pref), gramian, **settings) if on_host is None else on_host
-        )
+        if on_host is None:
+            return _project_weights(torch.diag(pref), gramian, dtype, settings)
+        return on_host
     weights = pref.to(torch.float64)
     sign, scale = torch.sign(weights), weights.abs()[:, None]
     if short and m <= _LEAN_MAX_M:
@@ -700,7 +774,7 @@ def project_diagonal(
         if v is not None:
             return v.to(dtype)
     if has_nonfinite(gramian) or has_nonfinite(pref):
-        return project_weights(torch.diag(pref), gramian, **settings)
+        return _project_weights(torch.diag(pref), gramian, dtype, settings)
 
     def projected() -> Tensor:  # in float64
         g = _normalized(gramian.to(torch.float64)[None], norm_eps, reg_eps, one_sync=True)
