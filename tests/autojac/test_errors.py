@@ -166,3 +166,23 @@ def test_mtl_errors_and_nothing_lost() -> None:
         mtl_backward(losses, features, A=3)  # type: ignore[arg-type]
     for p in [*trunk.parameters(), *head.parameters()]:
         assert p.grad is None and not hasattr(p, "jac")
+
+
+@pytest.mark.parametrize("where", ["shared_params", "tasks_params"])
+def test_mtl_duplicated_params_refused_like_backward(where: str) -> None:
+    """A parameter listed twice was counted twice (2x its gradient); refused, as in backward."""
+    trunk, head, features, losses = _mtl_setup()
+    shared = [trunk.weight, trunk.bias]
+    tasks: list[list[Tensor]] = [list(head.parameters()), []]
+    if where == "shared_params":
+        shared.append(trunk.weight)
+        pattern = r"`shared_params` must contain distinct tensors.*\[0\].*\[2\]"
+    else:
+        tasks[0].append(head.weight)
+        pattern = r"`tasks_params\[0\]` must contain distinct tensors.*\[0\].*\[2\]"
+    with pytest.raises(ValueError, match=pattern):
+        mtl_backward(losses, features, A=Mean(), tasks_params=tasks, shared_params=shared)
+    with pytest.raises(ValueError, match=pattern):
+        mtl_backward(losses, features, tasks_params=tasks, shared_params=shared)
+    for p in [*trunk.parameters(), *head.parameters()]:
+        assert p.grad is None and not hasattr(p, "jac")

@@ -50,6 +50,7 @@ def _resolve_params(
         shared = leaf_tensors(features)
     else:
         shared = as_tensor_tuple(shared_params, "shared_params")
+        check_unique(shared, "shared_params")
         check_inputs_require_grad(shared, "shared_params")
     if tasks_params is None:
         heads = [leaf_tensors([loss], exclude=features) for loss in losses]
@@ -62,6 +63,7 @@ def _resolve_params(
             )
         heads = [as_tensor_tuple(p, f"tasks_params[{i}]") for i, p in enumerate(task_list)]
         for i, params in enumerate(heads):
+            check_unique(params, f"tasks_params[{i}]")
             check_inputs_require_grad(params, f"tasks_params[{i}]")
     shared_ids = {id(p) for p in shared}
     for i, params in enumerate(heads):
@@ -99,9 +101,10 @@ def mtl_backward(
         losses: one scalar loss per task.
         features: the last shared representation(s) that the heads read.
         A: aggregator of the trunk's Jacobian; ``None`` stores ``.jac`` instead.
-        tasks_params: per task, the head parameters. Default: the leaves behind each loss that
-            are not behind ``features``.
-        shared_params: the trunk parameters. Default: the leaves behind ``features``.
+        tasks_params: per task, the head parameters (distinct within a task; a parameter of
+            several heads gets the sum of their gradients). Default: the leaves behind each loss
+            that are not behind ``features``.
+        shared_params: the trunk parameters, distinct. Default: the leaves behind ``features``.
         retain_graph: keep the graph for another differentiation.
         parallel_chunk_size: tasks differentiated per vmapped trunk call (``1``: no vmap).
         engine: a per-task :class:`jacflow.autogram.Engine` (``batch_dim=None``) hooked on the
