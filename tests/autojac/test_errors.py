@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from jacflow import backward, jac, jac_to_grad, mtl_backward
-from jacflow.aggregation import Aggregator, Mean
+from jacflow.aggregation import Aggregator, Mean, UPGrad
 
 
 class _Exploding(Aggregator):
@@ -137,6 +137,57 @@ def test_jac_to_grad_differing_rows() -> None:
     with pytest.raises(ValueError, match="same number of rows"):
         jac_to_grad([a, b], Mean())
     assert a.grad is None and b.grad is None and hasattr(a, "jac")
+
+
+def _two_params_with_jac() -> tuple[Tensor, Tensor, Tensor]:
+    """``p1``, ``p2`` with ``.jac`` from backward, and the reference Jacobian ``[m, n]``."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 3, generator=gen, dtype=torch.float64)
+    p1 = torch.randn(3, 4, generator=gen, dtype=torch.float64, requires_grad=True)
+    p2 = torch.randn(4, generator=gen, dtype=torch.float64, requires_grad=True)
+
+    def fn(a: Tensor, b: Tensor) -> Tensor:
+        h = torch.tanh(x @ a) @ b
+        return torch.stack([h[:2].sum(), -h[2:].sum() + (b**2).sum()])
+
+    backward(fn(p1, p2), [p1, p2])
+    j1, j2 = torch.func.jacrev(fn, argnums=(0, 1))(p1.detach(), p2.detach())
+    return p1, p2, torch.cat([j1.flatten(1), j2], dim=1)
+
+
+def test_jac_to_grad_refuses_duplicates_before_writing() -> None:
+    """A tensor listed twice was aggregated twice, then `del t.jac` failed after the writes."""
+    p1, p2, matrix = _two_params_with_jac()
+    before = _snapshot(p1, p2)
+    with pytest.raises(ValueError, match=r"`tensors` must contain distinct.*\[0\].*\[2\]"):
+        jac_to_grad([p1, p2, p1], UPGrad())
+    assert p1.grad is None and p2.grad is None
+    for (_, j0), (_, j1) in zip(before, _snapshot(p1, p2)):
+        assert torch.equal(j0, j1)  # type: ignore[arg-type]
+    jac_to_grad([p1, p2], UPGrad())
+    expected = UPGrad()(matrix)
+    torch.testing.assert_close(p1.grad, expected[:12].reshape(3, 4))
+    torch.testing.assert_close(p2.grad, expected[12:])
+
+
+@pytest.mark.parametrize(
+    "stale", [torch.zeros(2, 7), torch.zeros(2, 4, 1), torch.zeros(4), torch.zeros(3, 5)]
+)
+def test_jac_to_grad_checks_every_jac_shape_before_writing(stale: Tensor) -> None:
+    """A wrong `.jac` on the second tensor failed after the first tensor's `.grad` was written."""
+    p1, p2, matrix = _two_params_with_jac()
+    p1.grad = torch.ones_like(p1)
+    good = p2.jac  # type: ignore[attr-defined]
+    p2.jac = stale.double()  # type: ignore[attr-defined]
+    before = _snapshot(p1, p2)
+    with pytest.raises(ValueError, match=r"`tensors\[1\].jac` must have shape .* = \[m, 4\]"):
+        jac_to_grad([p1, p2], Mean())
+    for (g0, j0), (g1, j1) in zip(before, _snapshot(p1, p2)):
+        assert (g0 is None and g1 is None) or torch.equal(g0, g1)  # type: ignore[arg-type]
+        assert torch.equal(j0, j1)  # type: ignore[arg-type]
+    p2.jac = good  # type: ignore[attr-defined]
+    jac_to_grad([p1, p2], Mean())
+    torch.testing.assert_close(p1.grad, 1 + matrix.mean(0)[:12].reshape(3, 4))
 
 
 def _mtl_setup() -> tuple[torch.nn.Linear, torch.nn.Linear, Tensor, list[Tensor]]:

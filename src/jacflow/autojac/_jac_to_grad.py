@@ -9,7 +9,32 @@ from torch import Tensor
 from jacflow.aggregation import Aggregator
 from jacflow.autojac._accumulate import accumulate_grads
 from jacflow.autojac._aggregate import aggregate_blocks
-from jacflow.autojac._checks import as_tensor_tuple, check_non_empty
+from jacflow.autojac._checks import as_tensor_tuple, check_non_empty, check_unique
+
+
+def _checked_jac(tensor: Tensor, i: int) -> Tensor:
+    """The ``.jac`` of ``tensors[i]``, checked to be a ``[m, *tensor.shape]`` tensor beside it."""
+    jacobian = getattr(tensor, "jac", None)
+    if jacobian is None:
+        raise ValueError(
+            f"`tensors[{i}]` (shape {tuple(tensor.shape)}) has no `.jac` field. Populate it "
+            "with `jacflow.backward(...)` or `jacflow.mtl_backward(...)` without an "
+            "aggregator first, and pass only tensors that the losses depend on."
+        )
+    if not isinstance(jacobian, Tensor):
+        raise TypeError(f"`tensors[{i}].jac` must be a Tensor, received {type(jacobian)}.")
+    if jacobian.ndim != tensor.ndim + 1 or jacobian.shape[1:] != tensor.shape:
+        raise ValueError(
+            f"`tensors[{i}].jac` must have shape [m, *tensors[{i}].shape] = "
+            f"[m, {', '.join(map(str, tensor.shape))}], received {tuple(jacobian.shape)}. It "
+            "may be stale or belong to another tensor: delete it (`del t.jac`) and recompute it."
+        )
+    if jacobian.device != tensor.device:
+        raise ValueError(
+            f"`tensors[{i}].jac` is on {jacobian.device}, but `tensors[{i}]` is on "
+            f"{tensor.device}. Move it with `t.jac = t.jac.to(t.device)`."
+        )
+    return jacobian
 
 
 def jac_to_grad(
@@ -23,8 +48,11 @@ def jac_to_grad(
     Call it several times on groups of tensors with separate aggregators to aggregate per
     layer or per network.
 
+    Every ``.jac`` is checked (present, ``[m, *t.shape]``, same ``m``) before anything is
+    written: a failed call leaves every ``.grad`` and ``.jac`` as it was.
+
     Args:
-        tensors: the tensors whose ``.jac`` to aggregate (e.g. ``model.parameters()``).
+        tensors: the distinct tensors whose ``.jac`` to aggregate (e.g. ``model.parameters()``).
         A: the aggregator.
         retain_jac: keep the ``.jac`` fields (default: delete them to free memory).
 
@@ -48,21 +76,14 @@ def jac_to_grad(
         )
     items = as_tensor_tuple(tensors, "tensors")
     check_non_empty(items, "tensors")
-    jacobians: list[Tensor] = []
-    for i, t in enumerate(items):
-        jacobian = getattr(t, "jac", None)
-        if jacobian is None:
-            raise ValueError(
-                f"`tensors[{i}]` (shape {tuple(t.shape)}) has no `.jac` field. Populate it "
-                "with `jacflow.backward(...)` or `jacflow.mtl_backward(...)` without an "
-                "aggregator first, and pass only tensors that the losses depend on."
-            )
-        if jacobians and jacobian.shape[0] != jacobians[0].shape[0]:
+    check_unique(items, "tensors")
+    jacobians = [_checked_jac(t, i) for i, t in enumerate(items)]
+    for i, jacobian in enumerate(jacobians):
+        if jacobian.shape[0] != jacobians[0].shape[0]:
             raise ValueError(
                 "All `.jac` fields must have the same number of rows m: `tensors[0].jac` has "
                 f"{jacobians[0].shape[0]}, `tensors[{i}].jac` has {jacobian.shape[0]}."
             )
-        jacobians.append(jacobian)
     updates, weights = aggregate_blocks(A, jacobians)
     accumulate_grads(items, updates)
     if not retain_jac:
