@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from jacflow import backward, jac_to_grad
+from jacflow import backward, jac, jac_to_grad
 from jacflow.aggregation import Mean, Sum, UPGrad
 from tests.autojac._zoo import ZOO, Case, reference_jacobians
 
@@ -104,6 +104,29 @@ def test_non_leaf_inputs_receive_grad() -> None:
     backward([h.sum(), (h**2).sum()], [h], A=Sum())
     torch.testing.assert_close(h.grad, 1 + 2 * h.detach())
     assert x.grad is None
+
+
+@pytest.mark.parametrize("chunk", [None, 1])
+def test_non_leaf_input_grad_accumulates_without_retain_grad(chunk: int | None) -> None:
+    """``retain_grad()`` on a non-leaf input made later vmapped differentiations through it store
+    a vmap BatchedTensor in its ``.grad``; ``.grad`` is now written directly and accumulates."""
+    p = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(3, 4, dtype=torch.float64)
+    h = x @ p
+
+    def fn(t: torch.Tensor) -> torch.Tensor:
+        return torch.stack([t.sum(), (t**2).sum()])
+
+    z = fn(h)
+    expected = UPGrad()(torch.func.jacrev(fn)(h.detach()))
+    backward(z, [h], A=UPGrad(), retain_graph=True, parallel_chunk_size=chunk)
+    assert not h.retains_grad
+    torch.testing.assert_close(h.grad, expected)
+    jac(z, [p], retain_graph=True)  # vmapped through h, with respect to p only
+    torch.testing.assert_close(h.grad, expected)
+    backward(z, [h], A=UPGrad(), retain_graph=True, parallel_chunk_size=chunk)
+    torch.testing.assert_close(h.grad, 2 * expected)
+    assert p.grad is None and not h.retains_grad
 
 
 def test_retain_graph() -> None:

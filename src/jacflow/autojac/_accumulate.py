@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 
 import torch
 from torch import Tensor
+
+_NON_LEAF_GRAD_WARNING = (
+    "The .grad attribute of a Tensor that is not a leaf Tensor is being accessed"
+)
 
 
 def check_jac_accumulable(tensors: Sequence[Tensor], rows: int, name: str) -> None:
@@ -28,16 +33,24 @@ def accumulate_jacs(tensors: Sequence[Tensor], jacobians: Sequence[Tensor]) -> N
         tensor.jac = jac if existing is None else existing + jac  # type: ignore[attr-defined]
 
 
-def _readable_grad(tensor: Tensor) -> Tensor | None:
-    if not tensor.is_leaf and not tensor.retains_grad:
-        tensor.retain_grad()  # like torch.autograd.backward(inputs=...) on a non-leaf
-    return tensor.grad
+def _current_grad(tensor: Tensor) -> Tensor | None:
+    """``tensor.grad``, read without ``retain_grad()`` and without torch's non-leaf warning.
+
+    A non-leaf input gets its ``.grad`` written directly, never through ``retain_grad()``: the
+    hook that ``retain_grad()`` installs would fire in every later differentiation through the
+    tensor, vmapped ones included, and store a batched tensor in ``.grad``.
+    """
+    if tensor.is_leaf or tensor.retains_grad:
+        return tensor.grad
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_NON_LEAF_GRAD_WARNING, category=UserWarning)
+        return tensor.grad
 
 
 def accumulate_grads(tensors: Sequence[Tensor], updates: Sequence[Tensor]) -> None:
     for tensor, update in zip(tensors, updates):
         update = update.to(tensor.dtype)
-        existing = _readable_grad(tensor)
+        existing = _current_grad(tensor)
         if existing is None:
             tensor.grad = update
         elif update.requires_grad or existing.requires_grad:
