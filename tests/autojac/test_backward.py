@@ -129,6 +129,30 @@ def test_non_leaf_input_grad_accumulates_without_retain_grad(chunk: int | None) 
     assert p.grad is None and not h.retains_grad
 
 
+@pytest.mark.parametrize("layout", ["expanded", "sparse"])
+def test_grad_that_cannot_be_written_in_place_is_replaced(layout: str) -> None:
+    """An expanded ``.grad`` on the second input made ``backward`` fail after the first input's
+    ``.grad`` was written; it is now replaced out of place, the others keep their identity."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 3, generator=gen, dtype=torch.float64)
+    p1 = torch.randn(3, 4, generator=gen, dtype=torch.float64, requires_grad=True)
+    p2 = torch.randn(4, generator=gen, dtype=torch.float64, requires_grad=True)
+
+    def fn(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x @ a) @ b
+
+    p1.grad = torch.ones(3, 4, dtype=torch.float64)
+    ones = torch.ones(1, dtype=torch.float64).expand(4)
+    p2.grad = ones if layout == "expanded" else ones.to_sparse()
+    first_grad = p1.grad
+    backward(fn(p1, p2), [p1, p2], A=UPGrad())
+    j1, j2 = torch.func.jacrev(fn, argnums=(0, 1))(p1.detach(), p2.detach())
+    expected = UPGrad()(torch.cat([j1.flatten(1), j2], dim=1))
+    assert p1.grad is first_grad
+    torch.testing.assert_close(p1.grad, 1 + expected[:12].reshape(3, 4))
+    torch.testing.assert_close(p2.grad, 1 + expected[12:])
+
+
 def test_retain_graph() -> None:
     x = torch.tensor([1.0, 2.0], requires_grad=True)
     y = [x.exp().sum(), x.prod()]

@@ -47,14 +47,38 @@ def _current_grad(tensor: Tensor) -> Tensor | None:
         return tensor.grad
 
 
+def _adds_in_place(existing: Tensor, update: Tensor) -> bool:
+    """Whether ``existing += update`` is safe and wanted, as autograd decides it.
+
+    In place (``.grad`` keeps its identity) when no graph is involved and ``existing`` is a
+    dense tensor that can be written: not an inference tensor, and no element shared by
+    several positions (an expanded tensor, a zero stride on a dimension of size > 1).
+    """
+    return (
+        not update.requires_grad
+        and not existing.requires_grad
+        and existing.layout == torch.strided
+        and not existing.is_inference()
+        and not any(st == 0 and sz > 1 for st, sz in zip(existing.stride(), existing.shape))
+    )
+
+
 def accumulate_grads(tensors: Sequence[Tensor], updates: Sequence[Tensor]) -> None:
-    for tensor, update in zip(tensors, updates):
-        update = update.to(tensor.dtype)
-        existing = _current_grad(tensor)
+    """Add ``updates[i]`` to ``tensors[i].grad`` (or set it when it is ``None``).
+
+    Every update is converted and every existing ``.grad`` read before the first write, and an
+    existing ``.grad`` that cannot be written in place is replaced by ``update + existing``, so
+    that no write fails after another has been made.
+    """
+    plan = [
+        (tensor, _current_grad(tensor), update.to(tensor.dtype))
+        for tensor, update in zip(tensors, updates)
+    ]
+    for tensor, existing, update in plan:
         if existing is None:
             tensor.grad = update
-        elif update.requires_grad or existing.requires_grad:
-            tensor.grad = existing + update
-        else:
+        elif _adds_in_place(existing, update):
             with torch.no_grad():
                 existing.add_(update)
+        else:
+            tensor.grad = update + existing  # (dense + sparse works, sparse + dense does not)
