@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from jacflow import backward, jac, jac_to_grad
-from jacflow.aggregation import Mean, Sum, UPGrad
+from jacflow.aggregation import MGDA, Aggregator, ConFIG, GradDrop, Mean, Sum, UPGrad
 from tests.autojac._zoo import ZOO, Case, reference_jacobians
 
 
@@ -151,6 +151,31 @@ def test_grad_that_cannot_be_written_in_place_is_replaced(layout: str) -> None:
     assert p1.grad is first_grad
     torch.testing.assert_close(p1.grad, 1 + expected[:12].reshape(3, 4))
     torch.testing.assert_close(p2.grad, 1 + expected[12:])
+
+
+@pytest.mark.parametrize(
+    "aggregator", [Mean(), Sum(), UPGrad(), MGDA(), ConFIG(), GradDrop()], ids=str
+)
+@pytest.mark.parametrize("via_jac", [False, True])
+def test_empty_jacobian_adds_zeros(aggregator: Aggregator, via_jac: bool) -> None:
+    """m = 0 (an empty output) raised an internal reshape error with Gramian-based or
+    Jacobian-based aggregators; it adds the zero update, as autograd on an empty output does."""
+    p = torch.randn(2, 3, requires_grad=True)
+    q = torch.randn(3, requires_grad=True)
+    q.grad = torch.ones(3)
+    y = (p @ q)[:0]
+    if via_jac:
+        backward(y, [p, q])
+        weights = jac_to_grad([p, q], aggregator)
+        assert weights is None or weights.shape == (0,)
+    else:
+        backward(y, [p, q], A=aggregator)
+    reference_p = torch.randn(2, 3, requires_grad=True)
+    reference_q = torch.randn(3, requires_grad=True)
+    reference_q.grad = torch.ones(3)
+    (reference_p @ reference_q)[:0].backward(torch.zeros(0))
+    torch.testing.assert_close(p.grad, reference_p.grad)
+    torch.testing.assert_close(q.grad, reference_q.grad)
 
 
 def test_retain_graph() -> None:

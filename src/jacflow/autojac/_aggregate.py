@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -28,20 +29,22 @@ def aggregate_blocks(
 
     Returns one update per block (shape ``shape``) and the weights when the aggregator is
     weighted. Gramian-based aggregators get ``G = sum_k J_k J_k^T`` and never see the
-    concatenated matrix, which saves a copy of the whole Jacobian.
+    concatenated matrix, which saves a copy of the whole Jacobian. With no rows (``m = 0``),
+    the aggregator gets the empty ``[0, n]`` matrix (the zero update for weighted ones).
     """
     m = blocks[0].shape[0]
     if isinstance(aggregator, (Mean, Sum)):
         # Their weights only depend on m: skip the Gramian entirely.
         weights = aggregator.weights(blocks[0].new_empty((m, 0)))
         return _combine(weights, blocks), weights
-    if isinstance(aggregator, GramianWeightedAggregator):
+    if isinstance(aggregator, GramianWeightedAggregator) and m > 0:
         weights = aggregator.gramian_weighting(sum_gramians(blocks))
         return _combine(weights, blocks), weights
-    matrix = torch.cat([b.reshape(m, -1) for b in blocks], dim=1)
+    # (explicit widths: ``reshape(0, -1)`` is ambiguous when there are no rows)
+    matrix = torch.cat([b.reshape(m, math.prod(b.shape[1:])) for b in blocks], dim=1)
     if isinstance(aggregator, WeightedAggregator):
         weights = aggregator.weights(matrix)
         return _combine(weights, blocks), weights
     flat = aggregator(matrix)
-    sizes = [b[0].numel() for b in blocks]
+    sizes = [math.prod(b.shape[1:]) for b in blocks]
     return [piece.reshape(b.shape[1:]) for piece, b in zip(torch.split(flat, sizes), blocks)], None

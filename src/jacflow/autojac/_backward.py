@@ -92,7 +92,10 @@ def backward(
             one ``[m, *tensor.shape]`` tensor per element of ``tensors``.
         create_graph: keep the result differentiable, for higher-order derivatives.
 
-    If the call fails, every ``.grad`` and ``.jac`` is left as it was.
+    If the call fails, every ``.grad`` and ``.jac`` is left as it was. An empty Jacobian
+    (``m = 0``: ``tensors`` have no elements, e.g. the losses of an empty batch) gives
+    ``[0, *t.shape]`` in ``.jac``, or with ``A`` the zero update, added to ``.grad`` (zeros
+    where it was ``None``), as ``y.backward(torch.zeros(0))`` does for an empty ``y``.
 
     Example:
         >>> import torch

@@ -49,7 +49,9 @@ def jac_to_grad(
     layer or per network.
 
     Every ``.jac`` is checked (present, ``[m, *t.shape]``, same ``m``) before anything is
-    written: a failed call leaves every ``.grad`` and ``.jac`` as it was.
+    written: a failed call leaves every ``.grad`` and ``.jac`` as it was. Empty Jacobians
+    (``m = 0``) aggregate to the zero update, which is added to ``.grad`` (zeros where it was
+    ``None``), with empty weights.
 
     Args:
         tensors: the distinct tensors whose ``.jac`` to aggregate (e.g. ``model.parameters()``).
