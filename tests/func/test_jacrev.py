@@ -56,6 +56,33 @@ def test_matches_torch_func(chunk: int | None, argnums: int | tuple[int, ...]) -
     torch.testing.assert_close(got, expected)
 
 
+SHAPES = [(), (3,), (2, 3)]
+
+
+@pytest.mark.parametrize("chunk", [None, 1])
+@pytest.mark.parametrize("out_shape", SHAPES, ids=str)
+@pytest.mark.parametrize("in_shape", SHAPES, ids=str)
+def test_scalar_and_tensor_shapes_match_torch_func(
+    in_shape: tuple[int, ...], out_shape: tuple[int, ...], chunk: int | None
+) -> None:
+    """A scalar input or output (``reshape(*(), *())``) crashed; shapes now follow torch.func."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(in_shape, generator=gen, dtype=torch.float64)
+    y = torch.randn(in_shape, generator=gen, dtype=torch.float64)
+    w = torch.randn(out_shape + in_shape, generator=gen, dtype=torch.float64)
+    in_dims = tuple(range(len(out_shape), w.ndim))
+
+    def f(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        product = w * (a.sin() * b)
+        return product.sum(dim=in_dims) if in_dims else product
+
+    for argnums in (0, (0, 1)):
+        got = jacrev(f, argnums=argnums, chunk_size=chunk)(x, y)
+        expected = torch.func.jacrev(f, argnums=argnums)(x, y)
+        torch.testing.assert_close(got, expected)
+    assert jacrev(f, chunk_size=chunk)(x, y).shape == out_shape + in_shape
+
+
 def test_composes_with_vmap_and_itself() -> None:
     xs = torch.randn(4, 3, dtype=torch.float64)
 

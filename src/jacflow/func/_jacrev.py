@@ -105,7 +105,7 @@ def jacrev(
         for o in flat_out:
             stop = start + o.numel()
             per_output.append(
-                tuple(s[start:stop].reshape(*o.shape, *p.shape) for s, p in zip(stacked, primals))
+                tuple(s[start:stop].reshape(o.shape + p.shape) for s, p in zip(stacked, primals))
             )
             start = stop
         single_arg = isinstance(argnums, int)
