@@ -178,6 +178,20 @@ def test_empty_jacobian_adds_zeros(aggregator: Aggregator, via_jac: bool) -> Non
     torch.testing.assert_close(q.grad, reference_q.grad)
 
 
+@pytest.mark.parametrize("aggregator", [Sum(), UPGrad()], ids=str)
+def test_leaf_output_without_inputs(aggregator: Aggregator) -> None:
+    """``backward(leaf)`` with ``inputs=None`` raised "has no grad_fn"; the leaf is its own input
+    (``A=Sum()`` gives what ``x.backward(torch.ones_like(x))`` gives)."""
+    x = torch.tensor([1.0, -2.0, 0.5], requires_grad=True)
+    backward(x, A=aggregator)
+    reference = x.detach().clone().requires_grad_()
+    expected = aggregator(torch.func.jacrev(lambda t: t)(reference.detach()))
+    torch.testing.assert_close(x.grad, expected)
+    if isinstance(aggregator, Sum):
+        reference.backward(torch.ones_like(reference))
+        torch.testing.assert_close(x.grad, reference.grad)
+
+
 def test_retain_graph() -> None:
     x = torch.tensor([1.0, 2.0], requires_grad=True)
     y = [x.exp().sum(), x.prod()]

@@ -137,3 +137,20 @@ def test_vmap_failure_hint() -> None:
         jac(y, [x], retain_graph=True)
     (got,) = jac(y, [x], parallel_chunk_size=1)
     torch.testing.assert_close(got, 2 * torch.eye(3))
+
+
+@pytest.mark.parametrize("chunk", [None, 1])
+def test_leaf_output_is_its_own_input(chunk: int | None) -> None:
+    """A leaf output requiring grad, with ``inputs=None``, raised "has no grad_fn"; it is its own
+    input (the identity Jacobian), as ``x.backward(v)`` on a leaf ``x`` writes ``v``."""
+    x = torch.tensor([1.0, -2.0], dtype=torch.float64, requires_grad=True)
+    y = torch.tensor(0.5, dtype=torch.float64, requires_grad=True)
+
+    def fn(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return a, (a * b).sum()
+
+    got = jac(fn(x, y), parallel_chunk_size=chunk)
+    for g, e in zip(got, reference_jacobians(fn, [x, y])):
+        torch.testing.assert_close(g, e)
+    (alone,) = jac(x, parallel_chunk_size=chunk)
+    torch.testing.assert_close(alone, torch.func.jacrev(lambda a: a)(x.detach()))

@@ -81,9 +81,10 @@ def backward(
     Args:
         tensors: the tensor or tensors to differentiate; non-empty, distinct.
         inputs: tensors to differentiate with respect to. Default: every leaf tensor requiring
-            grad behind ``tensors``. A non-leaf input gets its ``.grad`` (or ``.jac``) written
-            directly, without ``retain_grad()``: later differentiations through it leave it
-            alone, and the next ``backward`` accumulates into it.
+            grad behind ``tensors`` (an element of ``tensors`` that is such a leaf is its own
+            input, with the identity Jacobian). A non-leaf input gets its ``.grad`` (or
+            ``.jac``) written directly, without ``retain_grad()``: later differentiations
+            through it leave it alone, and the next ``backward`` accumulates into it.
         A: aggregator reducing the Jacobian to one update; ``None`` stores ``.jac`` instead.
         retain_graph: keep the graph for another differentiation. Default: ``create_graph``.
         parallel_chunk_size: rows differentiated per vmapped call (``None``: all; ``1``: a loop

@@ -24,13 +24,13 @@ def resolve_inputs(
     """Explicit inputs validated, or every leaf requiring grad behind ``outputs``."""
     if inputs is None:
         for i, out in enumerate(outputs):
-            if out.grad_fn is None:
+            if not out.requires_grad:
                 raise ValueError(
-                    f"`{out_name}[{i}]` has no grad_fn, so the leaves it depends on cannot be "
-                    f"found. Pass `{in_name}` explicitly, or make sure `{out_name}[{i}]` is "
-                    "computed from tensors that require grad."
+                    f"`{out_name}[{i}]` does not require grad and has no grad_fn, so the leaves "
+                    f"it depends on cannot be found. Pass `{in_name}` explicitly, or make sure "
+                    f"`{out_name}[{i}]` is computed from tensors that require grad."
                 )
-        return leaf_tensors(outputs)
+        return leaf_tensors(outputs)  # (a leaf output requiring grad is its own input)
     resolved = as_tensor_tuple(inputs, in_name)
     check_inputs_require_grad(resolved, in_name)
     return resolved
@@ -74,7 +74,8 @@ def jac(
     Args:
         outputs: the tensor or tensors to differentiate; must be non-empty and distinct.
         inputs: tensors to differentiate with respect to (leaves or not); each must require
-            grad. Default: every leaf tensor requiring grad that ``outputs`` depend on.
+            grad. Default: every leaf tensor requiring grad that ``outputs`` depend on (an
+            output that is such a leaf is its own input).
             Inputs that ``outputs`` do not depend on get zero Jacobians.
         jac_outputs: one tensor per output, of shape ``[m, *output.shape]`` with the same
             ``m`` for all; default: the identity (``m = total numel of outputs``).
