@@ -8,8 +8,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor
 
-from jacflow.aggregation import Krum, KrumWeighting
-from tests.aggregation._properties import check_claimed_properties, jacobians
+from jacflow.aggregation import Krum, KrumWeighting, Property
+from tests.aggregation._properties import (
+    check_claimed_properties,
+    check_permutation_invariant,
+    jacobians,
+)
 
 
 def brute_force_krum(J: Tensor, n_byzantine: int, n_selected: int) -> Tensor:
@@ -22,8 +26,59 @@ def brute_force_krum(J: Tensor, n_byzantine: int, n_selected: int) -> Tensor:
     return J[chosen].mean(dim=0)
 
 
-def test_claimed_properties() -> None:
-    check_claimed_properties(lambda: Krum(1, 2), jacobians(min_m=4, max_m=16))
+@pytest.mark.parametrize(("f", "k"), [(0, 1), (1, 1), (1, 2), (2, 3)])
+def test_claimed_properties(f: int, k: int) -> None:
+    check_claimed_properties(lambda: Krum(f, k), jacobians(min_m=f + 3, max_m=16))
+
+
+def test_ties_follow_the_row_order_so_permutation_invariance_is_not_claimed() -> None:
+    """One neighbour (m = n_byzantine + 3): the closest pair ties and the earlier row of it
+    is selected. The claim was made and this input breaks it."""
+    J = torch.tensor([[1.0, 0.0, 0.0], [1.2, 0.1, 0.0], [5.0, 5.0, 5.0]])
+    swapped = J[[1, 0, 2]]
+    assert torch.equal(Krum(0)(J), J[0])
+    assert torch.equal(Krum(0)(swapped), swapped[0])
+    assert torch.equal(Krum(0)(J), brute_force_krum(J, 0, 1))
+    assert torch.equal(Krum(0)(swapped), brute_force_krum(swapped, 0, 1))
+    # the shared check of the claim fails on it, for a permutation that reorders the pair
+    seed = next(s for s in range(100) if _puts_row_1_before_row_0(s))
+    with pytest.raises(AssertionError):
+        check_permutation_invariant(lambda: Krum(0), J, seed)
+    assert Property.PERMUTATION_INVARIANT not in Krum.properties
+
+
+def _puts_row_1_before_row_0(seed: int) -> bool:
+    """Whether the permutation that ``check_permutation_invariant`` draws for ``seed``
+    reorders rows 0 and 1 of a 3-row matrix."""
+    perm = torch.randperm(3, generator=torch.Generator().manual_seed(seed)).tolist()
+    return perm.index(1) < perm.index(0)
+
+
+@settings(max_examples=50)
+@given(
+    st.integers(4, 9),
+    st.integers(1, 6),
+    st.integers(0, 2),
+    st.integers(1, 3),
+    st.integers(0, 2**31 - 1),
+)
+def test_permutation_invariant_when_the_scores_do_not_tie(
+    m: int, n: int, f: int, k: int, seed: int
+) -> None:
+    """Where the ``k`` lowest scores are separated from the rest, the selected rows (and so the
+    update) do not depend on the order (brute-force scores as the reference)."""
+    f, k = min(f, m - 3), min(k, m)
+    gen = torch.Generator().manual_seed(seed)
+    J = torch.randn(m, n, generator=gen, dtype=torch.float64)
+    scores = []
+    for i in range(m):
+        distances = sorted(float((J[i] - J[j]).square().sum()) for j in range(m) if j != i)
+        scores.append(sum(distances[: m - f - 2]))
+    ordered = sorted(scores)
+    if k < m and ordered[k] - ordered[k - 1] < 1e-9 * (1 + ordered[k]):
+        return  # the k-th and (k+1)-th scores tie: the order decides, as documented
+    perm = torch.randperm(m, generator=gen)
+    torch.testing.assert_close(Krum(f, k)(J[perm]), Krum(f, k)(J), rtol=1e-12, atol=1e-12)
 
 
 def test_degenerate_inputs() -> None:

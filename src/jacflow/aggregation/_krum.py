@@ -16,7 +16,8 @@ def krum_weights(gramian: Tensor, n_byzantine: int, n_selected: int) -> Tensor:
 
     The score of row ``i`` is the sum of its squared distances
     :math:`\|g_i - g_j\|^2 = G_{ii} + G_{jj} - 2G_{ij}` to its ``m - n_byzantine - 2`` nearest
-    other rows. Ties are broken by row index. ``m = 0`` gives no weights.
+    other rows. Among rows of equal score the earlier row (lower index) is selected, so the
+    weights follow the rows' order where scores tie. ``m = 0`` gives no weights.
 
     Example:
         >>> import torch
@@ -98,8 +99,13 @@ class Krum(GramianWeightedAggregator):
               \ k = \texttt{n\_selected}.
 
     Needs :math:`m \ge f + 3` and :math:`m \ge k` rows (the paper's guarantee assumes
-    :math:`m > 2f + 2`); ``m = 0`` gives the zero vector. Invariant to the rows' order (up to
-    ties in the scores).
+    :math:`m > 2f + 2`); ``m = 0`` gives the zero vector.
+
+    Ties in the scores are broken by row index, the earlier row first (as the paper leaves
+    them open). The update is therefore invariant to the rows' order only where the selected
+    set is decided by the scores: with a single neighbour (:math:`m = f + 3`) the two rows of
+    the closest pair always tie, and ``n_selected=1`` then returns the one given first. For
+    this reason Krum does not claim :attr:`Property.PERMUTATION_INVARIANT`.
 
     Args:
         n_byzantine: number of possibly adversarial rows, >= 0.
@@ -113,7 +119,7 @@ class Krum(GramianWeightedAggregator):
         tensor([0.5000, 0.0000])
     """
 
-    properties = frozenset({Property.PERMUTATION_INVARIANT, Property.WEIGHTED})
+    properties = frozenset({Property.WEIGHTED})
 
     def __init__(self, n_byzantine: int, n_selected: int = 1) -> None:
         super().__init__(KrumWeighting(n_byzantine, n_selected))
