@@ -13,6 +13,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import ClassVar
 
+import torch
 from torch import Tensor, nn
 
 from jacflow.aggregation._properties import Property
@@ -35,11 +36,30 @@ def _check_matrix(value: object, name: str, owner: str) -> Tensor:
     return value
 
 
+_HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype in which an input of ``dtype`` is aggregated: float32 for float16 and bfloat16
+    (the solvers' linear algebra has no half-precision kernels, and their precision cut-offs
+    would remove most updates), ``dtype`` itself otherwise.
+
+    Example:
+        >>> import torch
+        >>> from jacflow.aggregation._bases import compute_dtype
+        >>> compute_dtype(torch.bfloat16), compute_dtype(torch.float64)
+        (torch.float32, torch.float64)
+    """
+    return torch.float32 if dtype in _HALF_DTYPES else dtype
+
+
 class Aggregator(nn.Module, ABC):
     """Maps a Jacobian matrix ``[m, n]`` (one row per objective) to one update vector ``[n]``.
 
     Subclasses implement :meth:`forward`; calling the aggregator validates the input first.
     ``m = 0`` is allowed and gives the zero vector for every method that is weighted.
+    A float16 or bfloat16 matrix is aggregated in float32 (``forward`` and its hooks see the
+    float32 copy) and the update is returned in the input's dtype.
 
     Example:
         >>> import torch
@@ -53,6 +73,9 @@ class Aggregator(nn.Module, ABC):
 
     def __call__(self, matrix: Tensor) -> Tensor:
         _check_matrix(matrix, "matrix", type(self).__name__)
+        work = compute_dtype(matrix.dtype)
+        if work != matrix.dtype:
+            return super().__call__(matrix.to(work)).to(matrix.dtype)
         return super().__call__(matrix)
 
     @abstractmethod
@@ -69,6 +92,9 @@ class Aggregator(nn.Module, ABC):
 class Weighting(nn.Module, ABC):
     """Maps a matrix statistic (``J`` or ``J J^T``) of shape ``[m, k]`` to ``m`` weights.
 
+    A float16 or bfloat16 statistic is weighted in float32 and the weights are returned in its
+    dtype, as for :class:`Aggregator`.
+
     Example:
         >>> import torch
         >>> from jacflow.aggregation import MeanWeighting
@@ -78,6 +104,9 @@ class Weighting(nn.Module, ABC):
 
     def __call__(self, stat: Tensor) -> Tensor:
         self._check_input(stat)
+        work = compute_dtype(stat.dtype)
+        if work != stat.dtype:
+            return super().__call__(stat.to(work)).to(stat.dtype)
         return super().__call__(stat)
 
     def _check_input(self, stat: Tensor) -> None:
@@ -177,7 +206,9 @@ class GramianWeightedAggregator(WeightedAggregator):
         self.gramian_weighting = gramian_weighting
 
     def weights(self, matrix: Tensor) -> Tensor:
-        return self.gramian_weighting(compute_gramian(matrix))
+        # (a half-precision Gramian would overflow at |J|^2 n > 65504 for float16)
+        gramian = compute_gramian(matrix.to(compute_dtype(matrix.dtype)))
+        return self.gramian_weighting(gramian).to(matrix.dtype)
 
     def extra_repr(self) -> str:
         return repr(self.gramian_weighting) if type(self) is GramianWeightedAggregator else ""
