@@ -10,6 +10,7 @@ lets the Gramian engine (:mod:`jacflow.autogram`) run them without ever forming 
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from typing import ClassVar
 
@@ -51,6 +52,32 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
         (torch.float32, torch.float64)
     """
     return torch.float32 if dtype in _HALF_DTYPES else dtype
+
+
+def scale_to_unit_peak(matrix: Tensor) -> Tensor:
+    """``matrix`` times the power of two that brings its largest absolute entry into [1/2, 1).
+
+    A power of two only shifts the exponents, so the scaling is exact (except for entries that
+    end up below the smallest normal number, far below the largest one), and so is the
+    Gramian's: ``(c J)(c J)^T = c^2 J J^T`` bit for bit. It keeps the Gramian of a finite
+    matrix from overflowing (float32 entries of about 1e19) or underflowing (about 1e-20).
+    An empty, zero or non-finite matrix is returned unscaled. No host synchronisation.
+
+    Example:
+        >>> import torch
+        >>> from jacflow.aggregation._bases import scale_to_unit_peak
+        >>> scale_to_unit_peak(torch.tensor([[3e20, -1e20], [0.0, 1e19]]))
+        tensor([[ 0.5082, -0.1694],
+                [ 0.0000,  0.0169]])
+    """
+    if matrix.numel() == 0:
+        return matrix
+    peak = matrix.detach().abs().amax()
+    _, exponent = torch.frexp(peak)  # peak = mantissa * 2**exponent, mantissa in [1/2, 1)
+    largest = math.frexp(torch.finfo(matrix.dtype).max)[1] - 1  # 2**largest is finite
+    exponent = torch.where(torch.isfinite(peak), exponent, 0).clamp(min=-largest)
+    # (exp2 of an integer is exact; it is computed in the matrix's dtype, unlike ldexp's 2**e)
+    return matrix * torch.exp2(-exponent.to(matrix.dtype))
 
 
 class Aggregator(nn.Module, ABC):
@@ -129,12 +156,23 @@ class GramianWeighting(Weighting):
     These are the weightings usable with :mod:`jacflow.autogram`, which computes ``G`` without
     the Jacobian.
 
+    :attr:`scale_invariant` says whether the weights ignore a global scale of the Gramian,
+    ``weights(c^2 G) == weights(G)`` for every ``c > 0`` (a test asserts it for every weighting
+    that says so). :class:`GramianWeightedAggregator` then forms the Gramian of ``J`` scaled to
+    a largest entry of about 1, so that Jacobians of extreme but finite scale (about 1e19 or
+    1e-25 in float32) neither overflow nor underflow it.
+
     Example:
         >>> import torch
         >>> from jacflow.aggregation import UPGradWeighting
         >>> UPGradWeighting()(torch.tensor([[1., 0.], [0., 1.]]))
         tensor([0.5000, 0.5000])
     """
+
+    @property
+    def scale_invariant(self) -> bool:
+        """Whether ``weights(c^2 G) == weights(G)`` for every ``c > 0`` (default: False)."""
+        return False
 
     def _check_input(self, stat: Tensor) -> None:
         gramian = _check_matrix(stat, "gramian", type(self).__name__)
@@ -183,7 +221,9 @@ class GramianWeightedAggregator(WeightedAggregator):
     """Aggregates by ``gramian_weighting(J J^T) @ J``.
 
     Named Gramian-based methods (:class:`UPGrad`, ...) are presets of this class; any
-    :class:`GramianWeighting` of your own composes with it the same way.
+    :class:`GramianWeighting` of your own composes with it the same way. When the weighting is
+    :attr:`~GramianWeighting.scale_invariant`, the Gramian is formed from ``J`` scaled by a
+    power of two to a largest entry in [1/2, 1) (exact; the weights are the same).
 
     Args:
         gramian_weighting: maps the ``[m, m]`` Gramian to ``[m]`` weights.
@@ -207,8 +247,10 @@ class GramianWeightedAggregator(WeightedAggregator):
 
     def weights(self, matrix: Tensor) -> Tensor:
         # (a half-precision Gramian would overflow at |J|^2 n > 65504 for float16)
-        gramian = compute_gramian(matrix.to(compute_dtype(matrix.dtype)))
-        return self.gramian_weighting(gramian).to(matrix.dtype)
+        work = matrix.to(compute_dtype(matrix.dtype))
+        if self.gramian_weighting.scale_invariant:
+            work = scale_to_unit_peak(work)  # same weights; no overflow or underflow of G
+        return self.gramian_weighting(compute_gramian(work)).to(matrix.dtype)
 
     def extra_repr(self) -> str:
         return repr(self.gramian_weighting) if type(self) is GramianWeightedAggregator else ""

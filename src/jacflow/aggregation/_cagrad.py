@@ -142,6 +142,11 @@ class CAGradWeighting(GramianWeighting):
         self.norm_eps = check_float(norm_eps, "norm_eps", low=0.0)
         self.rescale = _check_rescale(rescale)
 
+    @property
+    def scale_invariant(self) -> bool:
+        """True: it solves on G divided by its trace."""
+        return True
+
     def forward(self, stat: Tensor) -> Tensor:
         with torch.no_grad():
             return cagrad_weights(stat, self.c, self.norm_eps, self.rescale)

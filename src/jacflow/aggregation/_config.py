@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from jacflow.aggregation._bases import Aggregator
+from jacflow.aggregation._bases import Aggregator, scale_to_unit_peak
 from jacflow.aggregation._nonfinite import has_nonfinite
 from jacflow.aggregation._pref_vector import check_pref_vector
 from jacflow.aggregation._properties import Property
@@ -92,7 +92,8 @@ class ConFIG(Aggregator):
         else:
             pref = self.pref_vector.to(device=matrix.device, dtype=matrix.dtype)
         with torch.no_grad():
-            weights = config_weights(compute_gramian(matrix), pref)
+            # (the weights ignore a global scale of J: no overflow or underflow of the Gramian)
+            weights = config_weights(compute_gramian(scale_to_unit_peak(matrix)), pref)
         return weights @ matrix
 
     def extra_repr(self) -> str:

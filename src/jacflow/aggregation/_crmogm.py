@@ -71,6 +71,11 @@ class CRMOGMWeighting(GramianWeighting, Stateful):
         if isinstance(self.weighting, Stateful):
             self.weighting.reset()
 
+    @property
+    def scale_invariant(self) -> bool:
+        """That of the wrapped weighting (an average of scale-invariant weights is)."""
+        return isinstance(self.weighting, GramianWeighting) and self.weighting.scale_invariant
+
     def forward(self, stat: Tensor) -> Tensor:
         m = stat.shape[0]
         previous = self._previous if self._previous is not None else self.initial_weights

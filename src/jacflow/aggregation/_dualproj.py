@@ -9,7 +9,7 @@ from jacflow.aggregation._bases import GramianWeighting
 from jacflow.aggregation._pref_vector import check_pref_vector, resolve_pref_vector
 from jacflow.aggregation._preset import NoGradGramianPreset
 from jacflow.aggregation._properties import Property
-from jacflow.aggregation._upgrad import _check_projector
+from jacflow.aggregation._upgrad import _check_projector, is_scale_free
 from jacflow.linalg import DualConeProjector
 
 
@@ -43,6 +43,11 @@ class DualProjWeighting(GramianWeighting):
         super().__init__()
         self.pref_vector = check_pref_vector(pref_vector)
         self.projector = _check_projector(projector)
+
+    @property
+    def scale_invariant(self) -> bool:
+        """Whether the projector ignores the Gramian's scale (``norm_eps == 0``)."""
+        return is_scale_free(self.projector)
 
     def forward(self, stat: Tensor) -> Tensor:
         with torch.no_grad():

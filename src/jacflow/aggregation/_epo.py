@@ -116,6 +116,11 @@ class EPOWeighting(GramianWeighting, LossAware):
             raise TypeError(f"`relax` must be a bool, received {type(relax)}.")
         self.relax = relax
 
+    @property
+    def scale_invariant(self) -> bool:
+        """True: its LP reads G divided by its largest diagonal entry."""
+        return True
+
     def forward(self, stat: Tensor) -> Tensor:
         m = stat.shape[0]
         if self.preference.shape[0] != m:

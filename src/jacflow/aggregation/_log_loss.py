@@ -57,6 +57,11 @@ class LogLoss(GramianWeighting, LossAware):
         super().__init__()
         self.weighting = check_gramian_weighting(weighting)
 
+    @property
+    def scale_invariant(self) -> bool:
+        """That of the wrapped weighting (the losses' scaling does not depend on G)."""
+        return self.weighting.scale_invariant
+
     def forward(self, stat: Tensor) -> Tensor:
         losses = self.losses_like(stat.shape[0], stat)
         if bool((losses <= 0).any()):

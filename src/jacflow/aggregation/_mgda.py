@@ -229,6 +229,11 @@ class MGDAWeighting(GramianWeighting, LossAware):
             )
         self.normalization = normalization
 
+    @property
+    def scale_invariant(self) -> bool:
+        """True for ``"none"`` and ``"loss"``; ``"l2"`` and ``"loss+"`` divide by the norms."""
+        return self.normalization in ("none", "loss")
+
     def forward(self, stat: Tensor) -> Tensor:
         with torch.no_grad():
             losses = None

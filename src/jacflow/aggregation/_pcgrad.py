@@ -90,6 +90,11 @@ class PCGradWeighting(GramianWeighting):
         tensor([2.2222, 1.5789])
     """
 
+    @property
+    def scale_invariant(self) -> bool:
+        """True: its coefficients are ratios of entries of G."""
+        return True
+
     def forward(self, stat: Tensor) -> Tensor:
         with torch.no_grad():
             if stat.shape[0] == 2:

@@ -64,6 +64,11 @@ class Periodic(GramianWeighting, Stateful):
             raise ValueError("Periodic has no cached weights yet: call it on a Gramian first.")
         return self._weights
 
+    @property
+    def scale_invariant(self) -> bool:
+        """That of the wrapped weighting."""
+        return self.weighting.scale_invariant
+
     def forward(self, stat: Tensor) -> Tensor:
         if self.needs_gramian():
             self._weights = self.weighting(stat)

@@ -82,6 +82,11 @@ class SDMGradWeighting(GramianWeighting, Stateful):
         """Forget the inner weights: the next call starts from ``1/m`` again."""
         self._w = None
 
+    @property
+    def scale_invariant(self) -> bool:
+        """True: its steps read G divided by the squared mean norm."""
+        return True
+
     def forward(self, stat: Tensor) -> Tensor:
         m = stat.shape[0]
         with torch.no_grad():

@@ -22,6 +22,11 @@ class SumWeighting(GramianWeighting):
     def _check_input(self, stat: Tensor) -> None:
         Weighting._check_input(self, stat)
 
+    @property
+    def scale_invariant(self) -> bool:
+        """True: the weights do not read G."""
+        return True
+
     def forward(self, stat: Tensor) -> Tensor:
         return torch.ones(stat.shape[0], dtype=stat.dtype, device=stat.device)
 

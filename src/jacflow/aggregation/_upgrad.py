@@ -12,7 +12,7 @@ from jacflow.aggregation._mean import mean_weights
 from jacflow.aggregation._nonfinite import has_nonfinite, propagate_nonfinite
 from jacflow.aggregation._pref_vector import check_pref_vector, resolve_pref_vector
 from jacflow.aggregation._properties import Property
-from jacflow.linalg._projectors import DualConeProjector, TorchProjector
+from jacflow.linalg._projectors import DualConeProjector, QuadprogProjector, TorchProjector
 
 
 def _ratio(numerator: Tensor, denominator: Tensor) -> Tensor:
@@ -56,6 +56,12 @@ def _is_exact(projector: DualConeProjector) -> bool:
     return (
         isinstance(projector, TorchProjector) and projector.norm_eps == 0 and projector.reg_eps == 0
     )
+
+
+def is_scale_free(projector: DualConeProjector) -> bool:
+    """Whether ``projector``'s weights ignore a global scale of the Gramian: the exact problem
+    is, and so are the trace-normalised solvers unless ``norm_eps > 0`` (an absolute cut-off)."""
+    return isinstance(projector, (TorchProjector, QuadprogProjector)) and projector.norm_eps == 0
 
 
 def _check_projector(projector: DualConeProjector | None) -> DualConeProjector:
@@ -124,6 +130,11 @@ class UPGradWeighting(GramianWeighting):
         super().__init__()
         self.pref_vector = check_pref_vector(pref_vector)
         self.projector = _check_projector(projector)
+
+    @property
+    def scale_invariant(self) -> bool:
+        """Whether the projector ignores the Gramian's scale (``norm_eps == 0``)."""
+        return is_scale_free(self.projector)
 
     def forward(self, stat: Tensor) -> Tensor:
         return upgrad_weights(stat, self.pref_vector, self.projector)
