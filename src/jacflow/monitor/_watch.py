@@ -71,9 +71,10 @@ class AggregatorWatch:
         """
         gramian, weights, matrix = self._gramian, self._weights, self._matrix
         self._gramian = self._weights = self._matrix = None
-        if gramian is None and matrix is not None:
+        if matrix is not None:  # (its weighting may see J rescaled, e.g. UPGrad's: same weights)
+            bypassed = gramian is None
             gramian = matrix @ matrix.T
-            if isinstance(self.aggregator, WeightedAggregator):
+            if bypassed and isinstance(self.aggregator, WeightedAggregator):
                 # The aggregator bypassed its weighting (e.g. Mean); ask it for the weights.
                 with torch.no_grad():
                     weights = self.aggregator.weights(matrix)
