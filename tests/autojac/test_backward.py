@@ -199,3 +199,29 @@ def test_retain_graph() -> None:
     backward(y, [x], parallel_chunk_size=1)
     with pytest.raises(RuntimeError, match="second time"):
         backward(y, [x])
+
+
+@pytest.mark.parametrize(
+    ("dtype", "scale"),
+    [(torch.float32, 1e19), (torch.float32, 1e-25), (torch.float16, 100.0), (torch.bfloat16, 1.0)],
+)
+def test_gramian_aggregation_of_extreme_or_half_precision_jacobians(
+    dtype: torch.dtype, scale: float
+) -> None:
+    """``backward`` forms the Gramian of its Jacobian blocks as the aggregator forms it from
+    ``J``: from ``J`` scaled to a largest entry about 1 (a float32 ``J`` of 1e19 gave NaN, of
+    1e-25 the conflicting mean), in float32 for half-precision blocks (a float16 Gramian
+    overflowed at 100). Compared with UPGrad on the float64 Jacobian."""
+    torch.manual_seed(0)
+    x = torch.randn(6, dtype=dtype, requires_grad=True)
+    b = torch.randn(2, dtype=dtype, requires_grad=True)
+    w = 0.1 * torch.randn(4, 6, dtype=torch.float64)
+    w[0, 0], w[1, 0], w[1, 1] = 4.0, -1.0, 0.5  # (the mean conflicts with the second row)
+    jacobian = torch.cat([w, torch.ones(4, 2, dtype=torch.float64)], dim=1) * scale
+    y = (w.to(dtype) * scale) @ x + b.sum() * scale
+    backward(y, A=UPGrad(), inputs=[x, b])
+    expected = UPGrad()(jacobian)
+    assert x.grad is not None and b.grad is not None
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    got = torch.cat([x.grad.double(), b.grad.double()])
+    torch.testing.assert_close(got / scale, expected / scale, rtol=tol, atol=tol)

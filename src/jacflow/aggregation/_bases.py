@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from typing import ClassVar
 
 import torch
@@ -54,6 +55,26 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in _HALF_DTYPES else dtype
 
 
+def unit_peak_factor(matrices: Sequence[Tensor], dtype: torch.dtype | None = None) -> Tensor:
+    """The power of two (a 0-d tensor of ``dtype``, default the first matrix's) that brings the
+    largest absolute entry of ``matrices`` into [1/2, 1); 1 when it is zero or not finite. No
+    host synchronisation.
+
+    Example:
+        >>> import torch
+        >>> from jacflow.aggregation._bases import unit_peak_factor
+        >>> unit_peak_factor([torch.tensor([3.0]), torch.tensor([[-5.0, 1.0]])])
+        tensor(0.1250)
+    """
+    dtype = matrices[0].dtype if dtype is None else dtype
+    peak = torch.stack([m.detach().abs().amax().to(dtype) for m in matrices if m.numel()]).amax()
+    _, exponent = torch.frexp(peak)  # peak = mantissa * 2**exponent, mantissa in [1/2, 1)
+    largest = math.frexp(torch.finfo(dtype).max)[1] - 1  # 2**largest is finite
+    exponent = torch.where(torch.isfinite(peak), exponent, 0).clamp(min=-largest)
+    # (exp2 of an integer is exact; it is computed in the matrices' dtype, unlike ldexp's 2**e)
+    return torch.exp2(-exponent.to(dtype))
+
+
 def scale_to_unit_peak(matrix: Tensor) -> Tensor:
     """``matrix`` times the power of two that brings its largest absolute entry into [1/2, 1).
 
@@ -72,12 +93,7 @@ def scale_to_unit_peak(matrix: Tensor) -> Tensor:
     """
     if matrix.numel() == 0:
         return matrix
-    peak = matrix.detach().abs().amax()
-    _, exponent = torch.frexp(peak)  # peak = mantissa * 2**exponent, mantissa in [1/2, 1)
-    largest = math.frexp(torch.finfo(matrix.dtype).max)[1] - 1  # 2**largest is finite
-    exponent = torch.where(torch.isfinite(peak), exponent, 0).clamp(min=-largest)
-    # (exp2 of an integer is exact; it is computed in the matrix's dtype, unlike ldexp's 2**e)
-    return matrix * torch.exp2(-exponent.to(matrix.dtype))
+    return matrix * unit_peak_factor([matrix])
 
 
 class Aggregator(nn.Module, ABC):

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 from torch import Tensor
@@ -15,11 +16,25 @@ from jacflow.aggregation import (
     Sum,
     WeightedAggregator,
 )
+from jacflow.aggregation._bases import compute_dtype, unit_peak_factor
 from jacflow.linalg import sum_gramians
 
 
 def _combine(weights: Tensor, blocks: Sequence[Tensor]) -> list[Tensor]:
     return [torch.tensordot(weights.to(b.dtype), b, dims=1) for b in blocks]
+
+
+def _gramian_weights(aggregator: GramianWeightedAggregator, blocks: Sequence[Tensor]) -> Tensor:
+    """The weights of ``G = sum_k J_k J_k^T``, formed as the aggregator forms it from ``J``: in
+    float32 for half-precision blocks, and from ``J`` scaled by a power of two to a largest entry
+    in [1/2, 1) for a scale-invariant weighting (one block's copy at a time)."""
+    dtype = functools.reduce(torch.promote_types, (b.dtype for b in blocks))
+    work = compute_dtype(dtype)
+    scaled: Iterable[Tensor] = (b.to(work) for b in blocks)
+    if aggregator.gramian_weighting.scale_invariant:
+        factor = unit_peak_factor(blocks, work)
+        scaled = (b.to(work) * factor for b in blocks)
+    return aggregator.gramian_weighting(sum_gramians(scaled)).to(dtype)
 
 
 def aggregate_blocks(
@@ -38,8 +53,7 @@ def aggregate_blocks(
         weights = aggregator.weights(blocks[0].new_empty((m, 0)))
         return _combine(weights, blocks), weights
     if isinstance(aggregator, GramianWeightedAggregator) and m > 0:
-        weights = aggregator.gramian_weighting(sum_gramians(blocks))
-        return _combine(weights, blocks), weights
+        return _combine(weights := _gramian_weights(aggregator, blocks), blocks), weights
     # (explicit widths: ``reshape(0, -1)`` is ambiguous when there are no rows)
     matrix = torch.cat([b.reshape(m, math.prod(b.shape[1:])) for b in blocks], dim=1)
     if isinstance(aggregator, WeightedAggregator):
