@@ -638,13 +638,33 @@ def test_older_weight_norm_hooks_use_the_generic_rule(norm: str, batch_dim: int 
     _assert_exact(model, torch.randn(5, 3, dtype=torch.float64), batch_dim)
 
 
-def test_generic_rule_failing_per_sample_is_named() -> None:
+def test_generic_rule_where_vmap_fails_per_sample() -> None:
     """A module that vmap cannot re-run sample by sample (an embedding renormalising its weight
-    in place): the error names the module and the ways out."""
+    in place) is re-run one sample at a time: exact (it was refused)."""
     module = _RenormedTwice()
     with Engine(module, batch_dim=0) as engine:
         losses = module(torch.tensor([[1], [2]])).sum((1, 2))
-        with pytest.raises(RuntimeError, match=r"_RenormedTwice has no closed-form.*batch_dim"):
+        assert_exact_gramian(engine, losses, list(module.parameters()))
+
+
+class _FixedBatch(nn.Module):
+    """Reads the batch size of its forward as a constant: one sample cannot be re-run."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(3, dtype=torch.float64))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return (x * self.scale).reshape(2, -1)
+
+
+def test_generic_rule_failing_per_sample_is_named() -> None:
+    """A module that no re-run of one sample can run, batched or not: the error names the
+    module and the ways out, and nothing is written."""
+    module = _FixedBatch()
+    with Engine(module, batch_dim=0) as engine:
+        losses = module(torch.ones(2, 3, dtype=torch.float64)).sum(1)
+        with pytest.raises(RuntimeError, match=r"_FixedBatch has no closed-form.*batch_dim"):
             engine.backward(losses, MeanWeighting())
     assert all(p.grad is None for p in module.parameters())
 
@@ -717,10 +737,7 @@ def test_module_calling_itself(batch_dim: int | None, renormalised: bool) -> Non
         out = module(ids)
         losses = out.pow(2).sum(1) if batch_dim == 0 else torch.stack([out.sum(), out[0, 1]])
         jacobian = reference_jacobian(losses, list(module.parameters()))
-        if batch_dim == 0 and renormalised:  # (vmap cannot re-run max_norm per sample)
-            with pytest.raises(RuntimeError, match="no closed-form"):
-                engine.compute_gramian(losses)
-            return
+        # (per sample with max_norm, vmap cannot re-run it: one sample at a time instead)
         gramian = engine.compute_gramian(losses)
     torch.testing.assert_close(gramian, jacobian @ jacobian.T, rtol=1e-6, atol=1e-6)
 

@@ -4,6 +4,7 @@ against the brute-force Jacobian."""
 from __future__ import annotations
 
 import contextlib
+import copy
 
 import pytest
 import torch
@@ -121,3 +122,117 @@ def test_weighting_runs_outside_autocast(weighting: object) -> None:
     assert weights.dtype == torch.float32
     expected = weighting(gramian)  # type: ignore[operator]
     torch.testing.assert_close(weights, expected, rtol=1e-4, atol=1e-5)
+
+
+class _Gain(nn.Module):
+    """A module without a closed form (the generic rule): a learned gain per feature."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.gain = nn.Parameter(torch.ones(width))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * self.gain
+
+
+@pytest.mark.parametrize("batch_dim", [0, None])
+def test_float16_parameters_do_not_overflow_the_gramian(batch_dim: int | None) -> None:
+    """A float16 model without autocast: the closed forms' products (a Linear's ``X X^T``, about
+    ``|x|^2``) overflowed float16's range although every gradient and the Gramian itself are
+    small, and the step wrote NaN, silently. They run in float32 now (the Gramian comes in
+    float32), and the generic rule's Gramian too; against the float64 brute force."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 8), _Gain(8), nn.Linear(8, 3))
+    with torch.no_grad():
+        model[0].weight.mul_(0.01)
+    reference = copy.deepcopy(model).double()
+    model.half()
+    x = torch.randn(6, 16) * 200  # (|x|^2 about 6e5 > 65504)
+
+    def losses_of(net: nn.Module, inputs: Tensor) -> Tensor:
+        out = net(inputs) * 1e-2
+        return out.sum(1) if batch_dim == 0 else out.pow(2).mean(0)
+
+    engine = Engine(model, batch_dim=batch_dim)
+    gramian = engine.compute_gramian(losses_of(model, x.half()))
+    assert gramian.dtype == torch.float32 and bool(gramian.isfinite().all())
+    jacobian = reference_jacobian(
+        losses_of(reference, x.half().double()), [*reference.parameters()]
+    )
+    expected = jacobian @ jacobian.T
+    scale = float(expected.abs().max())
+    torch.testing.assert_close(gramian.double() / scale, expected / scale, rtol=0, atol=2e-2)
+    engine.backward(losses_of(model, x.half()), UPGradWeighting())
+    assert all(bool(p.grad.isfinite().all()) for p in model.parameters())  # type: ignore[union-attr]
+
+
+class _ScaledLinear(nn.Module):
+    """The generic rule: a float32 gain on a Linear's output, which autocast computes in
+    bfloat16; the output is float32."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.gain = nn.Parameter(torch.randn(width))
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.linear(x) * self.gain
+
+
+@pytest.mark.parametrize("batch_dim", [0, None])
+def test_generic_re_run_under_autocast_is_compared_at_its_precision(batch_dim: int | None) -> None:
+    """The re-run of a generic-rule module under bfloat16 autocast rounds its products
+    differently from the forward (about one bfloat16 ulp); its check compared them at the
+    float32 output's precision and refused the step in 5 of 5 seeds. Accepted now, with the
+    Gramian of the float64 brute force to bfloat16's precision."""
+    for seed in range(3):
+        torch.manual_seed(seed)
+        model = nn.Sequential(nn.Linear(5, 8), _ScaledLinear(8), nn.Linear(8, 3))
+        _assert_bfloat16_autocast_gramian(model, torch.randn(6, 5), batch_dim)
+
+
+def _assert_bfloat16_autocast_gramian(model: nn.Module, x: Tensor, batch_dim: int | None) -> None:
+    """The engine's Gramian of a forward under bfloat16 autocast equals the float64 brute
+    force to bfloat16's precision (losses: squares summed per sample, or averaged per output
+    channel per task)."""
+    reference = copy.deepcopy(model).double()
+    dims = tuple(range(1, x.ndim))
+
+    def losses_of(out: Tensor) -> Tensor:
+        if batch_dim == 0:
+            return out.pow(2).sum(dims)
+        return out.pow(2).mean((0, *dims[1:]))
+
+    with Engine(model, batch_dim=batch_dim) as engine:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            losses = losses_of(model(x).float())
+        gramian = engine.compute_gramian(losses)
+    jacobian = reference_jacobian(losses_of(reference(x.double())), [*reference.parameters()])
+    expected = jacobian @ jacobian.T
+    scale = float(expected.abs().max())
+    torch.testing.assert_close(gramian.double() / scale, expected / scale, rtol=0, atol=5e-2)
+
+
+class _ConvNextBlock(nn.Module):
+    """The generic rule: a depthwise convolution, a LayerNorm over channels last, and a learned
+    layer scale, as in ConvNeXt."""
+
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.depthwise = nn.Conv2d(width, width, 3, padding=1, groups=width)
+        self.norm = nn.LayerNorm(width)
+        self.gamma = nn.Parameter(0.1 * torch.ones(width))
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.norm(self.depthwise(x).permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+        return h * self.gamma[:, None, None]
+
+
+@pytest.mark.parametrize("batch_dim", [0, None])
+def test_generic_rule_where_vmap_fails_under_autocast(batch_dim: int | None) -> None:
+    """Under bfloat16 autocast, torch.func's batched pullback of this block fails inside
+    torch ("expected scalar type BFloat16 but found Float"; per task with no context). The
+    generic rule then pulls back row by row; against the float64 brute force."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 2, stride=2), _ConvNextBlock())
+    _assert_bfloat16_autocast_gramian(model, torch.randn(6, 3, 8, 8), batch_dim)

@@ -37,7 +37,7 @@ from jacflow.autogram._hooks import (
     own_parameter_ids,
 )
 from jacflow.autogram._outside import first_reached, outside_calls, unreached, used_outside
-from jacflow.autogram._precision import upcast, without_autocast
+from jacflow.autogram._precision import upcast, without_autocast, working_dtype
 from jacflow.autogram._recurrent import covered, uncovered_refusal
 from jacflow.autogram._rules import (
     Call,
@@ -781,8 +781,10 @@ class Engine:
                 continue
             if not unit.rule.covers_children():  # (the generic rule replays the autocast)
                 dtype = next(iter(params.values())).dtype
+                work = working_dtype(dtype)
                 for call in unit_calls:
-                    upcast(call, dtype)
+                    if call.autocast is not None or work != dtype:
+                        upcast(call, work)
             contributions.append((params, unit.rule.prepare(unit.module, params, unit_calls, rows)))
         return contributions, rows, order, extra_grads, captured_bytes
 

@@ -10,6 +10,7 @@ custom layers); register a closed form for big ones.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -38,6 +39,8 @@ from jacflow.autogram._rules import (
 # cancelling output magnifies), and by at most this fraction (bfloat16 has 8 bits)
 _SAME_OUTPUT_EPS = 1e4
 _SAME_OUTPUT_MAX = 0.05
+# torch's warning when a forward hook raises while the forward itself raises
+_SILENCED_HOOK = "module forward hook with ``always_call=True`` raised an exception"
 
 
 def _selected_outputs(out: Any, positions: list[int]) -> tuple[Tensor, ...]:
@@ -65,8 +68,30 @@ def _per_task_grads(
         return (*_selected_outputs(out, call.output_positions), *kept)
 
     outputs, pullback = vjp(forward, params)[:2]
-    grads: dict[str, Tensor] = vmap(pullback)((*cots, *_reached_inner_calls(call)))[0]
+    rows = (*cots, *_reached_inner_calls(call))
+    grads: dict[str, Tensor] = _batched_or_row_by_row(lambda r: pullback(r)[0], rows)
     return grads, outputs
+
+
+def _batched_or_row_by_row(function: Callable[[Any], Any], rows: Any) -> Any:
+    """``vmap(function)(rows)``, or, where an operation's batching rule fails (a bfloat16
+    convolution's backward under autocast), ``function`` on each row of ``rows`` (a pytree of
+    tensors ``[R, ...]``), stacked: slower, and exact."""
+    try:
+        with warnings.catch_warnings():  # (torch's note on the engine's hooks, as it fails)
+            warnings.filterwarnings("ignore", message=_SILENCED_HOOK, category=UserWarning)
+            return vmap(function)(rows)
+    except RuntimeError as error:
+        if "random" in str(error):  # (vmap's refusal of random operations: not a rule's)
+            raise
+    leaves, spec = tree_flatten(rows)
+    count = leaves[0].shape[0]
+    results = [function(tree_unflatten([leaf[r] for leaf in leaves], spec)) for r in range(count)]
+    stacked, out_spec = tree_flatten(results[0])
+    columns = [tree_flatten(result)[0] for result in results]
+    return tree_unflatten(
+        [torch.stack([column[i] for column in columns]) for i in range(len(stacked))], out_spec
+    )
 
 
 def _per_sample_grads(
@@ -103,7 +128,9 @@ def _per_sample_grads(
         result: dict[str, Tensor] = pullback(cot)[0]
         return result, outputs
 
-    grads, outputs = vmap(per_row)(row_leaves, (*cots, *_reached_inner_calls(call)))
+    grads, outputs = _batched_or_row_by_row(
+        lambda rows: per_row(*rows), (row_leaves, (*cots, *_reached_inner_calls(call)))
+    )
     _check_same_outputs(module, call, outputs, rows)
     return grads
 
@@ -130,7 +157,12 @@ def _check_same_outputs(
             continue
         scale = float(recorded.detach().abs().amax()) if recorded.numel() else 0.0
         error = float((again.detach() - recorded.detach()).abs().amax()) if again.numel() else 0.0
-        tolerance = min(_SAME_OUTPUT_EPS * torch.finfo(again.dtype).eps, _SAME_OUTPUT_MAX)
+        # (under autocast, the re-run's products round at the autocast dtype's precision,
+        # whatever the output's dtype: a float32 parameter times a bfloat16 product)
+        eps = torch.finfo(again.dtype).eps
+        if call.autocast is not None:
+            eps = max(eps, torch.finfo(call.autocast[1]).eps)
+        tolerance = min(_SAME_OUTPUT_EPS * eps, _SAME_OUTPUT_MAX)
         if error > tolerance * max(scale, 1e-30):
             per_sample = " (the batch size as a number: the re-run sees one sample)"
             raise ReplayMismatchError(

@@ -5,7 +5,8 @@ lower precision than its parameters, and not all in one. Each recorded call note
 state of its forward; the closed forms of such a call take its tensors in the parameters' dtype
 (an exact upcast), the generic rule re-runs the module under the same autocast, and every
 step's own products run outside any enclosing autocast region. Calls recorded without autocast
-are used as recorded, whatever their dtypes.
+are used as recorded, whatever their dtypes, but for float16 parameters, whose closed forms
+run in float32 (the Gramian's products overflow float16's range).
 """
 
 from __future__ import annotations
@@ -64,11 +65,24 @@ def replay_autocast(call: Call) -> contextlib.AbstractContextManager[object]:
     return torch.autocast(device_type, dtype=dtype)
 
 
+def working_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the closed forms' products for parameters of ``dtype``: float32 for
+    float16, whose range the products of a Gramian overflow (``|x|^2 > 65504`` for a Linear's
+    input, however small the per-sample gradients), ``dtype`` otherwise.
+
+    Example:
+        >>> import torch
+        >>> from jacflow.autogram._precision import working_dtype
+        >>> working_dtype(torch.float16), working_dtype(torch.bfloat16)
+        (torch.float32, torch.bfloat16)
+    """
+    return torch.float32 if dtype == torch.float16 else dtype
+
+
 def upcast(call: Call, dtype: torch.dtype) -> None:
-    """Take the floating inputs and output gradients of a call made under autocast in the
-    parameters' dtype ``dtype`` (only upwards: an exact conversion), in place."""
-    if call.autocast is None:
-        return
+    """Take the floating inputs and output gradients of a call in ``dtype`` (only upwards: an
+    exact conversion), in place: the parameters' dtype for a call made under autocast, the
+    :func:`working_dtype` of float16 parameters."""
 
     def lower(value: object) -> bool:
         return (

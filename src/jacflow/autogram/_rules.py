@@ -717,7 +717,8 @@ class MaterializedContribution(Contribution):
         kept = {n: g for n, g in self.grads.items() if n in names}
         if not kept:
             return None
-        return gram(stack_grads(kept))
+        flat = stack_grads(kept)  # (float16's range: in float32, as the closed forms)
+        return gram(flat.float() if flat.dtype == torch.float16 else flat)
 
     def per_row_grads(self, name: str) -> Tensor:
         return self.grads[name]
