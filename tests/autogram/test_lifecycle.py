@@ -1518,3 +1518,25 @@ def test_changes_that_keep_the_modules_listed_alike(change: str) -> None:
         losses = losses_of()
         params = [*model.parameters(), *emb.parameters()]
         assert_exact_gramian(engine, losses, params)
+
+
+def test_forwards_piling_up_without_a_step_are_warned_about() -> None:
+    """Plain training steps with the engine attached (a warm-up) keep every forward's recorded
+    calls, and their inputs, until a step: a warning after 64 such forwards names the way out
+    (``clear()``); Jacobian-descent steps, which take the calls, are never warned about."""
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
+    x = torch.randn(5, 3)
+    engine = Engine(model, batch_dim=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(100):
+            engine.backward(model(x).squeeze(1), MeanWeighting())
+        for _ in range(64):
+            model(x).sum().backward()
+        engine.clear()
+        for _ in range(64):
+            model(x).sum().backward()
+        engine.clear()
+    with pytest.warns(UserWarning, match=r"engine\.clear\(\)"):
+        for _ in range(65):
+            model(x).sum().backward()

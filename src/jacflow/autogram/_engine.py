@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import warnings
 import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from types import TracebackType
@@ -16,6 +17,7 @@ from torch.nn.parameter import is_lazy
 from torch.nn.utils.parametrize import is_parametrized
 from torch.utils.hooks import RemovableHandle
 
+from jacflow._warnings import caller_stacklevel
 from jacflow.aggregation import GramianWeighting
 from jacflow.autogram._buffers import GradientBuffers, worth_reusing
 from jacflow.autogram._capture import capture, pull_back
@@ -56,6 +58,9 @@ from jacflow.autogram._separable import leaks, probe_cotangent, probe_samples
 Pattern = tuple[tuple[int, ...], tuple[object, ...]]
 # the most patterns of recorded calls remembered as checked for outside uses (then forgotten)
 _MAX_PATTERNS = 64
+# forwards of the given modules started with calls of earlier ones pending, after which the
+# engine warns that they hold their inputs (plain training steps with the engine attached)
+_PENDING_FORWARDS_WARNING = 64
 
 _COMPILE_HINT = (
     "torch.compile'd modules cannot be hooked (their layers run inside one fused graph node). "
@@ -309,6 +314,7 @@ class Engine:
         # (and, per sample, those whose losses read each output at its own sample only)
         self._separable_checked: set[Pattern] = set()
         self._hook_error: Exception | None = None  # (of hooking them again at a forward)
+        self._pending_forwards = 0  # (see _note_pending_forward)
         # (DistributedDataParallel wrappers: the step takes their averaging over the replicas)
         given = [] if ddp is None else [_checked_ddp(ddp, modules)]
         self._replicas = wrappers_in([*modules, *given])
@@ -403,6 +409,8 @@ class Engine:
     def _rehook_if_changed(self, module: nn.Module, args: Any) -> None:
         # (not with calls pending, whose units would change: the step refuses them instead;
         # nor for a forward that records nothing; looked for once between steps)
+        if self._recorder.calls and torch.is_grad_enabled() and not is_replaying():
+            self._note_pending_forward()
         if self._recorder.calls or self._recorder.idle or is_replaying():
             return
         if not torch.is_grad_enabled() or self._checked:
@@ -468,7 +476,22 @@ class Engine:
     def clear(self) -> None:
         """Drop the calls recorded so far (e.g. after grad-enabled forwards you won't use)."""
         self._recorder.take()
+        self._pending_forwards = 0
         self._checked = False
+
+    def _note_pending_forward(self) -> None:
+        """Count a forward started while earlier ones' calls wait for a step, and warn once
+        when many have piled up: their recorded inputs stay alive until a step takes them."""
+        self._pending_forwards += 1
+        if self._pending_forwards == _PENDING_FORWARDS_WARNING:
+            warnings.warn(
+                f"The Engine has recorded the calls of {_PENDING_FORWARDS_WARNING} forwards of "
+                "its modules since its last step, and they hold their inputs until a step "
+                "takes them. Plain training steps with the Engine attached (a warm-up before "
+                "Jacobian descent) keep them: call engine.clear() after such steps, or create "
+                "the Engine when Jacobian descent starts (engine.remove() when it ends).",
+                stacklevel=caller_stacklevel(),
+            )
 
     # ----------------------------------------------------------------------------- public API
     def compute_gramian(self, losses: Tensor, *, retain_graph: bool = True) -> Tensor:
@@ -518,6 +541,11 @@ class Engine:
         is right).
         Gradient hooks on the parameters (``p.register_hook``) run on their update, and their
         post-accumulate hooks after it is written, as after ``(weights @ losses).backward()``.
+        Gradient hooks on a hooked module's output (``out.register_hook``) run on the gradient
+        of the losses' sum (per sample) or on each task's row (per task), from which the
+        Gramian and the update are then formed, not on ``weights @ losses``' gradient: for a
+        hook linear in its gradient (a mask, a scaling) the update is the same; for one that is
+        not (a clipping) it is the weighted sum of the hooked rows.
         ``retain_graph=True`` keeps the graph of ``losses`` for another differentiation.
 
         When a step's large new gradients outweigh the output gradients it captured (per-sample
@@ -652,6 +680,7 @@ class Engine:
         coupled, outside = self._recorder.coupled, self._recorder.outside
         row_by_row = self._recorder.fused_rnn
         calls = self._recorder.take()
+        self._pending_forwards = 0
         try:
             return self._prepare_calls(
                 calls, coupled, outside, row_by_row, losses, retain_graph, extra_inputs

@@ -14,7 +14,6 @@ float64. It is small and obviously correct; it is the oracle of the tests.
 from __future__ import annotations
 
 import math
-import sys
 import warnings
 from collections.abc import Callable
 from typing import TypedDict
@@ -22,6 +21,7 @@ from typing import TypedDict
 import torch
 from torch import Tensor
 
+from jacflow._warnings import caller_stacklevel
 from jacflow.linalg._dual_pdas import active_systems_pay, dual_pdas_solve, safe_inverse
 from jacflow.linalg._first_order import admm_solve, fista_solve
 from jacflow.linalg._gramian import has_nonfinite, normalize_gramian, regularize_gramian
@@ -359,22 +359,9 @@ def _solve(
             f"`project_weights` (method={method!r}) stopped with a KKT residual of {worst:.2e} "
             f"> tol = {accept:.1e}; returning the best iterate. Raise `max_iter` (or `tol`).",
             SolverWarning,
-            stacklevel=_caller_stacklevel(),
+            stacklevel=caller_stacklevel(),
         )
     return torch.maximum(v, u)  # exactly feasible; moves a converged v by at most ~tol
-
-
-def _caller_stacklevel() -> int:
-    """The ``stacklevel`` that points a warning of the function calling this one at the first
-    frame outside jacflow and torch: the user's call, whatever route led there (the host or
-    the device, an aggregator's module call)."""
-    level, frame = 1, sys._getframe(1)
-    while frame.f_back is not None:
-        module = str(frame.f_globals.get("__name__", ""))
-        if module.partition(".")[0] not in ("jacflow", "torch"):
-            break
-        frame, level = frame.f_back, level + 1
-    return level
 
 
 def _row_scales(rows: Tensor) -> Tensor:
