@@ -501,3 +501,19 @@ def test_reentrant_checkpoints_are_refused(hooked: str) -> None:
     assert all(p.grad is None for p in model.parameters())
     params = [*model.parameters()] if hooked == "model" else [*block.parameters()]
     assert_exact_gramian(engine, losses(False), params)
+
+
+def test_a_reentrant_checkpoint_below_every_hooked_call_is_accepted() -> None:
+    """A reentrant checkpoint of a backbone that the Engine does not hook, below its hooked
+    head: the engine's backward stops before it, and every hooked module was called outside
+    it. Exact (it was refused with the checkpoints around hooked calls)."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    backbone = nn.Sequential(nn.Linear(5, 8), nn.Tanh()).double()
+    head = nn.Linear(8, 3).double()
+    x = torch.randn(6, 5, dtype=torch.float64, requires_grad=True)
+    engine = Engine(head, batch_dim=0)
+    losses = head(checkpoint(backbone, x, use_reentrant=True)).pow(2).sum(1)
+    assert_exact_gramian(engine, losses, [*head.parameters()])
+    assert all(p.grad is None for p in backbone.parameters())

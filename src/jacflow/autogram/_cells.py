@@ -60,8 +60,9 @@ def _reads_state(call: Call) -> bool:
     return False
 
 
-def _detached(param: Tensor | None) -> Tensor | None:
-    return None if param is None else param.detach()
+def _detached(param: Tensor | None, dtype: torch.dtype) -> Tensor | None:
+    """``param`` detached, in the dtype of the call's (maybe upcast) tensors."""
+    return None if param is None else param.detach().to(dtype)
 
 
 class CellRule(Rule):
@@ -104,11 +105,14 @@ def _terms(module: nn.RNNCellBase, call: Call, rows: Rows) -> dict[str, tuple[Te
     if unbatched and hx is not None:
         h = h.unsqueeze(0)
         state = None if state is None else state.unsqueeze(0)
-    x, h = x.detach(), h.detach()
-    state = None if state is None else state.detach()
+    # (the state in the dtype of the input: float32 for float16 parameters, whose states come
+    # as a tuple the engine's upcast does not open)
+    x, h = x.detach(), h.detach().to(x.dtype)
+    state = None if state is None else state.detach().to(x.dtype)
     with torch.enable_grad():  # (the engine prepares under no_grad)
-        a = F.linear(x, module.weight_ih.detach(), _detached(module.bias_ih))
-        c = F.linear(h, module.weight_hh.detach(), _detached(module.bias_hh))
+        w_ih, w_hh = module.weight_ih.detach().to(x.dtype), module.weight_hh.detach().to(x.dtype)
+        a = F.linear(x, w_ih, _detached(module.bias_ih, x.dtype))
+        c = F.linear(h, w_hh, _detached(module.bias_hh, x.dtype))
         a, c = a.requires_grad_(), c.requires_grad_()
         if mode == "LSTM":
             i, f, g, o = (a + c).chunk(4, -1)

@@ -38,7 +38,14 @@ from jacflow.autogram._hooks import (
     find_units,
     own_parameter_ids,
 )
-from jacflow.autogram._outside import first_reached, outside_calls, unreached, used_outside
+from jacflow.autogram._outside import (
+    REENTRANT_CHECKPOINT,
+    checkpoint_above_calls,
+    first_reached,
+    outside_calls,
+    unreached,
+    used_outside,
+)
 from jacflow.autogram._precision import upcast, without_autocast, working_dtype
 from jacflow.autogram._recurrent import covered, uncovered_refusal
 from jacflow.autogram._rules import (
@@ -62,6 +69,12 @@ _MAX_PATTERNS = 64
 # engine warns that they hold their inputs (plain training steps with the engine attached)
 _PENDING_FORWARDS_WARNING = 64
 
+# (a compiled graph traced before the engine hooked its modules runs without the hooks)
+_COMPILED_BEFORE_HINT = (
+    "The losses' graph holds torch.compile'd code: code compiled and run before the Engine was "
+    "created does not call the Engine's hooks (Dynamo does not watch module hooks); create "
+    "the Engine before the first compiled forward, or call torch._dynamo.reset()."
+)
 _COMPILE_HINT = (
     "torch.compile'd modules cannot be hooked (their layers run inside one fused graph node). "
     "Create the Engine on the uncompiled module, or use jacflow.autojac.backward with "
@@ -218,9 +231,12 @@ class Engine:
     outside the engine that mixes them, or a module called on a tensor without the batch
     dimension whose first size equals the batch size (position embeddings of
     ``torch.arange(T)`` with ``T == B``) is refused with a clear error, where the shapes alone
-    cannot tell. (A mixing of only two samples shows with probability one half.) A reentrant
-    activation checkpoint (``use_reentrant=True``), whose calls the engine cannot see, is
-    refused; the non-reentrant one is supported.
+    cannot tell. (A mixing of only two samples shows with probability one half. A
+    ``retain_grad()`` tensor on that path accumulates that backward's gradient too. A model
+    whose calls or losses' graph change at every step, as with LayerDrop, is checked at every
+    step.) A reentrant activation checkpoint (``use_reentrant=True``) around or above the
+    hooked calls, whose calls the engine cannot see, is refused; the non-reentrant one is
+    supported. Torch.compile'd code, whose backward may run only once, is not checked.
 
     The output gradients of several rows per sample (``[B, k]`` losses) or of per-task losses
     are pulled back in one backward batched with ``vmap``. Per task on the CPU, losses stacked
@@ -239,7 +255,9 @@ class Engine:
     the autocast of their forward, and the step (weighting included) runs outside autocast: the
     Gramian and the update come in the parameters' dtype, whether the step runs inside the
     autocast region or after it (PyTorch's advice for ``backward``). Without autocast, the
-    recorded tensors are used as they are.
+    recorded tensors are used as they are, but for float16 parameters: their products would
+    overflow float16's range, so they run in float32, and the Gramian comes in float32 (the
+    update in float16).
 
     Args:
         modules: the modules whose parameters define the Jacobian. Parameters of other modules
@@ -720,6 +738,8 @@ class Engine:
         _check_output_views(losses, [(self._units[index], call) for index, call in calls])
         # (the checks below hold for a pattern of calls and the graph around them)
         pattern = (tuple(i for i, _ in calls), outside_calls(losses, [c for _, c in calls]))
+        if REENTRANT_CHECKPOINT in pattern[1]:
+            self._check_reentrant_checkpoints(losses, calls)
         if pattern not in self._outside_checked:
             self._check_no_outside_use(losses, calls, pattern)
         rows, cotangents, order = self._rows(losses)
@@ -729,11 +749,13 @@ class Engine:
         hooks = [
             [] if self._reruns(index) else h for index, call in calls for h in call.user_hooks()
         ]
+        # (compiled code's backward runs once, and not under vmap: no probe, rows one by one)
+        compiled = _holds_compiled(pattern[1], edges)
         # (per sample, a new pattern's losses are probed after the checks below: the graph stays)
-        probing = not rows.per_task and rows.num_samples > 1
+        probing = not rows.per_task and rows.num_samples > 1 and not compiled
         probing = probing and pattern not in self._separable_checked
-        with replaying():  # (a checkpointed forward recomputed by it is not a forward call)
-            grads, extra_grads = capture(
+        with replaying(), _compiled_backward_hint():  # (replaying: a checkpointed forward
+            grads, extra_grads = capture(  # recomputed by it is not a forward call)
                 losses,
                 edges,
                 hooks,
@@ -741,7 +763,7 @@ class Engine:
                 cotangents,
                 rows.per_task,
                 retain_graph or probing,
-                row_by_row,
+                row_by_row or compiled,
             )
         captured_bytes = sum(g.numel() * g.element_size() for g in grads if g is not None)
         reached: dict[int, list[Call]] = {}
@@ -817,6 +839,23 @@ class Engine:
             contributions.append((params, unit.rule.prepare(unit.module, params, unit_calls, rows)))
         return contributions, rows, order, extra_grads, captured_bytes
 
+    def _check_reentrant_checkpoints(self, losses: Tensor, calls: list[tuple[int, Call]]) -> None:
+        """Refuse a reentrant activation checkpoint in the losses' graph where it matters: the
+        calls inside it are not recorded (its forward runs without grad), and its backward
+        writes ``.grad`` of the parameters inside it. It is harmless below every recorded call
+        (the engine's backward stops before it) when every hooked module was called outside
+        it: a frozen backbone, or one trained apart from the Engine."""
+        called = {index for index, _ in calls}
+        uncalled = any(index not in called for index in range(len(self._units)))
+        if uncalled or checkpoint_above_calls(losses, [call for _, call in calls]):
+            raise ValueError(
+                "The losses' graph holds a reentrant activation checkpoint "
+                "(torch.utils.checkpoint with use_reentrant=True) around or above modules given "
+                "to the Engine: the Engine cannot see the calls inside it, and its backward "
+                "writes .grad of the parameters inside it. Use checkpoint(..., "
+                "use_reentrant=False), which the Engine supports."
+            )
+
     def _check_no_outside_use(
         self, losses: Tensor, calls: list[tuple[int, Call]], pattern: Pattern
     ) -> None:
@@ -856,6 +895,7 @@ class Engine:
                 "the Gramian would miss that use. Use it through a module (e.g. an nn.Linear "
                 "whose weight is the tied parameter), give the engine that module too, or "
                 "freeze the parameter."
+                + (f" {_COMPILED_BEFORE_HINT}" if _holds_compiled(pattern[1], ()) else "")
             )
 
     def _hooked_names(self) -> dict[int, str]:
@@ -1023,6 +1063,33 @@ def _check_versions(call: Call) -> None:
             )
 
 
+# the node of torch.compile'd code in the eager graph (AOT autograd's)
+_COMPILED_NODE = "CompiledFunctionBackward"
+
+
+def _holds_compiled(outside: tuple[object, ...], edges: Sequence[Any]) -> bool:
+    """Whether the losses' graph holds torch.compile'd code, around the recorded calls
+    (``outside``, from :func:`outside_calls`) or as their outputs' nodes."""
+    return _COMPILED_NODE in outside or any(type(e.node).__name__ == _COMPILED_NODE for e in edges)
+
+
+@contextlib.contextmanager
+def _compiled_backward_hint() -> Iterator[None]:
+    """Name the way out of torch's refusal of a second backward through compiled code."""
+    try:
+        yield
+    except RuntimeError as error:
+        if "donated buffer" not in str(error):
+            raise
+        raise RuntimeError(
+            "The losses' graph holds torch.compile'd code whose backward may run once only "
+            "(donated buffers), and this step pulls the losses back more than once (several "
+            "rows per sample or several tasks: one backward per row; or retain_graph=True). "
+            "Set torch._functorch.config.donated_buffer = False before compiling, or compile "
+            "without the modules given to the Engine."
+        ) from error
+
+
 def _at_outputs(call: Call, grads: Sequence[Tensor | None]) -> list[Tensor | None]:
     """The gradients of ``call``'s edges in its outputs' shapes (an edge at a reshaped
     output's base has the base's), with any leading dimensions of rows kept."""
@@ -1170,7 +1237,12 @@ def _reached_params(params: dict[str, Tensor], calls: list[Call]) -> dict[str, T
         for edge, hit in zip(call.edges, call.reached, strict=True)
         if hit
     ]
-    unused = unreached(starts, {id(p): p for p in params.values()})
+    # (not past the outermost calls' inputs: the earlier network is not the module's; the
+    # inputs of a call nested in another are inside that one)
+    stops = {
+        id(t.grad_fn) for call in calls if not call.nested for t, _ in call.versions if t.grad_fn
+    }
+    unused = unreached(starts, {id(p): p for p in params.values()}, stops)
     return {name: p for name, p in params.items() if id(p) not in unused} if unused else params
 
 

@@ -199,11 +199,6 @@ def outside_calls(losses: Tensor, calls: Sequence[Call]) -> tuple[object, ...]:
     for one sample's loss to read another's outputs: an L2 penalty added to the losses, a
     mixing of the samples or a functional use of a weight changes it.
 
-    Raises:
-        ValueError: the graph holds a reentrant checkpoint (``use_reentrant=True``), whose
-            calls the engine cannot see and whose backward writes ``.grad`` of the parameters
-            inside it.
-
     Example:
         >>> import torch
         >>> from torch import nn
@@ -229,20 +224,42 @@ def outside_calls(losses: Tensor, calls: Sequence[Call]) -> tuple[object, ...]:
             if not any(node is i for i in inputs):  # (else an input returned as it is)
                 key.append(end)
                 return inputs
-        name = type(node).__name__
-        if name == "CheckpointFunctionBackward":
-            raise ValueError(
-                "The losses' graph holds a reentrant activation checkpoint "
-                "(torch.utils.checkpoint with use_reentrant=True): the Engine cannot see the "
-                "calls inside it, and its backward writes .grad of the parameters inside it. "
-                "Use checkpoint(..., use_reentrant=False), which the Engine supports."
-            )
-        key.append(name)
+        key.append(type(node).__name__)
         return [node for node, _ in node.next_functions]
 
     for _ in _walk([losses.grad_fn], following):
         pass
     return tuple(key)
+
+
+# the node of a reentrant activation checkpoint (torch.utils.checkpoint, use_reentrant=True)
+REENTRANT_CHECKPOINT = "CheckpointFunctionBackward"
+
+
+def checkpoint_above_calls(losses: Tensor, calls: Sequence[Call]) -> bool:
+    """Whether a reentrant checkpoint lies between the losses and a recorded call's output:
+    the engine's backward to the calls' outputs then runs its backward, which writes ``.grad``
+    of the parameters inside it.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> from torch.utils.checkpoint import checkpoint
+        >>> from jacflow.autogram import Engine
+        >>> from jacflow.autogram._outside import checkpoint_above_calls
+        >>> first, second = nn.Linear(2, 2), nn.Linear(2, 2)
+        >>> engine = Engine(first, batch_dim=0)
+        >>> losses = checkpoint(second, first(torch.ones(3, 2)), use_reentrant=True).sum(1)
+        >>> checkpoint_above_calls(losses, [call for _, call in engine._recorder.take()])
+        True
+    """
+    ends = {id(edge.node) for call in calls for edge in call.edges}
+    checkpoints = [
+        node
+        for node in _walk([losses.grad_fn], _inputs)
+        if type(node).__name__ == REENTRANT_CHECKPOINT
+    ]
+    return any(id(node) in ends for node in _walk(checkpoints, _inputs))
 
 
 def first_reached(losses: Tensor, targets: dict[int, tuple[_Target, object]]) -> _Target | None:
@@ -262,10 +279,14 @@ def first_reached(losses: Tensor, targets: dict[int, tuple[_Target, object]]) ->
     return next((targets[id(node)][0] for node in nodes if id(node) in targets), None)
 
 
-def unreached(starts: Iterable[Any], params: dict[int, Tensor]) -> set[int]:
+def unreached(
+    starts: Iterable[Any], params: dict[int, Tensor], stops: Collection[int] = ()
+) -> set[int]:
     """The ``id`` of each of ``params`` (keyed by ``id``) whose gradient accumulator is not
     reached from the autograd nodes ``starts``: autograd, run from there, would leave its
-    ``.grad`` as it is. (The walk ends once every accumulator is found.)
+    ``.grad`` as it is. The walk ends once every accumulator is found, and does not go on past
+    the nodes whose ``id`` is in ``stops`` (a call's inputs: what lies below them is not the
+    call's).
 
     Example:
         >>> import torch
@@ -275,7 +296,11 @@ def unreached(starts: Iterable[Any], params: dict[int, Tensor]) -> set[int]:
         True
     """
     left = dict(params)
-    for node in _walk(starts, _inputs):
+
+    def following(node: Any) -> Iterable[Any]:
+        return () if id(node) in stops else _inputs(node)
+
+    for node in _walk(starts, following):
         variable = getattr(node, "variable", None)  # (a gradient accumulator's parameter)
         if variable is not None and left.pop(id(variable), None) is not None and not left:
             break

@@ -41,6 +41,12 @@ _TYPES = (nn.RNN, nn.LSTM, nn.GRU)
 _GENERIC = FallbackRule()
 
 
+def _weight(module: nn.Module, name: str, dtype: torch.dtype) -> Tensor:
+    """The parameter ``name`` of ``module``, detached, in ``dtype``."""
+    weight: Tensor = getattr(module, name)
+    return weight.detach().to(dtype)
+
+
 def covered(module: nn.RNNBase) -> bool:
     """Whether the closed form reproduces the module's forward (the per-call conditions are
     checked when the calls are known).
@@ -144,12 +150,14 @@ class _Replay:
             outputs = []
             for direction in range(directions):
                 suffix = f"_l{layer}" + ("_reverse" if direction else "")
-                w_ih, w_hh = (getattr(module, f"weight_{k}{suffix}").detach() for k in ("ih", "hh"))
+
+                # (in the dtype of the call's tensors: float32 for float16 parameters)
+                w_ih, w_hh = (_weight(module, f"weight_{k}{suffix}", x.dtype) for k in ("ih", "hh"))
                 b_ih, b_hh = (
-                    getattr(module, f"bias_{k}{suffix}").detach() if module.bias else None
+                    _weight(module, f"bias_{k}{suffix}", x.dtype) if module.bias else None
                     for k in ("ih", "hh")
                 )
-                w_hr = getattr(module, f"weight_hr{suffix}").detach() if projected else None
+                w_hr = _weight(module, f"weight_hr{suffix}", x.dtype) if projected else None
                 a = F.linear(layer_input, w_ih, b_ih)  # every step at once
                 if not a.requires_grad:  # (first layer: a leaf, whose gradient is da)
                     a.requires_grad_()
