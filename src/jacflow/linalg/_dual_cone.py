@@ -526,7 +526,8 @@ def project_weights(
     Problem statement. ``G`` is first divided by its trace (a trace ``<= norm_eps`` gives
     ``G = 0``, hence ``v = u``) and ``reg_eps * I`` is added. With the defaults
     ``norm_eps = reg_eps = 0`` the problem solved is exactly the one above, rescaled to a unit
-    diagonal: with ``d = sqrt(diag(G))``, ``w = d v`` solves ``min w^T G' w s.t. w >= d u`` for
+    diagonal when its diagonal spreads over more than 16 (gradients' norms over more than 4):
+    with ``d = sqrt(diag(G))``, ``w = d v`` solves ``min w^T G' w s.t. w >= d u`` for
     ``G' = G / (d d^T)`` (neither this nor dividing by the trace changes the solution), so that
     the tolerance below weighs every objective by its own gradient's norm. TorchJD uses
     ``norm_eps = reg_eps = 1e-4``, without the rescaling.
@@ -608,13 +609,28 @@ def project_weights(
     settings = _Settings(
         norm_eps=norm_eps, reg_eps=reg_eps, method=method, max_iter=max_iter, tol=tol
     )
-    if norm_eps == 0 and reg_eps == 0:  # (the exact problem: solved with unit diagonal)
+    if norm_eps == 0 and reg_eps == 0 and _unbalanced(gramian):  # (the exact problem)
         d = _unit_diagonal_scale(gramian)
         d_rows = d if gramian.ndim == 2 else d.unsqueeze(-2)  # (u's rows: [*batch, k, m])
         first = u * d_rows
         scaled = _project_weights(first, _scaled(gramian, d), dtype, settings)
         return _unscaled(scaled, first, d_rows, u.to(dtype))
     return _project_weights(u, gramian, dtype, settings)
+
+
+# The diagonal's spread (largest over smallest entry) up to which the problem is solved as it
+# is: the solvers' tolerance then weighs no objective more than 16 times less than another (a
+# 4-fold spread of gradient norms), and the rescaling's dozen operations (6% of UPGrad's
+# weights on a per-sample Gramian at m = 128, whose spreads are often 1.2-2.5) are saved.
+_BALANCED_SPREAD = 16.0
+
+
+def _unbalanced(gramian: Tensor) -> bool:
+    """Whether ``G``'s diagonal spreads over more than ``_BALANCED_SPREAD`` (or holds a zero, a
+    negative or a non-finite entry): then the problem is solved rescaled to a unit diagonal."""
+    low, high = torch.aminmax(gramian.detach().diagonal(dim1=-2, dim2=-1))
+    low_value, high_value = float(low), float(high)
+    return not (low_value > 0 and high_value <= _BALANCED_SPREAD * low_value)
 
 
 def _unit_diagonal_scale(gramian: Tensor) -> Tensor:
@@ -726,8 +742,8 @@ def project_diagonal(
         norm_eps=norm_eps, reg_eps=reg_eps, method=method, max_iter=max_iter, tol=tol
     )
     dtype = torch.promote_types(pref.dtype, gramian.dtype)
-    if gramian.shape[-1] > 0 and norm_eps == 0 and reg_eps == 0:  # (see project_weights)
-        d = _unit_diagonal_scale(gramian)
+    if gramian.shape[-1] > 0 and norm_eps == 0 and reg_eps == 0 and _unbalanced(gramian):
+        d = _unit_diagonal_scale(gramian)  # (see project_weights)
         first = pref * d
         scaled = _project_diagonal(first, _scaled(gramian, d), dtype, settings)
         return _unscaled_diagonal(scaled, first.to(dtype), d.to(dtype), pref.to(dtype))
