@@ -290,3 +290,25 @@ def test_float16_recurrent_layers(kind: str, batch_dim: int | None) -> None:
     expected = jacobian @ jacobian.T
     scale = float(expected.abs().max())
     torch.testing.assert_close(gramian.double() / scale, expected / scale, rtol=0, atol=2e-2)
+
+
+def test_float16_model_under_bfloat16_autocast() -> None:
+    """A float16 model under bfloat16 autocast: its bfloat16 tensors, which do not promote to
+    float16, were left as recorded and met the float16 weights in the update (a raw dtype
+    error). They go to the float32 of float16's closed forms now; the Gramian and the update
+    against the float64 brute force."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3))
+    reference = copy.deepcopy(model).double()
+    model.half()
+    x = torch.randn(6, 5)
+    engine = Engine(model, batch_dim=0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        losses = model(x.half()).pow(2).sum(1)  # (bfloat16 losses)
+    weights = engine.backward(losses, UPGradWeighting())
+    params = [*reference.parameters()]
+    jacobian = reference_jacobian(reference(x.half().double()).pow(2).sum(1), params)
+    update = torch.cat([p.grad.double().flatten() for p in model.parameters()])  # type: ignore[union-attr]
+    expected = weights.double() @ jacobian
+    scale = float(expected.abs().max())
+    torch.testing.assert_close(update / scale, expected / scale, rtol=0, atol=5e-2)
