@@ -18,6 +18,7 @@ from torch.nn.utils import parametrize
 
 from jacflow.aggregation import MeanWeighting, UPGradWeighting
 from jacflow.autogram import Engine
+from jacflow.autogram import _engine as engine_module
 from tests.autogram._zoo import Scale
 from tests.autogram.test_engine import assert_exact_gramian, reference_jacobian
 
@@ -1520,10 +1521,14 @@ def test_changes_that_keep_the_modules_listed_alike(change: str) -> None:
         assert_exact_gramian(engine, losses, params)
 
 
-def test_forwards_piling_up_without_a_step_are_warned_about() -> None:
+def test_forwards_piling_up_without_a_step_are_warned_about(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Plain training steps with the engine attached (a warm-up) keep every forward's recorded
-    calls, and their inputs, until a step: a warning after 64 such forwards names the way out
-    (``clear()``); Jacobian-descent steps, which take the calls, are never warned about."""
+    calls, and their inputs, until a step: once 64 such forwards hold much memory (here a
+    threshold lowered to 1 KiB), a warning names the way out (``clear()``); Jacobian-descent
+    steps, which take the calls, are never warned about."""
+    monkeypatch.setattr(engine_module, "_PENDING_BYTES_WARNING", 1024)
     model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
     x = torch.randn(5, 3)
     engine = Engine(model, batch_dim=0)
@@ -1534,9 +1539,19 @@ def test_forwards_piling_up_without_a_step_are_warned_about() -> None:
         for _ in range(64):
             model(x).sum().backward()
         engine.clear()
-        for _ in range(64):
-            model(x).sum().backward()
-        engine.clear()
     with pytest.warns(UserWarning, match=r"engine\.clear\(\)"):
         for _ in range(65):
             model(x).sum().backward()
+
+
+def test_a_cell_called_in_a_loop_is_not_warned_about() -> None:
+    """A given recurrent cell called 100 times in one forward starts 100 forwards of a given
+    module: it was warned about at its first step. The warning waits for much memory held."""
+    cell, head = nn.GRUCell(3, 4), nn.Linear(4, 1)
+    engine = Engine(cell, head, batch_dim=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        h = torch.zeros(5, 4)
+        for _ in range(100):
+            h = cell(torch.randn(5, 3), h)
+        engine.backward(head(h).squeeze(1), MeanWeighting())

@@ -517,3 +517,34 @@ def test_a_reentrant_checkpoint_below_every_hooked_call_is_accepted() -> None:
     losses = head(checkpoint(backbone, x, use_reentrant=True)).pow(2).sum(1)
     assert_exact_gramian(engine, losses, [*head.parameters()])
     assert all(p.grad is None for p in backbone.parameters())
+
+
+def test_a_hooked_layer_also_called_inside_a_reentrant_checkpoint_is_refused() -> None:
+    """A shared layer called twice, once inside a reentrant checkpoint below the other call:
+    the checkpointed call is not recorded, and the step was accepted without it (Gramian 14%
+    off, update 25%). The checkpoint runs a module holding hooked modules: refused."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    layer = nn.Linear(4, 4).double()
+    x = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
+    engine = Engine(layer, batch_dim=0)
+    losses = layer(torch.tanh(checkpoint(layer, x, use_reentrant=True))).pow(2).sum(1)
+    with pytest.raises(ValueError, match="use_reentrant=False"):
+        engine.backward(losses, UPGradWeighting())
+    assert all(p.grad is None for p in layer.parameters())
+
+
+def test_an_unused_expert_beside_a_checkpointed_frozen_stem_is_exact() -> None:
+    """A hooked layer not called at this step (an expert not selected) beside a reentrant
+    checkpoint of a frozen stem below the hooked calls: refused before (any hooked layer
+    without a call), exact now."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    stem = nn.Sequential(nn.Linear(5, 8), nn.Tanh()).double().requires_grad_(False)
+    experts = nn.ModuleList([nn.Linear(8, 3), nn.Linear(8, 3)]).double()
+    x = torch.randn(6, 5, dtype=torch.float64, requires_grad=True)
+    engine = Engine(experts, batch_dim=0)
+    losses = experts[0](checkpoint(stem, x, use_reentrant=True)).pow(2).sum(1)
+    assert_exact_gramian(engine, losses, [*experts[0].parameters()])

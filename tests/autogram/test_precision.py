@@ -312,3 +312,24 @@ def test_float16_model_under_bfloat16_autocast() -> None:
     expected = weights.double() @ jacobian
     scale = float(expected.abs().max())
     torch.testing.assert_close(update / scale, expected / scale, rtol=0, atol=5e-2)
+
+
+def test_float16_batchnorm_in_eval_mode() -> None:
+    """A float16 BatchNorm in eval mode: its float16 running statistics met the float32 inputs
+    of float16's closed forms ("mixed dtype"); against the float64 brute force."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(2, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.Linear(16, 2))
+    with torch.no_grad():
+        model[1].running_mean.uniform_(-1, 1)
+        model[1].running_var.uniform_(0.5, 2)
+    model.eval()
+    reference = copy.deepcopy(model).double()
+    model.half()
+    x = torch.randn(5, 2, 4, 4)
+    engine = Engine(model, batch_dim=0)
+    gramian = engine.compute_gramian(model(x.half()).float().pow(2).sum(1))
+    params = [*reference.parameters()]
+    jacobian = reference_jacobian(reference(x.half().double()).pow(2).sum(1), params)
+    expected = jacobian @ jacobian.T
+    scale = float(expected.abs().max())
+    torch.testing.assert_close(gramian.double() / scale, expected / scale, rtol=0, atol=2e-2)

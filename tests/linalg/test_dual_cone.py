@@ -616,3 +616,25 @@ def test_row_norms_spread_over_orders_of_magnitude(seed: int, spread: float, m: 
     for i in range(m):
         expected = _projection_onto_dual_cone(j, j[i])
         torch.testing.assert_close(v[i] @ j, expected, rtol=0, atol=1e-8 * float(j[i].norm()))
+
+
+def test_float32_gramians_below_the_rescaling_spread_do_not_conflict() -> None:
+    """Nearly opposed pairs of gradients, float32, the diagonal spread just below the
+    rescaling threshold (solved as given): a looser warning threshold there (``100 m eps``,
+    meant for the rescaled problems) let the solvers stop with DualProj's update conflicting
+    with an objective (cosine -9e-3, 28% from the primal QP), silently."""
+    gen = torch.Generator().manual_seed(61)
+    m, n = 32, 40
+    j = torch.randn(m, n, generator=gen, dtype=torch.float64)
+    for i in range(0, m - 1, 2):
+        j[i + 1] = -j[i] + 0.05 * torch.randn(n, generator=gen, dtype=torch.float64)
+    j = j / j.norm(dim=1, keepdim=True)
+    spread = torch.logspace(0, float(torch.log10(torch.tensor(15.99))), m, dtype=torch.float64)
+    j = j * spread.sqrt()[torch.randperm(m, generator=gen)][:, None]
+    gramian = j.float() @ j.float().T
+    v = project_weights(torch.full((1, m), 1 / m), gramian)[0]
+    update = v.double() @ j
+    expected = _projection_onto_dual_cone(j, j.mean(0))
+    assert float((update - expected).norm() / expected.norm()) < 1e-3
+    cosines = (j @ update) / (j.norm(dim=1) * update.norm())
+    assert float(cosines.min()) > -1e-4

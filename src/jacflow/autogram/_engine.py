@@ -41,8 +41,10 @@ from jacflow.autogram._hooks import (
 from jacflow.autogram._outside import (
     REENTRANT_CHECKPOINT,
     checkpoint_above_calls,
+    checkpointed_module,
     first_reached,
     outside_calls,
+    reentrant_checkpoints,
     unreached,
     used_outside,
 )
@@ -68,6 +70,9 @@ _MAX_PATTERNS = 64
 # forwards of the given modules started with calls of earlier ones pending, after which the
 # engine warns that they hold their inputs (plain training steps with the engine attached)
 _PENDING_FORWARDS_WARNING = 64
+# ... when they hold this many bytes of inputs (a module called in a loop within one forward,
+# a recurrent cell, starts a forward of a given module at every call, holding little)
+_PENDING_BYTES_WARNING = 256 * 2**20
 
 # (a compiled graph traced before the engine hooked its modules runs without the hooks)
 _COMPILED_BEFORE_HINT = (
@@ -234,9 +239,10 @@ class Engine:
     cannot tell. (A mixing of only two samples shows with probability one half. A
     ``retain_grad()`` tensor on that path accumulates that backward's gradient too. A model
     whose calls or losses' graph change at every step, as with LayerDrop, is checked at every
-    step.) A reentrant activation checkpoint (``use_reentrant=True``) around or above the
-    hooked calls, whose calls the engine cannot see, is refused; the non-reentrant one is
-    supported. Torch.compile'd code, whose backward may run only once, is not checked.
+    step.) A reentrant activation checkpoint (``use_reentrant=True``) that runs hooked modules
+    (or a function that is not a module's) or lies above the hooked calls, whose calls the
+    engine cannot see, is refused; the non-reentrant one is supported. Torch.compile'd code,
+    whose backward may run only once, is not checked.
 
     The output gradients of several rows per sample (``[B, k]`` losses) or of per-task losses
     are pulled back in one backward batched with ``vmap``. Per task on the CPU, losses stacked
@@ -333,6 +339,7 @@ class Engine:
         self._separable_checked: set[Pattern] = set()
         self._hook_error: Exception | None = None  # (of hooking them again at a forward)
         self._pending_forwards = 0  # (see _note_pending_forward)
+        self._warned_pending = False
         # (DistributedDataParallel wrappers: the step takes their averaging over the replicas)
         given = [] if ddp is None else [_checked_ddp(ddp, modules)]
         self._replicas = wrappers_in([*modules, *given])
@@ -499,17 +506,28 @@ class Engine:
 
     def _note_pending_forward(self) -> None:
         """Count a forward started while earlier ones' calls wait for a step, and warn once
-        when many have piled up: their recorded inputs stay alive until a step takes them."""
+        when many have piled up holding much memory: their recorded inputs stay alive until a
+        step takes them (looked at every ``_PENDING_FORWARDS_WARNING`` forwards)."""
         self._pending_forwards += 1
-        if self._pending_forwards == _PENDING_FORWARDS_WARNING:
-            warnings.warn(
-                f"The Engine has recorded the calls of {_PENDING_FORWARDS_WARNING} forwards of "
-                "its modules since its last step, and they hold their inputs until a step "
-                "takes them. Plain training steps with the Engine attached (a warm-up before "
-                "Jacobian descent) keep them: call engine.clear() after such steps, or create "
-                "the Engine when Jacobian descent starts (engine.remove() when it ends).",
-                stacklevel=caller_stacklevel(),
-            )
+        if self._warned_pending or self._pending_forwards % _PENDING_FORWARDS_WARNING:
+            return
+        held = {
+            id(t): t.untyped_storage().nbytes()
+            for _, call in self._recorder.calls
+            for t in call.args
+            if isinstance(t, Tensor)
+        }
+        if sum(held.values()) < _PENDING_BYTES_WARNING:
+            return
+        self._warned_pending = True
+        warnings.warn(
+            f"The Engine has recorded the calls of {self._pending_forwards} forwards of its "
+            f"modules since its last step, holding {sum(held.values()) / 2**20:.0f} MiB of "
+            "inputs until a step takes them. Plain training steps with the Engine attached (a "
+            "warm-up before Jacobian descent) keep them: call engine.clear() after such steps, "
+            "or create the Engine when Jacobian descent starts (engine.remove() when it ends).",
+            stacklevel=caller_stacklevel(),
+        )
 
     # ----------------------------------------------------------------------------- public API
     def compute_gramian(self, losses: Tensor, *, retain_graph: bool = True) -> Tensor:
@@ -843,18 +861,23 @@ class Engine:
         """Refuse a reentrant activation checkpoint in the losses' graph where it matters: the
         calls inside it are not recorded (its forward runs without grad), and its backward
         writes ``.grad`` of the parameters inside it. It is harmless below every recorded call
-        (the engine's backward stops before it) when every hooked module was called outside
-        it: a frozen backbone, or one trained apart from the Engine."""
-        called = {index for index, _ in calls}
-        uncalled = any(index not in called for index in range(len(self._units)))
-        if uncalled or checkpoint_above_calls(losses, [call for _, call in calls]):
-            raise ValueError(
-                "The losses' graph holds a reentrant activation checkpoint "
-                "(torch.utils.checkpoint with use_reentrant=True) around or above modules given "
-                "to the Engine: the Engine cannot see the calls inside it, and its backward "
-                "writes .grad of the parameters inside it. Use checkpoint(..., "
-                "use_reentrant=False), which the Engine supports."
-            )
+        (the engine's backward stops before it) when it runs a module holding none of the
+        hooked modules (a frozen backbone, or one trained apart from the Engine); a function
+        that is not a module's cannot be looked into, and is refused."""
+        checkpoints = reentrant_checkpoints(losses)
+        hooked = {id(unit.module) for unit in self._units}
+        for node in checkpoints:
+            module = checkpointed_module(node)
+            inside = module is None or any(id(sub) in hooked for sub in module.modules())
+            if inside or checkpoint_above_calls(checkpoints, [call for _, call in calls]):
+                raise ValueError(
+                    "The losses' graph holds a reentrant activation checkpoint "
+                    "(torch.utils.checkpoint with use_reentrant=True) around or above modules "
+                    "given to the Engine (or of a function it cannot look into): the Engine "
+                    "cannot see the calls inside it, and its backward writes .grad of the "
+                    "parameters inside it. Use checkpoint(..., use_reentrant=False), which the "
+                    "Engine supports."
+                )
 
     def _check_no_outside_use(
         self, losses: Tensor, calls: list[tuple[int, Call]], pattern: Pattern

@@ -39,7 +39,8 @@ def _normalized(module: nn.Module, x: Tensor, call: Call) -> tuple[Tensor, int]:
         found = call.found_buffers(module)
         if call.trained(module) or "running_mean" not in found:  # the batch's statistics
             return F.batch_norm(x, None, None, None, None, True, 0.0, module.eps), 0
-        running = (found["running_mean"], found["running_var"])
+        # (in the dtype of the call's tensors: float32 for a float16 layer's upcast ones)
+        running = (found["running_mean"].to(x.dtype), found["running_var"].to(x.dtype))
         return F.batch_norm(x, *running, None, None, False, 0.0, module.eps), 0
     assert isinstance(module, nn.GroupNorm)
     return F.group_norm(x, module.num_groups, None, None, module.eps), 0

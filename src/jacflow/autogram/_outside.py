@@ -16,11 +16,12 @@ forward did) takes a walk too, made only when some view was changed so.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from torch import Tensor
+from torch import Tensor, nn
 from torch.autograd.graph import get_gradient_edge
 
 from jacflow.autogram._rules import Call
@@ -236,30 +237,42 @@ def outside_calls(losses: Tensor, calls: Sequence[Call]) -> tuple[object, ...]:
 REENTRANT_CHECKPOINT = "CheckpointFunctionBackward"
 
 
-def checkpoint_above_calls(losses: Tensor, calls: Sequence[Call]) -> bool:
-    """Whether a reentrant checkpoint lies between the losses and a recorded call's output:
-    the engine's backward to the calls' outputs then runs its backward, which writes ``.grad``
-    of the parameters inside it.
+def reentrant_checkpoints(losses: Tensor) -> list[Any]:
+    """The nodes of the reentrant checkpoints in the graph of ``losses``."""
+    return [n for n in _walk([losses.grad_fn], _inputs) if type(n).__name__ == REENTRANT_CHECKPOINT]
+
+
+def checkpoint_above_calls(checkpoints: Sequence[Any], calls: Sequence[Call]) -> bool:
+    """Whether one of the reentrant ``checkpoints`` lies between the losses and a recorded
+    call's output: the engine's backward to the calls' outputs then runs its backward, which
+    writes ``.grad`` of the parameters inside it.
 
     Example:
         >>> import torch
         >>> from torch import nn
         >>> from torch.utils.checkpoint import checkpoint
         >>> from jacflow.autogram import Engine
-        >>> from jacflow.autogram._outside import checkpoint_above_calls
+        >>> from jacflow.autogram._outside import checkpoint_above_calls, reentrant_checkpoints
         >>> first, second = nn.Linear(2, 2), nn.Linear(2, 2)
         >>> engine = Engine(first, batch_dim=0)
         >>> losses = checkpoint(second, first(torch.ones(3, 2)), use_reentrant=True).sum(1)
-        >>> checkpoint_above_calls(losses, [call for _, call in engine._recorder.take()])
+        >>> calls = [call for _, call in engine._recorder.take()]
+        >>> checkpoint_above_calls(reentrant_checkpoints(losses), calls)
         True
     """
     ends = {id(edge.node) for call in calls for edge in call.edges}
-    checkpoints = [
-        node
-        for node in _walk([losses.grad_fn], _inputs)
-        if type(node).__name__ == REENTRANT_CHECKPOINT
-    ]
     return any(id(node) in ends for node in _walk(checkpoints, _inputs))
+
+
+def checkpointed_module(node: Any) -> nn.Module | None:
+    """The module that a reentrant checkpoint's node ran (given as the module, one of its
+    bound methods, or a ``functools.partial`` of either), else ``None`` (another function,
+    whose inside cannot be seen)."""
+    function = getattr(node, "run_function", None)
+    while isinstance(function, functools.partial):
+        function = function.func
+    owner = getattr(function, "__self__", function)
+    return owner if isinstance(owner, nn.Module) else None
 
 
 def first_reached(losses: Tensor, targets: dict[int, tuple[_Target, object]]) -> _Target | None:

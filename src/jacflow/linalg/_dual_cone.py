@@ -13,6 +13,7 @@ float64. It is small and obviously correct; it is the oracle of the tests.
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from collections.abc import Callable
@@ -175,18 +176,23 @@ def _solved_on_host(
     return on_host.to(gramian.device, non_blocking=True)
 
 
-def tolerances(dtype: torch.dtype, m: int, tol: float | None) -> tuple[float, float]:
+def tolerances(
+    dtype: torch.dtype, m: int, tol: float | None, rescaled: bool = False
+) -> tuple[float, float]:
     """The residual the solvers aim for, and the one accepted without a warning.
 
     A given ``tol`` is both. By default they aim for ``1e-10`` (float64) or ``1e-6`` and accept
-    up to ``100 m eps`` more: the residual that rounding errors of a Gramian stored in ``dtype``
-    (slightly indefinite for float32) may leave even for an exact method, measured with every
-    objective at its own scale (a float32 Gramian of condition 1e9 left 1.3e-5 at ``m = 9``).
+    up to ``10 m eps`` more: the residual that rounding errors of a Gramian stored in ``dtype``
+    (slightly indefinite for float32) may leave even for an exact method; ``100 m eps`` on a
+    problem ``rescaled`` to a unit diagonal, where every objective is measured at its own
+    scale (a float32 Gramian of condition 1e9 left 1.3e-5 at ``m = 9``). On the problem as
+    given, ``100 m eps`` let the solvers stop early enough for the update to conflict with an
+    objective (cosines down to -9e-3, float32, m = 32).
     """
     if tol is not None:
         return float(tol), float(tol)
     target = _DEFAULT_TOL.get(dtype, 1e-6)
-    return target, max(target, 100 * m * torch.finfo(dtype).eps)
+    return target, max(target, (100 if rescaled else 10) * m * torch.finfo(dtype).eps)
 
 
 class SolverWarning(UserWarning):
@@ -613,7 +619,7 @@ def project_weights(
         d = _unit_diagonal_scale(gramian)
         d_rows = d if gramian.ndim == 2 else d.unsqueeze(-2)  # (u's rows: [*batch, k, m])
         first = u * d_rows
-        scaled = _project_weights(first, _scaled(gramian, d), dtype, settings)
+        scaled = _project_weights(first, _scaled(gramian, d), dtype, settings, rescaled=True)
         return _unscaled(scaled, first, d_rows, u.to(dtype))
     return _project_weights(u, gramian, dtype, settings)
 
@@ -666,9 +672,11 @@ def _unscaled(scaled: Tensor, first: Tensor, d: Tensor, u: Tensor) -> Tensor:
     return v + (u - v).clamp_min(0).detach()
 
 
-def _project_weights(u: Tensor, gramian: Tensor, dtype: torch.dtype, settings: _Settings) -> Tensor:
+def _project_weights(
+    u: Tensor, gramian: Tensor, dtype: torch.dtype, settings: _Settings, rescaled: bool = False
+) -> Tensor:
     """:func:`project_weights` after its checks, on the problem as given (``dtype``: the
-    result's)."""
+    result's; ``rescaled``: to a unit diagonal, see :func:`tolerances`)."""
     norm_eps, reg_eps, method = settings["norm_eps"], settings["reg_eps"], settings["method"]
     max_iter, tol = settings["max_iter"], settings["tol"]
     m = gramian.shape[-1]
@@ -676,8 +684,9 @@ def _project_weights(u: Tensor, gramian: Tensor, dtype: torch.dtype, settings: _
         return u.detach().to(dtype).clone()
     differentiable = torch.is_grad_enabled() and (gramian.requires_grad or u.requires_grad)
     if _offloads(gramian, differentiable, method):
-        return _solved_on_host(_project_weights, u, gramian, dtype, settings)
-    target, accept = tolerances(dtype, m, tol)
+        there = functools.partial(_project_weights, rescaled=rescaled)
+        return _solved_on_host(there, u, gramian, dtype, settings)
+    target, accept = tolerances(dtype, m, tol, rescaled)
     if _short_routes_apply(gramian, differentiable, method, max_iter):
         if u.numel() // m * m**3 <= _HOST_MAX_WORK:
             v = _project_on_host(u, gramian, norm_eps, reg_eps, target, dtype)
@@ -745,30 +754,32 @@ def project_diagonal(
     if gramian.shape[-1] > 0 and norm_eps == 0 and reg_eps == 0 and _unbalanced(gramian):
         d = _unit_diagonal_scale(gramian)  # (see project_weights)
         first = pref * d
-        scaled = _project_diagonal(first, _scaled(gramian, d), dtype, settings)
+        scaled = _project_diagonal(first, _scaled(gramian, d), dtype, settings, rescaled=True)
         return _unscaled_diagonal(scaled, first.to(dtype), d.to(dtype), pref.to(dtype))
     return _project_diagonal(pref, gramian, dtype, settings)
 
 
 def _project_diagonal(
-    pref: Tensor, gramian: Tensor, dtype: torch.dtype, settings: _Settings
+    pref: Tensor, gramian: Tensor, dtype: torch.dtype, settings: _Settings, rescaled: bool = False
 ) -> Tensor:
-    """:func:`project_diagonal` after its checks, on the problem as given."""
+    """:func:`project_diagonal` after its checks, on the problem as given (``rescaled``: see
+    :func:`_project_weights`)."""
     norm_eps, reg_eps, method = settings["norm_eps"], settings["reg_eps"], settings["method"]
     max_iter, tol = settings["max_iter"], settings["tol"]
     m = gramian.shape[-1]
     differentiable = torch.is_grad_enabled() and (pref.requires_grad or gramian.requires_grad)
     if _offloads(gramian, differentiable, method):
-        return _solved_on_host(_project_diagonal, pref, gramian, dtype, settings)
+        there = functools.partial(_project_diagonal, rescaled=rescaled)
+        return _solved_on_host(there, pref, gramian, dtype, settings)
     short = _short_routes_apply(gramian, differentiable, method, max_iter)
     host = gramian.device.type == "cpu" and m**4 <= _HOST_MAX_WORK
     if m == 0 or differentiable or (host and not short):
-        return _project_weights(torch.diag(pref), gramian, dtype, settings)
-    target, accept = tolerances(dtype, m, tol)
+        return _project_weights(torch.diag(pref), gramian, dtype, settings, rescaled)
+    target, accept = tolerances(dtype, m, tol, rescaled)
     if host:
         on_host = _diagonal_on_host(pref, gramian, norm_eps, reg_eps, target, dtype)
         if on_host is None:
-            return _project_weights(torch.diag(pref), gramian, dtype, settings)
+            return _project_weights(torch.diag(pref), gramian, dtype, settings, rescaled)
         return on_host
     weights = pref.to(torch.float64)
     sign, scale = torch.sign(weights), weights.abs()[:, None]
@@ -777,7 +788,7 @@ def _project_diagonal(
         if v is not None:
             return v.to(dtype)
     if has_nonfinite(gramian) or has_nonfinite(pref):
-        return _project_weights(torch.diag(pref), gramian, dtype, settings)
+        return _project_weights(torch.diag(pref), gramian, dtype, settings, rescaled)
 
     def projected() -> Tensor:  # in float64
         g = _normalized(gramian.to(torch.float64)[None], norm_eps, reg_eps, one_sync=True)
