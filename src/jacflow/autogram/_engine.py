@@ -862,22 +862,23 @@ class Engine:
         calls inside it are not recorded (its forward runs without grad), and its backward
         writes ``.grad`` of the parameters inside it. It is harmless below every recorded call
         (the engine's backward stops before it) when it runs a module holding none of the
-        hooked modules (a frozen backbone, or one trained apart from the Engine); a function
-        that is not a module's cannot be looked into, and is refused."""
+        hooked parameters (a frozen backbone, or one trained apart from the Engine); a
+        function that is not a module's cannot be looked into, and is refused."""
         checkpoints = reentrant_checkpoints(losses)
-        hooked = {id(unit.module) for unit in self._units}
-        for node in checkpoints:
-            module = checkpointed_module(node)
-            inside = module is None or any(id(sub) in hooked for sub in module.modules())
-            if inside or checkpoint_above_calls(checkpoints, [call for _, call in calls]):
-                raise ValueError(
-                    "The losses' graph holds a reentrant activation checkpoint "
-                    "(torch.utils.checkpoint with use_reentrant=True) around or above modules "
-                    "given to the Engine (or of a function it cannot look into): the Engine "
-                    "cannot see the calls inside it, and its backward writes .grad of the "
-                    "parameters inside it. Use checkpoint(..., use_reentrant=False), which the "
-                    "Engine supports."
-                )
+        hooked = {id(p) for unit in self._units for p in unit.params().values()}
+        inside = any(
+            module is None or any(id(p) in hooked for p in module.parameters())
+            for module in map(checkpointed_module, checkpoints)
+        )
+        if inside or checkpoint_above_calls(checkpoints, [call for _, call in calls]):
+            raise ValueError(
+                "The losses' graph holds a reentrant activation checkpoint "
+                "(torch.utils.checkpoint with use_reentrant=True) around or above modules "
+                "given to the Engine (or of a function it cannot look into): the Engine "
+                "cannot see the calls inside it, and its backward writes .grad of the "
+                "parameters inside it. Use checkpoint(..., use_reentrant=False), which the "
+                "Engine supports."
+            )
 
     def _check_no_outside_use(
         self, losses: Tensor, calls: list[tuple[int, Call]], pattern: Pattern
