@@ -79,10 +79,7 @@ class AlignedMTLWeighting(GramianWeighting):
         self.pref_vector = check_pref_vector(pref_vector)
         self.scale_mode = _check_scale_mode(scale_mode)
 
-    @property
-    def scale_invariant(self) -> bool:
-        """True: the scale s and the inverse square roots of the eigenvalues cancel."""
-        return True
+    scale_invariant = True  # (the scale s and the inverse square roots of the eigenvalues cancel)
 
     def forward(self, stat: Tensor) -> Tensor:
         with torch.no_grad():

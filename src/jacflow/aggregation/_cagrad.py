@@ -142,10 +142,7 @@ class CAGradWeighting(GramianWeighting):
         self.norm_eps = check_float(norm_eps, "norm_eps", low=0.0)
         self.rescale = _check_rescale(rescale)
 
-    @property
-    def scale_invariant(self) -> bool:
-        """True: it solves on G divided by its trace."""
-        return True
+    scale_invariant = True  # (it solves on G divided by its trace)
 
     def forward(self, stat: Tensor) -> Tensor:
         with torch.no_grad():

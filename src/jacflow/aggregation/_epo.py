@@ -116,10 +116,7 @@ class EPOWeighting(GramianWeighting, LossAware):
             raise TypeError(f"`relax` must be a bool, received {type(relax)}.")
         self.relax = relax
 
-    @property
-    def scale_invariant(self) -> bool:
-        """True: its LP reads G divided by its largest diagonal entry."""
-        return True
+    scale_invariant = True  # (its LP reads G divided by its largest diagonal entry)
 
     def forward(self, stat: Tensor) -> Tensor:
         m = stat.shape[0]

@@ -52,10 +52,7 @@ class IMTLGWeighting(GramianWeighting):
         tensor([0.5923, 0.4077])
     """
 
-    @property
-    def scale_invariant(self) -> bool:
-        """True: the weights solve a system homogeneous in G."""
-        return True
+    scale_invariant = True  # (the weights solve a system homogeneous in G)
 
     def forward(self, stat: Tensor) -> Tensor:
         with torch.no_grad():

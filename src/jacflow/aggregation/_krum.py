@@ -75,10 +75,7 @@ class KrumWeighting(GramianWeighting):
         self.n_byzantine = check_int(n_byzantine, "n_byzantine", low=0)
         self.n_selected = check_int(n_selected, "n_selected", low=1)
 
-    @property
-    def scale_invariant(self) -> bool:
-        """True: it selects rows by the order of their scores."""
-        return True
+    scale_invariant = True  # (it selects rows by the order of their scores)
 
     def forward(self, stat: Tensor) -> Tensor:
         with torch.no_grad():

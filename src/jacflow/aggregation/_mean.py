@@ -29,10 +29,7 @@ class MeanWeighting(GramianWeighting):
     def _check_input(self, stat: Tensor) -> None:
         Weighting._check_input(self, stat)
 
-    @property
-    def scale_invariant(self) -> bool:
-        """True: the weights do not read G."""
-        return True
+    scale_invariant = True  # (the weights do not read G)
 
     def forward(self, stat: Tensor) -> Tensor:
         return mean_weights(stat.shape[0], stat)

@@ -109,10 +109,7 @@ class ParetoMTLWeighting(GramianWeighting, LossAware, Stateful):
         self._steps = 0
         self._warmup_done = False
 
-    @property
-    def scale_invariant(self) -> bool:
-        """True: the MGDA weights of A G A^T, normalised."""
-        return True
+    scale_invariant = True  # (the MGDA weights of A G A^T, normalised)
 
     def forward(self, stat: Tensor) -> Tensor:
         m = stat.shape[0]

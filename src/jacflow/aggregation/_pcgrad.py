@@ -90,10 +90,7 @@ class PCGradWeighting(GramianWeighting):
         tensor([2.2222, 1.5789])
     """
 
-    @property
-    def scale_invariant(self) -> bool:
-        """True: its coefficients are ratios of entries of G."""
-        return True
+    scale_invariant = True  # (its coefficients are ratios of entries of G)
 
     def forward(self, stat: Tensor) -> Tensor:
         with torch.no_grad():

@@ -82,10 +82,7 @@ class SDMGradWeighting(GramianWeighting, Stateful):
         """Forget the inner weights: the next call starts from ``1/m`` again."""
         self._w = None
 
-    @property
-    def scale_invariant(self) -> bool:
-        """True: its steps read G divided by the squared mean norm."""
-        return True
+    scale_invariant = True  # (its steps read G divided by the squared mean norm)
 
     def forward(self, stat: Tensor) -> Tensor:
         m = stat.shape[0]

@@ -22,10 +22,7 @@ class SumWeighting(GramianWeighting):
     def _check_input(self, stat: Tensor) -> None:
         Weighting._check_input(self, stat)
 
-    @property
-    def scale_invariant(self) -> bool:
-        """True: the weights do not read G."""
-        return True
+    scale_invariant = True  # (the weights do not read G)
 
     def forward(self, stat: Tensor) -> Tensor:
         return torch.ones(stat.shape[0], dtype=stat.dtype, device=stat.device)
