@@ -16,13 +16,19 @@ from tests.aggregation._properties import (
 )
 
 
-def brute_force_krum(J: Tensor, n_byzantine: int, n_selected: int) -> Tensor:
+def krum_scores(J: Tensor, n_byzantine: int) -> list[float]:
+    """Each row's sum of squared distances to its ``m - n_byzantine - 2`` nearest rows."""
     m = J.shape[0]
     scores = []
     for i in range(m):
         distances = sorted(float((J[i] - J[j]).square().sum()) for j in range(m) if j != i)
         scores.append(sum(distances[: m - n_byzantine - 2]))
-    chosen = sorted(range(m), key=lambda i: (scores[i], i))[:n_selected]
+    return scores
+
+
+def brute_force_krum(J: Tensor, n_byzantine: int, n_selected: int) -> Tensor:
+    scores = krum_scores(J, n_byzantine)
+    chosen = sorted(range(J.shape[0]), key=lambda i: (scores[i], i))[:n_selected]
     return J[chosen].mean(dim=0)
 
 
@@ -70,11 +76,7 @@ def test_permutation_invariant_when_the_scores_do_not_tie(
     f, k = min(f, m - 3), min(k, m)
     gen = torch.Generator().manual_seed(seed)
     J = torch.randn(m, n, generator=gen, dtype=torch.float64)
-    scores = []
-    for i in range(m):
-        distances = sorted(float((J[i] - J[j]).square().sum()) for j in range(m) if j != i)
-        scores.append(sum(distances[: m - f - 2]))
-    ordered = sorted(scores)
+    ordered = sorted(krum_scores(J, f))
     if k < m and ordered[k] - ordered[k - 1] < 1e-9 * (1 + ordered[k]):
         return  # the k-th and (k+1)-th scores tie: the order decides, as documented
     perm = torch.randperm(m, generator=gen)

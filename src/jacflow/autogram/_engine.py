@@ -511,18 +511,19 @@ class Engine:
         self._pending_forwards += 1
         if self._warned_pending or self._pending_forwards % _PENDING_FORWARDS_WARNING:
             return
-        held = {
+        storages = {
             id(t): t.untyped_storage().nbytes()
             for _, call in self._recorder.calls
             for t in call.args
             if isinstance(t, Tensor)
         }
-        if sum(held.values()) < _PENDING_BYTES_WARNING:
+        held = sum(storages.values())
+        if held < _PENDING_BYTES_WARNING:
             return
         self._warned_pending = True
         warnings.warn(
             f"The Engine has recorded the calls of {self._pending_forwards} forwards of its "
-            f"modules since its last step, holding {sum(held.values()) / 2**20:.0f} MiB of "
+            f"modules since its last step, holding {held / 2**20:.0f} MiB of "
             "inputs until a step takes them. Plain training steps with the Engine attached (a "
             "warm-up before Jacobian descent) keep them: call engine.clear() after such steps, "
             "or create the Engine when Jacobian descent starts (engine.remove() when it ends).",
@@ -865,7 +866,7 @@ class Engine:
         hooked parameters (a frozen backbone, or one trained apart from the Engine); a
         function that is not a module's cannot be looked into, and is refused."""
         checkpoints = reentrant_checkpoints(losses)
-        hooked = {id(p) for unit in self._units for p in unit.params().values()}
+        hooked = self._hooked_names()
         inside = any(
             module is None or any(id(p) in hooked for p in module.parameters())
             for module in map(checkpointed_module, checkpoints)
@@ -1133,8 +1134,9 @@ def _check_separable(
     retain_graph: bool,
 ) -> None:
     """Refuse a per-sample step in which the losses read a reached call's output at other
-    samples than their own (see ``_separable``), from one probing backward of the losses of one
-    or two samples, which frees the graph unless ``retain_graph``."""
+    samples than their own (see ``_separable``), from one probing backward of the losses of
+    about half the samples (:func:`probe_samples`), which frees the graph unless
+    ``retain_graph``."""
     samples = probe_samples(num_samples)
     edges = [edge for _, call, _ in calls for edge in call.edges]
     with replaying():

@@ -87,11 +87,9 @@ def _batched_or_row_by_row(function: Callable[[Any], Any], rows: Any) -> Any:
     leaves, spec = tree_flatten(rows)
     count = leaves[0].shape[0]
     results = [function(tree_unflatten([leaf[r] for leaf in leaves], spec)) for r in range(count)]
-    stacked, out_spec = tree_flatten(results[0])
     columns = [tree_flatten(result)[0] for result in results]
-    return tree_unflatten(
-        [torch.stack([column[i] for column in columns]) for i in range(len(stacked))], out_spec
-    )
+    stacked = [torch.stack(rows_of_one) for rows_of_one in zip(*columns, strict=True)]
+    return tree_unflatten(stacked, tree_flatten(results[0])[1])
 
 
 def _per_sample_grads(

@@ -590,8 +590,8 @@ def project_weights(
             iterations); an explicit cap also disables the exact fallback.
         tol: KKT residual at which a problem counts as solved. By default the solvers aim for
             1e-10 (float64 inputs) or 1e-6 (float32) and accept, without a warning, up to
-            ``max(1e-6, 100 m eps)`` for float32 inputs, whose rounded Gramians may be slightly
-            indefinite.
+            ``max(1e-6, 10 m eps)`` for float32 inputs, whose rounded Gramians may be slightly
+            indefinite (``100 m eps`` on a problem rescaled to a unit diagonal).
 
     Returns:
         ``v`` with the shape of ``u``.
@@ -615,8 +615,8 @@ def project_weights(
     settings = _Settings(
         norm_eps=norm_eps, reg_eps=reg_eps, method=method, max_iter=max_iter, tol=tol
     )
-    if norm_eps == 0 and reg_eps == 0 and _unbalanced(gramian):  # (the exact problem)
-        d = _unit_diagonal_scale(gramian)
+    d = _rescaling(gramian, norm_eps, reg_eps)
+    if d is not None:
         d_rows = d if gramian.ndim == 2 else d.unsqueeze(-2)  # (u's rows: [*batch, k, m])
         first = u * d_rows
         scaled = _project_weights(first, _scaled(gramian, d), dtype, settings, rescaled=True)
@@ -631,12 +631,17 @@ def project_weights(
 _BALANCED_SPREAD = 16.0
 
 
-def _unbalanced(gramian: Tensor) -> bool:
-    """Whether ``G``'s diagonal spreads over more than ``_BALANCED_SPREAD`` (or holds a zero, a
-    negative or a non-finite entry): then the problem is solved rescaled to a unit diagonal."""
+def _rescaling(gramian: Tensor, norm_eps: float, reg_eps: float) -> Tensor | None:
+    """:func:`_unit_diagonal_scale` of the exact problem (``norm_eps = reg_eps = 0``) whose
+    diagonal spreads over more than ``_BALANCED_SPREAD`` (or holds a zero, a negative or a
+    non-finite entry), to solve it rescaled to a unit diagonal; else ``None``."""
+    if norm_eps != 0 or reg_eps != 0:
+        return None
     low, high = torch.aminmax(gramian.detach().diagonal(dim1=-2, dim2=-1))
     low_value, high_value = float(low), float(high)
-    return not (low_value > 0 and high_value <= _BALANCED_SPREAD * low_value)
+    if low_value > 0 and high_value <= _BALANCED_SPREAD * low_value:
+        return None
+    return _unit_diagonal_scale(gramian)
 
 
 def _unit_diagonal_scale(gramian: Tensor) -> Tensor:
@@ -751,8 +756,8 @@ def project_diagonal(
         norm_eps=norm_eps, reg_eps=reg_eps, method=method, max_iter=max_iter, tol=tol
     )
     dtype = torch.promote_types(pref.dtype, gramian.dtype)
-    if gramian.shape[-1] > 0 and norm_eps == 0 and reg_eps == 0 and _unbalanced(gramian):
-        d = _unit_diagonal_scale(gramian)  # (see project_weights)
+    d = _rescaling(gramian, norm_eps, reg_eps) if gramian.shape[-1] > 0 else None
+    if d is not None:
         first = pref * d
         scaled = _project_diagonal(first, _scaled(gramian, d), dtype, settings, rescaled=True)
         return _unscaled_diagonal(scaled, first.to(dtype), d.to(dtype), pref.to(dtype))
