@@ -360,6 +360,99 @@ def test_host_route_of_an_accelerator(m: int, monkeypatch: pytest.MonkeyPatch) -
             assert torch.equal(routed, solve(first, gramian, **kwargs))  # type: ignore[operator]
 
 
+def per_sample_gramian(m: int, seed: int) -> Tensor:
+    """A float64 Gramian like a classifier's per-sample one: 10 classes whose mean gradients
+    conflict with one another (a centred simplex), each sample's its class's plus noise, so that
+    a sample's gradient conflicts with most others (UPGrad's active sets are small)."""
+    gen = torch.Generator().manual_seed(seed)
+    centres = 3 * (torch.eye(10, dtype=torch.float64) - 0.1)  # (pairwise products -0.9)
+    labels = torch.randint(0, 10, (m,), generator=gen)
+    noise = 0.1 * torch.randn(m, 300, generator=gen, dtype=torch.float64)  # (full rank)
+    j = torch.cat([centres[labels], noise], 1)
+    return j @ j.T
+
+
+def _step_dtypes(monkeypatch: pytest.MonkeyPatch) -> list[torch.dtype]:
+    """Record the dtype of every dual PDAS run's steps (that of the inverse it is given)."""
+    seen: list[torch.dtype] = []
+    solve = dual_cone.dual_pdas_solve
+
+    def recorded(u: Tensor, g: Tensor, inverse: Tensor, *args: object) -> tuple[Tensor, Tensor]:
+        seen.append(inverse.dtype)
+        return solve(u, g, inverse, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(dual_cone, "dual_pdas_solve", recorded)
+    return seen
+
+
+@pytest.mark.parametrize("m", [96, 128])
+@pytest.mark.parametrize("diagonal", [False, True])
+def test_single_precision_problems_take_float32_steps(
+    m: int, diagonal: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A float32 problem from 96 objectives takes its dual steps in float32, and the result
+    still meets the default tolerance against the float32 Gramian, computed exactly (float64):
+    the same KKT certificate as the float64 route's result, at a float32 Gramian's precision."""
+    seen = _step_dtypes(monkeypatch)
+    gramian = per_sample_gramian(m, seed=m).float()
+    exact = gramian.double()
+    u = upgrad_rows(m)
+    if diagonal:
+        v = project_diagonal(torch.full((m,), 1.0 / m), gramian)
+    else:
+        v = project_weights(u.float(), gramian)
+    assert seen == [torch.float32] and v.dtype == torch.float32
+    assert_kkt(v.double(), u, exact, rtol=1e-5)
+    expected = project_weights(u, exact)
+    g = exact / exact.trace()
+    torch.testing.assert_close(v.double() @ g, expected @ g, rtol=0, atol=1e-6)
+
+
+def test_double_precision_and_small_problems_keep_float64_steps(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """float64 problems, float32 ones below 96 objectives and float32 ones to a tolerance below
+    1e-6 take float64 steps."""
+    seen = _step_dtypes(monkeypatch)
+    gramian = per_sample_gramian(128, seed=3)
+    project_weights(upgrad_rows(128), gramian)
+    project_weights(upgrad_rows(64).float(), per_sample_gramian(64, seed=3).float())
+    project_weights(upgrad_rows(128).float(), gramian.float(), tol=1e-8)
+    assert seen == [torch.float64] * 3
+
+
+def test_float32_steps_left_above_the_tolerance_are_finished_in_float64(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """float32 steps cannot reach 1e-9: the problems are solved again with float64 steps, and
+    the result meets the tolerance."""
+    monkeypatch.setattr(dual_cone, "_SINGLE_MIN_TOL", 1e-12)
+    seen = _step_dtypes(monkeypatch)
+    m = 128
+    gramian = per_sample_gramian(m, seed=5).float()
+    v = project_weights(upgrad_rows(m).float(), gramian, tol=1e-9)
+    assert seen == [torch.float32, torch.float64]
+    exact = gramian.double()
+    expected = project_weights(upgrad_rows(m), exact, tol=1e-9)
+    g = exact / exact.trace()
+    torch.testing.assert_close(v.double() @ g, expected @ g, rtol=0, atol=1e-7)
+
+
+def test_ill_conditioned_single_precision_problems_keep_float64_steps(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A float32 Gramian whose Cholesky pivots fall below 1e-3 of its diagonal (here cond about
+    1e6) is not trusted to float32 steps."""
+    seen = _step_dtypes(monkeypatch)
+    m = 100
+    gen = torch.Generator().manual_seed(0)
+    q, _ = torch.linalg.qr(torch.randn(m, m, generator=gen, dtype=torch.float64))
+    gramian = (q * torch.logspace(0, -6, m, dtype=torch.float64)) @ q.T
+    v = project_weights(upgrad_rows(m).float(), gramian.float())
+    assert seen in ([torch.float64], [])  # (or no dual route at all: large active sets)
+    assert_kkt(v.double(), upgrad_rows(m), gramian.float().double(), rtol=1e-4)
+
+
 def test_low_precision_admm_switches_to_float64_for_tight_tolerances() -> None:
     """float32 iterations cannot reach 1e-11: ADMM must hand over to float64 and finish there."""
     gramian = make_gramian(60, "conflicting", 1.0, seed=4)

@@ -121,6 +121,15 @@ _LOW_PRECISION_MIN_M = 128
 _FISTA_TOL = 1e-7  # FISTA stops here and hands over to the exact PDAS polish
 _PDAS_MAX_ITER = 50
 _DUAL_MAX_ITER = 8  # steps of "auto"'s dual PDAS (on G^-1) before PDAS / ADMM take over
+# A problem given in single precision (or lower) to the default tolerance of 1e-6 takes its dual
+# steps in float32 from this size (the result is checked against the float64 G, and problems
+# left above the tolerance go on in float64): UPGrad's weights on per-sample Gramians at
+# m = 128 took about 0.8x the time; at m = 32 and 64 the conversions cost what it saves.
+_SINGLE_MIN_M = 96
+_SINGLE_MIN_TOL = 1e-6
+# (and only on a G whose Cholesky pivots say it is well conditioned, see safe_inverse: the
+# per-sample Gramians of the benchmarks have ratios of 0.28 to 0.53)
+_SINGLE_MIN_PIVOT = 1e-3
 _FIRST_ORDER_MAX_ITER = 20_000
 _POLISH_ITER = 10
 # Polish only when its batched Cholesky (k * s^3 for free sets of size s) is cheap.
@@ -270,18 +279,21 @@ def _check_inputs(u: Tensor, gramian: Tensor, diagonal: bool = False) -> None:
 
 
 def _unsolved_by(
-    solver: Callable[[Tensor], tuple[Tensor, Tensor]],
-    u: Tensor,
+    solver: Callable[[Tensor], tuple[Tensor, Tensor] | None],
     v: Tensor,
     residual: Tensor,
     tol: float,
 ) -> tuple[Tensor, Tensor]:
-    """Run ``solver`` on the problem slots some Gramian of the batch left above ``tol``; keep
-    the better iterate of each problem."""
+    """Run ``solver`` on the problem slots (``rows``, indices into ``k``) that some Gramian of
+    the batch left above ``tol``; keep the better iterate of each problem (all of them when
+    ``solver`` gives ``None``)."""
     if float(residual.amax()) <= tol:
         return v, residual
     rows = (residual > tol).any(0).nonzero().flatten()
-    again, again_residual = solver(u[:, rows])
+    solved = solver(rows)
+    if solved is None:
+        return v, residual
+    again, again_residual = solved
     better = (again_residual < residual[:, rows])[..., None]
     v = v.index_copy(1, rows, torch.where(better, again, v[:, rows]))
     residual = residual.index_copy(1, rows, torch.minimum(again_residual, residual[:, rows]))
@@ -298,7 +310,7 @@ def _exact_fallback(
     rank: non-unique ``v``, a dual cone that may be a single point); Lawson-Hanson cannot.
     Problems are gathered per Gramian row of the batch so that every Gramian is factorised once.
     """
-    return _unsolved_by(lambda u: lawson_hanson_solve(u, g, tol), u, v, residual, accept)
+    return _unsolved_by(lambda rows: lawson_hanson_solve(u[:, rows], g, tol), v, residual, accept)
 
 
 def _fista_with_polish(u: Tensor, g: Tensor, cap: int, tol: float) -> tuple[Tensor, Tensor]:
@@ -315,6 +327,35 @@ def _fista_with_polish(u: Tensor, g: Tensor, cap: int, tol: float) -> tuple[Tens
     return v, residual
 
 
+def _single_steps(dtype: torch.dtype, tol: float) -> bool:
+    """Whether a problem given in ``dtype`` to the residual ``tol`` may take float32 steps (see
+    ``_SINGLE_MIN_M``): single or lower precision, to a tolerance it can meet."""
+    return dtype != torch.float64 and tol >= _SINGLE_MIN_TOL
+
+
+def _dual_route(
+    u: Tensor, g: Tensor, start: tuple[Tensor, Tensor, Tensor], tol: float, single: bool
+) -> tuple[Tensor, Tensor] | None:
+    """``(v, residual)`` of the dual PDAS on ``G^-1``, or ``None`` when ``G`` is not safely
+    invertible. ``single``: its steps first in float32 (on a well-conditioned ``G``), checked
+    against ``g``; the problems left above ``tol`` then take float64 steps."""
+    if single:
+        inverse = safe_inverse(g.float(), _SINGLE_MIN_PIVOT)
+        if inverse is not None:
+            guess, first_residual, c = start
+            solved = dual_pdas_solve(u, g, inverse, start, _DUAL_MAX_ITER, tol)
+
+            def again(rows: Tensor) -> tuple[Tensor, Tensor] | None:
+                rows_start = (guess[:, rows], first_residual[:, rows], c)
+                return _dual_route(u[:, rows], g, rows_start, tol, single=False)
+
+            return _unsolved_by(again, *solved, tol)
+    inverse = safe_inverse(g)
+    if inverse is None:
+        return None
+    return dual_pdas_solve(u, g, inverse, start, _DUAL_MAX_ITER, tol)
+
+
 def _solve(
     u: Tensor,
     g: Tensor,
@@ -323,10 +364,11 @@ def _solve(
     tol: float,
     accept: float,
     lam: Tensor | None = None,
+    single: bool = False,
 ) -> Tensor:
     """Solve the normalised problems (float64, ``u`` ``[B, k, m]``, ``g`` ``[B, m, m]``) to the
     residual ``tol``; warn about those left above ``accept``. ``lam``: ``2 u G`` when the caller
-    has it."""
+    has it. ``single``: the problem came in single precision (:func:`_single_steps`)."""
     c = multiplier_scale(g)
     lam = 2 * torch.bmm(u, g) if lam is None else lam
     residual = start_residual(lam, c)
@@ -339,9 +381,9 @@ def _solve(
         # PDAS's first guess of the active sets (lam > 0 at v = u): small ones (e.g.
         # per-sample conflicts) are solved fastest on G^-1; the chosen method takes the rest.
         guess = lam > 0
-        inverse = safe_inverse(g) if active_systems_pay(guess.sum(-1), m) else None
-        if inverse is not None:
-            dual = dual_pdas_solve(u, g, inverse, (guess, residual, c), _DUAL_MAX_ITER, tol)
+        if active_systems_pay(guess.sum(-1), m):
+            single = single and m >= _SINGLE_MIN_M
+            dual = _dual_route(u, g, (guess, residual, c), tol, single)
     cap = max_iter or (_PDAS_MAX_ITER if method == "pdas" else _FIRST_ORDER_MAX_ITER)
     low_precision = tol >= _LOW_PRECISION_TOL or m >= _LOW_PRECISION_MIN_M
 
@@ -355,7 +397,7 @@ def _solve(
     if dual is None:
         v, residual = chosen(u, (lam, residual))
     else:
-        v, residual = _unsolved_by(chosen, u, *dual, tol)
+        v, residual = _unsolved_by(lambda rows: chosen(u[:, rows]), *dual, tol)
     worst = float(residual.amax())
     if max_iter is None and not worst <= accept:  # a cap: this method only
         v, residual = _exact_fallback(u, g, v, residual, tol, accept)
@@ -377,7 +419,13 @@ def _row_scales(rows: Tensor) -> Tensor:
 
 
 def _solve_finite(
-    flat_u: Tensor, g: Tensor, method: str, max_iter: int | None, tol: float, accept: float
+    flat_u: Tensor,
+    g: Tensor,
+    method: str,
+    max_iter: int | None,
+    tol: float,
+    accept: float,
+    single: bool = False,
 ) -> Tensor:
     """Scale the rows of ``u``, solve, and give NaN rows where ``u`` or ``g`` is not finite."""
     bad = None
@@ -387,7 +435,7 @@ def _solve_finite(
         g = torch.where(bad_g[:, None, None], torch.zeros_like(g), g)
         flat_u = torch.where(bad[..., None], torch.zeros_like(flat_u), flat_u)
     scale = _row_scales(flat_u)
-    v = _solve(flat_u / scale, g, method, max_iter, tol, accept) * scale
+    v = _solve(flat_u / scale, g, method, max_iter, tol, accept, None, single) * scale
     return v if bad is None else torch.where(bad[..., None], torch.full_like(v, float("nan")), v)
 
 
@@ -704,8 +752,10 @@ def _project_weights(
             if v is not None:
                 return v.reshape(u.shape).to(dtype)
 
+    single = _single_steps(dtype, target)
+
     def solve(flat_u: Tensor, g: Tensor) -> Tensor:
-        return _solve_finite(flat_u, g, method, max_iter, target, accept)
+        return _solve_finite(flat_u, g, method, max_iter, target, accept, single)
 
     def projected() -> Tensor:  # in float64
         g = gramian.to(torch.float64).reshape(-1, m, m)
@@ -798,7 +848,8 @@ def _project_diagonal(
     def projected() -> Tensor:  # in float64
         g = _normalized(gramian.to(torch.float64)[None], norm_eps, reg_eps, one_sync=True)
         lam = (2 * sign)[:, None] * g[0]
-        v = _solve(torch.diag(sign)[None], g, method, max_iter, target, accept, lam[None])
+        single = _single_steps(dtype, target)
+        v = _solve(torch.diag(sign)[None], g, method, max_iter, target, accept, lam[None], single)
         return v[0] * scale
 
     return _without_graph(projected, dtype)

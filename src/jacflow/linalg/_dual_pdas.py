@@ -48,9 +48,9 @@ _GROUP_COST = 1.5e6
 _GROUP_MIN_SIZE = 32
 
 
-def safe_inverse(g: Tensor) -> Tensor | None:
-    """``G^-1`` when every ``G`` is positive definite with pivots above ``_INVERSE_MIN_PIVOT``,
-    else ``None``.
+def safe_inverse(g: Tensor, min_pivot: float = _INVERSE_MIN_PIVOT) -> Tensor | None:
+    """``G^-1`` when every ``G`` is positive definite with squared Cholesky pivots above
+    ``min_pivot`` times its largest diagonal entry, else ``None``.
 
     Example:
         >>> import torch
@@ -63,7 +63,7 @@ def safe_inverse(g: Tensor) -> Tensor | None:
     """
     factor, info = cholesky_ex(g)
     pivots = factor.diagonal(dim1=-2, dim2=-1).square().amin(-1)
-    bound = _INVERSE_MIN_PIVOT * g.diagonal(dim1=-2, dim2=-1).amax(-1)
+    bound = min_pivot * g.diagonal(dim1=-2, dim2=-1).amax(-1)
     if not bool(((info == 0) & (pivots >= bound)).all()):  # one host sync for both tests
         return None
     return torch.cholesky_inverse(factor).mT  # symmetric: the transpose is the row-major copy
@@ -233,6 +233,10 @@ def dual_pdas_solve(
     ``(active, residual, c)`` at ``v = u`` (PDAS's first guess ``lam > 0`` with
     ``lam = 2 u G``, the KKT residual, the multiplier scale), as the caller has them.
 
+    The steps run in the dtype of ``inverse``, which may be lower than that of ``u`` and ``g``
+    (float32 steps for a float64 problem: :func:`~jacflow.linalg._dual_cone._solve`); the
+    result is checked in the problem's own dtype.
+
     Returns ``(v, residual)``: the better of ``u`` and the last iterate of each problem, and its
     KKT residual with the true ``G``. The steps stop early when an active system is not
     numerically positive definite or the active systems grow costly (more than
@@ -253,9 +257,10 @@ def dual_pdas_solve(
     """
     active, residual, c = start
     padded: Tensor | None = None  # padded on demand, with room for active sets to grow
-    v = u
+    steps_u = u.to(inverse.dtype)  # (the steps' dtype; u itself when it is theirs)
+    v = steps_u
     slots = None  # the problem slots still iterated (None: all)
-    pending_u = u
+    pending_u = steps_u
     for iteration in range(max_iter):
         size = int(active.sum(-1).amax())
         if not _cheap(active.shape[0] * active.shape[1], size):
@@ -278,8 +283,9 @@ def dual_pdas_solve(
             slots = moving if slots is None else slots[moving]
             pending_u, following = pending_u[:, moving], following[:, moving]
         active = following
-    if v is u:
+    if v is steps_u:
         return u, residual
+    v = v.to(u.dtype)
     new_residual = kkt_residual(v, u, 2 * torch.bmm(v, g), c)
     better = new_residual < residual
     return torch.where(better[..., None], v, u), torch.where(better, new_residual, residual)
