@@ -1,4 +1,4 @@
-"""Time to UPGrad weights: jacflow's batched solver against TorchJD 0.18, 1 CPU thread, float64.
+"""Time to UPGrad weights: jacflow's batched solver against TorchJD 0.18, 1 CPU thread.
 
 For each m and each Gramian structure, times ``jacflow.aggregation.UPGradWeighting()(G)`` (the
 default exact ``TorchProjector``) and ``torchjd.aggregation.UPGradWeighting()(G)`` (quadprog per
@@ -17,13 +17,17 @@ Gaussian m x m/2: more objectives than the rank, the degenerate case (non-unique
 a dual cone reduced to 0) that the exact Lawson-Hanson fallback handles (not in the default
 list: ``--gramians lowrank``).
 
+The Gramians are float64 unless ``--dtype float32`` (the engine's Gramians of a float32 model):
+then both libraries get the float64 Gramian rounded to float32, and the errors are measured
+against the exact weights of the float64 one (they include the rounding).
+
 With ``--device cuda`` both get the Gramian on the GPU (TorchJD's solver copies it to the host
 and its weights back) and the clock is wall time between synchronisations (``_timing.py``).
 
 Usage::
 
     .venv/bin/python benchmarks/bench_upgrad_solver.py [--sizes 2 8 32] [--torchjd-max-m 512]
-        [--device cuda]
+        [--device cuda] [--dtype float32]
 
 TorchJD at m = 512 takes about a minute per call: it is timed once there (and three times at
 m = 256); ``--torchjd-max-m`` skips it above a size.
@@ -121,7 +125,9 @@ def main() -> None:
     parser.add_argument("--torchjd-max-m", type=int, default=512)
     parser.add_argument("--gramians", nargs="+", default=["gauss", "mlp"])
     parser.add_argument("--device", default="cpu", help="where the Gramian lies: cpu or cuda")
+    parser.add_argument("--dtype", default="float64", choices=["float64", "float32"])
     args = parser.parse_args()
+    dtype = getattr(torch, args.dtype)
     now = clock(args.device)
     from torchjd.aggregation import UPGradWeighting as TorchJDUPGradWeighting
 
@@ -137,7 +143,7 @@ def main() -> None:
             gramian = makers[kind](m)
             exact, residual = exact_weights(gramian)
             assert residual < 1e-11, f"reference not converged: {residual}"
-            gramian = gramian.to(args.device)
+            gramian = gramian.to(args.device, dtype)
             fns: dict[str, Callable[[], Tensor]] = {"ours": lambda g=gramian: ours(g)}
             calls = 101 if m <= 32 else (15 if m <= 64 else 5)  # (TorchJD: fewer above 128)
             repeats = {"ours": calls}

@@ -441,16 +441,21 @@ def test_float32_steps_left_above_the_tolerance_are_finished_in_float64(
 def test_ill_conditioned_single_precision_problems_keep_float64_steps(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A float32 Gramian whose Cholesky pivots fall below 1e-3 of its diagonal (here cond about
-    1e6) is not trusted to float32 steps."""
+    """A float32 Gramian whose squared Cholesky pivots fall below 1e-2 of its largest diagonal
+    entry (two samples' gradients nearly equal: 2.8e-3, cond 1.3e4, where float32 steps leave
+    problems above the tolerance) is not trusted to float32 steps."""
     seen = _step_dtypes(monkeypatch)
     m = 100
     gen = torch.Generator().manual_seed(0)
-    q, _ = torch.linalg.qr(torch.randn(m, m, generator=gen, dtype=torch.float64))
-    gramian = (q * torch.logspace(0, -6, m, dtype=torch.float64)) @ q.T
-    v = project_weights(upgrad_rows(m).float(), gramian.float())
-    assert seen in ([torch.float64], [])  # (or no dual route at all: large active sets)
-    assert_kkt(v.double(), upgrad_rows(m), gramian.float().double(), rtol=1e-4)
+    centres = 3 * (torch.eye(10, dtype=torch.float64) - 0.1)
+    labels = torch.randint(0, 10, (m,), generator=gen)
+    noise = 0.1 * torch.randn(m, 300, generator=gen, dtype=torch.float64)
+    j = torch.cat([centres[labels], noise], 1)
+    j[1] = j[0] + 1e-2 * torch.randn(310, generator=gen, dtype=torch.float64)
+    gramian = (j @ j.T).float()
+    v = project_weights(upgrad_rows(m).float(), gramian)
+    assert seen == [torch.float64]
+    assert_kkt(v.double(), upgrad_rows(m), gramian.double(), rtol=1e-5)
 
 
 def test_low_precision_admm_switches_to_float64_for_tight_tolerances() -> None:

@@ -124,12 +124,13 @@ _DUAL_MAX_ITER = 8  # steps of "auto"'s dual PDAS (on G^-1) before PDAS / ADMM t
 # A problem given in single precision (or lower) to the default tolerance of 1e-6 takes its dual
 # steps in float32 from this size (the result is checked against the float64 G, and problems
 # left above the tolerance go on in float64): UPGrad's weights on per-sample Gramians at
-# m = 128 took about 0.8x the time; at m = 32 and 64 the conversions cost what it saves.
+# m = 128 took 0.76-0.94x the time; at m = 32 and 64 the conversions cost what it saves.
 _SINGLE_MIN_M = 96
 _SINGLE_MIN_TOL = 1e-6
 # (and only on a G whose Cholesky pivots say it is well conditioned, see safe_inverse: the
-# per-sample Gramians of the benchmarks have ratios of 0.28 to 0.53)
-_SINGLE_MIN_PIVOT = 1e-3
+# per-sample Gramians of the benchmarks have ratios of 0.28 to 0.53; at 2.8e-3, cond 1.3e4,
+# float32 steps left problems for float64 ones, a wasted attempt)
+_SINGLE_MIN_PIVOT = 1e-2
 _FIRST_ORDER_MAX_ITER = 20_000
 _POLISH_ITER = 10
 # Polish only when its batched Cholesky (k * s^3 for free sets of size s) is cheap.
@@ -613,9 +614,15 @@ def project_weights(
     (the batched solvers' many small kernels and synchronisations cost more than the copies);
     the result comes back to the Gramian's device.
 
-    Accuracy. Computation is in float64 whatever the input dtype (the systems are small and
-    float32 loses the active set on ill-conditioned Gramians); the result has the promoted
-    dtype of ``u`` and ``gramian``. A problem counts as solved when its KKT residual
+    Accuracy. Problems are stated and checked in float64 whatever the input dtype (float32
+    loses the active set on ill-conditioned Gramians); the result has the promoted dtype of
+    ``u`` and ``gramian``. Two routes iterate in float32 where that is safe, every result they
+    give checked in float64 against ``G``: the dual route's steps for a float32 (or lower)
+    input to the default tolerance from 96 objectives, on a well-conditioned ``G`` (squared
+    Cholesky pivots above 1e-2 of its largest diagonal entry; the problems left above the
+    tolerance take float64 steps), and ADMM's first iterations (for a tolerance of 1e-6 or
+    looser, or from 128 objectives; they go on in float64 where that is not met). A problem
+    counts as solved when its KKT residual
     ``max_i |min(v_i - u_i, lam_i / c)| / max(1, |v|_inf)`` (with ``u`` scaled to max-norm 1,
     ``lam = 2 G v`` and ``c = 2 max_i G_ii``, ``G`` of trace 1, rescaled as above) is at most
     ``tol``. If some
