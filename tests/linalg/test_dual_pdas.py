@@ -86,7 +86,7 @@ def test_solves_what_primal_pdas_solves(m: int, seed: int, kind: str) -> None:
     inverse = safe_inverse(g)
     assert inverse is not None
     start = start_at_u(u, g)
-    v, residual = dual_pdas_solve(u, g, inverse, start, 50, 1e-12)
+    v, residual, _ = dual_pdas_solve(u, g, inverse, start, 50, 1e-12)
     torch.testing.assert_close(
         residual, kkt_residual(v, u, 2 * torch.bmm(v, g), start[2]), rtol=0, atol=1e-15
     )
@@ -118,7 +118,7 @@ def test_per_sample_problems_are_solved_by_the_dual_route_alone(m: int) -> None:
     assert inverse is not None
     start = start_at_u(u, g)
     assert active_systems_pay(start[0].sum(-1), m)
-    v, residual = dual_pdas_solve(u, g, inverse, start, 8, 1e-12)
+    v, residual, _ = dual_pdas_solve(u, g, inverse, start, 8, 1e-12)
     assert bool((residual <= 1e-10).all()), float(residual.amax())
     assert_kkt(v[0], u[0], g[0], rtol=1e-9)
 
@@ -133,11 +133,11 @@ def test_inaccurate_inverse_is_caught_by_the_true_residual() -> None:
     noise = torch.randn(m, m, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     rough = inverse + 1e-5 * inverse.abs().max() * (noise + noise.T)
     start = start_at_u(u, g)
-    v, residual = dual_pdas_solve(u, g, rough, start, 50, 1e-12)
+    v, residual, _ = dual_pdas_solve(u, g, rough, start, 50, 1e-12)
     true = kkt_residual(v, u, 2 * torch.bmm(v, g), start[2])
     torch.testing.assert_close(residual, true, rtol=0, atol=1e-15)
     assert bool((residual > 1e-10).any())  # the noise is far above the tolerance
-    exact, _ = dual_pdas_solve(u, g, inverse, start, 50, 1e-12)
+    exact, _, _ = dual_pdas_solve(u, g, inverse, start, 50, 1e-12)
     solved = residual <= 1e-10
     torch.testing.assert_close(v[solved], exact[solved], rtol=0, atol=1e-9)
 
@@ -154,7 +154,7 @@ def test_large_active_sets_are_left_to_other_methods(monkeypatch: pytest.MonkeyP
     inverse = safe_inverse(g)
     assert inverse is not None
     monkeypatch.setattr(dual_pdas, "_MAX_STEP_FLOP", 0)
-    v, left = dual_pdas_solve(u, g, inverse, start, 8, 1e-12)
+    v, left, _ = dual_pdas_solve(u, g, inverse, start, 8, 1e-12)
     residual = start[1]
     assert v is u and left is residual
 
@@ -257,12 +257,12 @@ def _grouped_and_padded(m: int, seed: int, kind: str, cost: float) -> int:
     split = []
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(dual_pdas, "_GROUP_MIN_SIZE", 10**9)
-        padded, padded_residual = dual_pdas_solve(u, g, inverse, start, 50, 1e-12)
+        padded, padded_residual, _ = dual_pdas_solve(u, g, inverse, start, 50, 1e-12)
         original = dual_pdas.size_groups
         patch.setattr(dual_pdas, "_GROUP_MIN_SIZE", 1)
         patch.setattr(dual_pdas, "_GROUP_COST", cost)
         patch.setattr(dual_pdas, "size_groups", lambda *a: split.append(original(*a)) or split[-1])
-        v, residual = dual_pdas_solve(u, g, inverse, start, 50, 1e-12)
+        v, residual, _ = dual_pdas_solve(u, g, inverse, start, 50, 1e-12)
     torch.testing.assert_close(v, padded, rtol=0, atol=1e-12)
     torch.testing.assert_close(residual, padded_residual, rtol=0, atol=1e-14)
     for row in (residual[0] <= 1e-10).nonzero().flatten().tolist():

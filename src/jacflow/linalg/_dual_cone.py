@@ -339,22 +339,27 @@ def _dual_route(
 ) -> tuple[Tensor, Tensor] | None:
     """``(v, residual)`` of the dual PDAS on ``G^-1``, or ``None`` when ``G`` is not safely
     invertible. ``single``: its steps first in float32 (on a well-conditioned ``G``), checked
-    against ``g``; the problems left above ``tol`` then take float64 steps."""
+    against ``g``; the problems they leave above ``tol`` take float64 steps when the float32
+    ones settled (not when they stopped for the cost of the active systems, which the float64
+    ones would meet too)."""
     if single:
         inverse = safe_inverse(g.float(), _SINGLE_MIN_PIVOT)
         if inverse is not None:
             guess, first_residual, c = start
-            solved = dual_pdas_solve(u, g, inverse, start, _DUAL_MAX_ITER, tol)
+            v, residual, settled = dual_pdas_solve(u, g, inverse, start, _DUAL_MAX_ITER, tol)
+            if not settled:
+                return v, residual
 
             def again(rows: Tensor) -> tuple[Tensor, Tensor] | None:
                 rows_start = (guess[:, rows], first_residual[:, rows], c)
                 return _dual_route(u[:, rows], g, rows_start, tol, single=False)
 
-            return _unsolved_by(again, *solved, tol)
+            return _unsolved_by(again, v, residual, tol)
     inverse = safe_inverse(g)
     if inverse is None:
         return None
-    return dual_pdas_solve(u, g, inverse, start, _DUAL_MAX_ITER, tol)
+    v, residual, _ = dual_pdas_solve(u, g, inverse, start, _DUAL_MAX_ITER, tol)
+    return v, residual
 
 
 def _solve(

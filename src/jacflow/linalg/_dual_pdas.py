@@ -228,20 +228,26 @@ def dual_pdas_solve(
     start: tuple[Tensor, Tensor, Tensor],
     max_iter: int,
     tol: float,
-) -> tuple[Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, bool]:
     """Dual PDAS from ``v = u`` for at most ``max_iter`` steps; ``start`` is
     ``(active, residual, c)`` at ``v = u`` (PDAS's first guess ``lam > 0`` with
     ``lam = 2 u G``, the KKT residual, the multiplier scale), as the caller has them.
 
     The steps run in the dtype of ``inverse``, which may be lower than that of ``u`` and ``g``
     (float32 steps for a float64 problem: :func:`~jacflow.linalg._dual_cone._solve`); the
-    result is checked in the problem's own dtype.
+    result is checked in the problem's own dtype, with ``v_i = u_i`` exactly where the steps
+    held the constraint active (the implicit backward tells active constraints by it).
 
-    Returns ``(v, residual)``: the better of ``u`` and the last iterate of each problem, and its
-    KKT residual with the true ``G``. The steps stop early when an active system is not
-    numerically positive definite or the active systems grow costly (more than
-    ``_MAX_STEP_FLOP``); the problems left above ``tol`` are for another method. Whether the
-    route pays at all (:func:`active_systems_pay`) is the caller's test.
+    The steps stop early when an active system is not numerically positive definite or the
+    active systems grow costly (more than ``_MAX_STEP_FLOP``); the problems left above ``tol``
+    are for another method. Whether the route pays at all (:func:`active_systems_pay`) is the
+    caller's test.
+
+    Returns ``(v, residual, settled)``: the better of ``u`` and the last iterate of each
+    problem, its KKT residual with the true ``G``, and whether the steps stopped because no
+    active set changed or an active system was not numerically positive definite (rather than
+    for the cost of the systems or ``max_iter``): only then may steps in a higher precision
+    finish what these left.
 
     Example:
         >>> import torch
@@ -251,9 +257,9 @@ def dual_pdas_solve(
         >>> u = torch.tensor([[[1.0, 0.0]]], dtype=torch.float64)
         >>> lam, c = 2 * torch.bmm(u, g), multiplier_scale(g)
         >>> start = lam > 0, kkt_residual(u, u, lam, c), c
-        >>> v, _ = dual_pdas_solve(u, g, safe_inverse(g), start, 8, 1e-12)
-        >>> v
-        tensor([[[1.0000, 0.2500]]], dtype=torch.float64)
+        >>> v, _, settled = dual_pdas_solve(u, g, safe_inverse(g), start, 8, 1e-12)
+        >>> v, settled
+        (tensor([[[1.0000, 0.2500]]], dtype=torch.float64), True)
     """
     active, residual, c = start
     padded: Tensor | None = None  # padded on demand, with room for active sets to grow
@@ -261,6 +267,7 @@ def dual_pdas_solve(
     v = steps_u
     slots = None  # the problem slots still iterated (None: all)
     pending_u = steps_u
+    settled = False
     for iteration in range(max_iter):
         size = int(active.sum(-1).amax())
         if not _cheap(active.shape[0] * active.shape[1], size):
@@ -269,6 +276,7 @@ def dual_pdas_solve(
             padded = pad_identity(inverse, min(u.shape[-1], 2 * size))
         step = _step(pending_u, inverse, padded, active, size, share=iteration == 0)
         if step is None:
+            settled = True
             break
         pending_v, mu = step
         v = pending_v if slots is None else v.index_copy(1, slots, pending_v)
@@ -278,14 +286,17 @@ def dual_pdas_solve(
         moving = (following ^ active).view(torch.uint8).amax(-1).amax(0).nonzero().squeeze(1)
         count = moving.numel()
         if count == 0:
+            settled = True
             break
         if count < active.shape[1]:
             slots = moving if slots is None else slots[moving]
             pending_u, following = pending_u[:, moving], following[:, moving]
         active = following
     if v is steps_u:
-        return u, residual
-    v = v.to(u.dtype)
+        return u, residual, settled
+    if v.dtype != u.dtype:  # (u's own values where the steps kept u's rounded ones)
+        v = torch.where(v == steps_u, u, v.to(u.dtype))
     new_residual = kkt_residual(v, u, 2 * torch.bmm(v, g), c)
     better = new_residual < residual
-    return torch.where(better[..., None], v, u), torch.where(better, new_residual, residual)
+    v = torch.where(better[..., None], v, u)
+    return v, torch.where(better, new_residual, residual), settled
