@@ -624,8 +624,10 @@ def project_weights(
     ``u`` and ``gramian``. Two routes iterate in float32 where that is safe, every result they
     give checked in float64 against ``G``: the dual route's steps for a float32 (or lower)
     input to the default tolerance from 96 objectives, on a well-conditioned ``G`` (squared
-    Cholesky pivots above 1e-2 of its largest diagonal entry; the problems left above the
-    tolerance take float64 steps), and ADMM's first iterations (for a tolerance of 1e-6 or
+    Cholesky pivots above 1e-2 of its largest diagonal entry; ``v_i = u_i`` exactly on the
+    constraints they hold active; the problems they leave above the tolerance take float64
+    steps, unless the float32 ones stopped for the cost of the active systems), and ADMM's
+    first iterations (for a tolerance of 1e-6 or
     looser, or from 128 objectives; they go on in float64 where that is not met). A problem
     counts as solved when its KKT residual
     ``max_i |min(v_i - u_i, lam_i / c)| / max(1, |v|_inf)`` (with ``u`` scaled to max-norm 1,
