@@ -59,3 +59,26 @@ def test_weights_are_uniform_for_two_epochs_and_step_without_calls_is_ignored() 
         dwa.step()
     w = dwa.weights(ones)
     assert w[0] < w[1] < w[2]  # the loss that went up gets the largest weight
+
+
+@pytest.mark.parametrize(("first", "second"), [(1, 2), (2, 3), (3, 2)])
+def test_a_loss_count_other_than_the_kept_averages_is_refused_before_any_change(
+    first: int, second: int
+) -> None:
+    dwa = DWA()
+    dwa(torch.ones(first))
+    dwa.step()  # one kept average of `first` losses, no epoch sum
+    with pytest.raises(ValueError, match=rf"shape \({first},\).*shape \({second},\).*reset"):
+        dwa(torch.ones(second))
+    with pytest.raises(ValueError, match="reset"):
+        dwa.weights(torch.ones(second))
+    # nothing was added: the next epoch with the right count is unaffected
+    dwa(torch.full((first,), 2.0))
+    dwa.step()
+    assert dwa._epoch_sum is None
+    assert [a.tolist() for a in dwa._averages] == [[1.0] * first, [2.0] * first]
+    # one loss: K = 1 so the weight is exactly 1 whatever the rates (paper: weights sum to K)
+    if first == 1:
+        loss = torch.tensor([5.0], requires_grad=True)
+        dwa(loss).backward()
+        assert loss.grad is not None and loss.grad.tolist() == [1.0]

@@ -62,12 +62,18 @@ class DWA(Scalarizer, Stateful):
         self._epoch_batches = 0
         self._averages: list[Tensor] = []
 
+    def _check(self, losses: Tensor) -> None:
+        """Check ``losses`` against every kept tensor (this epoch's sum and both averages)."""
+        kept = [] if self._epoch_sum is None else [self._epoch_sum]
+        for state in [*kept, *self._averages]:
+            check_same_shape(state, losses, "DWA")
+
     def weights(self, losses: Tensor) -> Tensor:
         """The weights the next call gives to losses of this shape (no state change)."""
+        self._check(losses)
         if len(self._averages) < 2:
             return torch.ones_like(losses)
         older, newer = self._averages
-        check_same_shape(older, losses, "DWA")
         return dwa_weights(older, newer, self.temperature).to(losses.dtype)
 
     def forward(self, losses: Tensor, /) -> Tensor:
@@ -76,7 +82,6 @@ class DWA(Scalarizer, Stateful):
         if self._epoch_sum is None:
             self._epoch_sum = detached.clone()
         else:
-            check_same_shape(self._epoch_sum, losses, "DWA")
             self._epoch_sum = self._epoch_sum + detached
         self._epoch_batches += 1
         return (weights * losses).sum()
