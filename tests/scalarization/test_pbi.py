@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -52,3 +53,18 @@ def test_joint_permutation_invariance(pairs, rnd) -> None:  # type: ignore[no-un
         w = torch.tensor([p[1] for p in ps], dtype=torch.float64)
         values.append(PBI(2.0, w)(f).item())
     assert math.isclose(values[0], values[1], rel_tol=1e-9, abs_tol=1e-9)
+
+
+@pytest.mark.parametrize("bad", [[0.0, 0.0], [float("nan"), 1.0], [float("inf"), 1.0]])
+def test_a_zero_or_non_finite_direction_is_refused_at_construction_and_on_assignment(
+    bad: list[float],
+) -> None:
+    with pytest.raises(ValueError, match=r"`weights`.*not all zero"):
+        PBI(theta=5.0, weights=torch.tensor(bad))
+    pbi = PBI(theta=5.0, weights=torch.tensor([1.0, 1.0]))
+    with pytest.raises(ValueError, match=r"`weights`.*not all zero"):
+        pbi.weights = torch.tensor(bad)
+    # the direction kept is the previous one: d1 = 4 / sqrt(2), d2 = sqrt(2) (hand computation)
+    assert math.isclose(
+        float(pbi(torch.tensor([1.0, 3.0]))), 4 / math.sqrt(2) + 5 * math.sqrt(2), rel_tol=1e-6
+    )

@@ -46,6 +46,7 @@ class PBI(Scalarizer):
         theta: the penalty :math:`\theta \ge 0` on :math:`d_2` (the paper uses 5).
         weights: the preference direction :math:`w`, one entry per loss; resample it (e.g. from
             a Dirichlet distribution) and reassign ``pbi.weights`` to cover the Pareto front.
+            It must be finite and not all zero (checked at construction and on assignment).
         reference: the ideal point :math:`z^*`, one entry per loss; ``None`` gives zero.
 
     Example:
@@ -53,13 +54,33 @@ class PBI(Scalarizer):
         >>> from jacflow.scalarization import PBI
         >>> PBI(theta=5.0, weights=torch.tensor([1.0, 1.0]))(torch.tensor([1.0, 3.0]))
         tensor(9.8995)
+        >>> PBI(theta=5.0, weights=torch.zeros(2))  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: PBI: `weights` (the preference direction) must be finite and not all zero ...
     """
 
     def __init__(self, theta: float, weights: Tensor, reference: Tensor | None = None) -> None:
         super().__init__()
         self.theta = check_float(theta, "theta", low=0.0)
-        self.weights = check_tensor(weights, "weights", "PBI")
+        self.weights = weights
         self.reference = check_optional_tensor(reference, "reference", "PBI")
+
+    @property
+    def weights(self) -> Tensor:
+        """The preference direction :math:`w` (checked on assignment: finite and not zero)."""
+        return self._weights
+
+    @weights.setter
+    def weights(self, value: Tensor) -> None:
+        direction = check_tensor(value, "weights", "PBI")
+        if not bool(torch.isfinite(direction).all()) or not bool((direction != 0).any()):
+            raise ValueError(
+                "PBI: `weights` (the preference direction) must be finite and not all zero "
+                f"(its norm divides it), received {direction.detach().flatten().tolist()[:8]}. "
+                "Give a non-zero direction, e.g. `torch.ones(m)` or a Dirichlet sample."
+            )
+        self._weights = direction
 
     def forward(self, losses: Tensor, /) -> Tensor:
         direction = matching(self.weights, "weights", losses, "PBI")
