@@ -77,3 +77,67 @@ def test_logits_are_buffers_not_parameters() -> None:
     famo = FAMO(2)
     assert list(famo.parameters()) == []
     assert {name for name, _ in famo.named_buffers()} >= {"logits", "min_losses"}
+
+
+def _state(famo: FAMO) -> list[Tensor]:
+    return [t.clone() for t in (famo.logits, famo._exp_avg, famo._exp_avg_sq)]
+
+
+@pytest.mark.parametrize(
+    ("bounds", "losses"), [(None, [-0.5, 2.0]), (torch.tensor([1.0, 0.0]), [0.5, 2.0])]
+)
+def test_a_loss_below_its_bound_is_refused_before_any_change(
+    bounds: Tensor | None, losses: list[float]
+) -> None:
+    # z = [.5, .5], L = [-0.5, 2]: c = 1 / sum(z / L) = -4/3 and the loss weights c z / L are
+    # [4/3, -1/3], not a convex combination: refused (the docstring's domain L >= b).
+    famo = FAMO(2, min_losses=bounds)
+    famo(torch.tensor([1.0, 2.0]))
+    before = famo._before
+    with pytest.raises(ValueError, match=r"`losses` must be at least `min_losses`"):
+        famo(torch.tensor(losses))
+    assert famo._before is before
+    with pytest.raises(ValueError, match=r"`new_losses` must be at least `min_losses`"):
+        famo.update(torch.tensor(losses))
+    assert famo._before is before and famo._steps == 0
+    famo.update(torch.tensor([1.0, 2.0]))  # the pending update still works
+    assert famo._steps == 1
+
+
+def test_update_converts_another_dtype_and_steps_like_the_same_dtype() -> None:
+    mixed, same = FAMO(2), FAMO(2)
+    mixed(torch.tensor([1.0, 2.0], dtype=torch.float64))
+    same(torch.tensor([1.0, 2.0], dtype=torch.float64))
+    mixed.update(torch.tensor([0.5, 2.0], dtype=torch.float32))
+    same.update(torch.tensor([0.5, 2.0], dtype=torch.float64))
+    assert mixed.logits.dtype == torch.float64
+    assert torch.equal(mixed.logits, same.logits)
+
+
+def test_half_precision_losses_keep_a_float32_state_and_value() -> None:
+    famo = FAMO(2)
+    value = famo(torch.tensor([1.0, 4.0], dtype=torch.float16))
+    assert value.dtype == torch.float32 and famo.logits.dtype == torch.float32
+    assert abs(float(value) - 0.8 * float(torch.log(torch.tensor(4.0)))) < 1e-6  # c = 1.6
+    famo.update(torch.tensor([0.5, 4.0], dtype=torch.bfloat16))
+    assert famo.logits.dtype == torch.float32 and famo._steps == 1
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+def test_a_non_finite_loss_skips_the_update_and_leaves_the_state_untouched(bad: float) -> None:
+    famo, clean = FAMO(2), FAMO(2)
+    for f in (famo, clean):
+        f(torch.tensor([1.0, 2.0]))
+        f.update(torch.tensor([0.5, 2.0]))
+    state = _state(famo)
+    famo(torch.tensor([1.0, 2.0]))
+    famo.update(torch.tensor([bad, 2.0]))  # e.g. an overflow a GradScaler skips
+    assert all(torch.equal(a, b) for a, b in zip(state, _state(famo))) and famo._steps == 1
+    assert not torch.isfinite(famo(torch.tensor([bad, 2.0])))  # a non-finite call: non-finite
+    famo.update(torch.tensor([1.0, 2.0]))
+    assert all(torch.equal(a, b) for a, b in zip(state, _state(famo))) and famo._steps == 1
+    # later steps go on exactly as if the skipped ones had not happened
+    for f in (famo, clean):
+        f(torch.tensor([1.0, 2.0]))
+        f.update(torch.tensor([0.8, 1.0]))
+    assert torch.equal(famo.logits, clean.logits)

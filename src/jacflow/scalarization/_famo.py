@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from jacflow._stateful import Stateful
+from jacflow.aggregation._nonfinite import has_nonfinite
 from jacflow.scalarization._base import (
     Scalarizer,
     check_float,
@@ -63,12 +64,18 @@ class FAMO(Scalarizer, Stateful):
 
     State: the logits :math:`w` (a buffer, not a parameter: FAMO steps them itself, do not give
     them to your optimizer), Adam's moments and step count, and the losses of the last call.
-    They move to the losses' device and dtype on the first call. :meth:`reset` restores zeros.
+    They move to the losses' device, and to their dtype when it is float32 or float64; for
+    float16 or bfloat16 losses they stay float32 (half precision would round Adam's small steps
+    away), and the value is computed and returned in float32. :meth:`update` converts its
+    losses to the state's dtype. A NaN or infinite loss gives a non-finite value, and an
+    :meth:`update` with a NaN or an infinity in either call's losses leaves the state untouched
+    (so a step that an AMP ``GradScaler`` skips does not poison it). :meth:`reset` restores
+    zeros.
 
     Args:
         shape: the shape of the losses (an ``int`` ``m`` means ``(m,)``).
         min_losses: lower bounds :math:`b` of the losses (default zeros; then the losses must be
-            positive).
+            non-negative). A loss below its bound raises a ``ValueError`` before any change.
         lr: Adam's learning rate for the logits, :math:`\ge 0` (paper: 0.025).
         weight_decay: L2 weight decay of the logits, :math:`\ge 0` (paper: 1e-3).
 
@@ -115,16 +122,26 @@ class FAMO(Scalarizer, Stateful):
         self._before: Tensor | None = None
 
     def _check(self, losses: Tensor, name: str) -> None:
+        """Check the shape and that no loss lies below its bound (NaN and inf pass)."""
         if losses.shape != self.logits.shape:
             raise ValueError(
                 f"FAMO was built for losses of shape {tuple(self.logits.shape)} but `{name}` "
                 f"has shape {tuple(losses.shape)}."
             )
-        follow_losses([self.logits, self.min_losses, self._exp_avg, self._exp_avg_sq], losses)
+        bounds = self.min_losses.to(device=losses.device, dtype=losses.dtype)
+        if bool((losses.detach() < bounds).any()):
+            raise ValueError(
+                f"FAMO: `{name}` must be at least `min_losses` (default 0: the losses must be "
+                "non-negative; log(L - b) is taken), received "
+                f"{losses.detach().flatten().tolist()[:8]} with `min_losses` "
+                f"{self.min_losses.flatten().tolist()[:8]}. Pass lower bounds of the losses as "
+                "`min_losses` (e.g. the most negative value a loss can take)."
+            )
 
     def forward(self, losses: Tensor, /) -> Tensor:
         self._check(losses, "losses")
-        self._before = losses.detach().clone()
+        follow_losses([self.logits, self.min_losses, self._exp_avg, self._exp_avg_sq], losses)
+        self._before = losses.detach().to(self.logits.dtype, copy=True)
         return famo_objective(losses, self.logits, self.min_losses)
 
     @torch.no_grad()
@@ -134,8 +151,14 @@ class FAMO(Scalarizer, Stateful):
         Args:
             new_losses: the same batch's losses, evaluated again once the optimizer has stepped.
 
+        ``new_losses`` are converted to the device and dtype of the state (those of the call's
+        losses), so that they may come from another precision (e.g. autocast). If they or the
+        call's losses hold a NaN or an infinity, the step is skipped: the logits, Adam's moments
+        and step count are left untouched.
+
         Raises:
-            ValueError: if the scalarizer was not called on this step's losses first.
+            ValueError: if the scalarizer was not called on this step's losses first, or if
+                ``new_losses`` has another shape or lies below ``min_losses``.
         """
         if self._before is None:
             raise ValueError(
@@ -145,11 +168,13 @@ class FAMO(Scalarizer, Stateful):
         if not isinstance(new_losses, Tensor):
             raise TypeError(f"FAMO: `new_losses` must be a torch.Tensor, got {type(new_losses)}.")
         self._check(new_losses, "new_losses")
-        after = new_losses.detach().to(self._before.dtype)
-        delta = torch.log(self._before - self.min_losses + _EPS) - torch.log(
+        after = new_losses.detach().to(device=self._before.device, dtype=self._before.dtype)
+        before, self._before = self._before, None
+        if has_nonfinite(before) or has_nonfinite(after):  # skipped step: state unchanged
+            return
+        delta = torch.log(before - self.min_losses + _EPS) - torch.log(
             after - self.min_losses + _EPS
         )
-        self._before = None
         grad = famo_logit_gradient(self.logits, delta) + self.weight_decay * self.logits
         beta1, beta2 = _BETAS
         self._steps += 1
