@@ -7,6 +7,7 @@ from typing import final
 from torch import Tensor
 
 from jacflow._stateful import Stateful
+from jacflow.aggregation._nonfinite import has_nonfinite
 from jacflow.scalarization._base import Scalarizer, check_float, check_same_shape
 
 
@@ -27,7 +28,8 @@ class AdaLoss(Scalarizer, Stateful):
     Networks via Adaptive Loss Balancing*, AAAI 2019 (arXiv 1708.06832).
 
     State: the running averages :math:`\bar L`; each call is one step. :meth:`reset` forgets
-    them.
+    them. A NaN or infinite loss gives a non-finite value and leaves the state
+    untouched (so a step that an AMP ``GradScaler`` skips does not poison it).
 
     Args:
         momentum: :math:`\beta \in [0, 1)`; 0 uses the current losses only.
@@ -51,12 +53,16 @@ class AdaLoss(Scalarizer, Stateful):
 
     def forward(self, losses: Tensor, /) -> Tensor:
         detached = losses.detach()
-        if self._average is None:
-            self._average = detached.clone()
-        else:
+        if self._average is not None:
             check_same_shape(self._average, losses, "AdaLoss")
-            self._average = self.momentum * self._average + (1 - self.momentum) * detached
-        weights = 1.0 / (self._average.to(losses.dtype) + self.eps)
+        if has_nonfinite(detached):  # skipped step: state unchanged, non-finite value
+            average = detached if self._average is None else self._average
+        elif self._average is None:
+            average = self._average = detached.clone()
+        else:
+            average = self.momentum * self._average + (1 - self.momentum) * detached
+            self._average = average
+        weights = 1.0 / (average.to(losses.dtype) + self.eps)
         return (weights * losses).sum()
 
     def reset(self) -> None:

@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from jacflow._stateful import Stateful
+from jacflow.aggregation._nonfinite import has_nonfinite
 from jacflow.scalarization._base import Scalarizer, check_float, check_same_shape
 
 
@@ -37,7 +38,9 @@ class DWA(Scalarizer, Stateful):
 
     State: the running sum and count of this epoch's losses, and the averages of the last two
     epochs. Each call adds its (detached) losses to the epoch's sum; call :meth:`step` once at
-    the end of each epoch. :meth:`reset` forgets everything.
+    the end of each epoch. :meth:`reset` forgets everything. A NaN or infinite loss gives a
+    non-finite value and is left out of the epoch's average (so a step that an AMP
+    ``GradScaler`` skips does not poison the next two epochs' weights).
 
     Args:
         temperature: :math:`T > 0`; larger is more uniform (the paper uses 2).
@@ -79,6 +82,8 @@ class DWA(Scalarizer, Stateful):
     def forward(self, losses: Tensor, /) -> Tensor:
         weights = self.weights(losses)
         detached = losses.detach()
+        if has_nonfinite(detached):  # skipped step: state unchanged, non-finite value
+            return (weights * losses).sum()
         if self._epoch_sum is None:
             self._epoch_sum = detached.clone()
         else:

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from typing import final
 
+import torch
 from torch import Tensor
 
 from jacflow._stateful import Stateful
+from jacflow.aggregation._nonfinite import has_nonfinite
 from jacflow.scalarization._base import Scalarizer, check_float, check_same_shape
 
 
@@ -29,7 +31,8 @@ class LBTW(Scalarizer, Stateful):
     of each epoch for that behaviour; without it :math:`L^{(0)}` is the first batch of training.
 
     State: :math:`L^{(0)}`, taken from the first call after construction, :meth:`step` or
-    :meth:`reset`.
+    :meth:`reset`. A NaN or infinite loss gives a non-finite value and is not taken as
+    :math:`L^{(0)}` (so a step that an AMP ``GradScaler`` skips does not poison the state).
 
     Args:
         alpha: the exponent :math:`\alpha \ge 0` (the paper uses 0.1 and 0.5; 0 is the sum).
@@ -52,9 +55,12 @@ class LBTW(Scalarizer, Stateful):
     def forward(self, losses: Tensor, /) -> Tensor:
         detached = losses.detach()
         if self._initial is None:
-            self._initial = detached.clone()
-        check_same_shape(self._initial, losses, "LBTW")
-        weights = lbtw_weights(detached, self._initial.to(losses.dtype), self.alpha)
+            if not has_nonfinite(detached):  # else: skipped step, no reference taken
+                self._initial = detached.clone()
+            weights = torch.ones_like(detached)  # L = L(0): weights 1 by definition
+        else:
+            check_same_shape(self._initial, losses, "LBTW")
+            weights = lbtw_weights(detached, self._initial.to(losses.dtype), self.alpha)
         return (weights * losses).sum()
 
     def step(self) -> None:

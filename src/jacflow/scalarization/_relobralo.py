@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from jacflow._stateful import Stateful
+from jacflow.aggregation._nonfinite import has_nonfinite
 from jacflow.scalarization._base import Scalarizer, check_float, check_same_shape
 
 _EPS = 1e-12
@@ -39,7 +40,9 @@ class ReLoBRaLo(Scalarizer, Stateful):
     (``torch.rand(()) < rho``), so ``torch.manual_seed`` makes runs reproducible.
 
     State: :math:`L(0)` (the first call's losses), :math:`L(t-1)` and :math:`\lambda(t-1)`; each
-    call is one step. :meth:`reset` forgets them.
+    call is one step. :meth:`reset` forgets them. A NaN or infinite loss gives a non-finite
+    value and leaves the state untouched (so a step that an AMP ``GradScaler`` skips does not
+    poison it).
 
     Args:
         alpha: the exponential decay :math:`\alpha \in [0, 1]` (paper: 0.999).
@@ -67,8 +70,9 @@ class ReLoBRaLo(Scalarizer, Stateful):
 
     def forward(self, losses: Tensor, /) -> Tensor:
         detached = losses.detach()
+        first = False
         if self._initial is None or self._previous is None or self._lambda is None:
-            self._initial = detached.clone()
+            first = True
             weights = torch.ones_like(detached)
         else:
             check_same_shape(self._initial, losses, "ReLoBRaLo")
@@ -80,8 +84,11 @@ class ReLoBRaLo(Scalarizer, Stateful):
             )
             recent = balancing(detached, previous, self.temperature)
             weights = self.alpha * history + (1 - self.alpha) * recent
-        self._previous = detached.clone()
-        self._lambda = weights
+        if not has_nonfinite(detached):  # else: skipped step, state unchanged
+            if first:
+                self._initial = detached.clone()
+            self._previous = detached.clone()
+            self._lambda = weights
         return (weights * losses).sum()
 
     def reset(self) -> None:

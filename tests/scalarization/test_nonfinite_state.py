@@ -1,0 +1,61 @@
+"""A step with a NaN or infinite loss leaves a stateful scalarizer's state untouched."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import Tensor
+
+from jacflow.scalarization import DWA, LBTW, AdaLoss, ReLoBRaLo
+from jacflow.scalarization._base import Scalarizer
+
+GOOD = [[1.0, 2.0], [3.0, 1.0], [2.0, 4.0]]
+
+
+def _run(make: Callable[[], Scalarizer], bad: Tensor | None) -> list[float]:
+    """Values of the GOOD calls, with one call on ``bad`` after the first, for DWA an epoch each."""
+    torch.manual_seed(0)
+    s = make()
+    values = []
+    for i, losses in enumerate(GOOD):
+        values.append(float(s(torch.tensor(losses))))
+        if i == 0 and bad is not None:
+            assert not math.isfinite(float(s(bad)))
+        if isinstance(s, DWA):
+            s.step()
+    values.append(float(s(torch.tensor([1.0, 1.0]))))
+    return values
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: AdaLoss(momentum=0.5),
+        lambda: ReLoBRaLo(alpha=0.5, rho=1.0, temperature=1.0),
+        lambda: ReLoBRaLo(alpha=0.5, rho=0.0, temperature=1.0),
+        DWA,
+        LBTW,
+    ],
+)
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+def test_a_non_finite_call_is_non_finite_and_later_calls_are_as_without_it(
+    make: Callable[[], Scalarizer], bad: float
+) -> None:
+    clean = _run(make, None)
+    assert all(math.isfinite(v) for v in clean)
+    assert _run(make, torch.tensor([bad, 2.0])) == clean
+
+
+@pytest.mark.parametrize("make", [AdaLoss, ReLoBRaLo, DWA, LBTW])
+def test_a_non_finite_first_call_keeps_no_state(make: Callable[[], Scalarizer]) -> None:
+    s = make()
+    assert not math.isfinite(float(s(torch.tensor([float("inf"), 1.0]))))
+    if isinstance(s, DWA):
+        s.step()
+        assert s._averages == []
+    # the next call is a first call: weights 1 (AdaLoss: each loss over itself)
+    expected = 2.0 if isinstance(s, AdaLoss) else 3.0
+    assert float(s(torch.tensor([1.0, 2.0]))) == pytest.approx(expected, rel=1e-6)
