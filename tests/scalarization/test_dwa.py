@@ -82,3 +82,17 @@ def test_a_loss_count_other_than_the_kept_averages_is_refused_before_any_change(
         loss = torch.tensor([5.0], requires_grad=True)
         dwa(loss).backward()
         assert loss.grad is not None and loss.grad.tolist() == [1.0]
+
+
+def test_zero_averages_give_rate_one_and_a_rise_from_zero_takes_all_the_weight() -> None:
+    dwa = DWA(temperature=2.0)
+    for losses in ([0.0, 2.0], [0.0, 1.0]):
+        dwa(torch.tensor(losses))
+        dwa.step()
+    # rates [0/0 -> 1, 1/2]: 2 softmax([0.5, 0.25]) by hand
+    e = [math.exp(0.5), math.exp(0.25)]
+    expected = [2 * x / sum(e) for x in e]
+    assert torch.allclose(dwa.weights(torch.ones(2)), torch.tensor(expected))
+    dwa(torch.tensor([1.0, 1.0]))
+    dwa.step()  # rates [1/0 = inf, 1]: the limit of the softmax puts K = 2 on the first loss
+    assert dwa.weights(torch.ones(2)).tolist() == [2.0, 0.0]

@@ -44,3 +44,10 @@ def test_gradient_is_the_weights(dtype: torch.dtype) -> None:
     losses = torch.tensor([1.0, 4.0], dtype=dtype, requires_grad=True)
     (grad,) = torch.autograd.grad(lbtw(losses), losses)
     torch.testing.assert_close(grad, torch.tensor([0.5, 2.0], dtype=dtype))
+
+
+def test_a_zero_loss_has_weight_one_on_the_first_call_and_while_it_stays_zero() -> None:
+    lbtw = LBTW(alpha=0.5)
+    assert float(lbtw(torch.tensor([0.0, 2.0]))) == 2.0  # first call: weights 1 by definition
+    assert float(lbtw(torch.tensor([0.0, 0.5]))) == 0.25  # weights [0/0 -> 1, sqrt(1/4)]
+    assert float(lbtw(torch.tensor([1.0, 2.0]))) == float("inf")  # (1 / 0) ** 0.5

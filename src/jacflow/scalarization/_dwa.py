@@ -13,9 +13,17 @@ from jacflow.scalarization._base import Scalarizer, check_float, check_same_shap
 
 
 def dwa_weights(older: Tensor, newer: Tensor, temperature: float) -> Tensor:
-    """``K * softmax((newer / older) / T)`` over all entries, reshaped like ``newer``."""
-    rates = (newer / older).flatten()
-    return newer.numel() * torch.softmax(rates / temperature, dim=0).reshape(newer.shape)
+    """``K * softmax((newer / older) / T)`` over all entries, reshaped like ``newer``.
+
+    ``0 / 0`` is taken as the rate 1 (no change); when some rates are infinite (a positive
+    average after a zero one) the weights are the softmax's limit: ``K`` shared equally by them.
+    """
+    both_zero = (newer == 0) & (older == 0)
+    rates = torch.where(both_zero, 1.0, newer / older).flatten()
+    infinite = rates == float("inf")
+    limit = infinite.to(rates.dtype) / infinite.sum().clamp(min=1)
+    soft = torch.softmax(rates / temperature, dim=0)
+    return newer.numel() * torch.where(infinite.any(), limit, soft).reshape(newer.shape)
 
 
 @final
@@ -31,7 +39,10 @@ class DWA(Scalarizer, Stateful):
 
     where :math:`L_k(t)` is the average of :math:`\ell_k` over the batches of epoch :math:`t`
     and :math:`K` the number of losses (the weights sum to :math:`K`). During the first two
-    epochs the weights are all 1. The weights carry no gradient.
+    epochs the weights are all 1. The weights carry no gradient. An average of 0 after an
+    average of 0 has the rate 1 (0/0 taken as no change); if a positive average follows a zero
+    one, its rate is infinite and the weights are the softmax's limit (``K`` shared by the
+    losses with an infinite rate, 0 for the others).
 
     Paper: S. Liu, E. Johns, A. J. Davison, *End-to-End Multi-Task Learning with Attention*,
     CVPR 2019 (arXiv 1803.10704). Same names, parameters and defaults as TorchJD 0.18's ``DWA``.

@@ -13,8 +13,9 @@ from jacflow.scalarization._base import Scalarizer, check_float, check_same_shap
 
 
 def lbtw_weights(losses: Tensor, initial: Tensor, alpha: float) -> Tensor:
-    """``(losses / initial) ** alpha``."""
-    return (losses / initial) ** alpha
+    """``(losses / initial) ** alpha``, with ``0 / 0`` taken as 1."""
+    both_zero = (losses == 0) & (initial == 0)
+    return torch.where(both_zero, 1.0, losses / initial) ** alpha
 
 
 @final
@@ -31,8 +32,12 @@ class LBTW(Scalarizer, Stateful):
     of each epoch for that behaviour; without it :math:`L^{(0)}` is the first batch of training.
 
     State: :math:`L^{(0)}`, taken from the first call after construction, :meth:`step` or
-    :meth:`reset`. A NaN or infinite loss gives a non-finite value and is not taken as
-    :math:`L^{(0)}` (so a step that an AMP ``GradScaler`` skips does not poison the state).
+    :meth:`reset`. The first call's weights are 1 by definition (:math:`L = L^{(0)}`), even
+    for a zero loss; later, a loss that is 0 with :math:`L_i^{(0)} = 0` has weight 1 (0/0 taken
+    as 1: no change), and a positive one an infinite weight when :math:`\alpha > 0` (infinite
+    relative growth: call :meth:`step` to take a new reference). A NaN or infinite loss gives a
+    non-finite value and is not taken as :math:`L^{(0)}` (so a step that an AMP
+    ``GradScaler`` skips does not poison the state).
 
     Args:
         alpha: the exponent :math:`\alpha \ge 0` (the paper uses 0.1 and 0.5; 0 is the sum).
