@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from jacflow._stateful import Stateful
+from jacflow.aggregation._nonfinite import has_nonfinite
 from jacflow.scalarization._base import (
     Scalarizer,
     check_float,
@@ -52,7 +53,10 @@ class LogSTCH(Scalarizer, Stateful):
     of its multi-task experiments (official code, ported to LibMTL).
 
     State: the epoch index, the sum and count of the losses of the calibration epoch, and the
-    nadir point. Call :meth:`step` at the end of every epoch; :meth:`reset` starts over.
+    nadir point. Call :meth:`step` at the end of every epoch; :meth:`reset` starts over. A
+    NaN or infinite loss in the calibration epoch gives a non-finite value and is left out of
+    the nadir point (so a step that an AMP ``GradScaler`` skips does not poison it for the rest
+    of training); a calibration epoch without a finite call is repeated.
 
     Args:
         mu: the smoothing parameter :math:`\mu > 0`.
@@ -85,6 +89,8 @@ class LogSTCH(Scalarizer, Stateful):
             return log_sum(losses)
         if self.nadir is None:
             detached = losses.detach()
+            if has_nonfinite(detached):  # skipped step: not in the nadir point
+                return log_sum(losses)
             if self._sum is None:
                 self._sum = detached.clone()
             else:

@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from jacflow._stateful import Stateful
+from jacflow.aggregation._nonfinite import has_nonfinite
 from jacflow.scalarization._base import Scalarizer, check_float, check_same_shape
 
 _SLOPE_FLOOR = 1e-8
@@ -47,6 +48,8 @@ class SoftAdapt(Scalarizer, Stateful):
     slope is the first-order finite difference between consecutive calls.
 
     State: the losses of the previous call; each call is one step. :meth:`reset` forgets them.
+    A NaN or infinite loss gives a non-finite value and is not kept (so a step that an AMP
+    ``GradScaler`` skips does not make the next call's value NaN too).
 
     Args:
         beta: the inverse temperature :math:`\beta` (paper: 0.1; negative favours the losses
@@ -81,7 +84,8 @@ class SoftAdapt(Scalarizer, Stateful):
         else:
             check_same_shape(self._previous, losses, "SoftAdapt")
             slopes = detached - self._previous.to(losses.dtype)
-        self._previous = detached.clone()
+        if not has_nonfinite(detached):  # (a skipped step keeps the previous losses)
+            self._previous = detached.clone()
         weights = softadapt_weights(
             detached, slopes, self.beta, self.normalized, self.loss_weighted
         )
