@@ -120,3 +120,59 @@ def test_bad_inputs_raise_clear_errors() -> None:
         update_norm(torch.eye(2), torch.ones(3))
     with pytest.raises(ValueError, match="`names` must have 2 entries"):
         conflict_metrics(torch.eye(2)).to_dict(["a"])
+
+
+def test_half_precision_gramians_are_computed_in_float32() -> None:
+    # J has 2 rows of 100 entries 20: every Gramian entry is 40000 (exact in float16), but
+    # w^T G w = 160000 overflows float16. By hand: u = J^T w = 40 * ones(100), ||u|| = 400 and
+    # u is parallel to both gradients (cosines 1).
+    gramian = torch.full((2, 2), 40000.0, dtype=torch.float16)
+    weights = torch.tensor([1.0, 1.0])
+    metrics = conflict_metrics(gramian, weights)
+    assert metrics.update_norm is not None and metrics.update_cosines is not None
+    assert metrics.update_norm.dtype == torch.float32
+    assert float(metrics.update_norm) == pytest.approx(400.0)
+    assert metrics.update_cosines.tolist() == pytest.approx([1.0, 1.0])
+    assert metrics.to_dict()["min_update_cos"] == pytest.approx(1.0)
+    assert float(update_norm(gramian, weights)) == pytest.approx(400.0)
+    assert float(update_norm(gramian.to(torch.bfloat16), weights)) == pytest.approx(400.0, 1e-2)
+    assert update_cosines(gramian.to(torch.bfloat16), weights).dtype == torch.float32
+
+
+def test_integer_gramians_do_not_truncate_the_weights() -> None:
+    # J = [[2, 0], [-1, 1]], w = [0.5, 0.5]: u = J^T w = [0.5, 0.5] by hand, ||u|| = sqrt(0.5);
+    # cos(u, g_0) = 1 / (sqrt(0.5) * 2) = sqrt(0.5), cos(u, g_1) = 0.
+    jacobian = torch.tensor([[2, 0], [-1, 1]])
+    gramian = jacobian @ jacobian.T
+    weights = torch.tensor([0.5, 0.5])
+    assert float(update_norm(gramian, weights)) == pytest.approx(math.sqrt(0.5))
+    metrics = conflict_metrics(gramian, weights)
+    assert metrics.update_cosines is not None
+    assert metrics.update_cosines.tolist() == pytest.approx([math.sqrt(0.5), 0.0], abs=1e-7)
+    assert metrics.update_cosines.is_floating_point()
+    assert conflicting_pairs(gramian) == 1
+    with pytest.raises(TypeError, match="must be a real matrix"):
+        gradient_norms(torch.eye(2, dtype=torch.complex64))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_gramian_gives_nan_conflict_statistics(bad: float) -> None:
+    gramian = torch.tensor([[1.0, -0.5, bad], [-0.5, 1.0, 0.2], [bad, 0.2, 1.0]])
+    metrics = conflict_metrics(gramian, torch.ones(3))
+    assert not metrics.finite
+    flat = metrics.to_dict()
+    for key in ("conflicting_pairs", "conflict_fraction", "min_cosine", "mean_cosine"):
+        assert math.isnan(flat[key]), key
+    # the integer count only counts the negative numbers (here G_01)
+    assert metrics.n_conflicting_pairs == 1
+    all_nan = conflict_metrics(torch.full((3, 3), float("nan"))).to_dict()
+    assert math.isnan(all_nan["conflict_fraction"]) and math.isnan(all_nan["min_cosine"])
+    assert conflict_metrics(torch.eye(3)).finite
+
+
+def test_min_cosine_propagates_nan_whatever_its_position() -> None:
+    # one NaN pair cosine after a finite one: Python's min() would ignore it
+    cosines = torch.tensor([[1.0, 0.5, 0.5], [0.5, 1.0, float("nan")], [0.5, float("nan"), 1.0]])
+    metrics = conflict_metrics(torch.eye(3))
+    patched = type(metrics)(metrics.norms, cosines, 0, 1.0)
+    assert math.isnan(patched.to_dict()["min_cosine"])

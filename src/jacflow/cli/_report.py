@@ -109,18 +109,24 @@ def plot_run(result: RunResult, out: Path) -> list[Path]:
 
 
 def format_summary(summary: dict[str, Any]) -> str:
-    """The summary as aligned ``key: value`` lines.
+    """The summary as aligned ``key: value`` lines (floats with 4 decimals, ``n/a`` for NaN, as
+    in :func:`markdown_table` and the ``null`` of ``metrics.json``).
 
     Example:
         >>> from jacflow.cli._report import format_summary
         >>> print(format_summary({"aggregator": "upgrad", "digit_acc": 0.91234}))
         aggregator : upgrad
         digit_acc  : 0.9123
+        >>> print(format_summary({"mean_conflict_fraction": float("nan")}))
+        mean_conflict_fraction : n/a
     """
     width = max(len(key) for key in summary)
     lines = []
     for key, value in summary.items():
-        text = f"{value:.4f}" if isinstance(value, float) else str(value)
+        if isinstance(value, float):
+            text = "n/a" if math.isnan(value) else f"{value:.4f}"
+        else:
+            text = str(value)
         lines.append(f"{key.ljust(width)} : {text}")
     return "\n".join(lines)
 

@@ -7,15 +7,24 @@ metrics are cheap (no ``n``-sized work) and stay valid after a Gramian all-reduc
 
 Conventions for degenerate inputs: a cosine whose denominator is zero (a zero gradient or a zero
 update) is reported as ``0``; the norm ratio of an all-zero Gramian is ``nan`` (``0 / 0``) and
-``inf`` when only the smallest norm is zero.
+``inf`` when only the smallest norm is zero. A Gramian with a non-finite entry makes the summary
+statistics of :meth:`ConflictMetrics.to_dict` (conflict count and fraction, min and mean cosine)
+``nan``.
+
+Precision: float16 and bfloat16 Gramians are computed in float32 (``w^T G w`` would overflow
+half precision), integer and bool Gramians in the default floating dtype (so fractional weights
+are not truncated); the results have that dtype.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+from jacflow.aggregation._bases import compute_dtype
 
 
 def _check_gramian(gramian: object) -> Tensor:
@@ -26,7 +35,16 @@ def _check_gramian(gramian: object) -> Tensor:
             "`gramian` must be a square matrix [m, m] (the Gramian J @ J.T), received shape "
             f"{tuple(gramian.shape)}. Compute it with `jacflow.linalg.compute_gramian(J)`."
         )
-    return gramian.detach()
+    if gramian.is_complex():
+        raise TypeError(
+            f"`gramian` must be a real matrix, received dtype {gramian.dtype}. Pass the real "
+            "Gramian J @ J.T of a real Jacobian."
+        )
+    if gramian.is_floating_point():
+        dtype = compute_dtype(gramian.dtype)
+    else:
+        dtype = torch.get_default_dtype()
+    return gramian.detach().to(dtype)
 
 
 def _check_weights(weights: object, m: int, like: Tensor) -> Tensor:
@@ -82,6 +100,9 @@ def cosine_similarities(gramian: Tensor) -> Tensor:
 
 def conflicting_pairs(gramian: Tensor) -> int:
     """Number of pairs ``i < j`` whose gradients conflict (``G_ij < 0``).
+
+    A ``nan`` entry is not counted (it is not negative): check that the Gramian is finite
+    before reading the count (:meth:`ConflictMetrics.to_dict` reports ``nan`` then).
 
     Example:
         >>> import torch
@@ -149,12 +170,16 @@ class ConflictMetrics:
     Attributes:
         norms: ``[m]`` gradient norms.
         cosines: ``[m, m]`` pairwise cosine similarities.
-        n_conflicting_pairs: number of pairs ``i < j`` with ``G_ij < 0``.
+        n_conflicting_pairs: number of pairs ``i < j`` with ``G_ij < 0`` (``nan`` entries are
+            not counted; see ``finite``).
         norm_ratio: largest over smallest gradient norm.
         weights: the ``[m]`` weights of the update, or ``None``.
         update_norm: ``||J^T w||`` (``None`` without weights).
         update_cosines: ``[m]`` cosines between the update and each gradient (``None`` without
             weights).
+        finite: whether every entry of the Gramian is finite; when not, the summary statistics
+            of :meth:`to_dict` (``conflicting_pairs``, ``conflict_fraction``, ``min_cosine``,
+            ``mean_cosine``) are ``nan``.
 
     Example:
         >>> import torch
@@ -172,6 +197,7 @@ class ConflictMetrics:
     weights: Tensor | None = None
     update_norm: Tensor | None = None
     update_cosines: Tensor | None = None
+    finite: bool = True
 
     @property
     def m(self) -> int:
@@ -198,15 +224,19 @@ class ConflictMetrics:
         if len(names) != m:
             raise ValueError(f"`names` must have {m} entries (one per objective), got {names!r}.")
         pairs = torch.triu_indices(m, m, offset=1)
-        pair_cosines = self.cosines[pairs[0], pairs[1]].tolist()
+        pair_tensor = self.cosines[pairs[0], pairs[1]]
+        pair_cosines = pair_tensor.tolist()
         n_pairs = len(pair_cosines)
         out: dict[str, float] = {
             "conflicting_pairs": float(self.n_conflicting_pairs),
             "conflict_fraction": self.n_conflicting_pairs / n_pairs if n_pairs else 0.0,
-            "min_cosine": min(pair_cosines) if n_pairs else 1.0,
-            "mean_cosine": sum(pair_cosines) / n_pairs if n_pairs else 1.0,
+            "min_cosine": float(pair_tensor.min()) if n_pairs else 1.0,
+            "mean_cosine": float(pair_tensor.mean()) if n_pairs else 1.0,
             "norm_ratio": self.norm_ratio,
         }
+        if not self.finite:
+            for key in ("conflicting_pairs", "conflict_fraction", "min_cosine", "mean_cosine"):
+                out[key] = math.nan
         if self.update_norm is not None and self.update_cosines is not None:
             out["update_norm"] = float(self.update_norm)
             out["min_update_cos"] = float(self.update_cosines.min()) if m else 1.0
@@ -243,12 +273,14 @@ def conflict_metrics(gramian: Tensor, weights: Tensor | None = None) -> Conflict
         tensor([0.0000, 0.7071, 1.0000])
     """
     g = _check_gramian(gramian)
+    finite = bool(torch.isfinite(g).all())
     if weights is None:
         return ConflictMetrics(
             norms=gradient_norms(g),
             cosines=cosine_similarities(g),
             n_conflicting_pairs=conflicting_pairs(g),
             norm_ratio=norm_ratio(g),
+            finite=finite,
         )
     w = _check_weights(weights, g.shape[0], g)
     return ConflictMetrics(
@@ -259,4 +291,5 @@ def conflict_metrics(gramian: Tensor, weights: Tensor | None = None) -> Conflict
         weights=w,
         update_norm=update_norm(g, w),
         update_cosines=update_cosines(g, w),
+        finite=finite,
     )
