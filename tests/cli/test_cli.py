@@ -93,6 +93,10 @@ def test_compare_writes_table(tmp_path: Path) -> None:
         (["train", "--lr", "nan"], "expected a positive finite number"),
         (["train", "--batch-size", "0"], "expected a positive integer, received 0"),
         (["train", "--seed", "-3"], "expected a non-negative integer"),
+        (["train", "--seed", str(2**64 - 1)], "expected a non-negative integer at most"),
+        (["train", "--seed", str(2**64)], f"at most {2**63 - 1}, received {2**64}"),
+        (["train", "--threads", "99999999999"], "expected a positive integer at most 1024"),
+        (["train", "--threads", "0"], "expected a positive integer at most 1024, received 0"),
         (["train", "--aggregator", "nope"], "unknown aggregator 'nope'. Valid names: "),
         (["compare", "--aggregators", "mean,nope"], "unknown aggregator 'nope'"),
         (["compare", "--aggregators", ","], "--aggregators is empty"),
@@ -181,3 +185,37 @@ def test_without_tqdm_one_line_per_epoch_is_printed(
     epoch_lines = [line for line in out.splitlines() if line.startswith("upgrad epoch ")]
     assert [line.split(":")[0] for line in epoch_lines] == ["upgrad epoch 1", "upgrad epoch 2"]
     assert "digit_acc=" in epoch_lines[0]
+
+
+@pytest.mark.parametrize("device", ["meta", "xpu", "hip", "lazy", "ipu", "mkldnn"])
+def test_unusable_device_exits_2_before_the_run_folder(
+    device: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "run"
+    assert main(["train", "--device", device, "--epochs", "1", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"unsupported --device {device!r}: expected cpu, cuda[:N] or mps" in err
+    assert len(err.strip().splitlines()) == 1
+    assert not out.exists()
+
+
+def test_iwrm_drops_the_incomplete_last_batch() -> None:
+    from jacflow.cli._train import RunConfig, train_iwrm
+
+    # 1024 = 3 * 300 + 124: three steps of 300 objectives (constant is built for m = 300)
+    config = RunConfig(aggregator="constant", epochs=2, batch_size=300, lr=0.1)
+    result = train_iwrm(config, progress=False)
+    assert len(result.steps) == 2 * 3
+    assert all(row["update_norm"] >= 0 for row in result.steps)
+    with pytest.raises(ValueError, match="`batch_size` must be at most 1024"):
+        train_iwrm(RunConfig(batch_size=1025), progress=False)
+
+
+def test_iwrm_batch_size_above_the_samples_exits_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "run"
+    argv = ["train", "--mode", "iwrm", "--batch-size", "2000", "--out", str(out)]
+    assert main(argv) == 2
+    assert "--batch-size must be at most 1024" in capsys.readouterr().err
+    assert not out.exists()

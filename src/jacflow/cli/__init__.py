@@ -25,6 +25,7 @@ import argparse
 import math
 import sys
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -36,13 +37,13 @@ from jacflow.monitor import Logger
 __all__ = ["main"]
 
 
-def _int_at_least(minimum: int, what: str) -> Callable[[str], int]:
+def _int_at_least(minimum: int, what: str, maximum: int | None = None) -> Callable[[str], int]:
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected {what}, received {text!r}") from None
-        if value < minimum:
+        if value < minimum or (maximum is not None and value > maximum):
             raise argparse.ArgumentTypeError(f"expected {what}, received {value}")
         return value
 
@@ -50,7 +51,12 @@ def _int_at_least(minimum: int, what: str) -> Callable[[str], int]:
 
 
 _positive_int = _int_at_least(1, "a positive integer")
-_non_negative_int = _int_at_least(0, "a non-negative integer")
+MAX_SEED = 2**63 - 1
+"""The largest ``--seed`` (torch generators take 64-bit seeds; runs also seed ``seed + 1``)."""
+MAX_THREADS = 1024
+"""The largest ``--threads`` (``torch.set_num_threads`` takes a C int)."""
+_seed = _int_at_least(0, f"a non-negative integer at most {MAX_SEED}", MAX_SEED)
+_threads = _int_at_least(1, f"a positive integer at most {MAX_THREADS}", MAX_THREADS)
 
 
 def _positive_float(text: str) -> float:
@@ -65,7 +71,7 @@ def _positive_float(text: str) -> float:
 
 def _add_run_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--epochs", type=_positive_int, help="epochs (train: 30, iwrm: 10)")
-    parser.add_argument("--seed", type=_non_negative_int, default=0, help="random seed")
+    parser.add_argument("--seed", type=_seed, default=0, help="random seed")
     parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
     parser.add_argument(
         "--lr", type=_positive_float, help="learning rate (Adam 3e-3; iwrm SGD 0.1)"
@@ -74,7 +80,7 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, help="run folder (default: runs/<name>-<time>)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     parser.add_argument("--no-plots", action="store_true", help="do not draw PNG plots")
-    parser.add_argument("--threads", type=_positive_int, default=1, help="torch threads (1)")
+    parser.add_argument("--threads", type=_threads, default=1, help="torch threads (1)")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -110,21 +116,48 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _check_device(name: str) -> str:
+    """``name`` when it is a device the runs can use here: ``cpu``, ``cuda[:N]`` (when CUDA is
+    available and ``N`` is a visible GPU) or ``mps`` (when available); a :class:`CLIError`
+    otherwise (e.g. ``meta``, ``xpu``, ``lazy``: parsed by torch but not usable for a run)."""
     try:
-        device = torch.device(name)
+        with warnings.catch_warnings():  # e.g. "'mkldnn' is no longer used as device type"
+            warnings.simplefilter("ignore")
+            device = torch.device(name)
     except (RuntimeError, ValueError) as error:
         raise CLIError(f"invalid --device {name!r}: {error}") from error
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise CLIError(f"--device {name!r} requested but CUDA is not available; use --device cpu.")
-    if device.type == "mps" and not torch.backends.mps.is_available():
-        raise CLIError(f"--device {name!r} requested but MPS is not available; use --device cpu.")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise CLIError(
+                f"--device {name!r} requested but CUDA is not available; use --device cpu."
+            )
+        count = torch.cuda.device_count()
+        if device.index is not None and device.index >= count:
+            raise CLIError(
+                f"--device {name!r} requested but only {count} CUDA device(s) are visible; "
+                f"use --device cuda:0 to cuda:{count - 1}."
+            )
+    elif device.type == "mps":
+        if not torch.backends.mps.is_available():
+            raise CLIError(
+                f"--device {name!r} requested but MPS is not available; use --device cpu."
+            )
+    elif device.type != "cpu":
+        raise CLIError(
+            f"unsupported --device {name!r}: expected cpu, cuda[:N] or mps, received device "
+            f"type {device.type!r}."
+        )
     return name
 
 
 def _run_config(args: argparse.Namespace, aggregator: str) -> object:
-    from jacflow.cli._train import IWRM_BATCH, RunConfig
+    from jacflow.cli._train import IWRM_BATCH, IWRM_SAMPLES, RunConfig
 
     iwrm = args.mode == "iwrm"
+    if iwrm and args.batch_size is not None and args.batch_size > IWRM_SAMPLES:
+        raise CLIError(
+            f"--batch-size must be at most {IWRM_SAMPLES} (the number of training samples) in "
+            f"iwrm mode, received {args.batch_size}."
+        )
     return RunConfig(
         aggregator=aggregator,
         epochs=args.epochs or (10 if iwrm else 30),

@@ -171,7 +171,19 @@ def train_iwrm(config: RunConfig, *, progress: bool = True, label: str | None = 
     Trains :func:`~jacflow.cli._model.mlp_classifier` on 1024 digits with batches of 32 and
     plain SGD; each step calls ``jacflow.autojac.backward(losses, A=aggregator)`` on the ``[32]``
     per-sample cross-entropy losses. With ``mean`` this is ordinary SGD on the average loss.
+
+    The aggregator is built for ``m = config.batch_size`` objectives, so every batch has that
+    many samples: when the batch size does not divide 1024, the incomplete last batch of each
+    epoch is dropped (its samples change with the shuffle).
+
+    Raises:
+        ValueError: when ``config.batch_size`` exceeds the 1024 training samples.
     """
+    if config.batch_size > IWRM_SAMPLES:
+        raise ValueError(
+            f"`batch_size` must be at most {IWRM_SAMPLES} (the number of training samples) in "
+            f"iwrm mode, received {config.batch_size}. Use a smaller batch size."
+        )
     torch.manual_seed(config.seed)
     device = torch.device(config.device)
     images, labels = load_digits()
@@ -198,7 +210,7 @@ def train_iwrm(config: RunConfig, *, progress: bool = True, label: str | None = 
         return out
 
     result.epochs.append({"epoch": 0.0, **evaluate()})
-    steps_per_epoch = -(-len(train_idx) // config.batch_size)
+    steps_per_epoch = len(train_idx) // config.batch_size
     start = time.perf_counter()
     step = 0
     with Progress(
@@ -206,6 +218,8 @@ def train_iwrm(config: RunConfig, *, progress: bool = True, label: str | None = 
     ) as bar:
         for epoch in range(1, config.epochs + 1):
             order = train_idx[torch.randperm(len(train_idx), generator=generator, device=device)]
+            # drop the incomplete last batch: the aggregator is built for batch_size objectives
+            order = order[: steps_per_epoch * config.batch_size]
             for batch in order.split(config.batch_size):
                 losses = F.cross_entropy(model(images[batch]), labels[batch], reduction="none")
                 if isinstance(aggregator, LossAware):
