@@ -219,3 +219,35 @@ def test_iwrm_batch_size_above_the_samples_exits_2(
     assert main(argv) == 2
     assert "--batch-size must be at most 1024" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_reusing_out_is_refused_unless_overwrite(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "run"
+    argv = ["train", "--epochs", "1", "--quiet", "--no-plots", "--out", str(out)]
+    assert main(argv) == 0
+    (out / "norms.png").write_text("an earlier run's plot")
+    (out / "notes.txt").write_text("mine")
+    before = (out / "metrics.json").read_text()
+    capsys.readouterr()
+    assert main([*argv, "--seed", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "already holds files" in err and "--overwrite" in err
+    assert (out / "metrics.json").read_text() == before  # nothing lost
+    assert main([*argv, "--seed", "1", "--overwrite"]) == 0
+    assert json.loads((out / "metrics.json").read_text())["config"]["seed"] == 1
+    assert not (out / "norms.png").exists()  # no plot of the earlier run is left
+    assert (out / "notes.txt").read_text() == "mine"
+
+
+def test_empty_out_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["train", "--out", ""]) == 2
+    assert "expected a folder name, received an empty string" in capsys.readouterr().err
+
+
+def test_tensorboard_with_iwrm_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "run"
+    assert main(["train", "--mode", "iwrm", "--tensorboard", "--out", str(out)]) == 2
+    assert "--tensorboard is only available with --mode mtl" in capsys.readouterr().err
+    assert not out.exists()

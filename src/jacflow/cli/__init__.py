@@ -69,6 +69,12 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _out_path(text: str) -> Path:
+    if not text.strip():
+        raise argparse.ArgumentTypeError("expected a folder name, received an empty string")
+    return Path(text)
+
+
 def _add_run_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--epochs", type=_positive_int, help="epochs (train: 30, iwrm: 10)")
     parser.add_argument("--seed", type=_seed, default=0, help="random seed")
@@ -77,7 +83,12 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
         "--lr", type=_positive_float, help="learning rate (Adam 3e-3; iwrm SGD 0.1)"
     )
     parser.add_argument("--batch-size", type=_positive_int, help="batch size (64; iwrm: 32)")
-    parser.add_argument("--out", type=Path, help="run folder (default: runs/<name>-<time>)")
+    parser.add_argument("--out", type=_out_path, help="run folder (default: runs/<name>-<time>)")
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="reuse a non-empty --out: delete the files of the earlier run first",
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     parser.add_argument("--no-plots", action="store_true", help="do not draw PNG plots")
     parser.add_argument("--threads", type=_threads, default=1, help="torch threads (1)")
@@ -169,9 +180,16 @@ def _run_config(args: argparse.Namespace, aggregator: str) -> object:
 
 
 def _out_dir(args: argparse.Namespace, name: str) -> Path:
-    from jacflow.cli._train import check_out_dir
+    from jacflow.cli._train import check_out_dir, clear_run_files
 
     out = args.out or Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    if out.is_dir() and any(out.iterdir()):
+        if not args.overwrite:
+            raise CLIError(
+                f"--out {str(out)!r} already holds files (an earlier run?); choose a new folder "
+                "or pass --overwrite to delete the earlier run's files first."
+            )
+        clear_run_files(out)
     return check_out_dir(out)
 
 
@@ -179,6 +197,11 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from jacflow.cli._registry import make_aggregator
 
     if args.mode == "iwrm":
+        if args.tensorboard:
+            raise CLIError(
+                "--tensorboard is only available with --mode mtl (iwrm runs log their metrics "
+                "to CSV and JSON only); drop --tensorboard or use --mode mtl."
+            )
         names = ["mean", args.aggregator if args.aggregator != "mean" else "upgrad"]
         args.aggregators = ",".join(names)
         return _cmd_compare(args, title="iwrm")

@@ -246,6 +246,49 @@ def train_iwrm(config: RunConfig, *, progress: bool = True, label: str | None = 
     return result
 
 
+RUN_FILES = (
+    "metrics_steps.csv",
+    "metrics_epochs.csv",
+    "metrics.json",
+    "losses.png",
+    "test_losses.png",
+    "cosine_over_training.png",
+    "weights.png",
+    "norms.png",
+    "comparison.csv",
+    "comparison.md",
+    "comparison.json",
+    "comparison.png",
+)
+"""The files a ``jacflow train`` or ``compare`` run may write in its folder."""
+
+
+def clear_run_files(path: Path) -> None:
+    """Delete the files of an earlier run in ``path``: the :data:`RUN_FILES`, the TensorBoard
+    event files, and the same in the per-aggregator sub-folders of a comparison. Other files
+    are kept.
+
+    Example:
+        >>> import tempfile
+        >>> from pathlib import Path
+        >>> from jacflow.cli._train import clear_run_files
+        >>> out = Path(tempfile.mkdtemp())
+        >>> for name in ("metrics.json", "norms.png", "notes.txt"):
+        ...     _ = (out / name).write_text("x")
+        >>> clear_run_files(out)
+        >>> sorted(p.name for p in out.iterdir())
+        ['notes.txt']
+    """
+    folders = [path] + [sub for sub in path.iterdir() if (sub / "metrics.json").is_file()]
+    for folder in folders:
+        for name in RUN_FILES:
+            (folder / name).unlink(missing_ok=True)
+        board = folder / "tensorboard"
+        if board.is_dir():
+            for event in board.glob("events.out.tfevents.*"):
+                event.unlink()
+
+
 def check_out_dir(path: Path) -> Path:
     """Create ``path`` and check that files can be written in it.
 
