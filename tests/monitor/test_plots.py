@@ -52,3 +52,18 @@ def test_smoothing_is_a_trailing_mean() -> None:
     assert ydata == pytest.approx(expected)
     with pytest.raises(ValueError, match="`smooth` must be a positive int"):
         plot_curves(history, "w/", smooth=0)
+
+
+def test_cosine_matrix_of_a_bfloat16_gramian() -> None:
+    # J = [[1, 0], [-1, 1]]: cos = -1 / sqrt(2) by hand (bfloat16 keeps about 3 digits)
+    gramian = torch.tensor([[1.0, -1.0], [-1.0, 2.0]], dtype=torch.bfloat16)
+    image = plot_cosine_matrix(gramian).axes[0].images[0].get_array()
+    assert float(image[0, 1]) == pytest.approx(-(0.5**0.5), abs=1e-2)
+
+
+def test_plot_arguments_are_validated() -> None:
+    with pytest.raises(ValueError, match="`names` must have 2 entries"):
+        plot_cosine_matrix(torch.eye(2), ["a", "b", "c"])
+    history = [{"step": 0.0, "cos/a-b": 0.5}]
+    with pytest.raises(TypeError, match="`max_columns` must be an int"):
+        plot_cosines_over_training(history, max_columns=2.5)  # type: ignore[arg-type]

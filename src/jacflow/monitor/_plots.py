@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from jacflow.monitor._metrics import cosine_similarities
@@ -35,9 +36,16 @@ def plot_cosine_matrix(gramian: Tensor, names: Sequence[str] | None = None) -> A
         >>> figure.axes[0].get_title()
         'Gradient cosine similarity'
     """
-    cosines = cosine_similarities(gramian).cpu()
+    cosines = cosine_similarities(gramian).cpu()  # float32 for half-precision Gramians
+    if cosines.dtype not in (torch.float32, torch.float64):  # numpy has no bfloat16
+        cosines = cosines.float()
     m = cosines.shape[0]
-    labels = [str(i) for i in range(m)] if names is None else list(names)
+    labels = [str(i) for i in range(m)] if names is None else [str(name) for name in names]
+    if len(labels) != m:
+        raise ValueError(
+            f"`names` must have {m} entries (one per objective of the [{m}, {m}] Gramian), "
+            f"received {len(labels)}: {labels!r}."
+        )
     figure = _figure((1.2 + 0.6 * m, 1.0 + 0.6 * m))
     ax = figure.add_subplot()
     image = ax.imshow(cosines.numpy(), cmap="RdBu", vmin=-1.0, vmax=1.0)
@@ -132,6 +140,11 @@ def plot_cosines_over_training(history: Sequence[dict[str, float]], max_columns:
     keys = sorted({key for row in history for key in row if key.startswith("cos/")})
     if not keys or not history:
         raise ValueError("`history` holds no `cos/<i>-<j>` entries to plot.")
+    if not isinstance(max_columns, int) or isinstance(max_columns, bool):
+        raise TypeError(
+            f"`max_columns` must be an int (the largest number of columns), received "
+            f"{max_columns!r} of type {type(max_columns).__name__}."
+        )
     if max_columns < 1:
         raise ValueError(f"`max_columns` must be at least 1, received {max_columns}.")
     n = len(history)
