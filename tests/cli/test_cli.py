@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -251,3 +252,55 @@ def test_tensorboard_with_iwrm_exits_2(tmp_path: Path, capsys: pytest.CaptureFix
     assert main(["train", "--mode", "iwrm", "--tensorboard", "--out", str(out)]) == 2
     assert "--tensorboard is only available with --mode mtl" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_overwrite_clears_only_the_earlier_comparisons_folders(tmp_path: Path) -> None:
+    """`--overwrite` deletes the files of the runs the earlier comparison's `comparison.json`
+    names, and no other folder's, even one holding a `metrics.json` (another run kept there)."""
+    out = tmp_path / "runs"
+    argv = ["compare", "--aggregators", "mean,upgrad", "--epochs", "1", "--quiet", "--no-plots"]
+    assert main([*argv, "--out", str(out)]) == 0
+    other = out / "exp-a"
+    other.mkdir()
+    (other / "metrics.json").write_text("{}")
+    assert main([*argv[:2], "mean", *argv[3:], "--out", str(out), "--overwrite"]) == 0
+    assert (other / "metrics.json").read_text() == "{}"
+    assert not (out / "upgrad").exists()  # (emptied by the clearing, then removed)
+    assert (out / "mean" / "metrics.json").is_file()
+
+
+def test_a_refusal_after_overwrite_deletes_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A missing optional dependency is found before the earlier run's files are deleted."""
+    out = tmp_path / "run"
+    argv = ["train", "--epochs", "1", "--quiet", "--no-plots", "--out", str(out)]
+    assert main(argv) == 0
+    before = (out / "metrics.json").read_text()
+    monkeypatch.setitem(sys.modules, "tensorboard", None)
+    assert main([*argv, "--tensorboard", "--overwrite"]) == 2
+    assert (out / "metrics.json").read_text() == before
+    fresh = tmp_path / "fresh"
+    assert main([*argv[:-1], str(fresh), "--tensorboard"]) == 2
+    assert not fresh.exists()
+
+
+def test_huge_iwrm_batch_size_in_compare_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    """The batch size is checked before an aggregator is built for m = --batch-size (constant
+    allocated its weights first: a raw memory error)."""
+    huge = str(10**11)
+    argv = ["compare", "--mode", "iwrm", "--aggregators", "constant", "--batch-size", huge]
+    assert main(argv) == 2
+    assert "--batch-size must be at most 1024" in capsys.readouterr().err
+
+
+def test_default_folders_of_runs_in_the_same_second_differ(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(time, "strftime", lambda fmt, *args: "20260101-000000")
+    argv = ["train", "--epochs", "1", "--quiet", "--no-plots"]
+    assert main(argv) == 0
+    assert main(argv) == 0
+    names = sorted(p.name for p in (tmp_path / "runs").iterdir())
+    assert names == ["train-upgrad-20260101-000000", "train-upgrad-20260101-000000-2"]

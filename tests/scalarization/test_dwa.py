@@ -96,3 +96,23 @@ def test_zero_averages_give_rate_one_and_a_rise_from_zero_takes_all_the_weight()
     dwa(torch.tensor([1.0, 1.0]))
     dwa.step()  # rates [1/0 = inf, 1]: the limit of the softmax puts K = 2 on the first loss
     assert dwa.weights(torch.ones(2)).tolist() == [2.0, 0.0]
+
+
+def test_half_precision_losses_are_summed_in_float32() -> None:
+    """A float16 epoch sum stops growing at 2048 (and overflows at 65504): the averages, hence
+    the weights, are those of float32 losses."""
+    weights = []
+    for dtype in (torch.float32, torch.float16):
+        dwa = DWA(temperature=2.0)
+        for first in (1.0, 0.8):
+            for _ in range(3000):
+                dwa(torch.tensor([first, 1.0], dtype=dtype))
+            dwa.step()
+        weights.append(dwa.weights(torch.ones(2)))
+    torch.testing.assert_close(weights[1], weights[0], rtol=0, atol=1e-3)
+    big = DWA()
+    for _ in range(2):
+        for _ in range(1000):
+            big(torch.tensor([100.0, 1.0], dtype=torch.float16))
+        big.step()
+    torch.testing.assert_close(big.weights(torch.ones(2)), torch.ones(2))

@@ -37,6 +37,7 @@ def _run(make: Callable[[], Scalarizer], bad: Tensor | None) -> list[float]:
         lambda: AdaLoss(momentum=0.5),
         lambda: ReLoBRaLo(alpha=0.5, rho=1.0, temperature=1.0),
         lambda: ReLoBRaLo(alpha=0.5, rho=0.0, temperature=1.0),
+        lambda: ReLoBRaLo(alpha=0.5, rho=0.5, temperature=1.0),  # (no look-back drawn)
         DWA,
         LBTW,
         SoftAdapt,
@@ -75,3 +76,13 @@ def test_a_calibration_epoch_without_a_finite_call_is_repeated() -> None:
     stch.step()
     assert stch.nadir is not None
     torch.testing.assert_close(stch.nadir, torch.tensor([2.0, 8.0]))
+
+
+def test_a_calibration_epoch_sums_half_precision_losses_in_float32() -> None:
+    """LogSTCH's nadir point from float16 losses (whose float16 sum overflows at 65504)."""
+    stch = LogSTCH(mu=1.0, warmup_epochs=0)
+    for _ in range(1000):
+        stch(torch.tensor([100.0, 1.0], dtype=torch.float16))
+    stch.step()
+    assert stch.nadir is not None
+    torch.testing.assert_close(stch.nadir, torch.tensor([100.0, 1.0]))

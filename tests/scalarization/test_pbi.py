@@ -68,3 +68,13 @@ def test_a_zero_or_non_finite_direction_is_refused_at_construction_and_on_assign
     assert math.isclose(
         float(pbi(torch.tensor([1.0, 3.0]))), 4 / math.sqrt(2) + 5 * math.sqrt(2), rel_tol=1e-6
     )
+
+
+def test_a_tiny_direction_gives_the_value_of_the_same_direction() -> None:
+    """Its norm underflows in float32 (1e-30 squared): the direction is scaled first."""
+    losses = torch.tensor([1.0, 3.0])
+    expected = PBI(5.0, torch.tensor([1.0, 1.0]))(losses)
+    torch.testing.assert_close(PBI(5.0, torch.tensor([1e-30, 1e-30]))(losses), expected)
+    torch.testing.assert_close(
+        PBI(5.0, torch.tensor([1e-45, 0.0]))(losses), PBI(5.0, torch.tensor([1.0, 0.0]))(losses)
+    )

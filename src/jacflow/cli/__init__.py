@@ -179,10 +179,29 @@ def _run_config(args: argparse.Namespace, aggregator: str) -> object:
     )
 
 
+def _fresh_folder(name: str) -> Path:
+    """``runs/<name>-<time>``, created here (``-2``, ``-3``, ... appended when a run that
+    started in the same second holds it): a default folder is never shared."""
+    from jacflow.cli._train import check_out_dir
+
+    base = Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    check_out_dir(base.parent)
+    for attempt in range(1, 1000):
+        folder = base if attempt == 1 else base.with_name(f"{base.name}-{attempt}")
+        try:
+            folder.mkdir()
+        except FileExistsError:
+            continue
+        return folder
+    raise CLIError(f"could not create a fresh run folder next to {str(base)!r}; pass --out.")
+
+
 def _out_dir(args: argparse.Namespace, name: str) -> Path:
     from jacflow.cli._train import check_out_dir, clear_run_files
 
-    out = args.out or Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    if args.out is None:
+        return check_out_dir(_fresh_folder(name))
+    out = args.out
     if out.is_dir() and any(out.iterdir()):
         if not args.overwrite:
             raise CLIError(
@@ -208,14 +227,19 @@ def _cmd_train(args: argparse.Namespace) -> int:
     make_aggregator(args.aggregator, 3)  # fail early on a bad name
     loggers: list[Logger] = []
     config = _run_config(args, args.aggregator)
+    if args.tensorboard:  # (before the run folder: a refusal changes nothing)
+        from jacflow.monitor._optional import require
+
+        try:
+            require("tensorboard", "tensorboard", "--tensorboard")
+            require("torch.utils.tensorboard", "tensorboard", "--tensorboard")
+        except ImportError as error:
+            raise CLIError(str(error)) from error
     out = _out_dir(args, f"train-{args.aggregator}")
     if args.tensorboard:
         from jacflow.monitor import TensorBoardLogger
 
-        try:
-            loggers.append(TensorBoardLogger(out / "tensorboard"))
-        except ImportError as error:
-            raise CLIError(str(error)) from error
+        loggers.append(TensorBoardLogger(out / "tensorboard"))
     from jacflow.cli._report import (
         PLOT_NOTICE,
         format_summary,
@@ -250,10 +274,12 @@ def _cmd_compare(args: argparse.Namespace, title: str = "compare") -> int:
         raise CLIError("--aggregators is empty; give comma-separated names, e.g. mean,upgrad.")
     from jacflow.cli._registry import make_aggregator
 
+    # (the run settings first: an aggregator for m = --batch-size is built only once it is
+    # valid)
+    configs = [_run_config(args, name) for name in names]
     m = 3 if args.mode == "mtl" else (args.batch_size or 32)
     for name in names:
         make_aggregator(name, m)  # fail early on a bad name
-    configs = [_run_config(args, name) for name in names]
     out = _out_dir(args, f"{title}-{'-'.join(names)}")
     return compare(configs, args.mode, out, progress=not args.quiet, plots=not args.no_plots)
 

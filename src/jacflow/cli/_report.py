@@ -109,22 +109,23 @@ def plot_run(result: RunResult, out: Path) -> list[Path]:
 
 
 def format_summary(summary: dict[str, Any]) -> str:
-    """The summary as aligned ``key: value`` lines (floats with 4 decimals, ``n/a`` for NaN, as
-    in :func:`markdown_table` and the ``null`` of ``metrics.json``).
+    """The summary as aligned ``key: value`` lines (floats with 4 decimals, ``n/a`` for NaN and
+    infinities, as in :func:`markdown_table` and the ``null`` of ``metrics.json``).
 
     Example:
         >>> from jacflow.cli._report import format_summary
         >>> print(format_summary({"aggregator": "upgrad", "digit_acc": 0.91234}))
         aggregator : upgrad
         digit_acc  : 0.9123
-        >>> print(format_summary({"mean_conflict_fraction": float("nan")}))
+        >>> print(format_summary({"mean_conflict_fraction": float("nan"), "loss": float("inf")}))
         mean_conflict_fraction : n/a
+        loss                   : n/a
     """
     width = max(len(key) for key in summary)
     lines = []
     for key, value in summary.items():
         if isinstance(value, float):
-            text = "n/a" if math.isnan(value) else f"{value:.4f}"
+            text = f"{value:.4f}" if math.isfinite(value) else "n/a"
         else:
             text = str(value)
         lines.append(f"{key.ljust(width)} : {text}")

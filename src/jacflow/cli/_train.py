@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -263,9 +264,25 @@ RUN_FILES = (
 """The files a ``jacflow train`` or ``compare`` run may write in its folder."""
 
 
+def _compared_folders(path: Path) -> list[Path]:
+    """The per-aggregator sub-folders of ``path`` that an earlier comparison there wrote: those
+    its ``comparison.json`` names (no other sub-folder, whatever it holds)."""
+    try:
+        runs = json.loads((path / "comparison.json").read_text()).get("runs", [])
+    except (OSError, ValueError, AttributeError):
+        return []
+    names = {row.get("aggregator") for row in runs if isinstance(row, dict)}
+    return [
+        path / name
+        for name in sorted(n for n in names if isinstance(n, str))
+        if name and Path(name).name == name and (path / name).is_dir()
+    ]
+
+
 def clear_run_files(path: Path) -> None:
     """Delete the files of an earlier run in ``path``: the :data:`RUN_FILES`, the TensorBoard
-    event files, and the same in the per-aggregator sub-folders of a comparison. Other files
+    event files, and the same in the per-aggregator sub-folders that an earlier comparison's
+    ``comparison.json`` names (removed when that leaves them empty). Other files and folders
     are kept.
 
     Example:
@@ -279,14 +296,18 @@ def clear_run_files(path: Path) -> None:
         >>> sorted(p.name for p in out.iterdir())
         ['notes.txt']
     """
-    folders = [path] + [sub for sub in path.iterdir() if (sub / "metrics.json").is_file()]
-    for folder in folders:
+    compared = _compared_folders(path)
+    for folder in [*compared, path]:
         for name in RUN_FILES:
             (folder / name).unlink(missing_ok=True)
         board = folder / "tensorboard"
         if board.is_dir():
             for event in board.glob("events.out.tfevents.*"):
                 event.unlink()
+            if not any(board.iterdir()):
+                board.rmdir()
+        if folder != path and not any(folder.iterdir()):
+            folder.rmdir()
 
 
 def check_out_dir(path: Path) -> Path:

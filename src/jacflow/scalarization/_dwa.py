@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from jacflow._stateful import Stateful
+from jacflow.aggregation._bases import compute_dtype
 from jacflow.aggregation._nonfinite import has_nonfinite
 from jacflow.scalarization._base import Scalarizer, check_float, check_same_shape
 
@@ -96,9 +97,10 @@ class DWA(Scalarizer, Stateful):
         if has_nonfinite(detached):  # skipped step: state unchanged, non-finite value
             return (weights * losses).sum()
         if self._epoch_sum is None:
-            self._epoch_sum = detached.clone()
+            # (summed in float32 at least: a float16 sum stops growing at 2048 and overflows)
+            self._epoch_sum = detached.to(compute_dtype(detached.dtype), copy=True)
         else:
-            self._epoch_sum = self._epoch_sum + detached
+            self._epoch_sum = self._epoch_sum + detached.to(compute_dtype(detached.dtype))
         self._epoch_batches += 1
         return (weights * losses).sum()
 

@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from jacflow._stateful import Stateful
+from jacflow.aggregation._bases import compute_dtype
 from jacflow.aggregation._nonfinite import has_nonfinite
 from jacflow.scalarization._base import (
     Scalarizer,
@@ -92,10 +93,11 @@ class LogSTCH(Scalarizer, Stateful):
             if has_nonfinite(detached):  # skipped step: not in the nadir point
                 return log_sum(losses)
             if self._sum is None:
-                self._sum = detached.clone()
+                # (summed in float32 at least: a float16 sum stops growing at 2048 and overflows)
+                self._sum = detached.to(compute_dtype(detached.dtype), copy=True)
             else:
                 check_same_shape(self._sum, losses, "LogSTCH")
-                self._sum = self._sum + detached
+                self._sum = self._sum + detached.to(compute_dtype(detached.dtype))
             self._count += 1
             return log_sum(losses)
         check_same_shape(self.nadir, losses, "LogSTCH")

@@ -20,7 +20,9 @@ from jacflow.scalarization._stch import shifted
 def pbi(values: Tensor, direction: Tensor, theta: float) -> Tensor:
     """``d1 + theta * d2`` for ``values`` (already shifted by the reference) and a direction."""
     f = values.flatten()
-    unit = direction.flatten() / torch.linalg.vector_norm(direction)
+    # (scaled to a largest entry of 1 first: the norm of a tiny direction underflows to 0)
+    scaled = direction.flatten() / direction.abs().amax()
+    unit = scaled / torch.linalg.vector_norm(scaled)
     d1 = f @ unit
     # The norm's gradient at a zero vector is taken as zero (a subgradient), so d2 needs no eps.
     d2 = torch.linalg.vector_norm(f - d1 * unit)

@@ -70,6 +70,7 @@ class ReLoBRaLo(Scalarizer, Stateful):
 
     def forward(self, losses: Tensor, /) -> Tensor:
         detached = losses.detach()
+        skipped = has_nonfinite(detached)  # (a skipped step draws no look-back either)
         first = False
         if self._initial is None or self._previous is None or self._lambda is None:
             first = True
@@ -78,13 +79,16 @@ class ReLoBRaLo(Scalarizer, Stateful):
             check_same_shape(self._initial, losses, "ReLoBRaLo")
             initial = self._initial.to(losses.dtype)
             previous = self._previous.to(losses.dtype)
-            lookback = (torch.rand((), device=losses.device) < self.rho).to(losses.dtype)
-            history = lookback * self._lambda.to(losses.dtype) + (1 - lookback) * balancing(
-                detached, initial, self.temperature
-            )
+            if skipped:
+                history = self._lambda.to(losses.dtype)
+            else:
+                lookback = (torch.rand((), device=losses.device) < self.rho).to(losses.dtype)
+                history = lookback * self._lambda.to(losses.dtype) + (1 - lookback) * balancing(
+                    detached, initial, self.temperature
+                )
             recent = balancing(detached, previous, self.temperature)
             weights = self.alpha * history + (1 - self.alpha) * recent
-        if not has_nonfinite(detached):  # else: skipped step, state unchanged
+        if not skipped:  # else: skipped step, state unchanged
             if first:
                 self._initial = detached.clone()
             self._previous = detached.clone()
