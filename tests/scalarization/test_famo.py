@@ -123,7 +123,7 @@ def test_half_precision_losses_keep_a_float32_state_and_value() -> None:
     assert famo.logits.dtype == torch.float32 and famo._steps == 1
 
 
-@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+@pytest.mark.parametrize("bad", [float("inf"), float("nan"), -float("inf")])
 def test_a_non_finite_loss_skips_the_update_and_leaves_the_state_untouched(bad: float) -> None:
     famo, clean = FAMO(2), FAMO(2)
     for f in (famo, clean):
@@ -141,3 +141,10 @@ def test_a_non_finite_loss_skips_the_update_and_leaves_the_state_untouched(bad: 
         f(torch.tensor([1.0, 2.0]))
         f.update(torch.tensor([0.8, 1.0]))
     assert torch.equal(famo.logits, clean.logits)
+
+
+def test_half_precision_losses_after_float64_ones_keep_the_float64_state() -> None:
+    famo = FAMO(2)
+    famo(torch.tensor([1.0, 4.0], dtype=torch.float64))
+    value = famo(torch.tensor([1.0, 4.0], dtype=torch.float16))
+    assert famo.logits.dtype == torch.float64 and value.dtype == torch.float64

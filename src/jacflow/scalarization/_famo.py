@@ -65,8 +65,9 @@ class FAMO(Scalarizer, Stateful):
     State: the logits :math:`w` (a buffer, not a parameter: FAMO steps them itself, do not give
     them to your optimizer), Adam's moments and step count, and the losses of the last call.
     They move to the losses' device, and to their dtype when it is float32 or float64; for
-    float16 or bfloat16 losses they stay float32 (half precision would round Adam's small steps
-    away), and the value is computed and returned in float32. :meth:`update` converts its
+    float16 or bfloat16 losses they keep theirs (float32 from construction, float64 after
+    float64 losses: half precision would round Adam's small steps away), in which the value is
+    computed and returned. :meth:`update` converts its
     losses to the state's dtype. A NaN or infinite loss gives a non-finite value, and an
     :meth:`update` with a NaN or an infinity in either call's losses leaves the state untouched
     (so a step that an AMP ``GradScaler`` skips does not poison it). :meth:`reset` restores
@@ -129,7 +130,9 @@ class FAMO(Scalarizer, Stateful):
                 f"has shape {tuple(losses.shape)}."
             )
         bounds = self.min_losses.to(device=losses.device, dtype=losses.dtype)
-        if bool((losses.detach() < bounds).any()):
+        detached = losses.detach()
+        # (a NaN or infinite loss is a skipped step, not a bad bound: -inf included)
+        if bool(((detached < bounds) & torch.isfinite(detached)).any()):
             raise ValueError(
                 f"FAMO: `{name}` must be at least `min_losses` (default 0: the losses must be "
                 "non-negative; log(L - b) is taken), received "
