@@ -627,15 +627,13 @@ def project_weights(
     Cholesky pivots above 1e-2 of its largest diagonal entry; ``v_i = u_i`` exactly on the
     constraints they hold active; the problems they leave above the tolerance take float64
     steps, unless the float32 ones stopped for the cost of the active systems), and ADMM's
-    first iterations (for a tolerance of 1e-6 or
-    looser, or from 128 objectives; they go on in float64 where that is not met). A problem
-    counts as solved when its KKT residual
+    first iterations (for a tolerance of 1e-6 or looser, or from 128 objectives; they go on in
+    float64 where that is not met). A problem counts as solved when its KKT residual
     ``max_i |min(v_i - u_i, lam_i / c)| / max(1, |v|_inf)`` (with ``u`` scaled to max-norm 1,
     ``lam = 2 G v`` and ``c = 2 max_i G_ii``, ``G`` of trace 1, rescaled as above) is at most
-    ``tol``. If some
-    problem does not meet ``tol`` within ``max_iter``, a :class:`SolverWarning` is issued and
-    the best iterate is returned. NaN or infinite entries in ``G`` (or in a row of ``u``) give
-    NaN rows.
+    ``tol``. If some problem does not meet ``tol`` within ``max_iter``, a
+    :class:`SolverWarning` is issued and the best iterate is returned. NaN or infinite
+    entries in ``G`` (or in a row of ``u``) give NaN rows.
 
     Gradients. When ``u`` or ``gramian`` requires grad, ``v`` is differentiable by implicit
     differentiation of the KKT system at the solution (active set held fixed, pseudo-inverse

@@ -225,8 +225,7 @@ class ConflictMetrics:
             raise ValueError(f"`names` must have {m} entries (one per objective), got {names!r}.")
         pairs = torch.triu_indices(m, m, offset=1)
         pair_tensor = self.cosines[pairs[0], pairs[1]]
-        pair_cosines = pair_tensor.tolist()
-        n_pairs = len(pair_cosines)
+        n_pairs = pair_tensor.numel()
         out: dict[str, float] = {
             "conflicting_pairs": float(self.n_conflicting_pairs),
             "conflict_fraction": self.n_conflicting_pairs / n_pairs if n_pairs else 0.0,
@@ -249,7 +248,7 @@ class ConflictMetrics:
                 for name, value in zip(names, self.update_cosines.tolist()):
                     out[f"update_cos/{name}"] = value
         if pairwise:
-            for i, j, value in zip(pairs[0].tolist(), pairs[1].tolist(), pair_cosines):
+            for i, j, value in zip(pairs[0].tolist(), pairs[1].tolist(), pair_tensor.tolist()):
                 out[f"cos/{names[i]}-{names[j]}"] = value
         return out
 

@@ -94,6 +94,19 @@ def check_same_shape(state: Tensor, losses: Tensor, owner: str) -> None:
         )
 
 
+def loss_ratio(losses: Tensor, reference: Tensor) -> Tensor:
+    """``losses / reference`` with ``0 / 0`` taken as 1 (no change), as DWA's rates and LBTW's
+    ratios read it.
+
+    Example:
+        >>> import torch
+        >>> from jacflow.scalarization._base import loss_ratio
+        >>> loss_ratio(torch.tensor([0.0, 1.0, 2.0]), torch.tensor([0.0, 0.0, 4.0]))
+        tensor([1.0000,    inf, 0.5000])
+    """
+    return torch.where((losses == 0) & (reference == 0), 1.0, losses / reference)
+
+
 def follow_losses(tensors: Sequence[Tensor], losses: Tensor) -> None:
     """Move parameters or buffers in place to the losses' device (and dtype when it is float32 or
     float64), keeping the tensor objects so that optimizers holding them stay valid."""

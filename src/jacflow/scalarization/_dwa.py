@@ -10,7 +10,7 @@ from torch import Tensor
 from jacflow._stateful import Stateful
 from jacflow.aggregation._bases import compute_dtype
 from jacflow.aggregation._nonfinite import has_nonfinite
-from jacflow.scalarization._base import Scalarizer, check_float, check_same_shape
+from jacflow.scalarization._base import Scalarizer, check_float, check_same_shape, loss_ratio
 
 
 def dwa_weights(older: Tensor, newer: Tensor, temperature: float) -> Tensor:
@@ -19,8 +19,7 @@ def dwa_weights(older: Tensor, newer: Tensor, temperature: float) -> Tensor:
     ``0 / 0`` is taken as the rate 1 (no change); when some rates are infinite (a positive
     average after a zero one) the weights are the softmax's limit: ``K`` shared equally by them.
     """
-    both_zero = (newer == 0) & (older == 0)
-    rates = torch.where(both_zero, 1.0, newer / older).flatten()
+    rates = loss_ratio(newer, older).flatten()
     infinite = rates == float("inf")
     limit = infinite.to(rates.dtype) / infinite.sum().clamp(min=1)
     soft = torch.softmax(rates / temperature, dim=0)

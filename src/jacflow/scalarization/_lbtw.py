@@ -9,13 +9,12 @@ from torch import Tensor
 
 from jacflow._stateful import Stateful
 from jacflow.aggregation._nonfinite import has_nonfinite
-from jacflow.scalarization._base import Scalarizer, check_float, check_same_shape
+from jacflow.scalarization._base import Scalarizer, check_float, check_same_shape, loss_ratio
 
 
 def lbtw_weights(losses: Tensor, initial: Tensor, alpha: float) -> Tensor:
     """``(losses / initial) ** alpha``, with ``0 / 0`` taken as 1."""
-    both_zero = (losses == 0) & (initial == 0)
-    return torch.where(both_zero, 1.0, losses / initial) ** alpha
+    return loss_ratio(losses, initial) ** alpha
 
 
 @final
