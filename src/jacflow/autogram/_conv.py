@@ -36,30 +36,67 @@ from jacflow.autogram._rules import (
 )
 
 
-def unfold(x: Tensor, module: _ConvNd, positions_first: bool = True) -> Tensor:
-    """Patches of ``x`` (``[N, C, *spatial]``) in the weight's layout (channel-major, then the
-    kernel offsets): ``[N, L, C * k]`` (``positions_first``) or ``[N, C * k, L]``.
-
-    Strided views (pad, then one ``Tensor.unfold`` per spatial axis) and one copy; this is
-    several times faster than ``F.unfold`` on CPU, and covers 3-D, dilation and every padding
-    mode.
-    """
+def _windows(x: Tensor, module: _ConvNd) -> Tensor:
+    """The patches of ``x`` (``[N, C, *spatial]``) as a strided view
+    ``[N, C, *positions, *kernel]``: pad, then one ``Tensor.unfold`` per spatial axis."""
     kernel = tuple(module.kernel_size)
-    nd = len(kernel)
     pad = tuple(module._reversed_padding_repeated_twice)
     if any(pad):
         mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
         x = F.pad(x, pad, mode=mode)
-    for i in range(nd):
+    for i in range(len(kernel)):
         dilation = module.dilation[i]
         x = x.unfold(2 + i, dilation * (kernel[i] - 1) + 1, module.stride[i])
         if dilation > 1:
             x = x[..., ::dilation]
-    n, c = x.shape[:2]
+    return x
+
+
+def unfold(x: Tensor, module: _ConvNd, positions_first: bool = True) -> Tensor:
+    """Patches of ``x`` (``[N, C, *spatial]``) in the weight's layout (channel-major, then the
+    kernel offsets): ``[N, L, C * k]`` (``positions_first``) or ``[N, C * k, L]``.
+
+    Strided views (:func:`_windows`) and one copy; this is several times faster than
+    ``F.unfold`` on CPU, and covers 3-D, dilation and every padding mode.
+    """
+    x = _windows(x, module)
+    nd = len(module.kernel_size)
+    n, c, k = x.shape[0], x.shape[1], math.prod(module.kernel_size)
     spatial, offsets = list(range(2, 2 + nd)), list(range(2 + nd, 2 + 2 * nd))
     if positions_first:
-        return x.permute([0, *spatial, 1, *offsets]).reshape(n, -1, c * math.prod(kernel))
-    return x.permute([0, 1, *offsets, *spatial]).reshape(n, c * math.prod(kernel), -1)
+        return x.permute([0, *spatial, 1, *offsets]).reshape(n, -1, c * k)
+    return x.permute([0, 1, *offsets, *spatial]).reshape(n, c * k, -1)
+
+
+def unfold_with_ones(x: Tensor, module: _ConvNd) -> Tensor:
+    """:func:`unfold` of ``x`` (``[N, C, *spatial]``, positions last) with a row of ones after
+    each group's patches: ``[N, groups, C k / groups + 1, L]``, in one copy. A product with the
+    output gradients then gives each group's bias gradient (the sum over the positions) in its
+    last column, for one more row.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> from jacflow.autogram._conv import unfold, unfold_with_ones
+        >>> conv, x = nn.Conv2d(2, 4, 3, groups=2), torch.randn(1, 2, 5, 5)
+        >>> u = unfold_with_ones(x, conv)
+        >>> u.shape, torch.equal(u[:, :, :9].flatten(1, 2), unfold(x, conv, False))
+        (torch.Size([1, 2, 10, 9]), True)
+        >>> bool((u[:, :, 9] == 1).all())
+        True
+    """
+    windows = _windows(x, module)
+    nd = len(module.kernel_size)
+    n, c, groups = windows.shape[0], windows.shape[1], module.groups
+    positions, kernel = windows.shape[2 : 2 + nd], windows.shape[2 + nd :]
+    per_group = c // groups * math.prod(kernel)
+    out = x.new_empty(n, groups, per_group + 1, math.prod(positions))
+    out[:, :, per_group].fill_(1.0)
+    patches = windows.permute([0, 1, *range(2 + nd, 2 + 2 * nd), *range(2, 2 + nd)])
+    out[:, :, :per_group].view(n, groups, c // groups, *kernel, *positions).copy_(
+        patches.view(n, groups, c // groups, *kernel, *positions)
+    )
+    return out
 
 
 def _padded(module: _ConvNd, x: Tensor) -> tuple[Tensor, list[int]]:
@@ -148,37 +185,53 @@ class ConvContribution(Contribution):
         flat = t.reshape(t.shape[0], -1, channels, *spatial)
         return flat, flat.shape[1]
 
-    def _row_grads(self, route: str | None = None) -> Tensor:
-        """Per-row weight gradients ``[R, *weight.shape]`` by the cheaper materialising route."""
+    def _row_grads(
+        self, route: str | None = None, with_bias: bool = False
+    ) -> tuple[Tensor, Tensor | None]:
+        """Per-row weight gradients ``[R, *weight.shape]`` by the cheaper materialising route,
+        and with ``with_bias`` the per-row bias gradients ``[R, C_out]`` from the same pass
+        (``None`` without)."""
         route = self._route() if route is None else route
-        return self._row_grads_unfolded() if route == "unfold" else self._row_grads_conv()
+        if route == "unfold":
+            return self._row_grads_unfolded(with_bias)
+        return self._row_grads_conv(with_bias)
 
-    def _row_grads_conv(self) -> Tensor:
-        """Per-row weight gradients from one grouped ``convolution_backward`` per call."""
+    def _row_grads_conv(self, with_bias: bool) -> tuple[Tensor, Tensor | None]:
+        """Per-row weight (and bias) gradients from one grouped ``convolution_backward`` per
+        call."""
         m, r = self.module, self.rows.num_rows
-        weight_total = None
+        weight_total: Tensor | None = None
+        bias_total: Tensor | None = None
         for call in self.calls:
             x, n = self._split(self.rows.gather(self.rows.samples(call.input())), m.in_channels)
             g, _ = self._split(call.grad(), m.out_channels)
             x = x.transpose(0, 1).reshape(n, r * m.in_channels, *x.shape[3:])
             g_stacked = g.transpose(0, 1).reshape(n, r * m.out_channels, *g.shape[3:])
-            weight, _ = _conv_weight_grad(m, g_stacked, x, r, with_bias=False)
+            weight, bias = _conv_weight_grad(m, g_stacked, x, r, with_bias)
             weight = weight.reshape(r, *m.weight.shape)
             weight_total = weight if weight_total is None else weight_total + weight
+            if with_bias and bias is not None:
+                bias = bias.reshape(r, m.out_channels)
+                bias_total = bias if bias_total is None else bias_total + bias
         assert weight_total is not None
-        return weight_total
+        return weight_total, bias_total
 
-    def _row_grads_unfolded(self) -> Tensor:
+    def _row_grads_unfolded(self, with_bias: bool) -> tuple[Tensor, Tensor | None]:
         """Per-row weight gradients from the unfolded inputs ``[S, g, d, T]`` and output
-        gradients ``[R, g, p, T]`` (all calls joined along the positions ``T``)."""
+        gradients ``[R, g, p, T]`` (all calls joined along the positions ``T``); with
+        ``with_bias``, a row of ones after each group's ``d`` gives the bias gradients too."""
         m, rows, groups = self.module, self.rows, self.module.groups
         r, s = rows.num_rows, rows.num_samples
         p = m.out_channels // groups
         us, gs = [], []
         for call in self.calls:
             x, n = self._split(rows.samples(call.input()), m.in_channels)
-            patches = unfold(x.flatten(0, 1), m, positions_first=False)  # [S n, C k, L]
-            u = patches.reshape(s, n, groups, -1, patches.shape[-1])
+            if with_bias:
+                u = unfold_with_ones(x.flatten(0, 1), m)  # [S n, g, d + 1, L]
+                u = u.reshape(s, n, groups, u.shape[2], u.shape[3])
+            else:
+                patches = unfold(x.flatten(0, 1), m, positions_first=False)  # [S n, C k, L]
+                u = patches.reshape(s, n, groups, -1, patches.shape[-1])
             us.append(u.permute(0, 2, 3, 1, 4).reshape(s, groups, u.shape[3], -1))
             g, _ = self._split(call.grad(), m.out_channels)
             g = g.reshape(r, n, groups, p, -1)
@@ -191,7 +244,9 @@ class ConvContribution(Contribution):
             grads = grads.transpose(0, 1)  # [R, g, p, d]
         else:
             grads = torch.matmul(rows.gather(u), g.transpose(2, 3)).transpose(2, 3)
-        return grads.reshape(r, *m.weight.shape)
+        if not with_bias:
+            return grads.reshape(r, *m.weight.shape), None
+        return grads[..., :-1].reshape(r, *m.weight.shape), grads[..., -1].reshape(r, -1)
 
     def _bias_rows(self) -> Tensor:
         if self.bias_kept is not None:
@@ -243,7 +298,8 @@ class ConvContribution(Contribution):
             route = self._route()
             if route == "ghost":
                 return ghost_gramian(*self._unfolded(), self.rows, with_bias=bias)
-            flat = self._row_grads(route).flatten(1)
+            grads, self.bias_kept = self._row_grads(route, with_bias=bias)
+            flat = grads.flatten(1)
             if worth_keeping(flat, *self._held()):
                 self.kept = flat
             total = gram(flat)
@@ -253,7 +309,7 @@ class ConvContribution(Contribution):
         return total
 
     def per_row_grads(self, name: str) -> Tensor:
-        return self._row_grads() if name == self.weight_name else self._bias_rows()
+        return self._row_grads()[0] if name == self.weight_name else self._bias_rows()
 
     def weighted_grads(self, weights: Tensor) -> dict[str, Tensor]:
         m = self.module
