@@ -264,6 +264,8 @@ def dual_pdas_solve(
     active, residual, c = start
     padded: Tensor | None = None  # padded on demand, with room for active sets to grow
     steps_u = u.to(inverse.dtype)  # (the steps' dtype; u itself when it is theirs)
+    # (u's values survive the steps' dtype, e.g. UPGrad's rows of 0 and 1: nothing to restore)
+    restore = steps_u is not u and not torch.equal(steps_u.to(u.dtype), u)
     v = steps_u
     slots = None  # the problem slots still iterated (None: all)
     pending_u = steps_u
@@ -294,8 +296,10 @@ def dual_pdas_solve(
         active = following
     if v is steps_u:
         return u, residual, settled
-    if v.dtype != u.dtype:  # (u's own values where the steps kept u's rounded ones)
+    if restore:  # (u's own values where the steps kept u's rounded ones)
         v = torch.where(v == steps_u, u, v.to(u.dtype))
+    elif v.dtype != u.dtype:
+        v = v.to(u.dtype)
     new_residual = kkt_residual(v, u, 2 * torch.bmm(v, g), c)
     better = new_residual < residual
     v = torch.where(better[..., None], v, u)
