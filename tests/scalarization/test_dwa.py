@@ -98,6 +98,22 @@ def test_zero_averages_give_rate_one_and_a_rise_from_zero_takes_all_the_weight()
     assert dwa.weights(torch.ones(2)).tolist() == [2.0, 0.0]
 
 
+@pytest.mark.parametrize("temperature", [1e-40, 1e-300])
+def test_a_vanishing_temperature_gives_the_softmax_limit(temperature: float) -> None:
+    """``rate / T`` overflows: the weights are the limit (``K`` shared by the largest rates),
+    as the softmax's value is for a temperature that does not overflow (it gave NaN)."""
+    dwa = DWA(temperature=temperature)
+    for losses in ([2.0, 2.0, 1.0], [4.0, 4.0, 1.0]):
+        dwa(torch.tensor(losses))
+        dwa.step()
+    assert dwa.weights(torch.ones(3)).tolist() == [1.5, 1.5, 0.0]
+    near = DWA(temperature=1e-3)  # (rates [2, 2, 1]: the same weights, without overflow)
+    for losses in ([2.0, 2.0, 1.0], [4.0, 4.0, 1.0]):
+        near(torch.tensor(losses))
+        near.step()
+    assert near.weights(torch.ones(3)).tolist() == [1.5, 1.5, 0.0]
+
+
 def test_half_precision_losses_are_summed_in_float32() -> None:
     """A float16 epoch sum stops growing at 2048 (and overflows at 65504): the averages, hence
     the weights, are those of float32 losses."""

@@ -18,11 +18,16 @@ def dwa_weights(older: Tensor, newer: Tensor, temperature: float) -> Tensor:
 
     ``0 / 0`` is taken as the rate 1 (no change); when some rates are infinite (a positive
     average after a zero one) the weights are the softmax's limit: ``K`` shared equally by them.
+    The rates are shifted by their largest before the division (the softmax does not change),
+    so that a temperature small enough for ``rate / T`` to overflow (or to read as 0 in the
+    rates' dtype) gives the limit too: ``K`` shared by the largest rates, not NaN.
     """
     rates = loss_ratio(newer, older).flatten()
     infinite = rates == float("inf")
     limit = infinite.to(rates.dtype) / infinite.sum().clamp(min=1)
-    soft = torch.softmax(rates / temperature, dim=0)
+    shifted = rates - rates.amax()
+    # (0 where a temperature below the dtype's range reads as 0: the largest rates, not 0 / 0)
+    soft = torch.softmax(torch.where(shifted == 0, 0.0, shifted / temperature), dim=0)
     return newer.numel() * torch.where(infinite.any(), limit, soft).reshape(newer.shape)
 
 
