@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import importlib.util
 import json
 import os
 import subprocess
@@ -247,10 +248,67 @@ def test_empty_out_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
     assert "expected a folder name, received an empty string" in capsys.readouterr().err
 
 
-def test_tensorboard_with_iwrm_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_iwrm_logs_each_steps_metrics_and_mean_loss_to_the_loggers() -> None:
+    """What `--tensorboard` gets in iwrm mode: every step's conflict metrics, as the run's own
+    rows hold them, and the batch's mean loss (it was refused there)."""
+    from jacflow.cli._train import RunConfig, train_iwrm
+    from jacflow.monitor import Logger
+
+    class Recorder(Logger):
+        def __init__(self) -> None:
+            self.logged: dict[int, dict[str, float]] = {}
+            self.closed = False
+
+        def log(self, metrics: dict[str, float], step: int) -> None:
+            self.logged.setdefault(step, {}).update(metrics)
+
+        def close(self) -> None:
+            self.closed = True
+
+    recorder = Recorder()
+    config = RunConfig(aggregator="upgrad", epochs=1, batch_size=256)
+    result = train_iwrm(config, loggers=[recorder], progress=False)
+    assert sorted(recorder.logged) == list(range(4)) and recorder.closed
+    for row in result.steps:
+        logged = recorder.logged[int(row["step"])]
+        assert logged == {k: v for k, v in row.items() if k not in ("step", "epoch")}
+        assert "conflict_fraction" in logged and "loss" in logged
+
+
+def test_tensorboard_with_iwrm_writes_each_runs_events(tmp_path: Path) -> None:
+    pytest.importorskip("tensorboard", reason="the tensorboard extra is not installed")
+    out = tmp_path / "run"
+    argv = ["train", "--mode", "iwrm", "--epochs", "1", "--quiet", "--no-plots"]
+    assert main([*argv, "--tensorboard", "--out", str(out)]) == 0
+    for name in ("mean", "upgrad"):
+        assert list((out / name / "tensorboard").glob("events.out.tfevents.*"))
+    assert main([*argv, "--out", str(out), "--overwrite"]) == 0  # (the events are cleared)
+    assert not (out / "upgrad" / "tensorboard").exists()
+
+
+def test_compare_takes_tensorboard_too(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["compare", "--aggregators", "mean,upgrad", "--epochs", "1", "--quiet", "--no-plots"]
+    out = tmp_path / "runs"
+    if importlib.util.find_spec("tensorboard") is not None:
+        assert main([*argv, "--tensorboard", "--out", str(out)]) == 0
+        for name in ("mean", "upgrad"):
+            assert list((out / name / "tensorboard").glob("events.out.tfevents.*"))
+    monkeypatch.setitem(sys.modules, "tensorboard", None)
+    fresh = tmp_path / "fresh"
+    assert main([*argv, "--tensorboard", "--out", str(fresh)]) == 2
+    assert 'pip install "jacflow[tensorboard]"' in capsys.readouterr().err
+    assert not fresh.exists()
+
+
+def test_missing_tensorboard_with_iwrm_exits_2_before_the_run_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setitem(sys.modules, "tensorboard", None)
     out = tmp_path / "run"
     assert main(["train", "--mode", "iwrm", "--tensorboard", "--out", str(out)]) == 2
-    assert "--tensorboard is only available with --mode mtl" in capsys.readouterr().err
+    assert 'pip install "jacflow[tensorboard]"' in capsys.readouterr().err
     assert not out.exists()
 
 

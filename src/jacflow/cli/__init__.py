@@ -77,6 +77,11 @@ def _out_path(text: str) -> Path:
 
 def _add_run_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--epochs", type=_positive_int, help="epochs (train: 30, iwrm: 10)")
+    parser.add_argument(
+        "--tensorboard",
+        action="store_true",
+        help="also log to TensorBoard (in the run folder, or each aggregator's)",
+    )
     parser.add_argument("--seed", type=_seed, default=0, help="random seed")
     parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
     parser.add_argument(
@@ -107,7 +112,6 @@ def _parser() -> argparse.ArgumentParser:
         default="mtl",
         help="mtl: 3 tasks on a shared trunk; iwrm: one objective per sample, mean vs upgrad",
     )
-    train.add_argument("--tensorboard", action="store_true", help="also log to TensorBoard")
     _add_run_options(train)
     compare = commands.add_parser("compare", help="train several aggregators with one seed")
     compare.add_argument(
@@ -212,29 +216,31 @@ def _out_dir(args: argparse.Namespace, name: str) -> Path:
     return check_out_dir(out)
 
 
+def _check_tensorboard(args: argparse.Namespace) -> None:
+    """With ``--tensorboard``, refuse a missing TensorBoard before the run folder is created or
+    cleared: a refusal changes nothing."""
+    if not args.tensorboard:
+        return
+    from jacflow.monitor._optional import require
+
+    try:
+        require("tensorboard", "tensorboard", "--tensorboard")
+        require("torch.utils.tensorboard", "tensorboard", "--tensorboard")
+    except ImportError as error:
+        raise CLIError(str(error)) from error
+
+
 def _cmd_train(args: argparse.Namespace) -> int:
     from jacflow.cli._registry import make_aggregator
 
+    _check_tensorboard(args)
     if args.mode == "iwrm":
-        if args.tensorboard:
-            raise CLIError(
-                "--tensorboard is only available with --mode mtl (iwrm runs log their metrics "
-                "to CSV and JSON only); drop --tensorboard or use --mode mtl."
-            )
         names = ["mean", args.aggregator if args.aggregator != "mean" else "upgrad"]
         args.aggregators = ",".join(names)
         return _cmd_compare(args, title="iwrm")
     make_aggregator(args.aggregator, 3)  # fail early on a bad name
     loggers: list[Logger] = []
     config = _run_config(args, args.aggregator)
-    if args.tensorboard:  # (before the run folder: a refusal changes nothing)
-        from jacflow.monitor._optional import require
-
-        try:
-            require("tensorboard", "tensorboard", "--tensorboard")
-            require("torch.utils.tensorboard", "tensorboard", "--tensorboard")
-        except ImportError as error:
-            raise CLIError(str(error)) from error
     out = _out_dir(args, f"train-{args.aggregator}")
     if args.tensorboard:
         from jacflow.monitor import TensorBoardLogger
@@ -280,8 +286,16 @@ def _cmd_compare(args: argparse.Namespace, title: str = "compare") -> int:
     m = 3 if args.mode == "mtl" else (args.batch_size or 32)
     for name in names:
         make_aggregator(name, m)  # fail early on a bad name
+    _check_tensorboard(args)
     out = _out_dir(args, f"{title}-{'-'.join(names)}")
-    return compare(configs, args.mode, out, progress=not args.quiet, plots=not args.no_plots)
+    return compare(
+        configs,
+        args.mode,
+        out,
+        progress=not args.quiet,
+        plots=not args.no_plots,
+        tensorboard=args.tensorboard,
+    )
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:

@@ -16,6 +16,7 @@ from jacflow.cli._report import (
     write_run,
 )
 from jacflow.cli._train import RunConfig, RunResult, train_iwrm, train_mtl
+from jacflow.monitor import Logger
 
 MTL_COLUMNS = [
     "aggregator",
@@ -58,16 +59,26 @@ def _plot(results: Sequence[RunResult], mode: str, path: Path) -> None:
 
 
 def compare(
-    configs: Sequence[Any], mode: str, out: Path, *, progress: bool = True, plots: bool = True
+    configs: Sequence[Any],
+    mode: str,
+    out: Path,
+    *,
+    progress: bool = True,
+    plots: bool = True,
+    tensorboard: bool = False,
 ) -> int:
-    """Train one run per config into ``out/<aggregator>/`` and write the comparison table."""
+    """Train one run per config into ``out/<aggregator>/`` and write the comparison table;
+    with ``tensorboard``, each run also logs to ``out/<aggregator>/tensorboard``."""
     results: list[RunResult] = []
     for config in configs:
         assert isinstance(config, RunConfig)
-        if mode == "mtl":
-            result = train_mtl(config, progress=progress, label=config.aggregator)
-        else:
-            result = train_iwrm(config, progress=progress, label=config.aggregator)
+        loggers: list[Logger] = []
+        if tensorboard:
+            from jacflow.monitor import TensorBoardLogger
+
+            loggers.append(TensorBoardLogger(out / config.aggregator / "tensorboard"))
+        train = train_mtl if mode == "mtl" else train_iwrm
+        result = train(config, loggers=loggers, progress=progress, label=config.aggregator)
         run_dir = out / config.aggregator
         run_dir.mkdir(parents=True, exist_ok=True)
         write_run(result, run_dir)

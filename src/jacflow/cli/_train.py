@@ -166,12 +166,20 @@ IWRM_SAMPLES = 1024
 IWRM_BATCH = 32
 
 
-def train_iwrm(config: RunConfig, *, progress: bool = True, label: str | None = None) -> RunResult:
+def train_iwrm(
+    config: RunConfig,
+    *,
+    loggers: list[Logger] | None = None,
+    progress: bool = True,
+    label: str | None = None,
+) -> RunResult:
     """Instance-wise risk minimization: every sample of a batch is its own objective.
 
     Trains :func:`~jacflow.cli._model.mlp_classifier` on 1024 digits with batches of 32 and
     plain SGD; each step calls ``jacflow.autojac.backward(losses, A=aggregator)`` on the ``[32]``
     per-sample cross-entropy losses. With ``mean`` this is ordinary SGD on the average loss.
+    ``loggers`` get every step's conflict metrics (those of :class:`jacflow.monitor.Monitor`
+    without the per-sample and pairwise ones) and the batch's mean loss as ``loss``.
 
     The aggregator is built for ``m = config.batch_size`` objectives, so every batch has that
     many samples: when the batch size does not divide 1024, the incomplete last batch of each
@@ -198,7 +206,7 @@ def train_iwrm(config: RunConfig, *, progress: bool = True, label: str | None = 
     optimizer = torch.optim.SGD(params, lr=config.lr)
     generator = torch.Generator(device=device).manual_seed(config.seed + 1)
     watch = AggregatorWatch(aggregator)
-    monitor = Monitor(per_objective=False, pairwise=False)
+    monitor = Monitor(loggers or [], per_objective=False, pairwise=False)
     result = RunResult(config, names=("loss",))
 
     @torch.no_grad()
@@ -236,6 +244,8 @@ def train_iwrm(config: RunConfig, *, progress: bool = True, label: str | None = 
                 gramian, weights = watch.pop()
                 if gramian is not None:
                     row |= monitor.record(gramian, weights, step) or {}
+                for logger in monitor.loggers:
+                    logger.log({"loss": row["loss"]}, step)
                 result.steps.append(row)
                 bar.update({"loss": row["loss"]})
                 step += 1
@@ -243,6 +253,7 @@ def train_iwrm(config: RunConfig, *, progress: bool = True, label: str | None = 
             result.epochs.append({"epoch": float(epoch), **evaluation})
             bar.epoch_done(epoch, evaluation)
     watch.remove()
+    monitor.close()
     result.summary = _summary(result, "iwrm", time.perf_counter() - start)
     return result
 
