@@ -144,6 +144,9 @@ def admm_solve(
         w = w.sub_(z)
         if (it + 1) % check_every == 0 or it + 1 == max_iter:
             exact = torch.maximum(z.to(g.dtype), uu)  # feasible also where float32 rounded u
+            if dtype != g.dtype:  # (u's own values where the float32 iterate holds u's rounded
+                # ones: the implicit backward tells the active constraints by v_i = u_i)
+                exact = torch.where(z == bound, uu, exact)
             res = kkt_residual(exact, uu, 2 * torch.bmm(exact, g), c)
             out_v = out_v.index_copy(1, rows, exact)
             out_res = out_res.index_copy(1, rows, res)
