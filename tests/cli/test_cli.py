@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -300,6 +301,48 @@ def test_compare_takes_tensorboard_too(
     assert main([*argv, "--tensorboard", "--out", str(fresh)]) == 2
     assert 'pip install "jacflow[tensorboard]"' in capsys.readouterr().err
     assert not fresh.exists()
+
+
+def test_overwrite_clears_an_interrupted_comparisons_folders(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A comparison stopped before its table (Ctrl-C) left its runs' files, TensorBoard events
+    included, which `--overwrite` missed: `comparison.json` named no folder yet (a review's
+    finding). It names them from the start now."""
+    from jacflow.cli import _compare
+
+    real = _compare.train_iwrm
+
+    def interrupted(config: Any, **kwargs: Any) -> Any:
+        if config.aggregator == "upgrad":
+            board = tmp_path / "run" / "upgrad" / "tensorboard"
+            board.mkdir(parents=True)
+            (board / "events.out.tfevents.1.host").write_text("stale")
+            raise KeyboardInterrupt
+        return real(config, **kwargs)
+
+    argv = ["compare", "--mode", "iwrm", "--aggregators", "mean,upgrad", "--epochs", "1"]
+    argv += ["--quiet", "--no-plots", "--out", str(tmp_path / "run")]
+    monkeypatch.setattr(_compare, "train_iwrm", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        main(argv)
+    earlier = json.loads((tmp_path / "run" / "comparison.json").read_text())
+    assert earlier["complete"] is False
+    assert [r["aggregator"] for r in earlier["runs"]] == ["mean", "upgrad"]
+    monkeypatch.setattr(_compare, "train_iwrm", real)
+    assert main([*argv, "--overwrite"]) == 0
+    assert not (tmp_path / "run" / "upgrad" / "tensorboard").exists()
+    assert json.loads((tmp_path / "run" / "comparison.json").read_text())["complete"] is True
+
+
+def test_repeated_aggregator_names_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Their runs would share one folder (files overwritten, logs mixed)."""
+    out = tmp_path / "run"
+    assert main(["compare", "--aggregators", "upgrad,mean,upgrad", "--out", str(out)]) == 2
+    assert "--aggregators names upgrad more than once" in capsys.readouterr().err
+    assert not out.exists()
 
 
 def test_missing_tensorboard_with_iwrm_exits_2_before_the_run_folder(

@@ -278,6 +278,11 @@ def _cmd_compare(args: argparse.Namespace, title: str = "compare") -> int:
     names = [name.strip() for name in args.aggregators.split(",") if name.strip()]
     if not names:
         raise CLIError("--aggregators is empty; give comma-separated names, e.g. mean,upgrad.")
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if repeated:  # (their runs would share a folder: files overwritten, logs mixed)
+        raise CLIError(
+            f"--aggregators names {', '.join(repeated)} more than once; give each name once."
+        )
     from jacflow.cli._registry import make_aggregator
 
     # (the run settings first: an aggregator for m = --batch-size is built only once it is

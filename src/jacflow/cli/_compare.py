@@ -68,7 +68,13 @@ def compare(
     tensorboard: bool = False,
 ) -> int:
     """Train one run per config into ``out/<aggregator>/`` and write the comparison table;
-    with ``tensorboard``, each run also logs to ``out/<aggregator>/tensorboard``."""
+    with ``tensorboard``, each run also logs to ``out/<aggregator>/tensorboard``.
+
+    ``comparison.json`` names the runs' folders from the start (``"complete": false`` until
+    the table is written), so that ``--overwrite`` finds those of an interrupted comparison.
+    """
+    names = [{"aggregator": config.aggregator} for config in configs]
+    write_json(out / "comparison.json", {"mode": mode, "complete": False, "runs": names})
     results: list[RunResult] = []
     for config in configs:
         assert isinstance(config, RunConfig)
@@ -93,7 +99,7 @@ def compare(
         f"batch {first.batch_size}, lr {first.lr}\n\n"
     )
     (out / "comparison.md").write_text(header + table + "\n")
-    write_json(out / "comparison.json", {"mode": mode, "runs": rows})
+    write_json(out / "comparison.json", {"mode": mode, "complete": True, "runs": rows})
     if plots and matplotlib_available():
         _plot(results, mode, out / "comparison.png")
     elif plots:
