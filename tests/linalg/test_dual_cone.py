@@ -517,6 +517,34 @@ def test_float32_admm_keeps_the_active_constraints_exact(monkeypatch: pytest.Mon
     )
 
 
+@pytest.mark.parametrize(("dtype", "atol"), [(torch.bfloat16, 2e-2), (torch.float16, 3e-3)])
+def test_half_precision_rescaled_problem_is_formed_in_float64(
+    dtype: torch.dtype, atol: float
+) -> None:
+    """A Gramian whose diagonal spreads over more than 16 is solved rescaled to a unit
+    diagonal; the rescaled problem was formed in the input's half precision, so the problem
+    solved was the given one rounded (weights 120% off in bfloat16, 13% in float16: a review's
+    case). It is formed in float64 now: the error is the output's rounding."""
+    gen = torch.Generator().manual_seed(3)
+    m = 25
+    a = torch.randn(m, 5, generator=gen, dtype=torch.float64)
+    g = a @ a.T + torch.diag(torch.rand(m, generator=gen, dtype=torch.float64) * 0.1 + 0.01)
+    d = g.diagonal().sqrt()
+    spread = 10 ** (torch.rand(m, generator=gen, dtype=torch.float64) * 2 - 1)
+    g = g / (d[:, None] * d[None]) * spread[:, None] * spread[None]
+    given = g.to(dtype).double()  # (the problem as given, exactly)
+    u = torch.eye(m, dtype=torch.float64)[:6] * 2.0
+    pref = torch.full((m,), 2.0, dtype=torch.float64)
+    cases = [
+        (project_weights(u.to(dtype), g.to(dtype)), project_weights(u, given)),
+        (project_diagonal(pref.to(dtype), g.to(dtype)), project_diagonal(pref, given)),
+    ]
+    for v, expected in cases:
+        assert v.dtype == dtype
+        scale = float(expected.abs().max())
+        torch.testing.assert_close(v.double(), expected, rtol=0, atol=atol * scale)
+
+
 def test_float32_steps_stopped_by_their_cost_are_not_repeated_in_float64(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
