@@ -342,7 +342,16 @@ def test_repeated_aggregator_names_exit_2(
     out = tmp_path / "run"
     assert main(["compare", "--aggregators", "upgrad,mean,upgrad", "--out", str(out)]) == 2
     assert "--aggregators names upgrad more than once" in capsys.readouterr().err
+    assert main(["compare", "--aggregators", "UPGrad,mean,upgrad", "--out", str(out)]) == 2
+    assert "--aggregators names upgrad more than once" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_iwrm_train_with_mean_in_any_case_compares_mean_and_upgrad(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    argv = ["train", "--mode", "iwrm", "--aggregator", "Mean", "--epochs", "1", "--quiet"]
+    assert main([*argv, "--no-plots", "--out", str(out)]) == 0
+    assert sorted(p.name for p in out.iterdir() if p.is_dir()) == ["mean", "upgrad"]
 
 
 def test_missing_tensorboard_with_iwrm_exits_2_before_the_run_folder(

@@ -235,7 +235,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
     _check_tensorboard(args)
     if args.mode == "iwrm":
-        names = ["mean", args.aggregator if args.aggregator != "mean" else "upgrad"]
+        names = ["mean", args.aggregator if args.aggregator.lower() != "mean" else "upgrad"]
         args.aggregators = ",".join(names)
         return _cmd_compare(args, title="iwrm")
     make_aggregator(args.aggregator, 3)  # fail early on a bad name
@@ -278,7 +278,8 @@ def _cmd_compare(args: argparse.Namespace, title: str = "compare") -> int:
     names = [name.strip() for name in args.aggregators.split(",") if name.strip()]
     if not names:
         raise CLIError("--aggregators is empty; give comma-separated names, e.g. mean,upgrad.")
-    repeated = sorted({name for name in names if names.count(name) > 1})
+    lowered = [name.lower() for name in names]  # (the names are case-insensitive)
+    repeated = sorted({name for name in lowered if lowered.count(name) > 1})
     if repeated:  # (their runs would share a folder: files overwritten, logs mixed)
         raise CLIError(
             f"--aggregators names {', '.join(repeated)} more than once; give each name once."
