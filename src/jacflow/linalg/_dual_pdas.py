@@ -26,7 +26,13 @@ import torch
 from torch import Tensor
 
 from jacflow.linalg._cholesky import cholesky_ex
-from jacflow.linalg._pdas import first_slots, gather_blocks, kkt_residual, pad_identity
+from jacflow.linalg._pdas import (
+    first_slots,
+    gather_blocks,
+    kkt_residual,
+    pad_identity,
+    with_exact_bounds,
+)
 
 # The inverse is used only when every squared Cholesky pivot of G exceeds this fraction of its
 # largest diagonal entry (a necessary condition for cond(G) < 1e8).
@@ -296,10 +302,7 @@ def dual_pdas_solve(
         active = following
     if v is steps_u:
         return u, residual, settled
-    if restore:  # (u's own values where the steps kept u's rounded ones)
-        v = torch.where(v == steps_u, u, v.to(u.dtype))
-    elif v.dtype != u.dtype:
-        v = v.to(u.dtype)
+    v = with_exact_bounds(v, steps_u, u) if restore else v.to(u.dtype)
     new_residual = kkt_residual(v, u, 2 * torch.bmm(v, g), c)
     better = new_residual < residual
     v = torch.where(better[..., None], v, u)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from jacflow.linalg._pdas import kkt_residual, multiplier_scale
+from jacflow.linalg._pdas import kkt_residual, multiplier_scale, with_exact_bounds
 
 _STALL_CHECKS = 50
 _FLOAT32_FLOOR = 1e-6  # the float32 phase of ADMM hands over to float64 below this residual
@@ -143,10 +143,8 @@ def admm_solve(
         z = torch.maximum(w, bound)
         w = w.sub_(z)
         if (it + 1) % check_every == 0 or it + 1 == max_iter:
-            exact = torch.maximum(z.to(g.dtype), uu)  # feasible also where float32 rounded u
-            if dtype != g.dtype:  # (u's own values where the float32 iterate holds u's rounded
-                # ones: the implicit backward tells the active constraints by v_i = u_i)
-                exact = torch.where(z == bound, uu, exact)
+            held = with_exact_bounds(z, bound, uu) if dtype != g.dtype else z
+            exact = torch.maximum(held, uu)  # feasible also where float32 rounded u
             res = kkt_residual(exact, uu, 2 * torch.bmm(exact, g), c)
             out_v = out_v.index_copy(1, rows, exact)
             out_res = out_res.index_copy(1, rows, res)

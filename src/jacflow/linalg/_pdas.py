@@ -72,6 +72,23 @@ def kkt_residual(v: Tensor, u: Tensor, lam: Tensor, c: Tensor) -> Tensor:
     return natural / scale
 
 
+def with_exact_bounds(low: Tensor, low_u: Tensor, u: Tensor) -> Tensor:
+    """``low``, an iterate computed in a lower precision than ``u`` against ``low_u`` (``u``
+    rounded to that precision), in ``u``'s dtype with ``u``'s own values where it holds
+    ``low_u``: the constraints it holds active. The implicit backward tells active constraints
+    by ``v_i = u_i`` exactly; ``u_i``'s rounding, up to one step above ``u_i``, reads as free.
+
+    Example:
+        >>> import torch
+        >>> from jacflow.linalg._pdas import with_exact_bounds
+        >>> u = torch.tensor([0.1, 0.0], dtype=torch.float64)
+        >>> low = torch.tensor([0.1, 0.5], dtype=torch.float32)  # (0.1 held, rounded)
+        >>> bool(with_exact_bounds(low, u.float(), u)[0] == u[0]), float(low[0]) == 0.1
+        (True, False)
+    """
+    return torch.where(low == low_u, u, low.to(u.dtype))
+
+
 def _factor_and_solve(system: Tensor, shift: Tensor, rhs: Tensor) -> Tensor:
     """Solve ``system x = rhs`` (Cholesky, LU if not PD), then refine once against the unshifted
     matrix ``system - diag(shift)``."""
