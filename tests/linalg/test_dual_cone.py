@@ -442,6 +442,39 @@ def test_float32_steps_left_above_the_tolerance_are_finished_in_float64(
     torch.testing.assert_close(v.double() @ g, expected @ g, rtol=0, atol=1e-7)
 
 
+def _solved_with_grads(u: Tensor, gramian: Tensor, w: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``v = project_weights(u, gramian)`` and the gradients of ``<v, w>`` w.r.t. ``u`` and
+    ``gramian``, all in float64."""
+    u, gramian = u.clone().requires_grad_(True), gramian.clone().requires_grad_(True)
+    v = project_weights(u, gramian)
+    (v.double() * w).sum().backward()
+    assert u.grad is not None and gramian.grad is not None
+    return v.detach().double(), u.grad.double(), gramian.grad.double()
+
+
+def _check_exact_and_float64_gradients(
+    u: Tensor,
+    gramian: Tensor,
+    w: Tensor,
+    solved: tuple[Tensor, Tensor, Tensor],
+    min_active: int,
+    atol: float,
+) -> None:
+    """``solved`` (of the float32 ``u`` and ``gramian``) has ``v_i = u_i`` exactly on the more
+    than ``min_active`` constraints active in the float64 solve of the same values, and its
+    gradients equal the float64 route's to ``atol`` times their largest entry."""
+    v, grad_u, grad_g = solved
+    v_ref, grad_u_ref, grad_g_ref = _solved_with_grads(u.double(), gramian.double(), w)
+    active = v_ref - u.double() <= 1e-9 * v_ref.abs().amax(-1, keepdim=True)
+    assert int(active.sum()) > min_active and bool((v[active] == u.double()[active]).all())
+    torch.testing.assert_close(
+        grad_u, grad_u_ref, rtol=0, atol=atol * float(grad_u_ref.abs().max())
+    )
+    torch.testing.assert_close(
+        grad_g, grad_g_ref, rtol=0, atol=atol * float(grad_g_ref.abs().max())
+    )
+
+
 def test_float32_steps_keep_the_active_constraints_exact() -> None:
     """Rows that are not float32 numbers once scaled (general ``u``, DualProj with a
     preference): where the float32 steps hold a constraint active, ``v_i = u_i`` exactly, so the
@@ -453,23 +486,8 @@ def test_float32_steps_keep_the_active_constraints_exact() -> None:
     u = torch.rand(2, m, generator=gen) * torch.eye(m)[:2].mul(5).add(0.05)
     w = torch.randn(2, m, generator=gen, dtype=torch.float64)
 
-    def solved(u: Tensor, gramian: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        u, gramian = u.clone().requires_grad_(True), gramian.clone().requires_grad_(True)
-        v = project_weights(u, gramian)
-        (v.double() * w).sum().backward()
-        assert u.grad is not None and gramian.grad is not None
-        return v.detach().double(), u.grad.double(), gramian.grad.double()
-
-    v, grad_u, grad_g = solved(u, gramian)
-    v_ref, grad_u_ref, grad_g_ref = solved(u.double(), gramian.double())
-    active = v_ref - u.double() <= 1e-9 * v_ref.abs().amax(-1, keepdim=True)
-    assert int(active.sum()) > 2 and bool((v[active] == u.double()[active]).all())
-    torch.testing.assert_close(
-        grad_u, grad_u_ref, rtol=0, atol=1e-5 * float(grad_u_ref.abs().max())
-    )
-    torch.testing.assert_close(
-        grad_g, grad_g_ref, rtol=0, atol=1e-5 * float(grad_g_ref.abs().max())
-    )
+    v, grad_u, grad_g = _solved_with_grads(u, gramian, w)
+    _check_exact_and_float64_gradients(u, gramian, w, (v, grad_u, grad_g), 2, 1e-5)
 
 
 def test_float32_admm_keeps_the_active_constraints_exact(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -497,24 +515,9 @@ def test_float32_admm_keeps_the_active_constraints_exact(monkeypatch: pytest.Mon
     u = (u.abs() * torch.rand(8, m, generator=gen, dtype=torch.float64).float()) / 3.0
     w = torch.randn(8, m, generator=gen, dtype=torch.float64)
 
-    def solved(u: Tensor, gramian: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        u, gramian = u.clone().requires_grad_(True), gramian.clone().requires_grad_(True)
-        v = project_weights(u, gramian)
-        (v.double() * w).sum().backward()
-        assert u.grad is not None and gramian.grad is not None
-        return v.detach().double(), u.grad.double(), gramian.grad.double()
-
-    v, grad_u, grad_g = solved(u, gramian)
+    solved = _solved_with_grads(u, gramian, w)
     assert calls == [True]  # (float32 iterations, then the float64 route's own run below)
-    v_ref, grad_u_ref, grad_g_ref = solved(u.double(), gramian.double())
-    active = v_ref - u.double() <= 1e-9 * v_ref.abs().amax(-1, keepdim=True)
-    assert int(active.sum()) > 100 and bool((v[active] == u.double()[active]).all())
-    torch.testing.assert_close(
-        grad_u, grad_u_ref, rtol=0, atol=1e-4 * float(grad_u_ref.abs().max())
-    )
-    torch.testing.assert_close(
-        grad_g, grad_g_ref, rtol=0, atol=1e-4 * float(grad_g_ref.abs().max())
-    )
+    _check_exact_and_float64_gradients(u, gramian, w, solved, 100, 1e-4)
 
 
 @pytest.mark.parametrize(("dtype", "atol"), [(torch.bfloat16, 2e-2), (torch.float16, 3e-3)])
