@@ -233,14 +233,14 @@ def _check_tensorboard(args: argparse.Namespace) -> None:
 def _cmd_train(args: argparse.Namespace) -> int:
     from jacflow.cli._registry import make_aggregator
 
-    _check_tensorboard(args)
-    if args.mode == "iwrm":
+    if args.mode == "iwrm":  # (a comparison, which checks the options itself)
         names = ["mean", args.aggregator if args.aggregator.lower() != "mean" else "upgrad"]
         args.aggregators = ",".join(names)
         return _cmd_compare(args, title="iwrm")
     make_aggregator(args.aggregator, 3)  # fail early on a bad name
     loggers: list[Logger] = []
     config = _run_config(args, args.aggregator)
+    _check_tensorboard(args)
     out = _out_dir(args, f"train-{args.aggregator}")
     if args.tensorboard:
         from jacflow.monitor import TensorBoardLogger
@@ -256,9 +256,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from jacflow.cli._train import RunConfig, train_mtl
 
     assert isinstance(config, RunConfig)
-    result = train_mtl(config, loggers=loggers, progress=not args.quiet)
-    for logger in loggers:
-        logger.close()
+    result = train_mtl(config, loggers=loggers, progress=not args.quiet)  # (closes them)
     files = write_run(result, out)
     if args.no_plots:
         pass

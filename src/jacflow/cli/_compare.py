@@ -73,8 +73,8 @@ def compare(
     ``comparison.json`` names the runs' folders from the start (``"complete": false`` until
     the table is written), so that ``--overwrite`` finds those of an interrupted comparison.
     """
-    names = [{"aggregator": config.aggregator} for config in configs]
-    write_json(out / "comparison.json", {"mode": mode, "complete": False, "runs": names})
+    runs = [{"aggregator": config.aggregator} for config in configs]
+    write_json(out / "comparison.json", {"mode": mode, "complete": False, "runs": runs})
     results: list[RunResult] = []
     for config in configs:
         assert isinstance(config, RunConfig)
