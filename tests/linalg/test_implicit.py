@@ -62,3 +62,46 @@ def test_upgrad_under_create_graph() -> None:
 def test_no_graph_without_requires_grad() -> None:
     j = conflicting_jacobian(3, 5, seed=5)
     assert not project_weights(torch.eye(3, dtype=torch.float64), j @ j.T).requires_grad
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+@pytest.mark.parametrize(("m", "where"), [(3, (1, 1)), (8, (1, 1)), (8, (0, 1)), (40, (2, 2))])
+def test_non_finite_inputs_leave_the_other_gradients_finite(
+    bad: float, m: int, where: tuple[int, int]
+) -> None:
+    """A non-finite Gramian of a batch gives NaN rows forward; its backward raised a
+    ``LinAlgError`` from ``pinv``. A non-finite row of ``u`` made the whole Gramian's gradient
+    NaN. Now a NaN row used by the loss gives NaN gradients to its own inputs; an unused one
+    gives none to the finite inputs, whose gradients are then those they have alone."""
+    gen = torch.Generator().manual_seed(m)
+    a = torch.randn(2, m, m + 2, generator=gen, dtype=torch.float64)
+    gramians = a @ a.mT
+    gramians[0, where[0], where[1]] = gramians[0, where[1], where[0]] = bad
+    u = torch.eye(m, dtype=torch.float64).expand(2, m, m).clone()
+    u[1, 2, 0] = bad
+    w = torch.randn(2, m, m, generator=gen, dtype=torch.float64)
+    rows = [0, 1, *range(3, m)]
+
+    def gradients(loss_on_nan_rows: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        g_leaf, u_leaf = gramians.clone().requires_grad_(True), u.clone().requires_grad_(True)
+        v = project_weights(u_leaf, g_leaf)
+        loss = (v[1, rows] * w[1, rows]).sum()
+        if loss_on_nan_rows:
+            loss = loss + v[0, 0, 0] + v[1, 2, 1]
+        loss.backward()
+        assert g_leaf.grad is not None and u_leaf.grad is not None
+        return g_leaf.grad, u_leaf.grad
+
+    g_alone = gramians[1].clone().requires_grad_(True)
+    u_alone = u[1, rows].clone().requires_grad_(True)
+    (project_weights(u_alone, g_alone) * w[1, rows]).sum().backward()
+    for loss_on_nan_rows in (False, True):
+        grad_g, grad_u = gradients(loss_on_nan_rows)
+        if not loss_on_nan_rows:  # (a NaN loss may reach the others through the rescaling)
+            torch.testing.assert_close(grad_g[1], g_alone.grad)
+            torch.testing.assert_close(grad_u[1, rows], u_alone.grad)
+        if loss_on_nan_rows:
+            assert all(bool(x.isnan().all()) for x in (grad_g[0], grad_u[0, 0], grad_u[1, 2]))
+        else:  # (the non-finite Gramian's own gradient may be NaN: 0 * inf in its rescaling)
+            assert bool((grad_u[0] == 0).all()) and bool((grad_u[1, 2] == 0).all())
+        assert bool((grad_u[0, 1:] == 0).all())

@@ -189,7 +189,8 @@ def _solved_on_host(
 def tolerances(
     dtype: torch.dtype, m: int, tol: float | None, rescaled: bool = False
 ) -> tuple[float, float]:
-    """The residual the solvers aim for, and the one accepted without a warning.
+    """The residual the solvers aim for (problems left above it go to the exact fallback),
+    and the one accepted without a warning.
 
     A given ``tol`` is both. By default they aim for ``1e-10`` (float64) or ``1e-6`` and accept
     up to ``10 m eps`` more: the residual that rounding errors of a Gramian stored in ``dtype``
@@ -302,16 +303,16 @@ def _unsolved_by(
 
 
 def _exact_fallback(
-    u: Tensor, g: Tensor, v: Tensor, residual: Tensor, tol: float, accept: float
+    u: Tensor, g: Tensor, v: Tensor, residual: Tensor, tol: float
 ) -> tuple[Tensor, Tensor]:
-    """Re-solve the problems whose residual exceeds ``accept`` with the exact Lawson-Hanson
-    method (to ``tol``).
+    """Re-solve the problems whose residual exceeds ``tol`` with the exact Lawson-Hanson
+    method.
 
     The fast methods can fail on degenerate problems (singular ``G`` with more rows than its
     rank: non-unique ``v``, a dual cone that may be a single point); Lawson-Hanson cannot.
     Problems are gathered per Gramian row of the batch so that every Gramian is factorised once.
     """
-    return _unsolved_by(lambda rows: lawson_hanson_solve(u[:, rows], g, tol), v, residual, accept)
+    return _unsolved_by(lambda rows: lawson_hanson_solve(u[:, rows], g, tol), v, residual, tol)
 
 
 def _fista_with_polish(u: Tensor, g: Tensor, cap: int, tol: float) -> tuple[Tensor, Tensor]:
@@ -405,8 +406,11 @@ def _solve(
     else:
         v, residual = _unsolved_by(lambda rows: chosen(u[:, rows]), *dual, tol)
     worst = float(residual.amax())
-    if max_iter is None and not worst <= accept:  # a cap: this method only
-        v, residual = _exact_fallback(u, g, v, residual, tol, accept)
+    # Above ``tol``, not only above ``accept``: a float32 problem rescaled to a unit diagonal
+    # (accept 100 m eps) that PDAS left at 3e-4 on a Gramian of condition 1e7 had weights 2-48%
+    # off, which Lawson-Hanson solves exactly; the better iterate is kept.
+    if max_iter is None and not worst <= tol:  # a cap: this method only
+        v, residual = _exact_fallback(u, g, v, residual, tol)
         worst = float(residual.amax())
     if not worst <= accept:
         warnings.warn(
@@ -601,8 +605,9 @@ def project_weights(
     is safely positive definite, PDAS on the dual problem solves on ``G^-1`` systems of the size
     of the active set (``jacflow.linalg._dual_pdas``; every result checked against ``G``), and
     the chosen method takes the problems it leaves. Without an explicit ``max_iter``, the problems
-    the chosen method leaves unsolved (degenerate ones: singular ``G`` with more rows than its
-    rank) are re-solved by an exact batched Lawson-Hanson active set
+    the chosen method leaves above the tolerance (degenerate ones: singular ``G`` with more rows
+    than its rank; ill-conditioned ones) are re-solved by an exact batched Lawson-Hanson active
+    set
     (``jacflow.linalg._lawson_hanson``), which keeps its passive columns linearly independent.
     Problems with ``G u >= 0`` need no projection (``v = u``); when this holds for every problem
     (e.g. no negative entry in ``G`` and ``u >= 0``) nothing is solved. Small problems on one
@@ -677,7 +682,7 @@ def project_weights(
     )
     d = _rescaling(gramian, norm_eps, reg_eps)
     if d is not None:
-        d_rows = d if gramian.ndim == 2 else d.unsqueeze(-2)  # (u's rows: [*batch, k, m])
+        d_rows = _scale_of_finite_rows(d if gramian.ndim == 2 else d.unsqueeze(-2), u)
         first = u * d_rows
         scaled = _project_weights(first, _scaled(gramian, d), dtype, settings, rescaled=True)
         return _unscaled(scaled, first, d_rows, u.to(dtype))
@@ -707,7 +712,7 @@ def _rescaling(gramian: Tensor, norm_eps: float, reg_eps: float) -> Tensor | Non
 
 
 def _unit_diagonal_scale(gramian: Tensor) -> Tensor:
-    """``d = sqrt(diag(G))`` (``[..., m]``; 1 where the diagonal is not positive): with
+    """``d = sqrt(diag(G))`` (``[..., m]``; 1 where the diagonal is not positive and finite): with
     ``G' = G / (d d^T)``, of unit diagonal, ``v`` solves ``min v^T G v s.t. v >= u`` exactly
     when ``d v`` solves ``min w^T G' w s.t. w >= d u``. The solvers' residuals then weigh every
     objective by its own gradient's norm, not by the largest: on ``G`` itself, a conflict
@@ -715,7 +720,17 @@ def _unit_diagonal_scale(gramian: Tensor) -> Tensor:
     ``1e4`` to ``1e7`` times (float64) was below their tolerance, and the update conflicted
     with it."""
     diagonal = gramian.diagonal(dim1=-2, dim2=-1)
-    return torch.where(diagonal > 0, diagonal, torch.ones_like(diagonal)).sqrt()
+    usable = (diagonal > 0) & (diagonal < math.inf)  # (an infinite d gave u NaN gradients)
+    return torch.where(usable, diagonal, torch.ones_like(diagonal)).sqrt()
+
+
+def _scale_of_finite_rows(d: Tensor, rows: Tensor) -> Tensor:
+    """``d`` (``[..., m]``, of the Gramian) broadcast to ``rows``, the problems' rows, with no
+    gradient from a row that is not finite (its ``v`` is NaN, and ``0 * NaN`` made the whole
+    Gramian's gradient NaN through ``d`` even when the row was not used)."""
+    if not (torch.is_grad_enabled() and d.requires_grad):
+        return d.expand(rows.shape)
+    return torch.where(torch.isfinite(rows).all(-1, keepdim=True), d, d.detach())
 
 
 def _scaled(gramian: Tensor, d: Tensor) -> Tensor:
@@ -822,9 +837,10 @@ def project_diagonal(
     dtype = torch.promote_types(pref.dtype, gramian.dtype)
     d = _rescaling(gramian, norm_eps, reg_eps) if gramian.shape[-1] > 0 else None
     if d is not None:
-        first = pref * d
+        d_rows = _scale_of_finite_rows(d, torch.diag(pref))  # [m, m]
+        first = pref * d_rows.diagonal()
         scaled = _project_diagonal(first, _scaled(gramian, d), dtype, settings, rescaled=True)
-        return _unscaled_diagonal(scaled, first.to(dtype), d.to(dtype), pref.to(dtype))
+        return _unscaled_diagonal(scaled, first.to(dtype), d_rows.to(dtype), pref.to(dtype))
     return _project_diagonal(pref, gramian, dtype, settings)
 
 

@@ -89,7 +89,7 @@ def _admm_operator(g: Tensor, dtype: torch.dtype) -> Tensor:
     eigenvalues = eigenvalues.clamp_min(0.0)
     top = eigenvalues[..., -1:].clamp_min(torch.finfo(dtype).tiny)
     bottom = torch.where(eigenvalues > 1e-6 * top, eigenvalues, top).amin(-1, keepdim=True)
-    rho = torch.sqrt(top * bottom)  # [B, 1]
+    rho = top.sqrt() * bottom.sqrt()  # [B, 1] (top * bottom underflows for a zero G: 0 / 0)
     return (q * (rho / (2 * eigenvalues + rho))[:, None, :]) @ q.mT
 
 

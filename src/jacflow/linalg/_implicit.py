@@ -17,6 +17,7 @@ The backward pass is made of differentiable torch operations, so second derivati
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -29,7 +30,26 @@ _ACTIVE_RTOL = 1e-9  # v_i - u_i below this (relative to max |v|) counts as acti
 def _backward(
     u: Tensor, g: Tensor, v: Tensor, grad_v: Tensor, active_rtol: float = _ACTIVE_RTOL
 ) -> tuple[Tensor, Tensor]:
-    """Cotangents of ``u`` ``[B, k, m]`` and ``g`` ``[B, m, m]`` (the matrix actually solved)."""
+    """Cotangents of ``u`` ``[B, k, m]`` and ``g`` ``[B, m, m]`` (the matrix actually solved).
+
+    The NaN rows of ``v`` (a non-finite row of ``u`` or Gramian) are left out of the systems
+    (a NaN Gramian made ``pinv`` raise, and a NaN row made all of ``grad_g`` NaN): a NaN row
+    whose cotangent is not zero gives NaN to its row of ``u`` (and to its Gramian if that is
+    the non-finite input), and nothing to the others."""
+    finite_g = torch.isfinite(g).all(-1).all(-1)[:, None, None]
+    bad = v.isnan().any(-1, keepdim=True)
+    used = bad & (grad_v != 0).any(-1, keepdim=True)
+    g = torch.where(finite_g, g, 0.0)
+    u, v, grad_v = (torch.where(bad, 0.0, x) for x in (u, v, grad_v))
+    grad_u, grad_g = _finite_backward(u, g, v, grad_v, active_rtol)
+    grad_g = torch.where(finite_g | ~used.any(1, keepdim=True), grad_g, math.nan)
+    return torch.where(used, math.nan, grad_u), grad_g
+
+
+def _finite_backward(
+    u: Tensor, g: Tensor, v: Tensor, grad_v: Tensor, active_rtol: float
+) -> tuple[Tensor, Tensor]:
+    """:func:`_backward` on finite inputs."""
     scale = torch.maximum(v.abs().amax(-1, keepdim=True), u.abs().amax(-1, keepdim=True))
     free = (v - u > active_rtol * scale).to(g.dtype)
     pair = free[..., :, None] * free[..., None, :]
