@@ -192,3 +192,18 @@ def test_two_objective_closed_form_propagates_nonfinite(bad: float) -> None:
     assert bool(UPGradWeighting()(G).isnan().all())
     if bad != bad:  # NaN: the tensor form keeps it too (an infinity may give a finite ratio)
         assert bool(two_objective_weights(G, pref).isnan().any())
+
+
+@pytest.mark.parametrize("m", [2, 3, 30])
+def test_upgrad_weights_without_conflict_keep_their_graph(m: int) -> None:
+    """A Gramian with no negative entry needs no projection (the weights are the preference);
+    under autograd the weights still depend on ``G``, with zero gradient (the short cut
+    returned the preference without a graph to ``G``, and ``backward()`` raised)."""
+    gen = torch.Generator().manual_seed(m)
+    j = torch.rand(m, 6, generator=gen, dtype=torch.float64)
+    gramian = (j @ j.T).requires_grad_(True)
+    weights = UPGradWeighting()(gramian)
+    torch.testing.assert_close(weights, torch.full((m,), 1 / m, dtype=torch.float64))
+    (weights * torch.arange(m)).sum().backward()
+    assert gramian.grad is not None
+    assert bool((gramian.grad == 0).all())

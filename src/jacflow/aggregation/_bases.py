@@ -178,6 +178,11 @@ class GramianWeighting(Weighting):
     a largest entry of about 1, so that Jacobians of extreme but finite scale (about 1e19 or
     1e-25 in float32) neither overflow nor underflow it.
 
+    Gradients through the weights: :class:`UPGradWeighting`'s weights (with a
+    ``TorchProjector``, the default) are differentiable with respect to ``G`` and its
+    preference (implicit differentiation of its projections, also twice); every other
+    weighting computes its weights without autograd, so they carry no graph.
+
     Example:
         >>> import torch
         >>> from jacflow.aggregation import UPGradWeighting

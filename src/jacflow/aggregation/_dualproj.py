@@ -29,6 +29,9 @@ class DualProjWeighting(GramianWeighting):
             problem, on the Gramian's device). ``QuadprogProjector()`` or
             ``TorchProjector(norm_eps=1e-4, reg_eps=1e-4)`` reproduce TorchJD's numbers.
 
+    The weights are computed without autograd (they carry no graph to the Gramian), as are
+    those of every weighting but :class:`UPGradWeighting`.
+
     Example:
         >>> import torch
         >>> from jacflow.aggregation import DualProjWeighting

@@ -81,8 +81,9 @@ def upgrad_weights(
     """UPGrad weights: ``sum_i v_i`` where ``v_i`` solves ``min v^T G v s.t. v >= pref_i e_i``.
 
     ``pref_vector=None`` is the default ``1/m`` each. Short-circuits when no off-diagonal entry
-    of ``G`` is negative: then no row conflicts with another, every projection is the
-    identity, and the weights are ``pref``. A NaN or infinite entry in ``G`` gives NaN weights.
+    of ``G`` is negative (and ``G`` is not tracked by autograd): then no row conflicts with
+    another, every projection is the identity, and the weights are ``pref``. A NaN or infinite
+    entry in ``G`` gives NaN weights.
     """
     m = gramian.shape[0]
     pref = None if pref_vector is None else resolve_pref_vector(pref_vector, m, gramian)
@@ -98,7 +99,10 @@ def upgrad_weights(
         return pref
     # (a negative diagonal entry, impossible for a Gramian, only means no short cut; the
     # minimum is NaN or -inf where some entry is, and the projector gives the NaN weights)
-    if float(gramian.detach().amin()) >= 0 and not has_nonfinite(gramian):
+    # (not under autograd with a G that requires grad: the weights then keep their graph to G,
+    # of zero gradient, as without the short cut)
+    tracked = torch.is_grad_enabled() and gramian.requires_grad
+    if not tracked and float(gramian.detach().amin()) >= 0 and not has_nonfinite(gramian):
         return pref
     return projector.project_diagonal(pref, gramian).sum(dim=0)
 
@@ -115,6 +119,9 @@ class UPGradWeighting(GramianWeighting):
             reproduce its results but let the update conflict by up to about 1% of its norm
             near stationary points, and make Jacobians with entries below about 1e-2 fall back
             to the mean.
+
+    With a ``TorchProjector``, the weights are differentiable with respect to the Gramian and
+    ``pref_vector`` (implicit differentiation of the projections, also twice).
 
     Example:
         >>> import torch
