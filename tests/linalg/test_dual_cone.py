@@ -637,6 +637,22 @@ def test_non_finite_inputs_give_nan(bad: float) -> None:
     assert bool(v[1, [0, 1, 2, 4]].isfinite().all())
 
 
+@pytest.mark.parametrize("m", [3, 12, 40, 100])  # (host, lean, batched PDAS, ADMM routes)
+@pytest.mark.parametrize("grad", [False, True])
+def test_general_rows_are_exactly_feasible(m: int, grad: bool) -> None:
+    """``v >= u`` exactly for rows that are not powers of two: the rows are scaled to max-norm
+    1 and back, and ``(u / s) * s`` rounded active ``v_i`` one ulp below ``u_i`` (a review's
+    finding, every route)."""
+    gen = torch.Generator().manual_seed(m)
+    j = torch.randn(m, m + 3, generator=gen, dtype=torch.float64)
+    j[1::2] = -j[::2][: m // 2] + 0.3 * torch.randn(m // 2, m + 3, generator=gen, dtype=j.dtype)
+    gramian = j @ j.T
+    u = torch.rand(16, m, generator=gen, dtype=torch.float64) * 3.7
+    v = project_weights(u.clone().requires_grad_(grad), gramian).detach()
+    assert bool((v >= u).all())
+    assert_kkt(v, u, gramian)
+
+
 @pytest.mark.parametrize("method", ["auto", "admm"])
 def test_zero_gramian_in_a_batch_solved_by_admm(method: str) -> None:
     """A zero Gramian (or one the trace rule zeroes) beside others that ADMM solves: its step

@@ -751,7 +751,16 @@ def _unscaled(scaled: Tensor, first: Tensor, d: Tensor, u: Tensor) -> Tensor:
     active (``scaled_i = first_i``: ``(u d) / d`` may round off ``u``), and feasible elsewhere
     (``max(v, u)`` in value, a rounding error, with ``v``'s gradient)."""
     v = torch.where(scaled == first.to(scaled.dtype), u, scaled / d.to(scaled.dtype))
-    return v + (u - v).clamp_min(0).detach()
+    return _feasible(v, u)
+
+
+def _feasible(v: Tensor, u: Tensor) -> Tensor:
+    """``max(v, u)`` in value, with ``v``'s gradient: the rows' scaling ``(u / s) * s`` may
+    round an active ``v_i`` one ulp below ``u_i``."""
+    u = u.to(v.dtype)
+    if v.requires_grad:
+        return v + (u - v).clamp_min(0).detach()
+    return torch.maximum(v, u)
 
 
 def _project_weights(
@@ -773,13 +782,13 @@ def _project_weights(
         if u.numel() // m * m**3 <= _HOST_MAX_WORK:
             v = _project_on_host(u, gramian, norm_eps, reg_eps, target, dtype)
             if v is not None:
-                return v
+                return _feasible(v, u)
         elif m <= _LEAN_MAX_M:
             flat = u.to(torch.float64).reshape(-1, m)
             scale = _row_scales(flat)
             v = _lean_route(flat / scale, scale, gramian, norm_eps, reg_eps, target)
             if v is not None:
-                return v.reshape(u.shape).to(dtype)
+                return _feasible(v.reshape(u.shape).to(dtype), u)
 
     single = _single_steps(dtype, target)
 
@@ -793,7 +802,8 @@ def _project_weights(
         v = differentiable_projection(flat_u, g, solve) if differentiable else solve(flat_u, g)
         return v.reshape(u.shape)
 
-    return projected().to(dtype) if differentiable else _without_graph(projected, dtype)
+    v = projected().to(dtype) if differentiable else _without_graph(projected, dtype)
+    return _feasible(v, u)
 
 
 def _without_graph(solve: Callable[[], Tensor], dtype: torch.dtype) -> Tensor:
