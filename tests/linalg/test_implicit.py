@@ -8,6 +8,7 @@ from torch.autograd import gradcheck, gradgradcheck
 
 from jacflow.aggregation import UPGrad
 from jacflow.linalg import project_weights
+from jacflow.linalg._dual_cone import project_diagonal
 
 
 def conflicting_jacobian(m: int, n: int, seed: int) -> torch.Tensor:
@@ -71,8 +72,8 @@ def test_non_finite_inputs_leave_the_other_gradients_finite(
 ) -> None:
     """A non-finite Gramian of a batch gives NaN rows forward; its backward raised a
     ``LinAlgError`` from ``pinv``. A non-finite row of ``u`` made the whole Gramian's gradient
-    NaN. Now a NaN row used by the loss gives NaN gradients to its own inputs; an unused one
-    gives none to the finite inputs, whose gradients are then those they have alone."""
+    NaN. Now the finite inputs' gradients are those they have alone; a non-finite row of ``u``
+    gets no gradient, and a non-finite Gramian NaN where the loss uses its rows."""
     gen = torch.Generator().manual_seed(m)
     a = torch.randn(2, m, m + 2, generator=gen, dtype=torch.float64)
     gramians = a @ a.mT
@@ -97,11 +98,39 @@ def test_non_finite_inputs_leave_the_other_gradients_finite(
     (project_weights(u_alone, g_alone) * w[1, rows]).sum().backward()
     for loss_on_nan_rows in (False, True):
         grad_g, grad_u = gradients(loss_on_nan_rows)
-        if not loss_on_nan_rows:  # (a NaN loss may reach the others through the rescaling)
-            torch.testing.assert_close(grad_g[1], g_alone.grad)
-            torch.testing.assert_close(grad_u[1, rows], u_alone.grad)
+        torch.testing.assert_close(grad_g[1], g_alone.grad)
+        torch.testing.assert_close(grad_u[1, rows], u_alone.grad)
+        assert bool((grad_u[1, 2] == 0).all()) and bool((grad_u[0, 1:] == 0).all())
         if loss_on_nan_rows:
-            assert all(bool(x.isnan().all()) for x in (grad_g[0], grad_u[0, 0], grad_u[1, 2]))
+            assert bool(grad_g[0].isnan().all()) and bool(grad_u[0, 0].isnan().all())
         else:  # (the non-finite Gramian's own gradient may be NaN: 0 * inf in its rescaling)
-            assert bool((grad_u[0] == 0).all()) and bool((grad_u[1, 2] == 0).all())
-        assert bool((grad_u[0, 1:] == 0).all())
+            assert bool((grad_u[0] == 0).all())
+
+
+@pytest.mark.parametrize("diagonal", [False, True])
+def test_non_finite_rows_leave_second_derivatives_finite(diagonal: bool) -> None:
+    """A rescaled Gramian (diagonal spread 400) and a non-finite row of ``u`` (or entry of
+    ``pref``) that the loss does not use: the second derivatives w.r.t. ``G`` were NaN (the
+    rescaling's ``u * d`` multiplied the NaN by a zero cotangent in the double backward; a
+    review's finding). They equal those of the same problem with that row set to 0."""
+    gramian = torch.tensor(
+        [[1.0, -0.5, 0.2], [-0.5, 100.0, -3.0], [0.2, -3.0, 400.0]], dtype=torch.float64
+    )
+    w = torch.tensor([[1.0, 2.0, -1.0], [0.5, -1.0, 1.0], [0.0, 0.0, 0.0]], dtype=torch.float64)
+
+    def second(bad: float) -> tuple[torch.Tensor, torch.Tensor]:
+        g = gramian.clone().requires_grad_(True)
+        if diagonal:
+            v = project_diagonal(torch.tensor([1.0, 2.0, bad], dtype=torch.float64), g)
+        else:
+            u = torch.tensor([[1.0, 0.0, 0.0], [0.0, 1.0, 0.0], [bad, 0.0, 0.0]])
+            v = project_weights(u.double(), g)
+        loss = (v[:2] * w[:2]).sum()
+        (grad_g,) = torch.autograd.grad(loss, (g,), create_graph=True)
+        (hessian_term,) = torch.autograd.grad((grad_g**2).sum(), (g,))
+        return grad_g.detach(), hessian_term
+
+    expected = second(0.0)
+    for bad in (float("nan"), float("inf")):
+        for got, want in zip(second(bad), expected, strict=True):
+            torch.testing.assert_close(got, want)

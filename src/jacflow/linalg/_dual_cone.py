@@ -638,7 +638,9 @@ def project_weights(
     ``lam = 2 G v`` and ``c = 2 max_i G_ii``, ``G`` of trace 1, rescaled as above) is at most
     ``tol``. If some problem does not meet ``tol`` within ``max_iter``, a
     :class:`SolverWarning` is issued and the best iterate is returned. NaN or infinite
-    entries in ``G`` (or in a row of ``u``) give NaN rows.
+    entries in ``G`` (or in a row of ``u``) give NaN rows. Under autograd, a NaN row passes no
+    gradient to the finite inputs (a non-finite row of ``u`` gets none itself; a non-finite
+    ``G`` may get NaN).
 
     Gradients. When ``u`` or ``gramian`` requires grad, ``v`` is differentiable by implicit
     differentiation of the KKT system at the solution (active set held fixed, pseudo-inverse
@@ -680,9 +682,14 @@ def project_weights(
     settings = _Settings(
         norm_eps=norm_eps, reg_eps=reg_eps, method=method, max_iter=max_iter, tol=tol
     )
+    bad = _nonfinite_rows_under_autograd(u, gramian)
+    if bad is not None:
+        return torch.where(
+            bad, math.nan, project_weights(torch.where(bad, 0.0, u), gramian, **settings)
+        )
     d = _rescaling(gramian, norm_eps, reg_eps)
     if d is not None:
-        d_rows = _scale_of_finite_rows(d if gramian.ndim == 2 else d.unsqueeze(-2), u)
+        d_rows = d if gramian.ndim == 2 else d.unsqueeze(-2)  # (u's rows: [*batch, k, m])
         first = u * d_rows
         scaled = _project_weights(first, _scaled(gramian, d), dtype, settings, rescaled=True)
         return _unscaled(scaled, first, d_rows, u.to(dtype))
@@ -724,13 +731,15 @@ def _unit_diagonal_scale(gramian: Tensor) -> Tensor:
     return torch.where(usable, diagonal, torch.ones_like(diagonal)).sqrt()
 
 
-def _scale_of_finite_rows(d: Tensor, rows: Tensor) -> Tensor:
-    """``d`` (``[..., m]``, of the Gramian) broadcast to ``rows``, the problems' rows, with no
-    gradient from a row that is not finite (its ``v`` is NaN, and ``0 * NaN`` made the whole
-    Gramian's gradient NaN through ``d`` even when the row was not used)."""
-    if not (torch.is_grad_enabled() and d.requires_grad):
-        return d.expand(rows.shape)
-    return torch.where(torch.isfinite(rows).all(-1, keepdim=True), d, d.detach())
+def _nonfinite_rows_under_autograd(rows: Tensor, gramian: Tensor) -> Tensor | None:
+    """Under autograd, which rows of ``rows`` (``[..., m]``) hold a NaN or infinite entry
+    (``[..., 1]``), or ``None`` when none does (or no graph is built). They are solved as zero
+    rows and set to NaN after, so that no NaN enters the graph: ``0 * NaN`` in the backward of
+    the rescaling made the finite rows' gradients NaN (first order, then second order)."""
+    if not (torch.is_grad_enabled() and (rows.requires_grad or gramian.requires_grad)):
+        return None
+    bad = ~torch.isfinite(rows).all(-1, keepdim=True)
+    return bad if bool(bad.any()) else None
 
 
 def _scaled(gramian: Tensor, d: Tensor) -> Tensor:
@@ -845,12 +854,15 @@ def project_diagonal(
         norm_eps=norm_eps, reg_eps=reg_eps, method=method, max_iter=max_iter, tol=tol
     )
     dtype = torch.promote_types(pref.dtype, gramian.dtype)
+    bad = _nonfinite_rows_under_autograd(pref[:, None], gramian)
+    if bad is not None:
+        safe = torch.where(bad[:, 0], 0.0, pref)
+        return torch.where(bad, math.nan, project_diagonal(safe, gramian, **settings))
     d = _rescaling(gramian, norm_eps, reg_eps) if gramian.shape[-1] > 0 else None
     if d is not None:
-        d_rows = _scale_of_finite_rows(d, torch.diag(pref))  # [m, m]
-        first = pref * d_rows.diagonal()
+        first = pref * d
         scaled = _project_diagonal(first, _scaled(gramian, d), dtype, settings, rescaled=True)
-        return _unscaled_diagonal(scaled, first.to(dtype), d_rows.to(dtype), pref.to(dtype))
+        return _unscaled_diagonal(scaled, first.to(dtype), d.to(dtype), pref.to(dtype))
     return _project_diagonal(pref, gramian, dtype, settings)
 
 
