@@ -93,3 +93,21 @@ def test_as_aggregator_properties_and_degenerate_inputs() -> None:
 
     check_claimed_properties(make)
     check_degenerate_inputs(make)
+
+
+def test_reuse_steps_return_constants_under_autograd() -> None:
+    """With a differentiable weighting (UPGrad's), the recomputing call's weights keep their
+    graph to its Gramian; the reuse steps' are constants. They returned the weights with that
+    graph, so a loss of a later step through them raised on its backward (a review's finding)."""
+    j = torch.tensor([[-4.0, 1.0, 1.0], [6.0, 1.0, 1.0], [1.0, -3.0, 0.5]], dtype=torch.float64)
+    weighting = Periodic(UPGradWeighting(), every=2)
+    first = (j @ j.T).requires_grad_(True)
+    weights = weighting(first)
+    (weights * torch.arange(3)).sum().backward()
+    assert first.grad is not None and bool(first.grad.abs().sum() > 0)
+    x = torch.ones(3, dtype=torch.float64, requires_grad=True)
+    reused = weighting((j @ j.T).requires_grad_(True))
+    assert not reused.requires_grad
+    torch.testing.assert_close(reused, weights.detach())
+    (reused * x).sum().backward()  # (raised: backward through the first step's graph again)
+    torch.testing.assert_close(x.grad, weights.detach())

@@ -180,8 +180,9 @@ class GramianWeighting(Weighting):
 
     Gradients through the weights: :class:`UPGradWeighting`'s weights (with a
     ``TorchProjector``, the default) are differentiable with respect to ``G`` and its
-    preference (implicit differentiation of its projections, also twice); every other
-    weighting computes its weights without autograd, so they carry no graph.
+    preference (implicit differentiation of its projections, also twice), and so are
+    :class:`Periodic`'s on the calls where it recomputes them with such a weighting; every
+    other weighting computes its weights without autograd, so they carry no graph.
 
     Example:
         >>> import torch

@@ -25,6 +25,10 @@ class Periodic(GramianWeighting, Stateful):
     returns the weights that a reuse step gives. With :class:`GramianWeightedAggregator` the
     Gramian is always formed, so the saving is then only the weighting's own cost.
 
+    A recomputing call returns the wrapped weighting's weights as they are (with their graph
+    to the Gramian when it has one, as :class:`UPGradWeighting`'s); a reuse step returns them
+    detached, as constants.
+
     Args:
         weighting: the Gramian weighting to amortise.
         every: recompute period ``k >= 1`` (``1`` recomputes on every call).
@@ -71,8 +75,13 @@ class Periodic(GramianWeighting, Stateful):
 
     def forward(self, stat: Tensor) -> Tensor:
         if self.needs_gramian():
-            self._weights = self.weighting(stat)
-        elif self._weights is not None and self._weights.shape[0] != stat.shape[0]:
+            weights = self.weighting(stat)
+            # (the reuse steps' weights are constants: a graph to an earlier Gramian made a
+            # second backward through it raise)
+            self._weights = weights.detach()
+            self._calls += 1
+            return weights
+        if self._weights is not None and self._weights.shape[0] != stat.shape[0]:
             raise ValueError(
                 f"Periodic cached {self._weights.shape[0]} weights but received a Gramian of "
                 f"{stat.shape[0]} rows; call `reset()` when the number of objectives changes."

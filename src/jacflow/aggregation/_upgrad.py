@@ -39,14 +39,17 @@ def two_objective_weights_on_host(gramian: Tensor, pref: Tensor | None) -> Tenso
 
     The same formulas, with two host reads instead of about ten tensor operations (whose
     dispatch, or on an accelerator whose kernel launches, dominate a 2 x 2 problem); a NaN or
-    infinite entry gives NaN weights. ``pref=None`` is the default preference ``(1/2, 1/2)``, in
-    the Gramian's dtype. The weights are on the Gramian's device.
+    infinite entry of either gives NaN weights. ``pref=None`` is the default preference
+    ``(1/2, 1/2)``, in the Gramian's dtype. The weights are on the Gramian's device.
     """
     dtype = gramian.dtype if pref is None else pref.dtype
     (g11, g12), (_, g22) = gramian.tolist()
     if not all(math.isfinite(g) for g in (g11, g12, g22)):
         return torch.full((2,), math.nan, dtype=dtype, device=gramian.device)
-    p1, p2 = (0.5, 0.5) if pref is None else (max(0.0, p) for p in pref.tolist())
+    preference = [0.5, 0.5] if pref is None else pref.tolist()
+    if not all(math.isfinite(p) for p in preference):  # (max(0, NaN) would read 0)
+        return torch.full((2,), math.nan, dtype=dtype, device=gramian.device)
+    p1, p2 = (max(0.0, p) for p in preference)
     gain1 = max(0.0, -g12 * p2 / g11) if g11 != 0 else 0.0
     gain2 = max(0.0, -g12 * p1 / g22) if g22 != 0 else 0.0
     return torch.tensor([p1 + gain1, p2 + gain2], dtype=dtype, device=gramian.device)
@@ -82,8 +85,8 @@ def upgrad_weights(
 
     ``pref_vector=None`` is the default ``1/m`` each. Short-circuits when no off-diagonal entry
     of ``G`` is negative (and ``G`` is not tracked by autograd): then no row conflicts with
-    another, every projection is the identity, and the weights are ``pref``. A NaN or infinite
-    entry in ``G`` gives NaN weights.
+    another, every projection of ``p_i e_i`` is itself (``p_i >= 0``) or 0, and the weights
+    are ``max(pref, 0)``. A NaN or infinite entry in ``G`` or ``pref`` gives NaN weights.
     """
     m = gramian.shape[0]
     pref = None if pref_vector is None else resolve_pref_vector(pref_vector, m, gramian)
@@ -91,19 +94,26 @@ def upgrad_weights(
         # (outside autograd, Python floats; then the default preference needs no tensor either)
         if not gramian.requires_grad and (pref is None or not pref.requires_grad):
             return two_objective_weights_on_host(gramian, pref)
-        pref = mean_weights(2, gramian) if pref is None else pref
-        return propagate_nonfinite(two_objective_weights(gramian, pref), gramian)
+        given = pref
+        pref = mean_weights(2, gramian) if given is None else given
+        weights = propagate_nonfinite(two_objective_weights(gramian, pref), gramian)
+        # (an infinite preference gave an infinite weight, not NaN)
+        return weights if given is None else propagate_nonfinite(weights, given)
     if pref is None:
         pref = mean_weights(m, gramian)
     if m == 0:
         return pref
     # (a negative diagonal entry, impossible for a Gramian, only means no short cut; the
     # minimum is NaN or -inf where some entry is, and the projector gives the NaN weights)
-    # (not under autograd with a G that requires grad: the weights then keep their graph to G,
-    # of zero gradient, as without the short cut)
+    # (not under autograd with a G that requires grad and a differentiable projector: the
+    # weights then keep their graph to G, of zero gradient, as without the short cut)
     tracked = torch.is_grad_enabled() and gramian.requires_grad
+    tracked = tracked and isinstance(projector, TorchProjector)
     if not tracked and float(gramian.detach().amin()) >= 0 and not has_nonfinite(gramian):
-        return pref
+        if pref_vector is None:  # (1/m each)
+            return pref
+        if not has_nonfinite(pref):  # (a NaN preference gives NaN weights, from the projector)
+            return pref.clamp_min(0)  # (a row p_i e_i with p_i < 0 projects to 0)
     return projector.project_diagonal(pref, gramian).sum(dim=0)
 
 
