@@ -1555,3 +1555,57 @@ def test_a_cell_called_in_a_loop_is_not_warned_about() -> None:
         for _ in range(100):
             h = cell(torch.randn(5, 3), h)
         engine.backward(head(h).squeeze(1), MeanWeighting())
+
+
+@pytest.mark.parametrize("where", ["prepended", "global"])
+def test_forward_hook_before_the_engines_is_refused(where: str) -> None:
+    """A forward hook that runs before the engine's recording hook (registered with
+    ``prepend=True`` after the Engine, or a global one) and replaces the output made the
+    engine read the gradient at the hook's output: the Gramian came back 1/9 of J J^T and the
+    update 1/3 of it for ``o -> 3 o``, silently (a review's finding). It is refused, nothing
+    written; a hook registered after the Engine's, or one on an unhooked module, is fine."""
+    model = _mlp()
+    triple = lambda module, args, output: 3 * output  # noqa: E731
+    with Engine(model, batch_dim=0) as engine:
+        if where == "prepended":
+            handle = model[0].register_forward_hook(triple, prepend=True)
+        else:
+            handle = nn.modules.module.register_module_forward_hook(triple)
+        try:
+            losses = _losses(model, X)
+            with pytest.raises(ValueError, match="forward hook ran before the Engine's"):
+                engine.backward(losses, MeanWeighting())
+        finally:
+            handle.remove()
+        assert all(p.grad is None for p in model.parameters())
+        model[0].register_forward_hook(triple)  # (after the Engine's: it sees the output)
+        model[1].register_forward_hook(triple, prepend=True)  # (Tanh: not hooked)
+        losses = _losses(model, X)
+        jacobian = reference_jacobian(losses, list(model.parameters()))
+        torch.testing.assert_close(engine.compute_gramian(losses), jacobian @ jacobian.T)
+
+
+@pytest.mark.parametrize("when", ["construction", "unfrozen"])
+def test_complex_parameters_are_refused(when: str) -> None:
+    """A complex parameter gave a Gramian that was neither ``Re(J J^H)`` nor Hermitian,
+    silently (a review's finding): it is refused at construction, or when its module is
+    unfrozen later and the Engine hooks the modules again."""
+    model = nn.Sequential(nn.Linear(3, 2).double(), _ComplexLinear())
+    if when == "construction":
+        with pytest.raises(TypeError, match=r"1\.weight is a complex parameter"):
+            Engine(model, batch_dim=0)
+        return
+    model[1].requires_grad_(False)
+    engine = Engine(model, batch_dim=0)
+    model[1].requires_grad_(True)
+    with pytest.raises(TypeError, match=r"1\.weight is a complex parameter"):
+        engine.compute_gramian(model(X).abs().pow(2).sum(1))
+
+
+class _ComplexLinear(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(2, 2, dtype=torch.complex128))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x.to(self.weight.dtype) @ self.weight.T

@@ -138,6 +138,20 @@ def _check_generic_units(units: list[Unit]) -> None:
                 )
 
 
+def _check_real_parameters(units: list[Unit]) -> None:
+    """Refuse complex trainable parameters: the rules form ``J J^T`` with real products (a
+    complex one gave a matrix that is neither ``Re(J J^H)`` nor Hermitian, silently)."""
+    for unit in units:
+        for name, param in unit.params().items():
+            if param.is_complex():
+                raise TypeError(
+                    f"{unit.name}.{name} is a complex parameter ({param.dtype}): the Engine "
+                    "computes the Gramian of real parameters only. Keep it as a real parameter "
+                    "of twice the size (read it with torch.view_as_complex), or leave its "
+                    "module out of the Engine."
+                )
+
+
 def _check_losses(losses: object, batch_dim: int | None) -> Tensor:
     if not isinstance(losses, Tensor):
         raise TypeError(f"`losses` must be a torch.Tensor, received {type(losses)}.")
@@ -236,10 +250,12 @@ class Engine:
     outside the engine that mixes them, or a module called on a tensor without the batch
     dimension whose first size equals the batch size (position embeddings of
     ``torch.arange(T)`` with ``T == B``) is refused with a clear error, where the shapes alone
-    cannot tell. (A mixing of only two samples shows with probability one half. A
-    ``retain_grad()`` tensor on that path accumulates that backward's gradient too. A model
-    whose calls or losses' graph change at every step, as with LayerDrop, is checked at every
-    step.) A reentrant activation checkpoint (``use_reentrant=True``) that runs hooked modules
+    cannot tell. (The probed samples are fixed for a batch size: a mixing of only two samples
+    shows for about half the pairs, never for the first and the last, and a read decided by
+    the data, as a normalisation by the batch's largest output, when it falls on an unprobed
+    sample. A ``retain_grad()`` tensor on that path accumulates that backward's gradient too.
+    A model whose calls or losses' graph change at every step, as with LayerDrop, is checked at
+    every step.) A reentrant activation checkpoint (``use_reentrant=True``) that runs hooked modules
     (or a function that is not a module's) or lies above the hooked calls, whose calls the
     engine cannot see, is refused; the non-reentrant one is supported. Torch.compile'd code,
     whose backward may run only once, is not checked.
@@ -360,6 +376,7 @@ class Engine:
         modules, batch_dim = self._modules, self.batch_dim
         _check_modules(modules, batch_dim)
         units = find_units(modules)
+        _check_real_parameters(units)
         if batch_dim is not None:
             _check_generic_units(units)
         self._recorder.remove()
@@ -715,12 +732,13 @@ class Engine:
         bytes of all captured gradients.
         """
         coupled, outside = self._recorder.coupled, self._recorder.outside
+        preceded = self._recorder.preceded
         row_by_row = self._recorder.fused_rnn
         calls = self._recorder.take()
         self._pending_forwards = 0
         try:
             return self._prepare_calls(
-                calls, coupled, outside, row_by_row, losses, retain_graph, extra_inputs
+                calls, (coupled, outside, preceded), row_by_row, losses, retain_graph, extra_inputs
             )
         finally:  # (the tree of a module's calls of itself is a reference cycle)
             for _, call in calls:
@@ -729,15 +747,26 @@ class Engine:
     def _prepare_calls(
         self,
         calls: list[tuple[int, Call]],
-        coupled: str | None,
-        outside: tuple[str, str] | None,
+        flags: tuple[str | None, tuple[str, str] | None, str | None],
         row_by_row: bool,
         losses: Tensor,
         retain_graph: bool,
         extra_inputs: Sequence[Tensor],
     ) -> _Prepared:
-        """:meth:`_prepare` on the ``calls`` taken from the recorder."""
+        """:meth:`_prepare` on the ``calls`` taken from the recorder, with its ``flags``
+        (a coupling module, a call outside its unit, a unit whose output a foreign forward hook
+        saw first)."""
         self._check_unchanged()
+        coupled, outside, preceded = flags
+        if preceded is not None:
+            raise ValueError(
+                f"A forward hook ran before the Engine's on {preceded} (one registered with "
+                "prepend=True after the Engine was created, or a global forward hook): if it "
+                "replaces the module's output, the engine would read the gradient at that "
+                "hook's output instead of the module's, and the Gramian would be wrong. "
+                "Register it without prepend=True (after the Engine's), or on a module the "
+                "Engine does not hook, or remove the global hook while the Engine is attached."
+            )
         if outside is not None:
             child, parent = outside
             raise ValueError(

@@ -207,6 +207,9 @@ class Recorder:
         self.coupled: str | None = None
         self.outside: tuple[str, str] | None = None  # (child, unit) of a call outside the unit
         self.fused_rnn = False  # a recurrent layer ran torch's fused kernel (cuDNN, MIOpen)
+        self.preceded: str | None = None  # a unit whose output a foreign forward hook saw first
+        # (by id of the module: the id of its recording hook, and the unit's name)
+        self._recording: dict[int, tuple[int, str]] = {}
         # per replayed module under way: its weights' versions and copies of its buffers at
         # the start of each call (a stack: a module may call itself)
         self._starts: dict[int, list[_Start]] = {}
@@ -247,6 +250,24 @@ class Recorder:
             record, with_kwargs=True, always_call=True, prepend=True
         )
         self.handles.append(handle)
+        self._recording[id(unit.module)] = (handle.id, unit.name)
+
+    def _foreign_hook_first(self, module: nn.Module) -> bool:
+        """Whether a forward hook that is not a recorder's runs before this recorder's on
+        ``module`` (registered with ``prepend=True`` after it, or a global one): the output
+        recorded may then be that hook's, not the module's."""
+        if nn.modules.module._global_forward_hooks:
+            return True
+        own = self._recording[id(module)][0]
+        for key, hook in module._forward_hooks.items():
+            if key == own:
+                return False
+            if not (
+                isinstance(hook, partial)
+                and getattr(hook.func, "__func__", None) is Recorder._record
+            ):
+                return True
+        return False
 
     def watch_children(self, unit: Unit) -> None:
         """Flag grad-enabled calls of a child with trainable parameters made outside the
@@ -311,6 +332,8 @@ class Recorder:
     ) -> None:
         if self.idle or not torch.is_grad_enabled() or is_replaying():
             return
+        if self._foreign_hook_first(module):
+            self.preceded = self._recording[id(module)][1]
         pending = self._starts.get(id(module)) if replays else None
         start = pending.pop() if pending else None
         parent = pending[-1] if pending else None  # (the call this one runs inside)
@@ -384,7 +407,7 @@ class Recorder:
     def take(self) -> list[tuple[int, Call]]:
         """The recorded calls; the record starts afresh."""
         calls, self.calls = self.calls, []
-        self.coupled = self.outside = None
+        self.coupled = self.outside = self.preceded = None
         self.fused_rnn = False
         self._starts = {}
         return calls
@@ -394,5 +417,6 @@ class Recorder:
             handle.remove()
         self.handles = []
         self._pre_hooks = []
+        self._recording = {}
         self.calls = []
         self._starts = {}

@@ -26,9 +26,12 @@ from torch import Tensor
 
 def probe_samples(num_samples: int) -> list[int]:
     """The samples whose losses the probe pulls back: the first, the last (a mixing along the
-    batch in either direction) and a fixed pseudo-random half of the others, so that a mixing
-    of two samples shows with probability one half or more, and one of many pairs (a mixup, a
-    contrastive loss) almost surely; the first of two.
+    batch in either direction, as a cumulative sum) and a fixed pseudo-random half of the
+    others; the first of two. A mixing shows when a probed sample's loss reads an unprobed
+    sample's output: one over many pairs (a mixup, a contrastive loss, a centring) almost
+    surely, but one sample reading one other only for the pairs this fixed set splits (about
+    half of them, never the first and the last), and a read decided by the data (the batch's
+    largest output) when it falls on an unprobed sample.
 
     Example:
         >>> from jacflow.autogram._separable import probe_samples
