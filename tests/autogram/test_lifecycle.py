@@ -1609,3 +1609,46 @@ class _ComplexLinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return x.to(self.weight.dtype) @ self.weight.T
+
+
+def test_forward_hook_check_reads_only_the_calls_the_losses_reach() -> None:
+    """The check is per call: a forward with a prepended hook whose losses are dropped, then
+    one without it, steps exactly (the first version flagged the whole record); a shallow copy
+    of a hooked module, which runs the original's hooks, forwards as before (it raised a
+    KeyError inside the forward). Both found by a review."""
+    model = _mlp()
+    with Engine(model, batch_dim=0) as engine:
+        handle = model[0].register_forward_hook(lambda m, a, o: 3 * o, prepend=True)
+        _losses(model, X)  # (dropped)
+        handle.remove()
+        losses = _losses(model, X)
+        jacobian = reference_jacobian(losses, list(model.parameters()))
+        torch.testing.assert_close(engine.compute_gramian(losses), jacobian @ jacobian.T)
+        twin = copy.copy(model[2])
+        twin(torch.tanh(model[0](X))).sum().backward()  # (raised: KeyError)
+
+
+def test_parameters_made_complex_in_place_are_refused_at_the_step() -> None:
+    """``model.to(torch.complex128)`` converts the parameters in place (the same objects, no
+    re-hooking): the Gramian came back complex and wrong, silently (a review's finding)."""
+    model = _mlp()
+    engine = Engine(model, batch_dim=0)
+    with warnings.catch_warnings():  # (torch: complex modules are a new feature)
+        warnings.simplefilter("ignore", UserWarning)
+        model.to(torch.complex128)
+    losses = model(X.to(torch.complex128)).abs().pow(2).sum(1)
+    with pytest.raises(TypeError, match=r"0\.weight is a complex parameter"):
+        engine.compute_gramian(losses)
+
+
+def test_forward_under_torchs_flop_counter_is_accepted() -> None:
+    """torch's module trackers (here FlopCounterMode's) register global forward hooks that only
+    observe: a forward under one is not refused (the first version of the check refused it)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model = _mlp()
+    with Engine(model, batch_dim=0) as engine:
+        with FlopCounterMode(display=False):
+            losses = _losses(model, X)
+        jacobian = reference_jacobian(losses, list(model.parameters()))
+        torch.testing.assert_close(engine.compute_gramian(losses), jacobian @ jacobian.T)

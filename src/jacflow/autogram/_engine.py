@@ -140,7 +140,8 @@ def _check_generic_units(units: list[Unit]) -> None:
 
 def _check_real_parameters(units: list[Unit]) -> None:
     """Refuse complex trainable parameters: the rules form ``J J^T`` with real products (a
-    complex one gave a matrix that is neither ``Re(J J^H)`` nor Hermitian, silently)."""
+    complex one gave a matrix that is neither ``Re(J J^H)`` nor Hermitian, silently). At
+    hooking, and at each step (``model.to(torch.complex64)`` converts them in place)."""
     for unit in units:
         for name, param in unit.params().items():
             if param.is_complex():
@@ -732,13 +733,12 @@ class Engine:
         bytes of all captured gradients.
         """
         coupled, outside = self._recorder.coupled, self._recorder.outside
-        preceded = self._recorder.preceded
         row_by_row = self._recorder.fused_rnn
         calls = self._recorder.take()
         self._pending_forwards = 0
         try:
             return self._prepare_calls(
-                calls, (coupled, outside, preceded), row_by_row, losses, retain_graph, extra_inputs
+                calls, coupled, outside, row_by_row, losses, retain_graph, extra_inputs
             )
         finally:  # (the tree of a module's calls of itself is a reference cycle)
             for _, call in calls:
@@ -747,26 +747,15 @@ class Engine:
     def _prepare_calls(
         self,
         calls: list[tuple[int, Call]],
-        flags: tuple[str | None, tuple[str, str] | None, str | None],
+        coupled: str | None,
+        outside: tuple[str, str] | None,
         row_by_row: bool,
         losses: Tensor,
         retain_graph: bool,
         extra_inputs: Sequence[Tensor],
     ) -> _Prepared:
-        """:meth:`_prepare` on the ``calls`` taken from the recorder, with its ``flags``
-        (a coupling module, a call outside its unit, a unit whose output a foreign forward hook
-        saw first)."""
+        """:meth:`_prepare` on the ``calls`` taken from the recorder."""
         self._check_unchanged()
-        coupled, outside, preceded = flags
-        if preceded is not None:
-            raise ValueError(
-                f"A forward hook ran before the Engine's on {preceded} (one registered with "
-                "prepend=True after the Engine was created, or a global forward hook): if it "
-                "replaces the module's output, the engine would read the gradient at that "
-                "hook's output instead of the module's, and the Gramian would be wrong. "
-                "Register it without prepend=True (after the Engine's), or on a module the "
-                "Engine does not hook, or remove the global hook while the Engine is attached."
-            )
         if outside is not None:
             child, parent = outside
             raise ValueError(
@@ -826,6 +815,15 @@ class Engine:
             unit = self._units[index]
             if all(g is None for g in call_grads):
                 continue
+            if call.preceded:
+                raise ValueError(
+                    f"A forward hook ran before the Engine's on {unit.name} (one registered with "
+                    "prepend=True after the Engine was created, or a global forward hook): the "
+                    "Engine cannot tell whether it replaced the module's output, and if it did, "
+                    "the Gramian would be read at that hook's output and be wrong. Register it "
+                    "without prepend=True (after the Engine's), or on a module the Engine does "
+                    "not hook, or remove the global hook while the Engine is attached."
+                )
             if self._reruns(index):
                 _check_no_output_hooks(unit, call, call_grads)
             else:
@@ -871,6 +869,7 @@ class Engine:
                 if chain:
                     check_replayed_calls(self._units[index].module, chain)
         contributions = []
+        _check_real_parameters([self._units[index] for index in reached])
         for index, unit_calls in reached.items():
             unit = self._units[index]
             params = unit.params()

@@ -197,6 +197,17 @@ def _leave(depth: list[int], module: nn.Module, args: Any, output: Any) -> None:
         depth[0] -= 1
 
 
+# torch's own trackers of module calls (FlopCounterMode's, the memory and communication
+# debuggers'), whose global forward hooks observe the outputs and return nothing
+_TRACKERS = ("torch.utils.module_tracker", "torch.distributed._tools", "torch.distributed.tensor")
+
+
+def _tracks(hook: Callable[..., Any]) -> bool:
+    """Whether a global forward hook is a method of one of torch's module trackers."""
+    owner = getattr(hook, "__self__", None)
+    return owner is not None and type(owner).__module__.startswith(_TRACKERS)
+
+
 class Recorder:
     """Holds the hooks and the calls recorded since the last Gramian."""
 
@@ -207,9 +218,8 @@ class Recorder:
         self.coupled: str | None = None
         self.outside: tuple[str, str] | None = None  # (child, unit) of a call outside the unit
         self.fused_rnn = False  # a recurrent layer ran torch's fused kernel (cuDNN, MIOpen)
-        self.preceded: str | None = None  # a unit whose output a foreign forward hook saw first
-        # (by id of the module: the id of its recording hook, and the unit's name)
-        self._recording: dict[int, tuple[int, str]] = {}
+        # (by id of the module: the id of its recording hook)
+        self._recording: dict[int, int] = {}
         # per replayed module under way: its weights' versions and copies of its buffers at
         # the start of each call (a stack: a module may call itself)
         self._starts: dict[int, list[_Start]] = {}
@@ -250,15 +260,15 @@ class Recorder:
             record, with_kwargs=True, always_call=True, prepend=True
         )
         self.handles.append(handle)
-        self._recording[id(unit.module)] = (handle.id, unit.name)
+        self._recording[id(unit.module)] = handle.id
 
     def _foreign_hook_first(self, module: nn.Module) -> bool:
-        """Whether a forward hook that is not a recorder's runs before this recorder's on
-        ``module`` (registered with ``prepend=True`` after it, or a global one): the output
-        recorded may then be that hook's, not the module's."""
-        if nn.modules.module._global_forward_hooks:
+        """Whether a forward hook that is not a recorder's (nor one of torch's module
+        trackers') runs before this recorder's on ``module`` (registered with ``prepend=True``
+        after it, or a global one): the output recorded may then be that hook's."""
+        if any(not _tracks(hook) for hook in nn.modules.module._global_forward_hooks.values()):
             return True
-        own = self._recording[id(module)][0]
+        own = self._recording.get(id(module))  # (None: a shallow copy runs the original's)
         for key, hook in module._forward_hooks.items():
             if key == own:
                 return False
@@ -332,8 +342,7 @@ class Recorder:
     ) -> None:
         if self.idle or not torch.is_grad_enabled() or is_replaying():
             return
-        if self._foreign_hook_first(module):
-            self.preceded = self._recording[id(module)][1]
+        preceded = self._foreign_hook_first(module)
         pending = self._starts.get(id(module)) if replays else None
         start = pending.pop() if pending else None
         parent = pending[-1] if pending else None  # (the call this one runs inside)
@@ -364,6 +373,7 @@ class Recorder:
             versions=[(t, t._version) for t in inputs if isinstance(t, Tensor)],
             autocast=autocast_state(leaves[positions[0]].device.type) if positions else None,
             training=module.training,
+            preceded=preceded,
         )
         call.output_hooks = []
         for i, j in enumerate(positions):
@@ -407,7 +417,7 @@ class Recorder:
     def take(self) -> list[tuple[int, Call]]:
         """The recorded calls; the record starts afresh."""
         calls, self.calls = self.calls, []
-        self.coupled = self.outside = self.preceded = None
+        self.coupled = self.outside = None
         self.fused_rnn = False
         self._starts = {}
         return calls

@@ -172,6 +172,9 @@ class Call:
     # for the rules that replay: autograd's sequence numbers of the nodes the forward created
     # (from, to), where known
     span: tuple[int, int] | None = None
+    # a forward hook that is not a recorder's ran before the recording one (it may have
+    # replaced the output the engine reads)
+    preceded: bool = False
 
     def user_hooks(self) -> list[list[Callable[[Tensor], Tensor | None]]]:
         """The gradient hooks on each recorded output other than the engine's own (none when
