@@ -138,19 +138,19 @@ def _check_generic_units(units: list[Unit]) -> None:
                 )
 
 
-def _check_real_parameters(units: list[Unit]) -> None:
-    """Refuse complex trainable parameters: the rules form ``J J^T`` with real products (a
-    complex one gave a matrix that is neither ``Re(J J^H)`` nor Hermitian, silently). At
-    hooking, and at each step (``model.to(torch.complex64)`` converts them in place)."""
-    for unit in units:
-        for name, param in unit.params().items():
-            if param.is_complex():
-                raise TypeError(
-                    f"{unit.name}.{name} is a complex parameter ({param.dtype}): the Engine "
-                    "computes the Gramian of real parameters only. Keep it as a real parameter "
-                    "of twice the size (read it with torch.view_as_complex), or leave its "
-                    "module out of the Engine."
-                )
+def _check_real_parameters(unit: Unit, params: dict[str, Tensor]) -> None:
+    """Refuse complex trainable parameters (``params``, the unit's): the rules form ``J J^T``
+    with real products (a complex one gave a matrix that is neither ``Re(J J^H)`` nor
+    Hermitian, silently). At hooking, and at each step (``model.to(torch.complex64)`` converts
+    them in place)."""
+    for name, param in params.items():
+        if param.is_complex():
+            raise TypeError(
+                f"{unit.name}.{name} is a complex parameter ({param.dtype}): the Engine "
+                "computes the Gramian of real parameters only. Keep it as a real parameter of "
+                "twice the size (read it with torch.view_as_complex), or leave its module out "
+                "of the Engine."
+            )
 
 
 def _check_losses(losses: object, batch_dim: int | None) -> Tensor:
@@ -377,7 +377,8 @@ class Engine:
         modules, batch_dim = self._modules, self.batch_dim
         _check_modules(modules, batch_dim)
         units = find_units(modules)
-        _check_real_parameters(units)
+        for unit in units:
+            _check_real_parameters(unit, unit.params())
         if batch_dim is not None:
             _check_generic_units(units)
         self._recorder.remove()
@@ -869,10 +870,10 @@ class Engine:
                 if chain:
                     check_replayed_calls(self._units[index].module, chain)
         contributions = []
-        _check_real_parameters([self._units[index] for index in reached])
         for index, unit_calls in reached.items():
             unit = self._units[index]
             params = unit.params()
+            _check_real_parameters(unit, params)
             if self._reruns(index):
                 params = _reached_params(params, unit_calls)
             if not params:
