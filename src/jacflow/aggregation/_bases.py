@@ -182,7 +182,8 @@ class GramianWeighting(Weighting):
     ``TorchProjector``, the default) are differentiable with respect to ``G`` and its
     preference (implicit differentiation of its projections, also twice), and so are
     :class:`Periodic`'s on the calls where it recomputes them with such a weighting; every
-    other weighting computes its weights without autograd, so they carry no graph.
+    other weighting computes its weights without autograd, so they carry no graph to ``G``
+    (:class:`ConstantWeighting` returns the weights it was given, as they are).
 
     Example:
         >>> import torch

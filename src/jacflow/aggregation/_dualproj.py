@@ -29,8 +29,8 @@ class DualProjWeighting(GramianWeighting):
             problem, on the Gramian's device). ``QuadprogProjector()`` or
             ``TorchProjector(norm_eps=1e-4, reg_eps=1e-4)`` reproduce TorchJD's numbers.
 
-    The weights are computed without autograd (they carry no graph to the Gramian), as are
-    those of every weighting but :class:`UPGradWeighting`.
+    The weights are computed without autograd (they carry no graph to the Gramian); see
+    :class:`GramianWeighting` for the weightings whose weights do.
 
     Example:
         >>> import torch

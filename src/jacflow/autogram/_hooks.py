@@ -218,8 +218,6 @@ class Recorder:
         self.coupled: str | None = None
         self.outside: tuple[str, str] | None = None  # (child, unit) of a call outside the unit
         self.fused_rnn = False  # a recurrent layer ran torch's fused kernel (cuDNN, MIOpen)
-        # (by id of the module: the id of its recording hook)
-        self._recording: dict[int, int] = {}
         # per replayed module under way: its weights' versions and copies of its buffers at
         # the start of each call (a stack: a module may call itself)
         self._starts: dict[int, list[_Start]] = {}
@@ -260,7 +258,6 @@ class Recorder:
             record, with_kwargs=True, always_call=True, prepend=True
         )
         self.handles.append(handle)
-        self._recording[id(unit.module)] = handle.id
 
     def _foreign_hook_first(self, module: nn.Module) -> bool:
         """Whether a forward hook that is not a recorder's (nor one of torch's module
@@ -268,15 +265,15 @@ class Recorder:
         after it, or a global one): the output recorded may then be that hook's."""
         if any(not _tracks(hook) for hook in nn.modules.module._global_forward_hooks.values()):
             return True
-        own = self._recording.get(id(module))  # (None: a shallow copy runs the original's)
-        for key, hook in module._forward_hooks.items():
-            if key == own:
-                return False
+        # (read from the hooks themselves: a shallow copy of a module runs the original's)
+        for hook in module._forward_hooks.values():
             if not (
                 isinstance(hook, partial)
                 and getattr(hook.func, "__func__", None) is Recorder._record
             ):
                 return True
+            if getattr(hook.func, "__self__", None) is self:
+                return False
         return False
 
     def watch_children(self, unit: Unit) -> None:
@@ -427,6 +424,5 @@ class Recorder:
             handle.remove()
         self.handles = []
         self._pre_hooks = []
-        self._recording = {}
         self.calls = []
         self._starts = {}

@@ -189,8 +189,9 @@ def _solved_on_host(
 def tolerances(
     dtype: torch.dtype, m: int, tol: float | None, rescaled: bool = False
 ) -> tuple[float, float]:
-    """The residual the solvers aim for (problems left above it go to the exact fallback),
-    and the one accepted without a warning.
+    """The residual the solvers aim for (PDAS's problems left above it go to the exact
+    fallback), and the one accepted without a warning (the other methods' problems left above
+    it go there).
 
     A given ``tol`` is both. By default they aim for ``1e-10`` (float64) or ``1e-6`` and accept
     up to ``10 m eps`` more: the residual that rounding errors of a Gramian stored in ``dtype``
@@ -406,10 +407,14 @@ def _solve(
     else:
         v, residual = _unsolved_by(lambda rows: chosen(u[:, rows]), *dual, tol)
     worst = float(residual.amax())
-    # Above ``tol``, not only above ``accept``: a float32 problem rescaled to a unit diagonal
-    # (accept 100 m eps) that PDAS left at 3e-4 on a Gramian of condition 1e7 had weights 2-48%
-    # off, which Lawson-Hanson solves exactly; the better iterate is kept.
-    if max_iter is None and not worst <= tol:  # a cap: this method only
+    # PDAS's problems (m <= 32, where Lawson-Hanson is cheap) above ``tol``, not only above
+    # ``accept``: a float32 problem rescaled to a unit diagonal (accept 100 m eps) that PDAS
+    # left at 3e-4 on a Gramian of condition 1e7 had weights 2-48% off, which Lawson-Hanson
+    # solves exactly; the better iterate is kept. (ADMM's, from m = 33, keep ``accept``: on
+    # rank-deficient float32 Gramians, which ADMM leaves near 6e-5, Lawson-Hanson took 2-4x the
+    # time at m = 128 and 256, and stopped above ``tol`` too.)
+    fallback_above = tol if method == "pdas" else accept
+    if max_iter is None and not worst <= fallback_above:  # a cap: this method only
         v, residual = _exact_fallback(u, g, v, residual, tol)
         worst = float(residual.amax())
     if not worst <= accept:
@@ -605,9 +610,9 @@ def project_weights(
     is safely positive definite, PDAS on the dual problem solves on ``G^-1`` systems of the size
     of the active set (``jacflow.linalg._dual_pdas``; every result checked against ``G``), and
     the chosen method takes the problems it leaves. Without an explicit ``max_iter``, the problems
-    the chosen method leaves above the tolerance (degenerate ones: singular ``G`` with more rows
-    than its rank; ill-conditioned ones) are re-solved by an exact batched Lawson-Hanson active
-    set
+    the chosen method leaves unsolved (above the tolerance for PDAS, above the level accepted
+    without a warning for the others; degenerate ones: singular ``G`` with more rows than its
+    rank; ill-conditioned ones) are re-solved by an exact batched Lawson-Hanson active set
     (``jacflow.linalg._lawson_hanson``), which keeps its passive columns linearly independent.
     Problems with ``G u >= 0`` need no projection (``v = u``); when this holds for every problem
     (e.g. no negative entry in ``G`` and ``u >= 0``) nothing is solved. Small problems on one
@@ -638,9 +643,10 @@ def project_weights(
     ``lam = 2 G v`` and ``c = 2 max_i G_ii``, ``G`` of trace 1, rescaled as above) is at most
     ``tol``. If some problem does not meet ``tol`` within ``max_iter``, a
     :class:`SolverWarning` is issued and the best iterate is returned. NaN or infinite
-    entries in ``G`` (or in a row of ``u``) give NaN rows. Under autograd, a NaN row passes no
-    gradient to the finite inputs (a non-finite row of ``u`` gets none itself; a non-finite
-    ``G`` may get NaN).
+    entries in ``G`` (or in a row of ``u``) give NaN rows. Under autograd, a non-finite row of
+    ``u`` gets no gradient and passes none to the other inputs; the rows of a non-finite ``G``
+    pass none to the other Gramians of a batch (where the loss uses them, that ``G`` and their
+    rows of ``u`` get NaN).
 
     Gradients. When ``u`` or ``gramian`` requires grad, ``v`` is differentiable by implicit
     differentiation of the KKT system at the solution (active set held fixed, pseudo-inverse
