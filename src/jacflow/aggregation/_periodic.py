@@ -79,15 +79,16 @@ class Periodic(GramianWeighting, Stateful):
             # (the reuse steps' weights are constants: a graph to an earlier Gramian made a
             # second backward through it raise)
             self._weights = weights.detach()
-            self._calls += 1
-            return weights
-        if self._weights is not None and self._weights.shape[0] != stat.shape[0]:
-            raise ValueError(
-                f"Periodic cached {self._weights.shape[0]} weights but received a Gramian of "
-                f"{stat.shape[0]} rows; call `reset()` when the number of objectives changes."
-            )
+        else:
+            weights = self.cached_weights()
+            if weights.shape[0] != stat.shape[0]:
+                raise ValueError(
+                    f"Periodic cached {weights.shape[0]} weights but received a Gramian of "
+                    f"{stat.shape[0]} rows; call `reset()` when the number of objectives "
+                    "changes."
+                )
         self._calls += 1
-        return self.cached_weights()
+        return weights
 
     def reset(self) -> None:
         self._calls = 0

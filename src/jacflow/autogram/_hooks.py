@@ -263,7 +263,8 @@ class Recorder:
         """Whether a forward hook that is not a recorder's (nor one of torch's module
         trackers') runs before this recorder's on ``module`` (registered with ``prepend=True``
         after it, or a global one): the output recorded may then be that hook's."""
-        if any(not _tracks(hook) for hook in nn.modules.module._global_forward_hooks.values()):
+        global_hooks = nn.modules.module._global_forward_hooks  # (usually none: one test)
+        if global_hooks and any(not _tracks(hook) for hook in global_hooks.values()):
             return True
         # (read from the hooks themselves: a shallow copy of a module runs the original's)
         for hook in module._forward_hooks.values():

@@ -32,10 +32,11 @@ def _backward(
 ) -> tuple[Tensor, Tensor]:
     """Cotangents of ``u`` ``[B, k, m]`` and ``g`` ``[B, m, m]`` (the matrix actually solved).
 
-    The NaN rows of ``v`` (a non-finite row of ``u`` or Gramian) are left out of the systems
-    (a NaN Gramian made ``pinv`` raise, and a NaN row made all of ``grad_g`` NaN): a NaN row
-    whose cotangent is not zero gives NaN to its row of ``u`` (and to its Gramian if that is
-    the non-finite input), and nothing to the others."""
+    The NaN rows of ``v`` (every row of a non-finite Gramian; :func:`project_weights` solves a
+    non-finite row of ``u`` as a zero row under autograd) are left out of the systems (a NaN
+    Gramian made ``pinv`` raise, and a NaN row made all of ``grad_g`` NaN): a NaN row whose
+    cotangent is not zero gives NaN to its row of ``u`` (and to its Gramian if that is the
+    non-finite input), and nothing to the others."""
     finite_g = torch.isfinite(g).all(-1).all(-1)[:, None, None]
     bad = v.isnan().any(-1, keepdim=True)
     used = bad & (grad_v != 0).any(-1, keepdim=True)
