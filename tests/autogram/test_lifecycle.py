@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import random
@@ -1659,3 +1660,56 @@ def test_forward_under_torchs_flop_counter_is_accepted() -> None:
             losses = _losses(model, X)
         jacobian = reference_jacobian(losses, list(model.parameters()))
         torch.testing.assert_close(engine.compute_gramian(losses), jacobian @ jacobian.T)
+
+
+def _step_grads(model: nn.Module, context: Callable[[], Any]) -> list[Tensor]:
+    """The ``.grad`` of one UPGrad step of an Engine on ``model``, forward and step under
+    ``context()``."""
+    with Engine(model, batch_dim=0) as engine, context():
+        engine.backward(_losses(model, X), UPGradWeighting())
+    return [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+
+@pytest.mark.parametrize("generic", [False, True])
+def test_step_under_torchs_flop_counter(generic: bool) -> None:
+    """The whole step runs under FlopCounterMode, whose module tracker puts multi-grad hooks on
+    every module's outputs; they raised "expected this hook to be called inside a backward
+    call" when the engine ran them again on the captured gradients. Also with a module of the
+    generic rule (replayed by torch.func)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    def model() -> nn.Module:
+        torch.manual_seed(0)
+        layers = [nn.Linear(3, 5), nn.Tanh(), Scale(5) if generic else nn.Linear(5, 5)]
+        return nn.Sequential(*layers, nn.Linear(5, 2)).double()
+
+    expected = _step_grads(model(), contextlib.nullcontext)
+    counter = FlopCounterMode(display=False)
+    got = _step_grads(model(), lambda: counter)
+    assert counter.get_total_flops() > 0
+    for g, e in zip(got, expected, strict=True):
+        torch.testing.assert_close(g, e)
+
+
+def test_multi_grad_hook_on_an_output_runs_once() -> None:
+    """A hook of register_multi_grad_hook on a hooked module's output runs once per backward
+    of the engine, as in a plain backward, and was not run again outside it (where it raised).
+    (The first step of a batch size also runs the separation probe's backward.)"""
+    model = _mlp()
+    reference = copy.deepcopy(model)
+    seen: list[int] = []
+
+    def forward_hook(module: nn.Module, args: Any, output: Tensor) -> None:
+        torch.autograd.graph.register_multi_grad_hook([output], lambda grads: seen.append(1))
+
+    model[2].register_forward_hook(forward_hook)  # (an output the backward flows through)
+    with Engine(model, batch_dim=0) as engine, Engine(reference, batch_dim=0) as plain:
+        for _ in range(2):
+            seen.clear()
+            model.zero_grad()
+            reference.zero_grad()
+            engine.backward(_losses(model, X), UPGradWeighting())
+            plain.backward(_losses(reference, X), UPGradWeighting())
+    assert seen == [1]
+    for got, expected in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(got.grad, expected.grad)

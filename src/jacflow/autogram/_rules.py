@@ -110,6 +110,22 @@ def no_hook(grad: Tensor) -> None:
     return None
 
 
+def _multi_grad_hook(hook: Callable[[Tensor], Tensor | None]) -> bool:
+    """Whether ``hook`` is one of the tensor hooks of ``register_multi_grad_hook`` (torch's
+    module trackers, ``FlopCounterMode``, FSDP): they only observe, must not change the
+    gradient, and raise when run outside a backward. Autograd ran them in the engine's
+    backward, so the step does not run them again on the captured gradients."""
+    code = getattr(hook, "__code__", None)
+    return (
+        code is not None
+        and code.co_filename == _GRAPH_FILE
+        and code.co_name in ("inner_hook", "wrapped_fn")
+    )
+
+
+_GRAPH_FILE = torch.autograd.graph.__file__
+
+
 @dataclass
 class Call:
     """One recorded forward call of a hooked module.
@@ -181,7 +197,10 @@ class Call:
         they were not watched)."""
         if self.output_hooks is None:
             return [[] for _ in self.edges]
-        return [[h for h in hooks.values() if h is not no_hook] for hooks in self.output_hooks]
+        return [
+            [h for h in hooks.values() if h is not no_hook and not _multi_grad_hook(h)]
+            for hooks in self.output_hooks
+        ]
 
     def trained(self, module: nn.Module) -> bool:
         """Whether the forward ran in training mode (the module's mode now, if unrecorded).
