@@ -1036,14 +1036,20 @@ def _check_output_views(losses: Tensor, calls: list[tuple[Unit, Call]]) -> None:
     step, so that a change made after the caller freed the view is seen too; a stray forward's
     view changed so is left alone (the walk of the losses' graph that tells is made only then).
     A change outside autograd (under ``no_grad``, through ``.detach()``) keeps the base's
-    node."""
+    node. An output that can be read at its base instead (a Linear's on sequences, an
+    attention's: see ``OutputView``) is read there, below the new nodes."""
     new_nodes: dict[int, tuple[Unit, object]] = {}  # (one walk for all the changed views)
     for unit, call in calls:
-        for view, base_node in call.output_views:
-            base = view._base
-            if base is not None and base.grad_fn is not base_node:
-                for node in _new_base_nodes(base.grad_fn, base_node):
-                    new_nodes[id(node)] = (unit, node)
+        for output in call.output_views:
+            base = output.view._base
+            if base is None or base.grad_fn is output.base_node:
+                continue
+            at_base = output.at_base()
+            if at_base is not None:  # (read below the new nodes)
+                call.read_at_base(output.position, *at_base)
+                continue
+            for node in _new_base_nodes(base.grad_fn, output.base_node):
+                new_nodes[id(node)] = (unit, node)
     if new_nodes:
         changed = first_reached(losses, new_nodes)
         if changed is not None:
@@ -1145,14 +1151,13 @@ def _compiled_backward_hint() -> Iterator[None]:
 
 
 def _at_outputs(call: Call, grads: Sequence[Tensor | None]) -> list[Tensor | None]:
-    """The gradients of ``call``'s edges in its outputs' shapes (an edge at a reshaped
+    """The gradients of ``call``'s edges in its outputs' shapes and layouts (an edge at an
     output's base has the base's), with any leading dimensions of rows kept."""
     at_outputs = list(grads)
-    for i, base_shape in call.base_shapes.items():
+    for i, view in call.base_views.items():
         grad = at_outputs[i]
         if grad is not None:
-            lead = grad.shape[: grad.ndim - len(base_shape)]
-            at_outputs[i] = grad.reshape(*lead, *call.output_shapes[i])
+            at_outputs[i] = view.of(grad)
     return at_outputs
 
 

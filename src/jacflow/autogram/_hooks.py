@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.autograd.graph import GradientEdge, get_gradient_edge
+from torch.autograd.graph import get_gradient_edge
 from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 from torch.nn.utils.parametrize import is_parametrized
 from torch.nn.utils.prune import BasePruningMethod
@@ -27,7 +27,14 @@ from torch.utils.hooks import RemovableHandle
 
 from jacflow.autogram._fallback import FallbackRule
 from jacflow.autogram._precision import autocast_state
-from jacflow.autogram._rules import Call, Rule, find_rule, is_replaying, no_hook
+from jacflow.autogram._rules import (
+    Call,
+    OutputView,
+    Rule,
+    find_rule,
+    is_replaying,
+    no_hook,
+)
 
 _FALLBACK = FallbackRule()
 
@@ -176,15 +183,20 @@ def own_parameter_ids(module: nn.Module) -> tuple[int, ...]:
     return tuple(id(p) for p in module._parameters.values() if p is not None)
 
 
-def _reshaped_base(view: Tensor, base: Tensor) -> bool:
-    """Whether ``view`` is all of ``base`` reshaped, by one view node on the base's own."""
-    node = view.grad_fn
-    if node is None or view.numel() != base.numel():
-        return False
-    if not (view.is_contiguous() and base.is_contiguous()):
-        return False
-    following = node.next_functions
-    return len(following) == 1 and following[0][0] is base.grad_fn
+def _base_output(module: nn.Module, position: int, view: Tensor, base: Tensor) -> int | None:
+    """The base's output number in its node when ``module``'s output ``position`` can be read
+    at its base, else ``None``: ``view`` is all of the contiguous ``base``, a tensor made
+    inside the module for this view only (a Linear's product on ``[..., T, d]`` inputs,
+    reshaped; MultiheadAttention's output projection, viewed and transposed). An in-place op
+    on the output (ReLU(inplace)) gives the base a new node, which the output's own misses."""
+    if not (
+        isinstance(module, nn.Linear)
+        or (position == 0 and isinstance(module, nn.MultiheadAttention))
+    ):
+        return None
+    if base.grad_fn is None or view.numel() != base.numel() or not base.is_contiguous():
+        return None
+    return base.output_nr
 
 
 def _enter(depth: list[int], module: nn.Module, args: Any) -> None:
@@ -376,21 +388,21 @@ class Recorder:
         call.output_hooks = []
         for i, j in enumerate(positions):
             leaf, base = leaves[j], leaves[j]._base
-            if base is not None and isinstance(module, nn.Linear) and _reshaped_base(leaf, base):
-                # a Linear on a [..., T, d] input returns its product reshaped: read the
-                # gradient at the product, which an in-place op on the output (ReLU(inplace))
-                # cannot bypass, and reshape it (the user's hooks on the output come before)
-                node = leaf.grad_fn
-                assert node is not None  # (checked by _reshaped_base)
-                call.edges[i] = GradientEdge(*node.next_functions[0])
-                call.base_shapes[i] = base.shape
-                call.output_hooks.append({})
-                continue
+            view = None
+            if base is not None:
+                view = OutputView(i, leaf, base.grad_fn, _base_output(module, j, leaf, base))
+                read = view.at_base() if isinstance(module, nn.Linear) else None
+                if read is not None:
+                    # a Linear's product reshaped: read at the product from the start (as cheap,
+                    # and no hook to open on the output; the user's hooks on it run before)
+                    call.output_hooks.append({})
+                    call.read_at_base(i, *read)
+                    continue
             # (the step runs a user's hooks on this output where autograd's capture skips them)
             call.output_hooks.append(_hooks_of(leaf))
-            if base is not None:  # (a view: an in-place op on it would bypass its node; kept
-                # until the step, so that one made after the view is freed is seen too)
-                call.output_views.append((leaf, base.grad_fn))
+            if view is not None:  # (an in-place op on a view would bypass its node; kept until
+                # the step, so that one made after the view is freed is seen too)
+                call.output_views.append(view)
         if not replays:  # (a closed form: which tensors the forward read as its parameters)
             call.param_ids = own_parameter_ids(module)
         else:  # (what a replay of the module needs: the weights, buffers and modes)

@@ -17,10 +17,11 @@ import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
+from torch.autograd.graph import GradientEdge
 from torch.nn.modules import module as torch_module
 from torch.utils.hooks import unserializable_hook
 
@@ -110,6 +111,57 @@ def no_hook(grad: Tensor) -> None:
     return None
 
 
+class BaseView(NamedTuple):
+    """Where a recorded output lies in its contiguous base: the base's shape and the output's
+    size, strides and storage offset (relative to the base's)."""
+
+    base_shape: torch.Size
+    size: torch.Size
+    stride: tuple[int, ...]
+    offset: int
+
+    def of(self, grad: Tensor) -> Tensor:
+        """The output's gradient from its base's ``grad`` (``[*lead, *base_shape]``), with the
+        leading dimensions kept.
+
+        Example:
+            >>> import torch
+            >>> from jacflow.autogram._rules import BaseView
+            >>> base = torch.arange(6.0).reshape(2, 3)
+            >>> out = base.t()
+            >>> view = BaseView(base.shape, out.shape, out.stride(), 0)
+            >>> torch.equal(view.of(torch.stack([base, 2 * base])), torch.stack([out, 2 * out]))
+            True
+        """
+        lead = grad.shape[: grad.ndim - len(self.base_shape)]
+        grad = grad.contiguous()
+        strides = grad.stride()[: len(lead)]
+        return grad.as_strided(
+            (*lead, *self.size), (*strides, *self.stride), grad.storage_offset() + self.offset
+        )
+
+
+class OutputView(NamedTuple):
+    """A recorded output that is a view: its position among the call's recorded outputs, the
+    view, its base's node at the forward, and, where the output may be read at its base
+    instead (all of a contiguous tensor made inside the module for this view only), the
+    base's output number in that node, else ``None``."""
+
+    position: int
+    view: Tensor
+    base_node: Any
+    base_output: int | None
+
+    def at_base(self) -> tuple[GradientEdge, BaseView] | None:
+        """The base's edge at the forward and where the view lies in the base, or ``None``."""
+        base = self.view._base
+        if self.base_output is None or base is None:
+            return None
+        offset = int(self.view.storage_offset() - base.storage_offset())
+        layout = BaseView(base.shape, self.view.shape, self.view.stride(), offset)
+        return GradientEdge(self.base_node, self.base_output), layout
+
+
 def _multi_grad_hook(hook: Callable[[Tensor], Tensor | None]) -> bool:
     """Whether ``hook`` is one of the tensor hooks of ``register_multi_grad_hook`` (torch's
     module trackers, ``FlopCounterMode``, FSDP): they only observe, must not change the
@@ -172,13 +224,14 @@ class Call:
     # each recorded output's dict of gradient hooks, opened by the engine with a no-op hook of
     # its own (``no_hook``: a user's hooks registered later land in it), else ``None``
     output_hooks: list[dict[Any, Any]] | None = None
-    # the recorded outputs that are views (held until the step), with their base's node at the
-    # forward: an in-place op on one under autograd afterwards gives the base a new node,
-    # through which the gradient bypasses the recorded one
-    output_views: list[tuple[Tensor, Any]] = field(default_factory=list)
-    # recorded outputs whose gradient is read at their base (index -> the base's shape): a
-    # Linear's product reshaped to its output
-    base_shapes: dict[int, torch.Size] = field(default_factory=dict)
+    # the recorded outputs that are views (held until the step): an in-place op on one under
+    # autograd after the forward gives the base a new node, through which the gradient
+    # bypasses the recorded one
+    output_views: list[OutputView] = field(default_factory=list)
+    # recorded outputs whose gradient is read at their base (index -> where the output lies in
+    # it): a Linear's from the forward on, an attention's after an in-place op on it (see
+    # ``OutputView.at_base``)
+    base_views: dict[int, BaseView] = field(default_factory=dict)
     # for the rules that do not replay: the ids of the module's own parameters during the
     # forward (``torch.func.functional_call`` puts other tensors in their place)
     param_ids: tuple[int, ...] | None = None
@@ -201,6 +254,14 @@ class Call:
             [h for h in hooks.values() if h is not no_hook and not _multi_grad_hook(h)]
             for hooks in self.output_hooks
         ]
+
+    def read_at_base(self, index: int, edge: GradientEdge, view: BaseView) -> None:
+        """Read output ``index``'s gradient at its base's ``edge``: the user's hooks on the
+        output run in the backward before it, and are not run again."""
+        self.edges[index] = edge
+        self.base_views[index] = view
+        if self.output_hooks is not None:
+            self.output_hooks[index] = {}
 
     def trained(self, module: nn.Module) -> bool:
         """Whether the forward ran in training mode (the module's mode now, if unrecorded).
