@@ -456,6 +456,56 @@ def test_in_place_ops_on_attention_outputs(
     torch.testing.assert_close(actual, weights.flatten() @ jacobian)
 
 
+@pytest.mark.parametrize("batch_dim", [0, None])
+def test_attention_output_transposed_in_place_then_changed(batch_dim: int | None) -> None:
+    """An in-place view op on attention's output (``transpose_``) before an in-place op on its
+    values: the gradient read at the output projection is laid out as the output was at the
+    forward (the first version took the layout at the step: a Gramian off by half its size
+    per task, a false refusal per sample; a review's finding)."""
+    torch.manual_seed(0)
+    attention = nn.MultiheadAttention(4, 2, batch_first=True).double()
+    engine = Engine(attention, batch_dim=batch_dim)
+    x = torch.randn(4, 4, 4, dtype=torch.float64)  # (B == T: the transpose keeps the shape)
+    out = attention(x, x, x, need_weights=False)[0]
+    out.transpose_(0, 1)
+    out.mul_(torch.linspace(0.5, 2.0, 4, dtype=torch.float64).view(4, 1, 1))
+    per_sample = (out.pow(2) * torch.linspace(1, 2, 4, dtype=torch.float64)).sum((0, 2))
+    losses = per_sample if batch_dim == 0 else torch.stack([per_sample.sum(), out[0, 1, 2]])
+    assert_exact_gramian(engine, losses, list(attention.parameters()))
+
+
+@pytest.mark.parametrize("change", ["no_grad", "detach"])
+@pytest.mark.parametrize("kind", ["attention", "view"])
+def test_view_output_changed_outside_autograd_before_the_losses(kind: str, change: str) -> None:
+    """An output that is a view, changed in place under no_grad (or through ``.detach()``)
+    before the losses are computed from it: the view gets a new node on its base's, which
+    bypasses the recorded one. Attention's output is read at its projection (exact); another
+    view is refused with the workaround. Both raised that no forward call was in the graph."""
+    torch.manual_seed(0)
+    first = nn.Linear(4, 4).double()
+    module = (
+        nn.MultiheadAttention(4, 2, batch_first=True).double()
+        if kind == "attention"
+        else _ViewOut()
+    )
+    engine = Engine(first, module, batch_dim=0)
+    h = first(torch.randn(3, 5, 4, dtype=torch.float64))
+    out = module(h, h, h, need_weights=False)[0] if kind == "attention" else module(h)
+    if change == "no_grad":
+        with torch.no_grad():
+            out.mul_(2.0)
+    else:
+        out.detach().mul_(2.0)
+    losses = (out * 3.0).pow(2).sum(tuple(range(1, out.ndim)))
+    params = [*first.parameters(), *module.parameters()]
+    if kind == "attention":
+        assert_exact_gramian(engine, losses, params)
+        return
+    with pytest.raises(RuntimeError, match=r"is a view .* under no_grad"):
+        engine.backward(losses, UPGradWeighting())
+    assert all(p.grad is None for p in params)
+
+
 def test_hooked_outputs_pickle_without_warnings() -> None:
     """The engine's own hook on each recorded output is marked unserializable: saving such an
     output does not warn about it."""

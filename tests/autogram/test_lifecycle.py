@@ -1713,3 +1713,51 @@ def test_multi_grad_hook_on_an_output_runs_once() -> None:
     assert seen == [1]
     for got, expected in zip(model.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(got.grad, expected.grad)
+
+
+@pytest.mark.parametrize("mode", ["any", "all"])
+def test_multi_grad_hook_where_tasks_meet_runs_once(mode: str) -> None:
+    """Per task, with scalar heads stacked, the engine pulls the heads back one by one to the
+    trunk's output unless that output has gradient hooks: a multi-grad hook there counts as
+    one, so it runs once per step, as in a plain backward (it ran once per task and once
+    more in a review of the first version)."""
+    torch.manual_seed(0)
+    trunk = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 4)).double()
+    heads = [nn.Linear(4, 1).double() for _ in range(3)]
+    seen: list[int] = []
+
+    def forward() -> Tensor:
+        features = trunk(X)
+        torch.autograd.graph.register_multi_grad_hook(
+            [features], lambda grads: seen.append(1), mode=mode
+        )
+        return torch.stack([head(features).sum() for head in heads])
+
+    forward().sum().backward()
+    assert seen == [1]
+    trunk.zero_grad()
+    with Engine(trunk, batch_dim=None) as engine:
+        for _ in range(2):
+            losses = forward()
+            jacobian = reference_jacobian(losses, list(trunk.parameters()))
+            seen.clear()
+            weights = engine.backward(losses, UPGradWeighting())
+            assert seen == [1]
+    got = torch.cat([p.grad.flatten() for p in trunk.parameters()])  # type: ignore[union-attr]
+    torch.testing.assert_close(got, weights @ jacobian * 2)
+
+
+def test_multi_grad_hook_on_a_generic_output_is_refused() -> None:
+    """A user's multi-grad hook on the output of a module the engine re-runs with torch.func
+    (the generic rule) would run twice, its forward registering it again: refused, as any
+    gradient hook there is (a first version let it through); torch's module trackers' hooks
+    are let through (``test_step_under_torchs_flop_counter``)."""
+    model = nn.Sequential(nn.Linear(3, 5), nn.Tanh(), Scale(5), nn.Linear(5, 2)).double()
+    model[2].register_forward_hook(
+        lambda module, args, out: (
+            torch.autograd.graph.register_multi_grad_hook([out], lambda grads: None) and None
+        )
+    )
+    with Engine(model, batch_dim=0) as engine, pytest.raises(ValueError, match="gradient hook"):
+        engine.backward(_losses(model, X), UPGradWeighting())
+    assert all(p.grad is None for p in model.parameters())

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 from torch.autograd.graph import GradientEdge
 
-from jacflow.autogram._rules import quiet_vmap_fallback
+from jacflow.autogram._rules import multi_grad_hook, quiet_vmap_fallback
 
 # nodes walked per task, looking for the output that the tasks' heads meet at; a longer walk
 # means heads (or a trunk left out of the engine) too large for the task-by-task route to pay
@@ -114,7 +114,9 @@ def _hooks_run(
     node ran in it, autograd captured that edge's gradient before the user's hooks on its tensor
     (which the gradient flowing on did pass through), so they are run on the captured one here
     (per row, under vmap, when ``batched``); an edge where the backward stopped was captured
-    after them."""
+    after them. Multi-grad hooks (see ``multi_grad_hook``) ran in the backward and are not run
+    again."""
+    hooks = [[h for h in user_hooks if not multi_grad_hook(h)] for user_hooks in hooks]
     ran: set[int] = set()
     watches = [
         edges[i].node.register_prehook(lambda grads, i=i: ran.add(i))

@@ -59,6 +59,7 @@ from jacflow.autogram._rules import (
     gram,
     is_replaying,
     replaying,
+    tracker_hook,
 )
 from jacflow.autogram._separable import leaks, probe_cotangent, probe_samples
 
@@ -1032,34 +1033,59 @@ def _rows_shaped(
 def _check_output_views(losses: Tensor, calls: list[tuple[Unit, Call]]) -> None:
     """An output that is a view, changed in place under autograd since the forward (``relu_``,
     ``+=``), gives its base new nodes, through which the gradient bypasses the recorded one:
-    refused when the losses reach one of them. The engine holds the recorded views until the
-    step, so that a change made after the caller freed the view is seen too; a stray forward's
-    view changed so is left alone (the walk of the losses' graph that tells is made only then).
-    A change outside autograd (under ``no_grad``, through ``.detach()``) keeps the base's
-    node. An output that can be read at its base instead (a Linear's on sequences, an
-    attention's: see ``OutputView``) is read there, below the new nodes."""
+    refused when the losses reach one of them. A change outside autograd (under ``no_grad``,
+    through ``.detach()``) keeps the base's node but gives the view a new one on it, which
+    bypasses the recorded node too where the losses were computed from the view after it. The
+    engine holds the recorded views until the step, so that a change made after the caller
+    freed the view is seen too; a stray forward's view changed so is left alone (the walk of
+    the losses' graph that tells is made only then). An output that can be read at its base
+    instead (a Linear's on sequences, an attention's: see ``OutputView``) is read there, below
+    the new nodes."""
     new_nodes: dict[int, tuple[Unit, object]] = {}  # (one walk for all the changed views)
     for unit, call in calls:
         for output in call.output_views:
             base = output.view._base
-            if base is None or base.grad_fn is output.base_node:
+            if base is None:
                 continue
-            at_base = output.at_base()
-            if at_base is not None:  # (read below the new nodes)
-                call.read_at_base(output.position, *at_base)
+            # (a change outside autograd gives the view alone a new node, on its base's)
+            changed_base = base.grad_fn is not output.base_node
+            if not changed_base and output.view.grad_fn is output.node:
                 continue
-            for node in _new_base_nodes(base.grad_fn, output.base_node):
-                new_nodes[id(node)] = (unit, node)
+            if output.at_base is not None:  # (read below the new nodes)
+                call.read_at_base(output.position, *output.at_base)
+            elif changed_base:
+                for node in _new_base_nodes(base.grad_fn, output.base_node):
+                    new_nodes[id(node)] = (unit, node)
+            elif _bypasses(output.view.grad_fn, output.node, base.grad_fn):
+                new_nodes[id(output.view.grad_fn)] = (unit, output.view.grad_fn)
     if new_nodes:
         changed = first_reached(losses, new_nodes)
         if changed is not None:
             raise RuntimeError(
                 f"An output of {changed.name} ({type(changed.module).__name__}) is a view (e.g. a "
                 "transposed or reshaped tensor) and was modified in place after the forward "
-                "(relu_, +=, indexing assignment): that takes the module's call out of the "
-                "graph, so its gradients cannot be read. Use an out-of-place operation on it "
-                "(torch.relu(x), x = x + y), or .clone() it first."
+                "(relu_, +=, indexing assignment; or under no_grad or through .detach() before "
+                "the losses used it): that takes the module's call out of the graph, so its "
+                "gradients cannot be read. Use an out-of-place operation on it (torch.relu(x), "
+                "x = x + y), or .clone() it first."
             )
+
+
+def _bypasses(node: Any, recorded: Any, base_node: Any) -> bool:
+    """Whether a view's current ``node`` leads to its base's node without the ``recorded`` one
+    (a change outside autograd regenerated it; an in-place view op, ``transpose_``, stacks its
+    node on the recorded one instead)."""
+    for _ in range(_MAX_VIEW_NODES):
+        if node is None or node is recorded:
+            return False
+        if node is base_node:
+            return True
+        node = node.next_functions[0][0] if node.next_functions else None
+    return False
+
+
+# the most nodes followed from a view's node towards its base's
+_MAX_VIEW_NODES = 64
 
 
 def _new_base_nodes(node: Any, recorded: Any) -> list[object]:
@@ -1091,7 +1117,8 @@ def _check_no_output_hooks(unit: Unit, call: Call, grads: list[Tensor | None]) -
     hooks its forward registers again: a user's gradient hook on the module's own output
     would be run twice (or, registered later, not at all)."""
     for hooks, grad in zip(call.user_hooks(), grads, strict=True):
-        if hooks and grad is not None:
+        # (torch's module trackers observe: the re-run's own calls are counted again)
+        if any(not tracker_hook(h) for h in hooks) and grad is not None:
             raise ValueError(
                 f"An output of {unit.name} ({type(unit.module).__name__}, which the engine "
                 "re-runs with torch.func: no closed form covers it) carries a gradient hook "

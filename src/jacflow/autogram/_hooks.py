@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.autograd.graph import get_gradient_edge
+from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 from torch.nn.utils.parametrize import is_parametrized
 from torch.nn.utils.prune import BasePruningMethod
@@ -28,6 +28,8 @@ from torch.utils.hooks import RemovableHandle
 from jacflow.autogram._fallback import FallbackRule
 from jacflow.autogram._precision import autocast_state
 from jacflow.autogram._rules import (
+    TRACKERS,
+    BaseView,
     Call,
     OutputView,
     Rule,
@@ -183,20 +185,27 @@ def own_parameter_ids(module: nn.Module) -> tuple[int, ...]:
     return tuple(id(p) for p in module._parameters.values() if p is not None)
 
 
-def _base_output(module: nn.Module, position: int, view: Tensor, base: Tensor) -> int | None:
-    """The base's output number in its node when ``module``'s output ``position`` can be read
-    at its base, else ``None``: ``view`` is all of the contiguous ``base``, a tensor made
-    inside the module for this view only (a Linear's product on ``[..., T, d]`` inputs,
-    reshaped; MultiheadAttention's output projection, viewed and transposed). An in-place op
-    on the output (ReLU(inplace)) gives the base a new node, which the output's own misses."""
+def _base_read(
+    module: nn.Module, position: int, view: Tensor, base: Tensor
+) -> tuple[GradientEdge, BaseView] | None:
+    """The base's edge and where ``view`` lies in it, when ``module``'s output ``position``
+    can be read at its base, else ``None``: ``view`` is all of the contiguous ``base``, a
+    tensor made inside the module for this view only (a Linear's product on ``[..., T, d]``
+    inputs, reshaped; MultiheadAttention's output projection, viewed and transposed). An
+    in-place op on the output (ReLU(inplace)) gives it or its base a new node, which the
+    output's own misses."""
     if not (
         isinstance(module, nn.Linear)
         or (position == 0 and isinstance(module, nn.MultiheadAttention))
     ):
         return None
-    if base.grad_fn is None or view.numel() != base.numel() or not base.is_contiguous():
+    node = base.grad_fn
+    if node is None or view.numel() != base.numel() or not base.is_contiguous():
         return None
-    return base.output_nr
+    offset = int(view.storage_offset() - base.storage_offset())
+    return GradientEdge(node, base.output_nr), BaseView(
+        base.shape, view.shape, view.stride(), offset
+    )
 
 
 def _enter(depth: list[int], module: nn.Module, args: Any) -> None:
@@ -209,15 +218,10 @@ def _leave(depth: list[int], module: nn.Module, args: Any, output: Any) -> None:
         depth[0] -= 1
 
 
-# torch's own trackers of module calls (FlopCounterMode's, the memory and communication
-# debuggers'), whose global forward hooks observe the outputs and return nothing
-_TRACKERS = ("torch.utils.module_tracker", "torch.distributed._tools", "torch.distributed.tensor")
-
-
 def _tracks(hook: Callable[..., Any]) -> bool:
     """Whether a global forward hook is a method of one of torch's module trackers."""
     owner = getattr(hook, "__self__", None)
-    return owner is not None and type(owner).__module__.startswith(_TRACKERS)
+    return owner is not None and type(owner).__module__.startswith(TRACKERS)
 
 
 class Recorder:
@@ -390,14 +394,14 @@ class Recorder:
             leaf, base = leaves[j], leaves[j]._base
             view = None
             if base is not None:
-                view = OutputView(i, leaf, base.grad_fn, _base_output(module, j, leaf, base))
-                read = view.at_base() if isinstance(module, nn.Linear) else None
-                if read is not None:
+                at_base = _base_read(module, j, leaf, base)
+                if at_base is not None and isinstance(module, nn.Linear):
                     # a Linear's product reshaped: read at the product from the start (as cheap,
                     # and no hook to open on the output; the user's hooks on it run before)
                     call.output_hooks.append({})
-                    call.read_at_base(i, *read)
+                    call.read_at_base(i, *at_base)
                     continue
+                view = OutputView(i, leaf, leaf.grad_fn, base.grad_fn, at_base)
             # (the step runs a user's hooks on this output where autograd's capture skips them)
             call.output_hooks.append(_hooks_of(leaf))
             if view is not None:  # (an in-place op on a view would bypass its node; kept until

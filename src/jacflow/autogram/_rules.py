@@ -143,30 +143,23 @@ class BaseView(NamedTuple):
 
 class OutputView(NamedTuple):
     """A recorded output that is a view: its position among the call's recorded outputs, the
-    view, its base's node at the forward, and, where the output may be read at its base
-    instead (all of a contiguous tensor made inside the module for this view only), the
-    base's output number in that node, else ``None``."""
+    view, its own node and its base's at the forward, and, where the output may be read at
+    its base instead (all of a contiguous tensor made inside the module for this view only),
+    the base's edge and where the output lay in it at the forward, else ``None``."""
 
     position: int
     view: Tensor
+    node: Any
     base_node: Any
-    base_output: int | None
-
-    def at_base(self) -> tuple[GradientEdge, BaseView] | None:
-        """The base's edge at the forward and where the view lies in the base, or ``None``."""
-        base = self.view._base
-        if self.base_output is None or base is None:
-            return None
-        offset = int(self.view.storage_offset() - base.storage_offset())
-        layout = BaseView(base.shape, self.view.shape, self.view.stride(), offset)
-        return GradientEdge(self.base_node, self.base_output), layout
+    at_base: tuple[GradientEdge, BaseView] | None
 
 
-def _multi_grad_hook(hook: Callable[[Tensor], Tensor | None]) -> bool:
+def multi_grad_hook(hook: Callable[[Tensor], Tensor | None]) -> bool:
     """Whether ``hook`` is one of the tensor hooks of ``register_multi_grad_hook`` (torch's
-    module trackers, ``FlopCounterMode``, FSDP): they only observe, must not change the
-    gradient, and raise when run outside a backward. Autograd ran them in the engine's
-    backward, so the step does not run them again on the captured gradients."""
+    module trackers, ``FlopCounterMode``, FSDP, or a user's): they only observe, must not
+    change the gradient, and raise when run outside a backward. Autograd runs them in the
+    engine's backward (once per backward: once per row where the rows are pulled back one by
+    one), so the step does not run them again on the captured gradients."""
     code = getattr(hook, "__code__", None)
     return (
         code is not None
@@ -176,6 +169,21 @@ def _multi_grad_hook(hook: Callable[[Tensor], Tensor | None]) -> bool:
 
 
 _GRAPH_FILE = torch.autograd.graph.__file__
+# torch's own trackers of module calls (FlopCounterMode's, the memory and communication
+# debuggers'): their global forward hooks observe the outputs and return nothing, and put
+# multi-grad hooks on them
+TRACKERS = ("torch.utils.module_tracker", "torch.distributed._tools", "torch.distributed.tensor")
+
+
+def tracker_hook(hook: Callable[[Tensor], Tensor | None]) -> bool:
+    """Whether ``hook`` is a multi-grad hook that one of torch's module trackers put on an
+    output (its function is defined in one of :data:`TRACKERS`)."""
+    if not multi_grad_hook(hook):
+        return False
+    code, closure = hook.__code__, getattr(hook, "__closure__", None) or ()
+    names = dict(zip(code.co_freevars, closure, strict=False))
+    fn = names["fn"].cell_contents if "fn" in names else None
+    return str(getattr(fn, "__module__", "")).startswith(TRACKERS)
 
 
 @dataclass
@@ -250,10 +258,7 @@ class Call:
         they were not watched)."""
         if self.output_hooks is None:
             return [[] for _ in self.edges]
-        return [
-            [h for h in hooks.values() if h is not no_hook and not _multi_grad_hook(h)]
-            for hooks in self.output_hooks
-        ]
+        return [[h for h in hooks.values() if h is not no_hook] for hooks in self.output_hooks]
 
     def read_at_base(self, index: int, edge: GradientEdge, view: BaseView) -> None:
         """Read output ``index``'s gradient at its base's ``edge``: the user's hooks on the
