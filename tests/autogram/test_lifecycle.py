@@ -1715,19 +1715,31 @@ def test_multi_grad_hook_on_an_output_runs_once() -> None:
         torch.testing.assert_close(got.grad, expected.grad)
 
 
+@pytest.mark.parametrize("trunk_end", ["linear", "attention_in_place"])
 @pytest.mark.parametrize("mode", ["any", "all"])
-def test_multi_grad_hook_where_tasks_meet_runs_once(mode: str) -> None:
+def test_multi_grad_hook_where_tasks_meet_runs_once(mode: str, trunk_end: str) -> None:
     """Per task, with scalar heads stacked, the engine pulls the heads back one by one to the
     trunk's output unless that output has gradient hooks: a multi-grad hook there counts as
     one, so it runs once per step, as in a plain backward (it ran once per task and once
-    more in a review of the first version)."""
+    more in a review of the first version). Also on attention's output changed in place and
+    hooked after the change, which the step reads at its projection (it ran once per task in
+    a second review)."""
     torch.manual_seed(0)
-    trunk = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 4)).double()
+    first = nn.Linear(3, 4).double()
+    last: nn.Module
+    if trunk_end == "linear":
+        last, x = nn.Linear(4, 4).double(), X
+    else:
+        last, x = nn.MultiheadAttention(4, 2, batch_first=True).double(), X.reshape(2, 2, 3)
     heads = [nn.Linear(4, 1).double() for _ in range(3)]
+    params = [*first.parameters(), *last.parameters()]
     seen: list[int] = []
 
     def forward() -> Tensor:
-        features = trunk(X)
+        h = first(x).tanh()
+        features = last(h) if trunk_end == "linear" else last(h, h, h, need_weights=False)[0]
+        if trunk_end != "linear":
+            features.relu_()
         torch.autograd.graph.register_multi_grad_hook(
             [features], lambda grads: seen.append(1), mode=mode
         )
@@ -1735,16 +1747,17 @@ def test_multi_grad_hook_where_tasks_meet_runs_once(mode: str) -> None:
 
     forward().sum().backward()
     assert seen == [1]
-    trunk.zero_grad()
-    with Engine(trunk, batch_dim=None) as engine:
+    with Engine(first, last, batch_dim=None) as engine:
         for _ in range(2):
             losses = forward()
-            jacobian = reference_jacobian(losses, list(trunk.parameters()))
+            jacobian = reference_jacobian(losses, params)
             seen.clear()
+            for param in params:
+                param.grad = None
             weights = engine.backward(losses, UPGradWeighting())
             assert seen == [1]
-    got = torch.cat([p.grad.flatten() for p in trunk.parameters()])  # type: ignore[union-attr]
-    torch.testing.assert_close(got, weights @ jacobian * 2)
+    got = torch.cat([p.grad.flatten() for p in params])  # type: ignore[union-attr]
+    torch.testing.assert_close(got, weights @ jacobian)
 
 
 def test_multi_grad_hook_on_a_generic_output_is_refused() -> None:

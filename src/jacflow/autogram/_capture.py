@@ -45,6 +45,7 @@ def capture(
     losses: Tensor,
     edges: Sequence[GradientEdge],
     hooks: Sequence[Sequence[Hook]],
+    hooks_above: Sequence[bool],
     extra_inputs: Sequence[Tensor],
     cotangents: Tensor,
     per_task: bool,
@@ -57,7 +58,8 @@ def capture(
     ``cotangents`` holds one cotangent of ``losses`` per row (``[R, *losses.shape]``), or is the
     cotangent of the single row (``losses.shape``); ``per_task``: the rows are the losses
     themselves (an identity), which the task-by-task route needs; ``hooks``: the gradient hooks
-    a user registered on each edge's tensor.
+    a user registered on each edge's tensor; ``hooks_above``: whether an edge read below its
+    output (at the output's base) has such hooks on the output, which the backward runs.
     """
     batched = cotangents.ndim > losses.ndim
     # A gradient hook on an extra input (a task head's `register_hook`, e.g. a normalisation)
@@ -67,7 +69,8 @@ def capture(
     hooked = [bool(batched and tensor._backward_hooks) for tensor in extra_inputs]
     plain = _summed_grads(losses, extra_inputs, hooked, cotangents)
     extra_inputs = [tensor for tensor, has in zip(extra_inputs, hooked, strict=True) if not has]
-    heads = _task_heads(losses, edges, hooks) if batched and per_task else None
+    hooked_edges = [bool(h) or above for h, above in zip(hooks, hooks_above, strict=True)]
+    heads = _task_heads(losses, edges, hooked_edges) if batched and per_task else None
     if heads is not None:
         meeting_rows, extra = _by_task(losses, heads, extra_inputs, retain_graph)
         if meeting_rows is None:  # (no task's gradient reaches it)
@@ -215,7 +218,7 @@ class _Heads(NamedTuple):
 
 
 def _task_heads(
-    losses: Tensor, edges: Sequence[GradientEdge], hooks: Sequence[Sequence[Hook]]
+    losses: Tensor, edges: Sequence[GradientEdge], hooked: Sequence[bool]
 ) -> _Heads | None:
     """For ``m`` losses stacked from scalars (on the devices of ``_BY_TASK_DEVICES``), the
     heads that meet the hooked modules at one recorded output without gradient hooks of a
@@ -249,7 +252,7 @@ def _task_heads(
     if not meeting:
         return None
     ((node, output_nr),) = meeting
-    if any(h and (e.node, e.output_nr) == (node, output_nr) for e, h in zip(edges, hooks)):
+    if any(h and (e.node, e.output_nr) == (node, output_nr) for e, h in zip(edges, hooked)):
         return None
     heads = [None if b[0] is None else GradientEdge(b[0], b[1]) for b in branches]
     return _Heads(heads, GradientEdge(node, output_nr))

@@ -788,6 +788,7 @@ class Engine:
         hooks = [
             [] if self._reruns(index) else h for index, call in calls for h in call.user_hooks()
         ]
+        above = [a for _, call in calls for a in call.hooks_above()]
         # (compiled code's backward runs once, and not under vmap: no probe, rows one by one)
         compiled = _holds_compiled(pattern[1], edges)
         # (per sample, a new pattern's losses are probed after the checks below: the graph stays)
@@ -798,6 +799,7 @@ class Engine:
                 losses,
                 edges,
                 hooks,
+                above,
                 extra_inputs,
                 cotangents,
                 rows.per_task,
@@ -1052,7 +1054,7 @@ def _check_output_views(losses: Tensor, calls: list[tuple[Unit, Call]]) -> None:
             if not changed_base and output.view.grad_fn is output.node:
                 continue
             if output.at_base is not None:  # (read below the new nodes)
-                call.read_at_base(output.position, *output.at_base)
+                call.read_at_base(output.position, *output.at_base, output.view)
             elif changed_base:
                 for node in _new_base_nodes(base.grad_fn, output.base_node):
                     new_nodes[id(node)] = (unit, node)

@@ -240,6 +240,8 @@ class Call:
     # it): a Linear's from the forward on, an attention's after an in-place op on it (see
     # ``OutputView.at_base``)
     base_views: dict[int, BaseView] = field(default_factory=dict)
+    # whether the outputs read at their base after an in-place op have a user's gradient hooks
+    above_hooks: dict[int, bool] = field(default_factory=dict)
     # for the rules that do not replay: the ids of the module's own parameters during the
     # forward (``torch.func.functional_call`` puts other tensors in their place)
     param_ids: tuple[int, ...] | None = None
@@ -260,13 +262,23 @@ class Call:
             return [[] for _ in self.edges]
         return [[h for h in hooks.values() if h is not no_hook] for hooks in self.output_hooks]
 
-    def read_at_base(self, index: int, edge: GradientEdge, view: BaseView) -> None:
+    def read_at_base(
+        self, index: int, edge: GradientEdge, view: BaseView, output: Tensor | None = None
+    ) -> None:
         """Read output ``index``'s gradient at its base's ``edge``: the user's hooks on the
-        output run in the backward before it, and are not run again."""
+        output (the recorded tensor ``output`` after an in-place op) run in the backward before
+        it, and are not run again."""
         self.edges[index] = edge
         self.base_views[index] = view
         if self.output_hooks is not None:
+            dicts = [self.output_hooks[index], getattr(output, "_backward_hooks", None) or {}]
+            self.above_hooks[index] = any(h is not no_hook for d in dicts for h in d.values())
             self.output_hooks[index] = {}
+
+    def hooks_above(self) -> list[bool]:
+        """Whether each recorded output read at its base after an in-place op has gradient
+        hooks of a user's, which run in the backward between the losses and its edge."""
+        return [self.above_hooks.get(i, False) for i in range(len(self.edges))]
 
     def trained(self, module: nn.Module) -> bool:
         """Whether the forward ran in training mode (the module's mode now, if unrecorded).
