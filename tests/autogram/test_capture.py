@@ -506,6 +506,36 @@ def test_view_output_changed_outside_autograd_before_the_losses(kind: str, chang
     assert all(p.grad is None for p in params)
 
 
+@pytest.mark.parametrize("hooked", [False, True])
+@pytest.mark.parametrize("kind", ["linear", "attention"])
+def test_hook_after_an_in_place_view_op_on_an_output(kind: str, hooked: bool) -> None:
+    """An in-place view op (``transpose_``) keeps an output's hooks dict, which the engine
+    opened, on the output's old node: a hook registered after the op got the gradient in the
+    old layout (a size error; silently wrong values with square shapes). Such a hook is
+    refused with the workaround, ``.grad`` untouched; without one, the step is exact."""
+    torch.manual_seed(0)
+    module: nn.Module
+    if kind == "linear":
+        module, x = nn.Linear(4, 6).double(), torch.randn(3, 4, dtype=torch.float64)
+    else:
+        module = nn.MultiheadAttention(4, 2, batch_first=True).double()
+        x = torch.randn(3, 5, 4, dtype=torch.float64)
+    engine = Engine(module, batch_dim=None)
+    out = module(x) if kind == "linear" else module(x, x, x, need_weights=False)[0]
+    out.transpose_(0, 1)
+    if hooked:
+        mask = torch.rand(out.shape, dtype=torch.float64)
+        out.register_hook(lambda grad: grad * mask)
+    losses = torch.stack([out.sum(), out.pow(2).sum()])
+    params = list(module.parameters())
+    if not hooked:
+        assert_exact_gramian(engine, losses, params)
+        return
+    with pytest.raises(ValueError, match="in-place view operation"):
+        engine.backward(losses, UPGradWeighting())
+    assert all(p.grad is None for p in params)
+
+
 def test_hooked_outputs_pickle_without_warnings() -> None:
     """The engine's own hook on each recorded output is marked unserializable: saving such an
     output does not warn about it."""
