@@ -775,7 +775,7 @@ class Engine:
                 "statistics, replace it (e.g. by GroupNorm), or use batch_dim=None."
             )
         # (before the backward: autograd may fail on such a view)
-        _check_hooked_layouts([(self._units[index], call) for index, call in calls])
+        _check_hooked_layouts(losses, [(self._units[index], call) for index, call in calls])
         _check_output_views(losses, [(self._units[index], call) for index, call in calls])
         # (the checks below hold for a pattern of calls and the graph around them)
         pattern = (tuple(i for i, _ in calls), outside_calls(losses, [c for _, c in calls]))
@@ -1075,33 +1075,36 @@ def _check_output_views(losses: Tensor, calls: list[tuple[Unit, Call]]) -> None:
             )
 
 
-def _check_hooked_layouts(calls: list[tuple[Unit, Call]]) -> None:
+def _check_hooked_layouts(losses: Tensor, calls: list[tuple[Unit, Call]]) -> None:
     """Refuse a user's gradient hook on an output whose shape or strides an in-place view op
-    (``transpose_``, ``unsqueeze_``) changed since the forward: such an op keeps the output's
-    hooks dict (which the engine opened) on its old node, so torch runs every hook there on the
-    gradient in the old layout, also one registered after the op for the new layout (a size
-    error, or with square shapes silently wrong values); plain autograd, with no hook before
-    the op, gives that one the new layout. Which of the hooks came after the op is unknown."""
+    (``transpose_``, ``unsqueeze_``) changed since the forward, when the losses use the changed
+    output: such an op keeps the output's hooks dict (which the engine opened) on its old node,
+    so torch runs every hook there on the gradient in the old layout, also one registered after
+    the op for the new layout (a size error, or with square shapes silently wrong values);
+    plain autograd, with no hook before the op, gives that one the new layout. Which of the
+    hooks came after the op is unknown."""
+    changed: dict[int, tuple[Unit, object]] = {}
     for unit, call in calls:
         for index, (ref, strides) in call.output_strides.items():
             output = ref()
-            if output is None or (output.shape, output.stride()) == (
-                call.output_shapes[index],
-                strides,
-            ):
+            if output is None or output.grad_fn is None:
+                continue
+            if (output.shape, output.stride()) == (call.output_shapes[index], strides):
                 continue
             assert call.output_hooks is not None  # (set with output_strides)
             if any(h is not no_hook for h in call.output_hooks[index].values()):
-                raise ValueError(
-                    f"An output of {unit.name} ({type(unit.module).__name__}) carries a "
-                    "gradient hook (register_hook) and an in-place view operation (transpose_, "
-                    "unsqueeze_, ...) changed its shape or strides after the forward: torch "
-                    "then runs the hook on the gradient in the output's old layout, and the "
-                    "engine cannot tell a hook registered before the operation from one "
-                    "registered after it. Use the out-of-place operation (out = "
-                    "out.transpose(0, 1)), or register the hook on a tensor computed from the "
-                    "output (out = out.view_as(out) first)."
-                )
+                changed[id(output.grad_fn)] = (unit, output.grad_fn)
+    hooked = first_reached(losses, changed) if changed else None
+    if hooked is not None:
+        raise ValueError(
+            f"An output of {hooked.name} ({type(hooked.module).__name__}) carries a gradient "
+            "hook (register_hook) and an in-place view operation (transpose_, unsqueeze_, ...) "
+            "changed its shape or strides after the forward: torch then runs the hook on the "
+            "gradient in the output's old layout, and the engine cannot tell a hook registered "
+            "before the operation from one registered after it. Use the out-of-place operation "
+            "(out = out.transpose(0, 1)), or register the hook on a tensor computed from the "
+            "output (out = out.view_as(out) first)."
+        )
 
 
 def _bypasses(node: Any, recorded: Any, base_node: Any) -> bool:
