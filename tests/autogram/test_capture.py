@@ -506,14 +506,19 @@ def test_view_output_changed_outside_autograd_before_the_losses(kind: str, chang
     assert all(p.grad is None for p in params)
 
 
-@pytest.mark.parametrize("hooked", ["no", "yes", "stray_forward"])
+@pytest.mark.parametrize(
+    "hooked", ["no", "yes", "freed", "round_trip", "stray_forward", "multi_grad"]
+)
 @pytest.mark.parametrize("kind", ["linear", "attention"])
 def test_hook_after_an_in_place_view_op_on_an_output(kind: str, hooked: str) -> None:
     """An in-place view op (``transpose_``) keeps an output's hooks dict, which the engine
     opened, on the output's old node: a hook registered after the op got the gradient in the
     old layout (a size error; silently wrong values with square shapes). Such a hook is
-    refused with the workaround, ``.grad`` untouched; without one, or on a stray forward's
-    output that the losses do not use, the step is exact."""
+    refused with the workaround, ``.grad`` untouched, also when the output is freed before
+    the step or transposed back (a review found both missed by a first version, which
+    compared the output's strides); without one, or on a stray forward's output that the
+    losses do not use, or a multi-grad hook (an observer, e.g. FlopCounterMode's), the step is
+    exact."""
     torch.manual_seed(0)
     module: nn.Module
     if kind == "linear":
@@ -530,12 +535,18 @@ def test_hook_after_an_in_place_view_op_on_an_output(kind: str, hooked: str) -> 
     out = forward()
     hooked_out = stray if hooked == "stray_forward" else out
     hooked_out.transpose_(0, 1)
-    if hooked != "no":
+    if hooked == "multi_grad":
+        torch.autograd.graph.register_multi_grad_hook([hooked_out], lambda grads: None)
+    elif hooked != "no":
         mask = torch.rand(hooked_out.shape, dtype=torch.float64)
         hooked_out.register_hook(lambda grad: grad * mask)
-    losses = torch.stack([out.sum(), out.pow(2).sum()])
+    if hooked == "round_trip":
+        out.transpose_(0, 1)
+    losses = torch.stack([out.sum(), (out * 2.0).sum()])
+    if hooked == "freed":
+        del out, hooked_out  # (nothing in the losses' graph saves the output)
     params = list(module.parameters())
-    if hooked != "yes":
+    if hooked in ("no", "stray_forward", "multi_grad"):
         assert_exact_gramian(engine, losses, params)
         return
     with pytest.raises(ValueError, match="in-place view operation"):

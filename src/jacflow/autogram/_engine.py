@@ -58,6 +58,7 @@ from jacflow.autogram._rules import (
     check_replayed_calls,
     gram,
     is_replaying,
+    multi_grad_hook,
     no_hook,
     replaying,
     tracker_hook,
@@ -775,7 +776,7 @@ class Engine:
                 "statistics, replace it (e.g. by GroupNorm), or use batch_dim=None."
             )
         # (before the backward: autograd may fail on such a view)
-        _check_hooked_layouts(losses, [(self._units[index], call) for index, call in calls])
+        _check_hooks_under_view_ops(losses, [(self._units[index], call) for index, call in calls])
         _check_output_views(losses, [(self._units[index], call) for index, call in calls])
         # (the checks below hold for a pattern of calls and the graph around them)
         pattern = (tuple(i for i, _ in calls), outside_calls(losses, [c for _, c in calls]))
@@ -1075,36 +1076,62 @@ def _check_output_views(losses: Tensor, calls: list[tuple[Unit, Call]]) -> None:
             )
 
 
-def _check_hooked_layouts(losses: Tensor, calls: list[tuple[Unit, Call]]) -> None:
-    """Refuse a user's gradient hook on an output whose shape or strides an in-place view op
-    (``transpose_``, ``unsqueeze_``) changed since the forward, when the losses use the changed
-    output: such an op keeps the output's hooks dict (which the engine opened) on its old node,
-    so torch runs every hook there on the gradient in the old layout, also one registered after
-    the op for the new layout (a size error, or with square shapes silently wrong values);
-    plain autograd, with no hook before the op, gives that one the new layout. Which of the
-    hooks came after the op is unknown."""
-    changed: dict[int, tuple[Unit, object]] = {}
+# autograd's nodes of in-place view ops (transpose_, swapdims_, t_, unsqueeze_, squeeze_,
+# as_strided_; the out-of-place ops' nodes end in 0, or 0-2 for squeeze)
+_IN_PLACE_VIEW_NODES = frozenset(
+    {
+        "TransposeBackward1",
+        "TBackward1",
+        "UnsqueezeBackward1",
+        "SqueezeBackward3",
+        "SqueezeBackward4",
+        "SqueezeBackward5",
+        "AsStridedBackward1",
+    }
+)
+
+
+def _check_hooks_under_view_ops(losses: Tensor, calls: list[tuple[Unit, Call]]) -> None:
+    """Refuse a user's gradient hook on an output on which the losses' graph holds an in-place
+    view op (``transpose_``, ``unsqueeze_``): the op keeps the output's hooks dict (which the
+    engine opened) on the output's old node, so torch runs every hook there on the gradient in
+    the old layout, also one registered after the op for the new layout (a size error, or
+    with square shapes silently wrong values); plain autograd, with no hook before the op,
+    gives that one the new layout. Which hooks came after the op is unknown. Multi-grad hooks
+    only observe and are let through. The losses' graph is walked only when a hooked output
+    has such hooks."""
+    hooked: dict[tuple[int, int], Unit] = {}
     for unit, call in calls:
-        for index, (ref, strides) in call.output_strides.items():
-            output = ref()
-            if output is None or output.grad_fn is None:
-                continue
-            if (output.shape, output.stride()) == (call.output_shapes[index], strides):
-                continue
-            assert call.output_hooks is not None  # (set with output_strides)
-            if any(h is not no_hook for h in call.output_hooks[index].values()):
-                changed[id(output.grad_fn)] = (unit, output.grad_fn)
-    hooked = first_reached(losses, changed) if changed else None
-    if hooked is not None:
-        raise ValueError(
-            f"An output of {hooked.name} ({type(hooked.module).__name__}) carries a gradient "
-            "hook (register_hook) and an in-place view operation (transpose_, unsqueeze_, ...) "
-            "changed its shape or strides after the forward: torch then runs the hook on the "
-            "gradient in the output's old layout, and the engine cannot tell a hook registered "
-            "before the operation from one registered after it. Use the out-of-place operation "
-            "(out = out.transpose(0, 1)), or register the hook on a tensor computed from the "
-            "output (out = out.view_as(out) first)."
-        )
+        for edge, hooks in zip(call.edges, call.output_hooks or [], strict=False):
+            # (usually the engine's own hook alone: one length test)
+            if len(hooks) > 1 and any(
+                h is not no_hook and not multi_grad_hook(h) for h in hooks.values()
+            ):
+                hooked[(id(edge.node), edge.output_nr)] = unit
+    if not hooked or losses.grad_fn is None:
+        return
+    seen: set[int] = set()
+    todo = [losses.grad_fn]
+    while todo:
+        node = todo.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        following = node.next_functions
+        if type(node).__name__ in _IN_PLACE_VIEW_NODES and following and following[0][0]:
+            owner = hooked.get((id(following[0][0]), following[0][1]))
+            if owner is not None:
+                raise ValueError(
+                    f"An output of {owner.name} ({type(owner.module).__name__}) carries a "
+                    "gradient hook (register_hook) and an in-place view operation (transpose_, "
+                    "unsqueeze_, ...) was applied to it after the forward: torch then runs the "
+                    "hook on the gradient in the output's old layout, and the engine cannot "
+                    "tell a hook registered before the operation from one registered after it. "
+                    "Use the out-of-place operation (out = out.transpose(0, 1)), or register "
+                    "the hook on a tensor computed from the output (out = out.view_as(out) "
+                    "first)."
+                )
+        todo.extend(n for n, _ in following if n is not None)
 
 
 def _bypasses(node: Any, recorded: Any, base_node: Any) -> bool:

@@ -9,7 +9,6 @@ forwards of other graphs) are ignored when the Gramian is computed.
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -405,7 +404,6 @@ class Recorder:
                 view = OutputView(i, leaf, leaf.grad_fn, base.grad_fn, at_base)
             # (the step runs a user's hooks on this output where autograd's capture skips them)
             call.output_hooks.append(_hooks_of(leaf))
-            call.output_strides[i] = (weakref.ref(leaf), leaf.stride())
             if view is not None:  # (an in-place op on a view would bypass its node; kept until
                 # the step, so that one made after the view is freed is seen too)
                 call.output_views.append(view)

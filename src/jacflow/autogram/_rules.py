@@ -242,9 +242,6 @@ class Call:
     base_views: dict[int, BaseView] = field(default_factory=dict)
     # whether the outputs read at their base after an in-place op have a user's gradient hooks
     above_hooks: dict[int, bool] = field(default_factory=dict)
-    # the outputs whose hooks dict the engine opened: a weak reference and their strides at the
-    # forward (an in-place view op, transpose_, keeps the dict on the output's old node)
-    output_strides: dict[int, tuple[Any, tuple[int, ...]]] = field(default_factory=dict)
     # for the rules that do not replay: the ids of the module's own parameters during the
     # forward (``torch.func.functional_call`` puts other tensors in their place)
     param_ids: tuple[int, ...] | None = None
@@ -281,6 +278,8 @@ class Call:
     def hooks_above(self) -> list[bool]:
         """Whether each recorded output read at its base after an in-place op has gradient
         hooks of a user's, which run in the backward between the losses and its edge."""
+        if not self.above_hooks:
+            return [False] * len(self.edges)
         return [self.above_hooks.get(i, False) for i in range(len(self.edges))]
 
     def trained(self, module: nn.Module) -> bool:
