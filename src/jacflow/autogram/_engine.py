@@ -43,6 +43,7 @@ from jacflow.autogram._outside import (
     checkpoint_above_calls,
     checkpointed_module,
     first_reached,
+    graph_nodes,
     outside_calls,
     reentrant_checkpoints,
     unreached,
@@ -776,8 +777,9 @@ class Engine:
                 "statistics, replace it (e.g. by GroupNorm), or use batch_dim=None."
             )
         # (before the backward: autograd may fail on such a view)
-        _check_hooks_under_view_ops(losses, [(self._units[index], call) for index, call in calls])
-        _check_output_views(losses, [(self._units[index], call) for index, call in calls])
+        with_units = [(self._units[index], call) for index, call in calls]
+        _check_hooks_under_view_ops(losses, with_units)
+        _check_output_views(losses, with_units)
         # (the checks below hold for a pattern of calls and the graph around them)
         pattern = (tuple(i for i, _ in calls), outside_calls(losses, [c for _, c in calls]))
         if REENTRANT_CHECKPOINT in pattern[1]:
@@ -1108,15 +1110,9 @@ def _check_hooks_under_view_ops(losses: Tensor, calls: list[tuple[Unit, Call]]) 
                 h is not no_hook and not multi_grad_hook(h) for h in hooks.values()
             ):
                 hooked[(id(edge.node), edge.output_nr)] = unit
-    if not hooked or losses.grad_fn is None:
+    if not hooked:
         return
-    seen: set[int] = set()
-    todo = [losses.grad_fn]
-    while todo:
-        node = todo.pop()
-        if id(node) in seen:
-            continue
-        seen.add(id(node))
+    for node in graph_nodes(losses):
         following = node.next_functions
         if type(node).__name__ in _IN_PLACE_VIEW_NODES and following and following[0][0]:
             owner = hooked.get((id(following[0][0]), following[0][1]))
@@ -1131,7 +1127,10 @@ def _check_hooks_under_view_ops(losses: Tensor, calls: list[tuple[Unit, Call]]) 
                     "the hook on a tensor computed from the output (out = out.view_as(out) "
                     "first)."
                 )
-        todo.extend(n for n, _ in following if n is not None)
+
+
+# the most nodes followed from a view's node towards its base's
+_MAX_VIEW_NODES = 64
 
 
 def _bypasses(node: Any, recorded: Any, base_node: Any) -> bool:
@@ -1145,10 +1144,6 @@ def _bypasses(node: Any, recorded: Any, base_node: Any) -> bool:
             return True
         node = node.next_functions[0][0] if node.next_functions else None
     return False
-
-
-# the most nodes followed from a view's node towards its base's
-_MAX_VIEW_NODES = 64
 
 
 def _new_base_nodes(node: Any, recorded: Any) -> list[object]:

@@ -288,8 +288,20 @@ def first_reached(losses: Tensor, targets: dict[int, tuple[_Target, object]]) ->
         >>> first_reached((y + 1).sum(), targets), first_reached(x.sum(), targets)
         ('y', None)
     """
-    nodes = _walk([losses.grad_fn], _inputs)
-    return next((targets[id(node)][0] for node in nodes if id(node) in targets), None)
+    return next((targets[id(node)][0] for node in graph_nodes(losses) if id(node) in targets), None)
+
+
+def graph_nodes(losses: Tensor) -> Iterator[Any]:
+    """Each autograd node of the graph of ``losses`` once, depth first.
+
+    Example:
+        >>> import torch
+        >>> from jacflow.autogram._outside import graph_nodes
+        >>> x = torch.ones(2, requires_grad=True)
+        >>> [type(node).__name__ for node in graph_nodes((x * 2).sum())]
+        ['SumBackward0', 'MulBackward0', 'AccumulateGrad']
+    """
+    return _walk([losses.grad_fn], _inputs)
 
 
 def unreached(
