@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from jacflow.aggregation import Mean, UPGrad
+import jacflow
+from jacflow.aggregation import Mean, Sum, UPGrad
 from jacflow.monitor import (
     AggregatorWatch,
     CSVLogger,
@@ -115,3 +116,32 @@ def test_watch_captures_gramian_and_weights_of_the_update(make: type) -> None:
 def test_watch_rejects_non_aggregators() -> None:
     with pytest.raises(TypeError, match=r"`aggregator` must be a jacflow\.aggregation\.Aggregator"):
         AggregatorWatch(torch.nn.Linear(1, 1))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("make", [UPGrad, Mean, Sum])
+@pytest.mark.parametrize("via", ["backward", "jac_to_grad", "mtl_backward"])
+def test_watch_inside_library_calls_gets_the_gramian_of_the_jacobian(make: type, via: str) -> None:
+    """Inside ``backward``, ``jac_to_grad`` and ``mtl_backward`` the watch gets ``J J^T`` of
+    the unscaled Jacobian (the aggregator's call runs on ``J``) and the update's weights."""
+    generator = torch.Generator().manual_seed(0)
+    trunk = torch.randn(3, 4, dtype=torch.float64, generator=generator, requires_grad=True)
+    heads = torch.randn(2, 3, dtype=torch.float64, generator=generator)
+    x = torch.randn(4, dtype=torch.float64, generator=generator)
+    features = torch.tanh(trunk @ x)
+    losses = [(heads[i] * features).sum() * 37.0 for i in range(2)]
+    rows = [torch.autograd.grad(loss, trunk, retain_graph=True)[0].flatten() for loss in losses]
+    J = torch.stack(rows)
+    aggregator = make()
+    watch = AggregatorWatch(aggregator)
+    if via == "backward":
+        jacflow.backward(losses, inputs=[trunk], A=aggregator)
+    elif via == "jac_to_grad":
+        jacflow.backward(losses, inputs=[trunk])
+        jacflow.jac_to_grad([trunk], aggregator)
+    else:
+        jacflow.mtl_backward(losses, features, A=aggregator)
+    gramian, weights = watch.pop()
+    assert gramian is not None and weights is not None and trunk.grad is not None
+    torch.testing.assert_close(gramian, J @ J.T)
+    torch.testing.assert_close(J.T @ weights, trunk.grad.flatten())
+    watch.remove()

@@ -7,7 +7,8 @@ import math
 from collections.abc import Iterable, Sequence
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
+from torch.nn.modules import module as torch_module
 
 from jacflow.aggregation import (
     Aggregator,
@@ -48,6 +49,8 @@ def aggregate_blocks(
     the aggregator gets the empty ``[0, n]`` matrix (the zero update for weighted ones).
     """
     m = blocks[0].shape[0]
+    if has_forward_hooks(aggregator):
+        return _through_hooks(aggregator, blocks)
     if isinstance(aggregator, (Mean, Sum)):
         # Their weights only depend on m: skip the Gramian entirely.
         weights = aggregator.weights(blocks[0].new_empty((m, 0)))
@@ -62,3 +65,41 @@ def aggregate_blocks(
     flat = aggregator(matrix)
     sizes = [math.prod(b.shape[1:]) for b in blocks]
     return [piece.reshape(b.shape[1:]) for piece, b in zip(torch.split(flat, sizes), blocks)], None
+
+
+def has_forward_hooks(aggregator: Aggregator) -> bool:
+    """Whether a forward hook or pre-hook is registered on the aggregator, on one of its
+    submodules (its weighting) or globally: the shortcuts above skip those modules' calls."""
+    if torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks:
+        return True
+    return any(
+        module._forward_hooks or module._forward_pre_hooks for module in aggregator.modules()
+    )
+
+
+def _through_hooks(
+    aggregator: Aggregator, blocks: Sequence[Tensor]
+) -> tuple[list[Tensor], Tensor | None]:
+    """Aggregate by calling ``aggregator`` on the concatenated Jacobian, so that its modules'
+    forward hooks run (and may change its input or output) as in ``aggregator(J)``; the
+    weights are those its weighting returned in that call."""
+    m = blocks[0].shape[0]
+    matrix = torch.cat([b.reshape(m, math.prod(b.shape[1:])) for b in blocks], dim=1)
+    returned: list[Tensor] = []
+    weighting = getattr(aggregator, "weighting", None)
+    watch = (
+        weighting.register_forward_hook(lambda _m, _a, out: returned.append(out))
+        if isinstance(aggregator, WeightedAggregator) and isinstance(weighting, nn.Module)
+        else None
+    )
+    try:
+        flat = aggregator(matrix)
+    finally:
+        if watch is not None:
+            watch.remove()
+    weights: Tensor | None = None
+    if isinstance(aggregator, WeightedAggregator):
+        weights = returned[-1] if returned else aggregator.weights(matrix)
+    sizes = [math.prod(b.shape[1:]) for b in blocks]
+    pieces = torch.split(flat, sizes)
+    return [piece.reshape(b.shape[1:]) for piece, b in zip(pieces, blocks, strict=True)], weights

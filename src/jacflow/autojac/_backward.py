@@ -9,7 +9,7 @@ from torch import Tensor
 
 from jacflow.aggregation import Aggregator, Mean, Sum
 from jacflow.autojac._accumulate import accumulate_grads, accumulate_jacs, check_jac_accumulable
-from jacflow.autojac._aggregate import aggregate_blocks
+from jacflow.autojac._aggregate import aggregate_blocks, has_forward_hooks
 from jacflow.autojac._checks import (
     as_tensor_tuple,
     check_aggregator,
@@ -45,9 +45,10 @@ def _fixed_weight_update(
     """For Mean and Sum, whose weights do not depend on J: ``J^T w`` as one VJP, exactly.
 
     ``w^T (C J) = (C^T w)^T J``, so the weighted cotangent is differentiated once instead of
-    forming the m rows. Returns ``None`` for every other aggregator.
+    forming the m rows. Returns ``None`` for every other aggregator, and where forward hooks
+    must see the aggregator's call on ``J``.
     """
-    if type(aggregator) not in (Mean, Sum) or rows == 0:
+    if type(aggregator) not in (Mean, Sum) or rows == 0 or has_forward_hooks(aggregator):
         return None
     weight = 1.0 / rows if isinstance(aggregator, Mean) else 1.0
     if cotangents is None:

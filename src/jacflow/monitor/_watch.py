@@ -17,7 +17,9 @@ class AggregatorWatch:
     Use it when the aggregation happens inside a library call (``backward``,
     ``mtl_backward``, ``jac_to_grad``) and you still want to monitor it: after the call,
     :meth:`pop` returns the Gramian ``J J^T`` and the weights (``None`` for an aggregator that
-    is not weighted). The hooks cost one ``m x m`` product when the aggregator receives ``J``.
+    is not weighted). The hooks cost one ``m x m`` product when the aggregator receives ``J``;
+    while they are on, those calls give the aggregator the whole Jacobian (a copy of its
+    blocks, as for any forward hook on it) instead of its Gramian formed block by block.
 
     Args:
         aggregator: the aggregator to watch.

@@ -1,0 +1,85 @@
+"""Aggregation inside ``backward`` / ``jac_to_grad``: forward hooks see the aggregator's call."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from jacflow import backward, jac_to_grad
+from jacflow.aggregation import MGDA, Aggregator, ConFIG, Mean, Sum, UPGrad
+
+
+def _problem() -> tuple[Tensor, Tensor, list[Tensor]]:
+    generator = torch.Generator().manual_seed(0)
+    a = torch.randn(3, generator=generator, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(2, 2, generator=generator, dtype=torch.float64, requires_grad=True)
+    outputs = [(a**2).sum(), (a * b[0, 0]).sum(), ((b @ b) * a[:2].sum()).sum()]
+    return a, b, outputs
+
+
+def _jacobian() -> Tensor:
+    a, b, outputs = _problem()
+    rows = []
+    for output in outputs:
+        grads = torch.autograd.grad(output, [a, b], allow_unused=True, materialize_grads=True)
+        rows.append(torch.cat([g.flatten() for g in grads]))
+    return torch.stack(rows)
+
+
+def _zero_first_row(_module: nn.Module, args: tuple[Tensor, ...]) -> tuple[Tensor]:
+    matrix = args[0].clone()
+    matrix[0] = 0.0
+    return (matrix,)
+
+
+@pytest.mark.parametrize("make", [UPGrad, MGDA, Mean, Sum, ConFIG])
+@pytest.mark.parametrize("via", ["backward", "jac_to_grad"])
+def test_forward_hooks_on_the_aggregator_run_as_in_its_call(
+    make: type[Aggregator], via: str
+) -> None:
+    """A pre-hook that changes ``J`` and a forward hook both run once, and the update is the
+    aggregator's on the changed ``J`` (the shortcuts that skip the call are not taken)."""
+    aggregator = make()
+    calls: list[str] = []
+    aggregator.register_forward_pre_hook(
+        lambda m, args: (calls.append("pre"), _zero_first_row(m, args))[1]
+    )
+    aggregator.register_forward_hook(lambda m, args, out: calls.append("post"))
+    changed = _jacobian()
+    changed[0] = 0.0
+    expected = make()(changed)
+    a, b, outputs = _problem()
+    if via == "backward":
+        backward(outputs, A=aggregator)
+    else:
+        backward(outputs)
+        jac_to_grad([a, b], aggregator)
+    assert calls == ["pre", "post"]
+    assert a.grad is not None and b.grad is not None
+    torch.testing.assert_close(torch.cat([a.grad, b.grad.flatten()]), expected)
+
+
+def test_jac_to_grad_returns_the_weights_of_the_hooked_call() -> None:
+    aggregator = UPGrad()
+    aggregator.register_forward_pre_hook(_zero_first_row)
+    changed = _jacobian()
+    changed[0] = 0.0
+    a, b, outputs = _problem()
+    backward(outputs)
+    weights = jac_to_grad([a, b], aggregator)
+    assert weights is not None
+    torch.testing.assert_close(weights, UPGrad().weights(changed))
+
+
+def test_a_global_forward_hook_sees_the_aggregator() -> None:
+    seen: list[type] = []
+    handle = nn.modules.module.register_module_forward_hook(
+        lambda m, args, out: seen.append(type(m))
+    )
+    try:
+        _, _, outputs = _problem()
+        backward(outputs, A=UPGrad())
+    finally:
+        handle.remove()
+    assert UPGrad in seen
