@@ -1275,6 +1275,36 @@ def test_generic_re_run_must_reproduce_the_forward(kind: str, batch_dim: int | N
     assert_exact_gramian(engine, losses, list(model.parameters()))
 
 
+class _Codebook(nn.Module):
+    """Attention of each sample over a shared table passed as an argument (no batch dim)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(4, dtype=torch.float64))
+
+    def forward(self, x: Tensor, table: Tensor) -> Tensor:
+        return ((x @ table.T).softmax(-1) @ table) * self.scale
+
+
+@pytest.mark.parametrize("rows_in_table", [5, 3])
+def test_generic_re_run_names_arguments_split_per_sample(rows_in_table: int) -> None:
+    """A shared argument whose first size happens to be the batch size is split per sample by
+    the generic rule; the refusal names the arguments split (it pointed at the batch size as a
+    number only). With another size the Gramian is exact."""
+    torch.manual_seed(0)
+    module = _Codebook()
+    x = torch.randn(3, 4, dtype=torch.float64)
+    table = torch.randn(rows_in_table, 4, dtype=torch.float64)
+    engine = Engine(module, batch_dim=0)
+    losses = module(x, table).pow(2).sum(1)
+    if rows_in_table == 3:
+        with pytest.raises(RuntimeError, match=r"shapes \[3, 4\], \[3, 4\]\. Make such a shared"):
+            engine.backward(losses, UPGradWeighting())
+        assert module.scale.grad is None
+        return
+    assert_exact_gramian(engine, losses, [module.scale])
+
+
 def test_a_step_without_trainable_parameters_gives_zeros() -> None:
     """Every parameter frozen from the start: a zero Gramian and no update (it failed, saying
     no call was recorded)."""

@@ -257,8 +257,10 @@ class Engine:
     ``torch.arange(T)`` with ``T == B``) is refused with a clear error, where the shapes alone
     cannot tell. (The probed samples are fixed for a batch size: a mixing of only two samples
     shows for about half the pairs, never for the first and the last, and a read decided by
-    the data, as a normalisation by the batch's largest output, when it falls on an unprobed
-    sample. A ``retain_grad()`` tensor on that path accumulates that backward's gradient too.
+    the data, as a normalisation by the batch's largest output or losses sorted by value
+    (``losses.sort()``, ``topk``), when it falls on an unprobed sample: missed, such a mixing
+    gives other samples' rows, silently. A ``retain_grad()`` tensor on that path accumulates
+    that backward's gradient too.
     A model whose calls or losses' graph change at every step, as with LayerDrop, is checked at
     every step.) A reentrant activation checkpoint (``use_reentrant=True``) that runs hooked modules
     (or a function that is not a module's) or lies above the hooked calls, whose calls the

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -129,7 +129,8 @@ def _per_sample_grads(
     grads, outputs = _batched_or_row_by_row(
         lambda rows: per_row(*rows), (row_leaves, (*cots, *_reached_inner_calls(call)))
     )
-    _check_same_outputs(module, call, outputs, rows)
+    split = [tuple(leaf.shape) for leaf, b in zip(leaves, batched, strict=True) if b]
+    _check_same_outputs(module, call, outputs, rows, split)
     return grads
 
 
@@ -138,12 +139,17 @@ class ReplayMismatchError(RuntimeError):
 
 
 def _check_same_outputs(
-    module: nn.Module, call: Call, outputs: tuple[Tensor, ...], rows: Rows | None
+    module: nn.Module,
+    call: Call,
+    outputs: tuple[Tensor, ...],
+    rows: Rows | None,
+    split: Sequence[tuple[int, ...]] = (),
 ) -> None:
     """Refuse a re-run whose outputs differ from the forward's (``rows``: per sample, the
-    re-run's rows of samples): its forward read something that the re-run does not reproduce,
-    and the gradients of the re-run would be those of another function. Outputs changed in
-    place since the forward, or not batched as the rows, are not compared."""
+    re-run's rows of samples; ``split``: the shapes of the arguments it split per sample): its
+    forward read something that the re-run does not reproduce, and the gradients of the re-run
+    would be those of another function. Outputs changed in place since the forward, or not
+    batched as the rows, are not compared."""
     for (recorded, version), again in zip(call.outputs, outputs, strict=False):
         if recorded._version != version or not recorded.is_floating_point():
             continue
@@ -162,13 +168,21 @@ def _check_same_outputs(
             eps = max(eps, torch.finfo(call.autocast[1]).eps)
         tolerance = min(_SAME_OUTPUT_EPS * eps, _SAME_OUTPUT_MAX)
         if error > tolerance * max(scale, 1e-30):
-            per_sample = " (the batch size as a number: the re-run sees one sample)"
+            per_sample = (
+                " (the batch size as a number: the re-run sees one sample; or an argument "
+                f"split per sample, as every tensor argument whose first size is the batch size "
+                f"{rows.num_samples} is, that has no batch dimension: here the arguments of "
+                f"shapes {', '.join(str(list(shape)) for shape in split)}. Make such a shared "
+                "tensor a parameter or buffer of the module, or use batch_dim=None)"
+                if rows is not None
+                else ""
+            )
             raise ReplayMismatchError(
                 f"{type(module).__name__} has no closed-form Gramian rule, so the engine re-runs "
                 "it from its recorded inputs and parameters, which gave other outputs than its "
                 f"forward (max difference {error:.2e}, outputs up to {scale:.2e}): its forward "
                 "depends on something else"
-                f"{per_sample if rows is not None else ''}, or on state that it changes (a "
+                f"{per_sample}, or on state that it changes (a "
                 "call counter). Make the forward a function of its inputs and parameters, or "
                 "register a closed form for it (jacflow.autogram.register_rule)."
             )
