@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 from torch.func import vmap
+from torch.utils._pytree import tree_leaves, tree_structure
 
 from jacflow.func import jacrev
 
@@ -105,3 +110,133 @@ def test_bad_arguments() -> None:
         jacrev(torch.sin, argnums=2)(torch.ones(2))
     with pytest.raises(TypeError, match="must be a Tensor"):
         jacrev(lambda a: a, argnums=0)(3.0)
+
+
+# Pytree arguments: a differentiated argument may be a (nested) tuple, list or dict of Tensors.
+
+_LEAVES = st.builds(
+    lambda shape, seed: torch.randn(
+        shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64
+    ),
+    st.lists(st.integers(1, 3), max_size=2).map(tuple),
+    st.integers(0, 2**16),
+)
+_TREES = st.recursive(
+    _LEAVES,
+    lambda children: st.one_of(
+        st.lists(children, min_size=1, max_size=3).map(tuple),
+        st.lists(children, min_size=1, max_size=3),
+        st.dictionaries(st.sampled_from("abc"), children, min_size=1, max_size=3),
+    ),
+    max_leaves=5,
+)
+
+
+def _mix(*args: Any) -> dict[str, Any]:
+    """Outputs of several shapes that depend on every leaf of every argument, nonlinearly."""
+    z = torch.cat([leaf.reshape(-1) for leaf in tree_leaves(args)])
+    return {"v": z.tanh() * z.roll(1), "s": ((z**2).sum() * z[0].sin(),)}
+
+
+def _mix_with_aux(*args: Any) -> tuple[dict[str, Any], torch.Tensor]:
+    return _mix(*args), tree_leaves(args)[0] * 2
+
+
+def _assert_same(got: Any, expected: Any) -> None:
+    assert tree_structure(got) == tree_structure(expected)
+    torch.testing.assert_close(got, expected)
+
+
+@given(args=st.lists(_TREES, min_size=1, max_size=3), data=st.data())
+def test_pytree_arguments_match_torch_func(args: list[Any], data: st.DataObject) -> None:
+    n = len(args)
+    argnums = data.draw(
+        st.one_of(
+            st.integers(-n, n - 1),
+            st.lists(st.integers(0, n - 1), min_size=1, max_size=n, unique=True).map(tuple),
+        ),
+        label="argnums",
+    )
+    chunk = data.draw(st.sampled_from([None, 1, 2, 5]), label="chunk_size")
+    has_aux = data.draw(st.booleans(), label="has_aux")
+    f = _mix_with_aux if has_aux else _mix
+    got = jacrev(f, argnums=argnums, has_aux=has_aux, chunk_size=chunk)(*args)
+    expected = torch.func.jacrev(f, argnums=argnums, has_aux=has_aux)(*args)
+    _assert_same(got, expected)
+
+
+def test_pytree_issue_examples() -> None:
+    x = torch.randn(3, dtype=torch.float64)
+    for arg in [(x, x.cos()), [x, x.cos()]]:
+        _assert_same(
+            jacrev(lambda t: t[0] * t[1])(arg), torch.func.jacrev(lambda t: t[0] * t[1])(arg)
+        )
+    params = {"a": x, "b": x.cos()}
+    _assert_same(
+        jacrev(lambda d: d["a"] * d["b"], chunk_size=2)(params),
+        torch.func.jacrev(lambda d: d["a"] * d["b"])(params),
+    )
+
+
+def _loss(params: dict[str, torch.Tensor], x: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    hidden = (x[0] @ params["w"].T + params["b"]).tanh()
+    return (hidden * x[1]).sum() ** 2
+
+
+def _params_and_inputs() -> tuple[dict[str, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(1)
+    params = {
+        "w": torch.randn(2, 3, generator=gen, dtype=torch.float64),
+        "b": torch.randn(2, generator=gen, dtype=torch.float64),
+    }
+    inputs = (
+        torch.randn(4, 3, generator=gen, dtype=torch.float64),
+        torch.randn(4, 2, generator=gen, dtype=torch.float64),
+    )
+    return params, inputs
+
+
+@pytest.mark.parametrize("chunk", CHUNKS)
+def test_pytree_hessians_match_torch_func(chunk: int | None) -> None:
+    params, inputs = _params_and_inputs()
+    got = jacrev(jacrev(_loss, chunk_size=chunk), chunk_size=chunk)(params, inputs)
+    _assert_same(got, torch.func.hessian(_loss)(params, inputs))
+    both = (0, -1)
+    got = jacrev(jacrev(_loss, argnums=both, chunk_size=chunk), argnums=both)(params, inputs)
+    expected = torch.func.jacrev(torch.func.jacrev(_loss, argnums=both), argnums=both)(
+        params, inputs
+    )
+    _assert_same(got, expected)
+
+
+@pytest.mark.parametrize("chunk", CHUNKS)
+def test_pytree_arguments_compose_with_vmap(chunk: int | None) -> None:
+    params, inputs = _params_and_inputs()
+    batched = {key: torch.stack([value, value.sin(), value.cos()]) for key, value in params.items()}
+    got = vmap(jacrev(_loss, chunk_size=chunk), in_dims=(0, None))(batched, inputs)
+    _assert_same(got, vmap(torch.func.jacrev(_loss), in_dims=(0, None))(batched, inputs))
+
+    per_sample = vmap(_loss, in_dims=(None, (0, 0)))
+    rows = (inputs[0][:, None], inputs[1][:, None])
+    got = jacrev(per_sample, argnums=(0, 1), chunk_size=chunk)(params, rows)
+    _assert_same(got, torch.func.jacrev(per_sample, argnums=(0, 1))(params, rows))
+
+
+def test_pytree_with_an_empty_container_matches_torch_func() -> None:
+    x = torch.randn(3)
+
+    def f(empty: dict[str, torch.Tensor], t: torch.Tensor) -> torch.Tensor:
+        return t * 2
+
+    _assert_same(jacrev(f, argnums=(0, 1))({}, x), torch.func.jacrev(f, argnums=(0, 1))({}, x))
+    with pytest.raises(ValueError, match="hold no Tensor"):
+        jacrev(lambda t: x * 2)(())
+
+
+def test_non_tensor_leaves_are_refused_as_by_torch_func() -> None:
+    x = torch.randn(3)
+    for arg, leaf in [((x, 2.0), r"\[1\]"), ({"a": x, "b": None}, r"\['b'\]")]:
+        with pytest.raises(ValueError, match="must be Tensor"):
+            torch.func.jacrev(lambda t: x * 2)(arg)
+        with pytest.raises(TypeError, match=rf"argument 0 \(leaf {leaf}\) must be a Tensor"):
+            jacrev(lambda t: x * 2)(arg)

@@ -8,7 +8,13 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import (
+    TreeSpec,
+    keystr,
+    tree_flatten,
+    tree_flatten_with_path,
+    tree_unflatten,
+)
 
 from jacflow.autojac._checks import check_chunk_size
 from jacflow.autojac._rows import functional_vjp, stacked_vjps
@@ -29,6 +35,22 @@ def _check_argnums(argnums: int | tuple[int, ...], n_args: int) -> tuple[int, ..
     return tuple(a % n_args for a in nums)
 
 
+def _flatten_argument(value: Any, position: int) -> tuple[list[Tensor], TreeSpec]:
+    """The Tensors of the differentiated argument ``position`` (a Tensor or a pytree of them)."""
+    with_paths, spec = tree_flatten_with_path(value)
+    leaves: list[Tensor] = []
+    for path, leaf in with_paths:
+        where = f"argument {position}" + (f" (leaf {keystr(path)})" if path else "")
+        if not isinstance(leaf, Tensor):
+            raise TypeError(
+                f"jacrev: {where} must be a Tensor to be differentiated, received "
+                f"{type(leaf)}. Differentiated arguments are Tensors or tuples, lists and dicts "
+                "of Tensors; pass other values through an argument not in `argnums`."
+            )
+        leaves.append(leaf)
+    return leaves, spec
+
+
 def jacrev(
     func: Callable[..., Any],
     argnums: int | tuple[int, ...] = 0,
@@ -41,14 +63,17 @@ def jacrev(
     Same semantics as :func:`torch.func.jacrev`: the returned function takes ``func``'s
     arguments and returns the Jacobian, whose leaves have shape
     ``output.shape + input.shape``; with a tuple ``argnums`` one Jacobian per argument (nested
-    per output when ``func`` returns several tensors). Composes with :func:`torch.func.vmap` and
-    with itself (Hessians), and respects ``torch.no_grad`` inside ``func`` but not around the
-    call (it is a function transform).
+    per output when ``func`` returns several tensors). A differentiated argument may be a
+    pytree (tuple, list, dict, nested) of Tensors: per output, the Jacobian then has that
+    argument's structure, as with :func:`torch.func.jacrev`. Composes with
+    :func:`torch.func.vmap` and with itself (Hessians), and respects ``torch.no_grad`` inside
+    ``func`` but not around the call (it is a function transform).
 
     Args:
         func: takes one or more arguments, at least one a Tensor, and returns one or more
             Tensors (or ``(output, aux)`` with ``has_aux``).
-        argnums: which positional argument(s) to differentiate with respect to.
+        argnums: which positional argument(s) to differentiate with respect to; each a
+            floating-point Tensor or a pytree of them.
         has_aux: ``func`` returns ``(output, aux)``; the transform returns ``(jacobian, aux)``.
         chunk_size: rows per vmapped VJP call; ``None`` = all at once, ``1`` = a loop without
             vmap.
@@ -61,6 +86,11 @@ def jacrev(
         tensor([[1.0000, 0.0000, 0.0000],
                 [0.0000, 2.7183, 0.0000],
                 [0.0000, 0.0000, 7.3891]])
+        >>> jacobian = jacrev(lambda p: p["w"] * p["b"])({"w": x, "b": torch.ones(3)})
+        >>> jacobian["b"]
+        tensor([[0., 0., 0.],
+                [0., 1., 0.],
+                [0., 0., 2.]])
     """
     size = check_chunk_size(chunk_size, "chunk_size")
     if not callable(func):
@@ -69,17 +99,26 @@ def jacrev(
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         nums = _check_argnums(argnums, len(args))
-        primals = tuple(args[a] for a in nums)
-        for a, p in zip(nums, primals):
-            if not isinstance(p, Tensor):
-                raise TypeError(
-                    f"jacrev: argument {a} must be a Tensor to be differentiated, received "
-                    f"{type(p)}."
-                )
+        flat_args = [_flatten_argument(args[a], a) for a in nums]
+        primals = tuple(leaf for leaves, _ in flat_args for leaf in leaves)
+        if not primals:
+            raise ValueError(
+                f"jacrev: the differentiated argument(s) {nums} hold no Tensor (empty "
+                "containers), so there is nothing to differentiate."
+            )
+        counts = [len(leaves) for leaves, _ in flat_args]
 
-        def partial(*diff_args: Tensor) -> Any:
+        def rebuild(flat: tuple[Any, ...]) -> list[Any]:
+            """``flat`` (one entry per primal) regrouped into one pytree per differentiated arg."""
+            trees, start = [], 0
+            for count, (_, spec) in zip(counts, flat_args):
+                trees.append(tree_unflatten(list(flat[start : start + count]), spec))
+                start += count
+            return trees
+
+        def partial(*diff_leaves: Tensor) -> Any:
             full = list(args)
-            for a, value in zip(nums, diff_args):
+            for a, value in zip(nums, rebuild(diff_leaves)):
                 full[a] = value
             return func(*full, **kwargs)
 
@@ -96,20 +135,22 @@ def jacrev(
             return tuple(pullback(tree_unflatten(list(cotangents), out_spec)))
 
         rows = sum(o.numel() for o in flat_out)
-        # stacked_vjps returns [rows, *primal.shape] per primal.
+        # stacked_vjps returns [rows, *primal.shape] per primal (the leaves of all the args).
         stacked = stacked_vjps(
             functional_vjp(pullback_flat), flat_out, primals, rows, size, preallocate=False
         )
-        per_output: list[tuple[Tensor, ...]] = []
+        single_arg = isinstance(argnums, int)
+        leaves: list[Any] = []
         start = 0
         for o in flat_out:
             stop = start + o.numel()
-            per_output.append(
-                tuple(s[start:stop].reshape(o.shape + p.shape) for s, p in zip(stacked, primals))
+            blocks = tuple(
+                s[start:stop].reshape(o.shape + p.shape) for s, p in zip(stacked, primals)
             )
+            # Per output, the Jacobian has the inputs' structure: torch.func.jacrev's layout.
+            trees = rebuild(blocks)
+            leaves.append(trees[0] if single_arg else tuple(trees))
             start = stop
-        single_arg = isinstance(argnums, int)
-        leaves = [j[0] if single_arg else j for j in per_output]
         jacobian = tree_unflatten(leaves, out_spec)
         return (jacobian, aux) if has_aux else jacobian
 
