@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -240,3 +241,21 @@ def test_non_tensor_leaves_are_refused_as_by_torch_func() -> None:
             torch.func.jacrev(lambda t: x * 2)(arg)
         with pytest.raises(TypeError, match=rf"argument 0 \(leaf {leaf}\) must be a Tensor"):
             jacrev(lambda t: x * 2)(arg)
+
+
+def test_complex_inputs_and_outputs_are_refused_as_by_torch_func() -> None:
+    z = torch.tensor([1 + 2j, 3 - 1j])
+    x = torch.randn(2)
+    cases: list[tuple[Callable[..., Any], tuple[Any, ...], str]] = [
+        (lambda t: (t**2).real, (z,), r"argument 0 is complex"),
+        (lambda t: (t[0] ** 2).real + t[1], ((z, x),), r"argument 0 \(leaf \[0\]\) is complex"),
+        (lambda a, t: a * t["z"].abs(), (x, {"z": z}), r"argument 1 \(leaf \['z'\]\) is complex"),
+        (lambda t: t * 1j, (x,), r"output 0 \(flattened\) of `func` is complex"),
+    ]
+    for f, args, message in cases:
+        argnums = (0, 1) if len(args) == 2 else 0
+        with pytest.raises(RuntimeError, match="real"):
+            torch.func.jacrev(f, argnums=argnums)(*args)
+        with pytest.raises(ValueError, match=message) as info:
+            jacrev(f, argnums=argnums)(*args)
+        assert "view_as_real" in str(info.value)

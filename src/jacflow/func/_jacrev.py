@@ -47,6 +47,13 @@ def _flatten_argument(value: Any, position: int) -> tuple[list[Tensor], TreeSpec
                 f"{type(leaf)}. Differentiated arguments are Tensors or tuples, lists and dicts "
                 "of Tensors; pass other values through an argument not in `argnums`."
             )
+        if leaf.is_complex():
+            raise ValueError(
+                f"jacrev: {where} is complex ({leaf.dtype}); like torch.func.jacrev, jacrev "
+                "differentiates with respect to real Tensors only. Pass torch.view_as_real(z) "
+                "and rebuild z with torch.view_as_complex inside `func` to get the Jacobian "
+                "with respect to its real and imaginary parts."
+            )
         leaves.append(leaf)
     return leaves, spec
 
@@ -67,12 +74,14 @@ def jacrev(
     pytree (tuple, list, dict, nested) of Tensors: per output, the Jacobian then has that
     argument's structure, as with :func:`torch.func.jacrev`. Composes with
     :func:`torch.func.vmap` and with itself (Hessians), and respects ``torch.no_grad`` inside
-    ``func`` but not around the call (it is a function transform).
+    ``func`` but not around the call (it is a function transform). Like
+    :func:`torch.func.jacrev`, it refuses complex inputs and outputs (differentiate
+    ``torch.view_as_real`` views instead).
 
     Args:
         func: takes one or more arguments, at least one a Tensor, and returns one or more
             Tensors (or ``(output, aux)`` with ``has_aux``).
-        argnums: which positional argument(s) to differentiate with respect to; each a
+        argnums: which positional argument(s) to differentiate with respect to; each a real
             floating-point Tensor or a pytree of them.
         has_aux: ``func`` returns ``(output, aux)``; the transform returns ``(jacobian, aux)``.
         chunk_size: rows per vmapped VJP call; ``None`` = all at once, ``1`` = a loop without
@@ -130,6 +139,14 @@ def jacrev(
         flat_out, out_spec = tree_flatten(output)
         if not all(isinstance(o, Tensor) for o in flat_out):
             raise TypeError("jacrev: `func` must return a Tensor or a (nested) tuple of Tensors.")
+        for k, o in enumerate(flat_out):
+            if o.is_complex():
+                raise ValueError(
+                    f"jacrev: output {k} (flattened) of `func` is complex ({o.dtype}); like "
+                    "torch.func.jacrev, jacrev differentiates real outputs only. Return "
+                    "torch.view_as_real(output) to get the Jacobian of its real and imaginary "
+                    "parts."
+                )
 
         def pullback_flat(cotangents: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
             return tuple(pullback(tree_unflatten(list(cotangents), out_spec)))
