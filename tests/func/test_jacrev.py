@@ -259,3 +259,11 @@ def test_complex_inputs_and_outputs_are_refused_as_by_torch_func() -> None:
         with pytest.raises(ValueError, match=message) as info:
             jacrev(f, argnums=argnums)(*args)
         assert "view_as_real" in str(info.value)
+
+
+def test_duplicate_argnums_are_refused() -> None:
+    x = torch.randn(3)
+    with pytest.raises(RuntimeError, match="unique"):
+        torch.func.jacrev(lambda a, b: a + b, argnums=(0, -2))(x, x)
+    with pytest.raises(ValueError, match="each argument once"):
+        jacrev(lambda a, b: a + b, argnums=(0, -2))(x, x)

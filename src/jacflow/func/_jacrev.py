@@ -32,7 +32,13 @@ def _check_argnums(argnums: int | tuple[int, ...], n_args: int) -> tuple[int, ..
                 f"jacrev: `argnums` {a} is out of range for a function called with {n_args} "
                 "positional arguments."
             )
-    return tuple(a % n_args for a in nums)
+    wrapped = tuple(a % n_args for a in nums)
+    if len(set(wrapped)) != len(wrapped):
+        raise ValueError(
+            f"jacrev: `argnums` must name each argument once, got {argnums!r} (which refers to "
+            f"positions {wrapped} of the {n_args} positional arguments)."
+        )
+    return wrapped
 
 
 def _flatten_argument(value: Any, position: int) -> tuple[list[Tensor], TreeSpec]:
