@@ -80,3 +80,33 @@ def test_code_compiled_before_the_engine_is_named() -> None:
     with pytest.raises(ValueError, match=r"torch\._dynamo\.reset\(\)"):
         engine.backward(losses, UPGradWeighting())
     torch._dynamo.reset()
+
+
+def test_hooked_modules_all_compiled_before_the_engine_are_named() -> None:
+    """Every hooked module runs in code compiled before the Engine existed: no call is
+    recorded, and the refusal names torch.compile and the way out (it told to create the
+    Engine on the uncompiled module, which it was)."""
+    torch.manual_seed(0)
+    trunk = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8)).double()
+    x = torch.randn(5, 4, dtype=torch.float64)
+    compiled = torch.compile(trunk, backend="aot_eager")
+    compiled(x)
+    engine = Engine(trunk, batch_dim=None)
+    features = compiled(x)
+    losses = torch.stack([features[:, 0].pow(2).mean(), features[:, 1].sin().mean()])
+    with pytest.raises(RuntimeError, match=r"compiled and run before.*_dynamo\.reset\(\)"):
+        engine.backward(losses, UPGradWeighting())
+    assert all(p.grad is None for p in trunk.parameters())
+    torch._dynamo.reset()
+
+
+def test_a_second_step_on_one_forward_gets_no_compile_hint() -> None:
+    """Without compiled code in the losses' graph, the refusal of a second step on the same
+    forward says nothing of torch.compile."""
+    trunk = nn.Linear(3, 2).double()
+    engine = Engine(trunk, batch_dim=0)
+    losses = trunk(torch.randn(4, 3, dtype=torch.float64)).pow(2).sum(1)
+    engine.compute_gramian(losses)
+    with pytest.raises(RuntimeError, match="No forward call") as error:
+        engine.backward(losses, UPGradWeighting())
+    assert "compile" not in str(error.value)

@@ -869,7 +869,7 @@ class Engine:
                 "recorded since the previous one: a second step on the same forward "
                 "(compute_gramian then backward, a retry after a failed step, or a step for "
                 "each of two forwards run before either) finds none; run the forward before "
-                f"each step. {_COMPILE_HINT}"
+                "each step." + (f" {_COMPILED_BEFORE_HINT}" if compiled else "")
             )
         for index, unit_calls in recorded.items():
             if index in reached:  # from its first reached call on (calls nested in another
