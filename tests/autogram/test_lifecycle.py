@@ -189,9 +189,71 @@ def test_compiled_module_rejected_with_workaround() -> None:
         Engine(compiled, batch_dim=0)
 
 
-def test_scale_grad_by_freq_rejected() -> None:
-    with pytest.raises(ValueError, match=r"scale_grad_by_freq"):
-        Engine(nn.Embedding(5, 2, scale_grad_by_freq=True), batch_dim=0)
+class _CountingTokens(nn.Module):
+    """An embedding inside a module with a parameter of its own: under the generic rule."""
+
+    def __init__(self, bag: bool) -> None:
+        super().__init__()
+        kind = nn.EmbeddingBag if bag else nn.Embedding
+        self.emb = kind(6, 3, scale_grad_by_freq=True)
+        self.scale = nn.Parameter(torch.ones(3))
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return self.emb(ids) * self.scale
+
+
+_IDS = torch.tensor([[1, 2, 2, 0], [2, 3, 1, 1], [5, 5, 5, 2]])
+
+
+def _frequency_losses(module: nn.Module, batch_dim: int | None) -> Tensor:
+    out = module(_IDS).reshape(3, -1)
+    losses = (out * torch.arange(1.0, out.shape[1] + 1, dtype=out.dtype)).sin().sum(1)
+    return losses if batch_dim == 0 else torch.stack([losses.sum(), losses[0] * losses[1]])
+
+
+@pytest.mark.parametrize("batch_dim", [0, None])
+def test_scale_grad_by_freq_embedding_is_exact(batch_dim: int | None) -> None:
+    """The gradient divided by each token's count in the call (over the whole batch), twice
+    in one forward, with padding: exact per sample and per task (it was refused)."""
+    torch.manual_seed(0)
+    emb = nn.Embedding(6, 3, padding_idx=0, scale_grad_by_freq=True).double()
+    engine = Engine(emb, batch_dim=batch_dim)
+
+    def losses_of() -> Tensor:
+        doubled = _IDS[:, :2]
+        out = emb(_IDS).reshape(3, -1) + emb(doubled).sum(1).repeat(1, 4)
+        losses = (out * torch.arange(1.0, 13.0, dtype=torch.float64)).sin().sum(1)
+        return losses if batch_dim == 0 else torch.stack([losses.sum(), losses[0] * losses[1]])
+
+    assert_exact_gramian(engine, losses_of(), [emb.weight])
+    jacobian = reference_jacobian(losses_of(), [emb.weight])
+    weights = engine.backward(losses_of(), UPGradWeighting())
+    assert emb.weight.grad is not None
+    torch.testing.assert_close(emb.weight.grad.flatten(), weights.flatten() @ jacobian)
+
+
+@pytest.mark.parametrize("bag", [False, True])
+@pytest.mark.parametrize("when", ["creation", "step"])
+def test_scale_grad_by_freq_under_the_generic_rule_is_refused_per_sample(
+    bag: bool, when: str
+) -> None:
+    """Per sample, the generic rule re-runs its module sample by sample, which counts one
+    sample's tokens: refused (an EmbeddingBag's Gramian was silently wrong, 20 off in 30).
+    Per task it re-runs the whole call: exact."""
+    module = _CountingTokens(bag).double()
+    if when == "creation":
+        with pytest.raises(ValueError, match=r"_CountingTokens\.emb is an embedding with"):
+            Engine(module, batch_dim=0)
+    else:
+        module.emb.scale_grad_by_freq = False
+        engine = Engine(module, batch_dim=0)
+        module.emb.scale_grad_by_freq = True
+        with pytest.raises(ValueError, match=r"scale_grad_by_freq=True under the generic rule"):
+            engine.backward(_frequency_losses(module, 0), UPGradWeighting())
+        assert all(p.grad is None for p in module.parameters())
+        engine.remove()
+    engine = Engine(module, batch_dim=None)
+    assert_exact_gramian(engine, _frequency_losses(module, None), list(module.parameters()))
 
 
 @pytest.mark.parametrize("batch_dim", [1, -1, True, "0"])
@@ -1521,12 +1583,13 @@ class _Mover(nn.Module):
 def test_changes_that_keep_the_modules_listed_alike(change: str) -> None:
     """A Linear moved into the generic block before it (the same modules in the same order:
     counted twice), a forward set on a Linear's instance (its closed form kept), an embedding
-    set to scale by frequency: seen at the next step (they were silently wrong)."""
+    set to scale by frequency: seen at the next step (they were silently wrong; the last one,
+    refused later, is now exact)."""
     torch.manual_seed(0)
     model = _Mover().double()
     emb = nn.Embedding(5, 3).double()
     engine = Engine(model, emb, batch_dim=0)
-    x, ids = torch.randn(4, 3, dtype=torch.float64), torch.tensor([0, 1, 2, 3])
+    x, ids = torch.randn(4, 3, dtype=torch.float64), torch.tensor([0, 1, 1, 3])
 
     def losses_of() -> Tensor:
         return (model(x) + emb(ids)).pow(2).sum(1)
@@ -1543,9 +1606,6 @@ def test_changes_that_keep_the_modules_listed_alike(change: str) -> None:
         linear.forward = lambda x: torch.tanh(x @ linear.weight.T)  # type: ignore[method-assign]
     else:
         emb.scale_grad_by_freq = True
-        with pytest.raises(ValueError, match="scale_grad_by_freq=True"):
-            engine.compute_gramian(losses_of())
-        return
     for _ in range(2):
         losses = losses_of()
         params = [*model.parameters(), *emb.parameters()]

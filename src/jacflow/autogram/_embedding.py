@@ -74,21 +74,45 @@ class EmbeddingContribution(Contribution):
         return {"weight": grad.to_sparse() if self.sparse else grad}
 
 
-def frequency_refusal(where: str) -> ValueError:
-    return ValueError(
-        f"{where} is an Embedding with scale_grad_by_freq=True, whose gradient depends on "
-        "token counts over the whole batch; set scale_grad_by_freq=False."
-    )
+def frequency_refusal(module: nn.Module, where: str) -> ValueError | None:
+    """The refusal of an embedding (``nn.Embedding``, ``nn.EmbeddingBag``) in ``module`` with
+    ``scale_grad_by_freq=True``, for the generic rule per sample (``None`` if there is none):
+    that rule re-runs ``module`` sample by sample, and each re-run would count its own
+    sample's tokens instead of the batch's.
+
+    Example:
+        >>> from torch import nn
+        >>> bag = nn.EmbeddingBag(5, 2, scale_grad_by_freq=True)
+        >>> str(frequency_refusal(bag, "bag")).split(":")[0]
+        'bag is an embedding with scale_grad_by_freq=True under the generic rule'
+        >>> frequency_refusal(nn.EmbeddingBag(5, 2), "bag") is None
+        True
+    """
+    for name, sub in module.named_modules():
+        if isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and sub.scale_grad_by_freq:
+            inner = f"{where}.{name}" if name else where
+            return ValueError(
+                f"{inner} is an embedding with scale_grad_by_freq=True under the generic rule: "
+                "its gradient is divided by its tokens' counts over the whole batch, and the "
+                "rule re-runs it sample by sample (batch_dim=0), counting one sample's tokens "
+                "only. Give the nn.Embedding a unit of its own (move the parameters of the "
+                "module that holds it into a module of their own), use batch_dim=None, or set "
+                "scale_grad_by_freq=False."
+            )
+    return None
+
+
+def _by_frequency(ids: Tensor, bp: Tensor, rows: Rows) -> Tensor:
+    """``bp`` divided, at each position, by the count of its token in the call's ids (all the
+    samples'): the backward of ``scale_grad_by_freq=True``. The counts are constants of the
+    batch, so each row's gradient stays its own."""
+    counts = torch.bincount(ids.flatten())
+    return bp / rows.gather(counts[ids]).unsqueeze(-1).to(bp.dtype)
 
 
 class EmbeddingRule(Rule):
-    """``nn.Embedding`` (``scale_grad_by_freq=True`` is refused: at the Engine's creation, or
-    at a step if set since)."""
-
-    def validate(self, module: nn.Module, call: Call, rows: Rows) -> None:
-        assert isinstance(module, nn.Embedding)
-        if module.scale_grad_by_freq:
-            raise frequency_refusal(type(module).__name__)
+    """``nn.Embedding`` (with ``scale_grad_by_freq=True``, each call's output gradients are
+    divided by its tokens' counts in that call, as in its backward)."""
 
     def prepare(
         self, module: nn.Module, params: dict[str, Tensor], calls: list[Call], rows: Rows
@@ -96,9 +120,10 @@ class EmbeddingRule(Rule):
         assert isinstance(module, nn.Embedding)
         ids, bps = [], []
         for call in calls:
-            x = rows.samples(call.input())
-            ids.append(x.reshape(rows.num_samples, -1))
-            bps.append(call.grad().reshape(rows.num_rows, -1, module.embedding_dim))
+            x = rows.samples(call.input()).reshape(rows.num_samples, -1)
+            bp = call.grad().reshape(rows.num_rows, -1, module.embedding_dim)
+            ids.append(x)
+            bps.append(_by_frequency(x, bp, rows) if module.scale_grad_by_freq else bp)
         return EmbeddingContribution(torch.cat(ids, 1), torch.cat(bps, 1), rows, module)
 
 

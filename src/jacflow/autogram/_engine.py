@@ -108,8 +108,6 @@ def _check_modules(modules: tuple[nn.Module, ...], batch_dim: int | None) -> Non
                     "regular module. Run one forward (e.g. on a dummy batch) before creating the "
                     "Engine."
                 )
-            if isinstance(sub, nn.Embedding) and sub.scale_grad_by_freq:
-                raise frequency_refusal(where)
             if batch_dim is None:
                 continue
             if isinstance(sub, nn.RNNBase) and not covered(sub):
@@ -127,10 +125,14 @@ def _check_modules(modules: tuple[nn.Module, ...], batch_dim: int | None) -> Non
 def _check_generic_units(units: list[Unit]) -> None:
     """Per sample, the generic rule re-runs its module sample by sample under ``vmap``, which
     torch's fused recurrent kernels do not support: refuse a recurrent layer under it (inside a
-    module with parameters of its own, or parametrised)."""
+    module with parameters of its own, or parametrised), and an embedding that counts the
+    batch's tokens (``scale_grad_by_freq``)."""
     for unit in units:
         if not isinstance(unit.rule, FallbackRule):
             continue
+        refusal = frequency_refusal(unit.module, unit.name)
+        if refusal is not None:
+            raise refusal
         for name, sub in unit.module.named_modules():
             if isinstance(sub, nn.RNNBase):
                 where = f"{unit.name}.{name}" if name else unit.name
@@ -310,7 +312,8 @@ class Engine:
     Raises:
         ValueError: a module mixes the samples (BatchNorm in training mode), or the losses read
             a hooked output at other samples than their own, while ``batch_dim=0``; a module is
-            compiled; an Embedding uses ``scale_grad_by_freq``; a reentrant checkpoint.
+            compiled; per sample, an embedding with ``scale_grad_by_freq`` under the generic
+            rule; a reentrant checkpoint.
 
     Example:
         >>> import torch

@@ -21,6 +21,7 @@ from torch.func import functional_call, vjp, vmap
 from torch.nn.utils import parametrize
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
+from jacflow.autogram._embedding import frequency_refusal
 from jacflow.autogram._precision import replay_autocast
 from jacflow.autogram._rules import (
     Call,
@@ -427,6 +428,9 @@ class FallbackRule(Rule):
                 "outside the cached() block (the forward may stay in it)."
             )
         _check_backward_hooks(module)
+        refusal = None if rows.per_task else frequency_refusal(module, type(module).__name__)
+        if refusal is not None:  # (set since the Engine was created)
+            raise refusal
         # (copies: a re-run that renormalises a weight in place, as an embedding's max_norm
         # does, must not touch the parameter, whose version the forward's graph checks)
         detached = {name: p.detach().clone() for name, p in params.items()}
