@@ -256,6 +256,24 @@ def test_scale_grad_by_freq_under_the_generic_rule_is_refused_per_sample(
     assert_exact_gramian(engine, _frequency_losses(module, None), list(module.parameters()))
 
 
+@pytest.mark.parametrize("batch_dim", [0, None])
+def test_embedding_bag_with_offsets(batch_dim: int | None) -> None:
+    """Bags given as one flat input with ``offsets``: per sample the generic rule split the
+    offsets and not the tokens (torch's own error, about offsets[0]); now refused with the
+    way out. Per task, exact."""
+    torch.manual_seed(0)
+    bag = nn.EmbeddingBag(9, 3, mode="mean").double()
+    tokens, offsets = torch.tensor([1, 2, 2, 0, 5, 3, 3, 8, 1, 4]), torch.tensor([0, 4, 7])
+    engine = Engine(bag, batch_dim=batch_dim)
+    losses = bag(tokens, offsets).pow(2).sum(1)
+    if batch_dim == 0:
+        with pytest.raises(ValueError, match=r"flat input and `offsets`.*2-D input"):
+            engine.backward(losses, UPGradWeighting())
+        assert bag.weight.grad is None
+        return
+    assert_exact_gramian(engine, torch.stack([losses.sum(), losses[0] * losses[2]]), [bag.weight])
+
+
 @pytest.mark.parametrize("batch_dim", [1, -1, True, "0"])
 def test_bad_batch_dim(batch_dim: object) -> None:
     with pytest.raises(ValueError, match=r"`batch_dim` must be 0 or None"):

@@ -408,6 +408,23 @@ def _with_enclosing_calls(calls: list[Call], rows: Rows) -> list[Call]:
     return everything
 
 
+def _check_samples_splittable(module: nn.Module, calls: list[Call]) -> None:
+    """Per sample, refuse what the re-run of one sample cannot reproduce: an embedding that
+    counts the batch's tokens (``scale_grad_by_freq``, set since the Engine was created), and
+    an ``nn.EmbeddingBag`` given its bags as one flat input with ``offsets``, which are not
+    split by sample (the re-run would get every sample's tokens with one sample's offset)."""
+    refusal = frequency_refusal(module, type(module).__name__)
+    if refusal is not None:
+        raise refusal
+    if isinstance(module, nn.EmbeddingBag) and any(call.input().ndim == 1 for call in calls):
+        raise ValueError(
+            "EmbeddingBag was called with one flat input and `offsets`: the generic rule "
+            "re-runs it sample by sample (batch_dim=0) and cannot split such bags by sample. "
+            "Pass the bags as a 2-D input [B, bag_size] (padded with its padding_idx), or use "
+            "batch_dim=None."
+        )
+
+
 class FallbackRule(Rule):
     """Generic rule: the module and all its children's parameters, via ``torch.func``."""
 
@@ -428,9 +445,8 @@ class FallbackRule(Rule):
                 "outside the cached() block (the forward may stay in it)."
             )
         _check_backward_hooks(module)
-        refusal = None if rows.per_task else frequency_refusal(module, type(module).__name__)
-        if refusal is not None:  # (set since the Engine was created)
-            raise refusal
+        if not rows.per_task:
+            _check_samples_splittable(module, calls)
         # (copies: a re-run that renormalises a weight in place, as an embedding's max_norm
         # does, must not touch the parameter, whose version the forward's graph checks)
         detached = {name: p.detach().clone() for name, p in params.items()}
