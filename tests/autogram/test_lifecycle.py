@@ -1886,3 +1886,20 @@ def test_multi_grad_hook_on_a_generic_output_is_refused() -> None:
     with Engine(model, batch_dim=0) as engine, pytest.raises(ValueError, match="gradient hook"):
         engine.backward(_losses(model, X), UPGradWeighting())
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_a_module_called_on_two_batches_with_concatenated_losses_is_refused() -> None:
+    """Per sample, the losses of two batches concatenated do not match either call's batch:
+    refused, naming that case and the way out; per task it is exact."""
+    torch.manual_seed(0)
+    layer = nn.Linear(3, 2).double()
+    first, second = torch.randn(3, 3, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64)
+
+    def losses_of() -> Tensor:
+        return torch.cat([layer(first), layer(second)]).pow(2).sum(1)
+
+    engine = Engine(layer, batch_dim=0)
+    _assert_refused(engine, losses_of(), list(layer.parameters()), r"several batches.*once on")
+    engine.remove()
+    engine = Engine(layer, batch_dim=None)
+    assert_exact_gramian(engine, losses_of(), list(layer.parameters()))

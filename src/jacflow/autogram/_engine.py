@@ -1296,7 +1296,9 @@ def _check_batch(unit: Unit, call: Call, rows: Rows, batch_dims: list[int | None
                 f"must have the batch size {rows.num_samples} of `losses` on dimension {dim}, "
                 f"received shape {tuple(shape)}. Expand a tensor without the batch dimension to "
                 "the batch before the call (e.g. positions.expand(B, T)), or use batch_dim=None "
-                "for modules that do not batch there."
+                "for modules that do not batch there. If the module was called on several "
+                "batches whose losses are concatenated, call it once on the concatenated inputs "
+                "(or use batch_dim=None)."
             )
 
 
