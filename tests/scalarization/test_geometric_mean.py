@@ -35,3 +35,12 @@ def test_zero_loss_gives_zero_and_negative_raises() -> None:
     assert GeometricMean()(torch.tensor([0.0, 3.0])).item() == 0.0
     with pytest.raises(ValueError, match="non-negative"):
         GeometricMean()(torch.tensor([1.0, -2.0]))
+
+
+def test_one_loss_is_its_own_geometric_mean_with_gradient_one_at_zero() -> None:
+    """``exp(log(0))`` has gradient ``0 * inf = NaN``; one loss's geometric mean is itself."""
+    for value in (0.0, 2.5):
+        loss = torch.tensor([value], requires_grad=True)
+        mean = GeometricMean()(loss)
+        (grad,) = torch.autograd.grad(mean, loss)
+        assert mean.item() == value and grad.tolist() == [1.0]

@@ -56,3 +56,13 @@ def test_gradient_is_the_weights_and_favours_the_slowest_loss() -> None:
     (grad,) = torch.autograd.grad(sa(losses), losses)
     torch.testing.assert_close(grad, torch.softmax(torch.tensor([-1.0, 0.0, 1.0]), dim=0))
     assert grad.sum().item() == pytest.approx(1.0)
+
+
+def test_loss_weighted_with_every_loss_zero_falls_back_to_the_softmax() -> None:
+    """``L_i e^{b s_i} / sum_j L_j e^{b s_j}`` is 0/0 when every loss is zero (it gave NaN):
+    the weights are then ``softmax(b s)``, which sum to 1."""
+    sa = SoftAdapt(beta=1.0, loss_weighted=True)
+    sa(torch.tensor([1.0, 2.0]))
+    losses = torch.zeros(2, requires_grad=True)
+    (grad,) = torch.autograd.grad(sa(losses), losses)
+    torch.testing.assert_close(grad, torch.softmax(torch.tensor([-1.0, -2.0]), dim=0))

@@ -6,13 +6,13 @@ from typing import final
 
 from torch import Tensor
 
-from jacflow._stateful import Stateful
+from jacflow._stateful import SavesState, Stateful
 from jacflow.aggregation._nonfinite import has_nonfinite
 from jacflow.scalarization._base import Scalarizer, check_float, check_same_shape
 
 
 @final
-class AdaLoss(Scalarizer, Stateful):
+class AdaLoss(SavesState, Scalarizer, Stateful):
     r"""AdaLoss: :math:`\sum_i L_i / (\bar L_i + \epsilon)`, where :math:`\bar L_i` is an
     exponential moving average of :math:`L_i` (no gradient through the weights).
 
@@ -44,6 +44,8 @@ class AdaLoss(Scalarizer, Stateful):
         >>> ada(torch.tensor([3.0, 10.0]))  # averages [2, 10]: 3 / 2 + 10 / 10
         tensor(2.5000)
     """
+
+    saved_state = ("_average",)
 
     def __init__(self, momentum: float = 0.9, eps: float = 1e-8) -> None:
         super().__init__()

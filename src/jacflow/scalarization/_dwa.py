@@ -7,7 +7,7 @@ from typing import final
 import torch
 from torch import Tensor
 
-from jacflow._stateful import Stateful
+from jacflow._stateful import SavesState, Stateful
 from jacflow.aggregation._bases import compute_dtype
 from jacflow.aggregation._nonfinite import has_nonfinite
 from jacflow.scalarization._base import Scalarizer, check_float, check_same_shape, loss_ratio
@@ -32,7 +32,7 @@ def dwa_weights(older: Tensor, newer: Tensor, temperature: float) -> Tensor:
 
 
 @final
-class DWA(Scalarizer, Stateful):
+class DWA(SavesState, Scalarizer, Stateful):
     r"""Dynamic weight average: weights each loss by how slowly it decreased over the last epochs.
 
     At epoch :math:`t`, the scalarized loss of a batch with losses :math:`\ell_k` is
@@ -73,6 +73,8 @@ class DWA(Scalarizer, Stateful):
         >>> dwa.weights(torch.tensor([1.0, 1.0]))
         tensor([0.9376, 1.0624])
     """
+
+    saved_state = ("_epoch_sum", "_epoch_batches", "_averages")
 
     def __init__(self, temperature: float = 2.0) -> None:
         super().__init__()

@@ -8,7 +8,7 @@ from typing import final
 import torch
 from torch import Tensor
 
-from jacflow._stateful import Stateful
+from jacflow._stateful import SavesState, Stateful
 from jacflow.aggregation._nonfinite import has_nonfinite
 from jacflow.scalarization._base import (
     Scalarizer,
@@ -40,7 +40,7 @@ def famo_logit_gradient(logits: Tensor, delta: Tensor) -> Tensor:
 
 
 @final
-class FAMO(Scalarizer, Stateful):
+class FAMO(SavesState, Scalarizer, Stateful):
     r"""FAMO: decreases all losses at about the same rate, using only the loss values.
 
     The scalarized loss is
@@ -90,6 +90,8 @@ class FAMO(Scalarizer, Stateful):
         >>> torch.softmax(famo.logits, dim=0)
         tensor([0.4875, 0.5125])
     """
+
+    saved_state = ("_steps", "_before")
 
     logits: Tensor
     min_losses: Tensor

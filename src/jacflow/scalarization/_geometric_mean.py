@@ -11,7 +11,10 @@ from jacflow.scalarization._base import Scalarizer
 
 
 def geometric_mean(losses: Tensor) -> Tensor:
-    """``exp(mean(log(losses)))``; zero if a loss is zero, NaN/inf propagate."""
+    """``exp(mean(log(losses)))``; zero if a loss is zero, NaN/inf propagate. One loss is its
+    own geometric mean, with gradient 1 also at 0 (``exp(log(0))`` would give NaN there)."""
+    if losses.numel() == 1:
+        return losses.reshape(())
     return torch.exp(torch.log(losses).mean())
 
 

@@ -7,7 +7,7 @@ from typing import final
 import torch
 from torch import Tensor
 
-from jacflow._stateful import Stateful
+from jacflow._stateful import SavesState, Stateful
 from jacflow.aggregation._nonfinite import has_nonfinite
 from jacflow.scalarization._base import Scalarizer, check_float, check_same_shape, loss_ratio
 
@@ -18,7 +18,7 @@ def lbtw_weights(losses: Tensor, initial: Tensor, alpha: float) -> Tensor:
 
 
 @final
-class LBTW(Scalarizer, Stateful):
+class LBTW(SavesState, Scalarizer, Stateful):
     r"""Loss-balanced task weighting: :math:`\sum_i w_i L_i` with
     :math:`w_i = \big(L_i / L_i^{(0)}\big)^{\alpha}` (no gradient through :math:`w`).
 
@@ -50,6 +50,8 @@ class LBTW(Scalarizer, Stateful):
         >>> lbtw(torch.tensor([1.0, 2.0]))  # weights sqrt(1/4), sqrt(2/2)
         tensor(2.5000)
     """
+
+    saved_state = ("_initial",)
 
     def __init__(self, alpha: float = 0.5) -> None:
         super().__init__()

@@ -7,7 +7,7 @@ from typing import final
 import torch
 from torch import Tensor
 
-from jacflow._stateful import Stateful
+from jacflow._stateful import SavesState, Stateful
 from jacflow.aggregation._bases import compute_dtype
 from jacflow.aggregation._nonfinite import has_nonfinite
 from jacflow.scalarization._base import (
@@ -32,7 +32,7 @@ def log_stch(losses: Tensor, nadir: Tensor, mu: float) -> Tensor:
 
 
 @final
-class LogSTCH(Scalarizer, Stateful):
+class LogSTCH(SavesState, Scalarizer, Stateful):
     r"""Smooth Tchebycheff on log-losses normalised by a nadir point, after a warm-up (LibMTL).
 
     A separate class rather than options of :class:`STCH` because it is stateful (epochs, a
@@ -74,6 +74,8 @@ class LogSTCH(Scalarizer, Stateful):
         >>> stch(torch.tensor([1.0, 8.0]))  # 2 * log(1/2 + 8/8)
         tensor(0.8109)
     """
+
+    saved_state = ("epoch", "_sum", "_count", "nadir")
 
     def __init__(self, mu: float, warmup_epochs: int = 4) -> None:
         super().__init__()

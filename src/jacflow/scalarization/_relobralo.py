@@ -7,7 +7,7 @@ from typing import final
 import torch
 from torch import Tensor
 
-from jacflow._stateful import Stateful
+from jacflow._stateful import SavesState, Stateful
 from jacflow.aggregation._nonfinite import has_nonfinite
 from jacflow.scalarization._base import Scalarizer, check_float, check_same_shape
 
@@ -21,7 +21,7 @@ def balancing(losses: Tensor, reference: Tensor, temperature: float) -> Tensor:
 
 
 @final
-class ReLoBRaLo(Scalarizer, Stateful):
+class ReLoBRaLo(SavesState, Scalarizer, Stateful):
     r"""ReLoBRaLo: :math:`\sum_i \lambda_i(t) L_i`, the weights (summing to :math:`m`, no
     gradient) following
 
@@ -58,6 +58,8 @@ class ReLoBRaLo(Scalarizer, Stateful):
         >>> rl(torch.tensor([2.0, 1.0]))  # 0.5 * 1 + 0.5 * 2 softmax([2, 1])
         tensor(3.2311)
     """
+
+    saved_state = ("_initial", "_previous", "_lambda")
 
     def __init__(self, alpha: float = 0.999, rho: float = 0.999, temperature: float = 0.1):
         super().__init__()

@@ -7,7 +7,7 @@ from typing import final
 import torch
 from torch import Tensor
 
-from jacflow._stateful import Stateful
+from jacflow._stateful import SavesState, Stateful
 from jacflow.aggregation._nonfinite import has_nonfinite
 from jacflow.scalarization._base import Scalarizer, check_float, check_same_shape
 
@@ -23,13 +23,15 @@ def softadapt_weights(
         s = s / s.abs().sum().clamp_min(_SLOPE_FLOOR)
     weights = torch.softmax(beta * s, dim=0)
     if loss_weighted:
-        weights = losses.flatten() * weights
-        weights = weights / weights.sum()
+        scaled = losses.flatten() * weights
+        total = scaled.sum()
+        # (every loss zero: the losses carry no weight information; softmax(beta s) sums to 1)
+        weights = torch.where(total != 0, scaled / total, weights)
     return weights.reshape(losses.shape)
 
 
 @final
-class SoftAdapt(Scalarizer, Stateful):
+class SoftAdapt(SavesState, Scalarizer, Stateful):
     r"""SoftAdapt: :math:`\sum_i \alpha_i L_i` with
     :math:`\alpha = \mathrm{softmax}(\beta s)`, where
     :math:`s_i = L_i(t) - L_i(t-1)` is the rate of change of loss :math:`i` since the last call.
@@ -41,7 +43,8 @@ class SoftAdapt(Scalarizer, Stateful):
     * ``loss_weighted=True``:
       :math:`\alpha_i = L_i e^{\beta s_i} / \sum_j L_j e^{\beta s_j}`.
 
-    The weights sum to 1 and carry no gradient; at the first call :math:`s = 0`.
+    The weights sum to 1 and carry no gradient; at the first call :math:`s = 0`. With
+    ``loss_weighted=True`` and every loss zero, the weights are :math:`\mathrm{softmax}(\beta s)`.
 
     Paper: A. A. Heydari, C. A. Thompson, A. Mehmood, *SoftAdapt: Techniques for Adaptive Loss
     Weighting of Neural Networks with Multi-Part Loss Functions*, arXiv 1912.12355, 2019. The
@@ -66,6 +69,8 @@ class SoftAdapt(Scalarizer, Stateful):
         >>> sa(torch.tensor([1.0, 2.0]))  # slopes [-1, 0]: weights softmax([-1, 0])
         tensor(1.7311)
     """
+
+    saved_state = ("_previous",)
 
     def __init__(self, beta: float = 0.1, normalized: bool = False, loss_weighted: bool = False):
         super().__init__()
