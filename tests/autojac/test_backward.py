@@ -225,3 +225,70 @@ def test_gramian_aggregation_of_extreme_or_half_precision_jacobians(
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     got = torch.cat([x.grad.double(), b.grad.double()])
     torch.testing.assert_close(got / scale, expected / scale, rtol=tol, atol=tol)
+
+
+def _retaining() -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """A leaf ``a``, a non-leaf ``h = 2a`` that called ``retain_grad()``, and three losses."""
+    a = torch.tensor([0.3, -1.2, 2.0], dtype=torch.float64, requires_grad=True)
+    h = a * 2
+    h.retain_grad()
+    return a, h, list(_losses_of_h(h))
+
+
+def _losses_of_h(h: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return (h**2).sum(), h.sin().sum(), (h[:2] * h[1:]).sum()
+
+
+def _jacobian_at_h(h: torch.Tensor) -> torch.Tensor:
+    """The ``[3, 3]`` Jacobian of the losses at ``h``, by ``jacrev`` on a graph of its own."""
+    return torch.func.jacrev(lambda t: torch.stack(_losses_of_h(t)))(h.detach())
+
+
+@pytest.mark.parametrize("aggregator", [None, Sum(), Mean(), UPGrad()], ids=str)
+@pytest.mark.parametrize("chunk", [None, 1])
+@pytest.mark.parametrize("prior", [False, True])
+@pytest.mark.parametrize("with_leaf", [False, True])
+def test_input_that_retains_grad_is_written_once(
+    aggregator: Aggregator | None, chunk: int | None, prior: bool, with_leaf: bool
+) -> None:
+    """``h.retain_grad()`` on a non-leaf input made torch's hook write ``h.grad`` during the
+    differentiation and ``backward`` add its result on top: twice the update with Sum and Mean,
+    a vmap BatchedTensor with UPGrad (or with no aggregator, beside ``h.jac``). ``h.grad`` now
+    gets the result once, as ``torch.autograd.backward(w @ losses, inputs=[h])`` gives it."""
+    a, h, losses = _retaining()
+    h.grad = torch.full((3,), 0.5, dtype=torch.float64) if prior else None
+    before = None if h.grad is None else h.grad.clone()
+    inputs = [a, h] if with_leaf else [h]
+    backward(losses, inputs, A=aggregator, parallel_chunk_size=chunk)
+    j_h = _jacobian_at_h(h)
+    j_a = 2 * j_h  # (h = 2a)
+    if aggregator is None:
+        torch.testing.assert_close(h.jac, j_h)  # type: ignore[attr-defined]
+        assert (h.grad is None) if before is None else torch.equal(h.grad, before)
+        return
+    matrix = torch.cat([j_a, j_h], dim=1) if with_leaf else j_h
+    update = aggregator(matrix)[-3:]
+    assert h.grad is not None and type(h.grad) is torch.Tensor
+    torch.testing.assert_close(h.grad, update if before is None else before + update)
+    if isinstance(aggregator, (Sum, Mean)) and not with_leaf:  # the plain torch call
+        reference = torch.tensor([0.3, -1.2, 2.0], dtype=torch.float64, requires_grad=True) * 2
+        reference.retain_grad()
+        reference.grad = None if before is None else before.clone()
+        weights = aggregator.weights(torch.zeros(3, 0, dtype=torch.float64))
+        torch.autograd.backward(weights @ torch.stack(_losses_of_h(reference)), inputs=[reference])
+        torch.testing.assert_close(h.grad, reference.grad)
+
+
+@pytest.mark.parametrize("aggregator", [Sum(), Mean()], ids=str)
+def test_intermediate_that_retains_grad_gets_the_weighted_gradient(aggregator: Aggregator) -> None:
+    """With Sum and Mean (one differentiation of the weighted losses), a ``retain_grad()``
+    tensor between the losses and the inputs gets what ``(w @ losses).backward()`` gives it."""
+    a, h, losses = _retaining()
+    backward(losses, [a], A=aggregator)
+    leaf = torch.tensor([0.3, -1.2, 2.0], dtype=torch.float64, requires_grad=True)
+    reference = leaf * 2
+    reference.retain_grad()
+    weights = aggregator.weights(torch.zeros(3, 0, dtype=torch.float64))
+    (weights @ torch.stack(_losses_of_h(reference))).backward()
+    torch.testing.assert_close(h.grad, reference.grad)
+    torch.testing.assert_close(a.grad, leaf.grad)

@@ -154,3 +154,21 @@ def test_leaf_output_is_its_own_input(chunk: int | None) -> None:
         torch.testing.assert_close(g, e)
     (alone,) = jac(x, parallel_chunk_size=chunk)
     torch.testing.assert_close(alone, torch.func.jacrev(lambda a: a)(x.detach()))
+
+
+@pytest.mark.parametrize("chunk", [None, 1])
+def test_input_that_retains_grad_keeps_its_grad(chunk: int | None) -> None:
+    """``jac`` only returns: a non-leaf input that called ``retain_grad()`` got a vmap
+    BatchedTensor (or the sum of the rows without vmap) in ``.grad`` from torch's hook."""
+    a = torch.tensor([0.3, -1.2, 2.0], dtype=torch.float64, requires_grad=True)
+    h = a * 2
+    h.retain_grad()
+    prior = torch.ones(3, dtype=torch.float64)
+    h.grad = prior
+
+    def fn(t: torch.Tensor) -> torch.Tensor:
+        return torch.stack([(t**2).sum(), t.sin().sum()])
+
+    (got,) = jac(fn(h), [h], parallel_chunk_size=chunk)
+    torch.testing.assert_close(got, torch.func.jacrev(fn)(h.detach()))
+    assert h.grad is prior and torch.equal(prior, torch.ones(3, dtype=torch.float64))

@@ -85,7 +85,9 @@ def backward(
             grad behind ``tensors`` (an element of ``tensors`` that is such a leaf is its own
             input, with the identity Jacobian). A non-leaf input gets its ``.grad`` (or
             ``.jac``) written directly, without ``retain_grad()``: later differentiations
-            through it leave it alone, and the next ``backward`` accumulates into it.
+            through it leave it alone, and the next ``backward`` accumulates into it. One that
+            called ``retain_grad()`` gets its result once too (the ``.grad`` that torch's hook
+            writes during the differentiation is put back first).
         A: aggregator reducing the Jacobian to one update; ``None`` stores ``.jac`` instead.
         retain_graph: keep the graph for another differentiation. Default: ``create_graph``.
         parallel_chunk_size: rows differentiated per vmapped call (``None``: all; ``1``: a loop
@@ -98,6 +100,14 @@ def backward(
     (``m = 0``: ``tensors`` have no elements, e.g. the losses of an empty batch) gives
     ``[0, *t.shape]`` in ``.jac``, or with ``A`` the zero update, added to ``.grad`` (zeros
     where it was ``None``), as ``y.backward(torch.zeros(0))`` does for an empty ``y``.
+
+    A tensor between ``tensors`` and ``inputs`` that called ``retain_grad()`` is left to torch's
+    hook, which runs in every differentiation through it: with ``A=Mean()`` or ``A=Sum()`` (one
+    differentiation of the weighted tensors) it gets what ``(w @ losses).backward()`` gives it;
+    with ``parallel_chunk_size=1``, the sum of the Jacobian's rows at it; with several rows per
+    vmapped call, an unusable batched tensor (the hook runs inside vmap, and torch does not say
+    which tensors retain grad, so jacflow can neither avoid nor undo it; TorchJD does the same).
+    Pass ``parallel_chunk_size=1`` then, or list the tensor in ``inputs`` for its own result.
 
     Example:
         >>> import torch

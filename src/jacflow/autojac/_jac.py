@@ -85,6 +85,11 @@ def jac(
             memory scales with the chunk.
         create_graph: build the graph of the result, for higher-order derivatives.
 
+    No ``.grad`` is written: an input that called ``retain_grad()`` keeps its ``.grad`` (torch's
+    hook writes it during the differentiation; it is put back). A tensor between ``outputs`` and
+    ``inputs`` that called ``retain_grad()`` is left to that hook, as in :func:`backward`: the sum
+    of the rows with ``parallel_chunk_size=1``, an unusable batched tensor with vmapped rows.
+
     Returns:
         A tuple with one ``[m, *input.shape]`` tensor per input.
 

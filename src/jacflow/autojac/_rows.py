@@ -120,24 +120,37 @@ def autograd_vjp(
     retain_graph: bool,
     create_graph: bool,
 ) -> VJP:
-    """A :class:`VJP` over the autograd graph (``torch.autograd.grad``)."""
+    """A :class:`VJP` over the autograd graph (``torch.autograd.grad``).
+
+    The ``.grad`` of an input that called ``retain_grad()`` is put back after every call: torch
+    runs the hook of ``retain_grad()`` in every differentiation that reaches the tensor, with it
+    among the inputs too, and inside vmap it stores a batched tensor. The callers write each
+    input's result themselves, once. (The hooks of the tensors between ``outputs`` and
+    ``inputs`` run as well; torch does not say which tensors retain grad, so those are left.)
+    """
     differentiable = [i for i, o in enumerate(outputs) if o.requires_grad]
     targets = [outputs[i] for i in differentiable]
+    retaining = [i for i in inputs if i.retains_grad]
 
     def vjp(
         cotangents: tuple[Tensor, ...], *, batched: bool, last: bool
     ) -> Sequence[Tensor | None]:
         if not targets or not inputs:
             return [None] * len(inputs)
-        return torch.autograd.grad(
-            targets,
-            list(inputs),
-            grad_outputs=[cotangents[i] for i in differentiable],
-            retain_graph=retain_graph or not last,
-            create_graph=create_graph,
-            allow_unused=True,
-            is_grads_batched=batched,
-        )
+        kept = [(i, i.grad) for i in retaining]
+        try:
+            return torch.autograd.grad(
+                targets,
+                list(inputs),
+                grad_outputs=[cotangents[i] for i in differentiable],
+                retain_graph=retain_graph or not last,
+                create_graph=create_graph,
+                allow_unused=True,
+                is_grads_batched=batched,
+            )
+        finally:
+            for tensor, grad in kept:
+                tensor.grad = grad
 
     return vjp
 
