@@ -292,3 +292,29 @@ def test_intermediate_that_retains_grad_gets_the_weighted_gradient(aggregator: A
     (weights @ torch.stack(_losses_of_h(reference))).backward()
     torch.testing.assert_close(h.grad, reference.grad)
     torch.testing.assert_close(a.grad, leaf.grad)
+
+
+@pytest.mark.parametrize("aggregator", [None, Sum(), UPGrad()], ids=str)
+@pytest.mark.parametrize("chunk", [None, 1])
+def test_repeated_input_is_taken_once(aggregator: Aggregator | None, chunk: int | None) -> None:
+    """``inputs=[a, b, a]`` raised ValueError; it is taken as ``[a, b]``, as
+    ``torch.autograd.backward`` takes it (one gradient) and as TorchJD does (one ``.jac``)."""
+    a = torch.tensor([0.3, -1.2], dtype=torch.float64, requires_grad=True)
+    b = torch.tensor([2.0], dtype=torch.float64, requires_grad=True)
+
+    def fn(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return torch.stack([(x**2).sum() * y[0], x.sin().sum() - y[0]])
+
+    backward(fn(a, b), [a, b, a], A=aggregator, parallel_chunk_size=chunk)
+    j_a, j_b = torch.func.jacrev(fn, argnums=(0, 1))(a.detach(), b.detach())
+    if aggregator is None:
+        torch.testing.assert_close(a.jac, j_a)  # type: ignore[attr-defined]
+        torch.testing.assert_close(b.jac, j_b)  # type: ignore[attr-defined]
+        return
+    update = aggregator(torch.cat([j_a, j_b], dim=1))
+    torch.testing.assert_close(a.grad, update[:2])
+    torch.testing.assert_close(b.grad, update[2:])
+    if isinstance(aggregator, Sum):  # the plain torch call
+        leaf_a, leaf_b = a.detach().requires_grad_(), b.detach().requires_grad_()
+        torch.autograd.backward(fn(leaf_a, leaf_b).sum(), inputs=[leaf_a, leaf_b, leaf_a])
+        torch.testing.assert_close(a.grad, leaf_a.grad)

@@ -52,12 +52,6 @@ CASES: list[tuple[str, type[Exception], str, Callable[[Tensor, Tensor, list[Tens
         lambda w, v, o: backward([o[0], o[0]], [w], A=Mean()),
     ),
     (
-        "duplicated inputs",
-        ValueError,
-        "distinct tensors",
-        lambda w, v, o: backward(o, [w, w], A=Mean()),
-    ),
-    (
         "jac_tensors length",
         ValueError,
         "one tensor per element of `tensors`",

@@ -172,3 +172,16 @@ def test_input_that_retains_grad_keeps_its_grad(chunk: int | None) -> None:
     (got,) = jac(fn(h), [h], parallel_chunk_size=chunk)
     torch.testing.assert_close(got, torch.func.jacrev(fn)(h.detach()))
     assert h.grad is prior and torch.equal(prior, torch.ones(3, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("chunk", [None, 1, 2])
+def test_repeated_input_gets_one_jacobian_per_place(chunk: int | None) -> None:
+    """As ``torch.autograd.grad`` (and TorchJD's ``jac``): one result per listed input."""
+    a = torch.tensor([0.3, -1.2], dtype=torch.float64, requires_grad=True)
+    b = torch.tensor([2.0], dtype=torch.float64, requires_grad=True)
+    y = torch.stack([(a**2).sum() * b[0], a.sin().sum() - b[0], a.prod()])
+    rows = [torch.autograd.grad(y[i], [a, b, a], retain_graph=True) for i in range(3)]
+    got = jac(y, [a, b, a], parallel_chunk_size=chunk)
+    assert len(got) == 3
+    for k in range(3):
+        torch.testing.assert_close(got[k], torch.stack([r[k] for r in rows]))

@@ -17,6 +17,7 @@ from jacflow.autojac._checks import (
     check_jac_outputs,
     check_non_empty,
     check_unique,
+    without_repeats,
 )
 from jacflow.autojac._jac import compute_jacobians, resolve_inputs
 from jacflow.autojac._rows import autograd_vjp
@@ -81,7 +82,8 @@ def backward(
 
     Args:
         tensors: the tensor or tensors to differentiate; non-empty, distinct.
-        inputs: tensors to differentiate with respect to. Default: every leaf tensor requiring
+        inputs: tensors to differentiate with respect to (one listed several times is taken
+            once, as in :func:`torch.autograd.backward`). Default: every leaf tensor requiring
             grad behind ``tensors`` (an element of ``tensors`` that is such a leaf is its own
             input, with the identity Jacobian). A non-leaf input gets its ``.grad`` (or
             ``.jac``) written directly, without ``retain_grad()``: later differentiations
@@ -125,9 +127,8 @@ def backward(
     check_unique(outs, "tensors")
     aggregator = check_aggregator(A)
     chunk_size = check_chunk_size(parallel_chunk_size, "parallel_chunk_size")
-    ins = resolve_inputs(outs, inputs, "tensors", "inputs")
+    ins = without_repeats(resolve_inputs(outs, inputs, "tensors", "inputs"))
     check_non_empty(ins, "inputs")
-    check_unique(ins, "inputs")
     if jac_tensors is None:
         cotangents = None
         rows = sum(o.numel() for o in outs)

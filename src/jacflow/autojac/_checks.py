@@ -45,6 +45,12 @@ def check_unique(tensors: tuple[Tensor, ...], name: str) -> None:
         seen[id(tensor)] = i
 
 
+def without_repeats(tensors: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+    """``tensors`` with each tensor kept once, at its first place (as ``torch.autograd.backward``
+    takes ``inputs``)."""
+    return tuple({id(t): t for t in tensors}.values())
+
+
 def check_chunk_size(value: object, name: str) -> int | None:
     if value is None:
         return None

@@ -76,7 +76,8 @@ def jac(
         inputs: tensors to differentiate with respect to (leaves or not); each must require
             grad. Default: every leaf tensor requiring grad that ``outputs`` depend on (an
             output that is such a leaf is its own input).
-            Inputs that ``outputs`` do not depend on get zero Jacobians.
+            Inputs that ``outputs`` do not depend on get zero Jacobians; an input listed
+            several times gets its Jacobian at each place, as in :func:`torch.autograd.grad`.
         jac_outputs: one tensor per output, of shape ``[m, *output.shape]`` with the same
             ``m`` for all; default: the identity (``m = total numel of outputs``).
         retain_graph: keep the graph for another differentiation. Default: ``create_graph``.
