@@ -9,7 +9,16 @@ import torch
 from torch import Tensor
 
 from jacflow import backward, jac, jac_to_grad, mtl_backward
-from jacflow.aggregation import Aggregator, Mean, UPGrad
+from jacflow.aggregation import (
+    Aggregator,
+    ConFIG,
+    Constant,
+    Krum,
+    Mean,
+    NashMTL,
+    TrimmedMean,
+    UPGrad,
+)
 
 
 class _Exploding(Aggregator):
@@ -182,6 +191,49 @@ def test_jac_to_grad_checks_every_jac_shape_before_writing(stale: Tensor) -> Non
     p2.jac = good  # type: ignore[attr-defined]
     jac_to_grad([p1, p2], Mean())
     torch.testing.assert_close(p1.grad, 1 + matrix.mean(0)[:12].reshape(3, 4))
+
+
+_REFUSING_TWO_ROWS = [
+    Krum(1),
+    Constant(torch.ones(3)),
+    NashMTL(n_tasks=3),
+    TrimmedMean(1),
+    UPGrad(pref_vector=torch.ones(3)),
+    ConFIG(pref_vector=torch.ones(3)),
+]
+
+
+@pytest.mark.parametrize("aggregator", _REFUSING_TWO_ROWS, ids=str)
+@pytest.mark.parametrize("via_jac", [False, True])
+def test_rows_refused_by_the_aggregator_before_differentiating(
+    aggregator: Aggregator, via_jac: bool
+) -> None:
+    """An aggregator that refuses m = 2 rows raised after the differentiation had freed the
+    graph: a second call failed ("backward through the graph a second time"). Now the graph
+    is left intact; `jac_to_grad` refuses them the same way, before aggregating."""
+    w, v, outputs = _setup()
+    before = _snapshot(w, v)
+    if via_jac:
+        del w.jac  # type: ignore[attr-defined]
+        backward(outputs, [w, v], retain_graph=True)
+        jac_fields = [w.jac.clone(), v.jac.clone()]  # type: ignore[attr-defined]
+        with pytest.raises(ValueError, match=r"rows|objectives|entries"):
+            jac_to_grad([w, v], aggregator)
+        assert torch.equal(w.jac, jac_fields[0]) and torch.equal(v.jac, jac_fields[1])  # type: ignore[attr-defined]
+        del w.jac, v.jac  # type: ignore[attr-defined]
+    else:
+        with pytest.raises(ValueError, match=r"rows|objectives|entries"):
+            backward(outputs, [w, v], A=aggregator)
+        assert torch.equal(w.jac, before[0][1])  # type: ignore[attr-defined, arg-type]
+    after = _snapshot(w, v)
+    assert torch.equal(after[0][0], before[0][0]) and v.grad is None  # type: ignore[arg-type]
+    backward(outputs, [w, v], A=UPGrad())  # the graph is still there
+    j_w, j_v = torch.func.jacrev(
+        lambda a, b: torch.stack([(a * b).sum(), (a**2).sum()]), argnums=(0, 1)
+    )(w.detach(), v.detach())
+    update = UPGrad()(torch.cat([j_w, j_v], dim=1))
+    torch.testing.assert_close(w.grad, before[0][0] + update[:2])  # type: ignore[operator]
+    torch.testing.assert_close(v.grad, update[2:])
 
 
 def _mtl_setup() -> tuple[torch.nn.Linear, torch.nn.Linear, Tensor, list[Tensor]]:

@@ -9,7 +9,11 @@ from torch import Tensor
 
 from jacflow.aggregation._bases import GramianWeightedAggregator, GramianWeighting
 from jacflow.aggregation._nonfinite import has_nonfinite, nan_weights
-from jacflow.aggregation._pref_vector import check_pref_vector, resolve_pref_vector
+from jacflow.aggregation._pref_vector import (
+    check_pref_rows,
+    check_pref_vector,
+    resolve_pref_vector,
+)
 from jacflow.aggregation._properties import Property
 
 ScaleMode = Literal["min", "median", "rmse"]
@@ -80,6 +84,9 @@ class AlignedMTLWeighting(GramianWeighting):
         self.scale_mode = _check_scale_mode(scale_mode)
 
     scale_invariant = True  # (the scale s and the inverse square roots of the eigenvalues cancel)
+
+    def check_rows(self, m: int) -> None:
+        check_pref_rows(self.pref_vector, m)
 
     def forward(self, stat: Tensor) -> Tensor:
         with torch.no_grad():

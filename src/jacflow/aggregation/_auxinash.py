@@ -143,13 +143,15 @@ class AuxiNashWeighting(GramianWeighting):
         )
         self.max_iter = check_int(max_iter, "max_iter", low=1)
 
-    def forward(self, stat: Tensor) -> Tensor:
-        m = stat.shape[0]
+    def check_rows(self, m: int) -> None:
         if self.preferences.shape[0] != m:
             raise ValueError(
                 f"AuxiNash has {self.preferences.shape[0]} preferences but the Gramian has {m} "
                 "rows; give one bargaining power per objective."
             )
+
+    def forward(self, stat: Tensor) -> Tensor:
+        self.check_rows(stat.shape[0])
         with torch.no_grad():
             return auxinash_weights(stat, self.preferences, self.max_norm, self.max_iter)
 

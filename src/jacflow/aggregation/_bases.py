@@ -121,6 +121,22 @@ class Aggregator(nn.Module, ABC):
             return super().__call__(matrix.to(work)).to(matrix.dtype)
         return super().__call__(matrix)
 
+    def check_rows(self, m: int) -> None:
+        """Raise ``ValueError`` if this aggregator cannot take a matrix of ``m`` rows.
+
+        :func:`jacflow.backward` calls it before it differentiates, so that a number of rows
+        that the aggregator would refuse fails with the graph intact. Accepts any ``m`` unless
+        the configuration fixes or bounds it (e.g. :class:`Constant`, :class:`Krum`); a method
+        that overrides it refuses the same ``m`` when called.
+
+        Example:
+            >>> from jacflow.aggregation import Krum
+            >>> Krum(n_byzantine=1).check_rows(3)
+            Traceback (most recent call last):
+            ...
+            ValueError: Krum with n_byzantine=1 needs at least n_byzantine + 3 = 4 rows, ...
+        """
+
     @abstractmethod
     def forward(self, matrix: Tensor) -> Tensor:
         """Return the aggregation of the rows of ``matrix``."""
@@ -154,6 +170,13 @@ class Weighting(nn.Module, ABC):
 
     def _check_input(self, stat: Tensor) -> None:
         _check_matrix(stat, "stat", type(self).__name__)
+
+    def check_rows(self, m: int) -> None:
+        """Raise ``ValueError`` if this weighting cannot weight ``m`` rows (objectives).
+
+        Accepts any ``m`` unless the configuration fixes or bounds it; a weighting that
+        overrides it refuses the same ``m`` when called.
+        """
 
     @abstractmethod
     def forward(self, stat: Tensor) -> Tensor:
@@ -232,6 +255,9 @@ class WeightedAggregator(Aggregator):
     def weights(self, matrix: Tensor) -> Tensor:
         """Weights that this aggregator gives to the rows of ``matrix``."""
         return self.weighting(matrix)
+
+    def check_rows(self, m: int) -> None:
+        self.weighting.check_rows(m)
 
     def forward(self, matrix: Tensor) -> Tensor:
         return self.weights(matrix).to(matrix.dtype) @ matrix

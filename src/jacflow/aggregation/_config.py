@@ -7,7 +7,7 @@ from torch import Tensor
 
 from jacflow.aggregation._bases import Aggregator, scale_to_unit_peak
 from jacflow.aggregation._nonfinite import has_nonfinite
-from jacflow.aggregation._pref_vector import check_pref_vector
+from jacflow.aggregation._pref_vector import check_pref_rows, check_pref_vector
 from jacflow.aggregation._properties import Property
 from jacflow.linalg import compute_gramian
 
@@ -80,15 +80,14 @@ class ConFIG(Aggregator):
         super().__init__()
         self.pref_vector = check_pref_vector(pref_vector)
 
+    def check_rows(self, m: int) -> None:
+        check_pref_rows(self.pref_vector, m)
+
     def forward(self, matrix: Tensor) -> Tensor:
         m = matrix.shape[0]
+        self.check_rows(m)
         if self.pref_vector is None:
             pref = torch.ones(m, dtype=matrix.dtype, device=matrix.device)
-        elif self.pref_vector.shape[0] != m:
-            raise ValueError(
-                f"`pref_vector` has {self.pref_vector.shape[0]} entries but the matrix has {m} "
-                "rows; give one preference per objective."
-            )
         else:
             pref = self.pref_vector.to(device=matrix.device, dtype=matrix.dtype)
         with torch.no_grad():

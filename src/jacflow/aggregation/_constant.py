@@ -21,12 +21,16 @@ def _check_weights(weights: object) -> Tensor:
 
 def constant_weights(weights: Tensor, m: int, like: Tensor) -> Tensor:
     """``weights`` on ``like``'s device and dtype, checked to have ``m`` entries."""
+    _check_count(weights, m)
+    return weights.to(device=like.device, dtype=like.dtype)
+
+
+def _check_count(weights: Tensor, m: int) -> None:
     if weights.shape[0] != m:
         raise ValueError(
             f"Constant has {weights.shape[0]} `weights` but the input has {m} rows; give one "
             "weight per objective."
         )
-    return weights.to(device=like.device, dtype=like.dtype)
 
 
 class ConstantWeighting(GramianWeighting):
@@ -52,6 +56,9 @@ class ConstantWeighting(GramianWeighting):
         Weighting._check_input(self, stat)
 
     scale_invariant = True  # (the weights do not read G)
+
+    def check_rows(self, m: int) -> None:
+        _check_count(self.weights, m)
 
     def forward(self, stat: Tensor) -> Tensor:
         return constant_weights(self.weights, stat.shape[0], stat)

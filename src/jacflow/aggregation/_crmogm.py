@@ -76,6 +76,9 @@ class CRMOGMWeighting(GramianWeighting, Stateful):
         """That of the wrapped weighting (an average of scale-invariant weights is)."""
         return isinstance(self.weighting, GramianWeighting) and self.weighting.scale_invariant
 
+    def check_rows(self, m: int) -> None:
+        self.weighting.check_rows(m)
+
     def forward(self, stat: Tensor) -> Tensor:
         m = stat.shape[0]
         previous = self._previous if self._previous is not None else self.initial_weights

@@ -6,7 +6,11 @@ import torch
 from torch import Tensor
 
 from jacflow.aggregation._bases import GramianWeighting
-from jacflow.aggregation._pref_vector import check_pref_vector, resolve_pref_vector
+from jacflow.aggregation._pref_vector import (
+    check_pref_rows,
+    check_pref_vector,
+    resolve_pref_vector,
+)
 from jacflow.aggregation._preset import NoGradGramianPreset
 from jacflow.aggregation._properties import Property
 from jacflow.aggregation._upgrad import _check_projector, is_scale_free
@@ -51,6 +55,9 @@ class DualProjWeighting(GramianWeighting):
     def scale_invariant(self) -> bool:
         """Whether the projector ignores the Gramian's scale (``norm_eps == 0``)."""
         return is_scale_free(self.projector)
+
+    def check_rows(self, m: int) -> None:
+        check_pref_rows(self.pref_vector, m)
 
     def forward(self, stat: Tensor) -> Tensor:
         with torch.no_grad():

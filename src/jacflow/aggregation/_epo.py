@@ -118,13 +118,16 @@ class EPOWeighting(GramianWeighting, LossAware):
 
     scale_invariant = True  # (its LP reads G divided by its largest diagonal entry)
 
-    def forward(self, stat: Tensor) -> Tensor:
-        m = stat.shape[0]
+    def check_rows(self, m: int) -> None:
         if self.preference.shape[0] != m:
             raise ValueError(
                 f"EPO has {self.preference.shape[0]} preference entries but the Gramian has {m} "
                 "rows; give one preference per objective."
             )
+
+    def forward(self, stat: Tensor) -> Tensor:
+        m = stat.shape[0]
+        self.check_rows(m)
         losses = self.losses_like(m, stat)
         with torch.no_grad():
             return epo_weights(stat, losses, self.preference, self.eps, self.relax)

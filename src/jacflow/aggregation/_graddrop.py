@@ -100,12 +100,15 @@ class GradDrop(Aggregator):
         self.f = f
         self.leak = leak
 
-    def forward(self, matrix: Tensor) -> Tensor:
-        if self.leak is not None and self.leak.shape[0] != matrix.shape[0]:
+    def check_rows(self, m: int) -> None:
+        if self.leak is not None and self.leak.shape[0] != m:
             raise ValueError(
-                f"`leak` has {self.leak.shape[0]} entries but the matrix has "
-                f"{matrix.shape[0]} rows; give one leak value per objective."
+                f"`leak` has {self.leak.shape[0]} entries but the matrix has {m} rows; give one "
+                "leak value per objective."
             )
+
+    def forward(self, matrix: Tensor) -> Tensor:
+        self.check_rows(matrix.shape[0])
         return graddrop(matrix, self.f, self.leak)
 
     def extra_repr(self) -> str:

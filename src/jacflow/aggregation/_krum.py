@@ -77,6 +77,10 @@ class KrumWeighting(GramianWeighting):
 
     scale_invariant = True  # (it selects rows by the order of their scores)
 
+    def check_rows(self, m: int) -> None:
+        if m:
+            _check_rows(m, self.n_byzantine, self.n_selected)
+
     def forward(self, stat: Tensor) -> Tensor:
         with torch.no_grad():
             return krum_weights(stat, self.n_byzantine, self.n_selected)

@@ -62,6 +62,9 @@ class LogLoss(GramianWeighting, LossAware):
         """That of the wrapped weighting (the losses' scaling does not depend on G)."""
         return self.weighting.scale_invariant
 
+    def check_rows(self, m: int) -> None:
+        self.weighting.check_rows(m)
+
     def forward(self, stat: Tensor) -> Tensor:
         losses = self.losses_like(stat.shape[0], stat)
         if bool((losses <= 0).any()):

@@ -77,15 +77,18 @@ class NashMTLWeighting(GramianWeighting, Stateful):
         self._alpha = None
         self._step = 0
 
-    def forward(self, stat: Tensor) -> Tensor:
-        m = stat.shape[0]
-        if m == 0:
-            return stat.new_zeros(0)
-        if m != self.n_tasks:
+    def check_rows(self, m: int) -> None:
+        if m and m != self.n_tasks:
             raise ValueError(
                 f"NashMTL was built with `n_tasks={self.n_tasks}` but received {m} objectives; "
                 f"construct it with `n_tasks={m}` (and call `reset()` when the tasks change)."
             )
+
+    def forward(self, stat: Tensor) -> Tensor:
+        m = stat.shape[0]
+        if m == 0:
+            return stat.new_zeros(0)
+        self.check_rows(m)
         with torch.no_grad():
             if has_nonfinite(stat):
                 return nan_weights(m, stat)

@@ -111,13 +111,16 @@ class ParetoMTLWeighting(GramianWeighting, LossAware, Stateful):
 
     scale_invariant = True  # (the MGDA weights of A G A^T, normalised)
 
-    def forward(self, stat: Tensor) -> Tensor:
-        m = stat.shape[0]
+    def check_rows(self, m: int) -> None:
         if self.preferences.shape[1] != m:
             raise ValueError(
                 f"ParetoMTL has preference vectors of {self.preferences.shape[1]} entries but the "
                 f"Gramian has {m} rows; give one preference entry per objective."
             )
+
+    def forward(self, stat: Tensor) -> Tensor:
+        m = stat.shape[0]
+        self.check_rows(m)
         losses = self.losses_like(m, stat)
         if m == 0:
             return stat.new_zeros(0)

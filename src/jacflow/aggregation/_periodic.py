@@ -73,6 +73,9 @@ class Periodic(GramianWeighting, Stateful):
         """That of the wrapped weighting."""
         return self.weighting.scale_invariant
 
+    def check_rows(self, m: int) -> None:
+        self.weighting.check_rows(m)
+
     def forward(self, stat: Tensor) -> Tensor:
         if self.needs_gramian():
             weights = self.weighting(stat)

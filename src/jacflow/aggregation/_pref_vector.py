@@ -27,9 +27,14 @@ def resolve_pref_vector(pref_vector: Tensor | None, m: int, like: Tensor) -> Ten
     """The preference weights for ``m`` rows: the given vector, or ``1/m`` each by default."""
     if pref_vector is None:
         return mean_weights(m, like)
-    if pref_vector.shape[0] != m:
+    check_pref_rows(pref_vector, m)
+    return pref_vector.to(device=like.device, dtype=like.dtype)
+
+
+def check_pref_rows(pref_vector: Tensor | None, m: int) -> None:
+    """Raise unless ``pref_vector`` (if given) has one entry per row, ``m``."""
+    if pref_vector is not None and pref_vector.shape[0] != m:
         raise ValueError(
             f"`pref_vector` has {pref_vector.shape[0]} entries but the matrix has {m} rows; give "
             "one preference per objective."
         )
-    return pref_vector.to(device=like.device, dtype=like.dtype)

@@ -9,7 +9,11 @@ from jacflow._stateful import Stateful
 from jacflow.aggregation._bases import GramianWeighting
 from jacflow.aggregation._hyperparameters import check_float, check_int
 from jacflow.aggregation._nonfinite import has_nonfinite, nan_weights
-from jacflow.aggregation._pref_vector import check_pref_vector, resolve_pref_vector
+from jacflow.aggregation._pref_vector import (
+    check_pref_rows,
+    check_pref_vector,
+    resolve_pref_vector,
+)
 from jacflow.aggregation._preset import StatefulGramianPreset
 from jacflow.aggregation._properties import Property
 from jacflow.aggregation._simplex import project_onto_simplex
@@ -83,6 +87,9 @@ class SDMGradWeighting(GramianWeighting, Stateful):
         self._w = None
 
     scale_invariant = True  # (its steps read G divided by the squared mean norm)
+
+    def check_rows(self, m: int) -> None:
+        check_pref_rows(self.pref_vector, m)
 
     def forward(self, stat: Tensor) -> Tensor:
         m = stat.shape[0]

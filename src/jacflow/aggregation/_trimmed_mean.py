@@ -28,11 +28,7 @@ def trimmed_mean(matrix: Tensor, trim_number: int) -> Tensor:
     m = matrix.shape[0]
     if m == 0:
         return matrix.sum(dim=0)
-    if m < 2 * trim_number + 1:
-        raise ValueError(
-            f"TrimmedMean with trim_number={trim_number} needs at least 2 * trim_number + 1 = "
-            f"{2 * trim_number + 1} rows, received {m}; lower `trim_number`."
-        )
+    _check_rows(m, trim_number)
     if trim_number == 0:
         result = matrix.mean(dim=0)
     elif trim_number <= _TOPK_MAX and m >= _TOPK_MIN_ROWS:
@@ -42,6 +38,14 @@ def trimmed_mean(matrix: Tensor, trim_number: int) -> Tensor:
         result = kept.mean(dim=0)
     finite = torch.isfinite(matrix).all(dim=0)
     return torch.where(finite, result, torch.full_like(result, float("nan")))
+
+
+def _check_rows(m: int, trim_number: int) -> None:
+    if 0 < m < 2 * trim_number + 1:
+        raise ValueError(
+            f"TrimmedMean with trim_number={trim_number} needs at least 2 * trim_number + 1 = "
+            f"{2 * trim_number + 1} rows, received {m}; lower `trim_number`."
+        )
 
 
 def _trimmed_mean_topk(matrix: Tensor, trim_number: int) -> Tensor:
@@ -88,6 +92,9 @@ class TrimmedMean(Aggregator):
     def __init__(self, trim_number: int) -> None:
         super().__init__()
         self.trim_number = check_int(trim_number, "trim_number", low=0)
+
+    def check_rows(self, m: int) -> None:
+        _check_rows(m, self.trim_number)
 
     def forward(self, matrix: Tensor) -> Tensor:
         return trimmed_mean(matrix, self.trim_number)

@@ -10,7 +10,11 @@ from torch import Tensor
 from jacflow.aggregation._bases import GramianWeightedAggregator, GramianWeighting
 from jacflow.aggregation._mean import mean_weights
 from jacflow.aggregation._nonfinite import has_nonfinite, propagate_nonfinite
-from jacflow.aggregation._pref_vector import check_pref_vector, resolve_pref_vector
+from jacflow.aggregation._pref_vector import (
+    check_pref_rows,
+    check_pref_vector,
+    resolve_pref_vector,
+)
 from jacflow.aggregation._properties import Property
 from jacflow.linalg._projectors import DualConeProjector, QuadprogProjector, TorchProjector
 
@@ -152,6 +156,9 @@ class UPGradWeighting(GramianWeighting):
     def scale_invariant(self) -> bool:
         """Whether the projector ignores the Gramian's scale (``norm_eps == 0``)."""
         return is_scale_free(self.projector)
+
+    def check_rows(self, m: int) -> None:
+        check_pref_rows(self.pref_vector, m)
 
     def forward(self, stat: Tensor) -> Tensor:
         return upgrad_weights(stat, self.pref_vector, self.projector)

@@ -137,6 +137,8 @@ def backward(
         rows = check_jac_outputs(cotangents, outs, "jac_tensors", "tensors")
     if aggregator is None:
         check_jac_accumulable(ins, rows, "inputs")
+    else:
+        aggregator.check_rows(rows)  # (before the graph is freed)
     retain = create_graph if retain_graph is None else retain_graph
     if aggregator is not None:
         updates = _fixed_weight_update(

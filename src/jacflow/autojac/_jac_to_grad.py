@@ -86,6 +86,7 @@ def jac_to_grad(
                 "All `.jac` fields must have the same number of rows m: `tensors[0].jac` has "
                 f"{jacobians[0].shape[0]}, `tensors[{i}].jac` has {jacobian.shape[0]}."
             )
+    A.check_rows(jacobians[0].shape[0])
     updates, weights = aggregate_blocks(A, jacobians)
     accumulate_grads(items, updates)
     if not retain_jac:

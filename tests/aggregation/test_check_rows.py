@@ -1,0 +1,95 @@
+"""``check_rows(m)`` refuses exactly the numbers of rows that calling the aggregator refuses.
+
+``jacflow.backward`` calls it before differentiating, so it must agree with the call itself:
+compared here with the aggregator on a random ``[m, 4]`` matrix, for m from 0 to 6, on methods
+whose configuration fixes or bounds m and on some that accept any m.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from jacflow.aggregation import (
+    EPO,
+    MGDA,
+    Aggregator,
+    AlignedMTL,
+    AuxiNash,
+    ConFIG,
+    Constant,
+    CRMOGMWeighting,
+    DualProj,
+    GradDrop,
+    GramianWeightedAggregator,
+    Krum,
+    KrumWeighting,
+    LogLoss,
+    Mean,
+    NashMTL,
+    ParetoMTL,
+    Periodic,
+    SDMGrad,
+    TrimmedMean,
+    UPGrad,
+)
+from jacflow.aggregation._loss_aware import LossAware
+
+_THREE = torch.tensor([1.0, 2.0, 3.0])
+
+FACTORIES: dict[str, Callable[[], Aggregator]] = {
+    "Krum1": lambda: Krum(1),
+    "Krum0-3": lambda: Krum(0, n_selected=3),
+    "Constant": lambda: Constant(_THREE),
+    "TrimmedMean1": lambda: TrimmedMean(1),
+    "NashMTL": lambda: NashMTL(n_tasks=3),
+    "UPGrad": lambda: UPGrad(pref_vector=_THREE),
+    "DualProj": lambda: DualProj(pref_vector=_THREE),
+    "AlignedMTL": lambda: AlignedMTL(pref_vector=_THREE),
+    "SDMGrad": lambda: SDMGrad(pref_vector=_THREE),
+    "ConFIG": lambda: ConFIG(pref_vector=_THREE),
+    "GradDrop": lambda: GradDrop(leak=_THREE / 4),
+    "AuxiNash": lambda: AuxiNash(_THREE),
+    "EPO": lambda: EPO(_THREE),
+    "ParetoMTL": lambda: ParetoMTL(torch.eye(3), index=0),
+    "Periodic": lambda: GramianWeightedAggregator(Periodic(KrumWeighting(1), every=2)),
+    "CRMOGM": lambda: GramianWeightedAggregator(CRMOGMWeighting(KrumWeighting(1))),
+    "LogLoss": lambda: GramianWeightedAggregator(LogLoss(KrumWeighting(1))),
+    "Mean": Mean,
+    "UPGrad default": UPGrad,
+    "MGDA": MGDA,
+}
+
+
+def _called(aggregator: Aggregator, m: int) -> ValueError | None:
+    """The ``ValueError`` that calling ``aggregator`` on ``m`` rows raises, if any."""
+    for part in [aggregator, *aggregator.modules()]:
+        if isinstance(part, LossAware):
+            part.set_losses(torch.arange(1.0, m + 1.0))
+    matrix = torch.randn(m, 4, generator=torch.Generator().manual_seed(m))
+    try:
+        aggregator(matrix)
+    except ValueError as error:
+        return error
+    return None
+
+
+@pytest.mark.parametrize("name", FACTORIES)
+@pytest.mark.parametrize("m", range(7))
+def test_check_rows_agrees_with_the_call(name: str, m: int) -> None:
+    expected = _called(FACTORIES[name](), m)
+    if expected is None:
+        FACTORIES[name]().check_rows(m)
+    else:
+        with pytest.raises(ValueError) as raised:
+            FACTORIES[name]().check_rows(m)
+        assert str(raised.value) == str(expected)
+
+
+def test_some_method_refuses_each_m() -> None:
+    """The table above exercises refusals (not only acceptances) for every configured method."""
+    for name, make in FACTORIES.items():
+        refused = [m for m in range(7) if _called(make(), m) is not None]
+        assert bool(refused) == (name not in ("Mean", "UPGrad default", "MGDA")), name
