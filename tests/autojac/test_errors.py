@@ -112,10 +112,34 @@ CASES: list[tuple[str, type[Exception], str, Callable[[Tensor, Tensor, list[Tens
     ),
     ("jac_to_grad empty", ValueError, "cannot be empty", lambda w, v, o: jac_to_grad([], Mean())),
     (
+        "jac_to_grad without A",
+        TypeError,
+        "needs an aggregator",
+        lambda w, v, o: jac_to_grad([w], None),
+    ),
+    (
         "jac_to_grad bad A",
         TypeError,
         "`A` must be",
-        lambda w, v, o: jac_to_grad([w], None),  # type: ignore[arg-type]
+        lambda w, v, o: jac_to_grad([w], "upgrad"),  # type: ignore[arg-type]
+    ),
+    (
+        "jac_to_grad bad aggregator",
+        TypeError,
+        "`aggregator` must be",
+        lambda w, v, o: jac_to_grad([w], aggregator=Mean),  # type: ignore[arg-type]
+    ),
+    (
+        "jac_to_grad A and aggregator",
+        TypeError,
+        "twice",
+        lambda w, v, o: jac_to_grad([w], Mean(), aggregator=Mean()),
+    ),
+    (
+        "jac_to_grad optimize not bool",
+        TypeError,
+        "optimize_gramian_computation",
+        lambda w, v, o: jac_to_grad([w], Mean(), optimize_gramian_computation=1),  # type: ignore[arg-type]
     ),
 ]
 

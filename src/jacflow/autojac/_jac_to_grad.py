@@ -37,8 +37,38 @@ def _checked_jac(tensor: Tensor, i: int) -> Tensor:
     return jacobian
 
 
+def _resolve_aggregator(A: object, aggregator: object, optimize: object) -> Aggregator:
+    """The aggregator given as ``A`` or by TorchJD's name ``aggregator`` (exactly one)."""
+    if A is not None and aggregator is not None:
+        raise TypeError(
+            "jac_to_grad got the aggregator twice, as `A` and as `aggregator`; pass it once."
+        )
+    given = A if aggregator is None else aggregator
+    name = "`A`" if aggregator is None else "`aggregator`"
+    if given is None:
+        raise TypeError(
+            "jac_to_grad needs an aggregator: pass it as `A` (e.g. `jac_to_grad(params, "
+            "UPGrad())`) or as `aggregator=`."
+        )
+    if not isinstance(given, Aggregator):
+        raise TypeError(
+            f"{name} must be a jacflow.aggregation.Aggregator (e.g. UPGrad()), received "
+            f"{type(given)}."
+        )
+    if not isinstance(optimize, bool):
+        raise TypeError(
+            f"`optimize_gramian_computation` must be a bool, received {type(optimize)}."
+        )
+    return given
+
+
 def jac_to_grad(
-    tensors: Iterable[Tensor], A: Aggregator, *, retain_jac: bool = False
+    tensors: Iterable[Tensor],
+    A: Aggregator | None = None,
+    *,
+    retain_jac: bool = False,
+    aggregator: Aggregator | None = None,
+    optimize_gramian_computation: bool = False,
 ) -> Tensor | None:
     """Aggregate the Jacobians stored in ``t.jac`` into ``t.grad`` for every ``t`` in ``tensors``.
 
@@ -57,6 +87,11 @@ def jac_to_grad(
         tensors: the distinct tensors whose ``.jac`` to aggregate (e.g. ``model.parameters()``).
         A: the aggregator.
         retain_jac: keep the ``.jac`` fields (default: delete them to free memory).
+        aggregator: TorchJD's name for ``A``; give one of the two.
+        optimize_gramian_computation: accepted for TorchJD's calls and without effect: jacflow
+            always does what it asks (a Gramian-based ``A`` gets ``sum_t J_t J_t^T``, and the
+            Jacobians are never concatenated); other aggregators get the concatenated matrix,
+            where TorchJD refuses the option.
 
     Returns:
         The weights of the rows when ``A`` is a weighted aggregator, else ``None``.
@@ -72,10 +107,7 @@ def jac_to_grad(
         >>> param.grad
         tensor([0.5000, 2.5000])
     """
-    if not isinstance(A, Aggregator):
-        raise TypeError(
-            f"`A` must be a jacflow.aggregation.Aggregator (e.g. UPGrad()), received {type(A)}."
-        )
+    A = _resolve_aggregator(A, aggregator, optimize_gramian_computation)
     items = as_tensor_tuple(tensors, "tensors")
     check_non_empty(items, "tensors")
     check_unique(items, "tensors")

@@ -1,0 +1,72 @@
+"""``jac_to_grad`` called as TorchJD 0.18 calls it: ``aggregator=`` and
+``optimize_gramian_computation``, against the aggregator on the brute-force Jacobian."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import pytest
+import torch
+
+from jacflow import backward, jac, jac_to_grad
+from jacflow.aggregation import Aggregator, ConFIG, Mean, UPGrad
+
+
+def _params_with_jac() -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Two parameters with ``.jac`` from ``backward``, and the ``[m, n]`` Jacobian by rows."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 3, generator=gen, dtype=torch.float64)
+    p1 = torch.randn(3, 4, generator=gen, dtype=torch.float64, requires_grad=True)
+    p2 = torch.randn(4, generator=gen, dtype=torch.float64, requires_grad=True)
+    h = torch.tanh(x @ p1) @ p2
+    losses = torch.stack([h[:2].sum(), -h[2:].sum() + (p2**2).sum(), (h**2).mean()])
+    rows = [torch.autograd.grad(loss, [p1, p2], retain_graph=True) for loss in losses]
+    matrix = torch.stack([torch.cat([g1.flatten(), g2]) for g1, g2 in rows])
+    backward(losses, [p1, p2])
+    return [p1, p2], matrix
+
+
+@pytest.mark.parametrize("aggregator", [UPGrad(), Mean(), ConFIG()], ids=str)
+@pytest.mark.parametrize("by_name", [False, True])
+@pytest.mark.parametrize("optimize", [None, False, True])
+def test_torchjd_keywords(aggregator: Aggregator, by_name: bool, optimize: bool | None) -> None:
+    """``jac_to_grad(ps, aggregator=UPGrad())`` and ``optimize_gramian_computation=True``
+    raised TypeError (TorchJD's names); ``optimize_gramian_computation`` changes nothing (even
+    for a non-Gramian aggregator, which TorchJD refuses with it)."""
+    params, matrix = _params_with_jac()
+    kwargs: dict[str, Any] = {}
+    if optimize is not None:
+        kwargs["optimize_gramian_computation"] = optimize
+    if by_name:
+        weights = jac_to_grad(params, aggregator=aggregator, **kwargs)
+    else:
+        weights = jac_to_grad(params, aggregator, **kwargs)
+    update = aggregator(matrix)
+    torch.testing.assert_close(params[0].grad, update[:12].reshape(3, 4))
+    torch.testing.assert_close(params[1].grad, update[12:])
+    if isinstance(aggregator, ConFIG):
+        assert weights is None
+    else:
+        assert weights is not None
+        torch.testing.assert_close(weights @ matrix, update)
+    assert not any(hasattr(p, "jac") for p in params)
+
+
+@pytest.mark.parametrize(
+    ("name", "ours"),
+    [("backward", backward), ("jac", jac), ("jac_to_grad", jac_to_grad)],
+)
+def test_every_torchjd_keyword_is_accepted(name: str, ours: Any) -> None:
+    """Every parameter that TorchJD 0.18 lets its users name is a parameter of ours, and ours
+    has no more required ones (its positional-only ones may be named differently).
+    ``mtl_backward`` differs: it has no ``grad_tensors`` (docs/migration.md)."""
+    torchjd_autojac = pytest.importorskip("torchjd.autojac")
+    theirs = inspect.signature(getattr(torchjd_autojac, name)).parameters.values()
+    mine = inspect.signature(ours).parameters
+    for p in theirs:
+        if p.kind is not inspect.Parameter.POSITIONAL_ONLY:
+            assert p.name in mine, f"{name}: TorchJD's `{p.name}` is missing"
+    required_theirs = sum(p.default is inspect.Parameter.empty for p in theirs)
+    required_mine = sum(p.default is inspect.Parameter.empty for p in mine.values())
+    assert required_mine <= required_theirs
