@@ -73,6 +73,12 @@ CASES: list[tuple[str, type[Exception], str, Callable[[Tensor, Tensor, list[Tens
         lambda w, v, o: backward(o, [w], jac_tensors=[torch.ones(1, 2), torch.ones(1)], A=Mean()),
     ),
     (
+        "jac_tensors of a scalar",
+        ValueError,
+        r"`jac_tensors\[0\]` must have shape \[m, \*tensors\[0\]\.shape\] = \[m\], received \(\)\.",
+        lambda w, v, o: backward(o, [w], jac_tensors=[torch.ones(()), torch.ones(1)], A=Mean()),
+    ),
+    (
         "jac_tensors rows",
         ValueError,
         "same number of rows",
@@ -164,6 +170,15 @@ def test_jac_to_grad_differing_rows() -> None:
     with pytest.raises(ValueError, match="same number of rows"):
         jac_to_grad([a, b], Mean())
     assert a.grad is None and b.grad is None and hasattr(a, "jac")
+
+
+def test_jac_to_grad_names_the_shape_of_a_scalars_jac() -> None:
+    """The expected shape of a scalar's ``.jac`` read ``[m, ]``."""
+    p = torch.tensor(1.0, requires_grad=True)
+    p.jac = torch.ones(())  # type: ignore[attr-defined]
+    with pytest.raises(ValueError, match=r"= \[m\], received \(\)\."):
+        jac_to_grad([p], Mean())
+    assert p.grad is None and torch.equal(p.jac, torch.ones(()))  # type: ignore[attr-defined]
 
 
 def _two_params_with_jac() -> tuple[Tensor, Tensor, Tensor]:

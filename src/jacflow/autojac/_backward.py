@@ -93,7 +93,7 @@ def backward(
         A: aggregator reducing the Jacobian to one update; ``None`` stores ``.jac`` instead.
         retain_graph: keep the graph for another differentiation. Default: ``create_graph``.
         parallel_chunk_size: rows differentiated per vmapped call (``None``: all; ``1``: a loop
-            without vmap).
+            without vmap). The results agree up to rounding, as in :func:`jac`.
         jac_tensors: left-multiplies the Jacobian (chain rule, the analog of ``grad_tensors``):
             one ``[m, *tensor.shape]`` tensor per element of ``tensors``.
         create_graph: keep the result differentiable, for higher-order derivatives.

@@ -29,6 +29,11 @@ def as_tensor_tuple(value: Tensor | Iterable[Tensor], name: str) -> tuple[Tensor
     return items
 
 
+def rows_shape(shape: Sequence[int]) -> str:
+    """``[m, *shape]`` written out: ``[m, 2, 3]``, or ``[m]`` for a scalar's."""
+    return f"[{', '.join(['m', *map(str, shape)])}]"
+
+
 def check_non_empty(tensors: tuple[Tensor, ...], name: str) -> None:
     if not tensors:
         raise ValueError(f"`{name}` cannot be empty: pass at least one tensor.")
@@ -100,7 +105,7 @@ def check_jac_outputs(
         if jac.ndim != out.ndim + 1 or jac.shape[1:] != out.shape:
             raise ValueError(
                 f"`{jac_name}[{i}]` must have shape [m, *{out_name}[{i}].shape] = "
-                f"[m, {', '.join(map(str, out.shape))}], received {tuple(jac.shape)}. Its first "
+                f"{rows_shape(out.shape)}, received {tuple(jac.shape)}. Its first "
                 "dimension is the number of rows of the Jacobian."
             )
         if rows is None:

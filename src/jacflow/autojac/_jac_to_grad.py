@@ -9,7 +9,7 @@ from torch import Tensor
 from jacflow.aggregation import Aggregator
 from jacflow.autojac._accumulate import accumulate_grads
 from jacflow.autojac._aggregate import aggregate_blocks
-from jacflow.autojac._checks import as_tensor_tuple, check_non_empty, check_unique
+from jacflow.autojac._checks import as_tensor_tuple, check_non_empty, check_unique, rows_shape
 
 
 def _checked_jac(tensor: Tensor, i: int) -> Tensor:
@@ -26,7 +26,7 @@ def _checked_jac(tensor: Tensor, i: int) -> Tensor:
     if jacobian.ndim != tensor.ndim + 1 or jacobian.shape[1:] != tensor.shape:
         raise ValueError(
             f"`tensors[{i}].jac` must have shape [m, *tensors[{i}].shape] = "
-            f"[m, {', '.join(map(str, tensor.shape))}], received {tuple(jacobian.shape)}. It "
+            f"{rows_shape(tensor.shape)}, received {tuple(jacobian.shape)}. It "
             "may be stale or belong to another tensor: delete it (`del t.jac`) and recompute it."
         )
     if jacobian.device != tensor.device:
