@@ -395,6 +395,39 @@ def test_a_refusal_after_overwrite_deletes_nothing(
     assert not fresh.exists()
 
 
+def test_overwrite_of_files_that_cannot_be_deleted_exits_2(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An earlier run's files that cannot be deleted: one line and exit code 2 (a traceback)."""
+    out = tmp_path / "run"
+    argv = ["train", "--epochs", "1", "--quiet", "--no-plots", "--out", str(out)]
+    assert main(argv) == 0
+    unlink = Path.unlink
+
+    def refused(path: Path, missing_ok: bool = False) -> None:
+        if path.parent == out and path.exists():
+            raise PermissionError(1, "Operation not permitted", str(path))
+        unlink(path, missing_ok=missing_ok)
+
+    monkeypatch.setattr(Path, "unlink", refused)
+    assert main([*argv, "--overwrite"]) == 2
+    assert "could not delete the earlier run's files" in capsys.readouterr().err
+
+
+def test_compare_refuses_a_run_folder_that_is_a_file_before_training(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``out/<aggregator>`` is a file: refused before any training (it trained, then raised)."""
+    out = tmp_path / "cmp"
+    out.mkdir()
+    (out / "upgrad").write_text("mine")
+    argv = ["compare", "--aggregators", "upgrad", "--epochs", "1", "--quiet", "--no-plots"]
+    assert main([*argv, "--out", str(out), "--overwrite"]) == 2
+    assert "cannot write the run folder" in capsys.readouterr().err
+    assert (out / "upgrad").read_text() == "mine"
+    assert not (out / "comparison.json").exists()
+
+
 def test_huge_iwrm_batch_size_in_compare_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
     """The batch size is checked before an aggregator is built for m = --batch-size (constant
     allocated its weights first: a raw memory error)."""

@@ -19,7 +19,15 @@ def test_registry_holds_every_concrete_exported_aggregator_with_buildable_defaul
     classes = aggregator_classes()
     exported = {name.lower() for name in aggregation.__all__}
     assert set(classes) <= exported
-    assert {"mean", "sum", "upgrad"} <= set(classes)
+    bases = {"aggregator", "weightedaggregator", "gramianweightedaggregator"}
+    concrete = {
+        name.lower()
+        for name in aggregation.__all__
+        if isinstance(getattr(aggregation, name), type)
+        and issubclass(getattr(aggregation, name), Aggregator)
+    }
+    # (the documented exceptions: a protocol of its own, and preference vectors to choose)
+    assert concrete - bases - set(classes) == {"imtl", "paretomtl"}
     J = torch.randn(3, 5)
     for name in classes:
         try:
@@ -42,7 +50,7 @@ def test_mean_and_upgrad_from_registry_give_the_reference_updates() -> None:
 def test_bench_list_finds_repository_scripts(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    (tmp_path / "pyproject.toml").write_text("")
+    (tmp_path / "pyproject.toml").write_text('[project]\nname = "jacflow"\n')
     (tmp_path / "benchmarks").mkdir()
     for name in ("bench_a.py", "_helper.py", "bench_b.py"):
         (tmp_path / "benchmarks" / name).write_text("print('ratio 1.0')\n")
@@ -50,6 +58,15 @@ def test_bench_list_finds_repository_scripts(
     assert folder == tmp_path / "benchmarks"
     assert [p.name for p in benchmark_scripts(folder)] == ["bench_a.py", "bench_b.py"]
     assert [p.name for p in benchmark_scripts(folder, "h_b")] == ["bench_b.py"]
+
+
+def test_bench_ignores_another_projects_benchmarks(tmp_path: Path) -> None:
+    """A folder of another project (its own pyproject.toml and benchmarks/) above the working
+    directory: its scripts are not ours to run (they were run)."""
+    (tmp_path / "pyproject.toml").write_text('[project]\nname = "other"\n')
+    (tmp_path / "benchmarks").mkdir()
+    (tmp_path / "benchmarks" / "bench_other.py").write_text("print('other')\n")
+    assert find_benchmarks(tmp_path / "benchmarks") != tmp_path / "benchmarks"
 
 
 def test_bench_builtin_prints_ratio_tables(capsys: pytest.CaptureFixture[str]) -> None:

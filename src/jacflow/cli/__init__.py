@@ -212,7 +212,13 @@ def _out_dir(args: argparse.Namespace, name: str) -> Path:
                 f"--out {str(out)!r} already holds files (an earlier run?); choose a new folder "
                 "or pass --overwrite to delete the earlier run's files first."
             )
-        clear_run_files(out)
+        try:
+            clear_run_files(out)
+        except OSError as error:
+            raise CLIError(
+                f"--overwrite could not delete the earlier run's files in --out {str(out)!r}: "
+                f"{error.strerror or error}. Choose a writable folder."
+            ) from error
     return check_out_dir(out)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -27,9 +28,19 @@ def find_benchmarks(start: Path | None = None) -> Path | None:
     for base in candidates:
         for folder in [base, *base.parents]:
             bench = folder / "benchmarks"
-            if (folder / "pyproject.toml").is_file() and bench.is_dir():
+            if bench.is_dir() and _is_jacflow_project(folder / "pyproject.toml"):
                 return bench
     return None
+
+
+def _is_jacflow_project(pyproject: Path) -> bool:
+    """Whether ``pyproject`` declares the project ``jacflow`` (another project's benchmarks
+    are not ours to run)."""
+    try:
+        text = pyproject.read_text(encoding="utf-8")
+    except OSError:
+        return False
+    return re.search(r'^name\s*=\s*["\']jacflow["\']\s*$', text, flags=re.MULTILINE) is not None
 
 
 def benchmark_scripts(folder: Path, pattern: str | None = None) -> list[Path]:

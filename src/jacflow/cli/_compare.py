@@ -15,7 +15,7 @@ from jacflow.cli._report import (
     write_json,
     write_run,
 )
-from jacflow.cli._train import RunConfig, RunResult, train_iwrm, train_mtl
+from jacflow.cli._train import RunConfig, RunResult, check_out_dir, train_iwrm, train_mtl
 from jacflow.monitor import Logger
 
 MTL_COLUMNS = [
@@ -74,6 +74,8 @@ def compare(
     the table is written), so that ``--overwrite`` finds those of an interrupted comparison.
     """
     runs = [{"aggregator": config.aggregator} for config in configs]
+    for config in configs:  # (before any training: a run folder that is a file is refused now)
+        check_out_dir(out / config.aggregator)
     write_json(out / "comparison.json", {"mode": mode, "complete": False, "runs": runs})
     results: list[RunResult] = []
     for config in configs:

@@ -49,6 +49,8 @@ DEFAULTS: dict[str, _Kwargs] = {
     "fairgrad": lambda m: {"alpha": 1.0},
     "krum": _krum,
     "trimmedmean": _trimmed_mean,
+    "epo": lambda m: {"preference": torch.ones(m)},
+    "auxinash": lambda m: {"preferences": torch.ones(m)},
 }
 """Arguments for constructors whose parameters have no default, by lower-case name."""
 
