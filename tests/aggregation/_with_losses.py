@@ -14,16 +14,27 @@ import torch
 from torch import Tensor
 
 from jacflow import Stateful
-from jacflow.aggregation import Aggregator, LossAware, WeightedAggregator
+from jacflow.aggregation import (
+    Aggregator,
+    GramianWeightedAggregator,
+    LossAware,
+    WeightedAggregator,
+)
 
 
 def loss_target(aggregator: Aggregator) -> LossAware:
-    """The object that takes the losses: the aggregator, or the weighting it wraps."""
+    """The object that takes the losses: the aggregator, or the weighting it wraps (the Gramian
+    weighting of a Gramian-based aggregator)."""
     if isinstance(aggregator, LossAware):
         return aggregator
     assert isinstance(aggregator, WeightedAggregator)
-    assert isinstance(aggregator.weighting, LossAware)
-    return aggregator.weighting
+    weighting = (
+        aggregator.gramian_weighting
+        if isinstance(aggregator, GramianWeightedAggregator)
+        else aggregator.weighting
+    )
+    assert isinstance(weighting, LossAware)
+    return weighting
 
 
 def losses_for(m: int) -> Tensor:

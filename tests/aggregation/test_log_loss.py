@@ -36,8 +36,8 @@ def test_claimed_properties_and_degenerate_inputs() -> None:
 def test_equals_weighting_on_explicit_log_jacobian(J: torch.Tensor) -> None:
     losses = losses_for(J.shape[0]).double()
     A = _make()
-    assert isinstance(A.weighting, LogLoss)
-    A.weighting.set_losses(losses)
+    assert isinstance(A.gramian_weighting, LogLoss)
+    A.gramian_weighting.set_losses(losses)
     J_log = J / losses[:, None]
     expected = GramianWeightedAggregator(_CouplingWeighting())(J_log)
     torch.testing.assert_close(A(J), expected)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import ClassVar
 
 import torch
@@ -182,11 +182,57 @@ class Weighting(nn.Module, ABC):
     def forward(self, stat: Tensor) -> Tensor:
         """Return the ``[m]`` weights."""
 
+    def __lshift__(self, fn: Callable[[Tensor], Tensor]) -> Weighting:
+        """The composition ``self << fn``: a :class:`Weighting` whose weights of ``x`` are
+        ``self(fn(x))`` (e.g. a Gramian weighting composed with the Gramian computation is a
+        weighting of the Jacobian). Hooks on ``self`` still run; the composition accepts any
+        tensor that ``fn`` accepts.
+
+        Example:
+            >>> import torch
+            >>> from jacflow.aggregation import UPGradWeighting
+            >>> from jacflow.linalg import compute_gramian
+            >>> W = UPGradWeighting() << compute_gramian
+            >>> W(torch.tensor([[-4., 1., 1.], [6., 1., 1.]]))
+            tensor([1.1111, 0.7895])
+        """
+        return _Composition(self, fn)
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.extra_repr()})"
 
     def __str__(self) -> str:
         return type(self).__name__
+
+
+def check_weighting(value: object, name: str) -> Weighting:
+    """``value`` if it is a :class:`Weighting`, else a ``TypeError``."""
+    if not isinstance(value, Weighting):
+        raise TypeError(
+            f"`{name}` must be a jacflow.aggregation.Weighting, received {type(value)}."
+        )
+    return value
+
+
+class _Composition(Weighting):
+    """``weighting << fn``: the weights of ``x`` are ``weighting(fn(x))``."""
+
+    def __init__(self, weighting: Weighting, fn: Callable[[Tensor], Tensor]) -> None:
+        super().__init__()
+        self.weighting = check_weighting(weighting, "weighting")
+        if not callable(fn):
+            raise TypeError(f"`fn` must be callable, received {type(fn)}.")
+        self.fn = fn
+
+    def _check_input(self, stat: Tensor) -> None:
+        if not isinstance(stat, Tensor):  # (the rest is for ``fn`` and ``weighting`` to check)
+            raise TypeError(f"{self!r} expects a torch.Tensor, received {type(stat)}.")
+
+    def forward(self, stat: Tensor) -> Tensor:
+        return self.weighting(self.fn(stat))
+
+    def __repr__(self) -> str:
+        return f"{self.weighting!r} << {getattr(self.fn, '__name__', repr(self.fn))}"
 
 
 class GramianWeighting(Weighting):
@@ -229,6 +275,60 @@ class GramianWeighting(Weighting):
             )
 
 
+def check_gramian_weighting(value: object, name: str = "weighting") -> GramianWeighting:
+    """``value`` if it is a :class:`GramianWeighting` (what wrappers accept), else a ``TypeError``.
+
+    Example:
+        >>> from jacflow.aggregation import MeanWeighting
+        >>> from jacflow.aggregation._bases import check_gramian_weighting
+        >>> check_gramian_weighting(MeanWeighting())
+        MeanWeighting()
+    """
+    if not isinstance(value, GramianWeighting):
+        raise TypeError(
+            f"`{name}` must be a jacflow.aggregation.GramianWeighting, received {type(value)}."
+        )
+    return value
+
+
+class GramianOfJacobianWeighting(Weighting):
+    """``gramian_weighting << gramian``: the weighting of the Jacobian ``J`` that applies
+    ``gramian_weighting`` to ``J J^T`` (the :attr:`~GramianWeightedAggregator.weighting` of a
+    :class:`GramianWeightedAggregator`).
+
+    When ``gramian_weighting`` is :attr:`~GramianWeighting.scale_invariant`, the Gramian is
+    formed from ``J`` scaled by a power of two to a largest entry in [1/2, 1) (exact, and the
+    same weights, without overflow or underflow of ``J J^T``); a float16 or bfloat16 ``J`` is
+    weighted in float32 and the weights are returned in its dtype.
+
+    Args:
+        gramian_weighting: maps the ``[m, m]`` Gramian to ``[m]`` weights.
+
+    Example:
+        >>> import torch
+        >>> from jacflow.aggregation import UPGradWeighting
+        >>> from jacflow.aggregation._bases import GramianOfJacobianWeighting
+        >>> W = GramianOfJacobianWeighting(UPGradWeighting())
+        >>> W(torch.tensor([[-4., 1., 1.], [6., 1., 1.]]))
+        tensor([1.1111, 0.7895])
+    """
+
+    def __init__(self, gramian_weighting: GramianWeighting) -> None:
+        super().__init__()
+        self.gramian_weighting = check_gramian_weighting(gramian_weighting, "gramian_weighting")
+
+    def _check_input(self, stat: Tensor) -> None:
+        _check_matrix(stat, "matrix", type(self).__name__)
+
+    def forward(self, stat: Tensor) -> Tensor:
+        if self.gramian_weighting.scale_invariant:
+            stat = scale_to_unit_peak(stat)  # same weights; no overflow or underflow of G
+        return self.gramian_weighting(compute_gramian(stat))
+
+    def __repr__(self) -> str:
+        return f"{self.gramian_weighting!r} << gramian"
+
+
 class WeightedAggregator(Aggregator):
     """Aggregates by ``weighting(J) @ J`` for a weighting that reads the Jacobian itself.
 
@@ -246,11 +346,7 @@ class WeightedAggregator(Aggregator):
 
     def __init__(self, weighting: Weighting) -> None:
         super().__init__()
-        if not isinstance(weighting, Weighting):
-            raise TypeError(
-                f"`weighting` must be a jacflow.aggregation.Weighting, received {type(weighting)}."
-            )
-        self.weighting = weighting
+        self.weighting = check_weighting(weighting, "weighting")
 
     def weights(self, matrix: Tensor) -> Tensor:
         """Weights that this aggregator gives to the rows of ``matrix``."""
@@ -274,6 +370,9 @@ class GramianWeightedAggregator(WeightedAggregator):
     :attr:`~GramianWeighting.scale_invariant`, the Gramian is formed from ``J`` scaled by a
     power of two to a largest entry in [1/2, 1) (exact; the weights are the same).
 
+    As in TorchJD, :attr:`weighting` is a weighting of ``J`` (``gramian_weighting << gramian``,
+    the one the aggregator calls) and :attr:`gramian_weighting` the weighting of the Gramian.
+
     Args:
         gramian_weighting: maps the ``[m, m]`` Gramian to ``[m]`` weights.
 
@@ -281,25 +380,22 @@ class GramianWeightedAggregator(WeightedAggregator):
         >>> import torch
         >>> from jacflow.aggregation import GramianWeightedAggregator, UPGradWeighting
         >>> J = torch.tensor([[-4., 1., 1.], [6., 1., 1.]])
-        >>> GramianWeightedAggregator(UPGradWeighting())(J)
+        >>> A = GramianWeightedAggregator(UPGradWeighting())
+        >>> A(J)
         tensor([0.2924, 1.9006, 1.9006])
+        >>> A.weighting(J), A.gramian_weighting(J @ J.T)
+        (tensor([1.1111, 0.7895]), tensor([1.1111, 0.7895]))
     """
 
     def __init__(self, gramian_weighting: GramianWeighting) -> None:
-        if not isinstance(gramian_weighting, GramianWeighting):
-            raise TypeError(
-                "`gramian_weighting` must be a jacflow.aggregation.GramianWeighting, received "
-                f"{type(gramian_weighting)}."
-            )
-        super().__init__(gramian_weighting)
-        self.gramian_weighting = gramian_weighting
+        super().__init__(GramianOfJacobianWeighting(gramian_weighting))
 
-    def weights(self, matrix: Tensor) -> Tensor:
-        # (a half-precision Gramian would overflow at |J|^2 n > 65504 for float16)
-        work = matrix.to(compute_dtype(matrix.dtype))
-        if self.gramian_weighting.scale_invariant:
-            work = scale_to_unit_peak(work)  # same weights; no overflow or underflow of G
-        return self.gramian_weighting(compute_gramian(work)).to(matrix.dtype)
+    @property
+    def gramian_weighting(self) -> GramianWeighting:
+        """The weighting of the Gramian: ``gramian_weighting(J @ J.T)`` are the weights."""
+        weighting = self.weighting
+        assert isinstance(weighting, GramianOfJacobianWeighting)
+        return weighting.gramian_weighting
 
     def extra_repr(self) -> str:
         return repr(self.gramian_weighting) if type(self) is GramianWeightedAggregator else ""

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import math
 
-from jacflow.aggregation._bases import GramianWeighting
-
 
 def check_float(
     value: object,
@@ -56,20 +54,4 @@ def check_int(value: object, name: str, *, low: int) -> int:
         raise TypeError(f"`{name}` must be an int >= {low}, received {type(value)}.")
     if value < low:
         raise ValueError(f"`{name}` must be an int >= {low}, received {value}.")
-    return value
-
-
-def check_gramian_weighting(value: object, name: str = "weighting") -> GramianWeighting:
-    """``value`` if it is a :class:`GramianWeighting` (what wrappers accept), else a ``TypeError``.
-
-    Example:
-        >>> from jacflow.aggregation import MeanWeighting
-        >>> from jacflow.aggregation._hyperparameters import check_gramian_weighting
-        >>> check_gramian_weighting(MeanWeighting())
-        MeanWeighting()
-    """
-    if not isinstance(value, GramianWeighting):
-        raise TypeError(
-            f"`{name}` must be a jacflow.aggregation.GramianWeighting, received {type(value)}."
-        )
     return value

@@ -5,8 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from jacflow.aggregation._bases import GramianWeighting
-from jacflow.aggregation._hyperparameters import check_gramian_weighting
+from jacflow.aggregation._bases import GramianWeighting, check_gramian_weighting
 from jacflow.aggregation._loss_aware import LossAware
 
 

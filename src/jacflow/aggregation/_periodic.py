@@ -5,8 +5,8 @@ from __future__ import annotations
 from torch import Tensor
 
 from jacflow._stateful import Stateful
-from jacflow.aggregation._bases import GramianWeighting
-from jacflow.aggregation._hyperparameters import check_gramian_weighting, check_int
+from jacflow.aggregation._bases import GramianWeighting, check_gramian_weighting
+from jacflow.aggregation._hyperparameters import check_int
 
 
 class Periodic(GramianWeighting, Stateful):

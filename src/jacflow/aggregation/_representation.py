@@ -7,8 +7,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from jacflow.aggregation._bases import GramianWeighting
-from jacflow.aggregation._hyperparameters import check_gramian_weighting
+from jacflow.aggregation._bases import GramianWeighting, check_gramian_weighting
 from jacflow.aggregation._loss_aware import LossAware
 
 

@@ -7,7 +7,12 @@ from typing import Any, final
 import torch
 from torch import Tensor, nn
 
-from jacflow.aggregation import Aggregator, GramianWeighting, WeightedAggregator
+from jacflow.aggregation import (
+    Aggregator,
+    GramianWeightedAggregator,
+    GramianWeighting,
+    WeightedAggregator,
+)
 
 
 @final
@@ -51,7 +56,13 @@ class AggregatorWatch:
         self._gramian: Tensor | None = None
         self._weights: Tensor | None = None
         self._handles = [aggregator.register_forward_hook(self._on_aggregate)]
-        weighting = getattr(aggregator, "weighting", None)
+        # (the Gramian weighting where there is one: the library's calls that form the Gramian
+        # without J call it directly, not the aggregator's weighting of J)
+        weighting: object
+        if isinstance(aggregator, GramianWeightedAggregator):
+            weighting = aggregator.gramian_weighting
+        else:
+            weighting = getattr(aggregator, "weighting", None)
         if isinstance(weighting, nn.Module):
             self._handles.append(weighting.register_forward_hook(self._on_weighting))
 

@@ -1,0 +1,152 @@
+"""The weighting of a Gramian-based aggregator reads ``J`` (as TorchJD's), and ``weighting << fn``.
+
+TorchJD's ``GramianWeightedAggregator.weighting`` is ``gramian_weighting << compute_gramian``:
+``A.weighting(J)`` are the weights of the rows of ``J``, and ``A.gramian_weighting(G)`` those of
+the Gramian. A square ``J`` passed to the weighting must not be taken for a Gramian.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+import jacflow.aggregation as agg
+from jacflow.linalg import QuadprogProjector, compute_gramian
+
+torch.set_num_threads(1)
+
+# (Mean, Sum, Random and Constant are left out: their Gramian weightings read only the number
+# of rows, so they give the weights of J from J too; TorchJD's parity below covers Mean and Sum)
+GRAMIAN_BASED: list[Callable[[], agg.GramianWeightedAggregator]] = [
+    agg.UPGrad,
+    agg.DualProj,
+    agg.MGDA,
+    agg.IMTLG,
+    agg.PCGrad,
+    agg.AlignedMTL,
+    agg.GradVac,
+    agg.PCD,
+    agg.MoDo,
+    agg.SDMGrad,
+    lambda: agg.CAGrad(c=0.5),
+    lambda: agg.FairGrad(alpha=1.0),
+    lambda: agg.Krum(n_byzantine=0),
+    lambda: agg.NashMTL(n_tasks=3),
+    lambda: agg.AuxiNash(torch.ones(3)),
+    lambda: agg.GramianWeightedAggregator(agg.UPGradWeighting()),
+]
+
+
+def _name(make: Callable[[], agg.Aggregator]) -> str:
+    return str(make())
+
+
+def _jacobians() -> list[Tensor]:
+    torch.manual_seed(0)
+    square = torch.randn(3, 3, dtype=torch.float64)
+    return [torch.randn(3, 5, dtype=torch.float64), square, square[:, :2] @ square[:2]]
+
+
+@pytest.mark.parametrize("make", GRAMIAN_BASED, ids=_name)
+def test_weighting_reads_the_jacobian(make: Callable[[], agg.GramianWeightedAggregator]) -> None:
+    """``A.weighting(J)`` = ``A.weights(J)`` = ``A.gramian_weighting(J J^T)``, square ``J``
+    (and rank-deficient) included, from the same state and random draws."""
+    for J in _jacobians():
+        results = []
+        for weigh in (
+            lambda A, J=J: A.weighting(J),
+            lambda A, J=J: A.weights(J),
+            lambda A, J=J: A.gramian_weighting(J @ J.T),
+        ):
+            torch.manual_seed(1)
+            results.append(weigh(make()))
+        torch.testing.assert_close(results[0], results[1])
+        torch.testing.assert_close(results[0], results[2], rtol=1e-6, atol=1e-9)
+        torch.manual_seed(1)
+        A = make()
+        weights = A.weighting(J)
+        torch.manual_seed(1)
+        torch.testing.assert_close(weights @ J, make()(J))
+
+
+def test_weighting_equals_torchjd() -> None:
+    tj = pytest.importorskip("torchjd.aggregation")
+    pytest.importorskip("quadprog")
+    pairs: list[tuple[Any, agg.GramianWeightedAggregator]] = [
+        (tj.UPGrad(), agg.UPGrad(projector=QuadprogProjector())),
+        (tj.DualProj(), agg.DualProj(projector=QuadprogProjector())),
+        (tj.Mean(), agg.Mean()),
+        (tj.Sum(), agg.Sum()),
+        (tj.IMTLG(), agg.IMTLG()),
+        (tj.AlignedMTL(), agg.AlignedMTL()),
+        (tj.Krum(n_byzantine=0), agg.Krum(n_byzantine=0)),
+    ]
+    for J in _jacobians():
+        for theirs, ours in pairs:
+            expected = theirs.weighting(J)
+            torch.testing.assert_close(ours.weighting(J), expected, rtol=1e-6, atol=1e-9)
+            torch.testing.assert_close(ours.weights(J), expected, rtol=1e-6, atol=1e-9)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_weighting_of_half_precision_jacobians(dtype: torch.dtype) -> None:
+    """Weighted in float32, the weights in the input's dtype (as ``A.weights``)."""
+    J = torch.tensor([[-4.0, 1.0, 1.0], [6.0, 1.0, 1.0]], dtype=dtype)
+    for A in (agg.UPGrad(), agg.MGDA(), agg.CAGrad(c=0.5)):
+        weights = A.weighting(J)
+        assert weights.dtype == dtype
+        torch.testing.assert_close(weights, A.weights(J))
+        torch.testing.assert_close(weights, A.weighting(J.float()).to(dtype))
+
+
+def test_weighting_of_extreme_jacobians_does_not_overflow() -> None:
+    """A scale-invariant weighting sees ``J`` scaled to a unit peak first, as the aggregator."""
+    J = torch.tensor([[-4.0, 1.0, 1.0], [6.0, 1.0, 1.0]])
+    for scale in (1e25, 1e-25):
+        weights = agg.UPGrad().weighting(scale * J)
+        torch.testing.assert_close(weights, agg.UPGrad().weighting(J))
+
+
+def test_hooks_on_the_weighting_see_the_jacobian_and_the_weights() -> None:
+    """As in TorchJD, whose ``jac_to_grad`` reads the weights with a hook on ``A.weighting``;
+    hooks on ``A.gramian_weighting`` see the Gramian."""
+    A = agg.UPGrad()
+    seen: dict[str, tuple[Tensor, Tensor]] = {}
+
+    def keep(key: str) -> Callable[[nn.Module, tuple[Tensor, ...], Tensor], None]:
+        def hook(module: nn.Module, args: tuple[Tensor, ...], output: Tensor) -> None:
+            seen[key] = (args[0], output)
+
+        return hook
+
+    A.weighting.register_forward_hook(keep("weighting"))
+    A.gramian_weighting.register_forward_hook(keep("gramian_weighting"))
+    J = torch.tensor([[-4.0, 1.0, 1.0], [6.0, 1.0, 1.0]])
+    update = A(J)
+    stat, weights = seen["weighting"]
+    assert stat.shape == J.shape
+    torch.testing.assert_close(weights @ J, update)
+    gramian, gramian_weights = seen["gramian_weighting"]
+    assert gramian.shape == (2, 2)
+    torch.testing.assert_close(gramian_weights, weights)
+
+
+def test_lshift_composes_a_weighting_with_a_function() -> None:
+    J = torch.tensor([[-4.0, 1.0, 1.0], [6.0, 1.0, 1.0]])
+    inner = agg.UPGradWeighting()
+    calls: list[Tensor] = []
+    inner.register_forward_hook(lambda module, args, output: calls.append(args[0]))
+    composed = inner << compute_gramian
+    assert isinstance(composed, agg.Weighting)
+    torch.testing.assert_close(composed(J), inner(J @ J.T))
+    assert len(calls) == 2 and calls[0].shape == (2, 2)  # the hooks of `inner` run
+    # (any function of tensors, e.g. a lambda; a composition composes again)
+    twice = (agg.MeanWeighting() << compute_gramian) << (lambda x: x.T)
+    torch.testing.assert_close(twice(torch.ones(5, 3)), torch.full((3,), 1 / 3))
+    assert "UPGradWeighting" in repr(composed) and "compute_gramian" in repr(composed)
+    with pytest.raises(TypeError, match="`fn` must be callable"):
+        _ = inner << 3  # type: ignore[operator]
