@@ -135,6 +135,18 @@ def test_hooks_on_the_weighting_see_the_jacobian_and_the_weights() -> None:
     torch.testing.assert_close(gramian_weights, weights)
 
 
+def test_the_weighting_of_a_gramian_aggregator_follows_its_gramian_weighting() -> None:
+    A = agg.GramianWeightedAggregator(agg.MeanWeighting())
+    J = torch.tensor([[-4.0, 1.0, 1.0], [6.0, 1.0, 1.0]])
+    A.gramian_weighting = agg.UPGradWeighting()
+    torch.testing.assert_close(A.weighting(J), agg.UPGradWeighting()(J @ J.T))
+    torch.testing.assert_close(A(J), agg.UPGrad()(J))
+    with pytest.raises(AttributeError, match="gramian_weighting << gramian"):
+        A.weighting = agg.MeanWeighting()
+    with pytest.raises(TypeError, match=r"`gramian_weighting` must be a .*GramianWeighting"):
+        A.gramian_weighting = agg.ExcessMTLWeighting()  # type: ignore[assignment]
+
+
 def test_lshift_composes_a_weighting_with_a_function() -> None:
     J = torch.tensor([[-4.0, 1.0, 1.0], [6.0, 1.0, 1.0]])
     inner = agg.UPGradWeighting()

@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from jacflow.aggregation._bases import GramianWeightedAggregator, GramianWeighting
+from jacflow.aggregation._hyperparameters import Forwarded, Hyperparameter
 from jacflow.aggregation._nonfinite import has_nonfinite, nan_weights
 from jacflow.aggregation._pref_vector import (
     check_pref_rows,
@@ -57,10 +58,10 @@ def aligned_mtl_weights(gramian: Tensor, pref: Tensor, scale_mode: str) -> Tenso
     return scale * (eigenvectors @ (inverse_sqrt * (eigenvectors.T @ pref)))
 
 
-def _check_scale_mode(scale_mode: object) -> str:
+def _check_scale_mode(scale_mode: object, name: str) -> ScaleMode:
     if scale_mode not in _SCALE_MODES:
-        raise ValueError(f"`scale_mode` must be one of {_SCALE_MODES}, received {scale_mode!r}.")
-    return str(scale_mode)
+        raise ValueError(f"`{name}` must be one of {_SCALE_MODES}, received {scale_mode!r}.")
+    return scale_mode  # type: ignore[return-value]  # (one of the literals)
 
 
 class AlignedMTLWeighting(GramianWeighting):
@@ -78,10 +79,13 @@ class AlignedMTLWeighting(GramianWeighting):
         tensor([0.5591, 0.4083])
     """
 
+    pref_vector = Hyperparameter(check_pref_vector)
+    scale_mode = Hyperparameter(_check_scale_mode)
+
     def __init__(self, pref_vector: Tensor | None = None, scale_mode: ScaleMode = "min") -> None:
         super().__init__()
-        self.pref_vector = check_pref_vector(pref_vector)
-        self.scale_mode = _check_scale_mode(scale_mode)
+        self.pref_vector = pref_vector
+        self.scale_mode = scale_mode
 
     scale_invariant = True  # (the scale s and the inverse square roots of the eigenvalues cancel)
 
@@ -123,6 +127,9 @@ class AlignedMTL(GramianWeightedAggregator):
     """
 
     properties = frozenset({Property.PERMUTATION_INVARIANT, Property.WEIGHTED})
+
+    pref_vector = Forwarded(AlignedMTLWeighting.pref_vector)
+    scale_mode = Forwarded(AlignedMTLWeighting.scale_mode)
 
     def __init__(self, pref_vector: Tensor | None = None, scale_mode: ScaleMode = "min") -> None:
         super().__init__(AlignedMTLWeighting(pref_vector, scale_mode))

@@ -6,7 +6,7 @@ import torch
 from torch import Tensor
 
 from jacflow.aggregation._bases import GramianWeightedAggregator, GramianWeighting
-from jacflow.aggregation._hyperparameters import check_float, check_int
+from jacflow.aggregation._hyperparameters import Forwarded, Hyperparameter, floats, ints, or_none
 from jacflow.aggregation._nonfinite import has_nonfinite, nan_weights
 from jacflow.aggregation._properties import Property
 
@@ -103,16 +103,16 @@ def auxinash_weights(
     return weights.to(gramian.dtype)
 
 
-def _check_preferences(preferences: object) -> Tensor:
+def _check_preferences(preferences: object, name: str) -> Tensor:
     if not isinstance(preferences, Tensor):
-        raise TypeError(f"`preferences` must be a torch.Tensor, received {type(preferences)}.")
+        raise TypeError(f"`{name}` must be a torch.Tensor, received {type(preferences)}.")
     if preferences.ndim != 1:
         raise ValueError(
-            "`preferences` must be a vector (1-D tensor) with one bargaining power per "
+            f"`{name}` must be a vector (1-D tensor) with one bargaining power per "
             f"objective, received shape {tuple(preferences.shape)}."
         )
     if not bool(torch.isfinite(preferences).all()) or bool((preferences < 0).any()):
-        raise ValueError(f"`preferences` must be finite and non-negative, received {preferences}.")
+        raise ValueError(f"`{name}` must be finite and non-negative, received {preferences}.")
     return preferences.detach().clone()
 
 
@@ -133,15 +133,17 @@ class AuxiNashWeighting(GramianWeighting):
         tensor([0.3162, 1.2649])
     """
 
+    preferences = Hyperparameter(_check_preferences)
+    max_norm = Hyperparameter(or_none(floats(low=0.0, low_open=True)))
+    max_iter = Hyperparameter(ints(low=1))
+
     def __init__(
         self, preferences: Tensor, max_norm: float | None = 1.0, max_iter: int = 100
     ) -> None:
         super().__init__()
-        self.preferences = _check_preferences(preferences)
-        self.max_norm = (
-            None if max_norm is None else check_float(max_norm, "max_norm", low=0.0, low_open=True)
-        )
-        self.max_iter = check_int(max_iter, "max_iter", low=1)
+        self.preferences = preferences
+        self.max_norm = max_norm
+        self.max_iter = max_iter
 
     def check_rows(self, m: int) -> None:
         if self.preferences.shape[0] != m:
@@ -194,6 +196,10 @@ class AuxiNash(GramianWeightedAggregator):
     """
 
     properties = frozenset({Property.WEIGHTED})
+
+    preferences = Forwarded(AuxiNashWeighting.preferences)
+    max_norm = Forwarded(AuxiNashWeighting.max_norm)
+    max_iter = Forwarded(AuxiNashWeighting.max_iter)
 
     def __init__(
         self, preferences: Tensor, max_norm: float | None = 1.0, max_iter: int = 100

@@ -16,8 +16,14 @@ from collections.abc import Callable, Sequence
 from typing import ClassVar
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
+from jacflow.aggregation._hyperparameters import (
+    Configurable,
+    Forwarded,
+    Hyperparameter,
+    check_callable,
+)
 from jacflow.aggregation._properties import Property
 from jacflow.linalg import compute_gramian
 
@@ -96,7 +102,7 @@ def scale_to_unit_peak(matrix: Tensor) -> Tensor:
     return matrix * unit_peak_factor([matrix])
 
 
-class Aggregator(nn.Module, ABC):
+class Aggregator(Configurable, ABC):
     """Maps a Jacobian matrix ``[m, n]`` (one row per objective) to one update vector ``[n]``.
 
     Subclasses implement :meth:`forward`; calling the aggregator validates the input first.
@@ -148,7 +154,7 @@ class Aggregator(nn.Module, ABC):
         return type(self).__name__
 
 
-class Weighting(nn.Module, ABC):
+class Weighting(Configurable, ABC):
     """Maps a matrix statistic (``J`` or ``J J^T``) of shape ``[m, k]`` to ``m`` weights.
 
     A float16 or bfloat16 statistic is weighted in float32 and the weights are returned in its
@@ -217,11 +223,12 @@ def check_weighting(value: object, name: str) -> Weighting:
 class _Composition(Weighting):
     """``weighting << fn``: the weights of ``x`` are ``weighting(fn(x))``."""
 
+    weighting = Hyperparameter(check_weighting)
+    fn = Hyperparameter(check_callable)
+
     def __init__(self, weighting: Weighting, fn: Callable[[Tensor], Tensor]) -> None:
         super().__init__()
-        self.weighting = check_weighting(weighting, "weighting")
-        if not callable(fn):
-            raise TypeError(f"`fn` must be callable, received {type(fn)}.")
+        self.weighting = weighting
         self.fn = fn
 
     def _check_input(self, stat: Tensor) -> None:
@@ -313,9 +320,11 @@ class GramianOfJacobianWeighting(Weighting):
         tensor([1.1111, 0.7895])
     """
 
+    gramian_weighting = Hyperparameter(check_gramian_weighting)
+
     def __init__(self, gramian_weighting: GramianWeighting) -> None:
         super().__init__()
-        self.gramian_weighting = check_gramian_weighting(gramian_weighting, "gramian_weighting")
+        self.gramian_weighting = gramian_weighting
 
     def _check_input(self, stat: Tensor) -> None:
         _check_matrix(stat, "matrix", type(self).__name__)
@@ -344,9 +353,12 @@ class WeightedAggregator(Aggregator):
 
     properties: ClassVar[frozenset[Property]] = frozenset({Property.WEIGHTED})
 
+    weighting = Hyperparameter(check_weighting)
+    """The weighting of the Jacobian: ``weighting(J)`` are the weights of the rows of ``J``."""
+
     def __init__(self, weighting: Weighting) -> None:
         super().__init__()
-        self.weighting = check_weighting(weighting, "weighting")
+        self.weighting = weighting
 
     def weights(self, matrix: Tensor) -> Tensor:
         """Weights that this aggregator gives to the rows of ``matrix``."""
@@ -372,6 +384,8 @@ class GramianWeightedAggregator(WeightedAggregator):
 
     As in TorchJD, :attr:`weighting` is a weighting of ``J`` (``gramian_weighting << gramian``,
     the one the aggregator calls) and :attr:`gramian_weighting` the weighting of the Gramian.
+    To change the method, assign ``gramian_weighting`` (on this class; a named method builds
+    its own and exposes its hyper-parameters instead).
 
     Args:
         gramian_weighting: maps the ``[m, m]`` Gramian to ``[m]`` weights.
@@ -387,15 +401,17 @@ class GramianWeightedAggregator(WeightedAggregator):
         (tensor([1.1111, 0.7895]), tensor([1.1111, 0.7895]))
     """
 
+    weighting = Hyperparameter(
+        check_weighting, frozen="it is derived, `gramian_weighting << gramian`"
+    )
+    """The weighting of the Jacobian, ``gramian_weighting << gramian``: ``weighting(J)`` are
+    the weights of the rows of ``J`` (those of :meth:`weights`)."""
+
+    gramian_weighting = Forwarded(GramianOfJacobianWeighting.gramian_weighting, via="weighting")
+    """The weighting of the Gramian: ``gramian_weighting(J @ J.T)`` are the weights."""
+
     def __init__(self, gramian_weighting: GramianWeighting) -> None:
         super().__init__(GramianOfJacobianWeighting(gramian_weighting))
-
-    @property
-    def gramian_weighting(self) -> GramianWeighting:
-        """The weighting of the Gramian: ``gramian_weighting(J @ J.T)`` are the weights."""
-        weighting = self.weighting
-        assert isinstance(weighting, GramianOfJacobianWeighting)
-        return weighting.gramian_weighting
 
     def extra_repr(self) -> str:
         return repr(self.gramian_weighting) if type(self) is GramianWeightedAggregator else ""

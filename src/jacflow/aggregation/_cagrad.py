@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from jacflow.aggregation._bases import GramianWeighting
-from jacflow.aggregation._hyperparameters import check_float
+from jacflow.aggregation._hyperparameters import Forwarded, Hyperparameter, floats
 from jacflow.aggregation._preset import NoGradGramianPreset
 from jacflow.aggregation._properties import Property
 from jacflow.aggregation._simplex import min_norm_weights
@@ -109,10 +109,10 @@ def cagrad_weights(gramian: Tensor, c: float, norm_eps: float, rescale: int) -> 
     return (weights / divisor).to(dtype)
 
 
-def _check_rescale(rescale: object) -> int:
+def _check_rescale(rescale: object, name: str) -> int:
     if isinstance(rescale, bool) or rescale not in _RESCALES:
         raise ValueError(
-            f"`rescale` must be 0 (none), 1 (divide by 1 + c^2) or 2 (divide by 1 + c), received "
+            f"`{name}` must be 0 (none), 1 (divide by 1 + c^2) or 2 (divide by 1 + c), received "
             f"{rescale!r}."
         )
     return int(rescale)
@@ -136,11 +136,15 @@ class CAGradWeighting(GramianWeighting):
         tensor([0.7041, 0.5000])
     """
 
+    c = Hyperparameter(floats(low=0.0))
+    norm_eps = Hyperparameter(floats(low=0.0))
+    rescale = Hyperparameter(_check_rescale)
+
     def __init__(self, c: float, norm_eps: float = 1e-4, rescale: int = 0) -> None:
         super().__init__()
-        self.c = check_float(c, "c", low=0.0)
-        self.norm_eps = check_float(norm_eps, "norm_eps", low=0.0)
-        self.rescale = _check_rescale(rescale)
+        self.c = c
+        self.norm_eps = norm_eps
+        self.rescale = rescale
 
     scale_invariant = True  # (it solves on G divided by its trace)
 
@@ -186,6 +190,10 @@ class CAGrad(NoGradGramianPreset):
     """
 
     properties = frozenset({Property.PERMUTATION_INVARIANT, Property.WEIGHTED})
+
+    c = Forwarded(CAGradWeighting.c)
+    norm_eps = Forwarded(CAGradWeighting.norm_eps)
+    rescale = Forwarded(CAGradWeighting.rescale)
 
     def __init__(self, c: float, norm_eps: float = 1e-4, rescale: int = 0) -> None:
         super().__init__(CAGradWeighting(c, norm_eps, rescale))

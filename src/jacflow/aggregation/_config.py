@@ -6,6 +6,7 @@ import torch
 from torch import Tensor
 
 from jacflow.aggregation._bases import Aggregator, scale_to_unit_peak
+from jacflow.aggregation._hyperparameters import Hyperparameter
 from jacflow.aggregation._nonfinite import has_nonfinite
 from jacflow.aggregation._pref_vector import check_pref_rows, check_pref_vector
 from jacflow.aggregation._properties import Property
@@ -76,9 +77,11 @@ class ConFIG(Aggregator):
 
     properties = frozenset({Property.LINEAR_UNDER_SCALING, Property.PERMUTATION_INVARIANT})
 
+    pref_vector = Hyperparameter(check_pref_vector)
+
     def __init__(self, pref_vector: Tensor | None = None) -> None:
         super().__init__()
-        self.pref_vector = check_pref_vector(pref_vector)
+        self.pref_vector = pref_vector
 
     def check_rows(self, m: int) -> None:
         check_pref_rows(self.pref_vector, m)

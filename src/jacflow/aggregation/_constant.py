@@ -5,15 +5,16 @@ from __future__ import annotations
 from torch import Tensor
 
 from jacflow.aggregation._bases import GramianWeightedAggregator, GramianWeighting, Weighting
+from jacflow.aggregation._hyperparameters import Hyperparameter
 from jacflow.aggregation._properties import Property
 
 
-def _check_weights(weights: object) -> Tensor:
+def _check_weights(weights: object, name: str) -> Tensor:
     if not isinstance(weights, Tensor):
-        raise TypeError(f"`weights` must be a torch.Tensor, received {type(weights)}.")
+        raise TypeError(f"`{name}` must be a torch.Tensor, received {type(weights)}.")
     if weights.ndim != 1:
         raise ValueError(
-            "`weights` must be a vector (1-D tensor) with one weight per objective, received "
+            f"`{name}` must be a vector (1-D tensor) with one weight per objective, received "
             f"shape {tuple(weights.shape)}."
         )
     return weights
@@ -48,9 +49,11 @@ class ConstantWeighting(GramianWeighting):
         tensor([1., 2.])
     """
 
+    weights = Hyperparameter(_check_weights)
+
     def __init__(self, weights: Tensor) -> None:
         super().__init__()
-        self.weights = _check_weights(weights)
+        self.weights = weights
 
     def _check_input(self, stat: Tensor) -> None:
         Weighting._check_input(self, stat)

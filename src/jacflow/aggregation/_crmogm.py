@@ -6,8 +6,17 @@ import torch
 from torch import Tensor
 
 from jacflow._stateful import Stateful
-from jacflow.aggregation._bases import GramianWeighting, Weighting
-from jacflow.aggregation._hyperparameters import check_float
+from jacflow.aggregation._bases import GramianWeighting, Weighting, check_weighting
+from jacflow.aggregation._hyperparameters import Hyperparameter, floats
+
+
+def _check_initial_weights(value: object, name: str) -> Tensor | None:
+    if value is not None and (not isinstance(value, Tensor) or value.ndim != 1):
+        raise ValueError(
+            f"`{name}` must be None or a vector (1-D tensor) with one weight per objective, "
+            f"received {value!r}."
+        )
+    return value
 
 
 class CRMOGMWeighting(GramianWeighting, Stateful):
@@ -43,23 +52,18 @@ class CRMOGMWeighting(GramianWeighting, Stateful):
         tensor([0.5000, 0.5000])
     """
 
+    weighting = Hyperparameter(check_weighting)
+    alpha = Hyperparameter(floats(low=0.0, high=1.0))
+    initial_weights = Hyperparameter(_check_initial_weights)
+    r""":math:`\lambda_0`; an assignment takes effect on the first call after a :meth:`reset`
+    (or on the first call at all)."""
+
     def __init__(
         self, weighting: Weighting, alpha: float = 0.9, initial_weights: Tensor | None = None
     ) -> None:
         super().__init__()
-        if not isinstance(weighting, Weighting):
-            raise TypeError(
-                f"`weighting` must be a jacflow.aggregation.Weighting, received {type(weighting)}."
-            )
         self.weighting = weighting
-        self.alpha = check_float(alpha, "alpha", low=0.0, high=1.0)
-        if initial_weights is not None and (
-            not isinstance(initial_weights, Tensor) or initial_weights.ndim != 1
-        ):
-            raise ValueError(
-                "`initial_weights` must be None or a vector (1-D tensor) with one weight per "
-                f"objective, received {initial_weights!r}."
-            )
+        self.alpha = alpha
         self.initial_weights = initial_weights
         self._previous: Tensor | None = None
 

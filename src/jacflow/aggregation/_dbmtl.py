@@ -7,7 +7,7 @@ from torch import Tensor
 
 from jacflow._stateful import Stateful
 from jacflow.aggregation._bases import Aggregator
-from jacflow.aggregation._hyperparameters import check_float
+from jacflow.aggregation._hyperparameters import Hyperparameter, floats
 from jacflow.aggregation._loss_aware import LossAware
 from jacflow.aggregation._nonfinite import has_nonfinite
 
@@ -65,10 +65,13 @@ class DBMTL(Aggregator, LossAware, Stateful):
         tensor([0.2000, 0.2000])
     """
 
+    beta = Hyperparameter(floats(low=0.0, high=1.0, high_open=True))
+    beta_sigma = Hyperparameter(floats(low=0.0))
+
     def __init__(self, beta: float = 0.9, beta_sigma: float = 0.0) -> None:
         super().__init__()
-        self.beta = check_float(beta, "beta", low=0.0, high=1.0, high_open=True)
-        self.beta_sigma = check_float(beta_sigma, "beta_sigma", low=0.0)
+        self.beta = beta
+        self.beta_sigma = beta_sigma
         self._buffer: Tensor | None = None
         self._step = 0
 

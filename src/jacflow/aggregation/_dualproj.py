@@ -6,6 +6,7 @@ import torch
 from torch import Tensor
 
 from jacflow.aggregation._bases import GramianWeighting
+from jacflow.aggregation._hyperparameters import Forwarded, Hyperparameter
 from jacflow.aggregation._pref_vector import (
     check_pref_rows,
     check_pref_vector,
@@ -13,7 +14,7 @@ from jacflow.aggregation._pref_vector import (
 )
 from jacflow.aggregation._preset import NoGradGramianPreset
 from jacflow.aggregation._properties import Property
-from jacflow.aggregation._upgrad import _check_projector, is_scale_free
+from jacflow.aggregation._upgrad import check_projector, is_scale_free
 from jacflow.linalg import DualConeProjector
 
 
@@ -44,12 +45,16 @@ class DualProjWeighting(GramianWeighting):
         tensor([0.6111, 0.5000])
     """
 
+    pref_vector = Hyperparameter(check_pref_vector)
+    projector = Hyperparameter(check_projector)
+    """The dual-cone projection solver (assigning ``None`` gives the default)."""
+
     def __init__(
         self, pref_vector: Tensor | None = None, projector: DualConeProjector | None = None
     ) -> None:
         super().__init__()
-        self.pref_vector = check_pref_vector(pref_vector)
-        self.projector = _check_projector(projector)
+        self.pref_vector = pref_vector
+        self.projector = projector  # type: ignore[assignment]  # (None: the default)
 
     @property
     def scale_invariant(self) -> bool:
@@ -100,6 +105,9 @@ class DualProj(NoGradGramianPreset):
     properties = frozenset(
         {Property.NON_CONFLICTING, Property.PERMUTATION_INVARIANT, Property.WEIGHTED}
     )
+
+    pref_vector = Forwarded(DualProjWeighting.pref_vector)
+    projector = Forwarded(DualProjWeighting.projector)
 
     def __init__(
         self, pref_vector: Tensor | None = None, projector: DualConeProjector | None = None

@@ -6,7 +6,7 @@ import torch
 from torch import Tensor
 
 from jacflow.aggregation._bases import GramianWeightedAggregator, GramianWeighting
-from jacflow.aggregation._hyperparameters import check_float
+from jacflow.aggregation._hyperparameters import Forwarded, Hyperparameter, check_bool, floats
 from jacflow.aggregation._linprog import linprog_max
 from jacflow.aggregation._loss_aware import LossAware
 from jacflow.aggregation._nonfinite import has_nonfinite, nan_weights
@@ -76,16 +76,16 @@ def epo_weights(
     return (m * alpha).to(device=gramian.device, dtype=gramian.dtype)
 
 
-def _check_preference(preference: object) -> Tensor:
+def _check_preference(preference: object, name: str) -> Tensor:
     if not isinstance(preference, Tensor):
-        raise TypeError(f"`preference` must be a torch.Tensor, received {type(preference)}.")
+        raise TypeError(f"`{name}` must be a torch.Tensor, received {type(preference)}.")
     if preference.ndim != 1:
         raise ValueError(
-            "`preference` must be a vector (1-D tensor) with one positive entry per objective, "
+            f"`{name}` must be a vector (1-D tensor) with one positive entry per objective, "
             f"received shape {tuple(preference.shape)}."
         )
     if not bool(torch.isfinite(preference).all()) or bool((preference <= 0).any()):
-        raise ValueError(f"`preference` must be finite and positive, received {preference}.")
+        raise ValueError(f"`{name}` must be finite and positive, received {preference}.")
     return preference.detach().clone()
 
 
@@ -108,12 +108,14 @@ class EPOWeighting(GramianWeighting, LossAware):
         tensor([2., 0.])
     """
 
+    preference = Hyperparameter(_check_preference)
+    eps = Hyperparameter(floats(low=0.0))
+    relax = Hyperparameter(check_bool)
+
     def __init__(self, preference: Tensor, eps: float = 1e-4, relax: bool = False) -> None:
         super().__init__()
-        self.preference = _check_preference(preference)
-        self.eps = check_float(eps, "eps", low=0.0)
-        if not isinstance(relax, bool):
-            raise TypeError(f"`relax` must be a bool, received {type(relax)}.")
+        self.preference = preference
+        self.eps = eps
         self.relax = relax
 
     scale_invariant = True  # (its LP reads G divided by its largest diagonal entry)
@@ -177,6 +179,10 @@ class EPO(GramianWeightedAggregator, LossAware):
     """
 
     properties = frozenset({Property.WEIGHTED})
+
+    preference = Forwarded(EPOWeighting.preference)
+    eps = Forwarded(EPOWeighting.eps)
+    relax = Forwarded(EPOWeighting.relax)
 
     def __init__(self, preference: Tensor, eps: float = 1e-4, relax: bool = False) -> None:
         super().__init__(EPOWeighting(preference, eps, relax))

@@ -7,7 +7,7 @@ from torch import Tensor
 
 from jacflow._stateful import Stateful
 from jacflow.aggregation._bases import WeightedAggregator, Weighting
-from jacflow.aggregation._hyperparameters import check_float, check_int
+from jacflow.aggregation._hyperparameters import Forwarded, Hyperparameter, floats, ints
 from jacflow.aggregation._nonfinite import has_nonfinite, nan_weights
 from jacflow.aggregation._properties import Property
 
@@ -35,12 +35,13 @@ class ExcessMTLWeighting(Weighting, Stateful):
         tensor([0.1192, 0.8808])
     """
 
+    robust_step_size = Hyperparameter(floats(low=0.0, low_open=True))
+    n_warmup_steps = Hyperparameter(ints(low=0))
+
     def __init__(self, robust_step_size: float = 1.0, n_warmup_steps: int = 0) -> None:
         super().__init__()
-        self.robust_step_size = check_float(
-            robust_step_size, "robust_step_size", low=0.0, low_open=True
-        )
-        self.n_warmup_steps = check_int(n_warmup_steps, "n_warmup_steps", low=0)
+        self.robust_step_size = robust_step_size
+        self.n_warmup_steps = n_warmup_steps
         self.reset()
 
     def reset(self) -> None:
@@ -119,6 +120,9 @@ class ExcessMTL(WeightedAggregator, Stateful):
     """
 
     properties = frozenset({Property.PERMUTATION_INVARIANT, Property.WEIGHTED})
+
+    robust_step_size = Forwarded(ExcessMTLWeighting.robust_step_size, via="weighting")
+    n_warmup_steps = Forwarded(ExcessMTLWeighting.n_warmup_steps, via="weighting")
 
     def __init__(self, robust_step_size: float = 1.0, n_warmup_steps: int = 0) -> None:
         super().__init__(ExcessMTLWeighting(robust_step_size, n_warmup_steps))

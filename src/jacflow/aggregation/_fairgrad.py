@@ -7,7 +7,7 @@ from torch import Tensor
 
 from jacflow.aggregation._bargaining import ridge_for, solve_power_equation
 from jacflow.aggregation._bases import GramianWeighting
-from jacflow.aggregation._hyperparameters import check_float, check_int
+from jacflow.aggregation._hyperparameters import Forwarded, Hyperparameter, floats, ints, or_none
 from jacflow.aggregation._mean import mean_weights
 from jacflow.aggregation._nonfinite import has_nonfinite, nan_weights
 from jacflow.aggregation._preset import NoGradGramianPreset
@@ -52,10 +52,13 @@ class FairGradWeighting(GramianWeighting):
         tensor([0.5915, 0.4071])
     """
 
+    alpha = Hyperparameter(floats(low=0.0))
+    max_iters = Hyperparameter(or_none(ints(low=1)))
+
     def __init__(self, alpha: float, max_iters: int | None = None) -> None:
         super().__init__()
-        self.alpha = check_float(alpha, "alpha", low=0.0)
-        self.max_iters = None if max_iters is None else check_int(max_iters, "max_iters", low=1)
+        self.alpha = alpha
+        self.max_iters = max_iters
 
     def forward(self, stat: Tensor) -> Tensor:
         with torch.no_grad():
@@ -101,6 +104,9 @@ class FairGrad(NoGradGramianPreset):
     # Non-conflicting and permutation invariant wherever a solution exists (tested on Jacobians of
     # full row rank); not claimed because Pareto-stationary inputs have no solution.
     properties = frozenset({Property.WEIGHTED})
+
+    alpha = Forwarded(FairGradWeighting.alpha)
+    max_iters = Forwarded(FairGradWeighting.max_iters)
 
     def __init__(self, alpha: float, max_iters: int | None = None) -> None:
         super().__init__(FairGradWeighting(alpha, max_iters))

@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from jacflow.aggregation._bases import Aggregator
+from jacflow.aggregation._hyperparameters import Hyperparameter
 
 
 def identity(purity: Tensor) -> Tensor:
@@ -56,6 +57,25 @@ def graddrop(matrix: Tensor, f: Callable[[Tensor], Tensor], leak: Tensor | None)
     return result.add_(signed.mul_(0))  # 0 * (NaN or inf) = NaN: non-finite columns propagate
 
 
+def _check_f(f: object, name: str) -> Callable[[Tensor], Tensor]:
+    if not callable(f):
+        raise TypeError(f"`{name}` must be callable (Tensor -> Tensor), received {type(f)}.")
+    return f
+
+
+def _check_leak(leak: object, name: str) -> Tensor | None:
+    if leak is None:
+        return None
+    if not isinstance(leak, Tensor) or leak.ndim != 1:
+        raise ValueError(
+            f"`{name}` must be None or a vector (1-D tensor) with one value per objective, "
+            f"received {leak!r}."
+        )
+    if not bool(((leak >= 0) & (leak <= 1)).all()):
+        raise ValueError(f"`{name}` values must lie in [0, 1], received {leak.tolist()}.")
+    return leak
+
+
 class GradDrop(Aggregator):
     r"""GradDrop (gradient sign dropout).
 
@@ -83,20 +103,13 @@ class GradDrop(Aggregator):
         tensor([6., 2., 2.])
     """
 
+    f = Hyperparameter(_check_f)
+    leak = Hyperparameter(_check_leak)
+
     def __init__(
         self, f: Callable[[Tensor], Tensor] = identity, leak: Tensor | None = None
     ) -> None:
         super().__init__()
-        if not callable(f):
-            raise TypeError(f"`f` must be callable (Tensor -> Tensor), received {type(f)}.")
-        if leak is not None:
-            if not isinstance(leak, Tensor) or leak.ndim != 1:
-                raise ValueError(
-                    "`leak` must be None or a vector (1-D tensor) with one value per objective, "
-                    f"received {leak!r}."
-                )
-            if not bool(((leak >= 0) & (leak <= 1)).all()):
-                raise ValueError(f"`leak` values must lie in [0, 1], received {leak.tolist()}.")
         self.f = f
         self.leak = leak
 

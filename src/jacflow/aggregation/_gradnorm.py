@@ -7,7 +7,7 @@ from torch import Tensor
 
 from jacflow._stateful import Stateful
 from jacflow.aggregation._bases import GramianWeightedAggregator, GramianWeighting
-from jacflow.aggregation._hyperparameters import check_float
+from jacflow.aggregation._hyperparameters import Forwarded, Hyperparameter, floats
 from jacflow.aggregation._loss_aware import LossAware
 from jacflow.aggregation._nonfinite import has_nonfinite, nan_weights
 from jacflow.aggregation._properties import Property
@@ -63,10 +63,13 @@ class GradNormWeighting(GramianWeighting, LossAware, Stateful):
         tensor([0.8421, 1.1579])
     """
 
+    alpha = Hyperparameter(floats(low=0.0))
+    lr = Hyperparameter(floats(low=0.0, low_open=True))
+
     def __init__(self, alpha: float = 1.5, lr: float = 0.025) -> None:
         super().__init__()
-        self.alpha = check_float(alpha, "alpha", low=0.0)
-        self.lr = check_float(lr, "lr", low=0.0, low_open=True)
+        self.alpha = alpha
+        self.lr = lr
         self._weights: Tensor | None = None
         self._initial_losses: Tensor | None = None
 
@@ -135,6 +138,9 @@ class GradNorm(GramianWeightedAggregator, LossAware, Stateful):
     """
 
     properties = frozenset({Property.WEIGHTED})
+
+    alpha = Forwarded(GradNormWeighting.alpha)
+    lr = Forwarded(GradNormWeighting.lr)
 
     def __init__(self, alpha: float = 1.5, lr: float = 0.025) -> None:
         super().__init__(GradNormWeighting(alpha, lr))

@@ -7,7 +7,7 @@ from torch import Tensor
 
 from jacflow._stateful import Stateful
 from jacflow.aggregation._bases import GramianWeightedAggregator, GramianWeighting
-from jacflow.aggregation._hyperparameters import check_float
+from jacflow.aggregation._hyperparameters import Forwarded, Hyperparameter, floats
 from jacflow.aggregation._nonfinite import propagate_nonfinite
 from jacflow.aggregation._pcgrad import random_orders
 from jacflow.aggregation._properties import Property
@@ -79,10 +79,13 @@ class GradVacWeighting(GramianWeighting, Stateful):
         tensor([2.2222, 1.5789])
     """
 
+    beta = Hyperparameter(floats(low=0.0, high=1.0))
+    eps = Hyperparameter(floats(low=0.0))
+
     def __init__(self, beta: float = 0.5, eps: float = 1e-8) -> None:
         super().__init__()
-        self.beta = check_float(beta, "beta", low=0.0, high=1.0)
-        self.eps = check_float(eps, "eps", low=0.0)
+        self.beta = beta
+        self.eps = eps
         self._targets: Tensor | None = None
 
     def reset(self) -> None:
@@ -143,6 +146,9 @@ class GradVac(GramianWeightedAggregator, Stateful):
     """
 
     properties = frozenset({Property.WEIGHTED})
+
+    beta = Forwarded(GradVacWeighting.beta)
+    eps = Forwarded(GradVacWeighting.eps)
 
     def __init__(self, beta: float = 0.5, eps: float = 1e-8) -> None:
         super().__init__(GradVacWeighting(beta, eps))

@@ -1,8 +1,37 @@
-"""Validation of scalar hyper-parameters at construction time, with messages naming the range."""
+"""Hyper-parameters: validated at construction and on every later assignment.
+
+A class declares each constructor argument that it keeps as a :class:`Hyperparameter` in its
+body, with the function that checks a value; the constructor then assigns it like any
+attribute (``self.c = c``) and so does the user later (``weighting.c = 2.0``): the same check
+runs both times, and a failed assignment leaves the object unchanged. An aggregator that is
+configured by its weighting declares the weighting's hyper-parameters as :class:`Forwarded`:
+reading and assigning them go to the weighting. Both work on subclasses of
+:class:`Configurable` (every :class:`~jacflow.aggregation.Aggregator` and
+:class:`~jacflow.aggregation.Weighting`).
+
+A hyper-parameter can be assigned after construction only when the class's constructor takes
+an argument of that name (a named method such as ``CAGrad`` builds its weighting itself, so its
+``gramian_weighting`` cannot be swapped), and not when it is declared ``frozen`` (e.g. a size
+that the method's state or trainable parameters have): those raise an ``AttributeError`` that
+says to build a new instance.
+"""
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar, overload
+
+from torch import nn
+
+T = TypeVar("T")
+
+Check = Callable[[object, str], T]
+"""Validates a value for the hyper-parameter of the given name: the value to keep, or a
+``ValueError``/``TypeError`` that names the argument, what it expects and what it received."""
 
 
 def check_float(
@@ -55,3 +84,229 @@ def check_int(value: object, name: str, *, low: int) -> int:
     if value < low:
         raise ValueError(f"`{name}` must be an int >= {low}, received {value}.")
     return value
+
+
+def floats(
+    *,
+    low: float | None = None,
+    high: float | None = None,
+    low_open: bool = False,
+    high_open: bool = False,
+) -> Check[float]:
+    """The :func:`check_float` of an interval, as a :data:`Check`."""
+    return functools.partial(
+        check_float, low=low, high=high, low_open=low_open, high_open=high_open
+    )
+
+
+def ints(*, low: int) -> Check[int]:
+    """The :func:`check_int` of a lower bound, as a :data:`Check`."""
+    return functools.partial(check_int, low=low)
+
+
+def or_none(check: Check[T]) -> Check[T | None]:
+    """``check``, letting ``None`` through (an optional hyper-parameter)."""
+
+    def check_optional(value: object, name: str) -> T | None:
+        return None if value is None else check(value, name)
+
+    return check_optional
+
+
+def check_bool(value: object, name: str) -> bool:
+    """``value`` if it is a bool, else a ``TypeError``."""
+    if not isinstance(value, bool):
+        raise TypeError(f"`{name}` must be a bool, received {type(value)}.")
+    return value
+
+
+def check_callable(value: object, name: str) -> Callable[..., Any]:
+    """``value`` if it is callable, else a ``TypeError``."""
+    if not callable(value):
+        raise TypeError(f"`{name}` must be callable, received {type(value)}.")
+    return value
+
+
+_TAKES: dict[tuple[type, str], bool] = {}
+_DECLARED: dict[tuple[type, str], bool] = {}
+
+
+def _constructor_takes(cls: type, name: str) -> bool:
+    key = (cls, name)
+    if key not in _TAKES:
+        _TAKES[key] = name in inspect.signature(cls).parameters
+    return _TAKES[key]
+
+
+def _is_set(module: nn.Module, name: str) -> bool:
+    return name in module.__dict__ or name in module._modules or name in module._parameters
+
+
+def _refuse_assignment(module: nn.Module, name: str, frozen: str | None) -> None:
+    cls = type(module).__name__
+    reason = frozen or f"{cls}'s constructor takes no `{name}`"
+    raise AttributeError(
+        f"`{name}` of {cls} cannot be assigned after construction ({reason}); build a new "
+        f"{cls} instead."
+    )
+
+
+def _store(module: nn.Module, name: str, value: object) -> None:
+    """Put ``value`` where ``nn.Module.__setattr__`` would: a parameter, a submodule or a plain
+    attribute (it cannot do it itself: it would call the descriptor again)."""
+    for table in (module.__dict__, module._parameters, module._modules):
+        table.pop(name, None)
+    if isinstance(value, nn.Parameter):
+        module._parameters[name] = value
+    elif isinstance(value, nn.Module):
+        module._modules[name] = value
+    else:
+        module.__dict__[name] = value
+
+
+_D = TypeVar("_D", bound="_Declared[Any]")
+
+
+class _Declared(ABC, Generic[T]):
+    """A class attribute through which an instance's hyper-parameter is read and assigned."""
+
+    def __init__(self) -> None:
+        self.name = ""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    @overload
+    def __get__(self: _D, instance: None, owner: type) -> _D: ...
+
+    @overload
+    def __get__(self, instance: object, owner: type) -> T: ...
+
+    def __get__(self: _D, instance: object, owner: type) -> _D | T:
+        if instance is None:
+            return self
+        assert isinstance(instance, nn.Module)
+        return self._read(instance)
+
+    @abstractmethod
+    def _read(self, instance: nn.Module) -> T:
+        """The value of the hyper-parameter of ``instance``."""
+
+    @abstractmethod
+    def __set__(self, instance: nn.Module, value: T) -> None:
+        """Check ``value`` and make it the hyper-parameter of ``instance``, or raise."""
+
+
+class Hyperparameter(_Declared[T]):
+    """A constructor argument kept as an attribute whose every assignment is validated.
+
+    Args:
+        check: validates a value (called with the value and the attribute's name) and returns
+            the value to keep.
+        fits: called with the object and the checked value, for conditions that involve other
+            attributes; raises to refuse the value.
+        frozen: the reason why the value cannot change after construction (``None``: it can,
+            when the class's constructor takes an argument of its name).
+
+    Example:
+        >>> from jacflow.aggregation import CAGradWeighting
+        >>> W = CAGradWeighting(c=0.5)
+        >>> W.c = 2.0
+        >>> W.c
+        2.0
+        >>> W.c = -1.0
+        Traceback (most recent call last):
+        ...
+        ValueError: `c` must be a float in [0.0, inf), received -1.0.
+        >>> W.c
+        2.0
+    """
+
+    def __init__(
+        self,
+        check: Check[T],
+        *,
+        fits: Callable[[Any, T], None] | None = None,
+        frozen: str | None = None,
+    ) -> None:
+        super().__init__()
+        self._check = check
+        self._fits = fits
+        self._frozen = frozen
+
+    def _read(self, instance: nn.Module) -> T:
+        tables: tuple[dict[str, Any], ...] = (
+            instance.__dict__,
+            instance._modules,
+            instance._parameters,
+        )
+        for table in tables:
+            if self.name in table:
+                value: T = table[self.name]
+                return value
+        raise AttributeError(f"{type(instance).__name__} has no `{self.name}` yet.")
+
+    def __set__(self, instance: nn.Module, value: T) -> None:
+        if _is_set(instance, self.name) and (
+            self._frozen is not None or not _constructor_takes(type(instance), self.name)
+        ):
+            _refuse_assignment(instance, self.name, self._frozen)
+        checked = self._check(value, self.name)
+        if self._fits is not None:
+            self._fits(instance, checked)
+        _store(instance, self.name, checked)
+
+
+class Forwarded(_Declared[T]):
+    """An aggregator's hyper-parameter that its weighting holds: reading and assigning it read
+    and assign the weighting's (with its checks).
+
+    Args:
+        hyperparameter: the weighting class's :class:`Hyperparameter` (gives the type).
+        via: the aggregator's attribute that holds the weighting.
+
+    Example:
+        >>> from jacflow.aggregation import CAGrad
+        >>> A = CAGrad(c=0.5)
+        >>> A.c = 2.0
+        >>> A.c, A.gramian_weighting.c
+        (2.0, 2.0)
+    """
+
+    def __init__(
+        self, hyperparameter: Hyperparameter[T], *, via: str = "gramian_weighting"
+    ) -> None:
+        super().__init__()
+        self._via = via
+
+    def _read(self, instance: nn.Module) -> T:
+        value: T = getattr(getattr(instance, self._via), self.name)
+        return value
+
+    def __set__(self, instance: nn.Module, value: T) -> None:
+        if not _constructor_takes(type(instance), self.name):
+            _refuse_assignment(instance, self.name, None)
+        setattr(getattr(instance, self._via), self.name, value)
+
+
+def _declared(cls: type, name: str) -> bool:
+    key = (cls, name)
+    if key not in _DECLARED:
+        owner = next((klass for klass in cls.__mro__ if name in vars(klass)), None)
+        _DECLARED[key] = owner is not None and isinstance(vars(owner)[name], _Declared)
+    return _DECLARED[key]
+
+
+class Configurable(nn.Module):
+    """An ``nn.Module`` whose :class:`Hyperparameter` and :class:`Forwarded` attributes check
+    every assignment.
+
+    ``nn.Module.__setattr__`` registers a module or parameter value itself, without looking at
+    the class; the assignments of declared hyper-parameters go to their descriptor instead.
+    """
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if _declared(type(self), name):
+            object.__setattr__(self, name, value)
+        else:
+            super().__setattr__(name, value)

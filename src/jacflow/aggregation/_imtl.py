@@ -7,7 +7,7 @@ from torch import Tensor
 
 from jacflow._stateful import Stateful
 from jacflow.aggregation._bases import GramianWeightedAggregator
-from jacflow.aggregation._hyperparameters import check_int
+from jacflow.aggregation._hyperparameters import Hyperparameter, ints
 from jacflow.aggregation._imtlg import IMTLG, IMTLGWeighting
 from jacflow.scalarization._imtl_l import IMTLL
 
@@ -52,9 +52,12 @@ class IMTL(GramianWeightedAggregator, Stateful):
 
     properties = IMTLG.properties
 
+    n_tasks = Hyperparameter(ints(low=1), frozen="the size of the trainable scales `imtl_l`")
+
     def __init__(self, n_tasks: int) -> None:
         super().__init__(IMTLGWeighting())
-        self.imtl_l = IMTLL(check_int(n_tasks, "n_tasks", low=1))
+        self.n_tasks = n_tasks
+        self.imtl_l = IMTLL(self.n_tasks)
 
     def scale_losses(self, losses: Tensor) -> Tensor:
         """The IMTL-L scaled losses :math:`e^{s_i} L_i - s_i`, one per task (differentiable)."""
@@ -77,4 +80,4 @@ class IMTL(GramianWeightedAggregator, Stateful):
         self.imtl_l.reset()
 
     def extra_repr(self) -> str:
-        return f"n_tasks={self.imtl_l.log_scale.shape[0]}"
+        return f"n_tasks={self.n_tasks}"

@@ -6,7 +6,7 @@ import torch
 from torch import Tensor
 
 from jacflow.aggregation._bases import GramianWeightedAggregator, GramianWeighting
-from jacflow.aggregation._hyperparameters import check_int
+from jacflow.aggregation._hyperparameters import Forwarded, Hyperparameter, ints
 from jacflow.aggregation._nonfinite import propagate_nonfinite
 from jacflow.aggregation._properties import Property
 
@@ -70,10 +70,13 @@ class KrumWeighting(GramianWeighting):
         tensor([0.5000, 0.5000, 0.0000, 0.0000])
     """
 
+    n_byzantine = Hyperparameter(ints(low=0))
+    n_selected = Hyperparameter(ints(low=1))
+
     def __init__(self, n_byzantine: int, n_selected: int = 1) -> None:
         super().__init__()
-        self.n_byzantine = check_int(n_byzantine, "n_byzantine", low=0)
-        self.n_selected = check_int(n_selected, "n_selected", low=1)
+        self.n_byzantine = n_byzantine
+        self.n_selected = n_selected
 
     scale_invariant = True  # (it selects rows by the order of their scores)
 
@@ -126,6 +129,9 @@ class Krum(GramianWeightedAggregator):
     """
 
     properties = frozenset({Property.WEIGHTED})
+
+    n_byzantine = Forwarded(KrumWeighting.n_byzantine)
+    n_selected = Forwarded(KrumWeighting.n_selected)
 
     def __init__(self, n_byzantine: int, n_selected: int = 1) -> None:
         super().__init__(KrumWeighting(n_byzantine, n_selected))

@@ -6,6 +6,7 @@ import torch
 from torch import Tensor
 
 from jacflow.aggregation._bases import GramianWeighting, check_gramian_weighting
+from jacflow.aggregation._hyperparameters import Hyperparameter
 from jacflow.aggregation._loss_aware import LossAware
 
 
@@ -52,9 +53,11 @@ class LogLoss(GramianWeighting, LossAware):
         tensor([0.9795, 2.6170, 2.6170])
     """
 
+    weighting = Hyperparameter(check_gramian_weighting)
+
     def __init__(self, weighting: GramianWeighting) -> None:
         super().__init__()
-        self.weighting = check_gramian_weighting(weighting)
+        self.weighting = weighting
 
     @property
     def scale_invariant(self) -> bool:

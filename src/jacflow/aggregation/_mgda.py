@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from jacflow.aggregation._bases import GramianWeightedAggregator, GramianWeighting
-from jacflow.aggregation._hyperparameters import check_float, check_int
+from jacflow.aggregation._hyperparameters import Forwarded, Hyperparameter, floats, ints
 from jacflow.aggregation._loss_aware import LossAware
 from jacflow.aggregation._nonfinite import has_nonfinite, nan_weights
 from jacflow.aggregation._properties import Property
@@ -198,6 +198,12 @@ def normalized_mgda_weights(
     return lam * inverse
 
 
+def _check_normalization(value: object, name: str) -> Normalization:
+    if value not in _NORMALIZATIONS:
+        raise ValueError(f"`{name}` must be one of {_NORMALIZATIONS}, received {value!r}.")
+    return value  # type: ignore[return-value]  # (one of the literals)
+
+
 class MGDAWeighting(GramianWeighting, LossAware):
     r"""Gramian weighting of :class:`MGDA` (Désidéri, C. R. Math. 2012; Sener & Koltun,
     NeurIPS 2018): the minimiser of :math:`\lambda^\top D G D \lambda` on the simplex, divided
@@ -217,16 +223,16 @@ class MGDAWeighting(GramianWeighting, LossAware):
         tensor([0.6000, 0.4000])
     """
 
+    epsilon = Hyperparameter(floats(low=0.0, low_open=True))
+    max_iters = Hyperparameter(ints(low=1))
+    normalization = Hyperparameter(_check_normalization)
+
     def __init__(
         self, epsilon: float = 0.001, max_iters: int = 100, normalization: Normalization = "none"
     ) -> None:
         super().__init__()
-        self.epsilon = check_float(epsilon, "epsilon", low=0.0, low_open=True)
-        self.max_iters = check_int(max_iters, "max_iters", low=1)
-        if normalization not in _NORMALIZATIONS:
-            raise ValueError(
-                f"`normalization` must be one of {_NORMALIZATIONS}, received {normalization!r}."
-            )
+        self.epsilon = epsilon
+        self.max_iters = max_iters
         self.normalization = normalization
 
     @property
@@ -290,6 +296,10 @@ class MGDA(GramianWeightedAggregator, LossAware):
     properties: ClassVar[frozenset[Property]] = frozenset(
         {Property.NON_CONFLICTING, Property.PERMUTATION_INVARIANT, Property.WEIGHTED}
     )
+
+    epsilon = Forwarded(MGDAWeighting.epsilon)
+    max_iters = Forwarded(MGDAWeighting.max_iters)
+    normalization = Forwarded(MGDAWeighting.normalization)
 
     def __init__(
         self, epsilon: float = 0.001, max_iters: int = 100, normalization: Normalization = "none"

@@ -7,7 +7,7 @@ from torch import Tensor
 
 from jacflow._stateful import Stateful
 from jacflow.aggregation._bases import Aggregator
-from jacflow.aggregation._hyperparameters import check_float
+from jacflow.aggregation._hyperparameters import Hyperparameter, floats
 from jacflow.aggregation._nonfinite import has_nonfinite
 from jacflow.aggregation._simplex import project_onto_simplex
 
@@ -68,6 +68,12 @@ class MoCo(Aggregator, Stateful):
         tensor([0.6206, 0.3665])
     """
 
+    beta = Hyperparameter(floats(low=0.0, high=1.0, low_open=True))
+    beta_sigma = Hyperparameter(floats(low=0.0))
+    gamma = Hyperparameter(floats(low=0.0, low_open=True))
+    gamma_sigma = Hyperparameter(floats(low=0.0))
+    rho = Hyperparameter(floats(low=0.0))
+
     def __init__(
         self,
         beta: float = 0.5,
@@ -77,11 +83,11 @@ class MoCo(Aggregator, Stateful):
         rho: float = 0.0,
     ) -> None:
         super().__init__()
-        self.beta = check_float(beta, "beta", low=0.0, high=1.0, low_open=True)
-        self.beta_sigma = check_float(beta_sigma, "beta_sigma", low=0.0)
-        self.gamma = check_float(gamma, "gamma", low=0.0, low_open=True)
-        self.gamma_sigma = check_float(gamma_sigma, "gamma_sigma", low=0.0)
-        self.rho = check_float(rho, "rho", low=0.0)
+        self.beta = beta
+        self.beta_sigma = beta_sigma
+        self.gamma = gamma
+        self.gamma_sigma = gamma_sigma
+        self.rho = rho
         self._tracked: Tensor | None = None
         self._lambdas: Tensor | None = None
         self._step = 0

@@ -7,7 +7,7 @@ from torch import Tensor
 
 from jacflow._stateful import Stateful
 from jacflow.aggregation._bases import GramianWeighting
-from jacflow.aggregation._hyperparameters import check_float
+from jacflow.aggregation._hyperparameters import Forwarded, Hyperparameter, floats
 from jacflow.aggregation._nonfinite import has_nonfinite, nan_weights
 from jacflow.aggregation._preset import StatefulGramianPreset
 from jacflow.aggregation._properties import Property
@@ -42,10 +42,13 @@ class MoDoWeighting(GramianWeighting, Stateful):
         tensor([1., 0.])
     """
 
+    gamma = Hyperparameter(floats(low=0.0, low_open=True))
+    rho = Hyperparameter(floats(low=0.0))
+
     def __init__(self, gamma: float = 0.1, rho: float = 0.1) -> None:
         super().__init__()
-        self.gamma = check_float(gamma, "gamma", low=0.0, low_open=True)
-        self.rho = check_float(rho, "rho", low=0.0)
+        self.gamma = gamma
+        self.rho = rho
         self._lambda: Tensor | None = None
 
     def reset(self) -> None:
@@ -103,6 +106,9 @@ class MoDo(StatefulGramianPreset):
     """
 
     properties = frozenset({Property.PERMUTATION_INVARIANT, Property.WEIGHTED})
+
+    gamma = Forwarded(MoDoWeighting.gamma)
+    rho = Forwarded(MoDoWeighting.rho)
 
     def __init__(self, gamma: float = 0.1, rho: float = 0.1) -> None:
         super().__init__(MoDoWeighting(gamma, rho))

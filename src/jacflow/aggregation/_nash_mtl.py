@@ -8,7 +8,7 @@ from torch import Tensor
 from jacflow._stateful import Stateful
 from jacflow.aggregation._bargaining import ridge_for, solve_power_equation
 from jacflow.aggregation._bases import GramianWeighting
-from jacflow.aggregation._hyperparameters import check_float, check_int
+from jacflow.aggregation._hyperparameters import Forwarded, Hyperparameter, floats, ints
 from jacflow.aggregation._nonfinite import has_nonfinite, nan_weights
 from jacflow.aggregation._preset import StatefulGramianPreset
 from jacflow.aggregation._properties import Property
@@ -57,6 +57,11 @@ class NashMTLWeighting(GramianWeighting, Stateful):
         tensor([0.4182, 0.2878])
     """
 
+    n_tasks = Hyperparameter(ints(low=1), frozen="the state is sized by it")
+    max_norm = Hyperparameter(floats(low=0.0))
+    update_weights_every = Hyperparameter(ints(low=1))
+    optim_niter = Hyperparameter(ints(low=1))
+
     def __init__(
         self,
         n_tasks: int,
@@ -65,10 +70,10 @@ class NashMTLWeighting(GramianWeighting, Stateful):
         optim_niter: int = 20,
     ) -> None:
         super().__init__()
-        self.n_tasks = check_int(n_tasks, "n_tasks", low=1)
-        self.max_norm = check_float(max_norm, "max_norm", low=0.0)
-        self.update_weights_every = check_int(update_weights_every, "update_weights_every", low=1)
-        self.optim_niter = check_int(optim_niter, "optim_niter", low=1)
+        self.n_tasks = n_tasks
+        self.max_norm = max_norm
+        self.update_weights_every = update_weights_every
+        self.optim_niter = optim_niter
         self._alpha: Tensor | None = None
         self._step = 0
 
@@ -150,6 +155,11 @@ class NashMTL(StatefulGramianPreset):
     # Non-conflicting and permutation invariant wherever a solution exists (tested on Jacobians of
     # full row rank); not claimed because Pareto-stationary inputs have no solution.
     properties = frozenset({Property.WEIGHTED})
+
+    n_tasks = Forwarded(NashMTLWeighting.n_tasks)
+    max_norm = Forwarded(NashMTLWeighting.max_norm)
+    update_weights_every = Forwarded(NashMTLWeighting.update_weights_every)
+    optim_niter = Forwarded(NashMTLWeighting.optim_niter)
 
     def __init__(
         self,

@@ -7,7 +7,7 @@ from torch import Tensor
 
 from jacflow._stateful import Stateful
 from jacflow.aggregation._bases import GramianWeightedAggregator, GramianWeighting
-from jacflow.aggregation._hyperparameters import check_int
+from jacflow.aggregation._hyperparameters import Forwarded, Hyperparameter, ints
 from jacflow.aggregation._loss_aware import LossAware
 from jacflow.aggregation._mgda import mgda_weights
 from jacflow.aggregation._nonfinite import has_nonfinite, nan_weights
@@ -56,12 +56,12 @@ def pareto_mtl_weights(
     return weights.to(gramian.dtype), feasible
 
 
-def _check_preferences(preferences: object, index: object) -> tuple[Tensor, int]:
+def _check_preferences(preferences: object, name: str) -> Tensor:
     if not isinstance(preferences, Tensor):
-        raise TypeError(f"`preferences` must be a torch.Tensor, received {type(preferences)}.")
+        raise TypeError(f"`{name}` must be a torch.Tensor, received {type(preferences)}.")
     if preferences.ndim != 2 or preferences.shape[0] == 0:
         raise ValueError(
-            "`preferences` must be a matrix [K, m] with one preference vector per row (K >= 1), "
+            f"`{name}` must be a matrix [K, m] with one preference vector per row (K >= 1), "
             f"received shape {tuple(preferences.shape)}."
         )
     if (
@@ -70,16 +70,26 @@ def _check_preferences(preferences: object, index: object) -> tuple[Tensor, int]
         or (preferences.shape[1] > 0 and bool((preferences.sum(1) == 0).any()))
     ):
         raise ValueError(
-            "`preferences` must be finite and non-negative with no zero row, received "
-            f"{preferences}."
+            f"`{name}` must be finite and non-negative with no zero row, received {preferences}."
         )
-    k = check_int(index, "index", low=0)
-    if k >= preferences.shape[0]:
+    return preferences.detach().clone()
+
+
+def _preferences_fit(weighting: ParetoMTLWeighting, preferences: Tensor) -> None:
+    index = getattr(weighting, "index", None)  # (None while the constructor runs)
+    if index is not None and index >= preferences.shape[0]:
         raise ValueError(
-            f"`index` must be in [0, {preferences.shape[0] - 1}] (a row of `preferences`), "
-            f"received {k}."
+            f"`preferences` must have a row `index` = {index}, received {preferences.shape[0]} "
+            "rows; assign `index` first."
         )
-    return preferences.detach().clone(), k
+
+
+def _index_fits(weighting: ParetoMTLWeighting, index: int) -> None:
+    rows = weighting.preferences.shape[0]
+    if index >= rows:
+        raise ValueError(
+            f"`index` must be in [0, {rows - 1}] (a row of `preferences`), received {index}."
+        )
 
 
 class ParetoMTLWeighting(GramianWeighting, LossAware, Stateful):
@@ -102,10 +112,15 @@ class ParetoMTLWeighting(GramianWeighting, LossAware, Stateful):
         tensor([1., 1.])
     """
 
+    preferences = Hyperparameter(_check_preferences, fits=_preferences_fit)
+    index = Hyperparameter(ints(low=0), fits=_index_fits)
+    n_warmup_steps = Hyperparameter(ints(low=0))
+
     def __init__(self, preferences: Tensor, index: int, n_warmup_steps: int = 100) -> None:
         super().__init__()
-        self.preferences, self.index = _check_preferences(preferences, index)
-        self.n_warmup_steps = check_int(n_warmup_steps, "n_warmup_steps", low=0)
+        self.preferences = preferences
+        self.index = index
+        self.n_warmup_steps = n_warmup_steps
         self._steps = 0
         self._warmup_done = False
 
@@ -186,6 +201,10 @@ class ParetoMTL(GramianWeightedAggregator, LossAware, Stateful):
     """
 
     properties = frozenset({Property.WEIGHTED})
+
+    preferences = Forwarded(ParetoMTLWeighting.preferences)
+    index = Forwarded(ParetoMTLWeighting.index)
+    n_warmup_steps = Forwarded(ParetoMTLWeighting.n_warmup_steps)
 
     def __init__(self, preferences: Tensor, index: int, n_warmup_steps: int = 100) -> None:
         super().__init__(ParetoMTLWeighting(preferences, index, n_warmup_steps))

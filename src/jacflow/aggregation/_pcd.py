@@ -9,7 +9,7 @@ from torch import Tensor
 
 from jacflow._stateful import Stateful
 from jacflow.aggregation._bases import GramianWeighting
-from jacflow.aggregation._hyperparameters import check_float
+from jacflow.aggregation._hyperparameters import Forwarded, Hyperparameter, check_float, floats
 from jacflow.aggregation._nonfinite import has_nonfinite, nan_weights
 from jacflow.aggregation._preset import StatefulGramianPreset
 from jacflow.aggregation._properties import Property
@@ -89,17 +89,17 @@ def solve_pcd_qp(gramian: Tensor, taus: Tensor, dependence_tol: float = 1e-9) ->
     return w
 
 
-def _check_tau(tau: object) -> float | Tensor:
+def _check_tau(tau: object, name: str) -> float | Tensor:
     if isinstance(tau, Tensor):
         if tau.ndim != 1:
             raise ValueError(
-                f"`tau` must be a float or a 1-D tensor (one value per secondary objective), "
+                f"`{name}` must be a float or a 1-D tensor (one value per secondary objective), "
                 f"received shape {tuple(tau.shape)}."
             )
         if not bool(((tau >= 0) & (tau <= 1)).all()):
-            raise ValueError(f"every entry of `tau` must be in [0, 1], received {tau}.")
+            raise ValueError(f"every entry of `{name}` must be in [0, 1], received {tau}.")
         return tau
-    return check_float(tau, "tau", low=0.0, high=1.0)
+    return check_float(tau, name, low=0.0, high=1.0)
 
 
 class PCDWeighting(GramianWeighting, Stateful):
@@ -124,11 +124,15 @@ class PCDWeighting(GramianWeighting, Stateful):
         tensor([1.8481, 1.0954])
     """
 
+    tau = Hyperparameter(_check_tau)
+    beta = Hyperparameter(floats(low=0.0, high=1.0, high_open=True))
+    eps = Hyperparameter(floats(low=0.0))
+
     def __init__(self, tau: float | Tensor = 0.02, beta: float = 0.999, eps: float = 1e-8) -> None:
         super().__init__()
-        self.tau = _check_tau(tau)
-        self.beta = check_float(beta, "beta", low=0.0, high=1.0, high_open=True)
-        self.eps = check_float(eps, "eps", low=0.0)
+        self.tau = tau
+        self.beta = beta
+        self.eps = eps
         self.reset()
 
     def reset(self) -> None:
@@ -213,6 +217,10 @@ class PCD(StatefulGramianPreset):
     """
 
     properties = frozenset({Property.WEIGHTED})
+
+    tau = Forwarded(PCDWeighting.tau)
+    beta = Forwarded(PCDWeighting.beta)
+    eps = Forwarded(PCDWeighting.eps)
 
     def __init__(self, tau: float | Tensor = 0.02, beta: float = 0.999, eps: float = 1e-8) -> None:
         super().__init__(PCDWeighting(tau, beta, eps))

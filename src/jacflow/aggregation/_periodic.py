@@ -6,7 +6,7 @@ from torch import Tensor
 
 from jacflow._stateful import Stateful
 from jacflow.aggregation._bases import GramianWeighting, check_gramian_weighting
-from jacflow.aggregation._hyperparameters import check_int
+from jacflow.aggregation._hyperparameters import Hyperparameter, ints
 
 
 class Periodic(GramianWeighting, Stateful):
@@ -51,10 +51,13 @@ class Periodic(GramianWeighting, Stateful):
         (True, tensor([0.5000, 0.5000]))
     """
 
+    weighting = Hyperparameter(check_gramian_weighting)
+    every = Hyperparameter(ints(low=1))
+
     def __init__(self, weighting: GramianWeighting, every: int) -> None:
         super().__init__()
-        self.weighting = check_gramian_weighting(weighting)
-        self.every = check_int(every, "every", low=1)
+        self.weighting = weighting
+        self.every = every
         self._calls = 0
         self._weights: Tensor | None = None
 

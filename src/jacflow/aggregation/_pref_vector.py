@@ -7,17 +7,15 @@ from torch import Tensor
 from jacflow.aggregation._mean import mean_weights
 
 
-def check_pref_vector(pref_vector: Tensor | None) -> Tensor | None:
-    """Validate a user-given preference vector at construction time."""
+def check_pref_vector(pref_vector: object, name: str = "pref_vector") -> Tensor | None:
+    """Validate a user-given preference vector (at construction and on assignment)."""
     if pref_vector is None:
         return None
     if not isinstance(pref_vector, Tensor):
-        raise TypeError(
-            f"`pref_vector` must be a torch.Tensor or None, received {type(pref_vector)}."
-        )
+        raise TypeError(f"`{name}` must be a torch.Tensor or None, received {type(pref_vector)}.")
     if pref_vector.ndim != 1:
         raise ValueError(
-            "`pref_vector` must be a vector (1-D tensor) with one entry per objective, received "
+            f"`{name}` must be a vector (1-D tensor) with one entry per objective, received "
             f"shape {tuple(pref_vector.shape)}."
         )
     return pref_vector

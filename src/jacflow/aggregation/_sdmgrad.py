@@ -7,7 +7,7 @@ from torch import Tensor
 
 from jacflow._stateful import Stateful
 from jacflow.aggregation._bases import GramianWeighting
-from jacflow.aggregation._hyperparameters import check_float, check_int
+from jacflow.aggregation._hyperparameters import Forwarded, Hyperparameter, floats, ints
 from jacflow.aggregation._nonfinite import has_nonfinite, nan_weights
 from jacflow.aggregation._pref_vector import (
     check_pref_rows,
@@ -66,6 +66,12 @@ class SDMGradWeighting(GramianWeighting, Stateful):
         tensor([0.1154, 0.8846])
     """
 
+    lr = Hyperparameter(floats(low=0.0, low_open=True))
+    momentum = Hyperparameter(floats(low=0.0, high=1.0, high_open=True))
+    n_iter = Hyperparameter(ints(low=1))
+    lambda_ = Hyperparameter(floats(low=0.0))
+    pref_vector = Hyperparameter(check_pref_vector)
+
     def __init__(
         self,
         lr: float = 10.0,
@@ -75,11 +81,11 @@ class SDMGradWeighting(GramianWeighting, Stateful):
         pref_vector: Tensor | None = None,
     ) -> None:
         super().__init__()
-        self.lr = check_float(lr, "lr", low=0.0, low_open=True)
-        self.momentum = check_float(momentum, "momentum", low=0.0, high=1.0, high_open=True)
-        self.n_iter = check_int(n_iter, "n_iter", low=1)
-        self.lambda_ = check_float(lambda_, "lambda_", low=0.0)
-        self.pref_vector = check_pref_vector(pref_vector)
+        self.lr = lr
+        self.momentum = momentum
+        self.n_iter = n_iter
+        self.lambda_ = lambda_
+        self.pref_vector = pref_vector
         self._w: Tensor | None = None
 
     def reset(self) -> None:
@@ -147,6 +153,12 @@ class SDMGrad(StatefulGramianPreset):
     # Permutation invariant in exact arithmetic only: with the default lr the inner iteration is
     # not contracting, and rounding differences from reordered sums can change its outcome.
     properties = frozenset({Property.WEIGHTED})
+
+    lr = Forwarded(SDMGradWeighting.lr)
+    momentum = Forwarded(SDMGradWeighting.momentum)
+    n_iter = Forwarded(SDMGradWeighting.n_iter)
+    lambda_ = Forwarded(SDMGradWeighting.lambda_)
+    pref_vector = Forwarded(SDMGradWeighting.pref_vector)
 
     def __init__(
         self,

@@ -6,7 +6,7 @@ import torch
 from torch import Tensor
 
 from jacflow.aggregation._bases import Aggregator
-from jacflow.aggregation._hyperparameters import check_int
+from jacflow.aggregation._hyperparameters import Hyperparameter, ints
 from jacflow.aggregation._properties import Property
 
 # Two partial selections (topk) beat a full sort of every column for few trimmed values among
@@ -89,9 +89,11 @@ class TrimmedMean(Aggregator):
 
     properties = frozenset({Property.PERMUTATION_INVARIANT})
 
+    trim_number = Hyperparameter(ints(low=0))
+
     def __init__(self, trim_number: int) -> None:
         super().__init__()
-        self.trim_number = check_int(trim_number, "trim_number", low=0)
+        self.trim_number = trim_number
 
     def check_rows(self, m: int) -> None:
         _check_rows(m, self.trim_number)

@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from jacflow.aggregation._bases import GramianWeightedAggregator, GramianWeighting
+from jacflow.aggregation._hyperparameters import Forwarded, Hyperparameter
 from jacflow.aggregation._mean import mean_weights
 from jacflow.aggregation._nonfinite import has_nonfinite, propagate_nonfinite
 from jacflow.aggregation._pref_vector import (
@@ -71,12 +72,13 @@ def is_scale_free(projector: DualConeProjector) -> bool:
     return isinstance(projector, (TorchProjector, QuadprogProjector)) and projector.norm_eps == 0
 
 
-def _check_projector(projector: DualConeProjector | None) -> DualConeProjector:
+def check_projector(projector: object, name: str = "projector") -> DualConeProjector:
+    """``projector``, or the default ``TorchProjector()`` for ``None``; else a ``TypeError``."""
     if projector is None:
         return TorchProjector()
     if not isinstance(projector, DualConeProjector):
         raise TypeError(
-            "`projector` must be a jacflow.linalg.DualConeProjector (e.g. TorchProjector() or "
+            f"`{name}` must be a jacflow.linalg.DualConeProjector (e.g. TorchProjector() or "
             f"QuadprogProjector()) or None, received {type(projector)}."
         )
     return projector
@@ -145,12 +147,16 @@ class UPGradWeighting(GramianWeighting):
         tensor([1.1111, 0.7895])
     """
 
+    pref_vector = Hyperparameter(check_pref_vector)
+    projector = Hyperparameter(check_projector)
+    """The dual-cone projection solver (assigning ``None`` gives the default)."""
+
     def __init__(
         self, pref_vector: Tensor | None = None, projector: DualConeProjector | None = None
     ) -> None:
         super().__init__()
-        self.pref_vector = check_pref_vector(pref_vector)
-        self.projector = _check_projector(projector)
+        self.pref_vector = pref_vector
+        self.projector = projector  # type: ignore[assignment]  # (None: the default)
 
     @property
     def scale_invariant(self) -> bool:
@@ -206,6 +212,9 @@ class UPGrad(GramianWeightedAggregator):
             Property.WEIGHTED,
         }
     )
+
+    pref_vector = Forwarded(UPGradWeighting.pref_vector)
+    projector = Forwarded(UPGradWeighting.projector)
 
     def __init__(
         self, pref_vector: Tensor | None = None, projector: DualConeProjector | None = None
