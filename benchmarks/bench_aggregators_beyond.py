@@ -36,7 +36,9 @@ def _with_losses(
     aggregator: jf.Aggregator, losses: torch.Tensor
 ) -> Callable[[torch.Tensor], object]:
     def call(J: torch.Tensor) -> object:
-        target = aggregator if isinstance(aggregator, jf.LossAware) else aggregator.weighting  # type: ignore[attr-defined]
+        target = (
+            aggregator if isinstance(aggregator, jf.LossAware) else aggregator.gramian_weighting
+        )  # type: ignore[attr-defined]
         target.set_losses(losses)
         return aggregator(J)
 

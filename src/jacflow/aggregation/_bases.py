@@ -235,6 +235,9 @@ class _Composition(Weighting):
         if not isinstance(stat, Tensor):  # (the rest is for ``fn`` and ``weighting`` to check)
             raise TypeError(f"{self!r} expects a torch.Tensor, received {type(stat)}.")
 
+    def check_rows(self, m: int) -> None:
+        self.weighting.check_rows(m)  # (``fn`` keeps the rows: one weight per row of ``x``)
+
     def forward(self, stat: Tensor) -> Tensor:
         return self.weighting(self.fn(stat))
 
@@ -328,6 +331,9 @@ class GramianOfJacobianWeighting(Weighting):
 
     def _check_input(self, stat: Tensor) -> None:
         _check_matrix(stat, "matrix", type(self).__name__)
+
+    def check_rows(self, m: int) -> None:
+        self.gramian_weighting.check_rows(m)
 
     def forward(self, stat: Tensor) -> Tensor:
         if self.gramian_weighting.scale_invariant:
