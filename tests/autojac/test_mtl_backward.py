@@ -126,3 +126,54 @@ def test_engine_path_errors_leave_grads_untouched() -> None:
             mtl_backward(losses, features, A=UPGrad(), engine=object())  # type: ignore[arg-type]
     for p in [*trunk.parameters(), *(q for h in heads for q in h.parameters())]:
         assert p.grad is None and not hasattr(p, "jac")
+
+
+def _brute_rows(losses: list[torch.Tensor], params: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Per parameter, the ``[m, *shape]`` Jacobian: one ``autograd.grad`` per loss."""
+    rows = [
+        torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True) for loss in losses
+    ]
+    return [
+        torch.stack([torch.zeros_like(p) if r[k] is None else r[k] for r in rows])
+        for k, p in enumerate(params)
+    ]
+
+
+@pytest.mark.parametrize("chunk", [None, 1, 2])
+@pytest.mark.parametrize("layout", ["chain", "skip", "leaf", "split"])
+def test_nested_features_count_each_path_once(layout: str, chunk: int | None) -> None:
+    """Features computed from other features (a multi-scale trunk): each task's row is its
+    loss's gradient, although ``autograd.grad(loss, features)`` gives an earlier feature's
+    cotangent with the paths through the later ones included (each counted twice before)."""
+    torch.manual_seed(3)
+    a, b, c = (nn.Linear(4, 4).double() for _ in range(3))
+    heads = [nn.Linear(4, 1).double(), nn.Linear(8, 1).double(), nn.Linear(12, 1).double()]
+    x = torch.randn(5, 4, dtype=torch.float64, requires_grad=layout == "leaf")
+
+    def forward() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        f1 = a(x)
+        f2 = b(torch.tanh(f1))
+        if layout == "chain":  # f1 -> f2 -> f3
+            features = [f1, f2, c(torch.tanh(f2))]
+        elif layout == "skip":  # f3 reads f1 and f2, listed out of order
+            features = [c(f1 * f2), f1, f2]
+        elif layout == "leaf":  # the input is a feature too, and a shared leaf
+            features = [f2, x, c(f1)]
+        else:  # two outputs of one node, one computed from the other
+            left, right = torch.cat([f1, f2], 1).chunk(2, 1)
+            features = [left, right, c(left)]
+        u, v, w = features
+        losses = [
+            heads[0](v).pow(2).mean(),
+            heads[1](torch.cat([u, w], 1)).sin().mean(),
+            heads[2](torch.cat([u, v, w], 1)).cos().mean() + v.mean(),
+        ]
+        return losses, features
+
+    shared = [*a.parameters(), *b.parameters(), *c.parameters()] + ([x] if layout == "leaf" else [])
+    losses, _ = forward()
+    expected = _brute_rows(losses, shared)
+    losses, features = forward()
+    mtl_backward(losses, features, parallel_chunk_size=chunk)
+    for p, e in zip(shared, expected, strict=True):
+        torch.testing.assert_close(p.jac, e, rtol=1e-10, atol=1e-12)  # type: ignore[attr-defined]

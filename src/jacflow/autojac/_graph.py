@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from torch import Tensor
+from torch.autograd.graph import get_gradient_edge
 
 
 def leaf_tensors(outputs: Iterable[Tensor], exclude: Iterable[Tensor] = ()) -> tuple[Tensor, ...]:
@@ -40,3 +41,42 @@ def leaf_tensors(outputs: Iterable[Tensor], exclude: Iterable[Tensor] = ()) -> t
             if child is not None and child not in stop and child not in seen:
                 frontier.append(child)
     return tuple(found.values())
+
+
+def nested_features(features: Sequence[Tensor]) -> list[int]:
+    """The positions in ``features`` of those that another feature is computed from (a
+    multi-scale trunk: ``f2 = stage2(f1)``), in the order of ``features``.
+
+    A feature is met at its gradient edge (its node and the output of that node it is; a leaf
+    at its gradient accumulator): nested where a walk of the graph behind the other features'
+    nodes reaches that edge. Several outputs of one node (``f1, f2 = x.chunk(2)``) are not
+    nested in one another. With fewer than two features nothing is walked.
+
+    Example:
+        >>> import torch
+        >>> x = torch.ones(2, requires_grad=True)
+        >>> f1 = x * 2
+        >>> f2 = f1.exp()
+        >>> nested_features([f1, f2]), nested_features([x, f1]), nested_features([f2, x * 3])
+        ([0], [0], [])
+    """
+    if len(features) < 2:
+        return []
+    edges: dict[tuple[int, int], list[int]] = {}
+    for position, feature in enumerate(features):
+        edge = get_gradient_edge(feature)
+        edges.setdefault((id(edge.node), edge.output_nr), []).append(position)
+    found: set[int] = set()
+    stack = [f.grad_fn for f in features if f.grad_fn is not None]
+    seen: dict[int, object] = {}  # (holding the nodes: their ids stay theirs)
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen[id(node)] = node
+        for child, output_nr in node.next_functions:
+            if child is None:
+                continue
+            found.update(edges.get((id(child), output_nr), ()))
+            stack.append(child)
+    return sorted(found)

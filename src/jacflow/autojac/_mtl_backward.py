@@ -20,7 +20,7 @@ from jacflow.autojac._checks import (
     check_non_empty,
     check_unique,
 )
-from jacflow.autojac._graph import leaf_tensors
+from jacflow.autojac._graph import leaf_tensors, nested_features
 from jacflow.autojac._jac import compute_jacobians
 
 if TYPE_CHECKING:
@@ -99,7 +99,9 @@ def mtl_backward(
 
     Args:
         losses: one scalar loss per task.
-        features: the last shared representation(s) that the heads read.
+        features: the last shared representation(s) that the heads read. One may be computed
+            from another (multi-scale features, ``f2 = stage2(f1)``): each path from a loss to
+            the trunk counts once (at the cost of one more pull-back per such feature).
         A: aggregator of the trunk's Jacobian; ``None`` stores ``.jac`` instead.
         tasks_params: per task, the head parameters (distinct within a task; a parameter of
             several heads gets the sum of their gradients). Default: the leaves behind each loss
@@ -169,12 +171,54 @@ def mtl_backward(
                 head_grads[id(p)] = (p, g if previous is None else previous[1] + g)
         for rows, f, g in zip(feature_rows, feature_tuple, grads[len(params) :]):
             rows.append(torch.zeros_like(f) if g is None else g)
-    cotangents = tuple(torch.stack(rows) for rows in feature_rows)
+    cotangents = _direct_cotangents(
+        feature_tuple, [torch.stack(rows) for rows in feature_rows], chunk_size
+    )
     jacobians = compute_jacobians(
         feature_tuple, shared, cotangents, len(loss_tuple), retain_graph, False, chunk_size
     )
     store(shared, jacobians, aggregator)
     accumulate_grads([p for p, _ in head_grads.values()], [g for _, g in head_grads.values()])
+
+
+def _direct_cotangents(
+    features: tuple[Tensor, ...], totals: list[Tensor], chunk_size: int | None
+) -> tuple[Tensor, ...]:
+    """Each task's cotangent of each feature through the heads alone, from its total one.
+
+    ``totals[j]`` (``[m, *features[j].shape]``, from ``autograd.grad(loss, features)``) is the
+    gradient of each loss w.r.t. ``features[j]``, the paths through the features computed from
+    it included (``f2 = stage2(f1)``: the head's use of ``f2`` counts in ``f1``'s). Pulled back
+    from all the features at once, such a path would count twice: once in ``f1``'s total and
+    once from ``f2``. The direct part is the total less the pull-back to ``features[j]`` of
+    the direct parts of the features computed after it, so the features are taken from the
+    last created to the first (a node is created after its inputs' nodes; a leaf before any).
+    Only nested features (:func:`nested_features`) cost a pull-back, of ``m`` rows in chunks
+    of ``chunk_size``.
+    """
+    direct = list(totals)
+    nested = nested_features(features)
+    if not nested:
+        return tuple(direct)
+
+    def created(j: int) -> int:
+        node = features[j].grad_fn
+        return -1 if node is None else node._sequence_nr()
+
+    rows = direct[0].shape[0]
+    for j in sorted(nested, key=created, reverse=True):
+        later = [i for i in range(len(features)) if created(i) > created(j)]
+        (through,) = compute_jacobians(
+            tuple(features[i] for i in later),
+            (features[j],),
+            [direct[i] for i in later],
+            rows,
+            True,
+            False,
+            chunk_size,
+        )
+        direct[j] = direct[j] - through.to(direct[j].dtype)
+    return tuple(direct)
 
 
 def _checked(
