@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 from torch import nn
 
 from jacflow import jac, jac_to_grad, mtl_backward
-from jacflow.aggregation import Mean, UPGrad
+from jacflow.aggregation import Aggregator, Mean, UPGrad
 
 
 def _model(dtype: torch.dtype) -> tuple[nn.Module, list[nn.Module], torch.Tensor]:
@@ -118,9 +120,9 @@ def test_engine_path_errors_leave_grads_untouched() -> None:
             mtl_backward(losses, features, A=ConFIG(), engine=engine)
         with pytest.raises(ValueError, match="Gramian-based aggregator"):
             mtl_backward(losses, features, engine=engine)
-        with pytest.raises(ValueError, match="leave `shared_params` to None"):
+        with pytest.raises(ValueError, match=r"must hold every parameter .* Sequential.2.bias"):
             mtl_backward(
-                losses, features, A=UPGrad(), engine=engine, shared_params=trunk.parameters()
+                losses, features, A=UPGrad(), engine=engine, shared_params=[trunk[0].weight]
             )
         with pytest.raises(TypeError, match="`engine` must be"):
             mtl_backward(losses, features, A=UPGrad(), engine=object())  # type: ignore[arg-type]
@@ -177,3 +179,158 @@ def test_nested_features_count_each_path_once(layout: str, chunk: int | None) ->
     mtl_backward(losses, features, parallel_chunk_size=chunk)
     for p, e in zip(shared, expected, strict=True):
         torch.testing.assert_close(p.jac, e, rtol=1e-10, atol=1e-12)  # type: ignore[attr-defined]
+
+
+Forward = Callable[[], tuple[list[torch.Tensor], list[torch.Tensor]]]
+
+
+def _expected_grads(
+    forward: Forward,
+    shared: list[torch.Tensor],
+    tasks_params: list[list[torch.Tensor]],
+    aggregator: Aggregator,
+) -> dict[int, torch.Tensor]:
+    """Brute force: the trunk's ``.grad`` is ``A`` of the Jacobian from one ``autograd.grad``
+    per loss; a head parameter's is the sum over the tasks listing it of their loss's
+    gradient."""
+    losses, _ = forward()
+    rows = _brute_rows(losses, shared)
+    update = aggregator(torch.cat([r.reshape(len(losses), -1) for r in rows], 1))
+    expected = dict(
+        zip(
+            map(id, shared),
+            (u.view_as(p) for u, p in zip(update.split([p.numel() for p in shared]), shared)),
+        )
+    )
+    for loss, params in zip(losses, tasks_params, strict=True):
+        for p, g in zip(params, torch.autograd.grad(loss, params, retain_graph=True), strict=True):
+            expected[id(p)] = expected[id(p)] + g if id(p) in expected else g
+    return expected
+
+
+def _assert_grads(params: list[torch.Tensor], expected: dict[int, torch.Tensor]) -> None:
+    for p in params:
+        torch.testing.assert_close(p.grad, expected[id(p)], rtol=1e-7, atol=1e-10)
+
+
+@pytest.mark.parametrize("aggregator", [UPGrad(), Mean()], ids=str)
+@pytest.mark.parametrize("route", ["by_task", "batched"])
+def test_engine_task_params_get_their_tasks_gradient(route: str, aggregator: Aggregator) -> None:
+    """With an engine, ``tasks_params[i]`` gets the gradient of ``losses[i]`` (of the tasks
+    listing it), not of the losses' sum, where another task's loss reads it too (a cross-task
+    penalty); a gradient hook on it sees that gradient. Both routes of the engine's backward:
+    the heads pulled back task by task to the one output they meet at, and the batched one
+    (heads reading two hooked outputs)."""
+    from jacflow.autogram import Engine
+
+    torch.manual_seed(4)
+    trunk = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 6)).double()
+    heads = [nn.Linear(6, 1).double() for _ in range(3)]
+    penalty = nn.Parameter(torch.tensor([0.5, -1.0], dtype=torch.float64))  # tasks 0 and 2
+    x = torch.randn(7, 4, dtype=torch.float64)
+
+    def forward() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        f = trunk(x)
+        g = trunk[1](trunk[0](x)) if route == "batched" else f  # (a second hooked output)
+        return [
+            heads[0](f).pow(2).mean() + penalty[0] * heads[1].weight.sum(),
+            heads[1](g).sin().mean() + penalty.pow(2).sum() + heads[0].bias.sum(),
+            heads[2](f).cos().mean() * penalty[1],
+        ], [f] if route == "by_task" else [g, f]
+
+    tasks_params = [
+        [*heads[0].parameters(), penalty],
+        [*heads[1].parameters()],
+        [*heads[2].parameters(), penalty],
+    ]
+    shared = list(trunk.parameters())
+    expected = _expected_grads(forward, shared, tasks_params, aggregator)
+    heads[0].weight.register_hook(lambda g: 2 * g)  # (a hook: a plain backward of its own)
+    expected[id(heads[0].weight)] = 2 * expected[id(heads[0].weight)]
+    with Engine(trunk, batch_dim=None) as engine:
+        losses, features = forward()
+        mtl_backward(losses, features, A=aggregator, tasks_params=tasks_params, engine=engine)
+    _assert_grads([*shared, *(p for params in tasks_params for p in params)], expected)
+
+
+@pytest.mark.parametrize("shared", ["default", "all", "without_pre"])
+@pytest.mark.parametrize("route", ["by_task", "batched"])
+def test_engine_unhooked_trunk_joins_the_jacobian(route: str, shared: str) -> None:
+    """Trunk parameters behind ``features`` that the engine does not hook (a projection
+    after the hooked encoder, a layer before it) get their part of the weighted update, with
+    their columns in the Gramian, as without the engine (they got nothing, silently). Given
+    ``shared_params`` are the trunk, as without the engine: one left out gets nothing and is
+    not in the Gramian."""
+    from jacflow.autogram import Engine
+
+    torch.manual_seed(5)
+    pre, proj = nn.Linear(4, 4).double(), nn.Linear(6, 6).double()
+    encoder = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 6)).double()
+    heads = [nn.Linear(6, 1).double() for _ in range(3)]
+    x = torch.randn(7, 4, dtype=torch.float64)
+
+    def forward() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        h = encoder[1](encoder[0](pre(x)))
+        f = proj(encoder[2](h).tanh())
+        g = h if route == "batched" else f  # (the heads read two hooked outputs)
+        losses = [heads[0](f).pow(2).mean(), heads[1](g).sin().mean(), heads[2](f).cos().mean()]
+        return losses, [f] if route == "by_task" else [h, f]
+
+    trunk = [*pre.parameters(), *encoder.parameters(), *proj.parameters()]
+    given = {"default": None, "all": trunk, "without_pre": trunk[2:]}[shared]
+    tasks_params = [list(h.parameters()) for h in heads]
+    expected = _expected_grads(forward, trunk if given is None else given, tasks_params, UPGrad())
+    # (a gradient hook on an unhooked trunk parameter runs on each row, as without the engine)
+    clamp = proj.bias.register_hook(lambda g: g.clamp(-0.01, 0.01))
+    losses, features = forward()
+    mtl_backward(losses, features, A=UPGrad(), shared_params=given)
+    without_engine = [p.grad.clone() for p in trunk if p.grad is not None]
+    for p in [*trunk, *(q for h in heads for q in h.parameters())]:
+        p.grad = None
+    with Engine(encoder, batch_dim=None) as engine:
+        losses, features = forward()
+        mtl_backward(losses, features, A=UPGrad(), engine=engine, shared_params=given)
+    _assert_grads([p for h in heads for p in h.parameters()], expected)
+    with_engine = [p.grad for p in trunk if p.grad is not None]
+    assert len(with_engine) == len(trunk if given is None else given)
+    for actual, reference in zip(with_engine, without_engine, strict=True):
+        torch.testing.assert_close(actual, reference, rtol=1e-7, atol=1e-10)
+    clamp.remove()
+    if shared != "default":  # (the brute force, without the hook: checked by the default case)
+        return
+    for p in trunk:
+        p.grad = None
+    with Engine(encoder, batch_dim=None) as engine:
+        losses, features = forward()
+        mtl_backward(losses, features, A=UPGrad(), engine=engine)
+    _assert_grads(trunk, expected)
+
+
+def test_engine_losses_that_read_no_feature() -> None:
+    """Losses none of which reads ``features``: zero Jacobians for the trunk (zeros in
+    ``.grad``) and the heads' gradients, with the engine as without it (it was refused)."""
+    from jacflow.autogram import Engine
+
+    trunk, heads, x = _model(torch.float64)
+
+    def forward() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        features = trunk(x)
+        return [h.weight.pow(2).sum() for h in heads], [features]
+
+    shared, tasks_params = list(trunk.parameters()), [list(h.parameters())[:1] for h in heads]
+    expected = _expected_grads(forward, shared, tasks_params, UPGrad())
+    assert all(expected[id(p)].abs().max() == 0 for p in shared)
+    for engine in [None, Engine(trunk, batch_dim=None)]:
+        for p in [*shared, *(q for h in heads for q in h.parameters())]:
+            p.grad = None
+        losses, features = forward()
+        mtl_backward(losses, features, A=UPGrad(), engine=engine)
+        _assert_grads([*shared, *(p for params in tasks_params for p in params)], expected)
+        assert all(h.bias.grad is None for h in heads)
+    # (losses that read the features, computed before the engine existed: still refused)
+    for p in [*shared, *(q for h in heads for q in h.parameters())]:
+        p.grad = None
+    losses, features = _losses(trunk, heads, x)
+    with pytest.raises(RuntimeError, match="No forward call of the hooked modules"):
+        mtl_backward(losses, features, A=UPGrad(), engine=Engine(trunk, batch_dim=None))
+    assert all(p.grad is None for p in [*shared, *(q for h in heads for q in h.parameters())])

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import torch
 from torch import Tensor
-from torch.autograd.graph import GradientEdge
+from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from jacflow.autogram._rules import multi_grad_hook, quiet_vmap_fallback
 
@@ -29,6 +29,11 @@ _WALK_PER_TASK = 64
 _BY_TASK_DEVICES = ("cpu",)
 
 Hook = Callable[[Tensor], Tensor | None]
+
+# which rows' gradients an extra input receives: their sum (``None``: all the rows; a tuple: the
+# rows listed, a task's parameters in ``mtl_backward``), or ``EACH`` row's, stacked
+EACH: Literal["each"] = "each"
+Selection = tuple[int, ...] | Literal["each"] | None
 
 _NO_BATCHING_RULE = (
     "The engine pulls the rows' gradients back in one backward batched with vmap, and an "
@@ -51,6 +56,7 @@ def capture(
     per_task: bool,
     retain_graph: bool,
     row_by_row: bool,
+    selections: Sequence[Selection] | None = None,
 ) -> tuple[list[Tensor | None], list[Tensor | None]]:
     """Every row's gradient w.r.t. each of ``edges`` (``[R, *shape]``, ``None`` where no row
     reaches it), and the gradient of the rows' sum w.r.t. each of ``extra_inputs``.
@@ -60,45 +66,99 @@ def capture(
     themselves (an identity), which the task-by-task route needs; ``hooks``: the gradient hooks
     a user registered on each edge's tensor; ``hooks_above``: whether an edge read below its
     output (at the output's base) has such hooks on the output, which the backward runs.
+    ``selections`` (one per extra input, default all ``None``) narrows an extra input's sum to
+    some rows, or asks for ``EACH`` row's gradient (``[R, *shape]``, from the same backward;
+    autograd runs the input's gradient hooks on each row).
     """
     batched = cotangents.ndim > losses.ndim
+    chosen = list(selections) if selections is not None else [None] * len(extra_inputs)
     # A gradient hook on an extra input (a task head's `register_hook`, e.g. a normalisation)
     # takes the gradient of the rows' sum, as in a plain backward; the batched routes below
     # would run it on each row (under vmap, zeros for a row that does not reach the input) or
     # each task. Such inputs get one plain backward of their own, which stops at them.
-    hooked = [bool(batched and tensor._backward_hooks) for tensor in extra_inputs]
-    plain = _summed_grads(losses, extra_inputs, hooked, cotangents)
+    hooked = [
+        bool(batched and tensor._backward_hooks) and rows != EACH
+        for tensor, rows in zip(extra_inputs, chosen, strict=True)
+    ]
+    plain = _summed_grads(losses, extra_inputs, hooked, cotangents, chosen)
     extra_inputs = [tensor for tensor, has in zip(extra_inputs, hooked, strict=True) if not has]
+    chosen = [rows for rows, has in zip(chosen, hooked, strict=True) if not has]
     hooked_edges = [bool(h) or above for h, above in zip(hooks, hooks_above, strict=True)]
     heads = _task_heads(losses, edges, hooked_edges) if batched and per_task else None
     if heads is not None:
-        meeting_rows, extra = _by_task(losses, heads, extra_inputs, retain_graph)
+        # (an input asked for each row that no head reaches but through the meeting output is
+        # pulled back from there with the hooked outputs, in the batched backward)
+        behind = [
+            rows == EACH and id(get_gradient_edge(tensor).node) not in heads.nodes
+            for tensor, rows in zip(extra_inputs, chosen, strict=True)
+        ]
+        along = [(t, r) for t, r, b in zip(extra_inputs, chosen, behind, strict=True) if not b]
+        meeting_rows, extra = _by_task(
+            losses, heads, [t for t, _ in along], [r for _, r in along], retain_graph
+        )
+        below = [t for t, b in zip(extra_inputs, behind, strict=True) if b]
         if meeting_rows is None:  # (no task's gradient reaches it)
-            return [None] * len(edges), _merged(hooked, plain, extra)
+            return [None] * len(edges), _merged(
+                hooked, plain, _merged(behind, [None] * len(below), extra)
+            )
         with _hooks_run(edges, hooks, batched=True) as grads:
-            grads += pull_back([heads.meeting], edges, meeting_rows, True, retain_graph, row_by_row)
+            pulled = pull_back(
+                [heads.meeting], [*edges, *below], meeting_rows, True, retain_graph, row_by_row
+            )
+            grads += pulled[: len(edges)]
+        extra = _merged(behind, list(pulled[len(edges) :]), extra)
         return grads, _merged(hooked, plain, extra)
     with _hooks_run(edges, hooks, batched) as grads:
         pulled = pull_back(
             [losses], [*edges, *extra_inputs], cotangents, batched, retain_graph, row_by_row
         )
         grads += pulled[: len(edges)]
-    extra = [g if g is None or not batched else g.sum(0) for g in pulled[len(edges) :]]
+    extra = [
+        _selected(g, rows, batched) for g, rows in zip(pulled[len(edges) :], chosen, strict=True)
+    ]
     return grads, _merged(hooked, plain, extra)
 
 
+def _selected(grad: Tensor | None, rows: Selection, batched: bool) -> Tensor | None:
+    """An extra input's gradient from its rows' gradients (``[R, *shape]`` when ``batched``,
+    else the single row's): their sum, that of the rows selected, or each row's."""
+    if grad is None:
+        return None
+    if not batched:
+        return grad.unsqueeze(0) if rows == EACH else grad
+    if rows is None:
+        return grad.sum(0)
+    if rows == EACH:
+        return grad
+    return grad[rows[0]] if len(rows) == 1 else grad[list(rows)].sum(0)
+
+
 def _summed_grads(
-    losses: Tensor, inputs: Sequence[Tensor], which: list[bool], cotangents: Tensor
+    losses: Tensor,
+    inputs: Sequence[Tensor],
+    which: list[bool],
+    cotangents: Tensor,
+    selections: Sequence[Selection],
 ) -> list[Tensor | None]:
-    """The gradients of the rows' sum w.r.t. the ``inputs`` marked in ``which`` (only in the
-    batched routes: ``cotangents`` holds one row per loss row)."""
-    chosen = [tensor for tensor, take in zip(inputs, which, strict=True) if take]
-    if not chosen:
-        return []
-    grads = torch.autograd.grad(
-        [losses], chosen, grad_outputs=[cotangents.sum(0)], retain_graph=True, allow_unused=True
-    )
-    return list(grads)
+    """The gradients of the rows' sum (or of the sum of the rows selected) w.r.t. the
+    ``inputs`` marked in ``which`` (only in the batched routes: ``cotangents`` holds one row per
+    loss row): one backward per selection."""
+    groups: dict[Selection, list[int]] = {}
+    for i, (take, rows) in enumerate(zip(which, selections, strict=True)):
+        if take:
+            groups.setdefault(rows, []).append(i)
+    grads: dict[int, Tensor | None] = {}
+    for rows, members in groups.items():
+        summed = cotangents.sum(0) if rows is None else cotangents[list(rows)].sum(0)
+        found = torch.autograd.grad(
+            [losses],
+            [inputs[i] for i in members],
+            grad_outputs=[summed],
+            retain_graph=True,
+            allow_unused=True,
+        )
+        grads.update(zip(members, found, strict=True))
+    return [grads[i] for i in sorted(grads)]
 
 
 def _merged(
@@ -215,6 +275,7 @@ class _Heads(NamedTuple):
 
     branches: list[GradientEdge | None]
     meeting: GradientEdge
+    nodes: frozenset[int]  # the ``id`` of the nodes on the heads' side of the meeting output
 
 
 def _task_heads(
@@ -255,23 +316,31 @@ def _task_heads(
     if any(h and (e.node, e.output_nr) == (node, output_nr) for e, h in zip(edges, hooked)):
         return None
     heads = [None if b[0] is None else GradientEdge(b[0], b[1]) for b in branches]
-    return _Heads(heads, GradientEdge(node, output_nr))
+    return _Heads(heads, GradientEdge(node, output_nr), frozenset(id(n) for n in seen))
 
 
 def _by_task(
-    losses: Tensor, heads: _Heads, extra_inputs: Sequence[Tensor], retain_graph: bool
+    losses: Tensor,
+    heads: _Heads,
+    extra_inputs: Sequence[Tensor],
+    selections: Sequence[Selection],
+    retain_graph: bool,
 ) -> tuple[Tensor | None, list[Tensor | None]]:
     """Each task's gradient w.r.t. the meeting output, stacked (``None`` if none reaches it),
-    and the gradients of the tasks' sum w.r.t. ``extra_inputs``: one backward per task, along
-    its own branch. The last one frees the heads' graph unless ``retain_graph``, or unless the
-    first went on past the meeting output (an extra input lies there, where the batched
-    backward from that output still has to go)."""
+    and the gradients of the tasks' sum (or of the tasks selected, or each task's, stacked)
+    w.r.t. ``extra_inputs``: one backward per task, along its own branch. The last one frees
+    the heads' graph unless ``retain_graph``, or unless the first went on past the meeting
+    output (an extra input lies there, where the batched backward from that output still has
+    to go)."""
     one = torch.ones((), dtype=losses.dtype, device=losses.device)
     taken = [i for i, branch in enumerate(heads.branches) if branch is not None]
     went_past: list[bool] = []
     watch = heads.meeting.node.register_prehook(lambda grads: went_past.append(True))
     meeting_grads: list[Tensor | None] = [None] * len(heads.branches)
     extra: list[Tensor | None] = [None] * len(extra_inputs)
+    each: dict[int, list[Tensor | None]] = {
+        j: [None] * len(heads.branches) for j, rows in enumerate(selections) if rows == EACH
+    }
     try:
         for i in taken:
             grads = torch.autograd.grad(
@@ -284,9 +353,14 @@ def _by_task(
             )
             meeting_grads[i] = grads[0]
             for j, grad in enumerate(grads[1:]):
-                if grad is not None:
+                rows = selections[j]
+                if j in each:
+                    each[j][i] = grad
+                elif grad is not None and (rows is None or i in rows):
                     previous = extra[j]
                     extra[j] = grad if previous is None else previous + grad
     finally:
         watch.remove()
+    for j, per_task in each.items():
+        extra[j] = _stacked(per_task)
     return _stacked(meeting_grads), extra

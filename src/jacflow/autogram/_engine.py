@@ -7,10 +7,11 @@ import warnings
 import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from types import TracebackType
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
+from torch.autograd.graph import get_gradient_edge
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.parallel import DistributedDataParallel
 from torch.nn.parameter import is_lazy
@@ -20,7 +21,7 @@ from torch.utils.hooks import RemovableHandle
 from jacflow._warnings import caller_stacklevel
 from jacflow.aggregation import GramianWeighting
 from jacflow.autogram._buffers import GradientBuffers, worth_reusing
-from jacflow.autogram._capture import capture, pull_back
+from jacflow.autogram._capture import EACH, Selection, capture, pull_back
 from jacflow.autogram._distributed import (
     Meetings,
     averaged_grads,
@@ -192,6 +193,22 @@ _Prepared = tuple[
     list[Tensor | None],
     int,
 ]
+
+
+class TaskLayout(NamedTuple):
+    """What ``mtl_backward`` knows of the tasks, for a per-task step.
+
+    ``rows``: per task parameter (keyed by ``id``), the tasks (positions in the losses) whose
+    gradient it receives, where that is not all of them (``tasks_params[i]`` gets the gradient
+    of ``losses[i]``); ``trunk``: the shared parameters (hooked or not: those behind the
+    features by default), whose unhooked ones join the Jacobian with a row per task from the
+    step's backward, and each of which gets an update (zeros where no loss reaches it);
+    ``features``: the features, for a step whose losses read none of them.
+    """
+
+    rows: dict[int, tuple[int, ...]]
+    trunk: tuple[Tensor, ...]
+    features: tuple[Tensor, ...]
 
 
 def _layout(units: list[Unit]) -> list[tuple[nn.Module, type, frozenset[str]]]:
@@ -645,10 +662,12 @@ class Engine:
         other_params: Iterable[Tensor],
         tasks_params: Iterable[Tensor],
         retain_graph: bool,
+        layout: TaskLayout | None = None,
     ) -> Tensor:
         """Gramian, weights, weighted grads; ``tasks_params`` get the plain gradient of
-        ``losses.sum()`` (per-task mode only; see :func:`capture`). Under DDP, a failure on
-        this replica is announced to the others at the step's next meeting."""
+        ``losses.sum()`` (per-task mode only; see :func:`capture`), or, with ``layout``, of the
+        losses of their tasks, and its unhooked trunk parameters join the Jacobian. Under DDP,
+        a failure on this replica is announced to the others at the step's next meeting."""
         with self._meeting() as meetings:
             if not isinstance(weighting, GramianWeighting):
                 raise TypeError(
@@ -657,12 +676,21 @@ class Engine:
                 )
             losses = self._checked_losses(losses)
             others, tasks = self._checked_params(other_params, tasks_params)
+            unhooked, selections = self._task_inputs(tasks, layout)
             with without_autocast(losses.device.type):  # (the weighting's products too)
                 # (autograd.grad needs no grad mode: no graph of the grads)
                 with torch.no_grad():
-                    prepared = self._prepare(losses, retain_graph or bool(others), tasks)
-                    contributions, rows, order, task_grads, captured_bytes = prepared
+                    prepared = self._prepare(
+                        losses,
+                        retain_graph or bool(others),
+                        [*tasks, *unhooked],
+                        selections,
+                        None if layout is None else layout.features,
+                    )
+                    contributions, rows, order, extra_grads, captured_bytes = prepared
+                    task_grads, trunk_rows = extra_grads[: len(tasks)], extra_grads[len(tasks) :]
                     gramian = _to_loss_order(_assemble(contributions, rows, losses), order)
+                    gramian = _with_rows(gramian, trunk_rows)
                     if meetings is not None and rows.per_task:  # (the same weights everywhere)
                         meetings.meet(gramian.shape[0])
                         gramian = averaged_gramian(gramian, self._replicas)
@@ -673,8 +701,13 @@ class Engine:
                     worth = worth_reusing(params, captured_bytes)
                     buffers = self._buffers if worth else None
                     updates = _weighted_grads(contributions, row_weights, buffers)
+                    # (the unhooked trunk's hooks ran on each row, as in the Jacobian's rows)
+                    trunk_updates = _row_updates(unhooked, trunk_rows, row_weights)
+                    if layout is not None:
+                        trunk_updates += _zero_updates(layout.trunk, [*updates, *trunk_updates])
             # (autograd runs the hooks of the tasks' and the other parameters on their gradients)
             plain = [(p, g) for p, g in zip(tasks, task_grads, strict=True) if g is not None]
+            plain += trunk_updates
             if others:
                 extra = torch.autograd.grad(
                     losses,
@@ -732,15 +765,36 @@ class Engine:
                 )
         return [p for p in others if id(p) not in hooked], tasks
 
+    def _task_inputs(
+        self, tasks: list[Tensor], layout: TaskLayout | None
+    ) -> tuple[list[Tensor], list[Selection] | None]:
+        """The layout's trunk parameters that the engine does not hook, and which rows each
+        extra input of the backward (``tasks``, then those) receives (``None``: the rows' sum
+        for every task parameter, and no such trunk parameter)."""
+        if layout is None:
+            return [], None
+        hooked = self._hooked_names()
+        unhooked = [p for p in layout.trunk if id(p) not in hooked]
+        if not (unhooked or layout.rows):
+            return [], None
+        return unhooked, [layout.rows.get(id(p)) for p in tasks] + [EACH] * len(unhooked)
+
     def _prepare(
-        self, losses: Tensor, retain_graph: bool, extra_inputs: Sequence[Tensor]
+        self,
+        losses: Tensor,
+        retain_graph: bool,
+        extra_inputs: Sequence[Tensor],
+        selections: Sequence[Selection] | None = None,
+        features: Sequence[Tensor] | None = None,
     ) -> _Prepared:
         """Capture the output gradients, then build every unit's contribution (the part after
         the capture runs in the caller's ``no_grad``).
 
         Returns the contributions, the row layout, the row<->loss permutations (``None`` when
-        they are the identity), the gradients of the rows' sum w.r.t. ``extra_inputs`` and the
-        bytes of all captured gradients.
+        they are the identity), the gradients of the rows' sum (or those ``selections`` ask
+        for) w.r.t. ``extra_inputs`` and the bytes of all captured gradients. With
+        ``features``, losses that read none of them reach no hooked call and make a step
+        without contributions instead of an error.
         """
         coupled, outside = self._recorder.coupled, self._recorder.outside
         row_by_row = self._recorder.fused_rnn
@@ -748,7 +802,15 @@ class Engine:
         self._pending_forwards = 0
         try:
             return self._prepare_calls(
-                calls, coupled, outside, row_by_row, losses, retain_graph, extra_inputs
+                calls,
+                coupled,
+                outside,
+                row_by_row,
+                losses,
+                retain_graph,
+                extra_inputs,
+                selections,
+                features,
             )
         finally:  # (the tree of a module's calls of itself is a reference cycle)
             for _, call in calls:
@@ -763,6 +825,8 @@ class Engine:
         losses: Tensor,
         retain_graph: bool,
         extra_inputs: Sequence[Tensor],
+        selections: Sequence[Selection] | None,
+        features: Sequence[Tensor] | None,
     ) -> _Prepared:
         """:meth:`_prepare` on the ``calls`` taken from the recorder."""
         self._check_unchanged()
@@ -815,6 +879,7 @@ class Engine:
                 rows.per_task,
                 retain_graph or probing,
                 row_by_row or compiled,
+                selections,
             )
         captured_bytes = sum(g.numel() * g.element_size() for g in grads if g is not None)
         reached: dict[int, list[Call]] = {}
@@ -864,6 +929,8 @@ class Engine:
             )
         if not reached and not self._units:  # (every parameter frozen: a zero Gramian)
             return [], rows, order, extra_grads, captured_bytes
+        if not reached and features is not None and not _reaches(losses, features):
+            return [], rows, order, extra_grads, captured_bytes  # (zero Jacobians)
         if not reached:
             raise RuntimeError(
                 "No forward call of the hooked modules is in the graph of `losses`. Create the "
@@ -1367,6 +1434,44 @@ def _parameter_list(params: Iterable[Tensor], name: str) -> list[Tensor]:
         if param.requires_grad:
             unique.setdefault(id(param), param)
     return list(unique.values())
+
+
+def _reaches(losses: Tensor, tensors: Sequence[Tensor]) -> bool:
+    """Whether ``losses`` depend on any of ``tensors`` (a walk of their graph)."""
+    nodes = (get_gradient_edge(t).node for t in tensors)
+    return first_reached(losses, {id(node): (True, node) for node in nodes}) is not None
+
+
+def _with_rows(gramian: Tensor, rows: Sequence[Tensor | None]) -> Tensor:
+    """``gramian`` plus that of the Jacobian whose columns are ``rows`` (``[m, *shape]`` each,
+    ``None`` where no loss reaches the parameter)."""
+    present = [r.reshape(r.shape[0], -1).to(gramian.dtype) for r in rows if r is not None]
+    if not present:
+        return gramian
+    jacobian = torch.cat(present, dim=1)
+    return gramian + jacobian @ jacobian.T
+
+
+def _row_updates(
+    params: Sequence[Tensor], rows: Sequence[Tensor | None], weights: Tensor
+) -> list[tuple[Tensor, Tensor]]:
+    """``w @ J`` for each parameter given with its rows (zeros where no loss reaches it)."""
+    updates = []
+    for param, grads in zip(params, rows, strict=True):
+        if grads is None:
+            updates.append((param, torch.zeros_like(param)))
+        else:
+            updates.append((param, torch.tensordot(weights.to(grads.dtype), grads, dims=1)))
+    return updates
+
+
+def _zero_updates(
+    params: Sequence[Tensor], updates: list[tuple[Tensor, Tensor]]
+) -> list[tuple[Tensor, Tensor]]:
+    """Zeros for each of ``params`` without an update (no loss reaches it: a zero column of
+    the Jacobian, whose aggregation is zero there)."""
+    updated = {id(p) for p, _ in updates}
+    return [(p, torch.zeros_like(p)) for p in params if id(p) not in updated]
 
 
 def _to_loss_order(gramian: Tensor, order: tuple[Tensor, Tensor] | None) -> Tensor:

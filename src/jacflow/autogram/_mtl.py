@@ -7,7 +7,7 @@ from collections.abc import Iterable
 from torch import Tensor
 
 from jacflow.aggregation import GramianWeighting
-from jacflow.autogram._engine import Engine
+from jacflow.autogram._engine import Engine, TaskLayout
 
 
 def mtl_gramian_step(
@@ -52,6 +52,19 @@ def mtl_gramian_step(
         >>> w.shape, trunk.weight.grad.shape, heads[0].weight.grad.shape
         (torch.Size([2]), torch.Size([4, 3]), torch.Size([1, 4]))
     """
+    return per_task_step(losses, engine, weighting, tasks_params, retain_graph)
+
+
+def per_task_step(
+    losses: Tensor,
+    engine: Engine,
+    weighting: GramianWeighting,
+    tasks_params: Iterable[Tensor],
+    retain_graph: bool,
+    layout: TaskLayout | None = None,
+) -> Tensor:
+    """:func:`mtl_gramian_step`, with what ``mtl_backward`` knows of the tasks (see
+    :class:`TaskLayout`)."""
     if not isinstance(engine, Engine):
         raise TypeError(f"`engine` must be a jacflow.autogram.Engine, received {type(engine)}.")
     if engine.batch_dim is not None:
@@ -59,4 +72,4 @@ def mtl_gramian_step(
             "mtl_gramian_step needs a per-task engine: create it with batch_dim=None, received "
             f"an engine with batch_dim={engine.batch_dim}."
         )
-    return engine._step(losses, weighting, (), tasks_params, retain_graph)
+    return engine._step(losses, weighting, (), tasks_params, retain_graph, layout)

@@ -46,6 +46,7 @@ def _resolve_params(
     tasks_params: Sequence[Iterable[Tensor]] | None,
     shared_params: Iterable[Tensor] | None,
 ) -> tuple[list[tuple[Tensor, ...]], tuple[Tensor, ...]]:
+    """The head parameters of each task and the shared ones; a parameter in both is refused."""
     if shared_params is None:
         shared = leaf_tensors(features)
     else:
@@ -113,9 +114,14 @@ def mtl_backward(
             trunk before the forward pass. With a Gramian-based ``A`` (UPGrad, MGDA, ...), the
             step then goes through the Gramian engine: no trunk Jacobian is formed and the
             trunk's weight gradients are computed once, for about ``(m + 2) / 3`` SGD steps
-            instead of ``(2m + 1) / 3``. The trunk is the engine's modules (``shared_params``
-            must be left to its default). A head parameter's gradient hooks then see the
-            gradient of the losses' sum (one backward of their own), not each task's part.
+            instead of ``(2m + 1) / 3``. The result is the same: trunk parameters that the
+            engine does not hook (a projection after its modules) join the Jacobian with a row
+            per task from the same backward (their gradient hooks run on each row, as without
+            the engine; the hooked ones' on their update), and given ``shared_params`` must
+            hold the engine's parameters behind ``features``. A head parameter with a gradient
+            hook gets its gradient from a backward of its own: the hook sees the sum of its
+            tasks' gradients, not each task's part. Losses that read no feature give zeros to
+            the trunk, as without the engine.
 
     Example:
         >>> import torch
@@ -251,7 +257,9 @@ def _engine_step(
     retain_graph: bool,
 ) -> None:
     """``mtl_backward`` through the per-task Gramian engine (validated first, written last)."""
-    from jacflow.autogram import Engine, mtl_gramian_step
+    from jacflow.autogram import Engine
+    from jacflow.autogram._engine import TaskLayout
+    from jacflow.autogram._mtl import per_task_step
 
     if not isinstance(engine, Engine):
         raise TypeError(
@@ -263,17 +271,45 @@ def _engine_step(
             f"engine computes the Gramian, not the Jacobian; received A={aggregator!r}. Drop "
             "`engine` to store `.jac` or to use a Jacobian-based aggregator."
         )
+    heads, shared = _resolve_params(losses, features, tasks_params, shared_params)
     if shared_params is not None:
-        raise ValueError(
-            "With `engine`, the shared parameters are those of the engine's modules; leave "
-            "`shared_params` to None."
-        )
-    heads, _ = _resolve_params(losses, features, tasks_params, ())
+        _check_engine_params_shared(shared, features, engine)
+    # (a task parameter gets the gradient of its tasks' losses only; with both defaults, the
+    # other losses do not reach it, and that of all the losses is the same)
+    explicit = tasks_params is not None or shared_params is not None
+    layout = TaskLayout(_task_rows(heads) if explicit else {}, shared, features)
     stacked = torch.stack([loss.reshape(()) for loss in losses])
-    mtl_gramian_step(  # (which takes a parameter of several heads once)
+    per_task_step(  # (which takes a parameter of several heads once)
         stacked,
         engine,
         aggregator.gramian_weighting,
-        tasks_params=[p for params in heads for p in params],
-        retain_graph=retain_graph,
+        [p for params in heads for p in params],
+        retain_graph,
+        layout,
     )
+
+
+def _check_engine_params_shared(
+    shared: tuple[Tensor, ...], features: tuple[Tensor, ...], engine: Engine
+) -> None:
+    """Refuse ``shared_params`` given without a parameter of the engine's modules that lies
+    behind ``features``: the engine's Gramian and update cover it."""
+    names = engine._hooked_names()
+    given = {id(p) for p in shared}
+    for p in leaf_tensors(features):
+        if id(p) in names and id(p) not in given:
+            raise ValueError(
+                "`shared_params` must hold every parameter of the engine's modules behind "
+                f"`features`: the engine's Gramian and update cover them, and {names[id(p)]} "
+                "is not in it. Leave `shared_params` to its default (the leaves behind "
+                "`features`), or add the engine's modules' parameters to it."
+            )
+
+
+def _task_rows(heads: list[tuple[Tensor, ...]]) -> dict[int, tuple[int, ...]]:
+    """Per head parameter (by ``id``), the tasks that list it, where not all of them do."""
+    owners: dict[int, dict[int, None]] = {}
+    for task, params in enumerate(heads):
+        for p in params:
+            owners.setdefault(id(p), {})[task] = None
+    return {key: tuple(tasks) for key, tasks in owners.items() if len(tasks) < len(heads)}
