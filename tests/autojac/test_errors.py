@@ -322,3 +322,36 @@ def test_mtl_duplicated_params_refused_like_backward(where: str) -> None:
         mtl_backward(losses, features, tasks_params=tasks, shared_params=shared)
     for p in [*trunk.parameters(), *head.parameters()]:
         assert p.grad is None and not hasattr(p, "jac")
+
+
+def test_mtl_stacked_losses_told_to_pass_one_per_task() -> None:
+    """One tensor of the tasks' losses: told to pass them one per task, not to reduce it (a
+    mean would merge the tasks)."""
+    trunk, head, features, losses = _mtl_setup()
+    with pytest.raises(ValueError, match=r"one tensor of shape \(2,\).*losses.unbind\(\)"):
+        mtl_backward(torch.stack(losses), features, A=Mean())
+    with pytest.raises(ValueError, match=r"shape \(2, 1\).*a list"):
+        mtl_backward(torch.stack(losses).unsqueeze(1), features, A=Mean())
+    for p in [*trunk.parameters(), *head.parameters()]:
+        assert p.grad is None and not hasattr(p, "jac")
+
+
+@pytest.mark.parametrize("engine", [False, True])
+def test_mtl_loss_using_a_shared_parameter_directly(engine: bool) -> None:
+    """A loss that reads a trunk parameter outside ``features`` (a penalty on it), with both
+    parameter lists left to their defaults: the message gives that cause (and the engine's
+    name of the parameter), not a clash between lists the user did not pass."""
+    from jacflow.autogram import Engine
+
+    trunk, head = torch.nn.Sequential(torch.nn.Linear(2, 3)), torch.nn.Linear(3, 1)
+    hooks = Engine(trunk, batch_dim=None) if engine else None
+    features = trunk(torch.ones(4, 2))
+    losses = [head(features).mean() + trunk[0].bias.pow(2).sum(), features.pow(2).mean()]
+    name = "the parameter Sequential.0.bias" if engine else r"a parameter of shape \(3,\)"
+    advice = "The engine sees its modules' parameters" if engine else "add that parameter to"
+    with pytest.raises(
+        ValueError, match=rf"`losses\[0\]` uses {name} outside `features`.*{advice}"
+    ):
+        mtl_backward(losses, features, A=Mean(), engine=hooks)
+    for p in [*trunk.parameters(), *head.parameters()]:
+        assert p.grad is None and not hasattr(p, "jac")

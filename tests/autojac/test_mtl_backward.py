@@ -334,3 +334,26 @@ def test_engine_losses_that_read_no_feature() -> None:
     with pytest.raises(RuntimeError, match="No forward call of the hooked modules"):
         mtl_backward(losses, features, A=UPGrad(), engine=Engine(trunk, batch_dim=None))
     assert all(p.grad is None for p in [*shared, *(q for h in heads for q in h.parameters())])
+
+
+def test_shared_parameter_used_directly_as_a_feature() -> None:
+    """The way out that the refusal of a loss reading a trunk parameter directly gives: that
+    parameter as one more feature, whose use by each task then counts in its row (exact)."""
+    torch.manual_seed(6)
+    trunk, heads = nn.Linear(3, 4).double(), [nn.Linear(4, 1).double() for _ in range(2)]
+    x = torch.randn(5, 3, dtype=torch.float64)
+
+    def forward() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        f = trunk(x)
+        penalty = 0.1 * trunk.bias.pow(2).sum()
+        return [heads[0](f).pow(2).mean() + penalty, heads[1](f).sin().mean()], [f, trunk.bias]
+
+    losses, _ = forward()
+    expected = _brute_rows(losses, list(trunk.parameters()))
+    losses, features = forward()
+    mtl_backward(losses, features)
+    for p, e in zip(trunk.parameters(), expected, strict=True):
+        torch.testing.assert_close(p.jac, e, rtol=1e-10, atol=1e-12)  # type: ignore[attr-defined]
+    for head, loss in zip(heads, forward()[0], strict=True):
+        for p, g in zip(head.parameters(), torch.autograd.grad(loss, list(head.parameters()))):
+            torch.testing.assert_close(p.grad, g)

@@ -45,8 +45,10 @@ def _resolve_params(
     features: tuple[Tensor, ...],
     tasks_params: Sequence[Iterable[Tensor]] | None,
     shared_params: Iterable[Tensor] | None,
+    engine_names: dict[int, str] | None = None,
 ) -> tuple[list[tuple[Tensor, ...]], tuple[Tensor, ...]]:
-    """The head parameters of each task and the shared ones; a parameter in both is refused."""
+    """The head parameters of each task and the shared ones; a parameter in both is refused
+    (``engine_names``: the names of the engine's parameters, on the engine's path)."""
     if shared_params is None:
         shared = leaf_tensors(features)
     else:
@@ -71,11 +73,54 @@ def _resolve_params(
         for p in params:
             if id(p) in shared_ids:
                 raise ValueError(
-                    f"A tensor of shape {tuple(p.shape)} is both in `tasks_params[{i}]` and in "
-                    "`shared_params`; each parameter belongs either to a task head or to the "
-                    "shared trunk. Pass disjoint `tasks_params` and `shared_params`."
+                    _overlap_message(
+                        i, p, tasks_params is None, shared_params is None, engine_names
+                    )
                 )
     return heads, shared
+
+
+def _overlap_message(
+    task: int,
+    param: Tensor,
+    found_in_loss: bool,
+    found_behind_features: bool,
+    engine_names: dict[int, str] | None,
+) -> str:
+    """Why ``param`` is both a parameter of task ``task`` and a shared one, and what to do."""
+    named = None if engine_names is None else engine_names.get(id(param))
+    what = f"the parameter {named}" if named else f"a parameter of shape {tuple(param.shape)}"
+    if not found_in_loss:
+        where = (
+            "behind `features` (a shared parameter by default)"
+            if found_behind_features
+            else ("in `shared_params`")
+        )
+        return (
+            f"{what[0].upper()}{what[1:]} is both in `tasks_params[{task}]` and {where}; each "
+            "parameter belongs either to a task head or to the shared trunk. Pass disjoint "
+            "`tasks_params` and `shared_params`."
+        )
+    trunk = (
+        "behind `features` (a shared parameter)"
+        if found_behind_features
+        else ("in `shared_params`")
+    )
+    message = (
+        f"`losses[{task}]` uses {what} outside `features` (directly, not through them), and it "
+        f"is also {trunk}: a task's parameters get its loss's gradient and the shared ones a "
+        "row per task through `features`, so that use fits neither. "
+    )
+    if engine_names is None:
+        return message + (
+            "Use the shared parameters only through `features`, or add that parameter to "
+            "`features` (`features=[f, param]`): each task's use of it then counts in its row."
+        )
+    return message + (
+        "The engine sees its modules' parameters through their calls only: compute such a term "
+        "apart (a backward of its own, outside the aggregation), or step without the engine and "
+        "add that parameter to `features` (`features=[f, param]`)."
+    )
 
 
 def mtl_backward(
@@ -234,6 +279,13 @@ def _checked(
     parallel_chunk_size: int | None,
 ) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...], Aggregator | None, int | None]:
     """``mtl_backward``'s arguments, checked."""
+    if isinstance(losses, Tensor) and losses.numel() > 1:
+        how = "`list(losses)` or `losses.unbind()`" if losses.ndim == 1 else "a list"
+        raise ValueError(
+            "`losses` must hold one scalar loss per task, received one tensor of shape "
+            f"{tuple(losses.shape)}. Pass each task's loss as its own scalar ({how}): each task "
+            "then gets its row of the trunk's Jacobian."
+        )
     loss_tuple = as_tensor_tuple(losses, "losses")
     check_non_empty(loss_tuple, "losses")
     check_unique(loss_tuple, "losses")
@@ -271,7 +323,9 @@ def _engine_step(
             f"engine computes the Gramian, not the Jacobian; received A={aggregator!r}. Drop "
             "`engine` to store `.jac` or to use a Jacobian-based aggregator."
         )
-    heads, shared = _resolve_params(losses, features, tasks_params, shared_params)
+    heads, shared = _resolve_params(
+        losses, features, tasks_params, shared_params, engine._hooked_names()
+    )
     if shared_params is not None:
         _check_engine_params_shared(shared, features, engine)
     # (a task parameter gets the gradient of its tasks' losses only; with both defaults, the
