@@ -305,23 +305,38 @@ def test_mtl_errors_and_nothing_lost() -> None:
 
 
 @pytest.mark.parametrize("where", ["shared_params", "tasks_params"])
-def test_mtl_duplicated_params_refused_like_backward(where: str) -> None:
-    """A parameter listed twice was counted twice (2x its gradient); refused, as in backward."""
+@pytest.mark.parametrize("aggregate", [True, False])
+def test_mtl_repeated_params_are_taken_once_like_backward(where: str, aggregate: bool) -> None:
+    """A parameter listed twice is taken once, as by ``backward``, torch and TorchJD (it was
+    refused; before that, counted twice)."""
+    results = []
+    for repeat in (False, True):
+        torch.manual_seed(0)
+        trunk, head, features, losses = _mtl_setup()
+        shared = [trunk.weight, trunk.bias]
+        tasks: list[list[Tensor]] = [list(head.parameters()), []]
+        if repeat and where == "shared_params":
+            shared.append(trunk.weight)
+        elif repeat:
+            tasks[0].append(head.weight)
+        A = Mean() if aggregate else None
+        mtl_backward(losses, features, A=A, tasks_params=tasks, shared_params=shared)
+        params = [*trunk.parameters(), *head.parameters()]
+        heads = {id(p) for p in head.parameters()}
+        results.append([p.grad if aggregate or id(p) in heads else p.jac for p in params])
+    for once, twice in zip(*results, strict=True):
+        torch.testing.assert_close(twice, once)
+
+
+def test_mtl_rows_refused_by_the_aggregator_before_differentiating() -> None:
+    """An aggregator that refuses the number of tasks does so before the graph is freed: the
+    retry with another aggregator works."""
     trunk, head, features, losses = _mtl_setup()
-    shared = [trunk.weight, trunk.bias]
-    tasks: list[list[Tensor]] = [list(head.parameters()), []]
-    if where == "shared_params":
-        shared.append(trunk.weight)
-        pattern = r"`shared_params` must contain distinct tensors.*\[0\].*\[2\]"
-    else:
-        tasks[0].append(head.weight)
-        pattern = r"`tasks_params\[0\]` must contain distinct tensors.*\[0\].*\[2\]"
-    with pytest.raises(ValueError, match=pattern):
-        mtl_backward(losses, features, A=Mean(), tasks_params=tasks, shared_params=shared)
-    with pytest.raises(ValueError, match=pattern):
-        mtl_backward(losses, features, tasks_params=tasks, shared_params=shared)
-    for p in [*trunk.parameters(), *head.parameters()]:
-        assert p.grad is None and not hasattr(p, "jac")
+    with pytest.raises(ValueError, match="Krum"):
+        mtl_backward(losses, features, A=Krum(5))
+    assert all(p.grad is None for p in [*trunk.parameters(), *head.parameters()])
+    mtl_backward(losses, features, A=Mean())
+    assert trunk.weight.grad is not None
 
 
 def test_mtl_stacked_losses_told_to_pass_one_per_task() -> None:

@@ -19,6 +19,7 @@ from jacflow.autojac._checks import (
     check_inputs_require_grad,
     check_non_empty,
     check_unique,
+    without_repeats,
 )
 from jacflow.autojac._graph import leaf_tensors, nested_features
 from jacflow.autojac._jac import compute_jacobians
@@ -52,8 +53,8 @@ def _resolve_params(
     if shared_params is None:
         shared = leaf_tensors(features)
     else:
-        shared = as_tensor_tuple(shared_params, "shared_params")
-        check_unique(shared, "shared_params")
+        # (a parameter listed twice is taken once, as by backward, torch and TorchJD)
+        shared = without_repeats(as_tensor_tuple(shared_params, "shared_params"))
         check_inputs_require_grad(shared, "shared_params")
     if tasks_params is None:
         heads = [leaf_tensors([loss], exclude=features) for loss in losses]
@@ -64,9 +65,11 @@ def _resolve_params(
                 "`tasks_params` must have one iterable of parameters per loss: expected "
                 f"{len(losses)}, received {len(task_list)}."
             )
-        heads = [as_tensor_tuple(p, f"tasks_params[{i}]") for i, p in enumerate(task_list)]
+        heads = [
+            without_repeats(as_tensor_tuple(p, f"tasks_params[{i}]"))
+            for i, p in enumerate(task_list)
+        ]
         for i, params in enumerate(heads):
-            check_unique(params, f"tasks_params[{i}]")
             check_inputs_require_grad(params, f"tasks_params[{i}]")
     shared_ids = {id(p) for p in shared}
     for i, params in enumerate(heads):
@@ -295,6 +298,8 @@ def _checked(
     check_unique(feature_tuple, "features")
     check_inputs_require_grad(feature_tuple, "features")
     aggregator = check_aggregator(A)
+    if aggregator is not None:  # (before any differentiation: a refusal keeps the graph)
+        aggregator.check_rows(len(loss_tuple))
     chunk_size = check_chunk_size(parallel_chunk_size, "parallel_chunk_size")
     return loss_tuple, feature_tuple, aggregator, chunk_size
 
