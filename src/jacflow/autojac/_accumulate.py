@@ -8,6 +8,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from jacflow._warnings import caller_stacklevel
+
 _NON_LEAF_GRAD_WARNING = (
     "The .grad attribute of a Tensor that is not a leaf Tensor is being accessed"
 )
@@ -82,3 +84,24 @@ def accumulate_grads(tensors: Sequence[Tensor], updates: Sequence[Tensor]) -> No
                 existing.add_(update)
         else:
             tensor.grad = update + existing  # (dense + sparse works, sparse + dense does not)
+
+
+def warn_if_distributed() -> None:
+    """Warn (once per call site) when several processes share a process group: the public
+    calls that write ``.grad`` call it once, as those writes bypass DistributedDataParallel's
+    averaging hooks (as TorchJD's do)."""
+    distributed = torch.distributed
+    if not (distributed.is_available() and distributed.is_initialized()):
+        return
+    if distributed.get_world_size() < 2:
+        return
+    warnings.warn(
+        f"torch.distributed runs {distributed.get_world_size()} processes, and jacflow's "
+        "backward, jac_to_grad and mtl_backward write .grad directly, without "
+        "DistributedDataParallel's averaging: each replica keeps its own update and the "
+        "replicas drift apart. Use the Gramian engine, which averages over the replicas "
+        "(jacflow.autogram.Engine(ddp_model, ...), or mtl_backward(..., engine=Engine(trunk, "
+        "batch_dim=None, ddp=ddp_model))), or average .grad yourself (all_reduce, then divide "
+        "by the world size) before the optimizer's step.",
+        stacklevel=caller_stacklevel(),
+    )

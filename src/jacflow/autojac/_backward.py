@@ -8,7 +8,12 @@ import torch
 from torch import Tensor
 
 from jacflow.aggregation import Aggregator, Mean, Sum
-from jacflow.autojac._accumulate import accumulate_grads, accumulate_jacs, check_jac_accumulable
+from jacflow.autojac._accumulate import (
+    accumulate_grads,
+    accumulate_jacs,
+    check_jac_accumulable,
+    warn_if_distributed,
+)
 from jacflow.autojac._aggregate import aggregate_blocks, has_forward_hooks
 from jacflow.autojac._checks import (
     as_tensor_tuple,
@@ -141,6 +146,7 @@ def backward(
         aggregator.check_rows(rows)  # (before the graph is freed)
     retain = create_graph if retain_graph is None else retain_graph
     if aggregator is not None:
+        warn_if_distributed()
         updates = _fixed_weight_update(
             aggregator, outs, ins, cotangents, rows, retain, create_graph
         )

@@ -7,7 +7,7 @@ from collections.abc import Iterable
 from torch import Tensor
 
 from jacflow.aggregation import Aggregator
-from jacflow.autojac._accumulate import accumulate_grads
+from jacflow.autojac._accumulate import accumulate_grads, warn_if_distributed
 from jacflow.autojac._aggregate import aggregate_blocks
 from jacflow.autojac._checks import as_tensor_tuple, check_non_empty, check_unique, rows_shape
 
@@ -119,6 +119,7 @@ def jac_to_grad(
                 f"{jacobians[0].shape[0]}, `tensors[{i}].jac` has {jacobian.shape[0]}."
             )
     A.check_rows(jacobians[0].shape[0])
+    warn_if_distributed()
     updates, weights = aggregate_blocks(A, jacobians)
     accumulate_grads(items, updates)
     if not retain_jac:

@@ -10,7 +10,11 @@ import torch
 from torch import Tensor
 
 from jacflow.aggregation import Aggregator, GramianWeightedAggregator
-from jacflow.autojac._accumulate import accumulate_grads, check_jac_accumulable
+from jacflow.autojac._accumulate import (
+    accumulate_grads,
+    check_jac_accumulable,
+    warn_if_distributed,
+)
 from jacflow.autojac._backward import store
 from jacflow.autojac._checks import (
     as_tensor_tuple,
@@ -212,6 +216,7 @@ def mtl_backward(
     check_non_empty(shared, "shared_params")
     if aggregator is None:
         check_jac_accumulable(shared, len(loss_tuple), "shared_params")
+    warn_if_distributed()
 
     head_grads: dict[int, tuple[Tensor, Tensor]] = {}
     feature_rows: list[list[Tensor]] = [[] for _ in feature_tuple]
