@@ -58,6 +58,19 @@ def test_monitor_validates_arguments() -> None:
         Monitor().record(torch.eye(2), losses=[1.0])
 
 
+def test_a_refused_record_changes_nothing() -> None:
+    """A step refused for its losses left ``last`` set to it and advanced the step count."""
+    collect = _Collect()
+    monitor = Monitor([collect])
+    monitor.record(torch.eye(2))
+    before = monitor.last
+    with pytest.raises(ValueError, match="`losses` must hold 2 values"):
+        monitor.record(2 * torch.eye(2), losses=[1.0])
+    assert monitor.last is before
+    monitor.record(torch.eye(2))
+    assert [step for step, _ in collect.rows] == [0, 1]
+
+
 def test_csv_logger_extends_header_on_new_keys(tmp_path: Path) -> None:
     path = tmp_path / "sub" / "m.csv"
     logger = CSVLogger(path)

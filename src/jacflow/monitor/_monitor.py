@@ -86,11 +86,10 @@ class Monitor:
             The flat metrics, or ``None`` when ``step`` is skipped by ``every``.
         """
         step = self._next_step if step is None else int(step)
-        self._next_step = step + 1
         if step % self.every:
+            self._next_step = step + 1
             return None
         metrics = conflict_metrics(gramian, weights)
-        self.last = metrics
         names = self.names if self.names is not None else [str(i) for i in range(metrics.m)]
         flat = metrics.to_dict(names, per_objective=self.per_objective, pairwise=self.pairwise)
         if losses is not None:
@@ -106,6 +105,8 @@ class Monitor:
                 )
             for name, value in zip(names, values):
                 flat[f"loss/{name}"] = float(value)
+        # (the state moves only once the step is accepted: a refused one changes nothing)
+        self._next_step, self.last = step + 1, metrics
         for logger in self.loggers:
             logger.log(flat, step)
         self.history.append({"step": float(step), **flat})
