@@ -1903,3 +1903,23 @@ def test_a_module_called_on_two_batches_with_concatenated_losses_is_refused() ->
     engine.remove()
     engine = Engine(layer, batch_dim=None)
     assert_exact_gramian(engine, losses_of(), list(layer.parameters()))
+
+
+@pytest.mark.parametrize("dim", [0, -1, 1])
+def test_losses_sorted_along_the_batch_are_refused(dim: int) -> None:
+    """``losses.sort()`` along the batch: rows of other samples, which the probe missed when
+    the probed samples mapped onto themselves (the Gramian 17% off, weights on the wrong
+    losses). Sorting each sample's own losses ([B, k], along dim 1) is exact."""
+    torch.manual_seed(0)
+    layer = nn.Linear(3, 2).double()
+    x = torch.randn(4, 3, dtype=torch.float64)
+    engine = Engine(layer, batch_dim=0)
+
+    def losses_of() -> Tensor:
+        out = layer(x).pow(2)
+        return out.sum(1).sort(dim=dim).values if dim != 1 else out.sort(dim=1).values
+
+    if dim == 1:
+        assert_exact_gramian(engine, losses_of(), list(layer.parameters()))
+        return
+    _assert_refused(engine, losses_of(), list(layer.parameters()), r"sorted \(or selected\)")

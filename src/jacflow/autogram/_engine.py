@@ -174,7 +174,32 @@ def _check_losses(losses: object, batch_dim: int | None) -> Tensor:
             "With batch_dim=0, `losses` must have a batch dimension (shape [B, ...]), received a "
             "scalar. Pass the per-sample losses (reduction='none'), or use batch_dim=None."
         )
+    if batch_dim is not None:
+        _check_not_ordered_by_value(losses)
     return losses
+
+
+# autograd's nodes of the ops that order or select values along a dimension
+_BY_VALUE_NODES = frozenset({"SortBackward0", "KthvalueBackward0", "MedianBackward1"})
+
+
+def _check_not_ordered_by_value(losses: Tensor) -> None:
+    """Per sample, refuse losses sorted along the batch (``losses.sort().values``): each row
+    then belongs to the sample the data put there, which the separation probe misses whenever
+    the probed samples map onto themselves (the Gramian's rows were other samples', and the
+    weights went to the wrong losses, silently)."""
+    node: Any = losses.grad_fn  # (the saved attributes are the node type's own)
+    if type(node).__name__ not in _BY_VALUE_NODES:
+        return
+    ndim, dim = len(node._saved_self_sym_sizes), int(node._saved_dim)
+    dim = dim - 2**64 if dim >= 2**63 else dim  # (dim -1 is saved as 2**64 - 1)
+    if ndim and dim % ndim == 0:
+        raise ValueError(
+            "With batch_dim=0, `losses` were sorted (or selected) along the batch by their "
+            "values: each loss then belongs to the sample the data put at its place, which the "
+            "engine cannot follow. Pass the losses in the samples' order and weight them by "
+            "value in the weighting (a GramianWeighting of your own), or use jacflow.backward."
+        )
 
 
 def _check_weights(weights: object, m: int, weighting: GramianWeighting) -> Tensor:
