@@ -380,3 +380,38 @@ def test_pareto_mtl_index_and_preferences_stay_consistent() -> None:
     A.index = 1
     A.preferences = PREFERENCES[:2]
     assert A.index == 1 and torch.equal(A.preferences, PREFERENCES[:2])
+
+
+class _SmallerC(agg.CAGradWeighting):
+    """A user's subclass that sets a declared hyper-parameter in its own constructor."""
+
+    def __init__(self) -> None:
+        super().__init__(c=0.5)
+        self.c = 0.7
+
+
+class _Swapped(agg.GramianWeightedAggregator):
+    def __init__(self) -> None:
+        super().__init__(agg.UPGradWeighting())
+        self.gramian_weighting = agg.MGDAWeighting()
+
+
+class _Passing(agg.CAGrad):
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+
+
+def test_a_subclass_constructor_sets_declared_hyperparameters() -> None:
+    """Its assignments are part of construction (they were refused as assignments after it);
+    after construction the usual rule holds, and ``**kwargs`` passed on count as taking it."""
+    J = torch.tensor([[-4.0, 1.0, 1.0], [6.0, 1.0, 1.0]])
+    G = J @ J.T
+    assert _SmallerC().c == 0.7
+    torch.testing.assert_close(_SmallerC()(G), agg.CAGradWeighting(c=0.7)(G))
+    torch.testing.assert_close(_Swapped()(J), agg.MGDA()(J))
+    with pytest.raises(AttributeError, match="_SmallerC's constructor takes no `c`"):
+        _SmallerC().c = 0.9
+    passing = _Passing(c=0.5)
+    passing.c = 0.9
+    torch.testing.assert_close(passing(J), agg.CAGrad(c=0.9)(J))
+    assert "_jacflow_constructing" not in vars(passing)

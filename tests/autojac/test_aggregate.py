@@ -83,3 +83,37 @@ def test_a_global_forward_hook_sees_the_aggregator() -> None:
     finally:
         handle.remove()
     assert UPGrad in seen
+
+
+class _Doubled(UPGrad):
+    """A user's subclass whose forward changes the update."""
+
+    def forward(self, matrix: Tensor) -> Tensor:
+        return 2 * super().forward(matrix)
+
+
+@pytest.mark.parametrize("hooked", [False, True])
+def test_a_subclass_overriding_forward_is_called_on_the_jacobian(hooked: bool) -> None:
+    """The Gramian shortcut skipped the subclass's forward, unless a hook (even a no-op one)
+    sent the call through ``A(J)``: the result depended on the hook."""
+    aggregator = _Doubled()
+    if hooked:
+        aggregator.register_forward_hook(lambda m, args, out: None)
+    a, b, outputs = _problem()
+    backward(outputs, A=aggregator)
+    assert a.grad is not None and b.grad is not None
+    update = torch.cat([a.grad, b.grad.flatten()])
+    torch.testing.assert_close(update, 2 * UPGrad()(_jacobian()))
+
+
+def test_an_engine_refuses_a_subclass_overriding_forward() -> None:
+    from jacflow import mtl_backward
+    from jacflow.autogram import Engine
+
+    trunk, head = nn.Linear(2, 3), nn.Linear(3, 2)
+    engine = Engine(trunk, batch_dim=None)
+    features = trunk(torch.ones(4, 2))
+    losses = [head(features)[:, 0].mean(), head(features)[:, 1].pow(2).mean()]
+    with pytest.raises(ValueError, match="_Doubled overrides `forward` or `weights`"):
+        mtl_backward(losses, features, A=_Doubled(), engine=engine)
+    assert all(p.grad is None for p in [*trunk.parameters(), *head.parameters()])

@@ -132,10 +132,23 @@ _DECLARED: dict[tuple[type, str], bool] = {}
 
 
 def _constructor_takes(cls: type, name: str) -> bool:
+    """Whether ``cls``'s constructor takes an argument ``name`` (or any keyword: a subclass's
+    ``**kwargs`` passed on)."""
     key = (cls, name)
     if key not in _TAKES:
-        _TAKES[key] = name in inspect.signature(cls).parameters
+        parameters = inspect.signature(cls).parameters.values()
+        _TAKES[key] = any(
+            p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters
+        )
     return _TAKES[key]
+
+
+def _constructing(module: nn.Module) -> bool:
+    """Whether a constructor of ``module`` is running (a subclass's sets what it likes)."""
+    return bool(module.__dict__.get(_CONSTRUCTING))
+
+
+_CONSTRUCTING = "_jacflow_constructing"
 
 
 def _is_set(module: nn.Module, name: str) -> bool:
@@ -247,8 +260,10 @@ class Hyperparameter(_Declared[T]):
         raise AttributeError(f"{type(instance).__name__} has no `{self.name}` yet.")
 
     def __set__(self, instance: nn.Module, value: T) -> None:
-        if _is_set(instance, self.name) and (
-            self._frozen is not None or not _constructor_takes(type(instance), self.name)
+        if (
+            _is_set(instance, self.name)
+            and not _constructing(instance)
+            and (self._frozen is not None or not _constructor_takes(type(instance), self.name))
         ):
             _refuse_assignment(instance, self.name, self._frozen)
         checked = self._check(value, self.name)
@@ -284,7 +299,7 @@ class Forwarded(_Declared[T]):
         return value
 
     def __set__(self, instance: nn.Module, value: T) -> None:
-        if not _constructor_takes(type(instance), self.name):
+        if not _constructing(instance) and not _constructor_takes(type(instance), self.name):
             _refuse_assignment(instance, self.name, None)
         setattr(getattr(instance, self._via), self.name, value)
 
@@ -305,8 +320,33 @@ class Configurable(nn.Module):
     the class; the assignments of declared hyper-parameters go to their descriptor instead.
     """
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        init = cls.__dict__.get("__init__")
+        if init is not None:
+            cls.__init__ = _tracking_construction(init)  # type: ignore[method-assign]
+
     def __setattr__(self, name: str, value: Any) -> None:
         if _declared(type(self), name):
             object.__setattr__(self, name, value)
         else:
             super().__setattr__(name, value)
+
+
+def _tracking_construction(init: Callable[..., None]) -> Callable[..., None]:
+    """``init`` marking the object as under construction while it runs (nested in the
+    subclasses' constructors), so that their assignments of hyper-parameters are accepted."""
+
+    @functools.wraps(init)
+    def tracked(self: nn.Module, *args: Any, **kwargs: Any) -> None:
+        depth = self.__dict__.get(_CONSTRUCTING, 0)
+        self.__dict__[_CONSTRUCTING] = depth + 1
+        try:
+            init(self, *args, **kwargs)
+        finally:
+            if depth:
+                self.__dict__[_CONSTRUCTING] = depth
+            else:
+                self.__dict__.pop(_CONSTRUCTING, None)
+
+    return tracked

@@ -49,8 +49,8 @@ def aggregate_blocks(
     the aggregator gets the empty ``[0, n]`` matrix (the zero update for weighted ones).
     """
     m = blocks[0].shape[0]
-    if has_forward_hooks(aggregator):
-        return _through_hooks(aggregator, blocks)
+    if has_forward_hooks(aggregator) or not computed_by_library(aggregator):
+        return _through_call(aggregator, blocks)
     if isinstance(aggregator, (Mean, Sum)):
         # Their weights only depend on m: skip the Gramian entirely.
         weights = aggregator.weights(blocks[0].new_empty((m, 0)))
@@ -67,6 +67,18 @@ def aggregate_blocks(
     return [piece.reshape(b.shape[1:]) for piece, b in zip(torch.split(flat, sizes), blocks)], None
 
 
+def computed_by_library(aggregator: Aggregator) -> bool:
+    """Whether the aggregator's ``forward`` and ``weights`` are jacflow's own, so that the
+    shortcuts (the Gramian formed block by block, Mean's and Sum's weights) compute what its
+    call would; a user's subclass that overrides them is called on ``J``."""
+    cls = type(aggregator)
+    return all(
+        str(getattr(getattr(cls, name, None), "__module__", "")).startswith("jacflow.")
+        for name in ("forward", "weights")
+        if hasattr(cls, name)
+    )
+
+
 def has_forward_hooks(aggregator: Aggregator) -> bool:
     """Whether a forward hook or pre-hook is registered on the aggregator, on one of its
     submodules (its weighting) or globally: the shortcuts above skip those modules' calls."""
@@ -77,12 +89,13 @@ def has_forward_hooks(aggregator: Aggregator) -> bool:
     )
 
 
-def _through_hooks(
+def _through_call(
     aggregator: Aggregator, blocks: Sequence[Tensor]
 ) -> tuple[list[Tensor], Tensor | None]:
     """Aggregate by calling ``aggregator`` on the concatenated Jacobian, so that its modules'
-    forward hooks run (and may change its input or output) as in ``aggregator(J)``; the
-    weights are those its weighting returned in that call."""
+    forward hooks run (and may change its input or output) and a subclass's own ``forward``
+    or ``weights`` is used, as in ``aggregator(J)``; the weights are those its weighting
+    returned in that call."""
     m = blocks[0].shape[0]
     matrix = torch.cat([b.reshape(m, math.prod(b.shape[1:])) for b in blocks], dim=1)
     returned: list[Tensor] = []

@@ -15,6 +15,7 @@ from jacflow.autojac._accumulate import (
     check_jac_accumulable,
     warn_if_distributed,
 )
+from jacflow.autojac._aggregate import computed_by_library
 from jacflow.autojac._backward import store
 from jacflow.autojac._checks import (
     as_tensor_tuple,
@@ -173,7 +174,10 @@ def mtl_backward(
             hold the engine's parameters behind ``features``. A head parameter with a gradient
             hook gets its gradient from a backward of its own: the hook sees the sum of its
             tasks' gradients, not each task's part. Losses that read no feature give zeros to
-            the trunk, as without the engine.
+            the trunk, as without the engine. ``A`` is not called on a Jacobian there: its
+            ``gramian_weighting`` is called on the Gramian, so forward hooks on that weighting
+            run (``monitor.AggregatorWatch`` works), and hooks on ``A`` or ``A.weighting`` do
+            not; a subclass of ``A`` that overrides ``forward`` or ``weights`` is refused.
 
     Example:
         >>> import torch
@@ -332,6 +336,14 @@ def _engine_step(
             "`engine` needs a Gramian-based aggregator `A` (e.g. UPGrad(), MGDA(), Mean()): the "
             f"engine computes the Gramian, not the Jacobian; received A={aggregator!r}. Drop "
             "`engine` to store `.jac` or to use a Jacobian-based aggregator."
+        )
+    if not computed_by_library(aggregator):
+        raise ValueError(
+            "`engine` calls the Gramian weighting of `A` on the Gramian, and "
+            f"{type(aggregator).__name__} overrides `forward` or `weights`, which that would "
+            "skip. Put the change in a "
+            "GramianWeighting of your own (GramianWeightedAggregator(MyWeighting())), or drop "
+            "`engine`."
         )
     heads, shared = _resolve_params(
         losses, features, tasks_params, shared_params, engine._hooked_names()
