@@ -87,10 +87,66 @@ def test_matches_reference_over_several_calls(
         torch.testing.assert_close(weighting(J), torch.tensor(expected, dtype=torch.float64))
 
 
+def _official(mats: list[Tensor], step: float) -> list[list[float]]:
+    """The rule of the official code (and LibMTL's ExcessMTL), written out: weights 1 each, the
+    first call stores the excess risks as the baseline and keeps the weights; later calls
+    multiply them by exp(step * E / E0) and rescale them to sum to m. Returned divided by m,
+    with jacflow's one change: 1e-7 added to E0 (a zero baseline would divide by zero)."""
+    m, n = mats[0].shape
+    sq_sum = [[0.0] * n for _ in range(m)]
+    weights = [1.0] * m
+    baseline: list[float] | None = None
+    outputs = []
+    for J in mats:
+        rows = J.tolist()
+        risks = []
+        for i in range(m):
+            for k in range(n):
+                sq_sum[i][k] += rows[i][k] ** 2
+            risks.append(sum(rows[i][k] ** 2 / math.sqrt(sq_sum[i][k] + 1e-7) for k in range(n)))
+        if baseline is None:
+            baseline = risks
+        else:
+            # (the product and rescaling in log space: exp of a large ratio would overflow)
+            logs = [
+                (math.log(weights[i]) if weights[i] > 0 else -math.inf)
+                + step * risks[i] / (baseline[i] + 1e-7)
+                for i in range(m)
+            ]
+            weights = [math.exp(x - max(logs)) for x in logs]
+            weights = [m * w / sum(weights) for w in weights]
+        outputs.append([w / m for w in weights])
+    return outputs
+
+
+@settings(max_examples=20)
+@given(st.integers(1, 4), st.integers(1, 6), st.integers(0, 2**31 - 1), st.floats(0.1, 2.0))
+def test_default_matches_the_official_first_step(m: int, n: int, seed: int, step: float) -> None:
+    """The default used to take a step on the first call with the raw excess risks (weights
+    [0.0005, 0.9995] at once on a random 2 x 50 Jacobian); the official code keeps them uniform
+    while it records the baseline."""
+    gen = torch.Generator().manual_seed(seed)
+    mats = [2 * torch.randn(m, n, generator=gen, dtype=torch.float64) for _ in range(4)]
+    weighting = ExcessMTLWeighting(robust_step_size=step)
+    for J, expected in zip(mats, _official(mats, step)):
+        torch.testing.assert_close(weighting(J), torch.tensor(expected, dtype=torch.float64))
+
+
+def test_zero_warmup_is_torchjd_default() -> None:
+    tj = pytest.importorskip("torchjd.aggregation")
+    gen = torch.Generator().manual_seed(0)
+    mats = [2 * torch.randn(2, 50, generator=gen, dtype=torch.float64) for _ in range(4)]
+    ours, theirs = ExcessMTLWeighting(n_warmup_steps=0), tj.ExcessMTLWeighting()
+    for J in mats:
+        torch.testing.assert_close(ours(J), theirs(J))
+
+
 def test_documented_value_and_reset() -> None:
     aggregator = ExcessMTL()
     first = aggregator(J_DOC)
-    torch.testing.assert_close(first, torch.tensor([4.8080, 1.0, 1.0]), atol=1e-4, rtol=0)
+    torch.testing.assert_close(first, torch.tensor([1.0, 1.0, 1.0]))
+    second = aggregator(J_DOC * torch.tensor([[2.0], [1.0]]))
+    torch.testing.assert_close(second, torch.tensor([-4.4555, 1.7468, 1.7468]), atol=1e-4, rtol=0)
     aggregator(J_DOC * 2)
     aggregator.reset()
     torch.testing.assert_close(aggregator(J_DOC), first)
@@ -112,9 +168,11 @@ def test_nan_does_not_corrupt_the_state(device: str, dtype: torch.dtype) -> None
     weighting = ExcessMTLWeighting()
     nan = torch.full_like(J, float("nan"))
     assert bool(weighting(nan).isnan().all())
-    w = weighting(J)
-    assert w.device == J.device and w.dtype == dtype
-    torch.testing.assert_close(w, ExcessMTLWeighting()(J))
+    fresh = ExcessMTLWeighting()
+    for K in (J, J * torch.tensor([[2.0], [1.0]], device=device, dtype=dtype)):
+        w = weighting(K)
+        assert w.device == J.device and w.dtype == dtype
+        torch.testing.assert_close(w, fresh(K))
 
 
 def test_errors_and_repr() -> None:
@@ -124,5 +182,5 @@ def test_errors_and_repr() -> None:
         ExcessMTLWeighting(n_warmup_steps=-1)
     with pytest.raises(TypeError, match="n_warmup_steps"):
         ExcessMTL(n_warmup_steps=1.5)  # type: ignore[arg-type]
-    assert repr(ExcessMTL()) == "ExcessMTL(robust_step_size=1.0, n_warmup_steps=0)"
+    assert repr(ExcessMTL()) == "ExcessMTL(robust_step_size=1.0, n_warmup_steps=1)"
     assert str(ExcessMTL()) == "ExcessMTL"

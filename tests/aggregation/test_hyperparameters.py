@@ -109,7 +109,7 @@ CASES: list[Case] = [
     ),
     *_both(
         "ExcessMTL",
-        changes={"robust_step_size": 0.1, "n_warmup_steps": 1},
+        changes={"robust_step_size": 0.1, "n_warmup_steps": 0},
         invalid={"robust_step_size": 0.0, "n_warmup_steps": -1},
     ),
     *_both(

@@ -20,8 +20,11 @@ class ExcessMTLWeighting(Weighting, Stateful):
     Args:
         robust_step_size: step size :math:`\eta` of the exponentiated-gradient update, ``> 0``.
         n_warmup_steps: calls during which the weights stay ``1/m`` while the excess risks are
-            averaged into the baseline, ``>= 0``. With 0 (default, as the official code), the
-            first call's excess risks are the baseline and are used unscaled on that call.
+            averaged into the baseline, ``>= 0``. With 1 (default, as the official code and
+            LibMTL) the first call records the baseline and keeps uniform weights. With 0
+            (TorchJD 0.18's default) the first call's excess risks are the baseline and also
+            drive that call's step unscaled: raw excess risks grow with the gradients' scale,
+            so the weights can saturate at once.
 
     State:
         the running sum :math:`S` of squared Jacobians (``[m, n]``), the weights (initially
@@ -31,14 +34,18 @@ class ExcessMTLWeighting(Weighting, Stateful):
     Example:
         >>> import torch
         >>> from jacflow.aggregation import ExcessMTLWeighting
-        >>> ExcessMTLWeighting()(torch.tensor([[-4., 1., 1.], [6., 1., 1.]]))
-        tensor([0.1192, 0.8808])
+        >>> W = ExcessMTLWeighting()
+        >>> J = torch.tensor([[-4., 1., 1.], [6., 1., 1.]])
+        >>> W(J)  # the first call records the baseline
+        tensor([0.5000, 0.5000])
+        >>> W(J * torch.tensor([[2.], [1.]]))  # row 0's excess risk grew more: more weight
+        tensor([0.7468, 0.2532])
     """
 
     robust_step_size = Hyperparameter(floats(low=0.0, low_open=True))
     n_warmup_steps = Hyperparameter(ints(low=0))
 
-    def __init__(self, robust_step_size: float = 1.0, n_warmup_steps: int = 0) -> None:
+    def __init__(self, robust_step_size: float = 1.0, n_warmup_steps: int = 1) -> None:
         super().__init__()
         self.robust_step_size = robust_step_size
         self.n_warmup_steps = n_warmup_steps
@@ -102,7 +109,8 @@ class ExcessMTL(WeightedAggregator, Stateful):
     .. math:: w_{t+1} = \mathrm{softmax}\big(\log w_t + \eta\, E / E^0\big),\qquad
               d = J^\top w_{t+1}.
 
-    The weights stay on the simplex (initially ``1/m``, as in the paper). Permutation
+    The weights stay on the simplex (initially ``1/m``, as in the paper). By default the first
+    call only records :math:`E^0` (uniform weights, as the official code). Permutation
     invariant. The state holds an ``[m, n]`` matrix, as large as the Jacobian.
 
     Args:
@@ -115,8 +123,12 @@ class ExcessMTL(WeightedAggregator, Stateful):
     Example:
         >>> import torch
         >>> from jacflow.aggregation import ExcessMTL
-        >>> ExcessMTL()(torch.tensor([[-4., 1., 1.], [6., 1., 1.]]))
-        tensor([4.8080, 1.0000, 1.0000])
+        >>> A = ExcessMTL()
+        >>> J = torch.tensor([[-4., 1., 1.], [6., 1., 1.]])
+        >>> A(J)  # the first call records the baseline: the mean of the rows
+        tensor([1., 1., 1.])
+        >>> A(J * torch.tensor([[2.], [1.]]))
+        tensor([-4.4555,  1.7468,  1.7468])
     """
 
     properties = frozenset({Property.PERMUTATION_INVARIANT, Property.WEIGHTED})
@@ -124,7 +136,7 @@ class ExcessMTL(WeightedAggregator, Stateful):
     robust_step_size = Forwarded(ExcessMTLWeighting.robust_step_size, via="weighting")
     n_warmup_steps = Forwarded(ExcessMTLWeighting.n_warmup_steps, via="weighting")
 
-    def __init__(self, robust_step_size: float = 1.0, n_warmup_steps: int = 0) -> None:
+    def __init__(self, robust_step_size: float = 1.0, n_warmup_steps: int = 1) -> None:
         super().__init__(ExcessMTLWeighting(robust_step_size, n_warmup_steps))
 
     def reset(self) -> None:
