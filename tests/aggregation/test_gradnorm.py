@@ -47,6 +47,56 @@ def test_matches_the_paper_update_over_several_steps() -> None:
         torch.testing.assert_close(A(J), w @ J)  # the aggregator agrees with the weighting
 
 
+_TINY = 1e-300
+
+
+@pytest.mark.parametrize(
+    ("losses", "stand_ins"),
+    [
+        # task 0 starts at 0 (an auxiliary or masked loss), stays there, then rises: 0/0 is no
+        # change, x/0 the limit of x/eps for eps -> 0
+        (
+            [[0.0, 1.0], [0.0, 0.9], [0.3, 0.9], [0.2, 0.8], [0.1, 0.7]],
+            [[_TINY, 1.0], [_TINY, 0.9], [0.3, 0.9], [0.2, 0.8], [0.1, 0.7]],
+        ),
+        # every loss reaches 0: equal ratios, as when both shrink by the same tiny factor
+        (
+            [[1.0, 2.0], [0.5, 1.5], [0.0, 0.0], [0.4, 1.0]],
+            [[1.0, 2.0], [0.5, 1.5], [_TINY, 2 * _TINY], [0.4, 1.0]],
+        ),
+    ],
+)
+def test_zero_losses_keep_the_weights_finite(
+    losses: list[list[float]], stand_ins: list[list[float]]
+) -> None:
+    """A zero initial loss made the weights NaN for good (0/0); they are now the limit of the
+    paper's step with tiny positive losses in place of the zeros."""
+    torch.manual_seed(0)
+    jacobians = [torch.randn(2, 3, dtype=torch.float64) for _ in losses]
+    expected = _reference_weights(
+        jacobians, [torch.tensor(L, dtype=torch.float64) for L in stand_ins], alpha=1.5, lr=0.1
+    )
+    W = GradNormWeighting(alpha=1.5, lr=0.1)
+    for J, L, w in zip(jacobians, losses, expected):
+        W.set_losses(torch.tensor(L, dtype=torch.float64))
+        torch.testing.assert_close(W(J @ J.T), w)
+    assert W._weights is not None and bool(torch.isfinite(W._weights).all())
+
+
+def test_negative_losses_are_refused_before_any_change() -> None:
+    J = torch.tensor([[3.0, 0.0], [0.0, 1.0]])
+    reference, A = GradNorm(), GradNorm()
+    for method in (reference, A):
+        method.set_losses(torch.tensor([1.0, 2.0]))
+        method(J)
+    A.set_losses(torch.tensor([-0.5, 1.0]))  # gave NaN weights for good (a ratio of -0.5)
+    with pytest.raises(ValueError, match="non-negative losses"):
+        A(J)
+    for method in (reference, A):
+        method.set_losses(torch.tensor([0.5, 1.0]))
+    torch.testing.assert_close(A(J), reference(J))
+
+
 def test_reset_restores_first_step_behaviour() -> None:
     A = GradNorm()
     assert isinstance(A, Stateful)

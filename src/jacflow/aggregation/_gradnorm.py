@@ -11,8 +11,37 @@ from jacflow.aggregation._hyperparameters import Forwarded, Hyperparameter, floa
 from jacflow.aggregation._loss_aware import LossAware
 from jacflow.aggregation._nonfinite import has_nonfinite, nan_weights
 from jacflow.aggregation._properties import Property
+from jacflow.scalarization._base import loss_ratio
 
 _MIN_WEIGHT = 1e-8
+
+
+def relative_rates(losses: Tensor, initial_losses: Tensor) -> Tensor:
+    r"""The relative inverse training rates :math:`r_i = \tilde L_i / \mathrm{mean}(\tilde L)`,
+    :math:`\tilde L_i = L_i / L_i(0)`, for non-negative losses, never NaN.
+
+    ``0 / 0`` is taken as 1 (no change). A positive loss whose :math:`L_i(0)` is 0 has an
+    infinite ratio; the rates are then their limit: ``m`` shared equally by the infinite ratios,
+    0 for the others. When every ratio is 0 the rates are all 1 (equal ratios).
+
+    Example:
+        >>> import torch
+        >>> from jacflow.aggregation._gradnorm import relative_rates
+        >>> relative_rates(torch.tensor([0.0, 1.0, 2.0]), torch.tensor([0.0, 2.0, 2.0]))
+        tensor([1.2000, 0.6000, 1.2000])
+        >>> relative_rates(torch.tensor([0.5, 1.0, 2.0]), torch.tensor([0.0, 2.0, 2.0]))
+        tensor([3., 0., 0.])
+    """
+    m = losses.shape[0]
+    if m == 0:
+        return losses.clone()
+    ratios = loss_ratio(losses, initial_losses)
+    infinite = torch.isinf(ratios)
+    top = ratios.amax()
+    scaled = ratios / top  # (the mean of the ratios themselves could overflow)
+    rates = torch.where(top == 0, torch.ones_like(ratios), scaled / scaled.mean())
+    limit = infinite.to(ratios.dtype) * (m / infinite.sum().clamp_min(1))
+    return torch.where(infinite.any(), limit, rates)
 
 
 def gradnorm_step(
@@ -27,15 +56,15 @@ def gradnorm_step(
 
     With :math:`n_i = \sqrt{G_{ii}}`, weighted norms :math:`w_i n_i`, their mean :math:`\bar n`,
     loss ratios :math:`\tilde L_i = L_i / L_i(0)` and :math:`r_i = \tilde L_i / \mathrm{mean}
-    (\tilde L)`, the targets :math:`T_i = \bar n\, r_i^\alpha` are constants and the gradient of
+    (\tilde L)` (see :func:`relative_rates` for zero losses), the targets
+    :math:`T_i = \bar n\, r_i^\alpha` are constants and the gradient of
     :math:`\sum_i |w_i n_i - T_i|` is :math:`\mathrm{sign}(w_i n_i - T_i)\, n_i`. After the step
     the weights are floored at 1e-8 and rescaled to sum to ``m``.
     """
     m = weights.shape[0]
     norms = gramian.diagonal().clamp_min(0).sqrt()
     weighted = weights * norms
-    ratios = losses / initial_losses
-    targets = weighted.mean() * (ratios / ratios.mean()) ** alpha
+    targets = weighted.mean() * relative_rates(losses, initial_losses) ** alpha
     gap = weighted - targets
     new = weights - lr * (torch.sign(gap) + 0 * gap) * norms  # 0 * gap keeps NaN (sign(NaN) = 0)
     new = new.clamp_min(_MIN_WEIGHT)
@@ -50,7 +79,8 @@ class GradNormWeighting(GramianWeighting, LossAware, Stateful):
         lr: step size :math:`> 0` of the plain gradient step on the weights.
 
     State: the weights (initially 1) and the losses of the first call :math:`L(0)`; reset by
-    :meth:`reset`. Call :meth:`set_losses` before every call.
+    :meth:`reset`. Call :meth:`set_losses` with the ``m`` non-negative losses before every
+    call.
 
     Example:
         >>> import torch
@@ -76,6 +106,12 @@ class GradNormWeighting(GramianWeighting, LossAware, Stateful):
     def forward(self, stat: Tensor) -> Tensor:
         m = stat.shape[0]
         losses = self.losses_like(m, stat)
+        if bool(((losses < 0) & torch.isfinite(losses)).any()):
+            raise ValueError(
+                f"GradNorm needs non-negative losses (it reads their ratios L_i / L_i(0)), "
+                f"received {losses.tolist()}. Shift the losses by a constant to make them "
+                "non-negative."
+            )
         if has_nonfinite(stat) or has_nonfinite(losses):
             return nan_weights(m, stat)  # a skipped step: the state is left as it was
         with torch.no_grad():
@@ -120,6 +156,12 @@ class GradNorm(GramianWeightedAggregator, LossAware, Stateful):
     Args:
         alpha: restoring-force strength :math:`\alpha \ge 0` (default 1.5).
         lr: step size :math:`\eta > 0` on the weights (default 0.025).
+
+    The losses must be non-negative (a negative one raises a ``ValueError`` before any
+    change). A loss at 0 is allowed: :math:`0/0` is taken as 1 (no change), and a positive loss
+    whose :math:`L_i(0)` is 0 has an infinite ratio, for which :math:`r` is the limit (``m``
+    shared by the infinite ratios, 0 for the others); all ratios 0 give :math:`r = 1`. So
+    finite inputs never make the state NaN.
 
     State: the weights and the first losses :math:`L(0)`; :meth:`reset` forgets them. A NaN or
     infinite Gramian or loss gives NaN weights and leaves the state untouched (so a step that
