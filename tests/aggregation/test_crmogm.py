@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 
@@ -16,6 +18,7 @@ from jacflow.aggregation import (
     MGDAWeighting,
     UPGradWeighting,
     WeightedAggregator,
+    Weighting,
 )
 from jacflow.linalg import QuadprogProjector
 from tests.aggregation._properties import check_claimed_properties, check_degenerate_inputs
@@ -44,6 +47,25 @@ def test_follows_the_ema_recurrence(initial: torch.Tensor | None) -> None:
         current = inner(G)
         expected = current if previous is None else 0.7 * previous + 0.3 * current
         torch.testing.assert_close(smoothed(G), expected)
+        previous = expected
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+@pytest.mark.parametrize("inner", [MGDAWeighting, lambda: ConstantWeighting(torch.ones(3))])
+def test_a_non_finite_step_is_skipped(bad: float, inner: Callable[[], Weighting]) -> None:
+    """One NaN or infinite Gramian (a step that a GradScaler skips) made the average NaN for
+    good; the recurrence now goes on from the last finite weights, skipping it."""
+    smoothed = CRMOGMWeighting(inner(), alpha=0.7)
+    reference = inner()
+    gen = torch.Generator().manual_seed(0)
+    previous: torch.Tensor | None = None
+    for step in range(6):
+        if step in (0, 3):  # the very first call too
+            assert bool(smoothed(torch.full((3, 3), bad, dtype=torch.float64)).isnan().all())
+        J = torch.randn(3, 4, generator=gen, dtype=torch.float64)
+        current = reference(J @ J.T)
+        expected = current if previous is None else 0.7 * previous + 0.3 * current
+        torch.testing.assert_close(smoothed(J @ J.T), expected)
         previous = expected
 
 

@@ -8,6 +8,7 @@ from torch import Tensor
 from jacflow._stateful import Stateful
 from jacflow.aggregation._bases import GramianWeighting, Weighting, check_weighting
 from jacflow.aggregation._hyperparameters import Hyperparameter, floats
+from jacflow.aggregation._nonfinite import has_nonfinite, propagate_nonfinite
 
 
 def _check_initial_weights(value: object, name: str) -> Tensor | None:
@@ -39,7 +40,9 @@ class CRMOGMWeighting(GramianWeighting, Stateful):
 
     State: the last weights :math:`\lambda_{t-1}`. :meth:`reset` forgets them and resets the
     wrapped weighting when it is :class:`~jacflow.Stateful`. The number of objectives may only
-    change after a reset.
+    change after a reset. A NaN or infinite input gives NaN weights, and non-finite weights
+    from the wrapped weighting give non-finite weights; both leave :math:`\lambda_{t-1}`
+    untouched (so a step that an AMP ``GradScaler`` skips does not poison the average).
 
     Example:
         >>> import torch
@@ -100,6 +103,8 @@ class CRMOGMWeighting(GramianWeighting, Stateful):
             else:
                 previous = previous.to(current)
                 smoothed = self.alpha * previous + (1 - self.alpha) * current.detach()
+            if has_nonfinite(stat) or has_nonfinite(smoothed):  # a skipped step: keep the state
+                return propagate_nonfinite(smoothed, stat)
         self._previous = smoothed
         return smoothed
 
