@@ -54,7 +54,9 @@ class DBMTL(Aggregator, LossAware, Stateful):
     State: the EMA matrix :math:`\hat G` (``[m, n]``) and the step :math:`t`; :meth:`reset`
     forgets them. A NaN or infinite Jacobian or loss gives a NaN update and leaves the state
     untouched (so a step that an AMP ``GradScaler`` skips does not poison it). Call
-    :meth:`set_losses` with the ``m`` positive losses before each call.
+    :meth:`set_losses` with the ``m`` positive losses before each call; a finite loss
+    :math:`\le 0` raises a ``ValueError`` before any change (its log is undefined: such a task
+    would ascend, and :math:`L = -10^{-8}` divides by 0).
 
     Example:
         >>> import torch
@@ -77,6 +79,12 @@ class DBMTL(Aggregator, LossAware, Stateful):
 
     def forward(self, matrix: Tensor) -> Tensor:
         losses = self.losses_like(matrix.shape[0], matrix)
+        if bool(((losses <= 0) & torch.isfinite(losses)).any()):
+            raise ValueError(
+                f"DBMTL needs positive losses (it divides by them: the gradients of their logs), "
+                f"received {losses.tolist()}. Shift the losses by a constant to make them "
+                "positive."
+            )
         if self._buffer is None:
             self._buffer = torch.zeros_like(matrix)
         elif self._buffer.shape != matrix.shape:
