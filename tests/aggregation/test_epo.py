@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from scipy.optimize import linprog
 
 from jacflow.aggregation import EPO, EPOWeighting
-from jacflow.aggregation._epo import epo_lp
+from jacflow.aggregation._epo import epo_lp, epo_weights
 from tests.aggregation._properties import check_claimed_properties, check_degenerate_inputs
 from tests.aggregation._with_losses import with_losses
 
@@ -66,8 +66,23 @@ def test_weights_are_m_alpha_and_fall_back_to_the_preference() -> None:
     W.set_losses(torch.tensor([4.0, 1.0]))
     assert alpha is not None
     torch.testing.assert_close(W(J @ J.T), 2 * alpha)
-    W.set_losses(torch.tensor([0.0, 1.0]))  # log(0): no program, the reference's fallback
-    torch.testing.assert_close(W(J @ J.T), 2 * r / r.sum())
+    # log(0): no program, the reference's fallback (the weighting refuses such losses)
+    fallback = epo_weights(J @ J.T, torch.tensor([0.0, 1.0]), r, 1e-4, False)
+    torch.testing.assert_close(fallback, 2 * r / r.sum())
+
+
+@pytest.mark.parametrize("losses", [[-1.0, 1.0, 1.0], [0.0, 1.0, 1.0], [-3.0, -1.0, -2.0]])
+def test_non_positive_losses_are_refused(losses: list[float]) -> None:
+    """They gave the fallback r / sum(r) or meaningless weights ([0, 0, 3] for all negative)
+    without a word."""
+    G = torch.tensor([[1.0, 0.2, 0.0], [0.2, 1.0, 0.1], [0.0, 0.1, 1.0]])
+    W = EPOWeighting(torch.tensor([1.0, 2.0, 4.0]))
+    W.set_losses(torch.tensor(losses))
+    with pytest.raises(ValueError, match="EPO needs positive losses"):
+        W(G)
+    for bad in (float("nan"), float("inf"), -float("inf")):  # a skipped step, as elsewhere
+        W.set_losses(torch.tensor([bad, 1.0, 1.0]))
+        assert bool(W(G).isnan().all())
 
 
 def test_descends_onto_the_preference_ray() -> None:

@@ -131,6 +131,12 @@ class EPOWeighting(GramianWeighting, LossAware):
         m = stat.shape[0]
         self.check_rows(m)
         losses = self.losses_like(m, stat)
+        if bool(((losses <= 0) & torch.isfinite(losses)).any()):
+            raise ValueError(
+                f"EPO needs positive losses (it reads the logs of r_i L_i / sum_j r_j L_j), "
+                f"received {losses.tolist()}. Shift the losses by a constant to make them "
+                "positive."
+            )
         with torch.no_grad():
             return epo_weights(stat, losses, self.preference, self.eps, self.relax)
 
@@ -163,7 +169,9 @@ class EPO(GramianWeightedAggregator, LossAware):
         eps: non-uniformity threshold (default 1e-4).
         relax: use the relaxed descent program (default ``False``).
 
-    Call :meth:`set_losses` with the ``m`` positive losses before each call.
+    Call :meth:`set_losses` with the ``m`` positive losses before each call: a finite loss
+    :math:`\le 0` raises a ``ValueError`` (the logs are undefined), a NaN or infinite one gives
+    NaN weights.
 
     Example:
         >>> import torch
