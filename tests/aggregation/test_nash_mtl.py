@@ -63,15 +63,17 @@ def _normalized_gramian(J: torch.Tensor) -> torch.Tensor:
 @settings(max_examples=30)
 @given(st.integers(1, 10), st.integers(0, 2**31 - 1), st.sampled_from([1e-4, 1.0, 1e4]))
 def test_solves_the_bargaining_equation(m: int, seed: int, scale: float) -> None:
-    """G^ alpha = 1/alpha, alpha > 0, and scipy's least_squares (TorchJD's FairGrad solver)
-    started from our solution does not move it."""
+    """G alpha = 1/alpha on the raw Gramian (the paper's equation; the official code's
+    constraints alpha_i (G alpha)_i >= 1), alpha > 0, and scipy's least_squares (TorchJD's
+    FairGrad solver) on the better-conditioned G / |G|_F, whose solution is
+    alpha |G|_F^(1/2), agrees."""
     J = make_jacobian(m, m + 2, m, scale, torch.float64, seed)  # full row rank: a solution exists
     alpha = NashMTLWeighting(n_tasks=m, max_norm=0.0)(J @ J.T)
-    G = _normalized_gramian(J)
     assert bool((alpha > 0).all())
     torch.testing.assert_close(
-        G @ alpha * alpha, torch.ones(m, dtype=torch.float64), atol=1e-8, rtol=0
+        (J @ J.T) @ alpha * alpha, torch.ones(m, dtype=torch.float64), atol=1e-8, rtol=0
     )
+    G = _normalized_gramian(J)
     reference = least_squares(
         lambda a: G.numpy() @ a - 1 / a,
         np.ones(m),
@@ -80,7 +82,35 @@ def test_solves_the_bargaining_equation(m: int, seed: int, scale: float) -> None
         ftol=1e-15,
         gtol=1e-15,
     ).x
-    np.testing.assert_allclose(alpha.numpy(), reference, rtol=1e-6)
+    np.testing.assert_allclose((alpha * (J @ J.T).norm().sqrt()).numpy(), reference, rtol=1e-6)
+
+
+@settings(max_examples=20)
+@given(st.integers(2, 6), st.integers(0, 2**31 - 1), st.sampled_from([1e-3, 1.0, 1e3]))
+def test_the_unclipped_update_has_norm_sqrt_m(m: int, seed: int, scale: float) -> None:
+    """|J^T alpha|^2 = sum_i alpha_i (G alpha)_i = m at any scale, so max_norm=1 gives unit
+    updates (as the official code: its update had norm sqrt(m |G|_F) here, 0.146 instead of 1
+    on a Jacobian of norm 0.1)."""
+    J = make_jacobian(m, m + 2, m, scale, torch.float64, seed)
+    assert abs(float(NashMTL(n_tasks=m, max_norm=0.0)(J).norm()) - m**0.5) <= 1e-8 * m**0.5
+    assert abs(float(NashMTL(n_tasks=m)(J).norm()) - 1.0) <= 1e-8
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # (cvxpy: "not DPP")
+def test_equals_torchjd_unclipped() -> None:
+    """TorchJD 0.18's NashMTL (the official code's sequence of cvxpy problems) without
+    clipping: the same weights to its solver's tolerance."""
+    tj = pytest.importorskip("torchjd.aggregation")
+    gen = torch.Generator().manual_seed(0)
+    for J in (
+        torch.tensor([[0.1, 0.0, 0.02], [0.0, 0.05, 0.01]], dtype=torch.float64),
+        torch.randn(3, 5, generator=gen, dtype=torch.float64),
+        10 * torch.randn(4, 6, generator=gen, dtype=torch.float64),
+    ):
+        theirs = tj.NashMTL(n_tasks=J.shape[0], max_norm=0.0)(J)
+        torch.testing.assert_close(
+            NashMTL(n_tasks=J.shape[0], max_norm=0.0)(J), theirs, rtol=1e-5, atol=0
+        )
 
 
 def test_documented_value() -> None:

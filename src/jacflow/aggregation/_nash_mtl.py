@@ -15,14 +15,26 @@ from jacflow.aggregation._properties import Property
 
 
 def nash_mtl_weights(gramian: Tensor, start: Tensor | None, max_iter: int) -> Tensor:
-    r"""The Nash bargaining weights :math:`\alpha > 0` with :math:`\hat G\alpha = 1/\alpha`.
+    r"""The Nash bargaining weights :math:`\alpha > 0` with :math:`G\alpha = 1/\alpha`.
 
-    :math:`\hat G = G / \|G\|_F` (as in the official code), solved in float64 on ``gramian``'s
-    device; ``gramian`` must be finite with a positive norm.
+    Solved in float64 on ``gramian``'s device for :math:`\hat G = G / \|G\|_F` (better
+    conditioned), whose solution :math:`\hat\alpha` gives
+    :math:`\alpha = \hat\alpha / \|G\|_F^{1/2}`; the official code also normalises the
+    Gramian and multiplies the factor back into its constraints
+    :math:`\alpha_i (G\alpha)_i \ge 1`. ``gramian`` must be finite with a positive norm;
+    ``start`` (a previous solution, at any scale) warm-starts the solve.
+
+    Example:
+        >>> import torch
+        >>> from jacflow.aggregation._nash_mtl import nash_mtl_weights
+        >>> nash_mtl_weights(torch.tensor([[4., 0.], [0., 1.]]), None, 20)
+        tensor([0.5000, 1.0000], dtype=torch.float64)
     """
     G = gramian.detach().to(torch.float64)
-    G = (G + G.T) / (2 * G.norm())
-    return solve_power_equation(G, 1.0, start, max_iter, ridge_for(gramian.dtype))
+    norm = G.norm()
+    G = (G + G.T) / (2 * norm)
+    alpha = solve_power_equation(G, 1.0, start, max_iter, ridge_for(gramian.dtype))
+    return alpha / norm.sqrt()
 
 
 def clip_to_norm(weights: Tensor, gramian: Tensor, max_norm: float) -> Tensor:
@@ -122,15 +134,20 @@ class NashMTL(StatefulGramianPreset):
     Bargaining Game*, ICML 2022 (arXiv 2202.01017), Algorithm 1. The update :math:`d = J^\top
     \alpha` maximises :math:`\sum_i \log(g_i^\top d)` in a ball; its weights solve
 
-    .. math:: \hat G \alpha = 1 / \alpha \ (\text{elementwise}),\quad \alpha \succ 0,
-              \qquad \hat G = J J^\top / \|J J^\top\|_F,
+    .. math:: G \alpha = 1 / \alpha \ (\text{elementwise}),\quad \alpha \succ 0,
+              \qquad G = J J^\top,
 
-    so that :math:`g_i^\top d \propto 1/\alpha_i > 0` for every objective whenever a solution
-    exists (no objective conflicts). The paper solves this by a sequence of convex problems
-    (cvxpy); here it is solved exactly in torch by Newton's method on the convex problem
-    :math:`\min_{\alpha \succ 0} \frac12 \alpha^\top \hat G \alpha - \sum_i \log \alpha_i`, warm
-    started from the previous step. Finally :math:`J^\top \alpha` is scaled down to
-    ``max_norm``. When some non-negative combination of the rows vanishes (a Pareto-stationary
+    so that :math:`g_i^\top d = 1/\alpha_i > 0` for every objective whenever a solution exists
+    (no objective conflicts), and :math:`\|d\|^2 = \sum_i \alpha_i (G\alpha)_i = m`: before
+    clipping, the update has norm :math:`\sqrt m` whatever the scale of :math:`J` (so with
+    ``max_norm=1`` and :math:`m \ge 2` every update has norm 1, as in the official code). The
+    paper solves this by a sequence of convex problems (cvxpy); here it is solved exactly in
+    torch by Newton's method on the convex problem
+    :math:`\min_{\alpha \succ 0} \frac12 \alpha^\top \hat G \alpha - \sum_i \log \alpha_i`
+    for :math:`\hat G = G / \|G\|_F` (better conditioned; :math:`\alpha` is its solution
+    divided by :math:`\|G\|_F^{1/2}`), warm started from the previous step. Finally
+    :math:`J^\top \alpha` is scaled down to ``max_norm``. This is :class:`AuxiNash` with equal
+    bargaining powers. When some non-negative combination of the rows vanishes (a Pareto-stationary
     point) the problem has no solution: a tiny ridge (``1e-12`` of the trace in float64, ``10 eps``
     in lower precision) keeps the weights finite, and the update may then conflict slightly
     (by a relative amount of order 1e-7 in float64 on random such inputs). No warning is
