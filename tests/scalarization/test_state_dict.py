@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import io
 from collections.abc import Callable
 
 import pytest
@@ -11,6 +10,7 @@ from torch import Tensor
 
 from jacflow.scalarization import DWA, FAMO, LBTW, AdaLoss, LogSTCH, ReLoBRaLo, SoftAdapt
 from jacflow.scalarization._base import Scalarizer
+from tests._checkpoint import check_resumes
 
 _LOSSES = torch.rand(10, 3, generator=torch.Generator().manual_seed(0), dtype=torch.float64) + 0.1
 
@@ -25,15 +25,6 @@ def _call(method: Scalarizer, step: int) -> Tensor:
     if isinstance(method, (DWA, LogSTCH)) and step % 2 == 1:
         method.step()
     return value
-
-
-def _reloaded(method: Scalarizer, make: Callable[[], Scalarizer]) -> Scalarizer:
-    buffer = io.BytesIO()
-    torch.save(method.state_dict(), buffer)
-    buffer.seek(0)
-    fresh = make().double()
-    fresh.load_state_dict(torch.load(buffer, weights_only=False))
-    return fresh
 
 
 @pytest.mark.parametrize(
@@ -55,12 +46,7 @@ def test_a_reloaded_checkpoint_continues_as_the_original(
     """Their plain attributes (FAMO's Adam step count, DWA's epoch averages, LBTW's initial
     losses, ...) were not in ``state_dict``: a reloaded FAMO took 1.74x too large a step, the
     others restarted their warm-up."""
-    original = make().double()
-    for step in range(saved_at):
-        _call(original, step)
-    copy = _reloaded(original, make)
-    for step in range(saved_at, len(_LOSSES)):
-        torch.testing.assert_close(_call(copy, step), _call(original, step), rtol=0, atol=0)
+    check_resumes(lambda: make().double(), _call, saved_at, len(_LOSSES))
 
 
 def test_a_foreign_state_is_refused() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from jacflow._stateful import Stateful
+from jacflow._stateful import SavesState, Stateful
 from jacflow.aggregation._bases import GramianWeighting, Weighting, check_weighting
 from jacflow.aggregation._hyperparameters import Hyperparameter, floats
 from jacflow.aggregation._nonfinite import has_nonfinite, propagate_nonfinite
@@ -20,7 +20,7 @@ def _check_initial_weights(value: object, name: str) -> Tensor | None:
     return value
 
 
-class CRMOGMWeighting(GramianWeighting, Stateful):
+class CRMOGMWeighting(SavesState, GramianWeighting, Stateful):
     r"""Correlation-reduced weights: an exponential moving average of a weighting's output.
 
     Zhou, Zhang, Jiang, Yang, Ji & Yang, *On the Convergence of Stochastic Multi-Objective
@@ -54,6 +54,8 @@ class CRMOGMWeighting(GramianWeighting, Stateful):
         >>> W.reset(); W(torch.eye(2))
         tensor([0.5000, 0.5000])
     """
+
+    saved_state = ("_previous",)
 
     weighting = Hyperparameter(check_weighting)
     alpha = Hyperparameter(floats(low=0.0, high=1.0))

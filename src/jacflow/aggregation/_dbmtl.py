@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from jacflow._stateful import Stateful
+from jacflow._stateful import SavesState, Stateful
 from jacflow.aggregation._bases import Aggregator
 from jacflow.aggregation._hyperparameters import Hyperparameter, floats
 from jacflow.aggregation._loss_aware import LossAware
@@ -30,7 +30,7 @@ def dbmtl_step(
     return buffer, scales @ buffer
 
 
-class DBMTL(Aggregator, LossAware, Stateful):
+class DBMTL(SavesState, Aggregator, LossAware, Stateful):
     r"""DB-MTL: an EMA of the log-loss gradients, each rescaled to the largest norm.
 
     Lin B., Jiang, Ye, Zhang, Ren, Kwok & Zhang, *Dual-Balancing for Multi-Task Learning*,
@@ -66,6 +66,8 @@ class DBMTL(Aggregator, LossAware, Stateful):
         >>> A(torch.tensor([[4., 0.], [0., 1.]]))
         tensor([0.2000, 0.2000])
     """
+
+    saved_state = ("_buffer", "_step")
 
     beta = Hyperparameter(floats(low=0.0, high=1.0, high_open=True))
     beta_sigma = Hyperparameter(floats(low=0.0))

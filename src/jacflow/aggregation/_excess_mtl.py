@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from jacflow._stateful import Stateful
+from jacflow._stateful import SavesState, Stateful
 from jacflow.aggregation._bases import WeightedAggregator, Weighting
 from jacflow.aggregation._hyperparameters import Forwarded, Hyperparameter, floats, ints
 from jacflow.aggregation._nonfinite import has_nonfinite, nan_weights
@@ -14,7 +14,7 @@ from jacflow.aggregation._properties import Property
 _EPS = 1e-7
 
 
-class ExcessMTLWeighting(Weighting, Stateful):
+class ExcessMTLWeighting(SavesState, Weighting, Stateful):
     r"""Weighting of :class:`ExcessMTL`; reads the Jacobian itself (its state is ``[m, n]``).
 
     Args:
@@ -41,6 +41,8 @@ class ExcessMTLWeighting(Weighting, Stateful):
         >>> W(J * torch.tensor([[2.], [1.]]))  # row 0's excess risk grew more: more weight
         tensor([0.7468, 0.2532])
     """
+
+    saved_state = ("_sq_sum", "_weights", "_baseline", "_warmup_sum", "_calls")
 
     robust_step_size = Hyperparameter(floats(low=0.0, low_open=True))
     n_warmup_steps = Hyperparameter(ints(low=0))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from jacflow._stateful import Stateful
+from jacflow._stateful import SavesState, Stateful
 from jacflow.aggregation._bases import GramianWeightedAggregator, GramianWeighting
 from jacflow.aggregation._hyperparameters import Forwarded, Hyperparameter, floats
 from jacflow.aggregation._loss_aware import LossAware
@@ -71,7 +71,7 @@ def gradnorm_step(
     return m * new / new.sum()
 
 
-class GradNormWeighting(GramianWeighting, LossAware, Stateful):
+class GradNormWeighting(SavesState, GramianWeighting, LossAware, Stateful):
     r"""Gramian weighting of :class:`GradNorm`; reads only the diagonal of the Gramian.
 
     Args:
@@ -92,6 +92,8 @@ class GradNormWeighting(GramianWeighting, LossAware, Stateful):
         >>> W.set_losses(torch.tensor([0.5, 1.])); W(G)
         tensor([0.8421, 1.1579])
     """
+
+    saved_state = ("_weights", "_initial_losses")
 
     alpha = Hyperparameter(floats(low=0.0))
     lr = Hyperparameter(floats(low=0.0, low_open=True))

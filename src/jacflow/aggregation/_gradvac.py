@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from jacflow._stateful import Stateful
+from jacflow._stateful import SavesState, Stateful
 from jacflow.aggregation._bases import GramianWeightedAggregator, GramianWeighting
 from jacflow.aggregation._hyperparameters import Forwarded, Hyperparameter, floats
 from jacflow.aggregation._nonfinite import propagate_nonfinite
@@ -57,7 +57,7 @@ def gradvac_weights(
     return propagate_nonfinite(coefficients.sum(dim=0), gramian), targets
 
 
-class GradVacWeighting(GramianWeighting, Stateful):
+class GradVacWeighting(SavesState, GramianWeighting, Stateful):
     r"""Gramian weighting of :class:`GradVac` (Wang, Tsvetkov, Firat & Cao, *Gradient Vaccine*,
     ICLR 2021).
 
@@ -78,6 +78,8 @@ class GradVacWeighting(GramianWeighting, Stateful):
         >>> W.reset(); W(G)
         tensor([2.2222, 1.5789])
     """
+
+    saved_state = ("_targets",)
 
     beta = Hyperparameter(floats(low=0.0, high=1.0))
     eps = Hyperparameter(floats(low=0.0))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from jacflow._stateful import Stateful
+from jacflow._stateful import SavesState, Stateful
 from jacflow.aggregation._bases import Aggregator
 from jacflow.aggregation._hyperparameters import Hyperparameter, floats
 from jacflow.aggregation._nonfinite import has_nonfinite
@@ -27,7 +27,7 @@ def moco_step(
     return tracked, lambdas, lambdas @ tracked
 
 
-class MoCo(Aggregator, Stateful):
+class MoCo(SavesState, Aggregator, Stateful):
     r"""MoCo: MGDA on a tracked (bias-corrected) Jacobian, with one projected-gradient step.
 
     Fernando, Shen, Liu, Chaudhury, Murugesan & Chen, *Mitigating Gradient Bias in
@@ -67,6 +67,8 @@ class MoCo(Aggregator, Stateful):
         >>> A(J)
         tensor([0.6206, 0.3665])
     """
+
+    saved_state = ("_tracked", "_lambdas", "_step")
 
     beta = Hyperparameter(floats(low=0.0, high=1.0, low_open=True))
     beta_sigma = Hyperparameter(floats(low=0.0))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from jacflow._stateful import Stateful
+from jacflow._stateful import SavesState, Stateful
 from jacflow.aggregation._bases import GramianWeighting
 from jacflow.aggregation._hyperparameters import Forwarded, Hyperparameter, floats
 from jacflow.aggregation._nonfinite import has_nonfinite, nan_weights
@@ -19,7 +19,7 @@ def modo_step(matrix: Tensor, lambd: Tensor, gamma: float, rho: float) -> Tensor
     return project_onto_simplex(lambd - gamma * (matrix @ lambd + rho * lambd))
 
 
-class MoDoWeighting(GramianWeighting, Stateful):
+class MoDoWeighting(SavesState, GramianWeighting, Stateful):
     r"""Weighting of MoDo, for a cross-batch matrix :math:`A = J_1 J_2^\top` or a Gramian.
 
     The paper's algorithm reads :math:`A = J_1 J_2^\top` from two independent mini-batches (an
@@ -41,6 +41,8 @@ class MoDoWeighting(GramianWeighting, Stateful):
         >>> MoDoWeighting()(J @ J.T)
         tensor([1., 0.])
     """
+
+    saved_state = ("_lambda",)
 
     gamma = Hyperparameter(floats(low=0.0, low_open=True))
     rho = Hyperparameter(floats(low=0.0))

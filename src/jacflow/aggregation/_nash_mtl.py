@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from jacflow._stateful import Stateful
+from jacflow._stateful import SavesState, Stateful
 from jacflow.aggregation._bargaining import ridge_for, solve_power_equation
 from jacflow.aggregation._bases import GramianWeighting
 from jacflow.aggregation._hyperparameters import Forwarded, Hyperparameter, floats, ints
@@ -45,7 +45,7 @@ def clip_to_norm(weights: Tensor, gramian: Tensor, max_norm: float) -> Tensor:
     return torch.where(norm > max_norm, weights * (max_norm / norm), weights)
 
 
-class NashMTLWeighting(GramianWeighting, Stateful):
+class NashMTLWeighting(SavesState, GramianWeighting, Stateful):
     r"""Gramian weighting of :class:`NashMTL` (public here; private in TorchJD).
 
     Args:
@@ -68,6 +68,8 @@ class NashMTLWeighting(GramianWeighting, Stateful):
         >>> NashMTLWeighting(n_tasks=2)(J @ J.T)
         tensor([0.4182, 0.2878])
     """
+
+    saved_state = ("_alpha", "_step")
 
     n_tasks = Hyperparameter(ints(low=1), frozen="the state is sized by it")
     max_norm = Hyperparameter(floats(low=0.0))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from jacflow._stateful import Stateful
+from jacflow._stateful import SavesState, Stateful
 from jacflow.aggregation._bases import GramianWeightedAggregator, GramianWeighting
 from jacflow.aggregation._hyperparameters import Forwarded, Hyperparameter, ints
 from jacflow.aggregation._loss_aware import LossAware
@@ -92,7 +92,7 @@ def _index_fits(weighting: ParetoMTLWeighting, index: int) -> None:
         )
 
 
-class ParetoMTLWeighting(GramianWeighting, LossAware, Stateful):
+class ParetoMTLWeighting(SavesState, GramianWeighting, LossAware, Stateful):
     r"""Gramian weighting of :class:`ParetoMTL`.
 
     Args:
@@ -111,6 +111,8 @@ class ParetoMTLWeighting(GramianWeighting, LossAware, Stateful):
         >>> W(torch.tensor([[1., 0.], [0., 1.]]))
         tensor([1., 1.])
     """
+
+    saved_state = ("_steps", "_warmup_done")
 
     preferences = Hyperparameter(_check_preferences, fits=_preferences_fit)
     index = Hyperparameter(ints(low=0), fits=_index_fits)

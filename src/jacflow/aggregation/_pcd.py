@@ -7,7 +7,7 @@ import math
 import torch
 from torch import Tensor
 
-from jacflow._stateful import Stateful
+from jacflow._stateful import SavesState, Stateful
 from jacflow.aggregation._bases import GramianWeighting
 from jacflow.aggregation._hyperparameters import Forwarded, Hyperparameter, check_float, floats
 from jacflow.aggregation._nonfinite import has_nonfinite, nan_weights
@@ -102,7 +102,7 @@ def _check_tau(tau: object, name: str) -> float | Tensor:
     return check_float(tau, name, low=0.0, high=1.0)
 
 
-class PCDWeighting(GramianWeighting, Stateful):
+class PCDWeighting(SavesState, GramianWeighting, Stateful):
     r"""Gramian weighting of :class:`PCD`; row and column 0 belong to the primary objective.
 
     Args:
@@ -123,6 +123,8 @@ class PCDWeighting(GramianWeighting, Stateful):
         >>> PCDWeighting()(J @ J.T)
         tensor([1.8481, 1.0954])
     """
+
+    saved_state = ("_sq_norm_ema", "_calls")
 
     tau = Hyperparameter(_check_tau)
     beta = Hyperparameter(floats(low=0.0, high=1.0, high_open=True))

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from jacflow._stateful import Stateful
+from jacflow._stateful import SavesState, Stateful
 from jacflow.aggregation._bases import GramianWeighting, check_gramian_weighting
 from jacflow.aggregation._hyperparameters import Hyperparameter, ints
 
 
-class Periodic(GramianWeighting, Stateful):
+class Periodic(SavesState, GramianWeighting, Stateful):
     r"""Amortised weighting: call the wrapped weighting on every ``every``-th call only.
 
     The periodic recomputation of PSMGD (*Periodic Stochastic Multi-Gradient Descent*, AAAI
@@ -50,6 +50,8 @@ class Periodic(GramianWeighting, Stateful):
         >>> W.needs_gramian(), W(torch.eye(2))
         (True, tensor([0.5000, 0.5000]))
     """
+
+    saved_state = ("_calls", "_weights")
 
     weighting = Hyperparameter(check_gramian_weighting)
     every = Hyperparameter(ints(low=1))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from jacflow._stateful import Stateful
+from jacflow._stateful import SavesState, Stateful
 from jacflow.aggregation._bases import GramianWeighting
 from jacflow.aggregation._hyperparameters import Forwarded, Hyperparameter, floats, ints
 from jacflow.aggregation._nonfinite import has_nonfinite, nan_weights
@@ -38,7 +38,7 @@ def sdmgrad_inner_loop(
     return w
 
 
-class SDMGradWeighting(GramianWeighting, Stateful):
+class SDMGradWeighting(SavesState, GramianWeighting, Stateful):
     r"""Weighting of SDMGrad, for a cross-batch matrix :math:`A = J_1 J_2^\top` or a Gramian.
 
     The paper's stochastic algorithm reads :math:`A = J_1 J_2^\top` built from two independent
@@ -65,6 +65,8 @@ class SDMGradWeighting(GramianWeighting, Stateful):
         >>> SDMGradWeighting()(J @ J.T)
         tensor([0.1154, 0.8846])
     """
+
+    saved_state = ("_w",)
 
     lr = Hyperparameter(floats(low=0.0, low_open=True))
     momentum = Hyperparameter(floats(low=0.0, high=1.0, high_open=True))
