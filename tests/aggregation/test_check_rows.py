@@ -13,8 +13,10 @@ import pytest
 import torch
 
 from jacflow.aggregation import (
+    DBMTL,
     EPO,
     MGDA,
+    PCD,
     Aggregator,
     AlignedMTL,
     AuxiNash,
@@ -23,6 +25,7 @@ from jacflow.aggregation import (
     CRMOGMWeighting,
     DualProj,
     GradDrop,
+    GradNorm,
     GramianWeightedAggregator,
     Krum,
     KrumWeighting,
@@ -34,6 +37,7 @@ from jacflow.aggregation import (
     SDMGrad,
     TrimmedMean,
     UPGrad,
+    UPGradWeighting,
 )
 from jacflow.aggregation._loss_aware import LossAware
 
@@ -60,14 +64,24 @@ FACTORIES: dict[str, Callable[[], Aggregator]] = {
     "Mean": Mean,
     "UPGrad default": UPGrad,
     "MGDA": MGDA,
+    "PCD tau": lambda: PCD(tau=torch.tensor([0.1, 0.1])),
+    "CRMOGM initial": lambda: GramianWeightedAggregator(
+        CRMOGMWeighting(UPGradWeighting(), initial_weights=torch.ones(3))
+    ),
 }
+
+
+def _with_losses(aggregator: Aggregator, m: int) -> Aggregator:
+    """``aggregator`` with ``m`` losses given to its loss-aware parts."""
+    for part in [aggregator, *aggregator.modules()]:
+        if isinstance(part, LossAware):
+            part.set_losses(torch.arange(1.0, m + 1.0))
+    return aggregator
 
 
 def _called(aggregator: Aggregator, m: int) -> ValueError | None:
     """The ``ValueError`` that calling ``aggregator`` on ``m`` rows raises, if any."""
-    for part in [aggregator, *aggregator.modules()]:
-        if isinstance(part, LossAware):
-            part.set_losses(torch.arange(1.0, m + 1.0))
+    _with_losses(aggregator, m)
     matrix = torch.randn(m, 4, generator=torch.Generator().manual_seed(m))
     try:
         aggregator(matrix)
@@ -81,10 +95,10 @@ def _called(aggregator: Aggregator, m: int) -> ValueError | None:
 def test_check_rows_agrees_with_the_call(name: str, m: int) -> None:
     expected = _called(FACTORIES[name](), m)
     if expected is None:
-        FACTORIES[name]().check_rows(m)
+        _with_losses(FACTORIES[name](), m).check_rows(m)
     else:
         with pytest.raises(ValueError) as raised:
-            FACTORIES[name]().check_rows(m)
+            _with_losses(FACTORIES[name](), m).check_rows(m)
         assert str(raised.value) == str(expected)
 
 
@@ -93,3 +107,28 @@ def test_some_method_refuses_each_m() -> None:
     for name, make in FACTORIES.items():
         refused = [m for m in range(7) if _called(make(), m) is not None]
         assert bool(refused) == (name not in ("Mean", "UPGrad default", "MGDA")), name
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: MGDA(normalization="loss"),
+        GradNorm,
+        lambda: EPO(_THREE),
+        DBMTL,
+        lambda: GramianWeightedAggregator(LogLoss(UPGradWeighting())),
+        lambda: ParetoMTL(torch.eye(3), index=0),
+    ],
+)
+@pytest.mark.parametrize("given", [None, 2])
+def test_check_rows_asks_for_the_losses_the_call_needs(
+    make: Callable[[], Aggregator], given: int | None
+) -> None:
+    """Losses not set, or set with another count: refused by ``check_rows`` as by the call
+    (``backward`` failed after differentiating, the graph freed)."""
+    aggregator = make() if given is None else _with_losses(make(), given)
+    with pytest.raises(ValueError, match="set_losses") as raised:
+        aggregator(torch.randn(3, 4))
+    with pytest.raises(ValueError) as checked:
+        aggregator.check_rows(3)
+    assert str(checked.value) == str(raised.value)

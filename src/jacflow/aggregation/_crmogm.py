@@ -86,10 +86,6 @@ class CRMOGMWeighting(SavesState, GramianWeighting, Stateful):
         return isinstance(self.weighting, GramianWeighting) and self.weighting.scale_invariant
 
     def check_rows(self, m: int) -> None:
-        self.weighting.check_rows(m)
-
-    def forward(self, stat: Tensor) -> Tensor:
-        m = stat.shape[0]
         previous = self._previous if self._previous is not None else self.initial_weights
         if previous is not None and previous.shape[0] != m:
             source = "`initial_weights`" if self._previous is None else "the previous call"
@@ -98,6 +94,12 @@ class CRMOGMWeighting(SavesState, GramianWeighting, Stateful):
                 f"has {m} rows; give one weight per objective, or call `.reset()` before "
                 "changing the number of objectives."
             )
+        self.weighting.check_rows(m)
+
+    def forward(self, stat: Tensor) -> Tensor:
+        m = stat.shape[0]
+        self.check_rows(m)
+        previous = self._previous if self._previous is not None else self.initial_weights
         current = self.weighting(stat)
         with torch.no_grad():
             if previous is None:

@@ -79,6 +79,9 @@ class DBMTL(SavesState, Aggregator, LossAware, Stateful):
         self._buffer: Tensor | None = None
         self._step = 0
 
+    def check_rows(self, m: int) -> None:
+        self.require_losses(m)
+
     def forward(self, matrix: Tensor) -> Tensor:
         losses = self.losses_like(matrix.shape[0], matrix)
         if bool(((losses <= 0) & torch.isfinite(losses)).any()):

@@ -126,6 +126,7 @@ class EPOWeighting(GramianWeighting, LossAware):
                 f"EPO has {self.preference.shape[0]} preference entries but the Gramian has {m} "
                 "rows; give one preference per objective."
             )
+        self.require_losses(m)
 
     def forward(self, stat: Tensor) -> Tensor:
         m = stat.shape[0]

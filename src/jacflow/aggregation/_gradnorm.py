@@ -105,6 +105,9 @@ class GradNormWeighting(SavesState, GramianWeighting, LossAware, Stateful):
         self._weights: Tensor | None = None
         self._initial_losses: Tensor | None = None
 
+    def check_rows(self, m: int) -> None:
+        self.require_losses(m)
+
     def forward(self, stat: Tensor) -> Tensor:
         m = stat.shape[0]
         losses = self.losses_like(m, stat)

@@ -66,6 +66,7 @@ class LogLoss(GramianWeighting, LossAware):
 
     def check_rows(self, m: int) -> None:
         self.weighting.check_rows(m)
+        self.require_losses(m)
 
     def forward(self, stat: Tensor) -> Tensor:
         losses = self.losses_like(stat.shape[0], stat)

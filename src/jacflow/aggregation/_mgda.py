@@ -240,6 +240,10 @@ class MGDAWeighting(GramianWeighting, LossAware):
         """True for ``"none"`` and ``"loss"``; ``"l2"`` and ``"loss+"`` divide by the norms."""
         return self.normalization in ("none", "loss")
 
+    def check_rows(self, m: int) -> None:
+        if self.normalization in ("loss", "loss+"):
+            self.require_losses(m)
+
     def forward(self, stat: Tensor) -> Tensor:
         with torch.no_grad():
             losses = None

@@ -134,6 +134,7 @@ class ParetoMTLWeighting(SavesState, GramianWeighting, LossAware, Stateful):
                 f"ParetoMTL has preference vectors of {self.preferences.shape[1]} entries but the "
                 f"Gramian has {m} rows; give one preference entry per objective."
             )
+        self.require_losses(m)
 
     def forward(self, stat: Tensor) -> Tensor:
         m = stat.shape[0]

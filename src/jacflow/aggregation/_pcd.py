@@ -142,13 +142,16 @@ class PCDWeighting(SavesState, GramianWeighting, Stateful):
         self._sq_norm_ema: Tensor | None = None
         self._calls = 0
 
+    def check_rows(self, m: int) -> None:
+        if m > 0 and isinstance(self.tau, Tensor) and self.tau.shape[0] != m - 1:
+            raise ValueError(
+                f"`tau` has {self.tau.shape[0]} entries but there are {m - 1} secondary "
+                "objectives; give one value per row after the first."
+            )
+
     def _taus(self, m: int, like: Tensor) -> Tensor:
+        self.check_rows(m)
         if isinstance(self.tau, Tensor):
-            if self.tau.shape[0] != m - 1:
-                raise ValueError(
-                    f"`tau` has {self.tau.shape[0]} entries but there are {m - 1} secondary "
-                    "objectives; give one value per row after the first."
-                )
             return self.tau.to(like)
         return torch.full((m - 1,), self.tau, dtype=like.dtype, device=like.device)
 
