@@ -370,3 +370,20 @@ def test_mtl_loss_using_a_shared_parameter_directly(engine: bool) -> None:
         mtl_backward(losses, features, A=Mean(), engine=hooks)
     for p in [*trunk.parameters(), *head.parameters()]:
         assert p.grad is None and not hasattr(p, "jac")
+
+
+def test_mtl_explicit_params_refuse_a_shared_parameter_read_outside_the_features() -> None:
+    """With ``tasks_params`` given, a loss reading a shared parameter directly lost that use
+    (its ``.grad`` 0 where the engine's path gives the gradient), silently: refused, as with
+    the default lists; passing it as a feature is exact."""
+    trunk, head, features, losses = _mtl_setup()
+    tau = torch.tensor(1.5, requires_grad=True)
+    scaled = [loss * tau for loss in losses]
+    shared = [*trunk.parameters(), tau]
+    tasks = [list(head.parameters()), []]
+    with pytest.raises(ValueError, match=r"uses a parameter of shape \(\) outside `features`"):
+        mtl_backward(scaled, features, A=Mean(), tasks_params=tasks, shared_params=shared)
+    assert tau.grad is None and all(p.grad is None for p in trunk.parameters())
+    mtl_backward(scaled, [features, tau], A=Mean(), tasks_params=tasks, shared_params=shared)
+    # (d mean(L_i tau) / d tau = mean(L_i))
+    torch.testing.assert_close(tau.grad, torch.stack(losses).mean().detach())

@@ -85,6 +85,13 @@ def _resolve_params(
                         i, p, tasks_params is None, shared_params is None, engine_names
                     )
                 )
+    if tasks_params is not None and engine_names is None:
+        # (the trunk's rows come through `features` only: a shared parameter that a loss
+        # reads directly would lose that use, silently; the engine's rows hold it)
+        for i, loss in enumerate(losses):
+            for p in leaf_tensors([loss], exclude=features):
+                if id(p) in shared_ids:
+                    raise ValueError(_overlap_message(i, p, True, shared_params is None, None))
     return heads, shared
 
 
