@@ -412,6 +412,7 @@ class Engine:
         given = [] if ddp is None else [_checked_ddp(ddp, modules)]
         self._replicas = wrappers_in([*modules, *given])
         self._meeting_open = False  # (a step's meetings, shared by a caller's checks)
+        self._step_names: dict[int, str] | None = None  # (_hooked_names, within a step)
         self._meetings: Meetings | None = None
         self._hook_modules()
         # (a forward of a given module first hooks them again if they changed: a frozen
@@ -434,6 +435,7 @@ class Engine:
             _check_generic_units(units)
         self._recorder.remove()
         self._units = units
+        self._step_names = None
         self._layout = _layout(units)
         self._outside_checked.clear()
         self._separable_checked.clear()
@@ -768,6 +770,7 @@ class Engine:
                 yield meetings
             finally:
                 self._meeting_open, self._meetings = False, None
+                self._step_names = None
 
     def _checked_params(
         self, other_params: Iterable[Tensor], tasks_params: Iterable[Tensor]
@@ -1058,11 +1061,15 @@ class Engine:
             )
 
     def _hooked_names(self) -> dict[int, str]:
-        """The trainable hooked parameters' names, keyed by ``id`` (a tie: its first name)."""
+        """The trainable hooked parameters' names, keyed by ``id`` (a tie: its first name);
+        found once per step (``mtl_backward``'s checks and the step's ask for them)."""
+        if self._step_names is not None and self._meeting_open:
+            return self._step_names
         names: dict[int, str] = {}
         for unit in self._units:
             for key, param in unit.params().items():
                 names.setdefault(id(param), f"{unit.name}.{key}")
+        self._step_names = names if self._meeting_open else None
         return names
 
     def _reruns(self, index: int) -> bool:
