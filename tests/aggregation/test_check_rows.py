@@ -26,11 +26,13 @@ from jacflow.aggregation import (
     DualProj,
     GradDrop,
     GradNorm,
+    GradVac,
     GramianWeightedAggregator,
     Krum,
     KrumWeighting,
     LogLoss,
     Mean,
+    MoCo,
     NashMTL,
     ParetoMTL,
     Periodic,
@@ -132,3 +134,29 @@ def test_check_rows_asks_for_the_losses_the_call_needs(
     with pytest.raises(ValueError) as checked:
         aggregator.check_rows(3)
     assert str(checked.value) == str(raised.value)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        GradNorm,
+        GradVac,
+        lambda: GramianWeightedAggregator(Periodic(UPGradWeighting(), every=3)),
+        DBMTL,
+        MoCo,
+    ],
+)
+def test_check_rows_refuses_a_new_count_that_the_state_fixes(
+    make: Callable[[], Aggregator],
+) -> None:
+    """A stateful method used on 3 rows refuses 2 until ``reset()``; ``check_rows`` refused
+    nothing, so ``backward`` failed after differentiating (a retry after ``reset()`` then
+    found the graph freed)."""
+    aggregator = _with_losses(make(), 3)
+    aggregator(torch.randn(3, 4))
+    _with_losses(aggregator, 2)
+    with pytest.raises(ValueError, match="reset") as checked:
+        aggregator.check_rows(2)
+    with pytest.raises(ValueError) as called:
+        aggregator(torch.randn(2, 4))
+    assert str(checked.value) == str(called.value)

@@ -81,8 +81,14 @@ class DBMTL(SavesState, Aggregator, LossAware, Stateful):
 
     def check_rows(self, m: int) -> None:
         self.require_losses(m)
+        if self._buffer is not None and self._buffer.shape[0] != m:
+            raise ValueError(
+                f"DBMTL holds an EMA of {self._buffer.shape[0]} rows but received a matrix of {m} "
+                "rows; call `reset()` when the shape changes."
+            )
 
     def forward(self, matrix: Tensor) -> Tensor:
+        self.check_rows(matrix.shape[0])
         losses = self.losses_like(matrix.shape[0], matrix)
         if bool(((losses <= 0) & torch.isfinite(losses)).any()):
             raise ValueError(

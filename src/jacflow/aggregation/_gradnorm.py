@@ -107,6 +107,11 @@ class GradNormWeighting(SavesState, GramianWeighting, LossAware, Stateful):
 
     def check_rows(self, m: int) -> None:
         self.require_losses(m)
+        if self._weights is not None and self._weights.shape[0] != m:
+            raise ValueError(
+                f"GradNormWeighting holds {self._weights.shape[0]} weights but received a "
+                f"Gramian of {m} rows; call `reset()` when the number of objectives changes."
+            )
 
     def forward(self, stat: Tensor) -> Tensor:
         m = stat.shape[0]
@@ -123,11 +128,8 @@ class GradNormWeighting(SavesState, GramianWeighting, LossAware, Stateful):
             if self._weights is None or self._initial_losses is None:
                 self._weights = torch.ones(m, dtype=stat.dtype, device=stat.device)
                 self._initial_losses = losses
-            elif self._weights.shape[0] != m:
-                raise ValueError(
-                    f"GradNormWeighting holds {self._weights.shape[0]} weights but received a "
-                    f"Gramian of {m} rows; call `reset()` when the number of objectives changes."
-                )
+            else:
+                self.check_rows(m)
             current = self._weights.to(dtype=stat.dtype, device=stat.device)
             initial = self._initial_losses.to(dtype=stat.dtype, device=stat.device)
             self._weights = gradnorm_step(current, stat, losses, initial, self.alpha, self.lr)

@@ -93,16 +93,19 @@ class GradVacWeighting(SavesState, GramianWeighting, Stateful):
     def reset(self) -> None:
         self._targets = None
 
+    def check_rows(self, m: int) -> None:
+        if self._targets is not None and self._targets.shape[0] != m:
+            raise ValueError(
+                f"GradVac was used with {self._targets.shape[0]} objectives and now receives {m}; "
+                "call `.reset()` before changing the number of objectives."
+            )
+
     def forward(self, stat: Tensor) -> Tensor:
         m = stat.shape[0]
+        self.check_rows(m)
         targets = self._targets
         if targets is None:
             targets = torch.zeros(m, m, dtype=stat.dtype, device=stat.device)
-        elif targets.shape[0] != m:
-            raise ValueError(
-                f"GradVac was used with {targets.shape[0]} objectives and now receives {m}; call "
-                "`.reset()` before changing the number of objectives."
-            )
         with torch.no_grad():
             orders = random_orders(m, stat)
             weights, new_targets = gradvac_weights(

@@ -94,8 +94,16 @@ class MoCo(SavesState, Aggregator, Stateful):
         self._lambdas: Tensor | None = None
         self._step = 0
 
+    def check_rows(self, m: int) -> None:
+        if self._tracked is not None and self._tracked.shape[0] != m:
+            raise ValueError(
+                f"MoCo tracks a Jacobian of {self._tracked.shape[0]} rows but received one of {m} "
+                "rows; call `reset()` when the shape changes."
+            )
+
     def forward(self, matrix: Tensor) -> Tensor:
         m = matrix.shape[0]
+        self.check_rows(m)
         if self._tracked is None or self._lambdas is None:
             self._tracked = torch.zeros_like(matrix)
             self._lambdas = torch.full(

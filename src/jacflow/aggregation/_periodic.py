@@ -79,6 +79,13 @@ class Periodic(SavesState, GramianWeighting, Stateful):
         return self.weighting.scale_invariant
 
     def check_rows(self, m: int) -> None:
+        if not self.needs_gramian():  # (a reuse step returns the cached weights)
+            cached = self.cached_weights()
+            if cached.shape[0] != m:
+                raise ValueError(
+                    f"Periodic cached {cached.shape[0]} weights but received a Gramian of {m} "
+                    "rows; call `reset()` when the number of objectives changes."
+                )
         self.weighting.check_rows(m)
 
     def forward(self, stat: Tensor) -> Tensor:
@@ -88,13 +95,8 @@ class Periodic(SavesState, GramianWeighting, Stateful):
             # second backward through it raise)
             self._weights = weights.detach()
         else:
+            self.check_rows(stat.shape[0])
             weights = self.cached_weights()
-            if weights.shape[0] != stat.shape[0]:
-                raise ValueError(
-                    f"Periodic cached {weights.shape[0]} weights but received a Gramian of "
-                    f"{stat.shape[0]} rows; call `reset()` when the number of objectives "
-                    "changes."
-                )
         self._calls += 1
         return weights
 
