@@ -180,26 +180,82 @@ def _check_losses(losses: object, batch_dim: int | None) -> Tensor:
 
 
 # autograd's nodes of the ops that order or select values along a dimension
-_BY_VALUE_NODES = frozenset({"SortBackward0", "KthvalueBackward0", "MedianBackward1"})
+_BY_VALUE_NODES = frozenset(
+    {"SortBackward0", "SortBackward1", "KthvalueBackward0", "MedianBackward1"}
+)
+# elementwise nodes of one tensor (a scalar's other input holds no node) that keep the order
+# of the values they receive: looked through from the losses
+_ELEMENTWISE_NODES = frozenset(
+    {
+        "MulBackward0",
+        "DivBackward0",
+        "AddBackward0",
+        "SubBackward0",
+        "NegBackward0",
+        "CloneBackward0",
+        "ToCopyBackward0",
+        "AliasBackward0",
+        "ExpBackward0",
+        "LogBackward0",
+        "PowBackward0",
+        "SqrtBackward0",
+        "AbsBackward0",
+    }
+)
+_MAX_ELEMENTWISE_NODES = 16
 
 
 def _check_not_ordered_by_value(losses: Tensor) -> None:
-    """Per sample, refuse losses sorted along the batch (``losses.sort().values``): each row
-    then belongs to the sample the data put there, which the separation probe misses whenever
-    the probed samples map onto themselves (the Gramian's rows were other samples', and the
-    weights went to the wrong losses, silently)."""
+    """Per sample, refuse losses reordered along the batch by their last operation (before
+    elementwise ones): sorted (``losses.sort().values``), or indexed, gathered or selected by
+    a tensor of positions other than ``0, ..., B - 1`` (``losses[losses.argsort()]``). Each row
+    then belongs to another sample, which the separation probe misses whenever the probed
+    samples map onto themselves (the Gramian's rows were other samples', and the weights went
+    to the wrong losses, silently)."""
     node: Any = losses.grad_fn  # (the saved attributes are the node type's own)
-    if type(node).__name__ not in _BY_VALUE_NODES:
-        return
-    ndim, dim = len(node._saved_self_sym_sizes), int(node._saved_dim)
-    dim = dim - 2**64 if dim >= 2**63 else dim  # (dim -1 is saved as 2**64 - 1)
-    if ndim and dim % ndim == 0:
+    for _ in range(_MAX_ELEMENTWISE_NODES):
+        if type(node).__name__ not in _ELEMENTWISE_NODES:
+            break
+        inputs = [n for n, _ in node.next_functions if n is not None]
+        if len(inputs) != 1:  # (an operation of two tensors: not looked through)
+            return
+        node = inputs[0]
+    if _reorders_batch(node):
         raise ValueError(
-            "With batch_dim=0, `losses` were sorted (or selected) along the batch by their "
-            "values: each loss then belongs to the sample the data put at its place, which the "
-            "engine cannot follow. Pass the losses in the samples' order and weight them by "
-            "value in the weighting (a GramianWeighting of your own), or use jacflow.backward."
+            "With batch_dim=0, `losses` were reordered along the batch (sorted by value, or "
+            "indexed, gathered or selected by positions): each loss then belongs to another "
+            "sample than its place says, which the engine cannot follow. Pass the losses in "
+            "the samples' order and weight or select them in the weighting (a "
+            "GramianWeighting of your own), or use jacflow.backward."
         )
+
+
+def _reorders_batch(node: Any) -> bool:
+    """Whether autograd's ``node`` sorts its input along dimension 0, or takes its entries
+    along it at positions other than ``0, 1, ...`` (a data-dependent order included)."""
+    name = type(node).__name__
+    if name in _BY_VALUE_NODES or name in ("GatherBackward0", "IndexSelectBackward0"):
+        dim = int(node._saved_dim)
+        dim = dim - 2**64 if dim >= 2**63 else dim  # (dim -1 is saved as 2**64 - 1)
+        shape = getattr(node, "_saved_self_sym_sizes", None)
+        ndim = len(shape) if shape is not None else node._saved_self.ndim
+        if not ndim or dim % ndim != 0:
+            return False
+        if name in _BY_VALUE_NODES:
+            return True
+        return not _in_place_order(node._saved_index)
+    if name == "IndexBackward0":
+        first = node._saved_indices[0] if node._saved_indices else None
+        return first is not None and first.dtype != torch.bool and not _in_place_order(first)
+    return False
+
+
+def _in_place_order(index: Tensor) -> bool:
+    """Whether ``index`` takes the entries along dimension 0 at their own positions."""
+    if index.ndim == 0:
+        return False
+    own = torch.arange(index.shape[0], device=index.device)
+    return bool((index == own.reshape(-1, *[1] * (index.ndim - 1))).all())
 
 
 def _check_weights(weights: object, m: int, weighting: GramianWeighting) -> Tensor:
