@@ -117,3 +117,40 @@ def test_an_engine_refuses_a_subclass_overriding_forward() -> None:
     with pytest.raises(ValueError, match="_Doubled overrides `forward` or `weights`"):
         mtl_backward(losses, features, A=_Doubled(), engine=engine)
     assert all(p.grad is None for p in [*trunk.parameters(), *head.parameters()])
+
+
+class _Alternating(UPGrad):
+    """A user's subclass whose ``weights`` keeps state: all on one row, alternately."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def weights(self, matrix: Tensor) -> Tensor:
+        self.calls += 1
+        chosen = torch.zeros(matrix.shape[0], dtype=matrix.dtype)
+        chosen[(self.calls - 1) % matrix.shape[0]] = 1.0
+        return chosen
+
+
+def test_a_subclass_overriding_weights_is_asked_once_and_its_weights_returned() -> None:
+    """``weights`` ran twice per step (the call's, then again for the returned weights): a
+    stateful one stepped twice and ``jac_to_grad`` returned weights that were not applied."""
+    aggregator = _Alternating()
+    a, b, outputs = _problem()
+    backward(outputs)
+    weights = jac_to_grad([a, b], aggregator)
+    assert aggregator.calls == 1 and weights is not None
+    assert a.grad is not None and b.grad is not None
+    update = torch.cat([a.grad, b.grad.flatten()])
+    torch.testing.assert_close(weights, torch.tensor([1.0, 0.0, 0.0], dtype=torch.float64))
+    torch.testing.assert_close(update, _jacobian()[0])
+
+
+def test_a_forward_set_on_the_instance_is_used() -> None:
+    aggregator = UPGrad()
+    aggregator.forward = lambda matrix: torch.zeros_like(matrix[0])  # type: ignore[method-assign]
+    a, b, outputs = _problem()
+    backward(outputs, A=aggregator)
+    assert a.grad is not None and b.grad is not None
+    assert not a.grad.any() and not b.grad.any()

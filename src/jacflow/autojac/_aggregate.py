@@ -7,7 +7,7 @@ import math
 from collections.abc import Iterable, Sequence
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 from torch.nn.modules import module as torch_module
 
 from jacflow.aggregation import (
@@ -73,7 +73,8 @@ def computed_by_library(aggregator: Aggregator) -> bool:
     call would; a user's subclass that overrides them is called on ``J``."""
     cls = type(aggregator)
     return all(
-        str(getattr(getattr(cls, name, None), "__module__", "")).startswith("jacflow.")
+        name not in vars(aggregator)  # (a method set on the instance)
+        and str(getattr(getattr(cls, name, None), "__module__", "")).startswith("jacflow.")
         for name in ("forward", "weights")
         if hasattr(cls, name)
     )
@@ -94,25 +95,41 @@ def _through_call(
 ) -> tuple[list[Tensor], Tensor | None]:
     """Aggregate by calling ``aggregator`` on the concatenated Jacobian, so that its modules'
     forward hooks run (and may change its input or output) and a subclass's own ``forward``
-    or ``weights`` is used, as in ``aggregator(J)``; the weights are those its weighting
-    returned in that call."""
+    or ``weights`` is used, as in ``aggregator(J)``; the weights are those its ``weights``
+    returned in that call (recorded, not asked again: a stateful one would step twice), or,
+    when its ``forward`` did not ask for them, those of the library's own ``weights``."""
     m = blocks[0].shape[0]
     matrix = torch.cat([b.reshape(m, math.prod(b.shape[1:])) for b in blocks], dim=1)
-    returned: list[Tensor] = []
-    weighting = getattr(aggregator, "weighting", None)
-    watch = (
-        weighting.register_forward_hook(lambda _m, _a, out: returned.append(out))
-        if isinstance(aggregator, WeightedAggregator) and isinstance(weighting, nn.Module)
-        else None
-    )
-    try:
-        flat = aggregator(matrix)
-    finally:
-        if watch is not None:
-            watch.remove()
-    weights: Tensor | None = None
-    if isinstance(aggregator, WeightedAggregator):
-        weights = returned[-1] if returned else aggregator.weights(matrix)
+    if not isinstance(aggregator, WeightedAggregator):
+        flat, weights = aggregator(matrix), None
+    else:
+        flat, recorded = _recording_weights(aggregator, matrix)
+        weights = recorded[-1] if recorded else None
+        if weights is None and computed_by_library(aggregator):  # (Mean's and Sum's)
+            weights = aggregator.weights(matrix)
     sizes = [math.prod(b.shape[1:]) for b in blocks]
     pieces = torch.split(flat, sizes)
     return [piece.reshape(b.shape[1:]) for piece, b in zip(pieces, blocks, strict=True)], weights
+
+
+def _recording_weights(
+    aggregator: WeightedAggregator, matrix: Tensor
+) -> tuple[Tensor, list[Tensor]]:
+    """``aggregator(matrix)``, and what its ``weights`` returned during that call."""
+    recorded: list[Tensor] = []
+    weights = aggregator.weights
+    own = vars(aggregator).get("weights")
+
+    def recording(stat: Tensor) -> Tensor:
+        result = weights(stat)
+        recorded.append(result)
+        return result
+
+    vars(aggregator)["weights"] = recording  # (shadows the method for this call only)
+    try:
+        return aggregator(matrix), recorded
+    finally:
+        if own is None:
+            del vars(aggregator)["weights"]
+        else:
+            vars(aggregator)["weights"] = own
