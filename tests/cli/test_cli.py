@@ -6,6 +6,7 @@ import csv
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -214,6 +215,17 @@ def test_iwrm_drops_the_incomplete_last_batch() -> None:
         train_iwrm(RunConfig(batch_size=1025), progress=False)
 
 
+@pytest.mark.parametrize("name", ["epo", "dbmtl"])
+def test_iwrm_runs_the_methods_that_need_positive_losses(name: str) -> None:
+    """A confident sample's cross-entropy rounds to 0 (or -0.0), which EPO and DB-MTL refuse:
+    the run stopped with a traceback; the loss values they get are now at least tiny."""
+    from jacflow.cli._train import RunConfig, train_iwrm
+
+    config = RunConfig(aggregator=name, epochs=1, batch_size=16, lr=0.1)
+    result = train_iwrm(config, progress=False)
+    assert len(result.steps) == 1024 // 16
+
+
 def test_iwrm_batch_size_above_the_samples_exits_2(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -417,15 +429,32 @@ def test_overwrite_of_files_that_cannot_be_deleted_exits_2(
 def test_compare_refuses_a_run_folder_that_is_a_file_before_training(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """``out/<aggregator>`` is a file: refused before any training (it trained, then raised)."""
+    """``out/<aggregator>`` is a file: refused before any training (it trained, then raised)
+    and before ``--overwrite`` deletes the earlier comparison (it deleted it, then refused)."""
     out = tmp_path / "cmp"
-    out.mkdir()
+    argv = ["compare", "--aggregators", "mean,upgrad", "--epochs", "1", "--quiet", "--no-plots"]
+    assert main([*argv, "--out", str(out)]) == 0
+    before = (out / "comparison.json").read_text()
+    shutil.rmtree(out / "upgrad")
     (out / "upgrad").write_text("mine")
-    argv = ["compare", "--aggregators", "upgrad", "--epochs", "1", "--quiet", "--no-plots"]
     assert main([*argv, "--out", str(out), "--overwrite"]) == 2
-    assert "cannot write the run folder" in capsys.readouterr().err
+    assert "the run folder" in capsys.readouterr().err
     assert (out / "upgrad").read_text() == "mine"
-    assert not (out / "comparison.json").exists()
+    assert (out / "comparison.json").read_text() == before
+    assert (out / "mean" / "metrics.json").exists()
+
+
+def test_overwrite_refuses_a_run_file_that_is_a_folder_before_deleting(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "run"
+    argv = ["train", "--epochs", "1", "--quiet", "--no-plots", "--out", str(out)]
+    assert main(argv) == 0
+    (out / "metrics_steps.csv").unlink()
+    (out / "metrics_steps.csv").mkdir()
+    assert main([*argv, "--overwrite"]) == 2
+    assert "metrics_steps.csv" in capsys.readouterr().err
+    assert (out / "metrics.json").exists()
 
 
 def test_huge_iwrm_batch_size_in_compare_exits_2(capsys: pytest.CaptureFixture[str]) -> None:

@@ -215,9 +215,11 @@ def _out_dir(args: argparse.Namespace, name: str) -> Path:
         try:
             clear_run_files(out)
         except OSError as error:
+            where = f" ({error.filename})" if error.filename else ""
             raise CLIError(
                 f"--overwrite could not delete the earlier run's files in --out {str(out)!r}: "
-                f"{error.strerror or error}. Choose a writable folder."
+                f"{error.strerror or error}{where}. Nothing was deleted if the first file could "
+                "not be; choose a writable folder."
             ) from error
     return check_out_dir(out)
 
@@ -297,6 +299,14 @@ def _cmd_compare(args: argparse.Namespace, title: str = "compare") -> int:
     for name in names:
         make_aggregator(name, m)  # fail early on a bad name
     _check_tensorboard(args)
+    if args.out is not None:  # (before --overwrite deletes anything)
+        for name in names:  # (each run's folder is named as its --aggregators entry)
+            folder = args.out / name
+            if folder.exists() and not folder.is_dir():
+                raise CLIError(
+                    f"the run folder {str(folder)!r} of {name} in --out is a file; move it away "
+                    "or choose another --out."
+                )
     out = _out_dir(args, f"{title}-{'-'.join(names)}")
     return compare(
         configs,

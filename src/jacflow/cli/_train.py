@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import time
 from dataclasses import dataclass, field
@@ -134,7 +135,7 @@ def train_mtl(
                 noise = config.noise * torch.randn(x.shape, generator=generator, device=device)
                 features, losses = _task_losses(model, x, y, noise)
                 if isinstance(aggregator, LossAware):
-                    aggregator.set_losses(torch.stack(losses).detach())
+                    aggregator.set_losses(_positive(torch.stack(losses)))
                 optimizer.zero_grad(set_to_none=True)
                 autojac.mtl_backward(
                     losses, features, A=aggregator, tasks_params=heads, shared_params=shared
@@ -232,7 +233,7 @@ def train_iwrm(
             for batch in order.split(config.batch_size):
                 losses = F.cross_entropy(model(images[batch]), labels[batch], reduction="none")
                 if isinstance(aggregator, LossAware):
-                    aggregator.set_losses(losses.detach())
+                    aggregator.set_losses(_positive(losses))
                 optimizer.zero_grad(set_to_none=True)
                 autojac.backward(losses, inputs=params, A=aggregator)
                 optimizer.step()
@@ -290,6 +291,21 @@ def _compared_folders(path: Path) -> list[Path]:
     ]
 
 
+def _positive(losses: Tensor) -> Tensor:
+    """The loss values given to a loss-aware method, at least the dtype's smallest positive
+    normal: a confident sample's cross-entropy rounds to 0 (or -0.0), which the methods that
+    take logs or ratios of the losses (EPO, DB-MTL) refuse.
+
+    Example:
+        >>> import torch
+        >>> from jacflow.cli._train import _positive
+        >>> _positive(torch.tensor([-0.0, 0.5])).tolist()
+        [1.1754943508222875e-38, 0.5]
+    """
+    detached = losses.detach()
+    return detached.clamp_min(torch.finfo(detached.dtype).tiny)
+
+
 def clear_run_files(path: Path) -> None:
     """Delete the files of an earlier run in ``path``: the :data:`RUN_FILES`, the TensorBoard
     event files, and the same in the per-aggregator sub-folders that an earlier comparison's
@@ -308,6 +324,10 @@ def clear_run_files(path: Path) -> None:
         ['notes.txt']
     """
     compared = _compared_folders(path)
+    for folder in [*compared, path]:  # (a run file that is a folder: refused before deleting)
+        for name in RUN_FILES:
+            if (folder / name).is_dir():
+                raise IsADirectoryError(errno.EISDIR, "Is a directory", str(folder / name))
     for folder in [*compared, path]:
         for name in RUN_FILES:
             (folder / name).unlink(missing_ok=True)
