@@ -26,6 +26,14 @@ def _read_csv(path: Path) -> list[dict[str, str]]:
         return list(csv.DictReader(file))
 
 
+def _one_epoch_run(tmp_path: Path) -> tuple[Path, list[str]]:
+    """A one-epoch ``train`` run into ``tmp_path / "run"``, done; its folder and arguments."""
+    out = tmp_path / "run"
+    argv = ["train", "--epochs", "1", "--quiet", "--no-plots", "--out", str(out)]
+    assert main(argv) == 0
+    return out, argv
+
+
 def test_train_one_epoch_writes_run_folder_and_losses_decrease(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -239,9 +247,7 @@ def test_iwrm_batch_size_above_the_samples_exits_2(
 def test_reusing_out_is_refused_unless_overwrite(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    out = tmp_path / "run"
-    argv = ["train", "--epochs", "1", "--quiet", "--no-plots", "--out", str(out)]
-    assert main(argv) == 0
+    out, argv = _one_epoch_run(tmp_path)
     (out / "norms.png").write_text("an earlier run's plot")
     (out / "notes.txt").write_text("mine")
     before = (out / "metrics.json").read_text()
@@ -395,9 +401,7 @@ def test_a_refusal_after_overwrite_deletes_nothing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A missing optional dependency is found before the earlier run's files are deleted."""
-    out = tmp_path / "run"
-    argv = ["train", "--epochs", "1", "--quiet", "--no-plots", "--out", str(out)]
-    assert main(argv) == 0
+    out, argv = _one_epoch_run(tmp_path)
     before = (out / "metrics.json").read_text()
     monkeypatch.setitem(sys.modules, "tensorboard", None)
     assert main([*argv, "--tensorboard", "--overwrite"]) == 2
@@ -411,9 +415,7 @@ def test_overwrite_of_files_that_cannot_be_deleted_exits_2(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """An earlier run's files that cannot be deleted: one line and exit code 2 (a traceback)."""
-    out = tmp_path / "run"
-    argv = ["train", "--epochs", "1", "--quiet", "--no-plots", "--out", str(out)]
-    assert main(argv) == 0
+    out, argv = _one_epoch_run(tmp_path)
     unlink = Path.unlink
 
     def refused(path: Path, missing_ok: bool = False) -> None:
@@ -447,9 +449,7 @@ def test_compare_refuses_a_run_folder_that_is_a_file_before_training(
 def test_overwrite_refuses_a_run_file_that_is_a_folder_before_deleting(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    out = tmp_path / "run"
-    argv = ["train", "--epochs", "1", "--quiet", "--no-plots", "--out", str(out)]
-    assert main(argv) == 0
+    out, argv = _one_epoch_run(tmp_path)
     (out / "metrics_steps.csv").unlink()
     (out / "metrics_steps.csv").mkdir()
     assert main([*argv, "--overwrite"]) == 2
