@@ -29,6 +29,9 @@ class Stateful(ABC):
         """Forget all state, as if the object had just been constructed."""
 
 
+_PENDING = object()  # (no saved attributes met yet in the load under way)
+
+
 class SavesState:
     """Mixin for an ``nn.Module`` (listed before it among the bases) whose state includes plain
     attributes, named in :attr:`saved_state`: they go into ``state_dict()`` as its extra state
@@ -54,7 +57,33 @@ class SavesState:
     def get_extra_state(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in self.saved_state}
 
+    def _load_from_state_dict(self, state_dict: Any, prefix: str, *args: Any) -> None:
+        """``nn.Module``'s, with the saved attributes applied only if this module's own
+        tensors loaded without error (a size mismatch is raised after the whole load: the
+        module must then be as it was)."""
+        error_msgs: list[str] = args[-1]
+        before = len(error_msgs)
+        self.__dict__["_jacflow_loading"] = _PENDING
+        try:
+            super()._load_from_state_dict(state_dict, prefix, *args)  # type: ignore[misc]
+            pending = self.__dict__["_jacflow_loading"]
+        finally:
+            del self.__dict__["_jacflow_loading"]
+        if pending is not _PENDING and len(error_msgs) == before:
+            self._apply_saved(pending)
+
     def set_extra_state(self, state: Any) -> None:
+        self._check_saved(state)
+        if "_jacflow_loading" in self.__dict__:  # (applied once the load succeeded)
+            self.__dict__["_jacflow_loading"] = state
+        else:
+            self._apply_saved(state)
+
+    def _apply_saved(self, state: dict[str, Any]) -> None:
+        for name, value in state.items():  # (copies: two loads of one dict share nothing)
+            setattr(self, name, copy.deepcopy(value))
+
+    def _check_saved(self, state: Any) -> None:
         expected = set(self.saved_state)
         if not isinstance(state, dict) or set(state) != expected:
             received = sorted(state) if isinstance(state, dict) else type(state).__name__
@@ -63,5 +92,3 @@ class SavesState:
                 f"{sorted(expected)}, received {received}. Load a state_dict saved from a "
                 f"{type(self).__name__}."
             )
-        for name, value in state.items():  # (copies: two loads of one dict share nothing)
-            setattr(self, name, copy.deepcopy(value))

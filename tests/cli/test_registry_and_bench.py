@@ -60,13 +60,22 @@ def test_bench_list_finds_repository_scripts(
     assert [p.name for p in benchmark_scripts(folder, "h_b")] == ["bench_b.py"]
 
 
-def test_bench_ignores_another_projects_benchmarks(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("pyproject", "ours"),
+    [
+        ('[project]\nname = "other"\n', False),
+        ('[tool.other]\nname = "jacflow"\n[project]\nname = "other"\n', False),
+        ('[project]\nname = "jacflow"  # the library\n', True),
+    ],
+)
+def test_bench_runs_only_jacflows_benchmarks(tmp_path: Path, pyproject: str, ours: bool) -> None:
     """A folder of another project (its own pyproject.toml and benchmarks/) above the working
-    directory: its scripts are not ours to run (they were run)."""
-    (tmp_path / "pyproject.toml").write_text('[project]\nname = "other"\n')
+    directory: its scripts are not ours to run (they were run); jacflow's ``[project]`` table
+    is read as TOML (a trailing comment did not match, another table's name did)."""
+    (tmp_path / "pyproject.toml").write_text(pyproject)
     (tmp_path / "benchmarks").mkdir()
     (tmp_path / "benchmarks" / "bench_other.py").write_text("print('other')\n")
-    assert find_benchmarks(tmp_path / "benchmarks") != tmp_path / "benchmarks"
+    assert (find_benchmarks(tmp_path / "benchmarks") == tmp_path / "benchmarks") == ours
 
 
 def test_bench_builtin_prints_ratio_tables(capsys: pytest.CaptureFixture[str]) -> None:

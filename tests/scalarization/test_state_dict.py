@@ -53,3 +53,21 @@ def test_a_foreign_state_is_refused() -> None:
     state = DWA().state_dict()
     with pytest.raises(ValueError, match=r"must hold \['_initial'\], received \['_averages'"):
         LBTW().load_state_dict(state)
+
+
+def test_a_refused_load_leaves_the_saved_attributes_as_they_were() -> None:
+    """A size mismatch is raised after the whole load: FAMO(4) refusing FAMO(3)'s state kept
+    its step count and call state from that state, and its next step moved less."""
+    source = FAMO(3)
+    for step in range(4):
+        source(_LOSSES[step]).item()
+        source.update(_LOSSES[step] * 0.9)
+    source(_LOSSES[4])
+    target, fresh = FAMO(4), FAMO(4)
+    with pytest.raises(RuntimeError, match="size mismatch"):
+        target.load_state_dict(source.state_dict())
+    losses = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    for famo in (target, fresh):
+        famo(losses)
+        famo.update(losses * 0.9)
+    torch.testing.assert_close(target.logits, fresh.logits)

@@ -95,9 +95,14 @@ def frequency_refusal(module: nn.Module, where: str) -> ValueError | None:
                 f"{inner} is an embedding with scale_grad_by_freq=True under the generic rule: "
                 "its gradient is divided by its tokens' counts over the whole batch, and the "
                 "rule re-runs it sample by sample (batch_dim=0), counting one sample's tokens "
-                "only. Give the nn.Embedding a unit of its own (move the parameters of the "
-                "module that holds it into a module of their own), use batch_dim=None, or set "
-                "scale_grad_by_freq=False."
+                "only. "
+                + (
+                    "Give the nn.Embedding a unit of its own (move the parameters of the module "
+                    "that holds it into a module of their own), use batch_dim=None, or set "
+                    "scale_grad_by_freq=False."
+                    if isinstance(sub, nn.Embedding)
+                    else "Use batch_dim=None, or set scale_grad_by_freq=False."
+                )
             )
     return None
 

@@ -34,13 +34,23 @@ def find_benchmarks(start: Path | None = None) -> Path | None:
 
 
 def _is_jacflow_project(pyproject: Path) -> bool:
-    """Whether ``pyproject`` declares the project ``jacflow`` (another project's benchmarks
-    are not ours to run)."""
+    """Whether ``pyproject``'s ``[project]`` table names ``jacflow`` (another project's
+    benchmarks are not ours to run)."""
     try:
         text = pyproject.read_text(encoding="utf-8")
     except OSError:
         return False
-    return re.search(r'^name\s*=\s*["\']jacflow["\']\s*$', text, flags=re.MULTILINE) is not None
+    try:
+        import tomllib  # (Python 3.11+)
+    except ImportError:  # (3.10: the [project] table's own lines)
+        table = re.search(r"^\[project\]\s*$(.*?)(?=^\[|\Z)", text, flags=re.M | re.S)
+        found = table and re.search(r'^name\s*=\s*["\']jacflow["\']', table.group(1), re.M)
+        return bool(found)
+    try:
+        project = tomllib.loads(text).get("project", {})
+    except tomllib.TOMLDecodeError:
+        return False
+    return isinstance(project, dict) and project.get("name") == "jacflow"
 
 
 def benchmark_scripts(folder: Path, pattern: str | None = None) -> list[Path]:
