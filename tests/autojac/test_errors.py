@@ -363,7 +363,7 @@ def test_mtl_loss_using_a_shared_parameter_directly(engine: bool) -> None:
     features = trunk(torch.ones(4, 2))
     losses = [head(features).mean() + trunk[0].bias.pow(2).sum(), features.pow(2).mean()]
     name = "the parameter Sequential.0.bias" if engine else r"a parameter of shape \(3,\)"
-    advice = "The engine sees its modules' parameters" if engine else "add that parameter to"
+    advice = "The engine sees its modules' parameters" if engine else "pass what the loss reads"
     with pytest.raises(
         ValueError, match=rf"`losses\[0\]` uses {name} outside `features`.*{advice}"
     ):
@@ -387,3 +387,27 @@ def test_mtl_explicit_params_refuse_a_shared_parameter_read_outside_the_features
     mtl_backward(scaled, [features, tau], A=Mean(), tasks_params=tasks, shared_params=shared)
     # (d mean(L_i tau) / d tau = mean(L_i))
     torch.testing.assert_close(tau.grad, torch.stack(losses).mean().detach())
+
+
+@pytest.mark.parametrize("explicit", [False, True])
+def test_mtl_loss_reading_a_sibling_output_of_a_feature_is_refused(explicit: bool) -> None:
+    """``f1, f2 = out.chunk(2)``, ``features=f1``, a loss reading ``f2``: the walk stopped at
+    the chunk's node for both outputs, so that path to the trunk was neither counted nor
+    refused (the trunk's update off, silently). Passing both outputs is exact."""
+    torch.manual_seed(0)
+    trunk, head = torch.nn.Linear(2, 4), torch.nn.Linear(2, 1)
+    x = torch.randn(5, 2)
+
+    def setup() -> tuple[Tensor, Tensor, list[Tensor]]:
+        first, second = trunk(x).chunk(2, dim=1)
+        return first, second, [head(first).pow(2).mean(), second.sin().mean()]
+
+    first, _, losses = setup()
+    tasks = [list(head.parameters()), []] if explicit else None
+    with pytest.raises(ValueError, match="another output of the operation that made a feature"):
+        mtl_backward(losses, first, A=Mean(), tasks_params=tasks)
+    assert all(p.grad is None for p in [*trunk.parameters(), *head.parameters()])
+    first, second, losses = setup()
+    expected = torch.autograd.grad(sum(losses) / 2, trunk.weight, retain_graph=True)[0]
+    mtl_backward(losses, [first, second], A=Mean(), tasks_params=tasks)
+    torch.testing.assert_close(trunk.weight.grad, expected)

@@ -12,11 +12,16 @@ def leaf_tensors(outputs: Iterable[Tensor], exclude: Iterable[Tensor] = ()) -> t
     """The leaf tensors requiring grad that ``outputs`` depend on, in discovery order.
 
     Walks ``grad_fn.next_functions`` breadth-first; a leaf is reached through its
-    ``AccumulateGrad`` node. The walk stops at the ``grad_fn`` of any tensor of ``exclude``, so
-    ``leaf_tensors(losses, exclude=features)`` yields only the parameters of the task heads.
+    ``AccumulateGrad`` node. The walk stops at the gradient edge of any tensor of ``exclude``
+    (its node and the output of it that the tensor is), so ``leaf_tensors(losses,
+    exclude=features)`` yields only the parameters of the task heads; another output of a
+    feature's node (``f1, f2 = out.chunk(2)`` with ``f1`` a feature) is walked through.
     Outputs that are leaves themselves are included.
     """
-    stop = {t.grad_fn for t in exclude if t.grad_fn is not None}
+    stop = {
+        (edge.node, edge.output_nr)
+        for edge in (get_gradient_edge(t) for t in exclude if t.grad_fn is not None)
+    }
     excluded_leaves = {id(t) for t in exclude if t.grad_fn is None}
     found: dict[int, Tensor] = {}
     seen: set[object] = set()
@@ -25,8 +30,10 @@ def leaf_tensors(outputs: Iterable[Tensor], exclude: Iterable[Tensor] = ()) -> t
         if out.grad_fn is None:
             if out.requires_grad and id(out) not in excluded_leaves:
                 found.setdefault(id(out), out)
-        elif out.grad_fn not in stop:
-            frontier.append(out.grad_fn)
+        else:
+            edge = get_gradient_edge(out)
+            if (edge.node, edge.output_nr) not in stop:
+                frontier.append(out.grad_fn)
     while frontier:
         node = frontier.pop(0)
         if node in seen:
@@ -37,8 +44,8 @@ def leaf_tensors(outputs: Iterable[Tensor], exclude: Iterable[Tensor] = ()) -> t
             if id(variable) not in excluded_leaves:
                 found.setdefault(id(variable), variable)
             continue
-        for child, _ in node.next_functions:
-            if child is not None and child not in stop and child not in seen:
+        for child, nr in node.next_functions:
+            if child is not None and (child, nr) not in stop and child not in seen:
                 frontier.append(child)
     return tuple(found.values())
 

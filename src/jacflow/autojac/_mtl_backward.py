@@ -122,14 +122,16 @@ def _overlap_message(
         else ("in `shared_params`")
     )
     message = (
-        f"`losses[{task}]` uses {what} outside `features` (directly, not through them), and it "
-        f"is also {trunk}: a task's parameters get its loss's gradient and the shared ones a "
-        "row per task through `features`, so that use fits neither. "
+        f"`losses[{task}]` uses {what} outside `features` (directly, or through another "
+        "output of the operation that made a feature, as with `chunk`), and it is also "
+        f"{trunk}: a task's parameters get its loss's gradient and the shared ones a row per "
+        "task through `features`, so that use fits neither. "
     )
     if engine_names is None:
         return message + (
-            "Use the shared parameters only through `features`, or add that parameter to "
-            "`features` (`features=[f, param]`): each task's use of it then counts in its row."
+            "Use the shared parameters only through `features`, or pass what the loss reads "
+            "as a feature too (`features=[f, param]`, or `features=[f1, f2]` for both outputs "
+            "of a chunk): each task's use of it then counts in its row."
         )
     return message + (
         "The engine sees its modules' parameters through their calls only: compute such a term "
