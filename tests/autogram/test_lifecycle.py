@@ -1913,10 +1913,19 @@ _REORDERINGS: dict[str, Callable[[Tensor], Tensor]] = {
     "argsort index": lambda out: out.sum(1)[out.sum(1).argsort()],
     "argsort gather": lambda out: out.sum(1).gather(0, out.sum(1).argsort()),
     "index_select": lambda out: out.sum(1).index_select(0, torch.tensor([3, 2, 1, 0])),
+    "swap behind relu": lambda out: torch.relu(out.sum(1)[torch.tensor([1, 0, 2, 3])]),
+    "swap behind where": lambda out: torch.where(
+        out[:, 0] > 0, out.sum(1)[torch.tensor([1, 0, 2, 3])], 0.0
+    ),
+    "swap unsqueezed": lambda out: out.sum(1)[torch.tensor([1, 0, 2, 3])][:, None],
+    "swap times a loss": lambda out: out.sum(1)[torch.tensor([1, 0, 2, 3])] * out[:, 0],
     # exact: each sample's own losses sorted, or taken in place
     "[B, k] sorted along dim 1": lambda out: out.sort(dim=1).values,
     "gathered along dim 1": lambda out: out.gather(1, torch.zeros(4, 1, dtype=torch.long)),
     "in place index": lambda out: out.sum(1)[torch.arange(4)],
+    "in place after a permutation and its inverse": lambda out: (
+        2.0 * out.sum(1)[torch.tensor([2, 0, 3, 1])]
+    )[torch.tensor([1, 3, 0, 2])],
 }
 
 

@@ -183,8 +183,8 @@ def _check_losses(losses: object, batch_dim: int | None) -> Tensor:
 _BY_VALUE_NODES = frozenset(
     {"SortBackward0", "SortBackward1", "KthvalueBackward0", "MedianBackward1"}
 )
-# elementwise nodes of one tensor (a scalar's other input holds no node) that keep the order
-# of the values they receive: looked through from the losses
+# elementwise nodes (of one tensor or several), which keep each entry at its place: looked
+# through from the losses
 _ELEMENTWISE_NODES = frozenset(
     {
         "MulBackward0",
@@ -198,56 +198,92 @@ _ELEMENTWISE_NODES = frozenset(
         "ExpBackward0",
         "LogBackward0",
         "PowBackward0",
+        "PowBackward1",
         "SqrtBackward0",
         "AbsBackward0",
+        "ReluBackward0",
+        "SigmoidBackward0",
+        "TanhBackward0",
+        "ClampBackward1",
+        "ClampMinBackward0",
+        "ClampMaxBackward0",
+        "WhereBackward0",
+        "MaximumBackward0",
+        "MinimumBackward0",
     }
 )
-_MAX_ELEMENTWISE_NODES = 16
+# the most nodes looked at from the losses
+_MAX_LOOKED_AT = 32
 
 
 def _check_not_ordered_by_value(losses: Tensor) -> None:
-    """Per sample, refuse losses reordered along the batch by their last operation (before
-    elementwise ones): sorted (``losses.sort().values``), or indexed, gathered or selected by
-    a tensor of positions other than ``0, ..., B - 1`` (``losses[losses.argsort()]``). Each row
-    then belongs to another sample, which the separation probe misses whenever the probed
-    samples map onto themselves (the Gramian's rows were other samples', and the weights went
-    to the wrong losses, silently)."""
-    node: Any = losses.grad_fn  # (the saved attributes are the node type's own)
-    for _ in range(_MAX_ELEMENTWISE_NODES):
-        if type(node).__name__ not in _ELEMENTWISE_NODES:
-            break
-        inputs = [n for n, _ in node.next_functions if n is not None]
-        if len(inputs) != 1:  # (an operation of two tensors: not looked through)
-            return
-        node = inputs[0]
-    if _reorders_batch(node):
-        raise ValueError(
-            "With batch_dim=0, `losses` were reordered along the batch (sorted by value, or "
-            "indexed, gathered or selected by positions): each loss then belongs to another "
-            "sample than its place says, which the engine cannot follow. Pass the losses in "
-            "the samples' order and weight or select them in the weighting (a "
-            "GramianWeighting of your own), or use jacflow.backward."
-        )
+    """Per sample, refuse losses reordered along the batch: sorted, or indexed, gathered or
+    selected by positions (``losses[losses.argsort()]``), where the reorderings met from the
+    losses through elementwise operations do not compose to the samples' own order (a
+    permutation then its inverse is exact). Each row would belong to another sample, which the
+    separation probe misses whenever the probed samples map onto themselves (the Gramian's
+    rows were other samples', and the weights went to the wrong losses, silently)."""
+    frontier: list[Any] = [losses.grad_fn]
+    looked_at = 0
+    while frontier and looked_at < _MAX_LOOKED_AT:
+        node = frontier.pop()
+        looked_at += 1
+        name = type(node).__name__
+        if name in _ELEMENTWISE_NODES or (
+            name == "UnsqueezeBackward0" and _signed(node._saved_dim) != 0
+        ):
+            frontier += [n for n, _ in node.next_functions if n is not None]
+        elif _reorders_batch(node):
+            raise ValueError(
+                "With batch_dim=0, `losses` were reordered along the batch (sorted by value, or "
+                "indexed, gathered or selected by positions): each loss then belongs to another "
+                "sample than its place says, which the engine cannot follow. Pass the losses in "
+                "the samples' order and weight or select them in the weighting (a "
+                "GramianWeighting of your own), or use jacflow.backward."
+            )
+
+
+def _signed(dim: int) -> int:
+    """A dimension saved by autograd (``-1`` is saved as ``2**64 - 1``)."""
+    dim = int(dim)
+    return dim - 2**64 if dim >= 2**63 else dim
 
 
 def _reorders_batch(node: Any) -> bool:
-    """Whether autograd's ``node`` sorts its input along dimension 0, or takes its entries
-    along it at positions other than ``0, 1, ...`` (a data-dependent order included)."""
+    """Whether the chain of reorderings along dimension 0 that starts at autograd's ``node``
+    (sorts, and takes of entries at given positions, one after the other) leaves the entries
+    elsewhere than at their own positions."""
+    order: Tensor | None = None  # (positions in the chain's input of the losses' entries)
+    for _ in range(_MAX_LOOKED_AT):
+        inputs = [n for n, _ in node.next_functions if n is not None]
+        if type(node).__name__ in _ELEMENTWISE_NODES and len(inputs) == 1:
+            node = inputs[0]  # (between two reorderings: ``(2 * x[p])[q]``)
+            continue
+        positions = _positions_along_batch(node)
+        if positions is None:
+            break
+        if positions.ndim != 1:  # (a reordering of a matrix's rows: not followed)
+            return not _in_place_order(positions)
+        order = positions if order is None else positions[order]
+        node = node.next_functions[0][0]
+    return order is not None and not _in_place_order(order)
+
+
+def _positions_along_batch(node: Any) -> Tensor | None:
+    """The positions along dimension 0 at which ``node``'s op takes its input's entries (a
+    sort's permutation, an index's, a gather's or an index_select's), or ``None`` when it does
+    not reorder along dimension 0."""
     name = type(node).__name__
     if name in _BY_VALUE_NODES or name in ("GatherBackward0", "IndexSelectBackward0"):
-        dim = int(node._saved_dim)
-        dim = dim - 2**64 if dim >= 2**63 else dim  # (dim -1 is saved as 2**64 - 1)
         shape = getattr(node, "_saved_self_sym_sizes", None)
         ndim = len(shape) if shape is not None else node._saved_self.ndim
-        if not ndim or dim % ndim != 0:
-            return False
-        if name in _BY_VALUE_NODES:
-            return True
-        return not _in_place_order(node._saved_index)
-    if name == "IndexBackward0":
-        first = node._saved_indices[0] if node._saved_indices else None
-        return first is not None and first.dtype != torch.bool and not _in_place_order(first)
-    return False
+        if not ndim or _signed(node._saved_dim) % ndim != 0:
+            return None
+        return node._saved_indices if name in _BY_VALUE_NODES else node._saved_index
+    if name == "IndexBackward0" and node._saved_indices:
+        first = node._saved_indices[0]
+        return first if first is not None and first.dtype != torch.bool else None
+    return None
 
 
 def _in_place_order(index: Tensor) -> bool:
