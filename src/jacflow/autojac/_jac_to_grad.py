@@ -94,7 +94,9 @@ def jac_to_grad(
             where TorchJD refuses the option.
 
     Returns:
-        The weights of the rows when ``A`` is a weighted aggregator, else ``None``.
+        The weights of the rows when ``A`` is a weighted aggregator (those its call used),
+        else ``None``; also ``None`` for a subclass whose own ``forward`` does not ask for
+        its ``weights``.
 
     Example:
         >>> import torch
