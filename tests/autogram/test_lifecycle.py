@@ -1905,6 +1905,13 @@ def test_a_module_called_on_two_batches_with_concatenated_losses_is_refused() ->
     assert_exact_gramian(engine, losses_of(), list(layer.parameters()))
 
 
+# a learned table per class (of 3, and of B = 4 rows) and one per example, taken at labels
+# or ids: no reordering of the samples
+_CLASS_TABLE = torch.zeros(3, dtype=torch.float64, requires_grad=True)
+_B_ROWS_TABLE = torch.zeros(4, dtype=torch.float64, requires_grad=True)
+_EXAMPLE_TABLE = torch.zeros(20, dtype=torch.float64, requires_grad=True)
+_LABELS, _IDS = torch.tensor([0, 2, 1, 2]), torch.tensor([10, 3, 7, 1])
+
 _REORDERINGS: dict[str, Callable[[Tensor], Tensor]] = {
     "sort": lambda out: out.sum(1).sort().values,
     "sort -1": lambda out: out.sum(1).sort(dim=-1).values,
@@ -1926,6 +1933,20 @@ _REORDERINGS: dict[str, Callable[[Tensor], Tensor]] = {
     "in place after a permutation and its inverse": lambda out: (
         2.0 * out.sum(1)[torch.tensor([2, 0, 3, 1])]
     )[torch.tensor([1, 3, 0, 2])],
+    "class table at labels": lambda out: (
+        out.sum(1) * torch.exp(-_CLASS_TABLE[_LABELS]) + _CLASS_TABLE.gather(0, _LABELS)
+    ),
+    "table of B rows at labels": lambda out: out.sum(1) * _B_ROWS_TABLE[_LABELS].exp(),
+    "example table at ids": lambda out: out.sum(1) * torch.sigmoid(_EXAMPLE_TABLE[_IDS]),
+}
+_EXACT = {
+    "[B, k] sorted along dim 1",
+    "gathered along dim 1",
+    "in place index",
+    "in place after a permutation and its inverse",
+    "class table at labels",
+    "table of B rows at labels",
+    "example table at ids",
 }
 
 
@@ -1933,8 +1954,9 @@ _REORDERINGS: dict[str, Callable[[Tensor], Tensor]] = {
 def test_losses_reordered_along_the_batch_are_refused(name: str) -> None:
     """Losses sorted, indexed, gathered or selected along the batch: rows of other samples,
     which the probe missed when the probed samples mapped onto themselves (the Gramian 17%
-    off, weights on the wrong losses). Each sample's own losses reordered, or the batch taken
-    in place, stay exact."""
+    off, weights on the wrong losses). Each sample's own losses reordered, the batch taken in
+    place, and learned tables taken at labels or ids (refused by a first version) stay
+    exact."""
     torch.manual_seed(0)
     layer = nn.Linear(3, 2).double()
     x = torch.randn(4, 3, dtype=torch.float64)
@@ -1943,7 +1965,7 @@ def test_losses_reordered_along_the_batch_are_refused(name: str) -> None:
     def losses_of() -> Tensor:
         return _REORDERINGS[name](layer(x).pow(2))
 
-    if name.startswith(("[B, k]", "gathered", "in place")):
+    if name in _EXACT:
         assert_exact_gramian(engine, losses_of(), list(layer.parameters()))
         return
     _assert_refused(engine, losses_of(), list(layer.parameters()), r"reordered along the batch")

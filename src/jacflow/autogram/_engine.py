@@ -222,18 +222,24 @@ def _check_not_ordered_by_value(losses: Tensor) -> None:
     losses through elementwise operations do not compose to the samples' own order (a
     permutation then its inverse is exact). Each row would belong to another sample, which the
     separation probe misses whenever the probed samples map onto themselves (the Gramian's
-    rows were other samples', and the weights went to the wrong losses, silently)."""
-    frontier: list[Any] = [losses.grad_fn]
+    rows were other samples', and the weights went to the wrong losses, silently).
+
+    Only tensors of ``B`` rows count; past an operation of several tensors (``ce * w[y]``)
+    only a permutation of them does, since a learned table taken at the labels or ids (a
+    class's weight, ``w[y]``) is no reordering of the samples."""
+    batch = losses.shape[0]
+    frontier: list[tuple[Any, bool]] = [(losses.grad_fn, False)]
     looked_at = 0
     while frontier and looked_at < _MAX_LOOKED_AT:
-        node = frontier.pop()
+        node, beside = frontier.pop()
         looked_at += 1
         name = type(node).__name__
         if name in _ELEMENTWISE_NODES or (
             name == "UnsqueezeBackward0" and _signed(node._saved_dim) != 0
         ):
-            frontier += [n for n, _ in node.next_functions if n is not None]
-        elif _reorders_batch(node):
+            inputs = [n for n, _ in node.next_functions if n is not None]
+            frontier += [(n, beside or len(inputs) > 1) for n in inputs]
+        elif _reorders_batch(node, batch, permutations_only=beside):
             raise ValueError(
                 "With batch_dim=0, `losses` were reordered along the batch (sorted by value, or "
                 "indexed, gathered or selected by positions): each loss then belongs to another "
@@ -249,40 +255,54 @@ def _signed(dim: int) -> int:
     return dim - 2**64 if dim >= 2**63 else dim
 
 
-def _reorders_batch(node: Any) -> bool:
-    """Whether the chain of reorderings along dimension 0 that starts at autograd's ``node``
-    (sorts, and takes of entries at given positions, one after the other) leaves the entries
-    elsewhere than at their own positions."""
+def _reorders_batch(node: Any, batch: int, permutations_only: bool) -> bool:
+    """Whether the chain of reorderings along dimension 0 of tensors of ``batch`` rows that
+    starts at autograd's ``node`` (sorts, and takes of entries at given positions, one after
+    the other) leaves the entries elsewhere than at their own positions (with
+    ``permutations_only``, only where the chain is a permutation of the rows)."""
     order: Tensor | None = None  # (positions in the chain's input of the losses' entries)
     for _ in range(_MAX_LOOKED_AT):
         inputs = [n for n, _ in node.next_functions if n is not None]
         if type(node).__name__ in _ELEMENTWISE_NODES and len(inputs) == 1:
             node = inputs[0]  # (between two reorderings: ``(2 * x[p])[q]``)
             continue
-        positions = _positions_along_batch(node)
+        positions = _positions_along_batch(node, batch)
         if positions is None:
             break
         if positions.ndim != 1:  # (a reordering of a matrix's rows: not followed)
-            return not _in_place_order(positions)
+            order = positions
+            break
         order = positions if order is None else positions[order]
         node = node.next_functions[0][0]
-    return order is not None and not _in_place_order(order)
+    if order is None or _in_place_order(order):
+        return False
+    return not permutations_only or _permutation(order, batch)
 
 
-def _positions_along_batch(node: Any) -> Tensor | None:
-    """The positions along dimension 0 at which ``node``'s op takes its input's entries (a
-    sort's permutation, an index's, a gather's or an index_select's), or ``None`` when it does
-    not reorder along dimension 0."""
+def _permutation(order: Tensor, batch: int) -> bool:
+    """Whether ``order`` holds each of ``0, ..., batch - 1`` once along dimension 0."""
+    if order.ndim == 0 or order.shape[0] != batch:
+        return False
+    own = torch.arange(batch, device=order.device).reshape(-1, *[1] * (order.ndim - 1))
+    return bool((order.sort(dim=0).values == own).all())
+
+
+def _positions_along_batch(node: Any, batch: int) -> Tensor | None:
+    """The positions along dimension 0 at which ``node``'s op takes the entries of its input
+    of ``batch`` rows (a sort's permutation, an index's, a gather's or an index_select's), or
+    ``None`` when it does not reorder such an input along dimension 0."""
     name = type(node).__name__
     if name in _BY_VALUE_NODES or name in ("GatherBackward0", "IndexSelectBackward0"):
         shape = getattr(node, "_saved_self_sym_sizes", None)
-        ndim = len(shape) if shape is not None else node._saved_self.ndim
-        if not ndim or _signed(node._saved_dim) % ndim != 0:
+        shape = tuple(shape) if shape is not None else tuple(node._saved_self.shape)
+        if not shape or _signed(node._saved_dim) % len(shape) != 0 or shape[0] != batch:
             return None
         return node._saved_indices if name in _BY_VALUE_NODES else node._saved_index
     if name == "IndexBackward0" and node._saved_indices:
         first = node._saved_indices[0]
-        return first if first is not None and first.dtype != torch.bool else None
+        if first is None or first.dtype == torch.bool or node._saved_self_sym_sizes[0] != batch:
+            return None
+        return first
     return None
 
 
