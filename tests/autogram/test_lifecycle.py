@@ -1910,7 +1910,7 @@ def test_a_module_called_on_two_batches_with_concatenated_losses_is_refused() ->
 _CLASS_TABLE = torch.zeros(3, dtype=torch.float64, requires_grad=True)
 _B_ROWS_TABLE = torch.zeros(4, dtype=torch.float64, requires_grad=True)
 _EXAMPLE_TABLE = torch.zeros(20, dtype=torch.float64, requires_grad=True)
-_LABELS, _IDS = torch.tensor([0, 2, 1, 2]), torch.tensor([10, 3, 7, 1])
+_AT_LABELS, _AT_IDS = torch.tensor([0, 2, 1, 2]), torch.tensor([10, 3, 7, 1])
 
 _REORDERINGS: dict[str, Callable[[Tensor], Tensor]] = {
     "sort": lambda out: out.sum(1).sort().values,
@@ -1934,10 +1934,10 @@ _REORDERINGS: dict[str, Callable[[Tensor], Tensor]] = {
         2.0 * out.sum(1)[torch.tensor([2, 0, 3, 1])]
     )[torch.tensor([1, 3, 0, 2])],
     "class table at labels": lambda out: (
-        out.sum(1) * torch.exp(-_CLASS_TABLE[_LABELS]) + _CLASS_TABLE.gather(0, _LABELS)
+        out.sum(1) * torch.exp(-_CLASS_TABLE[_AT_LABELS]) + _CLASS_TABLE.gather(0, _AT_LABELS)
     ),
-    "table of B rows at labels": lambda out: out.sum(1) * _B_ROWS_TABLE[_LABELS].exp(),
-    "example table at ids": lambda out: out.sum(1) * torch.sigmoid(_EXAMPLE_TABLE[_IDS]),
+    "table of B rows at labels": lambda out: out.sum(1) * _B_ROWS_TABLE[_AT_LABELS].exp(),
+    "example table at ids": lambda out: out.sum(1) * torch.sigmoid(_EXAMPLE_TABLE[_AT_IDS]),
 }
 _EXACT = {
     "[B, k] sorted along dim 1",
