@@ -57,14 +57,16 @@ def aggregate_blocks(
         return _combine(weights, blocks), weights
     if isinstance(aggregator, GramianWeightedAggregator) and m > 0:
         return _combine(weights := _gramian_weights(aggregator, blocks), blocks), weights
-    # (explicit widths: ``reshape(0, -1)`` is ambiguous when there are no rows)
-    matrix = torch.cat([b.reshape(m, math.prod(b.shape[1:])) for b in blocks], dim=1)
     if isinstance(aggregator, WeightedAggregator):
-        weights = aggregator.weights(matrix)
+        weights = aggregator.weights(_concatenated(blocks))
         return _combine(weights, blocks), weights
-    flat = aggregator(matrix)
-    sizes = [math.prod(b.shape[1:]) for b in blocks]
-    return [piece.reshape(b.shape[1:]) for piece, b in zip(torch.split(flat, sizes), blocks)], None
+    return _through_call(aggregator, blocks)
+
+
+def _concatenated(blocks: Sequence[Tensor]) -> Tensor:
+    """The ``[m, n]`` Jacobian whose column blocks are ``blocks``."""
+    m = blocks[0].shape[0]  # (explicit widths: ``reshape(0, -1)`` is ambiguous without rows)
+    return torch.cat([b.reshape(m, math.prod(b.shape[1:])) for b in blocks], dim=1)
 
 
 def computed_by_library(aggregator: Aggregator) -> bool:
@@ -98,8 +100,7 @@ def _through_call(
     or ``weights`` is used, as in ``aggregator(J)``; the weights are those its ``weights``
     returned in that call (recorded, not asked again: a stateful one would step twice), or,
     when its ``forward`` did not ask for them, those of the library's own ``weights``."""
-    m = blocks[0].shape[0]
-    matrix = torch.cat([b.reshape(m, math.prod(b.shape[1:])) for b in blocks], dim=1)
+    matrix = _concatenated(blocks)
     if not isinstance(aggregator, WeightedAggregator):
         flat, weights = aggregator(matrix), None
     else:
