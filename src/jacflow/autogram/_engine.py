@@ -1592,8 +1592,7 @@ def _with_rows(gramian: Tensor, rows: Sequence[Tensor | None]) -> Tensor:
     present = [r.reshape(r.shape[0], -1).to(gramian.dtype) for r in rows if r is not None]
     if not present:
         return gramian
-    jacobian = torch.cat(present, dim=1)
-    return gramian + jacobian @ jacobian.T
+    return gramian + gram(torch.cat(present, dim=1))
 
 
 def _row_updates(
