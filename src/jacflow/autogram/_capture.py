@@ -89,7 +89,7 @@ def capture(
         # (an input asked for each row that no head reaches but through the meeting output is
         # pulled back from there with the hooked outputs, in the batched backward)
         behind = [
-            rows == EACH and id(get_gradient_edge(tensor).node) not in heads.nodes
+            rows == EACH and get_gradient_edge(tensor).node not in heads.nodes
             for tensor, rows in zip(extra_inputs, chosen, strict=True)
         ]
         along = [(t, r) for t, r, b in zip(extra_inputs, chosen, behind, strict=True) if not b]
@@ -275,7 +275,7 @@ class _Heads(NamedTuple):
 
     branches: list[GradientEdge | None]
     meeting: GradientEdge
-    nodes: frozenset[int]  # the ``id`` of the nodes on the heads' side of the meeting output
+    nodes: set[Any]  # the nodes on the heads' side of the meeting output (the walk's own set)
 
 
 def _task_heads(
@@ -316,7 +316,7 @@ def _task_heads(
     if any(h and (e.node, e.output_nr) == (node, output_nr) for e, h in zip(edges, hooked)):
         return None
     heads = [None if b[0] is None else GradientEdge(b[0], b[1]) for b in branches]
-    return _Heads(heads, GradientEdge(node, output_nr), frozenset(id(n) for n in seen))
+    return _Heads(heads, GradientEdge(node, output_nr), seen)
 
 
 def _by_task(
