@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from jacflow.aggregation._bases import Aggregator
-from jacflow.aggregation._hyperparameters import Hyperparameter
+from jacflow.aggregation._hyperparameters import Hyperparameter, check_unit_vector
 
 
 def identity(purity: Tensor) -> Tensor:
@@ -64,16 +64,8 @@ def _check_f(f: object, name: str) -> Callable[[Tensor], Tensor]:
 
 
 def _check_leak(leak: object, name: str) -> Tensor | None:
-    if leak is None:
-        return None
-    if not isinstance(leak, Tensor) or leak.ndim != 1:
-        raise ValueError(
-            f"`{name}` must be None or a vector (1-D tensor) with one value per objective, "
-            f"received {leak!r}."
-        )
-    if not bool(((leak >= 0) & (leak <= 1)).all()):
-        raise ValueError(f"`{name}` values must lie in [0, 1], received {leak.tolist()}.")
-    return leak
+    expected = "None or a vector (1-D tensor) with one value per objective"
+    return None if leak is None else check_unit_vector(leak, name, expected)
 
 
 class GradDrop(Aggregator):

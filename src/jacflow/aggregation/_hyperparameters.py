@@ -25,7 +25,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar, overload
 
-from torch import nn
+from torch import Tensor, nn
 
 T = TypeVar("T")
 
@@ -111,6 +111,24 @@ def or_none(check: Check[T]) -> Check[T | None]:
         return None if value is None else check(value, name)
 
     return check_optional
+
+
+def check_unit_vector(value: object, name: str, expected: str) -> Tensor:
+    """``value`` if it is a vector (1-D tensor) of entries in [0, 1], else a ``ValueError``
+    saying that ``name`` must be ``expected``.
+
+    Example:
+        >>> import torch
+        >>> from jacflow.aggregation._hyperparameters import check_unit_vector
+        >>> check_unit_vector(torch.tensor([0.2, 1.0]), "leak", "a vector")
+        tensor([0.2000, 1.0000])
+    """
+    if not isinstance(value, Tensor) or value.ndim != 1:
+        shape = tuple(value.shape) if isinstance(value, Tensor) else type(value)
+        raise ValueError(f"`{name}` must be {expected}, received {shape}.")
+    if not bool(((value >= 0) & (value <= 1)).all()):
+        raise ValueError(f"`{name}` values must lie in [0, 1], received {value.tolist()}.")
+    return value
 
 
 def check_bool(value: object, name: str) -> bool:

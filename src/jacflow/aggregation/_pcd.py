@@ -9,7 +9,13 @@ from torch import Tensor
 
 from jacflow._stateful import SavesState, Stateful
 from jacflow.aggregation._bases import GramianWeighting
-from jacflow.aggregation._hyperparameters import Forwarded, Hyperparameter, check_float, floats
+from jacflow.aggregation._hyperparameters import (
+    Forwarded,
+    Hyperparameter,
+    check_float,
+    check_unit_vector,
+    floats,
+)
 from jacflow.aggregation._nonfinite import has_nonfinite, nan_weights
 from jacflow.aggregation._preset import StatefulGramianPreset
 from jacflow.aggregation._properties import Property
@@ -91,14 +97,8 @@ def solve_pcd_qp(gramian: Tensor, taus: Tensor, dependence_tol: float = 1e-9) ->
 
 def _check_tau(tau: object, name: str) -> float | Tensor:
     if isinstance(tau, Tensor):
-        if tau.ndim != 1:
-            raise ValueError(
-                f"`{name}` must be a float or a 1-D tensor (one value per secondary objective), "
-                f"received shape {tuple(tau.shape)}."
-            )
-        if not bool(((tau >= 0) & (tau <= 1)).all()):
-            raise ValueError(f"every entry of `{name}` must be in [0, 1], received {tau}.")
-        return tau
+        expected = "a float or a 1-D tensor (one value per secondary objective)"
+        return check_unit_vector(tau, name, expected)
     return check_float(tau, name, low=0.0, high=1.0)
 
 
