@@ -29,11 +29,11 @@ from jacflow.autogram._rules import (
     Rows,
     Rule,
     add_grads,
-    gram,
     kept_weighted_grads,
     register_rule,
     worth_keeping,
 )
+from jacflow.linalg._row_gramian import row_gramian
 
 
 def _windows(x: Tensor, module: _ConvNd) -> Tensor:
@@ -302,7 +302,7 @@ class ConvContribution(Contribution):
             flat = grads.flatten(1)
             if worth_keeping(flat, *self._held()):
                 self.kept = flat
-            total = gram(flat)
+            total = row_gramian(flat)
         if bias:
             s = self.bias_kept = self._bias_rows()
             total = s @ s.T if total is None else total + s @ s.T

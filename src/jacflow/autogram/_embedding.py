@@ -15,7 +15,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from jacflow.autogram._rules import Call, Contribution, Rows, Rule, gram, register_rule
+from jacflow.autogram._rules import Call, Contribution, Rows, Rule, register_rule
+from jacflow.linalg._row_gramian import row_gramian
 
 
 class EmbeddingContribution(Contribution):
@@ -53,7 +54,7 @@ class EmbeddingContribution(Contribution):
         if r * r * n_tokens * p <= n_pairs * n_pairs * (p + r):
             dense = c.new_zeros(r, n_tokens, p)
             dense[row, position] = c
-            return gram(dense.reshape(r, -1))
+            return row_gramian(dense.reshape(r, -1))
         same = (position.unsqueeze(1) == position.unsqueeze(0)).to(c.dtype)
         pair_gram = (c @ c.T) * same
         onehot = torch.nn.functional.one_hot(row, r).to(c.dtype)  # [U, R]

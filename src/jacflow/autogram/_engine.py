@@ -58,7 +58,6 @@ from jacflow.autogram._rules import (
     Rows,
     backward_hooks,
     check_replayed_calls,
-    gram,
     is_replaying,
     multi_grad_hook,
     no_hook,
@@ -66,6 +65,7 @@ from jacflow.autogram._rules import (
     tracker_hook,
 )
 from jacflow.autogram._separable import leaks, probe_cotangent, probe_samples
+from jacflow.linalg._row_gramian import row_gramian
 
 # A pattern of recorded calls: their units, in order, and the losses' graph outside them (see
 # outside_calls); the checks that hold for one are made once per pattern.
@@ -1531,7 +1531,7 @@ def _assemble(
     for key in shared:
         summed = sum(c.per_row_grads(n).reshape(rows.num_rows, -1) for c, n in owners[key])
         assert isinstance(summed, Tensor)
-        term = gram(summed)
+        term = row_gramian(summed)
         total = term if total is None else total + term
     if total is None:  # every hooked parameter is frozen
         return losses.new_zeros(rows.num_rows, rows.num_rows)
@@ -1592,7 +1592,7 @@ def _with_rows(gramian: Tensor, rows: Sequence[Tensor | None]) -> Tensor:
     present = [r.reshape(r.shape[0], -1).to(gramian.dtype) for r in rows if r is not None]
     if not present:
         return gramian
-    return gramian + gram(torch.cat(present, dim=1))
+    return gramian + row_gramian(torch.cat(present, dim=1))
 
 
 def _row_updates(

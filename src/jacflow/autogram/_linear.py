@@ -11,7 +11,7 @@ form. With ``U`` the unfolded inputs ``[S, T, g, d]`` (``g`` independent groups 
 
 The cheaper of the two is chosen per layer. The bias gradient is ``sum_t b_rt``; on the ghost
 route it costs nothing extra (``1`` is added to the kernel ``U U^T``: the ``A A^T + 1`` form).
-Gram matrices are computed by symmetric blocking (:func:`~jacflow.autogram._rules.gram`), and
+Gram matrices are one product each (:func:`~jacflow.linalg._row_gramian.row_gramian`), and
 materialised per-row gradients are kept for the update when they are small enough.
 """
 
@@ -27,13 +27,13 @@ from jacflow.autogram._rules import (
     Contribution,
     Rows,
     Rule,
-    gram,
     kept_weighted_grads,
     kernel_gram,
     register_rule,
     weighted_sum,
     worth_keeping,
 )
+from jacflow.linalg._row_gramian import row_gramian
 
 
 def ghost_cost(rows: Rows, positions: int, groups: int, d: int, p: int) -> int:
@@ -75,14 +75,14 @@ def ghost_gramian(u: Tensor, bp: Tensor, rows: Rows, with_bias: bool = False) ->
         # (one group, as in Linear: views without the select, one dispatch fewer each)
         uj = u.reshape(s * t, d) if groups == 1 else u[:, :, j].reshape(s * t, d)
         bj = bp.reshape(r, t, p) if groups == 1 else bp[:, :, j]
-        kernel = gram(uj)
+        kernel = row_gramian(uj)
         if with_bias:
             kernel += 1
         if rows.per_task:
             term = kernel_gram(kernel, bj)
         else:
             flat_b = bj.reshape(r * t, p)
-            term = gram(flat_b)
+            term = row_gramian(flat_b)
             if t == 1:
                 if rows.index is not None:
                     kernel = kernel[rows.index][:, rows.index]
@@ -165,7 +165,7 @@ class UnfoldedContribution(Contribution):
             flat = per_row_weight_grads(self.u, self.bp, self.rows).flatten(1)
             if worth_keeping(flat, self.u, self.bp):
                 self.kept = flat
-            total = gram(flat)
+            total = row_gramian(flat)
         if bias:
             s = self._bias_rows()
             total = s @ s.T if total is None else total + s @ s.T

@@ -26,6 +26,7 @@ from torch.nn.modules import module as torch_module
 from torch.utils.hooks import unserializable_hook
 
 from jacflow.linalg._cholesky import cholesky_ex
+from jacflow.linalg._row_gramian import row_gramian
 
 
 @dataclass(frozen=True)
@@ -702,27 +703,6 @@ def quiet_vmap_fallback() -> Iterator[None]:
         yield
 
 
-def gram(flat: Tensor) -> Tensor:
-    """``flat @ flat.T``: the Gramian of the rows of ``flat``, as one product.
-
-    A recursive 2 x 2 blocking that computes each off-diagonal block once (about half the
-    multiply-adds) was 27-35% faster on one early host, within -10% to +2% on a later one, and
-    is 0-45% slower on the current one (float32, 1 thread, ``[128, 432]`` to ``[256, 2048]``
-    and ``[128, 9216]``; the per-sample steps of the width-1024 MLP at B = 128 took 0.92x and
-    of the CNN 0.99x the time without it, in one process, interleaved): the smaller products
-    and their concatenation cost what the symmetry saves. Off the CPU the blocks' launches
-    cost more still.
-
-    Example:
-        >>> import torch
-        >>> from jacflow.autogram._rules import gram
-        >>> gram(torch.tensor([[1.0, 2.0], [3.0, 4.0]]))
-        tensor([[ 5., 11.],
-                [11., 25.]])
-    """
-    return flat @ flat.T
-
-
 # The Cholesky blocks of kernel_gram pay when the multiply-adds they save (about half of
 # R T^2 p) exceed their fixed costs: the factorisation (T^3 / 3 flops, at a lower rate than a
 # product) and some 10-36 smaller products. Measured (one-off, 1 thread, float32 and float64,
@@ -820,7 +800,7 @@ class MaterializedContribution(Contribution):
         if not kept:
             return None
         flat = stack_grads(kept)  # (float16's range: in float32, as the closed forms)
-        return gram(flat.float() if flat.dtype == torch.float16 else flat)
+        return row_gramian(flat.float() if flat.dtype == torch.float16 else flat)
 
     def per_row_grads(self, name: str) -> Tensor:
         return self.grads[name]

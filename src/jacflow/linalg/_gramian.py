@@ -8,6 +8,8 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor
 
+from jacflow.linalg._row_gramian import row_gramian
+
 
 def compute_gramian(matrix: Tensor) -> Tensor:
     """Return ``matrix @ matrix.T``: the Gramian of the rows of a ``[m, n]`` matrix.
@@ -22,7 +24,7 @@ def compute_gramian(matrix: Tensor) -> Tensor:
         tensor([[ 1., -1.],
                 [-1.,  5.]])
     """
-    return matrix @ matrix.T
+    return row_gramian(matrix) if matrix.ndim == 2 else matrix @ matrix.T
 
 
 def sum_gramians(matrices: Iterable[Tensor]) -> Tensor:
@@ -42,7 +44,7 @@ def sum_gramians(matrices: Iterable[Tensor]) -> Tensor:
     total: Tensor | None = None
     for matrix in matrices:
         flat = matrix.reshape(matrix.shape[0], -1)
-        term = flat @ flat.T
+        term = row_gramian(flat)
         total = term if total is None else total + term
     if total is None:
         raise ValueError("`sum_gramians` needs at least one matrix, received none.")

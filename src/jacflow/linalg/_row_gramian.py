@@ -1,0 +1,144 @@
+"""``flat @ flat.T`` on the CPU by the faster of the two float32 products that torch ships.
+
+torch multiplies matrices on the CPU with its BLAS, MKL in the official wheels. MKL runs its
+AVX-512 code only on Intel processors and its AVX2 code on the others, which then get about half
+of what their vector units can do. oneDNN, which the same wheels carry for convolutions, picks
+its kernels from the instruction sets the processor reports. On an AMD EPYC with AVX-512 (one
+thread, float32), oneDNN's product took 0.43x-0.61x MKL's time for Gramians of 8 to 512 rows
+whose multiply-adds reach :data:`ONEDNN_MIN_WORK` (``[128, 432]`` to ``[32, 262144]``), and lost
+below that: it has a fixed cost of about 10 us and is up to 7x slower on a few rows. Both products
+are exact up to float32 rounding (relative errors of a few 1e-7 against float64 for both).
+
+Elsewhere (Intel processors, whose MKL takes AVX-512; processors without AVX-512; other BLAS
+libraries; float64, which oneDNN does not multiply; accelerators; products that autograd records,
+autocast or ``torch.compile`` see) the product is ``flat @ flat.T``.
+
+Not taken: a recursive 2 x 2 blocking that computes each off-diagonal block once (about half
+the multiply-adds). It was 27-35% faster on one early host, within -10% to +2% on a later one,
+and 0-45% slower on a third (float32, 1 thread, ``[128, 432]`` to ``[256, 2048]``): the smaller
+products and their concatenation cost what the symmetry saves. Off the CPU the blocks' launches
+cost more still.
+"""
+
+from __future__ import annotations
+
+import functools
+import platform
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+# Measured on the host described above: oneDNN's product paid from 8 rows and about 2 million
+# multiply-adds (rows^2 * columns; 0.95x-0.96x there, 1.07x-1.38x below).
+ONEDNN_MIN_ROWS = 8
+ONEDNN_MIN_WORK = 2**21
+
+
+def onednn_pays(vendor: str, capability: str, blas: str, has_onednn: bool) -> bool:
+    """Whether a host's float32 Gramians go through oneDNN: its BLAS is MKL, which takes its
+    AVX2 code on a processor not made by Intel (``vendor``, as ``/proc/cpuinfo``'s
+    ``vendor_id`` names it), while torch and oneDNN use the processor's AVX-512 (``capability``,
+    ``torch.backends.cpu.get_cpu_capability()``).
+
+    Example:
+        >>> from jacflow.linalg._row_gramian import onednn_pays
+        >>> onednn_pays("AuthenticAMD", "AVX512", "mkl", True)
+        True
+        >>> onednn_pays("GenuineIntel", "AVX512", "mkl", True)  # MKL takes AVX-512 there
+        False
+        >>> onednn_pays("AuthenticAMD", "AVX2", "mkl", True)  # both take AVX2
+        False
+    """
+    return (
+        has_onednn
+        and blas == "mkl"
+        and capability.startswith("AVX512")
+        and vendor not in ("", "GenuineIntel")
+    )
+
+
+def _cpu_vendor() -> str:
+    """The processor's vendor string (``AuthenticAMD``, ``GenuineIntel``, ...), or ``""`` where
+    it cannot be read (the rule then keeps torch's product)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("vendor_id"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    processor = platform.processor()  # Windows: "... AuthenticAMD"
+    for vendor in ("AuthenticAMD", "GenuineIntel", "HygonGenuine"):
+        if vendor in processor:
+            return vendor
+    return ""
+
+
+@functools.cache
+def host_prefers_onednn() -> bool:
+    """:func:`onednn_pays` for this process's host (read once)."""
+    try:
+        has_onednn = torch.backends.mkldnn.is_available() and hasattr(
+            torch.ops.mkldnn, "_linear_pointwise"
+        )
+    except (AttributeError, RuntimeError):
+        has_onednn = False
+    blas = "mkl" if torch.backends.mkl.is_available() else "other"
+    capability = torch.backends.cpu.get_cpu_capability()
+    return onednn_pays(_cpu_vendor(), capability, blas, has_onednn)
+
+
+def _cpu_autocast() -> bool:
+    try:
+        return torch.is_autocast_enabled("cpu")
+    except TypeError:  # torch < 2.4
+        return torch.is_autocast_cpu_enabled()
+
+
+def _compiling() -> bool:
+    is_compiling = getattr(torch.compiler, "is_compiling", None)
+    return bool(is_compiling()) if is_compiling is not None else False
+
+
+def takes_onednn(flat: Tensor) -> bool:
+    """Whether :func:`row_gramian` multiplies ``flat`` with oneDNN."""
+    rows, columns = flat.shape
+    return (
+        flat.device.type == "cpu"
+        and flat.dtype == torch.float32
+        and rows >= ONEDNN_MIN_ROWS
+        and rows * rows * columns >= ONEDNN_MIN_WORK
+        and not (flat.requires_grad and torch.is_grad_enabled())  # no derivative there
+        and not _compiling()
+        and not _cpu_autocast()
+        and host_prefers_onednn()
+    )
+
+
+def onednn_gramian(flat: Tensor) -> Tensor:
+    """``flat @ flat.T`` by oneDNN's product (float32 on the CPU, with torch built with it).
+
+    Example:
+        >>> import torch
+        >>> from jacflow.linalg._row_gramian import onednn_gramian
+        >>> x = torch.randn(16, 300)
+        >>> torch.allclose(onednn_gramian(x), x @ x.T, rtol=1e-5, atol=1e-3)
+        True
+    """
+    return torch.ops.mkldnn._linear_pointwise(flat, flat, None, "none", [], "")
+
+
+def row_gramian(flat: Tensor) -> Tensor:
+    """``flat @ flat.T`` for ``flat`` ``[rows, columns]``, by oneDNN where that pays
+    (:func:`takes_onednn`; see the module's docstring), else by ``@``.
+
+    Example:
+        >>> import torch
+        >>> from jacflow.linalg._row_gramian import row_gramian
+        >>> row_gramian(torch.tensor([[1.0, 2.0], [3.0, 4.0]]))
+        tensor([[ 5., 11.],
+                [11., 25.]])
+    """
+    if flat.ndim == 2 and takes_onednn(flat):
+        return onednn_gramian(flat)
+    return flat @ flat.T
