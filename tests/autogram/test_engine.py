@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import Tensor, nn
@@ -10,6 +12,7 @@ from jacflow.aggregation import MeanWeighting, UPGradWeighting
 from jacflow.autogram import Engine, _conv, _linear
 from jacflow.autogram._conv import ConvContribution
 from jacflow.autogram._linear import UnfoldedContribution
+from jacflow.linalg import _products
 from tests.autogram._zoo import CASES, Case
 
 
@@ -43,7 +46,10 @@ def assert_exact_gramian(engine: Engine, losses: Tensor, params: list[Tensor]) -
 
 
 def tolerances(dtype: torch.dtype) -> dict[str, float]:
-    return {"rtol": 1e-6, "atol": 1e-6} if dtype == torch.float64 else {"rtol": 2e-3, "atol": 2e-4}
+    return {"rtol": 1e-6, "atol": 1e-6} if dtype == torch.float64 else TOL32
+
+
+TOL32 = {"rtol": 2e-3, "atol": 2e-4}
 
 
 def check_case(case: Case, dtype: torch.dtype) -> None:
@@ -82,6 +88,40 @@ FLOAT32 = ["mlp", "cnn", "transformer_block", "weight_tying", "tasks_mlp", "embe
 def test_gramian_and_update_float32(case: Case, device: str) -> None:
     with torch.device(device):
         check_case(case, torch.float32)
+
+
+def test_large_float32_products_match_float64(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Layers large enough for oneDNN's products (:mod:`jacflow.linalg._products`: Gramians
+    from 8 million multiply-adds, weight gradients of inner size 128) agree with the float64
+    reference; on a host that prefers oneDNN they are taken."""
+    taken: list[tuple[int, ...]] = []
+    real = _products.onednn_product
+
+    def spy(a: Tensor, b: Tensor) -> Tensor:
+        taken.append((*a.shape, b.shape[1]))
+        return real(a, b)
+
+    monkeypatch.setattr(_products, "onednn_product", spy)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 512), nn.ReLU(), nn.Linear(512, 512), nn.Tanh())
+    x = torch.randn(128, 64)
+    exact = copy.deepcopy(model).double()
+    jacobian = reference_jacobian(exact(x.double()).pow(2).mean(1), list(exact.parameters()))
+    engine = Engine(model, batch_dim=0)
+    losses = model(x).pow(2).mean(1)
+    gramian = engine.compute_gramian(losses)
+    scale = float(jacobian.pow(2).sum(1).max())
+    torch.testing.assert_close(gramian.double() / scale, jacobian @ jacobian.T / scale, **TOL32)
+    weights = engine.backward(model(x).pow(2).mean(1), MeanWeighting())
+    actual = torch.cat([p.grad.flatten() for p in model.parameters()]).double()
+    expected = weights.double() @ jacobian
+    gscale = float(expected.abs().max())
+    torch.testing.assert_close(actual / gscale, expected / gscale, **TOL32)
+    if _products.host_prefers_onednn():
+        assert (128, 512, 128) in taken  # the second layer's Gramian
+        assert (512, 128, 512) in taken  # its weight gradient
+    else:
+        assert not taken
 
 
 def test_weights_match_weighting_of_reference_gramian() -> None:

@@ -33,7 +33,7 @@ from jacflow.autogram._rules import (
     register_rule,
     worth_keeping,
 )
-from jacflow.linalg._row_gramian import row_gramian
+from jacflow.linalg._products import row_gramian
 
 
 def _windows(x: Tensor, module: _ConvNd) -> Tensor:

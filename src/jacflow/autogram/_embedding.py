@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from jacflow.autogram._rules import Call, Contribution, Rows, Rule, register_rule
-from jacflow.linalg._row_gramian import row_gramian
+from jacflow.linalg._products import row_gramian
 
 
 class EmbeddingContribution(Contribution):

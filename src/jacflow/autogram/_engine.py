@@ -65,7 +65,7 @@ from jacflow.autogram._rules import (
     tracker_hook,
 )
 from jacflow.autogram._separable import leaks, probe_cotangent, probe_samples
-from jacflow.linalg._row_gramian import row_gramian
+from jacflow.linalg._products import row_gramian
 
 # A pattern of recorded calls: their units, in order, and the losses' graph outside them (see
 # outside_calls); the checks that hold for one are made once per pattern.

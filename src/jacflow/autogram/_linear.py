@@ -11,7 +11,7 @@ form. With ``U`` the unfolded inputs ``[S, T, g, d]`` (``g`` independent groups 
 
 The cheaper of the two is chosen per layer. The bias gradient is ``sum_t b_rt``; on the ghost
 route it costs nothing extra (``1`` is added to the kernel ``U U^T``: the ``A A^T + 1`` form).
-Gram matrices are one product each (:func:`~jacflow.linalg._row_gramian.row_gramian`), and
+Gram matrices are one product each (:func:`~jacflow.linalg._products.row_gramian`), and
 materialised per-row gradients are kept for the update when they are small enough.
 """
 
@@ -33,7 +33,7 @@ from jacflow.autogram._rules import (
     weighted_sum,
     worth_keeping,
 )
-from jacflow.linalg._row_gramian import row_gramian
+from jacflow.linalg._products import product, row_gramian
 
 
 def ghost_cost(rows: Rows, positions: int, groups: int, d: int, p: int) -> int:
@@ -110,8 +110,8 @@ def weighted_weight_grad(u: Tensor, y: Tensor, out: Tensor | None = None) -> Ten
     if u.shape[2] == 1:
         flat_y, flat_u = y.reshape(-1, y.shape[-1]).T, u.reshape(-1, u.shape[3])
         if out is None:
-            return flat_y @ flat_u
-        torch.mm(flat_y, flat_u, out=out.view(flat_y.shape[0], flat_u.shape[1]))
+            return product(flat_y, flat_u)
+        product(flat_y, flat_u, out=out.view(flat_y.shape[0], flat_u.shape[1]))
         return out
     if out is not None:
         raise ValueError("internal: `out` is only written for one group of weights")

@@ -26,7 +26,7 @@ from torch.nn.modules import module as torch_module
 from torch.utils.hooks import unserializable_hook
 
 from jacflow.linalg._cholesky import cholesky_ex
-from jacflow.linalg._row_gramian import row_gramian
+from jacflow.linalg._products import row_gramian
 
 
 @dataclass(frozen=True)

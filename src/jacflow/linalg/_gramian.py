@@ -8,7 +8,7 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor
 
-from jacflow.linalg._row_gramian import row_gramian
+from jacflow.linalg._products import row_gramian
 
 
 def compute_gramian(matrix: Tensor) -> Tensor:

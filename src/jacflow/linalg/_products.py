@@ -1,17 +1,20 @@
-"""``flat @ flat.T`` on the CPU by the faster of the two float32 products that torch ships.
+"""Matrix products on the CPU by the faster of the two float32 kernels that torch ships.
 
 torch multiplies matrices on the CPU with its BLAS, MKL in the official wheels. MKL runs its
 AVX-512 code only on Intel processors and its AVX2 code on the others, which then get about half
 of what their vector units can do. oneDNN, which the same wheels carry for convolutions, picks
 its kernels from the instruction sets the processor reports. On an AMD EPYC with AVX-512 (one
-thread, float32), oneDNN's product took 0.43x-0.61x MKL's time for Gramians of 8 to 512 rows
-whose multiply-adds reach :data:`ONEDNN_MIN_WORK` (``[128, 432]`` to ``[32, 262144]``), and lost
-below that: it has a fixed cost of about 10 us and is up to 7x slower on a few rows. Both products
-are exact up to float32 rounding (relative errors of a few 1e-7 against float64 for both).
+thread, float32, products timed alone), oneDNN's product took 0.43x-0.61x MKL's time for
+Gramians from ``[128, 432]`` to ``[32, 262144]`` and 0.45x-0.70x for weight-gradient products
+such as ``[1024, 128] @ [128, 1024]``. Inside the engine's steps its gains start later (see
+:data:`ONEDNN_MIN_WORK`): at about 8 million multiply-adds, 8 rows and columns of the result
+and an inner size of 128; below that it loses (it has a fixed cost of about 10 us, and is up to
+7x slower with a few rows). Both products are exact up to float32 rounding (relative errors of
+a few 1e-7 against float64 for both).
 
 Elsewhere (Intel processors, whose MKL takes AVX-512; processors without AVX-512; other BLAS
 libraries; float64, which oneDNN does not multiply; accelerators; products that autograd records,
-autocast or ``torch.compile`` see) the product is ``flat @ flat.T``.
+autocast or ``torch.compile`` see) the product is torch's.
 
 Not taken: a recursive 2 x 2 blocking that computes each off-diagonal block once (about half
 the multiply-adds). It was 27-35% faster on one early host, within -10% to +2% on a later one,
@@ -29,20 +32,26 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-# Measured on the host described above: oneDNN's product paid from 8 rows and about 2 million
-# multiply-adds (rows^2 * columns; 0.95x-0.96x there, 1.07x-1.38x below).
+# Measured on the host described above, inside the engine's steps (per-sample and per-task,
+# each product timed in steps that alternate between the two routes): oneDNN's product paid
+# from about 8 million multiply-adds ([32, 9216] Gramians: 0.81x; [128, 432]: 1.34x), with 8
+# rows and columns of the result at least (alone, 1.07x-7x slower below) and an inner size of
+# 128 at least: its result is a new tensor (no `out=`), whose allocation and first writes cost
+# about as much as a product of inner size 64 ([1024, 64] @ [64, 1024]: 1.07x, against 0.61x
+# for [1024, 128] @ [128, 1024]).
 ONEDNN_MIN_ROWS = 8
-ONEDNN_MIN_WORK = 2**21
+ONEDNN_MIN_INNER = 128
+ONEDNN_MIN_WORK = 2**23
 
 
 def onednn_pays(vendor: str, capability: str, blas: str, has_onednn: bool) -> bool:
-    """Whether a host's float32 Gramians go through oneDNN: its BLAS is MKL, which takes its
+    """Whether a host's float32 products go through oneDNN: its BLAS is MKL, which takes its
     AVX2 code on a processor not made by Intel (``vendor``, as ``/proc/cpuinfo``'s
     ``vendor_id`` names it), while torch and oneDNN use the processor's AVX-512 (``capability``,
     ``torch.backends.cpu.get_cpu_capability()``).
 
     Example:
-        >>> from jacflow.linalg._row_gramian import onednn_pays
+        >>> from jacflow.linalg._products import onednn_pays
         >>> onednn_pays("AuthenticAMD", "AVX512", "mkl", True)
         True
         >>> onednn_pays("GenuineIntel", "AVX512", "mkl", True)  # MKL takes AVX-512 there
@@ -100,45 +109,61 @@ def _compiling() -> bool:
     return bool(is_compiling()) if is_compiling is not None else False
 
 
-def takes_onednn(flat: Tensor) -> bool:
-    """Whether :func:`row_gramian` multiplies ``flat`` with oneDNN."""
-    rows, columns = flat.shape
+def takes_onednn(a: Tensor, b: Tensor) -> bool:
+    """Whether :func:`product` multiplies ``a`` ``[n, k]`` and ``b`` ``[k, p]`` with oneDNN
+    (:func:`row_gramian`: ``b = a.T``)."""
+    (n, k), p = a.shape, b.shape[1]
     return (
-        flat.device.type == "cpu"
-        and flat.dtype == torch.float32
-        and rows >= ONEDNN_MIN_ROWS
-        and rows * rows * columns >= ONEDNN_MIN_WORK
-        and not (flat.requires_grad and torch.is_grad_enabled())  # no derivative there
+        a.device.type == "cpu"
+        and a.dtype == b.dtype == torch.float32
+        and min(n, p) >= ONEDNN_MIN_ROWS
+        and k >= ONEDNN_MIN_INNER
+        and n * k * p >= ONEDNN_MIN_WORK
+        and not (torch.is_grad_enabled() and (a.requires_grad or b.requires_grad))  # no derivative
         and not _compiling()
         and not _cpu_autocast()
         and host_prefers_onednn()
     )
 
 
-def onednn_gramian(flat: Tensor) -> Tensor:
-    """``flat @ flat.T`` by oneDNN's product (float32 on the CPU, with torch built with it).
+def onednn_product(a: Tensor, b: Tensor) -> Tensor:
+    """``a @ b`` by oneDNN's product (float32 on the CPU, with torch built with it).
 
     Example:
         >>> import torch
-        >>> from jacflow.linalg._row_gramian import onednn_gramian
-        >>> x = torch.randn(16, 300)
-        >>> torch.allclose(onednn_gramian(x), x @ x.T, rtol=1e-5, atol=1e-3)
+        >>> from jacflow.linalg._products import onednn_product
+        >>> a, b = torch.randn(16, 300), torch.randn(300, 12)
+        >>> torch.allclose(onednn_product(a, b), a @ b, rtol=1e-5, atol=1e-4)
         True
     """
-    return torch.ops.mkldnn._linear_pointwise(flat, flat, None, "none", [], "")
+    return torch.ops.mkldnn._linear_pointwise(a, b.T, None, "none", [], "")
+
+
+def product(a: Tensor, b: Tensor, out: Tensor | None = None) -> Tensor:
+    """``a @ b`` for ``a`` ``[n, k]`` and ``b`` ``[k, p]`` (written into ``out`` when given),
+    by oneDNN where that pays (:func:`takes_onednn`; see the module's docstring), else by
+    ``torch.mm``.
+
+    Example:
+        >>> import torch
+        >>> from jacflow.linalg._products import product
+        >>> product(torch.tensor([[1.0, 2.0]]), torch.tensor([[3.0], [4.0]]))
+        tensor([[11.]])
+    """
+    if takes_onednn(a, b):
+        result = onednn_product(a, b)
+        return result if out is None else out.copy_(result)
+    return torch.mm(a, b) if out is None else torch.mm(a, b, out=out)
 
 
 def row_gramian(flat: Tensor) -> Tensor:
-    """``flat @ flat.T`` for ``flat`` ``[rows, columns]``, by oneDNN where that pays
-    (:func:`takes_onednn`; see the module's docstring), else by ``@``.
+    """``flat @ flat.T`` for ``flat`` ``[rows, columns]`` (:func:`product`).
 
     Example:
         >>> import torch
-        >>> from jacflow.linalg._row_gramian import row_gramian
+        >>> from jacflow.linalg._products import row_gramian
         >>> row_gramian(torch.tensor([[1.0, 2.0], [3.0, 4.0]]))
         tensor([[ 5., 11.],
                 [11., 25.]])
     """
-    if flat.ndim == 2 and takes_onednn(flat):
-        return onednn_gramian(flat)
-    return flat @ flat.T
+    return product(flat, flat.T)

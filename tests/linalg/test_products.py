@@ -1,4 +1,4 @@
-"""The Gramian product's two routes against float64 references, and the rule that picks one."""
+"""The products' two routes against float64 references, and the rule that picks one."""
 
 from __future__ import annotations
 
@@ -8,12 +8,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jacflow.linalg import compute_gramian, sum_gramians
-from jacflow.linalg._row_gramian import (
+from jacflow.linalg._products import (
     ONEDNN_MIN_ROWS,
     ONEDNN_MIN_WORK,
     host_prefers_onednn,
-    onednn_gramian,
     onednn_pays,
+    onednn_product,
+    product,
     row_gramian,
     takes_onednn,
 )
@@ -46,6 +47,10 @@ def test_onednn_pays_only_where_mkl_runs_below_the_processor(
     assert onednn_pays(vendor, capability, blas, has) is expected
 
 
+def onednn_gramian(flat: torch.Tensor) -> torch.Tensor:
+    return onednn_product(flat, flat.T)
+
+
 @has_onednn
 @settings(max_examples=25, deadline=None)
 @given(st.integers(1, 70), st.integers(1, 700), st.integers(0, 2**31 - 1))
@@ -58,6 +63,28 @@ def test_onednn_gramian_matches_float64(rows: int, columns: int, seed: int) -> N
     # float32 rounding of sums of `columns` products: a few ulps of the diagonal's scale
     scale = exact.diagonal().max()
     assert float((result.double() - exact).abs().max()) <= 1e-6 * columns**0.5 * scale + 1e-30
+
+
+@has_onednn
+@settings(max_examples=25, deadline=None)
+@given(
+    st.integers(1, 60),
+    st.integers(1, 300),
+    st.integers(1, 60),
+    st.booleans(),
+    st.booleans(),
+    st.integers(0, 2**31 - 1),
+)
+def test_onednn_product_matches_float64(
+    n: int, k: int, p: int, a_transposed: bool, b_transposed: bool, seed: int
+) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    a = torch.randn(k, n, generator=gen).T if a_transposed else torch.randn(n, k, generator=gen)
+    b = torch.randn(p, k, generator=gen).T if b_transposed else torch.randn(k, p, generator=gen)
+    exact = a.double() @ b.double()
+    result = onednn_product(a, b)
+    assert result.dtype == torch.float32 and result.shape == (n, p)
+    assert float((result.double() - exact).abs().max()) <= 1e-6 * k + 1e-30  # entries ~ sqrt(k)
 
 
 @has_onednn
@@ -74,24 +101,36 @@ def test_onednn_gramian_of_a_strided_view_and_non_finite_rows() -> None:
     assert bool(gramian[others][:, others].isfinite().all())
 
 
+def gramian_takes_onednn(flat: torch.Tensor) -> bool:
+    return takes_onednn(flat, flat.T)
+
+
 def test_the_rule_keeps_torchs_product_where_onednn_loses_or_cannot() -> None:
-    assert not takes_onednn(torch.randn(ONEDNN_MIN_ROWS - 1, 10**6))  # a few rows: 2x-7x slower
+    few = torch.randn(ONEDNN_MIN_ROWS - 1, 10**6)
+    assert not gramian_takes_onednn(few)  # a few rows: 2x-7x slower
+    assert not takes_onednn(torch.randn(4096, 4096), torch.randn(4096, ONEDNN_MIN_ROWS - 1))
     rows = 32
-    assert not takes_onednn(torch.randn(rows, ONEDNN_MIN_WORK // rows**2 - 1))  # too little work
-    assert not takes_onednn(torch.randn(*LARGE, dtype=torch.float64))  # oneDNN has no float64
+    assert not gramian_takes_onednn(torch.randn(rows, ONEDNN_MIN_WORK // rows**2 - 1))  # little
+    assert not gramian_takes_onednn(torch.randn(*LARGE, dtype=torch.float64))  # no float64
+    assert not takes_onednn(torch.randn(*LARGE), torch.randn(LARGE[1], 64, dtype=torch.float64))
     x = torch.randn(*LARGE, requires_grad=True)
-    assert not takes_onednn(x)  # oneDNN's product has no derivative
+    assert not gramian_takes_onednn(x)  # oneDNN's product has no derivative
+    assert not takes_onednn(torch.randn(64, LARGE[0]), x)
     with torch.no_grad():
-        assert takes_onednn(x) is host_prefers_onednn()
+        assert gramian_takes_onednn(x) is host_prefers_onednn()
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert not takes_onednn(torch.randn(*LARGE))
+        assert not gramian_takes_onednn(torch.randn(*LARGE))
 
 
 @prefers_onednn
 def test_on_this_host_large_float32_gramians_take_onednn() -> None:
     flat = torch.randn(*LARGE)
-    assert takes_onednn(flat)
+    assert gramian_takes_onednn(flat)
     assert torch.equal(row_gramian(flat), onednn_gramian(flat))
+    a, b = torch.randn(1024, 128), torch.randn(128, 1024)
+    assert torch.equal(product(a, b), onednn_product(a, b))
+    out = torch.full((1024, 1024), float("nan"))
+    assert product(a, b, out=out) is out and torch.equal(out, onednn_product(a, b))
     assert torch.equal(compute_gramian(flat), onednn_gramian(flat))
     a, b = torch.randn(128, 3000), torch.randn(128, 40, 40)
     expected = onednn_gramian(a) + onednn_gramian(b.reshape(128, -1))
@@ -108,3 +147,14 @@ def test_compute_gramian_keeps_its_derivative_and_autocast() -> None:
     flat = torch.randn(*LARGE)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert compute_gramian(flat).dtype == (flat @ flat.T).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("shape", [(3, 5, 4), (64, 128, 64), (1024, 128, 1024), (2, 4096, 9)])
+def test_product_into_out_matches_float64(shape: tuple[int, int, int]) -> None:
+    n, k, p = shape
+    a, b = torch.randn(n, k), torch.randn(k, p)
+    out = torch.full((n, p), float("nan"))
+    assert product(a, b, out=out) is out
+    exact = a.double() @ b.double()
+    torch.testing.assert_close(out.double(), exact, rtol=0, atol=1e-6 * k)
+    torch.testing.assert_close(product(a, b).double(), exact, rtol=0, atol=1e-6 * k)
