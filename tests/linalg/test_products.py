@@ -122,6 +122,15 @@ def test_the_rule_keeps_torchs_product_where_onednn_loses_or_cannot() -> None:
         assert not gramian_takes_onednn(torch.randn(*LARGE))
 
 
+def test_the_rule_keeps_torchs_product_with_onednn_turned_off(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    flat = torch.randn(*LARGE)
+    assert gramian_takes_onednn(flat) is host_prefers_onednn()
+    monkeypatch.setattr(torch.backends.mkldnn, "enabled", False)
+    assert not gramian_takes_onednn(flat)
+
+
 @prefers_onednn
 def test_on_this_host_large_float32_gramians_take_onednn() -> None:
     flat = torch.randn(*LARGE)

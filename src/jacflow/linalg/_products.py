@@ -14,7 +14,8 @@ a few 1e-7 against float64 for both).
 
 Elsewhere (Intel processors, whose MKL takes AVX-512; processors without AVX-512; other BLAS
 libraries; float64, which oneDNN does not multiply; accelerators; products that autograd records,
-autocast or ``torch.compile`` see) the product is torch's.
+autocast or ``torch.compile`` see; oneDNN turned off by ``torch.backends.mkldnn.flags``) the
+product is torch's.
 
 Not taken: a recursive 2 x 2 blocking that computes each off-diagonal block once (about half
 the multiply-adds). It was 27-35% faster on one early host, within -10% to +2% on a later one,
@@ -123,6 +124,7 @@ def takes_onednn(a: Tensor, b: Tensor) -> bool:
         and not _compiling()
         and not _cpu_autocast()
         and host_prefers_onednn()
+        and torch._C._get_mkldnn_enabled()  # (`torch.backends.mkldnn.flags(enabled=False)`)
     )
 
 
