@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jacflow.linalg import compute_gramian, sum_gramians
+from jacflow.linalg import _products, compute_gramian, sum_gramians
 from jacflow.linalg._products import (
     ONEDNN_MIN_ROWS,
     ONEDNN_MIN_WORK,
@@ -167,3 +167,17 @@ def test_product_into_out_matches_float64(shape: tuple[int, int, int]) -> None:
     exact = a.double() @ b.double()
     torch.testing.assert_close(out.double(), exact, rtol=0, atol=1e-6 * k)
     torch.testing.assert_close(product(a, b).double(), exact, rtol=0, atol=1e-6 * k)
+
+
+def test_a_build_without_the_private_operator_keeps_torchs_product(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert _products._onednn_works() is torch.backends.mkldnn.is_available()
+
+    def missing(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("No such operator mkldnn::_linear_pointwise")
+
+    monkeypatch.setattr(_products, "onednn_product", missing)
+    assert not _products._onednn_works()
+    monkeypatch.setattr(_products, "onednn_product", lambda a, b: (a @ b) + 1)  # another meaning
+    assert not _products._onednn_works()

@@ -86,16 +86,22 @@ def _cpu_vendor() -> str:
 
 @functools.cache
 def host_prefers_onednn() -> bool:
-    """:func:`onednn_pays` for this process's host (read once)."""
-    try:
-        has_onednn = torch.backends.mkldnn.is_available() and hasattr(
-            torch.ops.mkldnn, "_linear_pointwise"
-        )
-    except (AttributeError, RuntimeError):
-        has_onednn = False
+    """:func:`onednn_pays` for this process's host (read once). oneDNN's product counts as
+    present when one small product through it is exact: the operator is private, and a torch
+    build that lacks it or changed its signature keeps torch's product."""
     blas = "mkl" if torch.backends.mkl.is_available() else "other"
     capability = torch.backends.cpu.get_cpu_capability()
-    return onednn_pays(_cpu_vendor(), capability, blas, has_onednn)
+    return onednn_pays(_cpu_vendor(), capability, blas, _onednn_works())
+
+
+def _onednn_works() -> bool:
+    if not torch.backends.mkldnn.is_available():
+        return False
+    probe = torch.arange(12.0).reshape(3, 4)  # (small integers: the products are exact)
+    try:
+        return torch.equal(onednn_product(probe, probe.T), probe @ probe.T)
+    except (AttributeError, RuntimeError, TypeError):  # (missing, or another signature)
+        return False
 
 
 def _cpu_autocast() -> bool:
