@@ -6,6 +6,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.autograd import forward_ad
 
 from jacflow.linalg import _products, compute_gramian, sum_gramians
 from jacflow.linalg._products import (
@@ -181,3 +182,33 @@ def test_a_build_without_the_private_operator_keeps_torchs_product(
     assert not _products._onednn_works()
     monkeypatch.setattr(_products, "onednn_product", lambda a, b: (a @ b) + 1)  # another meaning
     assert not _products._onednn_works()
+
+
+def test_forward_mode_and_torch_func_keep_the_derivatives(monkeypatch: pytest.MonkeyPatch) -> None:
+    """oneDNN's product has no forward derivative and no batching rule: under forward-mode AD
+    and ``torch.func`` transforms the product is torch's, with exact tangents."""
+    x, t = torch.randn(*LARGE), torch.randn(*LARGE)
+    expected = t @ x.T + x @ t.T
+    with forward_ad.dual_level():
+        tangent = forward_ad.unpack_dual(compute_gramian(forward_ad.make_dual(x, t))).tangent
+    assert tangent is not None
+    torch.testing.assert_close(tangent, expected, rtol=1e-4, atol=1e-2)
+    _, jvp = torch.func.jvp(compute_gramian, (x,), (t,))
+    torch.testing.assert_close(jvp, expected, rtol=1e-4, atol=1e-2)
+    weights = torch.randn(LARGE[0], LARGE[0])
+    grad = torch.func.grad(lambda y: (compute_gramian(y) * weights).sum())(x)
+    torch.testing.assert_close(grad, (weights + weights.T) @ x, rtol=1e-4, atol=1e-2)
+    calls: list[int] = []
+    real = _products.onednn_product
+
+    def spy(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        calls.append(1)
+        return real(a, b)
+
+    monkeypatch.setattr(_products, "onednn_product", spy)
+    stacked = torch.randn(2, *LARGE)
+    batched = torch.vmap(compute_gramian)(stacked)  # (no batching rule: a loop, slowly)
+    torch.testing.assert_close(batched, stacked @ stacked.mT, rtol=1e-5, atol=1e-2)
+    assert not calls
+    compute_gramian(stacked[0])
+    assert len(calls) == host_prefers_onednn()

@@ -14,8 +14,8 @@ a few 1e-7 against float64 for both).
 
 Elsewhere (Intel processors, whose MKL takes AVX-512; processors without AVX-512; other BLAS
 libraries; float64, which oneDNN does not multiply; accelerators; products that autograd records,
-autocast or ``torch.compile`` see; oneDNN turned off by ``torch.backends.mkldnn.flags``) the
-product is torch's.
+forward-mode AD, ``torch.func``'s transforms, autocast or ``torch.compile`` see; oneDNN turned
+off by ``torch.backends.mkldnn.flags``) the product is torch's.
 
 Not taken: a recursive 2 x 2 blocking that computes each off-diagonal block once (about half
 the multiply-adds). It was 27-35% faster on one early host, within -10% to +2% on a later one,
@@ -111,6 +111,16 @@ def _cpu_autocast() -> bool:
         return torch.is_autocast_cpu_enabled()
 
 
+def _transformed() -> bool:
+    """Whether a ``torch.func`` transform (``vmap``, ``grad``, ``jvp``, ...) or forward-mode AD
+    is active: oneDNN's product has no batching rule (a slow loop) and no forward derivative
+    (the tangent would be lost, silently)."""
+    peek = getattr(torch._C._functorch, "peek_interpreter_stack", None)
+    if peek is not None and peek() is not None:
+        return True
+    return getattr(torch.autograd.forward_ad, "_current_level", -1) >= 0
+
+
 def _compiling() -> bool:
     is_compiling = getattr(torch.compiler, "is_compiling", None)
     return bool(is_compiling()) if is_compiling is not None else False
@@ -128,6 +138,7 @@ def takes_onednn(a: Tensor, b: Tensor) -> bool:
         and n * k * p >= ONEDNN_MIN_WORK
         and not (torch.is_grad_enabled() and (a.requires_grad or b.requires_grad))  # no derivative
         and not _compiling()
+        and not _transformed()
         and not _cpu_autocast()
         and host_prefers_onednn()
         and torch._C._get_mkldnn_enabled()  # (`torch.backends.mkldnn.flags(enabled=False)`)
