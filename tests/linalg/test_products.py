@@ -122,6 +122,11 @@ def test_the_rule_keeps_torchs_product_where_onednn_loses_or_cannot() -> None:
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert not gramian_takes_onednn(torch.randn(*LARGE))
 
+    class Wrapped(torch.Tensor):  # a subclass may not handle the private operator
+        pass
+
+    assert not gramian_takes_onednn(torch.randn(*LARGE).as_subclass(Wrapped))
+
 
 def test_the_rule_keeps_torchs_product_with_onednn_turned_off(
     monkeypatch: pytest.MonkeyPatch,

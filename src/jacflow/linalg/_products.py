@@ -131,7 +131,8 @@ def takes_onednn(a: Tensor, b: Tensor) -> bool:
     (:func:`row_gramian`: ``b = a.T``)."""
     (n, k), p = a.shape, b.shape[1]
     return (
-        a.device.type == "cpu"
+        type(a) is type(b) is Tensor  # (no subclass: fake, distributed, masked tensors, ...)
+        and a.device.type == "cpu"
         and a.dtype == b.dtype == torch.float32
         and min(n, p) >= ONEDNN_MIN_ROWS
         and k >= ONEDNN_MIN_INNER
