@@ -7,6 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.autograd import forward_ad
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.utils.flop_counter import FlopCounterMode
 
 from jacflow.linalg import _products, compute_gramian, sum_gramians
 from jacflow.linalg._products import (
@@ -217,3 +219,58 @@ def test_forward_mode_and_torch_func_keep_the_derivatives(monkeypatch: pytest.Mo
     assert not calls
     compute_gramian(stacked[0])
     assert len(calls) == host_prefers_onednn()
+
+
+def test_tracers_and_counters_see_torchs_product() -> None:
+    """``make_fx``, ``FlopCounterMode``, ``torch.jit`` and ``torch.fx`` record or count
+    ``aten.mm``: a recorded private operator would lose the gradients (it has no derivative)."""
+    x = torch.randn(*LARGE)
+    graph = make_fx(compute_gramian)(x)
+    targets = [node.target for node in graph.graph.nodes if node.op == "call_function"]
+    assert torch.ops.aten.mm.default in targets
+    assert all("mkldnn" not in str(target) for target in targets)
+    leaf = x.clone().requires_grad_()
+    graph(leaf).sum().backward()
+    assert leaf.grad is not None
+    # d/dx sum(x x^T) = 2 * ones @ x
+    expected = 2 * torch.ones(LARGE[0], LARGE[0]) @ x
+    torch.testing.assert_close(leaf.grad, expected, rtol=1e-4, atol=1e-1)
+    with FlopCounterMode(display=False) as counter:
+        compute_gramian(x)
+    assert counter.get_total_flops() == 2 * LARGE[0] ** 2 * LARGE[1]
+    small = torch.randn(32, 8192)
+    for compiled in (
+        torch.jit.script(compute_gramian),
+        torch.jit.trace(compute_gramian, (small,), check_trace=False),
+        torch.fx.symbolic_trace(compute_gramian),
+    ):
+        torch.testing.assert_close(compiled(small), small @ small.T, rtol=1e-5, atol=1e-2)
+
+
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
+def test_sparse_and_mismatched_out_keep_torchs_product() -> None:
+    sparse = torch.randn(64, 4096).to_sparse()
+    gramian = compute_gramian(sparse)
+    dense = sparse.to_dense()
+    torch.testing.assert_close(gramian.to_dense(), dense @ dense.T, rtol=1e-5, atol=1e-2)
+    a, b = torch.randn(1024, 128), torch.randn(128, 1024)
+    with pytest.raises(RuntimeError):  # as torch.mm: `out` of another dtype is refused
+        product(a, b, out=torch.empty(1024, 1024, dtype=torch.float64))
+
+
+def test_the_probe_ignores_the_callers_settings() -> None:
+    """The one-time probe builds its own float32 CPU tensors and runs outside any mode: a first
+    call under another default dtype or device, or inside a tracer, neither fails it nor
+    records it."""
+    expected = _products._onednn_works()
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        assert _products._onednn_works() is expected
+    finally:
+        torch.set_default_dtype(previous)
+    with torch.device("meta"):
+        assert _products._onednn_works() is expected
+    graph = make_fx(lambda y: (_products._onednn_works(), y + 1)[1])(torch.randn(3))
+    targets = [node.target for node in graph.graph.nodes if node.op == "call_function"]
+    assert targets == [torch.ops.aten.add.Tensor]

@@ -24,7 +24,10 @@ def compute_gramian(matrix: Tensor) -> Tensor:
         tensor([[ 1., -1.],
                 [-1.,  5.]])
     """
-    return row_gramian(matrix) if matrix.ndim == 2 else matrix @ matrix.T
+    if not torch.jit.is_scripting():  # noqa: SIM102 (TorchScript drops this branch only alone)
+        if type(matrix) is Tensor and matrix.ndim == 2:  # (not an fx proxy's `ndim`)
+            return row_gramian(matrix)
+    return matrix @ matrix.T
 
 
 def sum_gramians(matrices: Iterable[Tensor]) -> Tensor:

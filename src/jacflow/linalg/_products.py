@@ -13,9 +13,10 @@ and an inner size of 128; below that it loses (it has a fixed cost of about 10 u
 a few 1e-7 against float64 for both).
 
 Elsewhere (Intel processors, whose MKL takes AVX-512; processors without AVX-512; other BLAS
-libraries; float64, which oneDNN does not multiply; accelerators; products that autograd records,
-forward-mode AD, ``torch.func``'s transforms, autocast or ``torch.compile`` see; oneDNN turned
-off by ``torch.backends.mkldnn.flags``) the product is torch's.
+libraries; float64, which oneDNN does not multiply; accelerators; sparse tensors and subclasses;
+products that autograd records, forward-mode AD, ``torch.func``'s transforms, autocast,
+``torch.compile``, a dispatch or torch-function mode or ``torch.jit`` see; oneDNN turned off by
+``torch.backends.mkldnn.flags``) the product is torch's.
 
 Not taken: a recursive 2 x 2 blocking that computes each off-diagonal block once (about half
 the multiply-adds). It was 27-35% faster on one early host, within -10% to +2% on a later one,
@@ -32,6 +33,7 @@ from pathlib import Path
 
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import _disable_current_modes
 
 # Measured on the host described above, inside the engine's steps (per-sample and per-task,
 # each product timed in steps that alternate between the two routes): oneDNN's product paid
@@ -97,11 +99,14 @@ def host_prefers_onednn() -> bool:
 def _onednn_works() -> bool:
     if not torch.backends.mkldnn.is_available():
         return False
-    probe = torch.arange(12.0).reshape(3, 4)  # (small integers: the products are exact)
-    try:
-        return torch.equal(onednn_product(probe, probe.T), probe @ probe.T)
-    except (AttributeError, RuntimeError, TypeError):  # (missing, or another signature)
-        return False
+    # (small integers: the products are exact; built and multiplied outside the caller's
+    # settings: a default dtype or device, a tracer's or a counter's mode)
+    with _disable_current_modes(), torch._C.DisableTorchFunction():
+        probe = torch.arange(12, dtype=torch.float32, device="cpu").reshape(3, 4)
+        try:
+            return torch.equal(onednn_product(probe, probe.T), torch.mm(probe, probe.T))
+        except (AttributeError, RuntimeError, TypeError):  # (missing, or another signature)
+            return False
 
 
 def _cpu_autocast() -> bool:
@@ -121,24 +126,36 @@ def _transformed() -> bool:
     return getattr(torch.autograd.forward_ad, "_current_level", -1) >= 0
 
 
-def _compiling() -> bool:
+def _observed() -> bool:
+    """Whether the product is being recorded or watched: ``torch.compile``, a dispatch or
+    torch-function mode (``make_fx``, ``FlopCounterMode``, ...), ``torch.jit``'s tracer. They
+    would record a private operator that has no derivative (a graph whose gradients are lost,
+    silently) or not count it."""
     is_compiling = getattr(torch.compiler, "is_compiling", None)
-    return bool(is_compiling()) if is_compiling is not None else False
+    return (
+        (is_compiling is not None and bool(is_compiling()))
+        or torch._C._len_torch_dispatch_stack() > 0
+        or torch._C._is_torch_function_mode_enabled()
+        or torch.jit.is_tracing()
+    )
 
 
 def takes_onednn(a: Tensor, b: Tensor) -> bool:
     """Whether :func:`product` multiplies ``a`` ``[n, k]`` and ``b`` ``[k, p]`` with oneDNN
     (:func:`row_gramian`: ``b = a.T``)."""
+    # (first: no subclass (fake, distributed, masked tensors, fx proxies), no sparse layout)
+    if type(a) is not Tensor or type(b) is not Tensor:
+        return False
+    if a.layout != torch.strided or b.layout != torch.strided or _observed():
+        return False
     (n, k), p = a.shape, b.shape[1]
     return (
-        type(a) is type(b) is Tensor  # (no subclass: fake, distributed, masked tensors, ...)
-        and a.device.type == "cpu"
+        a.device.type == "cpu"
         and a.dtype == b.dtype == torch.float32
         and min(n, p) >= ONEDNN_MIN_ROWS
         and k >= ONEDNN_MIN_INNER
         and n * k * p >= ONEDNN_MIN_WORK
         and not (torch.is_grad_enabled() and (a.requires_grad or b.requires_grad))  # no derivative
-        and not _compiling()
         and not _transformed()
         and not _cpu_autocast()
         and host_prefers_onednn()
@@ -170,7 +187,7 @@ def product(a: Tensor, b: Tensor, out: Tensor | None = None) -> Tensor:
         >>> product(torch.tensor([[1.0, 2.0]]), torch.tensor([[3.0], [4.0]]))
         tensor([[11.]])
     """
-    if takes_onednn(a, b):
+    if takes_onednn(a, b) and (out is None or out.dtype == a.dtype):
         result = onednn_product(a, b)
         return result if out is None else out.copy_(result)
     return torch.mm(a, b) if out is None else torch.mm(a, b, out=out)
