@@ -91,9 +91,9 @@ def test_gramian_and_update_float32(case: Case, device: str) -> None:
 
 
 def test_large_float32_products_match_float64(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Layers large enough for oneDNN's products (:mod:`jacflow.linalg._products`: Gramians
-    from 8 million multiply-adds, weight gradients of inner size 128) agree with the float64
-    reference; on a host that prefers oneDNN they are taken."""
+    """Layers large enough for oneDNN's products (:mod:`jacflow.linalg._products`: from 16
+    million multiply-adds) agree with the float64 reference; on a host that prefers oneDNN they
+    are taken."""
     taken: list[tuple[int, ...]] = []
     real = _products.onednn_product
 
@@ -103,10 +103,27 @@ def test_large_float32_products_match_float64(monkeypatch: pytest.MonkeyPatch) -
 
     monkeypatch.setattr(_products, "onednn_product", spy)
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(64, 512), nn.ReLU(), nn.Linear(512, 512), nn.Tanh())
-    x = torch.randn(128, 64)
+    model = nn.Sequential(
+        nn.Conv2d(32, 32, 3, stride=2, padding=1),  # per-sample gradients [128, 9216]
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(2),
+        nn.Flatten(),
+        nn.Linear(128, 1024),  # output gradients [128, 1024]; update [1024, 128] @ [128, 128]
+        nn.Tanh(),
+    )
+    x = torch.randn(128, 32, 16, 16)
     exact = copy.deepcopy(model).double()
-    jacobian = reference_jacobian(exact(x.double()).pow(2).mean(1), list(exact.parameters()))
+    params = list(exact.parameters())
+    rows = [  # one sample at a time: the samples do not interact
+        torch.cat(
+            [
+                g.flatten()
+                for g in torch.autograd.grad(exact(x[i : i + 1].double()).pow(2).mean(), params)
+            ]
+        )
+        for i in range(len(x))
+    ]
+    jacobian = torch.stack(rows)
     engine = Engine(model, batch_dim=0)
     losses = model(x).pow(2).mean(1)
     gramian = engine.compute_gramian(losses)
@@ -118,8 +135,10 @@ def test_large_float32_products_match_float64(monkeypatch: pytest.MonkeyPatch) -
     gscale = float(expected.abs().max())
     torch.testing.assert_close(actual / gscale, expected / gscale, **TOL32)
     if _products.host_prefers_onednn():
-        assert (128, 512, 128) in taken  # the second layer's Gramian
-        assert (512, 128, 512) in taken  # its weight gradient
+        assert (128, 9216, 128) in taken  # the convolution's Gramian
+        assert (128, 1024, 128) in taken  # the Linear's output-gradient Gramian
+        # its weight gradient, written into the gradient's buffer by slices of rows
+        assert sum(n for n, k, p in taken if (k, p) == (128, 128)) == 1024
     else:
         assert not taken
 

@@ -7,10 +7,11 @@ its kernels from the instruction sets the processor reports. On an AMD EPYC with
 thread, float32, products timed alone), oneDNN's product took 0.43x-0.61x MKL's time for
 Gramians from ``[128, 432]`` to ``[32, 262144]`` and 0.45x-0.70x for weight-gradient products
 such as ``[1024, 128] @ [128, 1024]``. Inside the engine's steps its gains start later (see
-:data:`ONEDNN_MIN_WORK`): at about 8 million multiply-adds, 8 rows and columns of the result
-and an inner size of 128; below that it loses (it has a fixed cost of about 10 us, and is up to
-7x slower with a few rows). Both products are exact up to float32 rounding (relative errors of
-a few 1e-7 against float64 for both).
+:data:`ONEDNN_MIN_WORK`): at about 16 million multiply-adds, 8 rows and columns of the result
+and an inner size of 32, with results written into ``out=`` by slices of rows
+(:data:`ONEDNN_SLICE_ELEMENTS`); below that it loses (it has a fixed cost of about 10 us, and
+is up to 7x slower with a few rows). Both products are exact up to float32 rounding (relative
+errors of a few 1e-7 against float64 for both).
 
 Elsewhere (Intel processors, whose MKL takes AVX-512; processors without AVX-512; other BLAS
 libraries; float64, which oneDNN does not multiply; accelerators; sparse tensors and subclasses;
@@ -37,14 +38,21 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 # Measured on the host described above, inside the engine's steps (per-sample and per-task,
 # each product timed in steps that alternate between the two routes): oneDNN's product paid
-# from about 8 million multiply-adds ([32, 9216] Gramians: 0.81x; [128, 432]: 1.34x), with 8
-# rows and columns of the result at least (alone, 1.07x-7x slower below) and an inner size of
-# 128 at least: its result is a new tensor (no `out=`), whose allocation and first writes cost
-# about as much as a product of inner size 64 ([1024, 64] @ [64, 1024]: 1.07x, against 0.61x
-# for [1024, 128] @ [128, 1024]).
+# from about 16 million multiply-adds ([128, 2048] Gramians: 0.59x; [128, 432]: 1.34x; near
+# 8 million no whole step gained: [32, 9216] Gramians 0.81x in the step, but the CNN at B = 32
+# 0.99x-1.01x, and three [256, 128] @ [128, 256] products made the MLP 256's step 1.02x-1.03x),
+# with 8 rows and columns of the result at least (alone, 1.07x-7x slower below) and an inner
+# size of 32 at least (alone, by slices: [1024, 32] @ [32, 1024] 0.86x, [512, 16] @ [16, 512]
+# 1.28x).
 ONEDNN_MIN_ROWS = 8
-ONEDNN_MIN_INNER = 128
-ONEDNN_MIN_WORK = 2**23
+ONEDNN_MIN_INNER = 32
+ONEDNN_MIN_WORK = 2**24
+# Written into an `out=` by slices of at most this many elements (512 KB of float32): oneDNN's
+# result is a new tensor, and a whole one came back from the system at every call, page faults
+# included. For [1024, 256] @ [256, 1024]: 3.0-3.9 ms by slices of 64-256 rows against
+# 5.0-5.7 ms whole (MKL: 5.4-5.5 ms), and 2-5 MB of peak memory against 11 MB (one process, 60
+# products); in the steps, [1024, 64] @ [64, 1024] went from 1.07x MKL's time whole to 0.93x.
+ONEDNN_SLICE_ELEMENTS = 2**17
 
 
 def onednn_pays(vendor: str, capability: str, blas: str, has_onednn: bool) -> bool:
@@ -188,8 +196,12 @@ def product(a: Tensor, b: Tensor, out: Tensor | None = None) -> Tensor:
         tensor([[11.]])
     """
     if takes_onednn(a, b) and (out is None or out.dtype == a.dtype):
-        result = onednn_product(a, b)
-        return result if out is None else out.copy_(result)
+        if out is None:
+            return onednn_product(a, b)
+        rows = max(ONEDNN_MIN_ROWS, ONEDNN_SLICE_ELEMENTS // b.shape[1])
+        for start in range(0, a.shape[0], rows):
+            out[start : start + rows].copy_(onednn_product(a[start : start + rows], b))
+        return out
     return torch.mm(a, b) if out is None else torch.mm(a, b, out=out)
 
 
