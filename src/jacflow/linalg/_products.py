@@ -134,16 +134,23 @@ def _transformed() -> bool:
     return getattr(torch.autograd.forward_ad, "_current_level", -1) >= 0
 
 
+# (private functions of torch; a build without one of them keeps torch's product)
+_dispatch_modes = getattr(torch._C, "_len_torch_dispatch_stack", None)
+_function_modes = getattr(torch._C, "_is_torch_function_mode_enabled", None)
+_is_compiling = getattr(torch.compiler, "is_compiling", None)
+
+
 def _observed() -> bool:
     """Whether the product is being recorded or watched: ``torch.compile``, a dispatch or
     torch-function mode (``make_fx``, ``FlopCounterMode``, ...), ``torch.jit``'s tracer. They
     would record a private operator that has no derivative (a graph whose gradients are lost,
     silently) or not count it."""
-    is_compiling = getattr(torch.compiler, "is_compiling", None)
+    if _dispatch_modes is None or _function_modes is None or _is_compiling is None:
+        return True
     return (
-        (is_compiling is not None and bool(is_compiling()))
-        or torch._C._len_torch_dispatch_stack() > 0
-        or torch._C._is_torch_function_mode_enabled()
+        bool(_is_compiling())
+        or _dispatch_modes() > 0
+        or bool(_function_modes())
         or torch.jit.is_tracing()
     )
 
