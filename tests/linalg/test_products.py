@@ -257,6 +257,11 @@ def test_sparse_and_mismatched_out_keep_torchs_product() -> None:
     a, b = torch.randn(1024, 128), torch.randn(128, 1024)
     with pytest.raises(RuntimeError):  # as torch.mm: `out` of another dtype is refused
         product(a, b, out=torch.empty(1024, 1024, dtype=torch.float64))
+    taller = torch.full((1100, 1024), float("nan"))  # as torch.mm: resized, not half-written
+    with pytest.warns(UserWarning, match="resized"):
+        expected = torch.mm(a, b, out=torch.full((1100, 1024), float("nan")))
+    with pytest.warns(UserWarning, match="resized"):
+        assert torch.equal(product(a, b, out=taller), expected)
 
 
 def test_the_probe_ignores_the_callers_settings() -> None:

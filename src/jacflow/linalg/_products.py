@@ -202,7 +202,8 @@ def product(a: Tensor, b: Tensor, out: Tensor | None = None) -> Tensor:
         >>> product(torch.tensor([[1.0, 2.0]]), torch.tensor([[3.0], [4.0]]))
         tensor([[11.]])
     """
-    if takes_onednn(a, b) and (out is None or out.dtype == a.dtype):
+    into = out is None or (out.dtype == a.dtype and out.shape == (a.shape[0], b.shape[1]))
+    if takes_onednn(a, b) and into:  # (else torch.mm's own checks of `out`)
         if out is None:
             return onednn_product(a, b)
         rows = max(ONEDNN_MIN_ROWS, ONEDNN_SLICE_ELEMENTS // b.shape[1])
