@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from jacflow._autocast import autocast_enabled
 from jacflow.autogram._rules import Call
 
 AutocastState = tuple[str, torch.dtype]
@@ -34,12 +35,7 @@ def autocast_state(device_type: str) -> AutocastState | None:
         >>> autocast_state("cpu") is None
         True
     """
-    try:
-        enabled = torch.is_autocast_enabled(device_type)
-    except TypeError:  # torch < 2.4: no device argument
-        cpu = device_type == "cpu"
-        enabled = torch.is_autocast_cpu_enabled() if cpu else torch.is_autocast_enabled()
-    if not enabled:
+    if not autocast_enabled(device_type):
         return None
     try:
         dtype = torch.get_autocast_dtype(device_type)

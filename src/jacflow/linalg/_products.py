@@ -36,6 +36,8 @@ import torch
 from torch import Tensor
 from torch.utils._python_dispatch import _disable_current_modes
 
+from jacflow._autocast import autocast_enabled
+
 # Measured on the host described above, inside the engine's steps (per-sample and per-task,
 # each product timed in steps that alternate between the two routes): oneDNN's product paid
 # from about 16 million multiply-adds ([128, 2048] Gramians: 0.59x; [128, 432]: 1.34x; near
@@ -117,13 +119,6 @@ def _onednn_works() -> bool:
             return False
 
 
-def _cpu_autocast() -> bool:
-    try:
-        return torch.is_autocast_enabled("cpu")
-    except TypeError:  # torch < 2.4
-        return torch.is_autocast_cpu_enabled()
-
-
 def _transformed() -> bool:
     """Whether a ``torch.func`` transform (``vmap``, ``grad``, ``jvp``, ...) or forward-mode AD
     is active: oneDNN's product has no batching rule (a slow loop) and no forward derivative
@@ -172,7 +167,7 @@ def takes_onednn(a: Tensor, b: Tensor) -> bool:
         and n * k * p >= ONEDNN_MIN_WORK
         and not (torch.is_grad_enabled() and (a.requires_grad or b.requires_grad))  # no derivative
         and not _transformed()
-        and not _cpu_autocast()
+        and not autocast_enabled("cpu")
         and host_prefers_onednn()
         and torch._C._get_mkldnn_enabled()  # (`torch.backends.mkldnn.flags(enabled=False)`)
     )
