@@ -153,7 +153,9 @@ def _observed() -> bool:
 def takes_onednn(a: Tensor, b: Tensor) -> bool:
     """Whether :func:`product` multiplies ``a`` ``[n, k]`` and ``b`` ``[k, p]`` with oneDNN
     (:func:`row_gramian`: ``b = a.T``)."""
-    # (first: no subclass (fake, distributed, masked tensors, fx proxies), no sparse layout)
+    if not host_prefers_onednn():  # (cached: a host that keeps MKL pays nothing more here)
+        return False
+    # (then: no subclass (fake, distributed, masked tensors, fx proxies), no sparse layout)
     if type(a) is not Tensor or type(b) is not Tensor:
         return False
     if a.layout != torch.strided or b.layout != torch.strided or _observed():
@@ -168,7 +170,6 @@ def takes_onednn(a: Tensor, b: Tensor) -> bool:
         and not (torch.is_grad_enabled() and (a.requires_grad or b.requires_grad))  # no derivative
         and not _transformed()
         and not autocast_enabled("cpu")
-        and host_prefers_onednn()
         and torch._C._get_mkldnn_enabled()  # (`torch.backends.mkldnn.flags(enabled=False)`)
     )
 
