@@ -1639,8 +1639,12 @@ def _reached_params(params: dict[str, Tensor], calls: list[Call]) -> dict[str, T
     ]
     # (not past the outermost calls' inputs: the earlier network is not the module's; the
     # inputs of a call nested in another are inside that one)
-    stops = {
-        id(t.grad_fn) for call in calls if not call.nested for t, _ in call.versions if t.grad_fn
+    stops = {  # (holding the nodes: a node's Python object can die and its id be reused)
+        id(node): node
+        for call in calls
+        if not call.nested
+        for t, _ in call.versions
+        if (node := t.grad_fn) is not None
     }
     unused = unreached(starts, {id(p): p for p in params.values()}, stops)
     return {name: p for name, p in params.items() if id(p) not in unused} if unused else params

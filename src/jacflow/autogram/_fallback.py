@@ -366,10 +366,13 @@ def _check_independent_outputs(module: nn.Module, call: Call) -> None:
         return
     twice = len({(id(e.node), e.output_nr) for e in own}) < len(own)
     inputs = tree_flatten((call.args, call.kwargs))[0]
-    boundary = {id(t.grad_fn) for t in inputs if isinstance(t, Tensor) and t.grad_fn is not None}
+    # (the dicts hold the nodes: a node's Python object can die and its id be reused)
+    boundary = {
+        id(node): node for t in inputs if isinstance(t, Tensor) and (node := t.grad_fn) is not None
+    }
     outputs = {id(edge.node): j for j, edge in enumerate(own)}
     for position, start in enumerate(starts):
-        pending, seen = [start], {id(start)}
+        pending, seen = [start], {id(start): start}
         while pending:
             node = pending.pop()
             if twice or (id(node) in outputs and (node is not start or position >= len(own))):
@@ -387,7 +390,7 @@ def _check_independent_outputs(module: nn.Module, call: Call) -> None:
                 continue
             for parent, _ in node.next_functions:
                 if parent is not None and id(parent) not in seen:
-                    seen.add(id(parent))
+                    seen[id(parent)] = parent
                     pending.append(parent)
 
 

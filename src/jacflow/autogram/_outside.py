@@ -311,7 +311,8 @@ def unreached(
     reached from the autograd nodes ``starts``: autograd, run from there, would leave its
     ``.grad`` as it is. The walk ends once every accumulator is found, and does not go on past
     the nodes whose ``id`` is in ``stops`` (a call's inputs: what lies below them is not the
-    call's).
+    call's; the caller holds those nodes, since a node's Python object that nobody holds can
+    die and its ``id`` be reused).
 
     Example:
         >>> import torch

@@ -69,10 +69,12 @@ def nested_features(features: Sequence[Tensor]) -> list[int]:
     """
     if len(features) < 2:
         return []
-    edges: dict[tuple[int, int], list[int]] = {}
+    # Keyed by the nodes themselves, which keeps them alive: torch (2.11 at least) makes a new
+    # Python object for a node nobody holds, so an id taken here could match another node later.
+    edges: dict[tuple[object, int], list[int]] = {}
     for position, feature in enumerate(features):
         edge = get_gradient_edge(feature)
-        edges.setdefault((id(edge.node), edge.output_nr), []).append(position)
+        edges.setdefault((edge.node, edge.output_nr), []).append(position)
     found: set[int] = set()
     stack = [f.grad_fn for f in features if f.grad_fn is not None]
     seen: dict[int, object] = {}  # (holding the nodes: their ids stay theirs)
@@ -84,6 +86,6 @@ def nested_features(features: Sequence[Tensor]) -> list[int]:
         for child, output_nr in node.next_functions:
             if child is None:
                 continue
-            found.update(edges.get((id(child), output_nr), ()))
+            found.update(edges.get((child, output_nr), ()))
             stack.append(child)
     return sorted(found)
