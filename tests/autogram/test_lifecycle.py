@@ -1925,6 +1925,9 @@ _REORDERINGS: dict[str, Callable[[Tensor], Tensor]] = {
         out[:, 0] > 0, out.sum(1)[torch.tensor([1, 0, 2, 3])], 0.0
     ),
     "swap unsqueezed": lambda out: out.sum(1)[torch.tensor([1, 0, 2, 3])][:, None],
+    "swap, whole slice": lambda out: out.sum(1)[torch.tensor([1, 0, 2, 3])][0:4],
+    "swap, whole step slice": lambda out: out.sum(1)[torch.tensor([1, 0, 2, 3])][::1],
+    "swap, sliced along dim 1": lambda out: out[torch.tensor([1, 0, 2, 3])][:, 1:],
     "swap times a loss": lambda out: out.sum(1)[torch.tensor([1, 0, 2, 3])] * out[:, 0],
     # exact: each sample's own losses sorted, or taken in place
     "[B, k] sorted along dim 1": lambda out: out.sort(dim=1).values,
@@ -1932,6 +1935,9 @@ _REORDERINGS: dict[str, Callable[[Tensor], Tensor]] = {
     "in place index": lambda out: out.sum(1)[torch.arange(4)],
     "in place after a permutation and its inverse": lambda out: (
         2.0 * out.sum(1)[torch.tensor([2, 0, 3, 1])]
+    )[torch.tensor([1, 3, 0, 2])],
+    "in place after a permutation, a whole slice and its inverse": lambda out: (
+        out.sum(1)[torch.tensor([2, 0, 3, 1])][0:4]
     )[torch.tensor([1, 3, 0, 2])],
     "class table at labels": lambda out: (
         out.sum(1) * torch.exp(-_CLASS_TABLE[_AT_LABELS]) + _CLASS_TABLE.gather(0, _AT_LABELS)
@@ -1944,6 +1950,7 @@ _EXACT = {
     "gathered along dim 1",
     "in place index",
     "in place after a permutation and its inverse",
+    "in place after a permutation, a whole slice and its inverse",
     "class table at labels",
     "table of B rows at labels",
     "example table at ids",

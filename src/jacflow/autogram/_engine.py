@@ -233,10 +233,7 @@ def _check_not_ordered_by_value(losses: Tensor) -> None:
     while frontier and looked_at < _MAX_LOOKED_AT:
         node, beside = frontier.pop()
         looked_at += 1
-        name = type(node).__name__
-        if name in _ELEMENTWISE_NODES or (
-            name == "UnsqueezeBackward0" and _signed(node._saved_dim) != 0
-        ):
+        if _keeps_positions(node):
             inputs = [n for n, _ in node.next_functions if n is not None]
             frontier += [(n, beside or len(inputs) > 1) for n in inputs]
         elif _reorders_batch(node, batch, permutations_only=beside):
@@ -247,6 +244,26 @@ def _check_not_ordered_by_value(losses: Tensor) -> None:
                 "the samples' order and weight or select them in the weighting (a "
                 "GramianWeighting of your own), or use jacflow.backward."
             )
+
+
+def _keeps_positions(node: Any) -> bool:
+    """Whether autograd's ``node`` leaves each entry at its position along dimension 0: an
+    elementwise operation, an unsqueeze elsewhere, a slice along another dimension, or one that
+    takes the whole dimension (``x[0:B]``, ``x[::1]``; torch 2.8 also records one for
+    ``x[:, None]``)."""
+    name = type(node).__name__
+    if name == "UnsqueezeBackward0":
+        return _signed(node._saved_dim) != 0
+    if name == "SliceBackward0":
+        sizes = node._saved_self_sym_sizes
+        dim = _signed(node._saved_dim) % len(sizes)
+        if dim != 0:
+            return True
+        size = int(sizes[0])
+        start, end = node._saved_start, node._saved_end
+        whole = (start is None or int(start) == 0) and (end is None or int(end) >= size)
+        return whole and int(node._saved_step) == 1
+    return name in _ELEMENTWISE_NODES
 
 
 def _signed(dim: int) -> int:
@@ -263,7 +280,7 @@ def _reorders_batch(node: Any, batch: int, permutations_only: bool) -> bool:
     order: Tensor | None = None  # (positions in the chain's input of the losses' entries)
     for _ in range(_MAX_LOOKED_AT):
         inputs = [n for n, _ in node.next_functions if n is not None]
-        if type(node).__name__ in _ELEMENTWISE_NODES and len(inputs) == 1:
+        if _keeps_positions(node) and len(inputs) == 1:
             node = inputs[0]  # (between two reorderings: ``(2 * x[p])[q]``)
             continue
         positions = _positions_along_batch(node, batch)
