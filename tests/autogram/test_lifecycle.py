@@ -1927,6 +1927,7 @@ _REORDERINGS: dict[str, Callable[[Tensor], Tensor]] = {
     "swap unsqueezed": lambda out: out.sum(1)[torch.tensor([1, 0, 2, 3])][:, None],
     "swap, whole slice": lambda out: out.sum(1)[torch.tensor([1, 0, 2, 3])][0:4],
     "swap, whole step slice": lambda out: out.sum(1)[torch.tensor([1, 0, 2, 3])][::1],
+    "swap, whole slice from the end": lambda out: out.sum(1)[torch.tensor([1, 0, 2, 3])][-4:],
     "swap, sliced along dim 1": lambda out: out[torch.tensor([1, 0, 2, 3])][:, 1:],
     "swap times a loss": lambda out: out.sum(1)[torch.tensor([1, 0, 2, 3])] * out[:, 0],
     # exact: each sample's own losses sorted, or taken in place

@@ -260,14 +260,14 @@ def _keeps_positions(node: Any) -> bool:
         if dim != 0:
             return True
         size = int(sizes[0])
-        start, end = node._saved_start, node._saved_end
-        whole = (start is None or int(start) == 0) and (end is None or int(end) >= size)
-        return whole and int(node._saved_step) == 1
+        bounds = [0 if b is None else _signed(b) for b in (node._saved_start, node._saved_end)]
+        start, end = (b + size if b < 0 else b for b in bounds)  # (x[-B:] saves -B)
+        return start <= 0 and end >= size and int(node._saved_step) == 1
     return name in _ELEMENTWISE_NODES
 
 
 def _signed(dim: int) -> int:
-    """A dimension saved by autograd (``-1`` is saved as ``2**64 - 1``)."""
+    """A dimension or an index saved by autograd (``-1`` is saved as ``2**64 - 1``)."""
     dim = int(dim)
     return dim - 2**64 if dim >= 2**63 else dim
 
