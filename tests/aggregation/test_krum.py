@@ -53,6 +53,19 @@ def test_ties_follow_the_row_order_so_permutation_invariance_is_not_claimed() ->
     assert Property.PERMUTATION_INVARIANT not in Krum.properties
 
 
+def test_a_tie_is_kept_when_rounding_leaves_the_gramian_unsymmetric() -> None:
+    """The closest pair's scores tie; a Gramian whose two off-diagonal entries of that pair
+    differ in their last bit (a product's rounding: ``J @ J.T`` is not always exactly
+    symmetric) still selects the earlier row, with either of the two bits on either side.
+    Under such rounding the scale-invariance check once selected the later row."""
+    J = torch.tensor([[1.0, 0.0, 0.0], [1.2, 0.1, 0.0], [5.0, 5.0, 5.0]], dtype=torch.float64)
+    gramian = J @ J.T
+    for up, down in [(0, 1), (1, 0)]:
+        unsymmetric = gramian.clone()
+        unsymmetric[up, down] = torch.nextafter(gramian[up, down], torch.tensor(float("inf")))
+        assert torch.equal(KrumWeighting(0)(unsymmetric), torch.tensor([1.0, 0.0, 0.0]).double())
+
+
 def _puts_row_1_before_row_0(seed: int) -> bool:
     """Whether the permutation that ``check_permutation_invariant`` draws for ``seed``
     reorders rows 0 and 1 of a 3-row matrix."""

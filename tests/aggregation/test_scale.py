@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 from torch import Tensor
 
@@ -83,12 +83,19 @@ def test_scale_invariant_claims_hold(name: str) -> None:
         jacobians(min_m=M, max_m=M, max_n=10, dtypes=(torch.float64,)),
         st.sampled_from([1e-12, 1e-3, 1e5, 1e14]),
     )
+    @example(  # (a rank-1 Gramian of 1e-14 entries: the form came out negative)
+        torch.tensor(
+            [[-7.6053e-08], [1.5899e-07], [3.0591e-08], [-5.3145e-10]], dtype=torch.float64
+        ),
+        1e-12,
+    )
     def check(matrix: Tensor, c2: float) -> None:
         gramian = matrix @ matrix.T
         expected = _weights(make, gramian)
         got = _weights(make, c2 * gramian)
         difference = got - expected
-        distance = float(difference @ gramian @ difference) ** 0.5
+        # (G is PSD; rounding can make the form a tiny negative, whose root is complex)
+        distance = max(float(difference @ gramian @ difference), 0.0) ** 0.5
         row_norm = float(gramian.diagonal().max()) ** 0.5
         assert distance <= 1e-6 * row_norm * (1 + float(expected.abs().sum())), (got, expected)
 

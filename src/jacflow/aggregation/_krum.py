@@ -31,7 +31,9 @@ def krum_weights(gramian: Tensor, n_byzantine: int, n_selected: int) -> Tensor:
         return gramian.new_zeros(0)
     _check_rows(m, n_byzantine, n_selected)
     diagonal = gramian.diagonal()
-    distances = (diagonal[:, None] + diagonal[None, :] - 2 * gramian).clamp(min=0)
+    # (G_ij + G_ji, not 2 G_ij: a product's rounding can leave G unsymmetric, and then two
+    # mutual nearest rows, whose scores tie, would be ranked by that rounding)
+    distances = (diagonal[:, None] + diagonal[None, :] - (gramian + gramian.mT)).clamp(min=0)
     distances = distances + torch.diag(torch.full_like(diagonal, float("inf")))
     k = m - n_byzantine - 2
     scores = distances.topk(k, dim=1, largest=False).values.sum(dim=1)
