@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 
 import pytest
@@ -205,6 +206,28 @@ def test_functional_call_with_other_tensors_is_refused(substitute: bool) -> None
         assert all(p.grad is None for p in model.parameters())
         return
     assert_exact_gramian(engine, losses, list(model.parameters()))
+
+
+def test_functional_call_with_a_freed_temporary_is_still_refused() -> None:
+    """A temporary read as a parameter that the graph does not keep (a bias, which the
+    product's backward does not save) is held until the step: the check compared ids only,
+    and a new parameter put in its place could take the freed tensor's id (seen once in
+    twenty tries), so the step took the call as reading the module's own parameters. The
+    temporary stays alive, and the replaced parameter is refused."""
+    torch.manual_seed(0)
+    layer = nn.Linear(3, 2).double()
+    engine = Engine(layer, batch_dim=0)
+    temporary = layer.bias * 2
+    alive = weakref.ref(temporary)
+    losses = torch.func.functional_call(
+        layer, {"bias": temporary}, (torch.randn(4, 3, dtype=torch.float64),)
+    ).sum(1)
+    del temporary
+    assert alive() is not None
+    layer.bias = nn.Parameter(torch.zeros(2, dtype=torch.float64))
+    with pytest.raises(ValueError, match="read other tensors than its parameters"):
+        engine.backward(losses, UPGradWeighting())
+    assert all(p.grad is None for p in layer.parameters())
 
 
 @pytest.mark.parametrize("kind", ["attention", "lstm", "batchnorm"])

@@ -37,7 +37,7 @@ from jacflow.autogram._hooks import (
     Unit,
     batch_statistics,
     find_units,
-    own_parameter_ids,
+    own_parameters,
 )
 from jacflow.autogram._outside import (
     REENTRANT_CHECKPOINT,
@@ -1296,8 +1296,8 @@ def _check_output_views(losses: Tensor, calls: list[tuple[Unit, Call]]) -> None:
             elif changed_base:
                 for node in _new_base_nodes(base.grad_fn, output.base_node):
                     new_nodes[id(node)] = (unit, node)
-            elif _bypasses(output.view.grad_fn, output.node, base.grad_fn):
-                new_nodes[id(output.view.grad_fn)] = (unit, output.view.grad_fn)
+            elif _bypasses(node := output.view.grad_fn, output.node, base.grad_fn):
+                new_nodes[id(node)] = (unit, node)
     if new_nodes:
         changed = first_reached(losses, new_nodes)
         if changed is not None:
@@ -1422,7 +1422,8 @@ def _check_no_output_hooks(unit: Unit, call: Call, grads: list[Tensor | None]) -
 def _check_same_parameters(unit: Unit, call: Call) -> None:
     """A closed form writes the gradients of the module's parameters from what the forward
     read as them: refused when those were other tensors (``torch.func.functional_call``)."""
-    if call.param_ids is not None and call.param_ids != own_parameter_ids(unit.module):
+    read = call.params_read
+    if read is not None and not _same_tensors(read, own_parameters(unit.module)):
         raise ValueError(
             f"The forward call of {unit.name} ({type(unit.module).__name__}) read other tensors "
             "than its parameters as its weights (e.g. through torch.func.functional_call), or "
@@ -1430,6 +1431,10 @@ def _check_same_parameters(unit: Unit, call: Call) -> None:
             "to the module's parameters from that call. Call the module itself, with its own "
             "parameters, or use jacflow.autojac for functional calls."
         )
+
+
+def _same_tensors(first: Sequence[Tensor], second: Sequence[Tensor]) -> bool:
+    return len(first) == len(second) and all(a is b for a, b in zip(first, second))
 
 
 def _check_versions(call: Call) -> None:

@@ -180,9 +180,9 @@ def _hooks_of(tensor: Tensor) -> dict[Any, Any]:
     return tensor._backward_hooks  # type: ignore[return-value]
 
 
-def own_parameter_ids(module: nn.Module) -> tuple[int, ...]:
-    """The ids of the module's own parameters (the tensors its forward reads as such)."""
-    return tuple(id(p) for p in module._parameters.values() if p is not None)
+def own_parameters(module: nn.Module) -> tuple[Tensor, ...]:
+    """The module's own parameters (the tensors its forward reads as such)."""
+    return tuple(p for p in module._parameters.values() if p is not None)
 
 
 def _base_read(
@@ -408,7 +408,7 @@ class Recorder:
                 # the step, so that one made after the view is freed is seen too)
                 call.output_views.append(view)
         if not replays:  # (a closed form: which tensors the forward read as its parameters)
-            call.param_ids = own_parameter_ids(module)
+            call.params_read = own_parameters(module)
         else:  # (what a replay of the module needs: the weights, buffers and modes)
             call.weight_versions = [(p, p._version) for p in module.parameters()]
             call.outputs = [(leaves[j], leaves[j]._version) for j in positions]
