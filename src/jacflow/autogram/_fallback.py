@@ -22,6 +22,7 @@ from torch.nn.utils import parametrize
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from jacflow.autogram._embedding import frequency_refusal
+from jacflow.autogram._flatten import leaves
 from jacflow.autogram._precision import replay_autocast
 from jacflow.autogram._rules import (
     Call,
@@ -45,8 +46,8 @@ _SILENCED_HOOK = "module forward hook with ``always_call=True`` raised an except
 
 
 def _selected_outputs(out: Any, positions: list[int]) -> tuple[Tensor, ...]:
-    leaves, _ = tree_flatten(out)
-    return tuple(leaves[i] for i in positions)
+    found = leaves(out)
+    return tuple(found[i] for i in positions)
 
 
 def _with_buffers(call: Call, module: nn.Module, params: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -365,7 +366,7 @@ def _check_independent_outputs(module: nn.Module, call: Call) -> None:
     if len(starts) < 2:
         return
     twice = len({(id(e.node), e.output_nr) for e in own}) < len(own)
-    inputs = tree_flatten((call.args, call.kwargs))[0]
+    inputs = leaves((call.args, call.kwargs))
     # (the dicts hold the nodes: a node's Python object can die and its id be reused)
     boundary = {
         id(node): node for t in inputs if isinstance(t, Tensor) and (node := t.grad_fn) is not None

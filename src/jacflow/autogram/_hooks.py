@@ -22,10 +22,10 @@ from torch.nn.utils.parametrize import is_parametrized
 from torch.nn.utils.prune import BasePruningMethod
 from torch.nn.utils.spectral_norm import SpectralNorm
 from torch.nn.utils.weight_norm import WeightNorm
-from torch.utils._pytree import tree_flatten
 from torch.utils.hooks import RemovableHandle
 
 from jacflow.autogram._fallback import FallbackRule
+from jacflow.autogram._flatten import leaves
 from jacflow.autogram._precision import autocast_state
 from jacflow.autogram._rules import (
     TRACKERS,
@@ -335,10 +335,10 @@ class Recorder:
     def _flag_fused(self, module: nn.Module, args: Any, output: Any) -> None:
         if self.idle or not torch.is_grad_enabled() or is_replaying():
             return
-        first = next((x for x in tree_flatten(args)[0] if isinstance(x, Tensor)), None)
+        first = next((x for x in leaves(args) if isinstance(x, Tensor)), None)
         if (first is not None and torch.backends.cudnn.is_acceptable(first)) or any(
             _from_fused_rnn(leaf.grad_fn)
-            for leaf in tree_flatten(output)[0]
+            for leaf in leaves(output)
             if isinstance(leaf, Tensor) and leaf.grad_fn is not None
         ):
             self.fused_rnn = True
@@ -361,10 +361,10 @@ class Recorder:
         start = pending.pop() if pending else None
         parent = pending[-1] if pending else None  # (the call this one runs inside)
         # Fast path for the common single-tensor output and tensor-only positional inputs.
-        leaves = [output] if isinstance(output, Tensor) else tree_flatten(output)[0]
+        flat = [output] if isinstance(output, Tensor) else leaves(output)
         positions = [
             j
-            for j, leaf in enumerate(leaves)
+            for j, leaf in enumerate(flat)
             if isinstance(leaf, Tensor) and leaf.requires_grad and leaf.grad_fn is not None
         ]
         # (a call with no output to record is kept in the tree of a module's calls of itself
@@ -377,21 +377,21 @@ class Recorder:
         if not kwargs and all(isinstance(a, Tensor) for a in args):
             inputs = args
         else:
-            inputs = tree_flatten((args, kwargs))[0]
+            inputs = leaves((args, kwargs))
         call = Call(
             args=tuple(args),
             kwargs=dict(kwargs),
             output_positions=positions,
-            output_shapes=[leaves[j].shape for j in positions],
-            edges=[get_gradient_edge(leaves[j]) for j in positions],
+            output_shapes=[flat[j].shape for j in positions],
+            edges=[get_gradient_edge(flat[j]) for j in positions],
             versions=[(t, t._version) for t in inputs if isinstance(t, Tensor)],
-            autocast=autocast_state(leaves[positions[0]].device.type) if positions else None,
+            autocast=autocast_state(flat[positions[0]].device.type) if positions else None,
             training=module.training,
             preceded=preceded,
         )
         call.output_hooks = []
         for i, j in enumerate(positions):
-            leaf, base = leaves[j], leaves[j]._base
+            leaf, base = flat[j], flat[j]._base
             view = None
             if base is not None:
                 at_base = _base_read(module, j, leaf, base)
@@ -411,7 +411,7 @@ class Recorder:
             call.params_read = own_parameters(module)
         else:  # (what a replay of the module needs: the weights, buffers and modes)
             call.weight_versions = [(p, p._version) for p in module.parameters()]
-            call.outputs = [(leaves[j], leaves[j]._version) for j in positions]
+            call.outputs = [(flat[j], flat[j]._version) for j in positions]
             call.modes = tuple((sub, sub.training) for sub in module.modules())
             if start is not None:  # (the modes the call started in: its forward may change them)
                 call.modes, call.training = start.modes, start.modes[0][1]
