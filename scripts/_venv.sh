@@ -1,6 +1,6 @@
 # Sourced by the set-up scripts: create or reuse .venv and install jacflow with the given extras.
 # torch==2.13.0 is installed first, explicitly, so that pip takes the CPU build from the local
-# wheel cache instead of downloading a multi-GB CUDA build to satisfy `torch>=2.8`.
+# wheel cache instead of downloading a multi-GB CUDA build to satisfy `torch>=2.6`.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PYTHON="${PYTHON:-python3}"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The test suite on another torch release, e.g. the declared lower bound (pyproject.toml):
-#   bash scripts/test-torch.sh 2.8.0 [pytest arguments]
+#   bash scripts/test-torch.sh 2.6.0 [pytest arguments]
 # It makes a virtual environment of its own, .venv-torch-VERSION, installs that torch from the
 # package index (on Linux a CUDA build: several GB the first time), jacflow and its test extras,
 # then runs pytest over tests and src. Lint and type checks stay with scripts/run-tests.sh.
