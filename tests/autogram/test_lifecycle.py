@@ -1929,6 +1929,10 @@ _REORDERINGS: dict[str, Callable[[Tensor], Tensor]] = {
     "swap, whole step slice": lambda out: out.sum(1)[torch.tensor([1, 0, 2, 3])][::1],
     "swap, whole slice from the end": lambda out: out.sum(1)[torch.tensor([1, 0, 2, 3])][-4:],
     "swap, sliced along dim 1": lambda out: out[torch.tensor([1, 0, 2, 3])][:, 1:],
+    "swap, a column selected": lambda out: out[torch.tensor([1, 0, 2, 3])][:, 0],
+    "swap, whole slice without an end": lambda out: torch.ops.aten.slice.Tensor(
+        out.sum(1)[torch.tensor([1, 0, 2, 3])], 0, 0, None
+    ),
     "swap times a loss": lambda out: out.sum(1)[torch.tensor([1, 0, 2, 3])] * out[:, 0],
     # exact: each sample's own losses sorted, or taken in place
     "[B, k] sorted along dim 1": lambda out: out.sort(dim=1).values,
@@ -1940,6 +1944,12 @@ _REORDERINGS: dict[str, Callable[[Tensor], Tensor]] = {
     "in place after a permutation, a whole slice and its inverse": lambda out: (
         out.sum(1)[torch.tensor([2, 0, 3, 1])][0:4]
     )[torch.tensor([1, 3, 0, 2])],
+    "gathered by a matrix, its in-place column kept": lambda out: out.gather(
+        0, torch.tensor([[0, 1], [1, 0], [2, 3], [3, 2]])
+    )[:, :1],
+    "gathered by a matrix, its in-place column selected": lambda out: out.gather(
+        0, torch.tensor([[0, 1], [1, 0], [2, 3], [3, 2]])
+    )[:, 0],
     "class table at labels": lambda out: (
         out.sum(1) * torch.exp(-_CLASS_TABLE[_AT_LABELS]) + _CLASS_TABLE.gather(0, _AT_LABELS)
     ),
@@ -1952,6 +1962,8 @@ _EXACT = {
     "in place index",
     "in place after a permutation and its inverse",
     "in place after a permutation, a whole slice and its inverse",
+    "gathered by a matrix, its in-place column kept",
+    "gathered by a matrix, its in-place column selected",
     "class table at labels",
     "table of B rows at labels",
     "example table at ids",

@@ -228,15 +228,18 @@ def _check_not_ordered_by_value(losses: Tensor) -> None:
     only a permutation of them does, since a learned table taken at the labels or ids (a
     class's weight, ``w[y]``) is no reordering of the samples."""
     batch = losses.shape[0]
-    frontier: list[tuple[Any, bool]] = [(losses.grad_fn, False)]
+    # (each node with whether the walk came past an operation of several tensors, and past a
+    # slice of columns)
+    frontier: list[tuple[Any, bool, bool]] = [(losses.grad_fn, False, False)]
     looked_at = 0
     while frontier and looked_at < _MAX_LOOKED_AT:
-        node, beside = frontier.pop()
+        node, beside, columns = frontier.pop()
         looked_at += 1
         if _keeps_positions(node):
             inputs = [n for n, _ in node.next_functions if n is not None]
-            frontier += [(n, beside or len(inputs) > 1) for n in inputs]
-        elif _reorders_batch(node, batch, permutations_only=beside):
+            sliced = columns or _slices_columns(node)
+            frontier += [(n, beside or len(inputs) > 1, sliced) for n in inputs]
+        elif _reorders_batch(node, batch, permutations_only=beside, columns_sliced=columns):
             raise ValueError(
                 "With batch_dim=0, `losses` were reordered along the batch (sorted by value, or "
                 "indexed, gathered or selected by positions): each loss then belongs to another "
@@ -248,22 +251,33 @@ def _check_not_ordered_by_value(losses: Tensor) -> None:
 
 def _keeps_positions(node: Any) -> bool:
     """Whether autograd's ``node`` leaves each entry at its position along dimension 0: an
-    elementwise operation, an unsqueeze elsewhere, a slice along another dimension, or one that
-    takes the whole dimension (``x[0:B]``, ``x[::1]``; torch 2.8 also records one for
-    ``x[:, None]``)."""
+    elementwise operation, an unsqueeze elsewhere, a slice or a selection along another
+    dimension, or a slice that takes the whole dimension (``x[0:B]``, ``x[::1]``; torch 2.8
+    also records one for ``x[:, None]``)."""
     name = type(node).__name__
     if name == "UnsqueezeBackward0":
         return _signed(node._saved_dim) != 0
+    if name == "SelectBackward0":
+        return _slices_columns(node)
     if name == "SliceBackward0":
         sizes = node._saved_self_sym_sizes
         dim = _signed(node._saved_dim) % len(sizes)
         if dim != 0:
             return True
         size = int(sizes[0])
-        bounds = [0 if b is None else _signed(b) for b in (node._saved_start, node._saved_end)]
-        start, end = (b + size if b < 0 else b for b in bounds)  # (x[-B:] saves -B)
+        start = 0 if node._saved_start is None else _signed(node._saved_start)
+        end = size if node._saved_end is None else _signed(node._saved_end)
+        start, end = (b + size if b < 0 else b for b in (start, end))  # (x[-B:] saves -B)
         return start <= 0 and end >= size and int(node._saved_step) == 1
     return name in _ELEMENTWISE_NODES
+
+
+def _slices_columns(node: Any) -> bool:
+    """Whether autograd's ``node`` is a slice or a selection along another dimension than 0."""
+    if type(node).__name__ not in ("SliceBackward0", "SelectBackward0"):
+        return False
+    sizes = node._saved_self_sym_sizes
+    return _signed(node._saved_dim) % len(sizes) != 0
 
 
 def _signed(dim: int) -> int:
@@ -272,21 +286,28 @@ def _signed(dim: int) -> int:
     return dim - 2**64 if dim >= 2**63 else dim
 
 
-def _reorders_batch(node: Any, batch: int, permutations_only: bool) -> bool:
+def _reorders_batch(
+    node: Any, batch: int, permutations_only: bool, columns_sliced: bool = False
+) -> bool:
     """Whether the chain of reorderings along dimension 0 of tensors of ``batch`` rows that
     starts at autograd's ``node`` (sorts, and takes of entries at given positions, one after
     the other) leaves the entries elsewhere than at their own positions (with
-    ``permutations_only``, only where the chain is a permutation of the rows)."""
+    ``permutations_only``, only where the chain is a permutation of the rows). A reordering of
+    a matrix's rows after a slice of its columns (``columns_sliced``) is not judged: only the
+    kept columns' order would count, which is not followed."""
     order: Tensor | None = None  # (positions in the chain's input of the losses' entries)
     for _ in range(_MAX_LOOKED_AT):
         inputs = [n for n, _ in node.next_functions if n is not None]
         if _keeps_positions(node) and len(inputs) == 1:
+            columns_sliced = columns_sliced or _slices_columns(node)
             node = inputs[0]  # (between two reorderings: ``(2 * x[p])[q]``)
             continue
         positions = _positions_along_batch(node, batch)
         if positions is None:
             break
         if positions.ndim != 1:  # (a reordering of a matrix's rows: not followed)
+            if columns_sliced:
+                return False
             order = positions
             break
         order = positions if order is None else positions[order]
