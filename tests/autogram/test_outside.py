@@ -210,21 +210,23 @@ def test_functional_call_with_other_tensors_is_refused(substitute: bool) -> None
 
 def test_functional_call_with_a_freed_temporary_is_still_refused() -> None:
     """A temporary read as a parameter that the graph does not keep (a bias, which the
-    product's backward does not save) is held until the step: the check compared ids only,
-    and a new parameter put in its place could take the freed tensor's id (seen once in
-    twenty tries), so the step took the call as reading the module's own parameters. The
-    temporary stays alive, and the replaced parameter is refused."""
+    product's backward does not save) dies after the forward, and a new parameter put in its
+    place can take its id (here the first one made after it does): the check compared ids,
+    and the step took the call as reading the module's own parameters. It is refused, and the
+    recorded call does not keep the temporary alive."""
     torch.manual_seed(0)
     layer = nn.Linear(3, 2).double()
     engine = Engine(layer, batch_dim=0)
     temporary = layer.bias * 2
-    alive = weakref.ref(temporary)
+    alive, temporary_id = weakref.ref(temporary), id(temporary)
     losses = torch.func.functional_call(
         layer, {"bias": temporary}, (torch.randn(4, 3, dtype=torch.float64),)
     ).sum(1)
+    data = [torch.zeros(2, dtype=torch.float64) for _ in range(64)]
     del temporary
-    assert alive() is not None
-    layer.bias = nn.Parameter(torch.zeros(2, dtype=torch.float64))
+    assert alive() is None
+    candidates = [nn.Parameter(d) for d in data]
+    layer.bias = next((c for c in candidates if id(c) == temporary_id), candidates[0])
     with pytest.raises(ValueError, match="read other tensors than its parameters"):
         engine.backward(losses, UPGradWeighting())
     assert all(p.grad is None for p in layer.parameters())

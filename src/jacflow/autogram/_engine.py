@@ -37,7 +37,7 @@ from jacflow.autogram._hooks import (
     Unit,
     batch_statistics,
     find_units,
-    own_parameters,
+    same_parameters,
 )
 from jacflow.autogram._outside import (
     REENTRANT_CHECKPOINT,
@@ -1443,8 +1443,7 @@ def _check_no_output_hooks(unit: Unit, call: Call, grads: list[Tensor | None]) -
 def _check_same_parameters(unit: Unit, call: Call) -> None:
     """A closed form writes the gradients of the module's parameters from what the forward
     read as them: refused when those were other tensors (``torch.func.functional_call``)."""
-    read = call.params_read
-    if read is not None and not _same_tensors(read, own_parameters(unit.module)):
+    if call.params_read is not None and not same_parameters(call.params_read, unit.module):
         raise ValueError(
             f"The forward call of {unit.name} ({type(unit.module).__name__}) read other tensors "
             "than its parameters as its weights (e.g. through torch.func.functional_call), or "
@@ -1452,10 +1451,6 @@ def _check_same_parameters(unit: Unit, call: Call) -> None:
             "to the module's parameters from that call. Call the module itself, with its own "
             "parameters, or use jacflow.autojac for functional calls."
         )
-
-
-def _same_tensors(first: Sequence[Tensor], second: Sequence[Tensor]) -> bool:
-    return len(first) == len(second) and all(a is b for a, b in zip(first, second))
 
 
 def _check_versions(call: Call) -> None:

@@ -9,7 +9,8 @@ forwards of other graphs) are ignored when the Gramian is computed.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -183,6 +184,25 @@ def _hooks_of(tensor: Tensor) -> dict[Any, Any]:
 def own_parameters(module: nn.Module) -> tuple[Tensor, ...]:
     """The module's own parameters (the tensors its forward reads as such)."""
     return tuple(p for p in module._parameters.values() if p is not None)
+
+
+def parameters_read(module: nn.Module) -> tuple[Tensor | weakref.ref[Tensor], ...]:
+    """What a forward call read as the module's parameters, to be compared with them at the
+    step: a parameter itself (a weak reference would stop ``torch.utils.swap_tensors``, which
+    ``module.to()`` may use), another tensor put in its place by
+    ``torch.func.functional_call`` by a weak reference (the call must not keep it alive; a
+    dead one is no parameter). Not by ``id``: a freed tensor's id can go to a new parameter."""
+    return tuple(
+        p if isinstance(p, nn.Parameter) else weakref.ref(p) for p in own_parameters(module)
+    )
+
+
+def same_parameters(read: Sequence[Tensor | weakref.ref[Tensor]], module: nn.Module) -> bool:
+    """Whether ``read`` (:func:`parameters_read` of a call) are the module's parameters now."""
+    own = own_parameters(module)
+    return len(read) == len(own) and all(
+        (r() if isinstance(r, weakref.ref) else r) is p for r, p in zip(read, own)
+    )
 
 
 def _base_read(
@@ -408,7 +428,7 @@ class Recorder:
                 # the step, so that one made after the view is freed is seen too)
                 call.output_views.append(view)
         if not replays:  # (a closed form: which tensors the forward read as its parameters)
-            call.params_read = own_parameters(module)
+            call.params_read = parameters_read(module)
         else:  # (what a replay of the module needs: the weights, buffers and modes)
             call.weight_versions = [(p, p._version) for p in module.parameters()]
             call.outputs = [(flat[j], flat[j]._version) for j in positions]

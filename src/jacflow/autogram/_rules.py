@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import warnings
+import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -243,10 +244,10 @@ class Call:
     base_views: dict[int, BaseView] = field(default_factory=dict)
     # whether the outputs read at their base after an in-place op have a user's gradient hooks
     above_hooks: dict[int, bool] = field(default_factory=dict)
-    # for the rules that do not replay: the module's own parameters during the forward
-    # (``torch.func.functional_call`` puts other tensors in their place; held, not their ids:
-    # a freed temporary's id can go to a new parameter)
-    params_read: tuple[Tensor, ...] | None = None
+    # for the rules that do not replay: what the forward read as the module's parameters
+    # (``torch.func.functional_call`` puts other tensors in their place; see
+    # ``_hooks.parameters_read``)
+    params_read: tuple[Tensor | weakref.ref[Tensor], ...] | None = None
     # for the rules that replay: the recorded outputs with their versions at the forward (a
     # re-run is checked against them)
     outputs: list[tuple[Tensor, int]] = field(default_factory=list)
