@@ -43,8 +43,10 @@ def test_claimed_properties() -> None:
 
 def test_claimed_properties_l2() -> None:
     # The "l2" update combines unit rows: its size does not follow the scale of J, so float32
-    # rounding (~1e-7) exceeds the check's tolerance (1e-3 |J|^2) for rows smaller than ~1e-4.
-    strategy = jacobians(max_m=12, scales=(1e-3, 1.0, 1e3, 1e6))
+    # rounding (~1e-7) exceeds the checks' tolerances (relative to J's largest entry) for rows
+    # smaller than ~1e-4, which the scale 1e-3 also draws (a rank-1 J of entries up to 6e-5,
+    # whose update is 0 up to that rounding, in an explore run).
+    strategy = jacobians(max_m=12, scales=(1.0, 1e3, 1e6))
     check_claimed_properties(lambda: MGDA(normalization="l2"), strategy)
 
 
