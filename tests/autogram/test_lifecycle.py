@@ -1930,6 +1930,10 @@ _REORDERINGS: dict[str, Callable[[Tensor], Tensor]] = {
     "swap, whole slice from the end": lambda out: out.sum(1)[torch.tensor([1, 0, 2, 3])][-4:],
     "swap, sliced along dim 1": lambda out: out[torch.tensor([1, 0, 2, 3])][:, 1:],
     "swap, a column selected": lambda out: out[torch.tensor([1, 0, 2, 3])][:, 0],
+    "swap, one chunk": lambda out: out.sum(1)[torch.tensor([1, 0, 2, 3])].chunk(1)[0],
+    "swap, columns chunked": lambda out: out[torch.tensor([1, 0, 2, 3])].chunk(2, dim=1)[1],
+    "swap, columns split": lambda out: out[torch.tensor([1, 0, 2, 3])].split([1, 1], dim=1)[0],
+    "swap, columns unbound": lambda out: out[torch.tensor([1, 0, 2, 3])].unbind(1)[1],
     "swap, whole slice without an end": lambda out: torch.ops.aten.slice.Tensor(
         out.sum(1)[torch.tensor([1, 0, 2, 3])], 0, 0, None
     ),
@@ -1950,6 +1954,9 @@ _REORDERINGS: dict[str, Callable[[Tensor], Tensor]] = {
     "gathered by a matrix, its in-place column selected": lambda out: out.gather(
         0, torch.tensor([[0, 1], [1, 0], [2, 3], [3, 2]])
     )[:, 0],
+    "gathered by a matrix, its in-place column unbound": lambda out: out.gather(
+        0, torch.tensor([[0, 1], [1, 0], [2, 3], [3, 2]])
+    ).unbind(1)[0],
     "class table at labels": lambda out: (
         out.sum(1) * torch.exp(-_CLASS_TABLE[_AT_LABELS]) + _CLASS_TABLE.gather(0, _AT_LABELS)
     ),
@@ -1964,6 +1971,7 @@ _EXACT = {
     "in place after a permutation, a whole slice and its inverse",
     "gathered by a matrix, its in-place column kept",
     "gathered by a matrix, its in-place column selected",
+    "gathered by a matrix, its in-place column unbound",
     "class table at labels",
     "table of B rows at labels",
     "example table at ids",

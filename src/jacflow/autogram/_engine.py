@@ -251,14 +251,23 @@ def _check_not_ordered_by_value(losses: Tensor) -> None:
 
 def _keeps_positions(node: Any) -> bool:
     """Whether autograd's ``node`` leaves each entry at its position along dimension 0: an
-    elementwise operation, an unsqueeze elsewhere, a slice or a selection along another
-    dimension, or a slice that takes the whole dimension (``x[0:B]``, ``x[::1]``; torch 2.8
-    also records one for ``x[:, None]``)."""
+    elementwise operation, an unsqueeze elsewhere, a slice, selection, split or unbind along
+    another dimension, or a slice or split that takes the whole dimension (``x[0:B]``,
+    ``x[::1]``, ``x.chunk(1)[0]``; torch 2.8 also records a slice for ``x[:, None]``)."""
     name = type(node).__name__
     if name == "UnsqueezeBackward0":
         return _signed(node._saved_dim) != 0
-    if name == "SelectBackward0":
+    if name in ("SelectBackward0", "UnbindBackward0"):
         return _slices_columns(node)
+    if name in _SPLIT_NODES:
+        if _slices_columns(node):
+            return True
+        pieces = (
+            node._saved_split_sizes
+            if name == "SplitWithSizesBackward0"
+            else (node._saved_split_size,)
+        )
+        return len(pieces) == 1 and int(pieces[0]) >= int(node._saved_self_sym_sizes[0])
     if name == "SliceBackward0":
         sizes = node._saved_self_sym_sizes
         dim = _signed(node._saved_dim) % len(sizes)
@@ -272,9 +281,16 @@ def _keeps_positions(node: Any) -> bool:
     return name in _ELEMENTWISE_NODES
 
 
+_SPLIT_NODES = ("SplitBackward0", "SplitWithSizesBackward0")
+
+
 def _slices_columns(node: Any) -> bool:
-    """Whether autograd's ``node`` is a slice or a selection along another dimension than 0."""
-    if type(node).__name__ not in ("SliceBackward0", "SelectBackward0"):
+    """Whether autograd's ``node`` is a slice, selection, split or unbind along another
+    dimension than 0."""
+    name = type(node).__name__
+    if name == "UnbindBackward0":  # (no sizes saved: a negative dimension is not followed)
+        return _signed(node._saved_dim) > 0
+    if name not in ("SliceBackward0", "SelectBackward0", *_SPLIT_NODES):
         return False
     sizes = node._saved_self_sym_sizes
     return _signed(node._saved_dim) % len(sizes) != 0
