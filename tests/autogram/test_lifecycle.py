@@ -1930,6 +1930,13 @@ _REORDERINGS: dict[str, Callable[[Tensor], Tensor]] = {
     "swap, whole slice from the end": lambda out: out.sum(1)[torch.tensor([1, 0, 2, 3])][-4:],
     "swap, sliced along dim 1": lambda out: out[torch.tensor([1, 0, 2, 3])][:, 1:],
     "swap, a column selected": lambda out: out[torch.tensor([1, 0, 2, 3])][:, 0],
+    "swap, one minus": lambda out: 1 - out.sum(1)[torch.tensor([1, 0, 2, 3])],
+    "swap, two to its power": lambda out: 2 ** out.sum(1)[torch.tensor([1, 0, 2, 3])],
+    "swap, clamped by tensors": lambda out: out.sum(1)[torch.tensor([1, 0, 2, 3])].clamp(
+        torch.zeros(4, dtype=torch.float64), torch.full((4,), 9.0, dtype=torch.float64)
+    ),
+    "swap, log1p": lambda out: out.sum(1)[torch.tensor([1, 0, 2, 3])].log1p(),
+    "topk of all": lambda out: out.sum(1).topk(4).values,
     "swap, one chunk": lambda out: out.sum(1)[torch.tensor([1, 0, 2, 3])].chunk(1)[0],
     "swap, columns chunked": lambda out: out[torch.tensor([1, 0, 2, 3])].chunk(2, dim=1)[1],
     "swap, columns split": lambda out: out[torch.tensor([1, 0, 2, 3])].split([1, 1], dim=1)[0],

@@ -181,7 +181,7 @@ def _check_losses(losses: object, batch_dim: int | None) -> Tensor:
 
 # autograd's nodes of the ops that order or select values along a dimension
 _BY_VALUE_NODES = frozenset(
-    {"SortBackward0", "SortBackward1", "KthvalueBackward0", "MedianBackward1"}
+    {"SortBackward0", "SortBackward1", "TopkBackward0", "KthvalueBackward0", "MedianBackward1"}
 )
 # elementwise nodes (of one tensor or several), which keep each entry at its place: looked
 # through from the losses
@@ -197,13 +197,21 @@ _ELEMENTWISE_NODES = frozenset(
         "AliasBackward0",
         "ExpBackward0",
         "LogBackward0",
+        "RsubBackward0",
+        "RsubBackward1",
         "PowBackward0",
         "PowBackward1",
+        "PowBackward2",
+        "Log1PBackward0",
+        "Expm1Backward0",
+        "ReciprocalBackward0",
+        "SoftplusBackward0",
         "SqrtBackward0",
         "AbsBackward0",
         "ReluBackward0",
         "SigmoidBackward0",
         "TanhBackward0",
+        "ClampBackward0",
         "ClampBackward1",
         "ClampMinBackward0",
         "ClampMaxBackward0",
@@ -253,7 +261,8 @@ def _keeps_positions(node: Any) -> bool:
     """Whether autograd's ``node`` leaves each entry at its position along dimension 0: an
     elementwise operation, an unsqueeze elsewhere, a slice, selection, split or unbind along
     another dimension, or a slice or split that takes the whole dimension (``x[0:B]``,
-    ``x[::1]``, ``x.chunk(1)[0]``; torch 2.8 also records a slice for ``x[:, None]``)."""
+    ``x[::1]``, ``x.chunk(1)[0]``; torch 2.6 to 2.8 also record such a slice for every index
+    that begins with ``:``, as ``x[:, None]`` or ``x[:, 0]``)."""
     name = type(node).__name__
     if name == "UnsqueezeBackward0":
         return _signed(node._saved_dim) != 0
