@@ -242,7 +242,7 @@ def _check_not_ordered_by_value(losses: Tensor) -> None:
     looked_at = 0
     while frontier and looked_at < _MAX_LOOKED_AT:
         node, beside, columns = frontier.pop()
-        looked_at += 1
+        looked_at += not _whole_slice(node)
         if _keeps_positions(node):
             inputs = [n for n, _ in node.next_functions if n is not None]
             sliced = columns or _slices_columns(node)
@@ -278,16 +278,24 @@ def _keeps_positions(node: Any) -> bool:
         )
         return len(pieces) == 1 and int(pieces[0]) >= int(node._saved_self_sym_sizes[0])
     if name == "SliceBackward0":
-        sizes = node._saved_self_sym_sizes
-        dim = _signed(node._saved_dim) % len(sizes)
-        if dim != 0:
-            return True
-        size = int(sizes[0])
-        start = 0 if node._saved_start is None else _signed(node._saved_start)
-        end = size if node._saved_end is None else _signed(node._saved_end)
-        start, end = (b + size if b < 0 else b for b in (start, end))  # (x[-B:] saves -B)
-        return start <= 0 and end >= size and int(node._saved_step) == 1
+        return _slices_columns(node) or _whole_slice(node)
     return name in _ELEMENTWISE_NODES
+
+
+def _whole_slice(node: Any) -> bool:
+    """Whether autograd's ``node`` is a slice that takes all of dimension 0 (``x[0:B]``,
+    ``x[-B:]``, ``x[::1]``). Torch 2.6 to 2.8 record one for every index that begins with
+    ``:``, so the walks do not count it against their budget."""
+    if type(node).__name__ != "SliceBackward0":
+        return False
+    sizes = node._saved_self_sym_sizes
+    if _signed(node._saved_dim) % len(sizes) != 0:
+        return False
+    size = int(sizes[0])
+    start = 0 if node._saved_start is None else _signed(node._saved_start)
+    end = size if node._saved_end is None else _signed(node._saved_end)
+    start, end = (b + size if b < 0 else b for b in (start, end))  # (x[-B:] saves -B)
+    return start <= 0 and end >= size and int(node._saved_step) == 1
 
 
 _SPLIT_NODES = ("SplitBackward0", "SplitWithSizesBackward0")
@@ -321,7 +329,9 @@ def _reorders_batch(
     a matrix's rows after a slice of its columns (``columns_sliced``) is not judged: only the
     kept columns' order would count, which is not followed."""
     order: Tensor | None = None  # (positions in the chain's input of the losses' entries)
-    for _ in range(_MAX_LOOKED_AT):
+    looked_at = 0
+    while looked_at < _MAX_LOOKED_AT:
+        looked_at += not _whole_slice(node)
         inputs = [n for n, _ in node.next_functions if n is not None]
         if _keeps_positions(node) and len(inputs) == 1:
             columns_sliced = columns_sliced or _slices_columns(node)
