@@ -17,7 +17,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from jacflow._autocast import autocast_enabled
 from jacflow.autogram._rules import Call
 
 AutocastState = tuple[str, torch.dtype]
@@ -35,14 +34,9 @@ def autocast_state(device_type: str) -> AutocastState | None:
         >>> autocast_state("cpu") is None
         True
     """
-    if not autocast_enabled(device_type):
+    if not torch.is_autocast_enabled(device_type):
         return None
-    try:
-        dtype = torch.get_autocast_dtype(device_type)
-    except AttributeError:  # torch < 2.4
-        cpu = device_type == "cpu"
-        dtype = torch.get_autocast_cpu_dtype() if cpu else torch.get_autocast_gpu_dtype()
-    return device_type, dtype
+    return device_type, torch.get_autocast_dtype(device_type)
 
 
 def without_autocast(device_type: str) -> contextlib.AbstractContextManager[object]:

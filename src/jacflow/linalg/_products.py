@@ -36,8 +36,6 @@ import torch
 from torch import Tensor
 from torch.utils._python_dispatch import _disable_current_modes
 
-from jacflow._autocast import autocast_enabled
-
 # Measured on the host described above, inside the engine's steps (per-sample and per-task,
 # each product timed in steps that alternate between the two routes): oneDNN's product paid
 # from about 16 million multiply-adds ([128, 2048] Gramians: 0.59x; [128, 432]: 1.34x; near
@@ -169,7 +167,7 @@ def takes_onednn(a: Tensor, b: Tensor) -> bool:
         and n * k * p >= ONEDNN_MIN_WORK
         and not (torch.is_grad_enabled() and (a.requires_grad or b.requires_grad))  # no derivative
         and not _transformed()
-        and not autocast_enabled("cpu")
+        and not torch.is_autocast_enabled("cpu")
         and torch._C._get_mkldnn_enabled()  # (`torch.backends.mkldnn.flags(enabled=False)`)
     )
 
@@ -198,8 +196,9 @@ def product(a: Tensor, b: Tensor, out: Tensor | None = None) -> Tensor:
         >>> product(torch.tensor([[1.0, 2.0]]), torch.tensor([[3.0], [4.0]]))
         tensor([[11.]])
     """
-    into = out is None or (out.dtype == a.dtype and out.shape == (a.shape[0], b.shape[1]))
-    if takes_onednn(a, b) and into:  # (else torch.mm's own checks of `out`)
+    if takes_onednn(a, b) and (  # (else torch.mm's own checks of `out`)
+        out is None or (out.dtype == a.dtype and out.shape == (a.shape[0], b.shape[1]))
+    ):
         if out is None:
             return onednn_product(a, b)
         rows = max(ONEDNN_MIN_ROWS, ONEDNN_SLICE_ELEMENTS // b.shape[1])
