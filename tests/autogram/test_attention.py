@@ -237,6 +237,19 @@ def test_sequence_first_in_per_sample_mode_is_refused(positions: int) -> None:
     assert attn.in_proj_weight.grad is None
 
 
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_unbatched_input_in_per_sample_mode_is_refused(batch_first: bool) -> None:
+    """An unbatched ``[T, E]`` input has no samples to split: refused as such (it was handed
+    to the generic rule, whose vmap failed with a message that blamed a missing closed form)."""
+    attn = nn.MultiheadAttention(E, H, batch_first=batch_first)
+    x = torch.randn(T, E)
+    with Engine(attn, batch_dim=0) as engine:
+        losses = attn(x, x, x)[0].pow(2).sum(dim=1)
+        with pytest.raises(ValueError, match=r"unbatched input of shape \(4, 6\).*batch_dim=None"):
+            engine.backward(losses, MeanWeighting())
+    assert attn.in_proj_weight.grad is None
+
+
 @pytest.mark.parametrize("batch_dim", [0, None])
 def test_dropout_in_training_is_refused(batch_dim: int | None) -> None:
     """Its random mask cannot be replayed (per task, the generic rule silently drew another

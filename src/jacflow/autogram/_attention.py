@@ -19,8 +19,9 @@ Covered: packed projection weights (``kdim == vdim == embed_dim``), self- and
 cross-attention, key-padding and attention masks (boolean or additive), ``is_causal``, the
 returned attention weights, batched inputs. Anything else (``bias_k``/``bias_v``,
 ``add_zero_attn``, separate projection weights, a parametrised ``out_proj``, autocast, unbatched
-inputs, a subclass with its own ``forward``) goes to the generic rule. Dropout in training mode
-is refused: its random mask cannot be replayed.
+inputs per task, a subclass with its own ``forward``) goes to the generic rule. Dropout in
+training mode is refused (its random mask cannot be replayed), and so are unbatched inputs per
+sample (``batch_dim=0``).
 """
 
 from __future__ import annotations
@@ -36,7 +37,14 @@ from torch import Tensor, nn
 
 from jacflow.autogram._fallback import FallbackRule
 from jacflow.autogram._linear import JoinedLinear, linear_part
-from jacflow.autogram._rules import Call, Contribution, Rows, Rule, register_rule
+from jacflow.autogram._rules import (
+    Call,
+    Contribution,
+    Rows,
+    Rule,
+    register_rule,
+    unbatched_refusal,
+)
 
 _SIGNATURE = inspect.signature(nn.MultiheadAttention.forward)
 _GENERIC = FallbackRule()
@@ -212,7 +220,12 @@ class AttentionRule(Rule):
 
     def validate(self, module: nn.Module, call: Call, rows: Rows) -> None:
         assert isinstance(module, nn.MultiheadAttention)
-        if not rows.per_task and not module.batch_first:
+        if rows.per_task:
+            return
+        query = _arguments(call)["query"]
+        if isinstance(query, Tensor) and query.dim() != 3:
+            raise unbatched_refusal(module, query)
+        if not module.batch_first:
             raise ValueError(
                 "nn.MultiheadAttention(batch_first=False) takes the batch on dimension 1, but "
                 "the per-sample engine (batch_dim=0) reads it on dimension 0. Build it with "

@@ -25,8 +25,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from jacflow.autogram._recurrent import cell_step, slots_contribution, unbatched_refusal
-from jacflow.autogram._rules import Call, Contribution, Rows, Rule, register_rule
+from jacflow.autogram._recurrent import cell_step, slots_contribution
+from jacflow.autogram._rules import (
+    Call,
+    Contribution,
+    Rows,
+    Rule,
+    register_rule,
+    unbatched_refusal,
+)
 
 _TYPES = (nn.RNNCell, nn.LSTMCell, nn.GRUCell)
 

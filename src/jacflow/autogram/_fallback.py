@@ -45,6 +45,12 @@ _SAME_OUTPUT_MAX = 0.05
 _SILENCED_HOOK = "module forward hook with ``always_call=True`` raised an exception"
 
 
+def _no_closed_form(module: nn.Module) -> str:
+    """How the generic rule's errors begin: the module's type has no closed form, or its rule
+    handed this call over (a setting the closed form does not cover)."""
+    return f"{type(module).__name__} has no closed-form Gramian rule for this call"
+
+
 def _selected_outputs(out: Any, positions: list[int]) -> tuple[Tensor, ...]:
     found = leaves(out)
     return tuple(found[i] for i in positions)
@@ -180,7 +186,7 @@ def _check_same_outputs(
                 else ""
             )
             raise ReplayMismatchError(
-                f"{type(module).__name__} has no closed-form Gramian rule, so the engine re-runs "
+                f"{_no_closed_form(module)}, so the engine re-runs "
                 "it from its recorded inputs and parameters, which gave other outputs than its "
                 f"forward (max difference {error:.2e}, outputs up to {scale:.2e}): its forward "
                 "depends on something else"
@@ -235,7 +241,7 @@ def _check_backward_hooks(module: nn.Module) -> None:
     on the gradients inside the re-run, which torch.func cannot run."""
     if backward_hooks(None)[0]:
         raise RuntimeError(
-            f"{type(module).__name__} has no closed-form Gramian rule, so the engine re-runs it "
+            f"{_no_closed_form(module)}, so the engine re-runs it "
             "with torch.func, which cannot run the global module backward hooks registered "
             "(torch.nn.modules.module.register_module_full_backward_hook or its pre-hook). "
             "Remove them for the step, or register them on the modules that need them."
@@ -243,7 +249,7 @@ def _check_backward_hooks(module: nn.Module) -> None:
     for name, sub in module.named_modules():
         if sub is not module and backward_hooks(sub)[0]:
             raise RuntimeError(
-                f"{type(module).__name__} has no closed-form Gramian rule, so the engine re-runs "
+                f"{_no_closed_form(module)}, so the engine re-runs "
                 f"it with torch.func, which cannot run the module backward hook of its child "
                 f"{name} ({type(sub).__name__}). Register the hook on {type(module).__name__} "
                 "itself, or use a gradient hook (register_hook) on a tensor inside its forward."
@@ -378,7 +384,7 @@ def _check_independent_outputs(module: nn.Module, call: Call) -> None:
             node = pending.pop()
             if twice or (id(node) in outputs and (node is not start or position >= len(own))):
                 raise ValueError(
-                    f"{type(module).__name__} has no closed-form Gramian rule, and one of its "
+                    f"{_no_closed_form(module)}, and one of its "
                     "outputs is computed from another in the same call (e.g. `return h, "
                     "h.pow(2).mean()`, an auxiliary loss), or the module is called on its own "
                     "output inside it. The engine re-runs the module with every output's "
@@ -479,7 +485,7 @@ class FallbackRule(Rule):
                     recurrent = any(isinstance(sub, nn.RNNBase) for sub in module.modules())
                     if recurrent and "storage" in str(error):  # (torch's packed kernels)
                         raise RuntimeError(
-                            f"{type(module).__name__} has no closed-form Gramian rule and holds "
+                            f"{_no_closed_form(module)} and holds "
                             "a recurrent layer, so the engine re-runs it with torch.func, which "
                             f"failed: {error}. torch.func cannot run torch's recurrent kernels "
                             "on packed sequences. Pad the sequences, or let the closed form "
@@ -488,14 +494,14 @@ class FallbackRule(Rule):
                         ) from error
                     if not rows.per_task:
                         raise RuntimeError(
-                            f"{type(module).__name__} has no closed-form Gramian rule, so the "
+                            f"{_no_closed_form(module)}, so the "
                             "engine re-runs it sample by sample under torch.func's vmap, which "
                             f"failed: {error}. Use batch_dim=None, or register a closed form "
                             "for it (jacflow.autogram.register_rule)."
                         ) from error
                     raise
                 raise RuntimeError(
-                    f"{type(module).__name__} has no closed-form Gramian rule, so the engine "
+                    f"{_no_closed_form(module)}, so the engine "
                     "re-runs it with torch.func, which cannot replay its random operations "
                     "(dropout). Set its dropout to 0, put the randomness in a separate "
                     "parameter-free module (e.g. nn.Dropout), or call .eval()."

@@ -35,7 +35,14 @@ from torch.nn.utils.rnn import PackedSequence, pad_packed_sequence
 
 from jacflow.autogram._fallback import FallbackRule
 from jacflow.autogram._linear import JoinedLinear, UnfoldedContribution, linear_part
-from jacflow.autogram._rules import Call, Contribution, Rows, Rule, register_rule
+from jacflow.autogram._rules import (
+    Call,
+    Contribution,
+    Rows,
+    Rule,
+    register_rule,
+    unbatched_refusal,
+)
 
 _TYPES = (nn.RNN, nn.LSTM, nn.GRU)
 _GENERIC = FallbackRule()
@@ -291,13 +298,6 @@ def _grouped(
         if bias is not None:
             groups.setdefault(("", name_of.get(id(bias), "")), []).append(key)
     return [(slots, names) for names, slots in groups.items() if any(names)]
-
-
-def unbatched_refusal(module: nn.Module, x: Tensor) -> ValueError:
-    return ValueError(
-        f"{type(module).__name__} received an unbatched input of shape {tuple(x.shape)}: the "
-        "per-sample engine (batch_dim=0) needs a batch dimension."
-    )
 
 
 def slots_contribution(

@@ -629,6 +629,24 @@ class Rule(ABC):
 _RULES: dict[type[nn.Module], Rule] = {}
 
 
+def unbatched_refusal(module: nn.Module, x: Tensor) -> ValueError:
+    """The refusal of a per-sample step (``batch_dim=0``) whose call of ``module`` got an
+    input ``x`` without a batch dimension.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> from jacflow.autogram._rules import unbatched_refusal
+        >>> print(unbatched_refusal(nn.GRU(3, 2), torch.ones(4, 3)))  # doctest: +ELLIPSIS
+        GRU received an unbatched input of shape (4, 3): the per-sample engine ... batch_dim=None.
+    """
+    return ValueError(
+        f"{type(module).__name__} received an unbatched input of shape {tuple(x.shape)}: the "
+        "per-sample engine (batch_dim=0) needs a batch dimension. Add one (x.unsqueeze(0) for "
+        "a single sample), or use batch_dim=None."
+    )
+
+
 def register_rule(module_type: type[nn.Module], rule: Rule) -> None:
     """Use ``rule`` for modules of ``module_type`` (and subclasses that keep its ``forward``).
 
