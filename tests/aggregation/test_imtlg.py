@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from torch import Tensor
 
@@ -46,6 +46,52 @@ def test_matches_the_paper_closed_form(m: int, extra: int, seed: int) -> None:
     # Equal projections on the unit gradients.
     projections = (J / J.norm(dim=1, keepdim=True)) @ out
     torch.testing.assert_close(projections, projections[0].expand(m), atol=1e-8, rtol=1e-6)
+
+
+@settings(max_examples=40)
+@given(st.integers(2, 6), st.integers(0, 3), st.integers(0, 2**31 - 1))
+def test_singular_gramians_match_the_paper_closed_form(m: int, extra: int, seed: int) -> None:
+    """Rank m - 1: G is singular but the paper's system (D U^T) is not, so its closed form
+    applies; G^+ n gave unequal projections or a blown-up update there (the sum of G^+ n is
+    rounding noise when the rows are dependent)."""
+    J = make_jacobian(m, m - 1 + extra, m - 1, 1.0, torch.float64, seed)
+    units = J / J.norm(dim=1, keepdim=True)
+    differences = J[0] - J[1:]
+    system = differences @ (units[0] - units[1:]).T
+    # (rows of one direction make u_1 - u_i vanish: the paper's system is then singular)
+    assume(float(torch.linalg.svdvals(system).min()) > 1e-6 * float(differences.norm()))
+    expected = paper_imtlg(J)
+    out = IMTLG()(J)
+    torch.testing.assert_close(out, expected, atol=1e-6 * float(J.norm()), rtol=1e-6)
+    projections = units @ out
+    torch.testing.assert_close(projections, projections[0].expand(m), atol=1e-8, rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_rows_summing_to_zero_give_zero(dtype: torch.dtype) -> None:
+    """Four rows in R^3 that sum to zero: the only combination of sum 1 with equal projections
+    is the mean, whose update is zero (the pseudo-inverse form gave updates of 1e5-1e13)."""
+    J = torch.randn(4, 3, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    J[-1] = -J[:-1].sum(dim=0)
+    weights = IMTLGWeighting()(J @ J.T)
+    torch.testing.assert_close(weights, torch.full((4,), 0.25, dtype=torch.float64))
+    out = IMTLG()(J.to(dtype))
+    torch.testing.assert_close(out, torch.zeros(3, dtype=dtype), atol=1e-5, rtol=0)
+
+
+def test_opposite_rows_of_unequal_norms_give_zero() -> None:
+    """g_2 = -3 g_1: weights (3/4, 1/4) make the update zero (the pseudo-inverse form gave
+    -5 g_1, against which g_1 conflicts)."""
+    J = torch.tensor([[1.0, 2.0], [-3.0, -6.0]], dtype=torch.float64)
+    torch.testing.assert_close(IMTLGWeighting()(J @ J.T), torch.tensor([0.75, 0.25]).double())
+    torch.testing.assert_close(IMTLG()(J), torch.zeros(2, dtype=torch.float64))
+
+
+def test_zero_rows_get_no_weight() -> None:
+    """A zero row has no direction: it takes no part in the equal projections."""
+    J = torch.tensor([[0.0, 0.0], [2.0, 1.0], [-1.0, 3.0]], dtype=torch.float64)
+    expected = torch.cat([torch.zeros(1).double(), IMTLGWeighting()(J[1:] @ J[1:].T)])
+    torch.testing.assert_close(IMTLGWeighting()(J @ J.T), expected)
 
 
 def test_zero_matrix_gives_zero() -> None:

@@ -11,39 +11,64 @@ from jacflow.aggregation._properties import Property
 
 
 def imtlg_weights(gramian: Tensor) -> Tensor:
-    r"""IMTL-G weights :math:`w = G^+ n / (\mathbf 1^\top G^+ n)` with :math:`n_i = \|g_i\|`.
+    r"""IMTL-G weights: the :math:`w` with :math:`\mathbf 1^\top w = 1` whose combination
+    :math:`J^\top w` has the same projection on every unit gradient :math:`g_i / \|g_i\|`.
 
-    Then :math:`\langle J^\top w, g_i / \|g_i\| \rangle` is the same for every row (when
-    :math:`n` is in the range of :math:`G`) and :math:`\sum_i w_i = 1`. When
-    :math:`\mathbf 1^\top G^+ n` vanishes (e.g. a zero matrix, or opposite rows), no such
-    combination exists and the weights are 0.
+    In the Gramian, with :math:`n_i = \|g_i\| = \sqrt{G_{ii}}`, the projections are
+    :math:`(G w)_i / n_i`, so :math:`w` solves the ``m`` linear equations
+    :math:`\mathbf 1^\top w = 1` and :math:`(G_1 / n_1 - G_i / n_i)\, w = 0` for
+    :math:`i \ge 2` (the paper's system, in which it solves for :math:`w_2, \dots, w_m`).
+    When :math:`G` is invertible this is :math:`w = G^{-1} n / (\mathbf 1^\top G^{-1} n)`; the
+    system also holds where :math:`G` is singular, where :math:`G^+ n` need not give equal
+    projections (opposite rows of unequal norms), or its sum is rounding noise (rows that sum to
+    zero). Zero rows take no part (their direction is undefined) and get weight 0. When the
+    system has several solutions the least-norm one is taken; when it has none (a zero matrix,
+    or no combination of sum 1 with equal projections), the weights are 0.
 
     Example:
         >>> import torch
         >>> from jacflow.aggregation._imtlg import imtlg_weights
         >>> imtlg_weights(torch.tensor([[18., -22.], [-22., 38.]]))
         tensor([0.5923, 0.4077])
+        >>> imtlg_weights(torch.tensor([[5., -15.], [-15., 45.]]))  # g_2 = -3 g_1: J^T w = 0
+        tensor([0.7500, 0.2500])
     """
     m = gramian.shape[0]
     if m == 0:
         return gramian.new_zeros(0)
     if has_nonfinite(gramian):
         return nan_weights(m, gramian)
+    eps = torch.finfo(gramian.dtype).eps
     trace = gramian.diagonal().sum()
     scale = torch.where(trace > 0, trace, torch.ones_like(trace))
     normalized = gramian / scale  # scale-free, avoids over/underflow in float32
-    norms = normalized.diagonal().clamp(min=0).sqrt()
-    raw = torch.linalg.pinv(normalized, hermitian=True) @ norms
-    total = raw.sum()
-    tiny = torch.finfo(gramian.dtype).eps * m * raw.abs().sum()
-    safe = torch.where(total.abs() > tiny, total, torch.ones_like(total))
-    return torch.where(total.abs() > tiny, raw / safe, torch.zeros_like(raw))
+    squared = normalized.diagonal().clamp(min=0)
+    active = squared > m * eps  # (relative to the trace, 1: zero rows up to rounding)
+    norms = squared.sqrt()
+    # rows G_i / n_i (projections of the combination on the unit gradients); zero rows: none
+    projections = torch.where(active[:, None], normalized / norms.clamp(min=eps)[:, None], 0.0)
+    projections = projections * active[None, :]  # (a zero row takes no weight)
+    first = int(torch.argmax(active.to(torch.int8)))  # (the first active row, if any)
+    system = torch.cat(
+        [active[None, :].to(gramian.dtype), (projections[first] - projections) * active[:, None]]
+    )
+    system = torch.cat([system[:1], system[1:][torch.arange(m, device=gramian.device) != first]])
+    target = torch.zeros(m, dtype=gramian.dtype, device=gramian.device)
+    target[0] = 1.0
+    weights = torch.linalg.pinv(system, rtol=m * eps) @ target
+    residual = (system @ weights - target).abs().max()
+    solved = bool(active.any()) and bool(
+        residual <= eps**0.5 * max(1.0, float(weights.abs().sum()))
+    )
+    return weights * active if solved else torch.zeros_like(weights)
 
 
 class IMTLGWeighting(GramianWeighting):
     r"""Gramian weighting of :class:`IMTLG` (Liu et al., *Towards Impartial Multi-task
-    Learning*, ICLR 2021): :math:`w = G^+ n / (\mathbf 1^\top G^+ n)`,
-    :math:`n_i = \sqrt{G_{ii}}`.
+    Learning*, ICLR 2021): the weights of sum 1 whose combination has equal projections on
+    the unit gradients, :math:`w = G^{-1} n / (\mathbf 1^\top G^{-1} n)` with
+    :math:`n_i = \sqrt{G_{ii}}` when :math:`G` is invertible (see :func:`imtlg_weights` for a
+    singular :math:`G`).
 
     Example:
         >>> import torch
@@ -66,14 +91,17 @@ class IMTLG(GramianWeightedAggregator):
     r"""IMTL-G: the combination with equal projections on every unit gradient.
 
     Liu, Li, Kuang, Xue, Chen, Yang, Liao & Zhang, *Towards Impartial Multi-task Learning*,
-    ICLR 2021 (OpenReview IMPnRXEWpvr); in the Gramian form of Quinton & Rey (2024):
+    ICLR 2021 (OpenReview IMPnRXEWpvr): :math:`A(J) = J^\top w` with the weights of sum 1
+    for which :math:`\langle A(J), g_i/\|g_i\|\rangle` is equal for all ``i``. For an
+    invertible Gramian, in the form of Quinton & Rey (2024),
 
-    .. math:: A(J) = J^\top w, \qquad w = \frac{G^+ n}{\mathbf 1^\top G^+ n}, \qquad
-              n_i = \|g_i\| = \sqrt{G_{ii}},
+    .. math:: w = \frac{G^{-1} n}{\mathbf 1^\top G^{-1} n}, \qquad n_i = \|g_i\| = \sqrt{G_{ii}};
 
-    so that :math:`\langle A(J), g_i/\|g_i\|\rangle` is equal for all ``i`` and the weights sum
-    to 1. Invariant to the rows' order; not conflict-free in general. A zero (or degenerate)
-    Jacobian gives the zero vector.
+    for a singular one the paper's linear system is solved (:func:`imtlg_weights`), so that
+    opposite rows, of any norms, and rows that sum to zero give the zero vector, as the paper's
+    closed form does (TorchJD's ``G^+ n`` does not). Invariant to the rows' order; not
+    conflict-free in general. A zero Jacobian, or one with no such combination, gives the zero
+    vector.
 
     Example:
         >>> import torch
