@@ -1,4 +1,5 @@
-"""Writing into ``.grad``: under several processes, a warning that nothing is averaged."""
+"""Writing into ``.grad`` and ``.jac``: each result a tensor of its own, and under several
+processes a warning that nothing is averaged."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 
 from jacflow import backward, mtl_backward
-from jacflow.aggregation import UPGrad
+from jacflow.aggregation import Aggregator, Mean, UPGrad
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
@@ -33,3 +34,48 @@ def test_writes_under_several_processes_warn_that_nothing_is_averaged(
     assert len(messages) == (1 if world_size == 2 else 0)
     assert all("jacflow.autogram.Engine(ddp_model" in m for m in messages)
     assert trunk.weight.grad is not None
+
+
+@pytest.mark.parametrize("A", [None, Mean(), UPGrad()], ids=["jac", "mean", "upgrad"])
+def test_no_two_results_share_memory(A: Aggregator | None) -> None:
+    """``a + b`` passes one gradient buffer to both inputs: each ``.grad`` (``.jac``) gets its
+    own, so that accumulating twice, or scaling one in place, matches torch's ``.grad``."""
+    c = torch.tensor([5.0, 7.0])
+    a, b = (
+        torch.tensor([1.0, 2.0], requires_grad=True),
+        torch.tensor([3.0, 4.0], requires_grad=True),
+    )
+    ra, rb = (t.detach().clone().requires_grad_() for t in (a, b))
+    for _ in range(2):
+        backward([((a + b) * c).sum()], [a, b], A=A)
+        ((ra + rb) * c).sum().backward()
+    if A is None:
+        a.grad, b.grad = a.jac[0], b.jac[0]  # type: ignore[attr-defined]
+    assert a.grad is not None and b.grad is not None
+    assert a.grad.data_ptr() != b.grad.data_ptr()
+    torch.testing.assert_close(a.grad, ra.grad)
+    a.grad.mul_(0.5)
+    torch.testing.assert_close(b.grad, rb.grad)
+
+
+def test_jac_does_not_share_the_callers_jac_tensors() -> None:
+    x = torch.tensor([1.0, 2.0], requires_grad=True)
+    C = torch.tensor([[1.0, 0.0], [0.0, 1.0], [2.0, 2.0]])
+    backward([x], [x], jac_tensors=[C])
+    torch.testing.assert_close(x.jac, C)  # type: ignore[attr-defined]
+    C.zero_()
+    assert x.jac.abs().sum() > 0  # type: ignore[attr-defined]
+
+
+def test_task_parameters_of_mtl_backward_do_not_share_memory() -> None:
+    """Heads read as ``h1 + h2``: autograd returns one buffer for both."""
+    torch.manual_seed(0)
+    W, x = torch.randn(2, 3, requires_grad=True), torch.randn(4, 3)
+    h1, h2, h3 = (torch.randn(2, requires_grad=True) for _ in range(3))
+    features = torch.tanh(x @ W.T)
+    losses = [(features @ (h1 + h2)).mean(), (features @ h3).mean()]
+    expected = torch.autograd.grad(losses[0], [h1, h2], retain_graph=True)
+    mtl_backward(losses, features, A=UPGrad())
+    assert h1.grad is not None and h2.grad is not None
+    h1.grad.mul_(0.5)
+    torch.testing.assert_close(h2.grad, expected[1])

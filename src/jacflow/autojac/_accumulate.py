@@ -29,8 +29,49 @@ def check_jac_accumulable(tensors: Sequence[Tensor], rows: int, name: str) -> No
             )
 
 
-def accumulate_jacs(tensors: Sequence[Tensor], jacobians: Sequence[Tensor]) -> None:
-    for tensor, jac in zip(tensors, jacobians):
+def _memory(t: Tensor) -> tuple[torch.device, int] | None:
+    """Where ``t``'s elements live (``None`` where that cannot be shared: sparse, empty)."""
+    if t.layout != torch.strided or t.numel() == 0:
+        return None
+    return t.device, t.untyped_storage().data_ptr()
+
+
+def owned(results: Sequence[Tensor], held: Sequence[Tensor] = ()) -> list[Tensor]:
+    """``results``, with a copy of each one that shares its memory with an earlier one or with
+    a tensor of ``held`` (the caller's).
+
+    A ``.grad`` or ``.jac`` must be a tensor of its own, as autograd's accumulation makes it (it
+    copies a gradient that something else holds): ``torch.autograd.grad`` returns one buffer
+    for several inputs when an operation passes its gradient through (``a + b``), and a
+    Jacobian can be a view of the caller's ``jac_tensors``. Shared, a later in-place
+    accumulation or ``p.grad.mul_`` (gradient clipping) would change another tensor's too.
+
+    Example:
+        >>> import torch
+        >>> from jacflow.autojac._accumulate import owned
+        >>> g = torch.ones(2)
+        >>> a, b = owned([g, g])
+        >>> a is g, b is g, torch.equal(a, b)
+        (True, False, True)
+    """
+    seen = {key for key in map(_memory, held) if key is not None}
+    result: list[Tensor] = []
+    for t in results:
+        key = _memory(t)
+        if key is not None and key in seen:
+            t = t.clone()
+        elif key is not None:
+            seen.add(key)
+        result.append(t)
+    return result
+
+
+def accumulate_jacs(
+    tensors: Sequence[Tensor], jacobians: Sequence[Tensor], held: Sequence[Tensor] = ()
+) -> None:
+    """Add ``jacobians[i]`` to ``tensors[i].jac`` (or set it), each a tensor of its own (see
+    :func:`owned`; ``held``: the caller's tensors, which no ``.jac`` may share)."""
+    for tensor, jac in zip(tensors, owned(jacobians, held)):
         existing = getattr(tensor, "jac", None)
         tensor.jac = jac if existing is None else existing + jac  # type: ignore[attr-defined]
 
@@ -65,17 +106,18 @@ def _adds_in_place(existing: Tensor, update: Tensor) -> bool:
     )
 
 
-def accumulate_grads(tensors: Sequence[Tensor], updates: Sequence[Tensor]) -> None:
-    """Add ``updates[i]`` to ``tensors[i].grad`` (or set it when it is ``None``).
+def accumulate_grads(
+    tensors: Sequence[Tensor], updates: Sequence[Tensor], held: Sequence[Tensor] = ()
+) -> None:
+    """Add ``updates[i]`` to ``tensors[i].grad`` (or set it when it is ``None``), each new
+    ``.grad`` a tensor of its own (see :func:`owned`; ``held``: the caller's tensors).
 
     Every update is converted and every existing ``.grad`` read before the first write, and an
     existing ``.grad`` that cannot be written in place is replaced by ``update + existing``, so
     that no write fails after another has been made.
     """
-    plan = [
-        (tensor, _current_grad(tensor), update.to(tensor.dtype))
-        for tensor, update in zip(tensors, updates)
-    ]
+    converted = owned([u.to(t.dtype) for t, u in zip(tensors, updates)], held)
+    plan = [(tensor, _current_grad(tensor), update) for tensor, update in zip(tensors, converted)]
     for tensor, existing, update in plan:
         if existing is None:
             tensor.grad = update

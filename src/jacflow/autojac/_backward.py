@@ -29,14 +29,18 @@ from jacflow.autojac._rows import autograd_vjp
 
 
 def store(
-    inputs: Sequence[Tensor], jacobians: Sequence[Tensor], aggregator: Aggregator | None
+    inputs: Sequence[Tensor],
+    jacobians: Sequence[Tensor],
+    aggregator: Aggregator | None,
+    held: Sequence[Tensor] = (),
 ) -> None:
-    """Aggregate into ``.grad`` (with an aggregator) or accumulate into ``.jac``; write last."""
+    """Aggregate into ``.grad`` (with an aggregator) or accumulate into ``.jac``; write last.
+    No result shares memory with another or with ``held`` (the caller's tensors)."""
     if aggregator is None:
-        accumulate_jacs(inputs, jacobians)
+        accumulate_jacs(inputs, jacobians, held)
         return
     updates, _ = aggregate_blocks(aggregator, jacobians)
-    accumulate_grads(inputs, updates)
+    accumulate_grads(inputs, updates, held)
 
 
 def _fixed_weight_update(
@@ -151,7 +155,7 @@ def backward(
             aggregator, outs, ins, cotangents, rows, retain, create_graph
         )
         if updates is not None:
-            accumulate_grads(ins, updates)
+            accumulate_grads(ins, updates, cotangents or ())
             return
     jacobians = compute_jacobians(outs, ins, cotangents, rows, retain, create_graph, chunk_size)
-    store(ins, jacobians, aggregator)
+    store(ins, jacobians, aggregator, cotangents or ())
