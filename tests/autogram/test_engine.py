@@ -178,6 +178,22 @@ def test_other_params_get_weighted_gradient() -> None:
     torch.testing.assert_close(actual, expected)
 
 
+def test_other_params_read_as_a_sum_get_gradients_of_their_own() -> None:
+    """autograd.grad returns one buffer for the inputs of ``a + b``: each ``.grad`` gets its
+    own, so that a second step and an in-place scaling of one match torch's ``.grad``."""
+    layer = nn.Linear(3, 2).double()
+    a, b = (torch.randn(2, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    x = torch.randn(4, 3, dtype=torch.float64)
+    engine = Engine(layer, batch_dim=0)
+    for _ in range(2):
+        weights = engine.backward((layer(x) * (a + b)).sum(1), MeanWeighting(), other_params=[a, b])
+    expected = 2 * torch.autograd.grad(weights @ (layer(x) * (a + b)).sum(1), a)[0]
+    assert a.grad is not None and b.grad is not None
+    torch.testing.assert_close(a.grad, expected)
+    a.grad.mul_(0.5)
+    torch.testing.assert_close(b.grad, expected)
+
+
 def test_large_vocabulary_embedding_uses_pairwise_form() -> None:
     embedding = nn.Embedding(1000, 2).double()
     ids = torch.tensor([[3, 999, 3], [5, 6, 7]])

@@ -18,6 +18,7 @@ from torch.nn.parameter import is_lazy
 from torch.nn.utils.parametrize import is_parametrized
 from torch.utils.hooks import RemovableHandle
 
+from jacflow._owned import owned
 from jacflow._warnings import caller_stacklevel
 from jacflow.aggregation import GramianWeighting
 from jacflow.autogram._buffers import GradientBuffers, worth_reusing
@@ -929,6 +930,9 @@ class Engine:
                     allow_unused=True,
                 )
                 plain += [(p, g) for p, g in zip(others, extra, strict=True) if g is not None]
+            # (autograd.grad returns one buffer for the inputs of an `a + b`: one each)
+            own = owned([g for _, g in plain], held=(weights,))
+            plain = [(p, g) for (p, _), g in zip(plain, own, strict=True)]
             # (the hooked parameters' hooks last: after everything that may fail)
             with torch.no_grad():
                 updates = _through_param_hooks(updates) + plain
@@ -1850,8 +1854,9 @@ def _accumulate(
         for param, grad in updates:
             grad = _as_update(param, grad)
             if param.grad is None:
-                # Every update is a fresh tensor of ours or a view of the engine's buffer,
-                # which nothing else refers to: no copy needed.
+                # Every update is a fresh tensor of ours, a view of the engine's buffer which
+                # nothing else refers to, or a gradient of autograd's that `owned` copied
+                # where it was shared: no copy needed.
                 dense_copy = not grad.is_sparse and not grad.is_contiguous()
                 param.grad = grad.contiguous() if dense_copy else grad
             elif grad.is_sparse or param.grad.is_sparse:

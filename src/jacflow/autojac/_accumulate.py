@@ -8,6 +8,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from jacflow._owned import owned
 from jacflow._warnings import caller_stacklevel
 
 _NON_LEAF_GRAD_WARNING = (
@@ -27,43 +28,6 @@ def check_jac_accumulable(tensors: Sequence[Tensor], rows: int, name: str) -> No
                 "number of rows). Delete the old `.jac` first (`del t.jac`) or call "
                 "`jac_to_grad` before the next `backward`."
             )
-
-
-def _memory(t: Tensor) -> tuple[torch.device, int] | None:
-    """Where ``t``'s elements live (``None`` where that cannot be shared: sparse, empty)."""
-    if t.layout != torch.strided or t.numel() == 0:
-        return None
-    return t.device, t.untyped_storage().data_ptr()
-
-
-def owned(results: Sequence[Tensor], held: Sequence[Tensor] = ()) -> list[Tensor]:
-    """``results``, with a copy of each one that shares its memory with an earlier one or with
-    a tensor of ``held`` (the caller's).
-
-    A ``.grad`` or ``.jac`` must be a tensor of its own, as autograd's accumulation makes it (it
-    copies a gradient that something else holds): ``torch.autograd.grad`` returns one buffer
-    for several inputs when an operation passes its gradient through (``a + b``), and a
-    Jacobian can be a view of the caller's ``jac_tensors``. Shared, a later in-place
-    accumulation or ``p.grad.mul_`` (gradient clipping) would change another tensor's too.
-
-    Example:
-        >>> import torch
-        >>> from jacflow.autojac._accumulate import owned
-        >>> g = torch.ones(2)
-        >>> a, b = owned([g, g])
-        >>> a is g, b is g, torch.equal(a, b)
-        (True, False, True)
-    """
-    seen = {key for key in map(_memory, held) if key is not None}
-    result: list[Tensor] = []
-    for t in results:
-        key = _memory(t)
-        if key is not None and key in seen:
-            t = t.clone()
-        elif key is not None:
-            seen.add(key)
-        result.append(t)
-    return result
 
 
 def accumulate_jacs(
