@@ -7,8 +7,9 @@ import warnings
 
 import pytest
 import torch
+from torch import Tensor
 
-from jacflow import backward, mtl_backward
+from jacflow import backward, jac_to_grad, mtl_backward
 from jacflow.aggregation import Aggregator, Mean, UPGrad
 
 
@@ -79,3 +80,28 @@ def test_task_parameters_of_mtl_backward_do_not_share_memory() -> None:
     assert h1.grad is not None and h2.grad is not None
     h1.grad.mul_(0.5)
     torch.testing.assert_close(h2.grad, expected[1])
+
+
+@pytest.mark.parametrize("call", ["upgrad", "mean", "jac_to_grad", "mtl_backward"])
+def test_post_accumulate_hooks_run_once_after_the_write(call: str) -> None:
+    """As after ``loss.backward()``: each hooked parameter's hook runs once, on its new
+    ``.grad`` (optimizer steps in backward, gradient logging); they never ran."""
+    torch.manual_seed(0)
+    trunk, head = torch.nn.Linear(2, 3), torch.nn.Linear(3, 1)
+    params = [*trunk.parameters(), *head.parameters()]
+    seen: list[tuple[int, Tensor]] = []
+    for i, p in enumerate(params):
+        p.register_post_accumulate_grad_hook(lambda t, i=i: seen.append((i, t.grad.clone())))
+    features = trunk(torch.randn(4, 2))
+    losses = [head(features).mean(), features.pow(2).mean()]
+    if call == "mtl_backward":
+        mtl_backward(losses, features, A=UPGrad())
+    elif call == "jac_to_grad":
+        backward(losses, params)
+        assert not seen  # (.jac only)
+        jac_to_grad(params, UPGrad())
+    else:
+        backward(losses, params, A=UPGrad() if call == "upgrad" else Mean())
+    assert sorted(i for i, _ in seen) == list(range(len(params)))
+    for i, grad in seen:
+        assert torch.equal(grad, params[i].grad)

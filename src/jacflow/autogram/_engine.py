@@ -18,7 +18,7 @@ from torch.nn.parameter import is_lazy
 from torch.nn.utils.parametrize import is_parametrized
 from torch.utils.hooks import RemovableHandle
 
-from jacflow._owned import owned
+from jacflow._grad_writes import owned, run_post_accumulate_hooks
 from jacflow._warnings import caller_stacklevel
 from jacflow.aggregation import GramianWeighting
 from jacflow.autogram._buffers import GradientBuffers, worth_reusing
@@ -1864,7 +1864,4 @@ def _accumulate(
             else:
                 param.grad.add_(grad)
         pairs = [*written, *updates]
-        updated = {id(param): param for param, _ in pairs if id(param) in reached}
-        for param in updated.values():
-            for hook in list((getattr(param, "_post_accumulate_grad_hooks", None) or {}).values()):
-                hook(param)
+        run_post_accumulate_hooks(param for param, _ in pairs if id(param) in reached)

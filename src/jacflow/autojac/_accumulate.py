@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from jacflow._owned import owned
+from jacflow._grad_writes import owned, run_post_accumulate_hooks
 from jacflow._warnings import caller_stacklevel
 
 _NON_LEAF_GRAD_WARNING = (
@@ -78,7 +78,8 @@ def accumulate_grads(
 
     Every update is converted and every existing ``.grad`` read before the first write, and an
     existing ``.grad`` that cannot be written in place is replaced by ``update + existing``, so
-    that no write fails after another has been made.
+    that no write fails after another has been made. Then the tensors' post-accumulate hooks
+    run, once each, as after ``loss.backward()``.
     """
     converted = owned([u.to(t.dtype) for t, u in zip(tensors, updates)], held)
     plan = [(tensor, _current_grad(tensor), update) for tensor, update in zip(tensors, converted)]
@@ -90,6 +91,7 @@ def accumulate_grads(
                 existing.add_(update)
         else:
             tensor.grad = update + existing  # (dense + sparse works, sparse + dense does not)
+    run_post_accumulate_hooks(tensors)
 
 
 def warn_if_distributed() -> None:

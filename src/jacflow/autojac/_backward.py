@@ -87,7 +87,9 @@ def backward(
     ``[m, *t.shape]``) is accumulated into ``t.jac``; aggregate it later with
     :func:`jac_to_grad`. With an aggregator ``A``, the Jacobian (one row per value of
     ``tensors``) is aggregated into one vector that is accumulated into ``t.grad``, as
-    ``loss.backward()`` would do with the gradient.
+    ``loss.backward()`` would do with the gradient: each new ``.grad`` a tensor of its own,
+    then the inputs' post-accumulate hooks run once each (so do :func:`jac_to_grad`'s and
+    :func:`mtl_backward`'s).
 
     Args:
         tensors: the tensor or tensors to differentiate; non-empty, distinct.

@@ -1,10 +1,11 @@
-"""Results of our own: copies of those that would share memory with another result or with
-the caller's tensors, before they become ``.grad`` or ``.jac``."""
+"""Writing ``.grad`` and ``.jac`` as autograd's accumulation does: results of their own
+(copies of those that would share memory with another result or with the caller's tensors),
+and the post-accumulate hooks of the tensors whose ``.grad`` was written."""
 
 from __future__ import annotations
 
 import bisect
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 from torch import Tensor
@@ -33,7 +34,7 @@ def owned(results: Sequence[Tensor], held: Sequence[Tensor] = ()) -> list[Tensor
 
     Example:
         >>> import torch
-        >>> from jacflow._owned import owned
+        >>> from jacflow._grad_writes import owned
         >>> g, buffer = torch.ones(2), torch.zeros(4)
         >>> a, b = owned([g, g])
         >>> a is g, b is g, torch.equal(a, b)
@@ -70,3 +71,26 @@ def owned(results: Sequence[Tensor], held: Sequence[Tensor] = ()) -> list[Tensor
         extent = _extent(t)
         result.append(t.clone() if extent is not None and overlaps(extent) else t)
     return result
+
+
+def run_post_accumulate_hooks(tensors: Iterable[Tensor]) -> None:
+    """Run the post-accumulate hooks (``register_post_accumulate_grad_hook``) of each tensor
+    once, in the order given, after all their ``.grad`` are written: as autograd runs them
+    after accumulating into ``.grad`` (optimizer steps in backward, gradient logging).
+
+    Example:
+        >>> import torch
+        >>> from jacflow._grad_writes import run_post_accumulate_hooks
+        >>> p = torch.zeros(2, requires_grad=True)
+        >>> _ = p.register_post_accumulate_grad_hook(lambda t: print("hook", t.grad))
+        >>> p.grad = torch.ones(2)
+        >>> run_post_accumulate_hooks([p, p])
+        hook tensor([1., 1.])
+    """
+    done: set[int] = set()
+    for tensor in tensors:
+        if id(tensor) in done:
+            continue
+        done.add(id(tensor))
+        for hook in list((getattr(tensor, "_post_accumulate_grad_hooks", None) or {}).values()):
+            hook(tensor)
