@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import Tensor
 
 from jacflow import backward, jac, jac_to_grad
-from jacflow.aggregation import MGDA, Aggregator, ConFIG, GradDrop, Mean, Sum, UPGrad
+from jacflow.aggregation import MGDA, Aggregator, ConFIG, DualProj, GradDrop, Mean, Sum, UPGrad
 from tests.autojac._zoo import ZOO, Case, reference_jacobians
 
 
@@ -318,3 +319,34 @@ def test_repeated_input_is_taken_once(aggregator: Aggregator | None, chunk: int 
         leaf_a, leaf_b = a.detach().requires_grad_(), b.detach().requires_grad_()
         torch.autograd.backward(fn(leaf_a, leaf_b).sum(), inputs=[leaf_a, leaf_b, leaf_a])
         torch.testing.assert_close(a.grad, leaf_a.grad)
+
+
+@pytest.mark.parametrize("A", [UPGrad(), MGDA(), DualProj(), Mean()], ids=str)
+def test_inputs_without_elements_get_the_empty_update(A: Aggregator) -> None:
+    """n = 0: the aggregator's own result on the ``[m, 0]`` Jacobian (a bare stacking error
+    from the Gramian's scaling before)."""
+    e = torch.zeros(0, requires_grad=True)
+    backward([e.sum(), (2 * e).sum()], [e], A=A)
+    assert e.grad is not None and e.grad.shape == (0,)
+    f = torch.zeros(0, requires_grad=True)
+    backward([f.sum(), (2 * f).sum()], [f])
+    jac_to_grad([f], A)
+    assert f.grad is not None and f.grad.shape == (0,)
+
+
+@pytest.mark.parametrize("A", [Mean(), Sum()], ids=str)
+def test_a_gradient_hook_on_an_input_sees_each_row_with_mean_and_sum(A: Aggregator) -> None:
+    """A clipping hook on the input gives the weighted sum of the clipped rows, as with any
+    other aggregator of the same weights; the one-VJP shortcut clipped their weighted sum."""
+
+    def hooked() -> Tensor:
+        p = torch.tensor([1.0, 2.0], requires_grad=True)
+        p.register_hook(lambda g: g.clamp(max=1.0))
+        return p
+
+    p = hooked()
+    backward([3 * p.sum(), -(p**2).sum()], [p], A=A)
+    q = hooked()
+    rows = torch.stack([torch.autograd.grad(y, q)[0] for y in (3 * q.sum(), -(q**2).sum())])
+    expected = rows.mean(0) if isinstance(A, Mean) else rows.sum(0)
+    torch.testing.assert_close(p.grad, expected)

@@ -147,6 +147,42 @@ CASES: list[tuple[str, type[Exception], str, Callable[[Tensor, Tensor, list[Tens
         "optimize_gramian_computation",
         lambda w, v, o: jac_to_grad([w], Mean(), optimize_gramian_computation=1),  # type: ignore[arg-type]
     ),
+    (
+        "complex tensors",
+        ValueError,
+        r"`tensors\[0\]` is complex.*view_as_real",
+        lambda w, v, o: backward([w * (1 + 2j)], [w], A=Mean()),
+    ),
+    (
+        "complex outputs",
+        ValueError,
+        r"`outputs\[1\]` is complex",
+        lambda w, v, o: jac([o[0], w * 1j], [w]),
+    ),
+    (
+        "complex jac_tensors",
+        ValueError,
+        r"`jac_tensors\[0\]` is complex",
+        lambda w, v, o: backward([w * 3], [w], jac_tensors=[torch.eye(2) * 1j]),
+    ),
+    (
+        "retain_graph not bool",
+        TypeError,
+        "`retain_graph` must be a bool or None, received 'no'",
+        lambda w, v, o: jac(o, [w], retain_graph="no"),  # type: ignore[arg-type]
+    ),
+    (
+        "create_graph None",
+        TypeError,
+        "`create_graph` must be a bool, received None",
+        lambda w, v, o: backward(o, [w], create_graph=None),  # type: ignore[arg-type]
+    ),
+    (
+        "retain_jac not bool",
+        TypeError,
+        "`retain_jac` must be a bool",
+        lambda w, v, o: jac_to_grad([w], Mean(), retain_jac="yes"),  # type: ignore[arg-type]
+    ),
 ]
 
 
@@ -162,6 +198,27 @@ def test_error_and_nothing_lost(
     for (g0, j0), (g1, j1) in zip(before, _snapshot(w, v)):
         assert (g0 is None and g1 is None) or torch.equal(g0, g1)  # type: ignore[arg-type]
         assert (j0 is None and j1 is None) or torch.equal(j0, j1)  # type: ignore[arg-type]
+
+
+def test_a_jac_that_is_not_a_float_tensor_is_refused_before_writing() -> None:
+    w, v, outputs = _setup()
+    v.jac = [[1.0]]  # type: ignore[attr-defined]
+    with pytest.raises(TypeError, match=r"The `.jac` of `inputs\[1\]` must be a Tensor"):
+        backward(outputs, [w, v])
+    assert torch.equal(w.jac, torch.ones(2, 2))  # type: ignore[attr-defined]
+    v.jac = torch.ones(2, 1, dtype=torch.long)  # type: ignore[attr-defined]
+    with pytest.raises(TypeError, match=r"`tensors\[1\]\.jac` must be a floating-point"):
+        jac_to_grad([w, v], Mean())
+    assert torch.equal(w.grad, torch.tensor([7.0, 7.0]))  # type: ignore[arg-type]
+    assert torch.equal(w.jac, torch.ones(2, 2))  # type: ignore[attr-defined]
+
+
+def test_mtl_tasks_params_that_is_not_a_sequence_is_refused() -> None:
+    W = torch.randn(2, 3, requires_grad=True)
+    features = W @ torch.ones(3)
+    with pytest.raises(TypeError, match="`tasks_params` must be a sequence"):
+        mtl_backward([features.sum()], features, tasks_params=5)  # type: ignore[arg-type]
+    assert W.grad is None
 
 
 def test_jac_to_grad_differing_rows() -> None:

@@ -63,8 +63,8 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def unit_peak_factor(matrices: Sequence[Tensor], dtype: torch.dtype | None = None) -> Tensor:
     """The power of two (a 0-d tensor of ``dtype``, default the first matrix's) that brings the
-    largest absolute entry of ``matrices`` into [1/2, 1); 1 when it is zero or not finite. No
-    host synchronisation.
+    largest absolute entry of ``matrices`` into [1/2, 1); 1 when it is zero or not finite, or
+    when every matrix is empty. No host synchronisation.
 
     Example:
         >>> import torch
@@ -73,7 +73,10 @@ def unit_peak_factor(matrices: Sequence[Tensor], dtype: torch.dtype | None = Non
         tensor(0.1250)
     """
     dtype = matrices[0].dtype if dtype is None else dtype
-    peak = torch.stack([m.detach().abs().amax().to(dtype) for m in matrices if m.numel()]).amax()
+    peaks = [m.detach().abs().amax().to(dtype) for m in matrices if m.numel()]
+    if not peaks:  # (no entry: nothing to scale)
+        return torch.ones((), dtype=dtype, device=matrices[0].device)
+    peak = torch.stack(peaks).amax()
     _, exponent = torch.frexp(peak)  # peak = mantissa * 2**exponent, mantissa in [1/2, 1)
     largest = math.frexp(torch.finfo(dtype).max)[1] - 1  # 2**largest is finite
     exponent = torch.where(torch.isfinite(peak), exponent, 0).clamp(min=-largest)

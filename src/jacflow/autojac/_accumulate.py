@@ -21,6 +21,11 @@ def check_jac_accumulable(tensors: Sequence[Tensor], rows: int, name: str) -> No
     for i, tensor in enumerate(tensors):
         existing = getattr(tensor, "jac", None)
         shape = (rows, *tensor.shape)
+        if existing is not None and not isinstance(existing, Tensor):
+            raise TypeError(
+                f"The `.jac` of `{name}[{i}]` must be a Tensor to accumulate into, received "
+                f"{type(existing)}. Delete it first (`del t.jac`)."
+            )
         if existing is not None and tuple(existing.shape) != shape:
             raise ValueError(
                 f"Cannot accumulate a Jacobian of shape {shape} into the `.jac` of `{name}[{i}]`, "

@@ -19,8 +19,10 @@ from jacflow.autojac._checks import (
     as_tensor_tuple,
     check_aggregator,
     check_chunk_size,
+    check_flag,
     check_jac_outputs,
     check_non_empty,
+    check_real,
     check_unique,
     without_repeats,
 )
@@ -55,10 +57,13 @@ def _fixed_weight_update(
     """For Mean and Sum, whose weights do not depend on J: ``J^T w`` as one VJP, exactly.
 
     ``w^T (C J) = (C^T w)^T J``, so the weighted cotangent is differentiated once instead of
-    forming the m rows. Returns ``None`` for every other aggregator, and where forward hooks
-    must see the aggregator's call on ``J``.
+    forming the m rows. Returns ``None`` for every other aggregator, where forward hooks
+    must see the aggregator's call on ``J``, and where an input has gradient hooks, which must
+    see each row (as with any other aggregator) rather than their weighted sum.
     """
     if type(aggregator) not in (Mean, Sum) or rows == 0 or has_forward_hooks(aggregator):
+        return None
+    if any(i._backward_hooks for i in inputs):
         return None
     weight = 1.0 / rows if isinstance(aggregator, Mean) else 1.0
     if cotangents is None:
@@ -121,6 +126,11 @@ def backward(
     vmapped call, an unusable batched tensor (the hook runs inside vmap, and torch does not say
     which tensors retain grad, so jacflow can neither avoid nor undo it; TorchJD does the same).
     Pass ``parallel_chunk_size=1`` then, or list the tensor in ``inputs`` for its own result.
+    Gradient hooks (``register_hook``) on ``inputs`` run on each row of the Jacobian, whatever
+    the aggregator. Those on tensors between ``tensors`` and ``inputs`` also run on each row,
+    except with ``A=Mean()`` or ``A=Sum()``, where they run once, on the weighted rows' sum:
+    the same update for a hook linear in its gradient (a mask, a scaling), not for another (a
+    clipping).
 
     Example:
         >>> import torch
@@ -136,6 +146,9 @@ def backward(
     outs = as_tensor_tuple(tensors, "tensors")
     check_non_empty(outs, "tensors")
     check_unique(outs, "tensors")
+    check_real(outs, "tensors")
+    check_flag(retain_graph, "retain_graph", none_ok=True)
+    check_flag(create_graph, "create_graph")
     aggregator = check_aggregator(A)
     chunk_size = check_chunk_size(parallel_chunk_size, "parallel_chunk_size")
     ins = without_repeats(resolve_inputs(outs, inputs, "tensors", "inputs"))
@@ -145,6 +158,7 @@ def backward(
         rows = sum(o.numel() for o in outs)
     else:
         cotangents = as_tensor_tuple(jac_tensors, "jac_tensors")
+        check_real(cotangents, "jac_tensors")
         rows = check_jac_outputs(cotangents, outs, "jac_tensors", "tensors")
     if aggregator is None:
         check_jac_accumulable(ins, rows, "inputs")

@@ -79,6 +79,26 @@ def check_inputs_require_grad(inputs: tuple[Tensor, ...], name: str) -> None:
             )
 
 
+def check_flag(value: object, name: str, none_ok: bool = False) -> None:
+    """``value`` must be a bool (or ``None`` where ``none_ok``)."""
+    if isinstance(value, bool) or (none_ok and value is None):
+        return
+    expected = "a bool or None" if none_ok else "a bool"
+    raise TypeError(f"`{name}` must be {expected}, received {value!r}.")
+
+
+def check_real(tensors: Sequence[Tensor], name: str) -> None:
+    """Refuse complex tensors, as ``torch.func.jacrev`` and ``torch.autograd.grad`` do (the
+    Jacobian of a complex output was silently that of its real part)."""
+    for i, tensor in enumerate(tensors):
+        if tensor.is_complex():
+            raise ValueError(
+                f"`{name}[{i}]` is complex ({tensor.dtype}); jacflow's Jacobians are real. "
+                f"Pass torch.view_as_real({name}[{i}]) (its real and imaginary parts as a last "
+                "dimension of size 2) to get both parts' rows."
+            )
+
+
 def check_aggregator(aggregator: object) -> Aggregator | None:
     if aggregator is None or isinstance(aggregator, Aggregator):
         return aggregator

@@ -9,9 +9,11 @@ from torch import Tensor
 from jacflow.autojac._checks import (
     as_tensor_tuple,
     check_chunk_size,
+    check_flag,
     check_inputs_require_grad,
     check_jac_outputs,
     check_non_empty,
+    check_real,
     check_unique,
 )
 from jacflow.autojac._graph import leaf_tensors
@@ -109,6 +111,9 @@ def jac(
     outs = as_tensor_tuple(outputs, "outputs")
     check_non_empty(outs, "outputs")
     check_unique(outs, "outputs")
+    check_real(outs, "outputs")
+    check_flag(retain_graph, "retain_graph", none_ok=True)
+    check_flag(create_graph, "create_graph")
     chunk_size = check_chunk_size(parallel_chunk_size, "parallel_chunk_size")
     ins = resolve_inputs(outs, inputs, "outputs", "inputs")
     if jac_outputs is None:
@@ -116,6 +121,7 @@ def jac(
         rows = sum(o.numel() for o in outs)
     else:
         cotangents = as_tensor_tuple(jac_outputs, "jac_outputs")
+        check_real(cotangents, "jac_outputs")
         rows = check_jac_outputs(cotangents, outs, "jac_outputs", "outputs")
     retain = create_graph if retain_graph is None else retain_graph
     return compute_jacobians(outs, ins, cotangents, rows, retain, create_graph, chunk_size)

@@ -9,7 +9,13 @@ from torch import Tensor
 from jacflow.aggregation import Aggregator
 from jacflow.autojac._accumulate import accumulate_grads, warn_if_distributed
 from jacflow.autojac._aggregate import aggregate_blocks
-from jacflow.autojac._checks import as_tensor_tuple, check_non_empty, check_unique, rows_shape
+from jacflow.autojac._checks import (
+    as_tensor_tuple,
+    check_flag,
+    check_non_empty,
+    check_unique,
+    rows_shape,
+)
 
 
 def _checked_jac(tensor: Tensor, i: int) -> Tensor:
@@ -23,6 +29,11 @@ def _checked_jac(tensor: Tensor, i: int) -> Tensor:
         )
     if not isinstance(jacobian, Tensor):
         raise TypeError(f"`tensors[{i}].jac` must be a Tensor, received {type(jacobian)}.")
+    if not jacobian.is_floating_point():
+        raise TypeError(
+            f"`tensors[{i}].jac` must be a floating-point Tensor, received {jacobian.dtype}. "
+            "Recompute it with `jacflow.backward(...)`, or convert it (`t.jac = t.jac.float()`)."
+        )
     if jacobian.ndim != tensor.ndim + 1 or jacobian.shape[1:] != tensor.shape:
         raise ValueError(
             f"`tensors[{i}].jac` must have shape [m, *tensors[{i}].shape] = "
@@ -113,6 +124,7 @@ def jac_to_grad(
     items = as_tensor_tuple(tensors, "tensors")
     check_non_empty(items, "tensors")
     check_unique(items, "tensors")
+    check_flag(retain_jac, "retain_jac")
     jacobians = [_checked_jac(t, i) for i, t in enumerate(items)]
     for i, jacobian in enumerate(jacobians):
         if jacobian.shape[0] != jacobians[0].shape[0]:

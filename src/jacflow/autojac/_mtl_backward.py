@@ -21,8 +21,10 @@ from jacflow.autojac._checks import (
     as_tensor_tuple,
     check_aggregator,
     check_chunk_size,
+    check_flag,
     check_inputs_require_grad,
     check_non_empty,
+    check_real,
     check_unique,
     without_repeats,
 )
@@ -64,7 +66,13 @@ def _resolve_params(
     if tasks_params is None:
         heads = [leaf_tensors([loss], exclude=features) for loss in losses]
     else:
-        task_list = list(tasks_params)
+        try:
+            task_list = list(tasks_params)
+        except TypeError:
+            raise TypeError(
+                "`tasks_params` must be a sequence with one iterable of parameters per loss "
+                f"(e.g. [head1.parameters(), head2.parameters()]), received {type(tasks_params)}."
+            ) from None
         if len(task_list) != len(losses):
             raise ValueError(
                 "`tasks_params` must have one iterable of parameters per loss: expected "
@@ -202,6 +210,7 @@ def mtl_backward(
         >>> trunk.weight.grad.shape, head1.weight.grad.shape
         (torch.Size([4, 3]), torch.Size([1, 4]))
     """
+    check_flag(retain_graph, "retain_graph")
     if engine is not None:
         from jacflow.autogram import Engine
         from jacflow.autogram._engine import step_meeting
@@ -311,9 +320,11 @@ def _checked(
     check_non_empty(loss_tuple, "losses")
     check_unique(loss_tuple, "losses")
     _check_scalar_losses(loss_tuple)
+    check_real(loss_tuple, "losses")
     feature_tuple = as_tensor_tuple(features, "features")
     check_non_empty(feature_tuple, "features")
     check_unique(feature_tuple, "features")
+    check_real(feature_tuple, "features")
     check_inputs_require_grad(feature_tuple, "features")
     aggregator = check_aggregator(A)
     if aggregator is not None:  # (before any differentiation: a refusal keeps the graph)
