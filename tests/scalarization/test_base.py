@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from torch import Tensor
 
 from jacflow import Stateful
 from jacflow.scalarization import (
@@ -21,6 +22,7 @@ from jacflow.scalarization import (
     AdaLoss,
     AugmentedTchebycheff,
     Constant,
+    GeometricMean,
     LogSTCH,
     Mean,
     ReLoBRaLo,
@@ -236,3 +238,28 @@ def test_losses_of_any_shape(name: str) -> None:
     torch.manual_seed(0)
     b = _run(grid, [[row] for row in LOSSES], torch.float64)  # type: ignore[list-item]
     assert a == pytest.approx(b, rel=1e-12)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: AdaLoss(momentum=0.0),
+        lambda: LBTW(alpha=0.5),
+        lambda: LogSTCH(mu=1.0, warmup_epochs=0),
+        lambda: GeometricMean(),
+    ],
+    ids=["AdaLoss", "LBTW", "LogSTCH", "GeometricMean"],
+)
+def test_methods_for_non_negative_losses_refuse_a_negative_one(
+    make: Callable[[], Scalarizer],
+) -> None:
+    """AdaLoss gave the loss a negative weight (a step ascended it), LBTW and LogSTCH NaN;
+    refused before any state changes, as GeometricMean and FAMO refuse it."""
+    scalarizer = make()
+    scalarizer(torch.tensor([1.0, 2.0]))  # (a first call that sets their state)
+    state = {k: v.clone() for k, v in scalarizer.state_dict().items() if isinstance(v, Tensor)}
+    with pytest.raises(ValueError, match=r"non-negative losses only, received \[-2.0, 1.0\]"):
+        scalarizer(torch.tensor([-2.0, 1.0]))
+    after = scalarizer.state_dict()
+    for key, value in state.items():
+        assert torch.equal(after[key], value)

@@ -8,7 +8,12 @@ from torch import Tensor
 
 from jacflow._stateful import SavesState, Stateful
 from jacflow.aggregation._nonfinite import has_nonfinite
-from jacflow.scalarization._base import Scalarizer, check_float, check_same_shape
+from jacflow.scalarization._base import (
+    Scalarizer,
+    check_float,
+    check_non_negative,
+    check_same_shape,
+)
 
 
 @final
@@ -54,6 +59,8 @@ class AdaLoss(SavesState, Scalarizer, Stateful):
         self._average: Tensor | None = None
 
     def forward(self, losses: Tensor, /) -> Tensor:
+        # (a negative average gives a negative weight: the step would ascend that loss)
+        check_non_negative(losses, "AdaLoss", "Shift the losses, e.g. by a lower bound.")
         detached = losses.detach()
         if self._average is not None:
             check_same_shape(self._average, losses, "AdaLoss")

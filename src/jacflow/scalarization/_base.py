@@ -15,6 +15,7 @@ __all__ = [
     "check_float",
     "check_int",
     "check_losses",
+    "check_non_negative",
     "check_optional_tensor",
     "check_same_shape",
     "check_shape",
@@ -41,6 +42,27 @@ def check_losses(losses: object, owner: str) -> Tensor:
             f"{owner} expects at least one loss, received a tensor of shape {tuple(losses.shape)}."
         )
     return losses
+
+
+def check_non_negative(losses: Tensor, owner: str, remedy: str) -> None:
+    """Refuse a negative loss (NaN passes: a skipped step's non-finite value), for a method
+    whose weights or value are defined for non-negative losses only; ``remedy`` tells the way
+    out. Before any state changes.
+
+    Example:
+        >>> import torch
+        >>> from jacflow.scalarization._base import check_non_negative
+        >>> check_non_negative(torch.tensor([0.0, float("nan")]), "M", "")
+        >>> check_non_negative(torch.tensor([-1.0, 2.0]), "M", "Shift them.")
+        Traceback (most recent call last):
+        ...
+        ValueError: M is defined for non-negative losses only, received [-1.0, 2.0]. Shift them.
+    """
+    if bool((losses.detach() < 0).any()):
+        raise ValueError(
+            f"{owner} is defined for non-negative losses only, received "
+            f"{losses.detach().flatten().tolist()[:8]}. {remedy}"
+        )
 
 
 def check_shape(shape: object, owner: str) -> torch.Size:

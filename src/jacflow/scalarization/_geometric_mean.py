@@ -7,7 +7,7 @@ from typing import final
 import torch
 from torch import Tensor
 
-from jacflow.scalarization._base import Scalarizer
+from jacflow.scalarization._base import Scalarizer, check_non_negative
 
 
 def geometric_mean(losses: Tensor) -> Tensor:
@@ -41,9 +41,5 @@ class GeometricMean(Scalarizer):
     """
 
     def forward(self, losses: Tensor, /) -> Tensor:
-        if bool((losses < 0).any()):
-            raise ValueError(
-                "GeometricMean is defined for non-negative losses only, received "
-                f"{losses.detach().flatten().tolist()[:8]}. Shift the losses or use `Mean`."
-            )
+        check_non_negative(losses, "GeometricMean", "Shift the losses or use `Mean`.")
         return geometric_mean(losses)

@@ -9,7 +9,13 @@ from torch import Tensor
 
 from jacflow._stateful import SavesState, Stateful
 from jacflow.aggregation._nonfinite import has_nonfinite
-from jacflow.scalarization._base import Scalarizer, check_float, check_same_shape, loss_ratio
+from jacflow.scalarization._base import (
+    Scalarizer,
+    check_float,
+    check_non_negative,
+    check_same_shape,
+    loss_ratio,
+)
 
 
 def lbtw_weights(losses: Tensor, initial: Tensor, alpha: float) -> Tensor:
@@ -59,6 +65,8 @@ class LBTW(SavesState, Scalarizer, Stateful):
         self._initial: Tensor | None = None
 
     def forward(self, losses: Tensor, /) -> Tensor:
+        # (a negative ratio's power is NaN)
+        check_non_negative(losses, "LBTW", "Shift the losses, e.g. by a lower bound.")
         detached = losses.detach()
         if self._initial is None:
             if not has_nonfinite(detached):  # else: skipped step, no reference taken

@@ -14,6 +14,7 @@ from jacflow.scalarization._base import (
     Scalarizer,
     check_float,
     check_int,
+    check_non_negative,
     check_same_shape,
 )
 from jacflow.scalarization._stch import smooth_max
@@ -87,6 +88,8 @@ class LogSTCH(SavesState, Scalarizer, Stateful):
         self.nadir: Tensor | None = None
 
     def forward(self, losses: Tensor, /) -> Tensor:
+        # (the log of a negative loss is NaN)
+        check_non_negative(losses, "LogSTCH", "Shift the losses, e.g. by a lower bound.")
         if self.epoch < self.warmup_epochs:
             self._count += 1
             return log_sum(losses)
