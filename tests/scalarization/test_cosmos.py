@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import pytest
 import torch
 
 from jacflow.scalarization import COSMOS, Constant
@@ -35,3 +36,24 @@ def test_zero_losses_give_a_finite_value_and_gradient() -> None:
     assert f.grad is not None
     assert out.item() == 0.0
     assert torch.isfinite(f.grad).all()
+
+
+@pytest.mark.parametrize("scale", [1e-6, 1e-9, 1e-12])
+def test_gradient_of_small_losses_is_the_papers(scale: float) -> None:
+    """d/dL [r.L - lambda r.L / (|r| |L|)], by hand: a floor of 1e-8 on the product of norms
+    made it wrong (and of the wrong sign) below it."""
+    r = torch.tensor([0.5, 0.5], dtype=torch.float64)
+    losses = (torch.tensor([0.6, 0.4], dtype=torch.float64) * scale).requires_grad_()
+    COSMOS(1.0, r)(losses).backward()
+    L = losses.detach()
+    nr, nl = r.norm(), L.norm()
+    expected = r - (r / (nr * nl) - (r @ L) * L / (nr * nl**3))
+    torch.testing.assert_close(losses.grad, expected)
+
+
+def test_zero_losses_give_a_finite_gradient() -> None:
+    losses = torch.zeros(2, requires_grad=True)
+    value = COSMOS(1.0, torch.tensor([0.5, 0.5]))(losses)
+    value.backward()
+    assert float(value.detach()) == 0.0
+    assert losses.grad is not None and torch.isfinite(losses.grad).all()

@@ -9,15 +9,19 @@ from torch import Tensor
 
 from jacflow.scalarization._base import Scalarizer, check_float, check_tensor, matching
 
-_NORM_FLOOR = 1e-8
+
+def _unit(v: Tensor) -> Tensor:
+    """``v / ||v||``, and 0 for a zero ``v`` (whose direction is undefined), without a NaN
+    gradient there."""
+    norm = torch.linalg.vector_norm(v)
+    return v / torch.where(norm > 0, norm, torch.ones_like(norm))
 
 
 def cosmos(losses: Tensor, weights: Tensor, lambda_: float) -> Tensor:
-    """``r.L - lambda_ * cos(r, L)``; the product of norms is floored at ``1e-8``."""
+    """``r.L - lambda_ * cos(r, L)``, the cosine of unit vectors (0 where one of them is zero):
+    a floor on the product of norms made the gradient wrong for losses of norm below it."""
     r, f = weights.flatten(), losses.flatten()
-    dot = r @ f
-    norms = torch.linalg.vector_norm(r) * torch.linalg.vector_norm(f)
-    return dot - lambda_ * dot / norms.clamp_min(_NORM_FLOOR)
+    return r @ f - lambda_ * (_unit(r) @ _unit(f))
 
 
 @final
