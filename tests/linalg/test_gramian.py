@@ -11,9 +11,11 @@ from jacflow.aggregation import DualProjWeighting, UPGradWeighting
 from jacflow.linalg import (
     QuadprogProjector,
     TorchProjector,
+    compute_gramian,
     normalize_gramian,
     project_weights,
     regularize_gramian,
+    sum_gramians,
 )
 from jacflow.linalg._gramian import has_nonfinite
 
@@ -82,3 +84,17 @@ def test_has_nonfinite_is_the_entrywise_test(
         flat = tensor.view(-1)
         flat[torch.randint(0, flat.numel(), (2,), generator=gen)] = special
     assert has_nonfinite(tensor) == (not bool(torch.isfinite(tensor).all()))
+
+
+@pytest.mark.parametrize("shape", [(3,), (2, 3, 4), ()])
+def test_compute_gramian_refuses_what_is_not_a_matrix(shape: tuple[int, ...]) -> None:
+    """A 1-D input gave a scalar (its squared norm), a 3-D one torch's internal error."""
+    with pytest.raises(ValueError, match=r"expects a 2-D \[m, n\] matrix"):
+        compute_gramian(torch.ones(shape))
+
+
+def test_sum_gramians_refuses_matrices_with_other_numbers_of_rows() -> None:
+    with pytest.raises(ValueError, match="same number of rows m, received 2 rows first and 3"):
+        sum_gramians([torch.ones(2, 3), torch.ones(3, 3)])
+    with pytest.raises(ValueError, match=r"\[m, \*any\], received \(\) at 1"):
+        sum_gramians([torch.ones(2, 3), torch.ones(())])

@@ -25,7 +25,13 @@ def compute_gramian(matrix: Tensor) -> Tensor:
                 [-1.,  5.]])
     """
     if not torch.jit.is_scripting():  # noqa: SIM102 (TorchScript drops this branch only alone)
-        if type(matrix) is Tensor and matrix.ndim == 2:  # (not an fx proxy's `ndim`)
+        if type(matrix) is Tensor:  # (not an fx proxy, whose `ndim` is not known)
+            if matrix.ndim != 2:
+                raise ValueError(
+                    "`compute_gramian` expects a 2-D [m, n] matrix (one row per objective), "
+                    f"received shape {tuple(matrix.shape)}. Flatten the trailing dimensions "
+                    "(`matrix.flatten(1)`; one row: `matrix[None]`), or use `sum_gramians`."
+                )
             return row_gramian(matrix)
     return matrix @ matrix.T
 
@@ -45,7 +51,19 @@ def sum_gramians(matrices: Iterable[Tensor]) -> Tensor:
                 [14., 17.]])
     """
     total: Tensor | None = None
-    for matrix in matrices:
+    rows: int | None = None
+    for i, matrix in enumerate(matrices):
+        if not isinstance(matrix, Tensor) or matrix.ndim == 0:
+            got = tuple(matrix.shape) if isinstance(matrix, Tensor) else type(matrix)
+            raise ValueError(
+                f"`sum_gramians` expects tensors of shape [m, *any], received {got} at {i}."
+            )
+        if rows is not None and matrix.shape[0] != rows:
+            raise ValueError(
+                f"`sum_gramians` expects matrices with the same number of rows m, received "
+                f"{rows} rows first and {matrix.shape[0]} at {i}."
+            )
+        rows = matrix.shape[0]
         flat = matrix.reshape(matrix.shape[0], -1)
         term = row_gramian(flat)
         total = term if total is None else total + term
