@@ -71,3 +71,30 @@ def test_a_refused_load_leaves_the_saved_attributes_as_they_were() -> None:
         famo(losses)
         famo.update(losses * 0.9)
     torch.testing.assert_close(target.logits, fresh.logits)
+
+
+@pytest.mark.parametrize("between_call_and_update", [False, True])
+def test_famo_resumes_a_float64_run_exactly(between_call_and_update: bool) -> None:
+    """Its buffers follow the losses' dtype: a fresh FAMO's float32 buffers rounded a float64
+    state (the runs then drifted apart), and ``update`` after a load between the call and the
+    update mixed float32 and float64."""
+    torch.manual_seed(0)
+    losses = [torch.rand(2, dtype=torch.float64) + 0.1 for _ in range(10)]
+    first = FAMO(2, lr=0.5)
+    for i in range(4):
+        first(losses[i])
+        first.update(losses[i + 1])
+    if between_call_and_update:
+        first(losses[4])
+    second = FAMO(2, lr=0.5)
+    second.load_state_dict(first.state_dict())
+    start = 4
+    if between_call_and_update:
+        first.update(losses[5])
+        second.update(losses[5])
+        start = 5
+    for i in range(start, 9):
+        assert torch.equal(first(losses[i]), second(losses[i]))
+        first.update(losses[i + 1])
+        second.update(losses[i + 1])
+    assert torch.equal(first.logits, second.logits)
