@@ -263,3 +263,45 @@ def test_methods_for_non_negative_losses_refuse_a_negative_one(
     after = scalarizer.state_dict()
     for key, value in state.items():
         assert torch.equal(after[key], value)
+
+
+ASSIGNMENTS = [
+    (lambda: AdaLoss(), "momentum", 1.0, 0.5),
+    (lambda: AdaLoss(), "eps", -1.0, 0.1),
+    (lambda: COSMOS(1.0, torch.ones(2)), "lambda_", -1.0, 2.0),
+    (lambda: COSMOS(1.0, torch.ones(2)), "weights", [0.5, 0.5], torch.tensor([0.2, 0.8])),
+    (lambda: DWA(), "temperature", -1.0, 1.0),
+    (lambda: FAMO(2), "lr", -0.1, 0.1),
+    (lambda: FAMO(2), "weight_decay", float("nan"), 0.0),
+    (lambda: LBTW(), "alpha", -0.5, 1.0),
+    (lambda: LogSTCH(1.0), "mu", 0.0, 0.5),
+    (lambda: LogSTCH(1.0), "warmup_epochs", -1, 2),
+    (lambda: PBI(1.0, torch.ones(2)), "theta", -1.0, 2.0),
+    (lambda: ReLoBRaLo(), "alpha", 5.0, 0.9),
+    (lambda: ReLoBRaLo(), "rho", -0.1, 0.5),
+    (lambda: ReLoBRaLo(), "temperature", 0.0, 1.0),
+    (lambda: SoftAdapt(), "beta", float("inf"), 0.5),
+    (lambda: STCH(1.0), "mu", 0.0, 0.5),
+    (lambda: STCH(1.0), "weights", "uniform", torch.ones(2)),
+    (lambda: Tchebycheff(), "reference", 3, torch.zeros(2)),
+    (lambda: AugmentedTchebycheff(0.1), "rho", -1.0, 0.2),
+]
+
+
+@pytest.mark.parametrize(
+    ("make", "name", "bad", "good"),
+    ASSIGNMENTS,
+    ids=[f"{i}-{a[1]}" for i, a in enumerate(ASSIGNMENTS)],
+)
+def test_hyperparameters_are_checked_on_assignment(
+    make: Callable[[], Scalarizer], name: str, bad: object, good: object
+) -> None:
+    """As in the constructor (``s.mu = 0`` made STCH return NaN; ``ReLoBRaLo().alpha = 5``
+    gave a negative objective); a refused value leaves the attribute as it was."""
+    scalarizer = make()
+    before = getattr(scalarizer, name)
+    with pytest.raises((ValueError, TypeError), match=f"`{name}`"):
+        setattr(scalarizer, name, bad)
+    assert getattr(scalarizer, name) is before
+    setattr(scalarizer, name, good)
+    assert getattr(scalarizer, name) is good or getattr(scalarizer, name) == good

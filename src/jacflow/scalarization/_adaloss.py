@@ -9,10 +9,11 @@ from torch import Tensor
 from jacflow._stateful import SavesState, Stateful
 from jacflow.aggregation._nonfinite import has_nonfinite
 from jacflow.scalarization._base import (
+    Hyperparameter,
     Scalarizer,
-    check_float,
     check_non_negative,
     check_same_shape,
+    floats,
 )
 
 
@@ -50,12 +51,15 @@ class AdaLoss(SavesState, Scalarizer, Stateful):
         tensor(2.5000)
     """
 
+    momentum = Hyperparameter(floats(low=0.0, high=1.0, high_open=True))
+    eps = Hyperparameter(floats(low=0.0))
+
     saved_state = ("_average",)
 
     def __init__(self, momentum: float = 0.9, eps: float = 1e-8) -> None:
         super().__init__()
-        self.momentum = check_float(momentum, "momentum", low=0.0, high=1.0, high_open=True)
-        self.eps = check_float(eps, "eps", low=0.0)
+        self.momentum = momentum
+        self.eps = eps
         self._average: Tensor | None = None
 
     def forward(self, losses: Tensor, /) -> Tensor:

@@ -2,15 +2,25 @@
 
 from __future__ import annotations
 
+import functools
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
-from jacflow.aggregation._hyperparameters import check_float, check_int
+from jacflow.aggregation._hyperparameters import (
+    Check,
+    Configurable,
+    Hyperparameter,
+    check_float,
+    check_int,
+    floats,
+    ints,
+)
 
 __all__ = [
+    "Hyperparameter",
     "Scalarizer",
     "check_float",
     "check_int",
@@ -20,8 +30,12 @@ __all__ = [
     "check_same_shape",
     "check_shape",
     "check_tensor",
+    "floats",
     "follow_losses",
+    "ints",
     "matching",
+    "optional_tensors",
+    "tensors",
 ]
 
 
@@ -97,6 +111,17 @@ def check_tensor(value: object, name: str, owner: str) -> Tensor:
     return value
 
 
+def tensors(owner: str) -> Check[Tensor]:
+    """:func:`check_tensor` for ``owner``'s hyper-parameter, as a :data:`Check` of
+    :class:`~jacflow.aggregation._hyperparameters.Hyperparameter`."""
+    return functools.partial(check_tensor, owner=owner)
+
+
+def optional_tensors(owner: str) -> Check[Tensor | None]:
+    """:func:`check_optional_tensor` for ``owner``'s hyper-parameter, as a :data:`Check`."""
+    return functools.partial(check_optional_tensor, owner=owner)
+
+
 def matching(tensor: Tensor, name: str, losses: Tensor, owner: str) -> Tensor:
     """``tensor`` on the losses' device and dtype, after checking that the shapes are equal."""
     if tensor.shape != losses.shape:
@@ -142,7 +167,7 @@ def follow_losses(tensors: Sequence[Tensor], losses: Tensor) -> None:
             tensor.grad = tensor.grad.to(device=losses.device, dtype=target_dtype)
 
 
-class Scalarizer(nn.Module, ABC):
+class Scalarizer(Configurable, ABC):
     """Reduces a tensor of losses of any shape to one scalar, to call ``.backward()`` on.
 
     Calling a scalarizer checks that ``losses`` is a non-empty floating-point tensor, then runs

@@ -7,7 +7,13 @@ from typing import final
 import torch
 from torch import Tensor
 
-from jacflow.scalarization._base import Scalarizer, check_float, check_tensor, matching
+from jacflow.scalarization._base import (
+    Hyperparameter,
+    Scalarizer,
+    floats,
+    matching,
+    tensors,
+)
 
 
 def _unit(v: Tensor) -> Tensor:
@@ -49,10 +55,13 @@ class COSMOS(Scalarizer):
         tensor(2.5101)
     """
 
+    lambda_ = Hyperparameter(floats(low=0.0))
+    weights = Hyperparameter(tensors("COSMOS"))
+
     def __init__(self, lambda_: float, weights: Tensor) -> None:
         super().__init__()
-        self.lambda_ = check_float(lambda_, "lambda_", low=0.0)
-        self.weights = check_tensor(weights, "weights", "COSMOS")
+        self.lambda_ = lambda_
+        self.weights = weights
 
     def forward(self, losses: Tensor, /) -> Tensor:
         r = matching(self.weights, "weights", losses, "COSMOS")

@@ -10,7 +10,13 @@ from torch import Tensor
 from jacflow._stateful import SavesState, Stateful
 from jacflow.aggregation._bases import compute_dtype
 from jacflow.aggregation._nonfinite import has_nonfinite
-from jacflow.scalarization._base import Scalarizer, check_float, check_same_shape, loss_ratio
+from jacflow.scalarization._base import (
+    Hyperparameter,
+    Scalarizer,
+    check_same_shape,
+    floats,
+    loss_ratio,
+)
 
 
 def dwa_weights(older: Tensor, newer: Tensor, temperature: float) -> Tensor:
@@ -74,11 +80,13 @@ class DWA(SavesState, Scalarizer, Stateful):
         tensor([0.9376, 1.0624])
     """
 
+    temperature = Hyperparameter(floats(low=0.0, low_open=True))
+
     saved_state = ("_epoch_sum", "_epoch_batches", "_averages")
 
     def __init__(self, temperature: float = 2.0) -> None:
         super().__init__()
-        self.temperature = check_float(temperature, "temperature", low=0.0, low_open=True)
+        self.temperature = temperature
         self._epoch_sum: Tensor | None = None
         self._epoch_batches = 0
         self._averages: list[Tensor] = []

@@ -11,10 +11,11 @@ from torch import Tensor
 from jacflow._stateful import SavesState, Stateful
 from jacflow.aggregation._nonfinite import has_nonfinite
 from jacflow.scalarization._base import (
+    Hyperparameter,
     Scalarizer,
-    check_float,
     check_optional_tensor,
     check_shape,
+    floats,
     follow_losses,
 )
 
@@ -91,6 +92,9 @@ class FAMO(SavesState, Scalarizer, Stateful):
         tensor([0.4875, 0.5125])
     """
 
+    lr = Hyperparameter(floats(low=0.0))
+    weight_decay = Hyperparameter(floats(low=0.0))
+
     saved_state = ("_steps", "_before")
 
     logits: Tensor
@@ -107,8 +111,8 @@ class FAMO(SavesState, Scalarizer, Stateful):
     ) -> None:
         super().__init__()
         size = check_shape(shape, "FAMO")
-        self.lr = check_float(lr, "lr", low=0.0)
-        self.weight_decay = check_float(weight_decay, "weight_decay", low=0.0)
+        self.lr = lr
+        self.weight_decay = weight_decay
         bounds = check_optional_tensor(min_losses, "min_losses", "FAMO")
         if bounds is None:
             bounds = torch.zeros(size)

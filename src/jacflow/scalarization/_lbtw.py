@@ -10,10 +10,11 @@ from torch import Tensor
 from jacflow._stateful import SavesState, Stateful
 from jacflow.aggregation._nonfinite import has_nonfinite
 from jacflow.scalarization._base import (
+    Hyperparameter,
     Scalarizer,
-    check_float,
     check_non_negative,
     check_same_shape,
+    floats,
     loss_ratio,
 )
 
@@ -57,11 +58,13 @@ class LBTW(SavesState, Scalarizer, Stateful):
         tensor(2.5000)
     """
 
+    alpha = Hyperparameter(floats(low=0.0))
+
     saved_state = ("_initial",)
 
     def __init__(self, alpha: float = 0.5) -> None:
         super().__init__()
-        self.alpha = check_float(alpha, "alpha", low=0.0)
+        self.alpha = alpha
         self._initial: Tensor | None = None
 
     def forward(self, losses: Tensor, /) -> Tensor:

@@ -11,11 +11,12 @@ from jacflow._stateful import SavesState, Stateful
 from jacflow.aggregation._bases import compute_dtype
 from jacflow.aggregation._nonfinite import has_nonfinite
 from jacflow.scalarization._base import (
+    Hyperparameter,
     Scalarizer,
-    check_float,
-    check_int,
     check_non_negative,
     check_same_shape,
+    floats,
+    ints,
 )
 from jacflow.scalarization._stch import smooth_max
 
@@ -76,12 +77,15 @@ class LogSTCH(SavesState, Scalarizer, Stateful):
         tensor(0.8109)
     """
 
+    mu = Hyperparameter(floats(low=0.0, low_open=True))
+    warmup_epochs = Hyperparameter(ints(low=0))
+
     saved_state = ("epoch", "_sum", "_count", "nadir")
 
     def __init__(self, mu: float, warmup_epochs: int = 4) -> None:
         super().__init__()
-        self.mu = check_float(mu, "mu", low=0.0, low_open=True)
-        self.warmup_epochs = check_int(warmup_epochs, "warmup_epochs", low=0)
+        self.mu = mu
+        self.warmup_epochs = warmup_epochs
         self.epoch = 0
         self._sum: Tensor | None = None
         self._count = 0

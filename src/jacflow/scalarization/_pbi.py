@@ -8,11 +8,12 @@ import torch
 from torch import Tensor
 
 from jacflow.scalarization._base import (
+    Hyperparameter,
     Scalarizer,
-    check_float,
-    check_optional_tensor,
     check_tensor,
+    floats,
     matching,
+    optional_tensors,
 )
 from jacflow.scalarization._stch import shifted
 
@@ -62,11 +63,14 @@ class PBI(Scalarizer):
         ValueError: PBI: `weights` (the preference direction) must be finite and not all zero ...
     """
 
+    theta = Hyperparameter(floats(low=0.0))
+    reference = Hyperparameter(optional_tensors("PBI"))
+
     def __init__(self, theta: float, weights: Tensor, reference: Tensor | None = None) -> None:
         super().__init__()
-        self.theta = check_float(theta, "theta", low=0.0)
+        self.theta = theta
         self.weights = weights
-        self.reference = check_optional_tensor(reference, "reference", "PBI")
+        self.reference = reference
 
     @property
     def weights(self) -> Tensor:

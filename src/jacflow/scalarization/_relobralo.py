@@ -9,7 +9,12 @@ from torch import Tensor
 
 from jacflow._stateful import SavesState, Stateful
 from jacflow.aggregation._nonfinite import has_nonfinite
-from jacflow.scalarization._base import Scalarizer, check_float, check_same_shape
+from jacflow.scalarization._base import (
+    Hyperparameter,
+    Scalarizer,
+    check_same_shape,
+    floats,
+)
 
 _EPS = 1e-12
 
@@ -59,13 +64,17 @@ class ReLoBRaLo(SavesState, Scalarizer, Stateful):
         tensor(3.2311)
     """
 
+    alpha = Hyperparameter(floats(low=0.0, high=1.0))
+    rho = Hyperparameter(floats(low=0.0, high=1.0))
+    temperature = Hyperparameter(floats(low=0.0, low_open=True))
+
     saved_state = ("_initial", "_previous", "_lambda")
 
     def __init__(self, alpha: float = 0.999, rho: float = 0.999, temperature: float = 0.1):
         super().__init__()
-        self.alpha = check_float(alpha, "alpha", low=0.0, high=1.0)
-        self.rho = check_float(rho, "rho", low=0.0, high=1.0)
-        self.temperature = check_float(temperature, "temperature", low=0.0, low_open=True)
+        self.alpha = alpha
+        self.rho = rho
+        self.temperature = temperature
         self._initial: Tensor | None = None
         self._previous: Tensor | None = None
         self._lambda: Tensor | None = None

@@ -9,7 +9,12 @@ from torch import Tensor
 
 from jacflow._stateful import SavesState, Stateful
 from jacflow.aggregation._nonfinite import has_nonfinite
-from jacflow.scalarization._base import Scalarizer, check_float, check_same_shape
+from jacflow.scalarization._base import (
+    Hyperparameter,
+    Scalarizer,
+    check_same_shape,
+    floats,
+)
 
 _SLOPE_FLOOR = 1e-8
 
@@ -70,11 +75,13 @@ class SoftAdapt(SavesState, Scalarizer, Stateful):
         tensor(1.7311)
     """
 
+    beta = Hyperparameter(floats())
+
     saved_state = ("_previous",)
 
     def __init__(self, beta: float = 0.1, normalized: bool = False, loss_weighted: bool = False):
         super().__init__()
-        self.beta = check_float(beta, "beta")
+        self.beta = beta
         for name, flag in (("normalized", normalized), ("loss_weighted", loss_weighted)):
             if not isinstance(flag, bool):
                 raise TypeError(f"SoftAdapt: `{name}` must be a bool, received {type(flag)}.")

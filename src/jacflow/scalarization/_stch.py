@@ -8,10 +8,11 @@ import torch
 from torch import Tensor
 
 from jacflow.scalarization._base import (
+    Hyperparameter,
     Scalarizer,
-    check_float,
-    check_optional_tensor,
+    floats,
     matching,
+    optional_tensors,
 )
 
 
@@ -71,13 +72,17 @@ class STCH(Scalarizer):
         tensor(1.5635)
     """
 
+    mu = Hyperparameter(floats(low=0.0, low_open=True))
+    weights = Hyperparameter(optional_tensors("STCH"))
+    reference = Hyperparameter(optional_tensors("STCH"))
+
     def __init__(
         self, mu: float, weights: Tensor | None = None, reference: Tensor | None = None
     ) -> None:
         super().__init__()
-        self.mu = check_float(mu, "mu", low=0.0, low_open=True)
-        self.weights = check_optional_tensor(weights, "weights", "STCH")
-        self.reference = check_optional_tensor(reference, "reference", "STCH")
+        self.mu = mu
+        self.weights = weights
+        self.reference = reference
 
     def forward(self, losses: Tensor, /) -> Tensor:
         lambda_ = preference(self.weights, losses, "STCH")

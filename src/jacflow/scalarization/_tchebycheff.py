@@ -8,9 +8,10 @@ import torch
 from torch import Tensor
 
 from jacflow.scalarization._base import (
+    Hyperparameter,
     Scalarizer,
-    check_float,
-    check_optional_tensor,
+    floats,
+    optional_tensors,
 )
 from jacflow.scalarization._stch import preference, shifted
 
@@ -45,10 +46,13 @@ class Tchebycheff(Scalarizer):
         tensor(0.8000)
     """
 
+    weights = Hyperparameter(optional_tensors("Tchebycheff"))
+    reference = Hyperparameter(optional_tensors("Tchebycheff"))
+
     def __init__(self, weights: Tensor | None = None, reference: Tensor | None = None) -> None:
         super().__init__()
-        self.weights = check_optional_tensor(weights, "weights", "Tchebycheff")
-        self.reference = check_optional_tensor(reference, "reference", "Tchebycheff")
+        self.weights = weights
+        self.reference = reference
 
     def forward(self, losses: Tensor, /) -> Tensor:
         lambda_ = preference(self.weights, losses, "Tchebycheff")
@@ -85,13 +89,17 @@ class AugmentedTchebycheff(Scalarizer):
         tensor(1.9000)
     """
 
+    rho = Hyperparameter(floats(low=0.0))
+    weights = Hyperparameter(optional_tensors("AugmentedTchebycheff"))
+    reference = Hyperparameter(optional_tensors("AugmentedTchebycheff"))
+
     def __init__(
         self, rho: float, weights: Tensor | None = None, reference: Tensor | None = None
     ) -> None:
         super().__init__()
-        self.rho = check_float(rho, "rho", low=0.0)
-        self.weights = check_optional_tensor(weights, "weights", "AugmentedTchebycheff")
-        self.reference = check_optional_tensor(reference, "reference", "AugmentedTchebycheff")
+        self.rho = rho
+        self.weights = weights
+        self.reference = reference
 
     def forward(self, losses: Tensor, /) -> Tensor:
         owner = "AugmentedTchebycheff"
