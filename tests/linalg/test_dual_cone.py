@@ -951,3 +951,21 @@ def test_float32_gramians_below_the_rescaling_spread_do_not_conflict() -> None:
     assert float((update - expected).norm() / expected.norm()) < 1e-3
     cosines = (j @ update) / (j.norm(dim=1) * update.norm())
     assert float(cosines.min()) > -1e-4
+
+
+@pytest.mark.parametrize("m", [6, 20])
+def test_reference_solver_is_optimal_on_rows_of_very_different_norms(m: int) -> None:
+    """The oracle of these tests: its active set's absolute tolerance ignored the conflicts
+    with rows of tiny norm (an update at an angle of 120 degrees to one of them), until it
+    solved the problem scaled to a unit diagonal."""
+    gen = torch.Generator().manual_seed(0)
+    scales = torch.logspace(-4, 4, m, dtype=torch.float64)[:, None]
+    J = torch.randn(m, m + 3, generator=gen, dtype=torch.float64) * scales
+    gramian, u = J @ J.T, torch.eye(m, dtype=torch.float64)
+    v = project_weights_reference(u, gramian)
+    updates = v @ J
+    cosines = (updates @ J.T) / (updates.norm(dim=1, keepdim=True) * J.norm(dim=1))
+    assert float(cosines.min()) >= -1e-9
+    objective = torch.einsum("ki,ij,kj->k", v, gramian, v)
+    fast = project_weights(u, gramian)
+    assert bool((objective <= torch.einsum("ki,ij,kj->k", fast, gramian, fast) * (1 + 1e-9)).all())

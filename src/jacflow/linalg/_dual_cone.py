@@ -104,11 +104,17 @@ def project_weights_reference(
     device, dtype = gramian.device, gramian.dtype
     g = regularize_gramian(normalize_gramian(gramian.detach().double().cpu(), norm_eps), reg_eps)
     flat_u = u.detach().double().cpu().reshape(-1, g.shape[0])
+    # (solved with v = d * y, d = diag(g)^(-1/2): the unit diagonal makes the active set's
+    # absolute tolerance relative to every row, whose norms may differ by orders of magnitude)
+    norms = g.diagonal().clamp(min=0).sqrt()
+    d = torch.where(norms > 0, 1 / norms.clamp(min=torch.finfo(g.dtype).tiny), 1.0)
+    scaled = d[:, None] * g * d[None, :]
     rows = []
     for row in flat_u:
-        # v = row + x with x >= 0:  minimize (row + x)^T g (row + x).
-        x = _solve_nonnegative_qp(2 * g, 2 * g @ row, max_iter=10 * g.shape[0] + 10)
-        rows.append(row + x)
+        # y = row / d + x with x >= 0:  minimize (row / d + x)^T scaled (row / d + x).
+        start = row / d
+        x = _solve_nonnegative_qp(2 * scaled, 2 * scaled @ start, max_iter=10 * g.shape[0] + 10)
+        rows.append(d * (start + x))
     result = torch.stack(rows) if rows else flat_u.clone()
     return result.reshape(u.shape).to(device=device, dtype=dtype)
 
