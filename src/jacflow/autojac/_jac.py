@@ -95,6 +95,13 @@ def jac(
     ``inputs`` that called ``retain_grad()`` is left to that hook, as in :func:`backward`: the sum
     of the rows with ``parallel_chunk_size=1``, an unusable batched tensor with vmapped rows.
 
+    Each row is the gradient of all of ``outputs`` with a cotangent that is zero off its own
+    entries, as in :func:`torch.func.jacrev`: where the derivative of one output is infinite,
+    that zero times infinity makes NaN the other rows that reach the same operation, for every
+    chunk size. The Jacobian is then non-finite either way (so is ``backward``'s aggregation,
+    which an AMP ``GradScaler`` skips); differentiate the outputs in separate calls to keep the
+    other rows.
+
     Returns:
         A tuple with one ``[m, *input.shape]`` tensor per input.
 
