@@ -2008,3 +2008,19 @@ def test_losses_reordered_along_the_batch_are_refused(name: str) -> None:
         assert_exact_gramian(engine, losses_of(), list(layer.parameters()))
         return
     _assert_refused(engine, losses_of(), list(layer.parameters()), r"reordered along the batch")
+
+
+def test_losses_that_hold_an_already_stepped_forward_are_told_so() -> None:
+    """The earlier forward's calls were taken by its step: its graph reaches the parameters
+    outside the recorded calls, and the refusal says why (it spoke only of tied weights)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 1))
+    engine = Engine(model, batch_dim=0)
+    x1, x2 = torch.randn(5, 4), torch.randn(5, 4)
+    first = model(x1).squeeze(1) ** 2
+    engine.backward(first, UPGradWeighting(), retain_graph=True)
+    grads = [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+    second = model(x2).squeeze(1) ** 2
+    with pytest.raises(ValueError, match="earlier forward whose calls a step already took"):
+        engine.backward(first + second, UPGradWeighting())
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads))  # type: ignore[arg-type]

@@ -1053,14 +1053,17 @@ class Engine:
                 f"{child} ran outside the forward of {parent}, whose rule covers its parameters "
                 f"through {parent}'s own calls only: this call's share of their gradient would "
                 f"be missed. Call it only inside {parent}'s forward, or freeze its parameters "
-                "(requires_grad_(False))."
+                "(requires_grad_(False)). (Any grad-enabled call since the last step counts, "
+                "one that the losses do not read included: run it under torch.no_grad().)"
             )
         if coupled is not None:
             raise ValueError(
                 f"{coupled} normalised with its batch's statistics during the forward (training "
                 "mode, or track_running_stats=False): it mixes the samples, so the per-sample "
                 "engine (batch_dim=0) cannot be used. Call .eval() on one with running "
-                "statistics, replace it (e.g. by GroupNorm), or use batch_dim=None."
+                "statistics, replace it (e.g. by GroupNorm), or use batch_dim=None. (Any "
+                "grad-enabled forward in training mode since the last step counts, one that "
+                "the losses do not read included: run such a forward under torch.no_grad().)"
             )
         # (before the backward: autograd may fail on such a view)
         with_units = [(self._units[index], call) for index, call in calls]
@@ -1245,7 +1248,9 @@ class Engine:
                 "embedding.weight), or an intermediate of the module kept and used later): "
                 "the Gramian would miss that use. Use it through a module (e.g. an nn.Linear "
                 "whose weight is the tied parameter), give the engine that module too, or "
-                "freeze the parameter."
+                "freeze the parameter. If the losses also hold an earlier forward whose calls a "
+                "step already took (a graph kept by retain_graph=True, or a second forward run "
+                "before the step), run the forward again for each step instead."
                 + (f" {_COMPILED_BEFORE_HINT}" if _holds_compiled(pattern[1], ()) else "")
             )
 

@@ -184,10 +184,13 @@ def mtl_backward(
             trunk before the forward pass. With a Gramian-based ``A`` (UPGrad, MGDA, ...), the
             step then goes through the Gramian engine: no trunk Jacobian is formed and the
             trunk's weight gradients are computed once, for about ``(m + 2) / 3`` SGD steps
-            instead of ``(2m + 1) / 3``. The result is the same: trunk parameters that the
+            instead of ``(2m + 1) / 3``. The result is the same, except where a hooked trunk
+            parameter has a gradient hook: that hook runs on the parameter's update, not on
+            each task's row, so the Gramian, and the weights, do not see it (without the
+            engine they do, even for a hook linear in its gradient). Trunk parameters that the
             engine does not hook (a projection after its modules) join the Jacobian with a row
             per task from the same backward (their gradient hooks run on each row, as without
-            the engine; the hooked ones' on their update), and given ``shared_params`` must
+            the engine), and given ``shared_params`` must
             hold the engine's parameters behind ``features``. A head parameter with a gradient
             hook gets its gradient from a backward of its own: the hook sees the sum of its
             tasks' gradients, not each task's part. Losses that read no feature give zeros to
