@@ -367,7 +367,7 @@ def test_repeated_aggregator_names_exit_2(
 
 def test_iwrm_train_with_mean_in_any_case_compares_mean_and_upgrad(tmp_path: Path) -> None:
     out = tmp_path / "run"
-    argv = ["train", "--mode", "iwrm", "--aggregator", "Mean", "--epochs", "1", "--quiet"]
+    argv = ["train", "--mode", "iwrm", "--aggregator", " Mean ", "--epochs", "1", "--quiet"]
     assert main([*argv, "--no-plots", "--out", str(out)]) == 0
     assert sorted(p.name for p in out.iterdir() if p.is_dir()) == ["mean", "upgrad"]
 

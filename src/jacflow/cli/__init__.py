@@ -242,8 +242,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from jacflow.cli._registry import make_aggregator
 
     if args.mode == "iwrm":  # (a comparison, which checks the options itself)
-        names = ["mean", args.aggregator if args.aggregator.lower() != "mean" else "upgrad"]
-        args.aggregators = ",".join(names)
+        chosen = args.aggregator.strip()  # (mean runs anyway: then beside upgrad, the default)
+        args.aggregators = ",".join(["mean", "upgrad" if chosen.lower() == "mean" else chosen])
         return _cmd_compare(args, title="iwrm")
     make_aggregator(args.aggregator, 3)  # fail early on a bad name
     loggers: list[Logger] = []
