@@ -14,8 +14,10 @@ residual).
 Gramians: ``gauss`` = J J^T with J Gaussian m x 4m; ``mlp`` = per-sample Gramian of a small MLP
 classifier (20-64-64-10, 6 154 parameters) at initialisation; ``lowrank`` = J J^T with J
 Gaussian m x m/2: more objectives than the rank, the degenerate case (non-unique weights, often
-a dual cone reduced to 0) that the exact Lawson-Hanson fallback handles (not in the default
-list: ``--gramians lowrank``).
+a dual cone reduced to 0) that the exact Lawson-Hanson fallback handles; ``digits`` = the
+per-sample Gramian of the ``jacflow`` command's iwrm classifier at initialisation on its bundled
+digits (real images: condition about 1e5 at m = 512, most pairs conflicting). The last two are
+not in the default list (``--gramians lowrank digits``).
 
 The Gramians are float64 unless ``--dtype float32`` (the engine's Gramians of a float32 model):
 then both libraries get the float64 Gramian rounded to float32, and the errors are measured
@@ -84,6 +86,27 @@ def mlp_gramian(m: int, seed: int = 0) -> Tensor:
     return j @ j.T
 
 
+def digits_gramian(m: int, seed: int = 0) -> Tensor:
+    """The per-sample Gramian of the ``jacflow`` command's iwrm classifier at its initialisation
+    on ``m`` of its bundled digits (m <= 1797): real images, an ill-conditioned Gramian
+    (condition about 1e5 at m = 512, most pairs conflicting)."""
+    from jacflow.cli._data import load_digits
+    from jacflow.cli._model import mlp_classifier
+
+    torch.manual_seed(seed)
+    images, labels = load_digits()
+    model = mlp_classifier().double()
+    params = {name: p.detach() for name, p in model.named_parameters()}
+
+    def loss(p: dict[str, Tensor], xi: Tensor, yi: Tensor) -> Tensor:
+        return nn.functional.cross_entropy(functional_call(model, p, (xi[None],)), yi[None])
+
+    x, y = images[:m].double(), labels[:m]
+    grads = vmap(grad(loss), in_dims=(None, 0, 0))(params, x, y)
+    j = torch.cat([g.reshape(m, -1) for g in grads.values()], dim=1)
+    return j @ j.T
+
+
 def exact_weights(gramian: Tensor) -> tuple[Tensor, float]:
     """UPGrad weights with a full PDAS polish (no cost limit) and their KKT residual."""
     m = gramian.shape[0]
@@ -132,7 +155,12 @@ def main() -> None:
     from torchjd.aggregation import UPGradWeighting as TorchJDUPGradWeighting
 
     ours, theirs = UPGradWeighting(), TorchJDUPGradWeighting()
-    makers = {"gauss": gauss_gramian, "mlp": mlp_gramian, "lowrank": lowrank_gramian}
+    makers = {
+        "gauss": gauss_gramian,
+        "mlp": mlp_gramian,
+        "lowrank": lowrank_gramian,
+        "digits": digits_gramian,
+    }
     header = (
         "| m | Gramian | jacflow (ms) | TorchJD 0.18 (ms) | speed-up | jacflow err | TorchJD err |"
     )

@@ -19,6 +19,7 @@ from torch import Tensor
 
 from jacflow.linalg import SolverWarning, project_weights
 from jacflow.linalg import _dual_cone as dual_cone
+from jacflow.linalg import _first_order as first_order
 from jacflow.linalg._dual_cone import _normalized, project_diagonal, project_weights_reference
 from jacflow.linalg._first_order import admm_solve
 from tests.aggregation._properties import make_jacobian
@@ -969,3 +970,30 @@ def test_reference_solver_is_optimal_on_rows_of_very_different_norms(m: int) -> 
     objective = torch.einsum("ki,ij,kj->k", v, gramian, v)
     fast = project_weights(u, gramian)
     assert bool((objective <= torch.einsum("ki,ij,kj->k", fast, gramian, fast) * (1 + 1e-9)).all())
+
+
+@pytest.mark.parametrize("kind", ["more_rows", "rank_deficient"])
+def test_admm_polish_solves_the_problems_exactly(
+    kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ADMM's PDAS polish (taken by "auto" above m = 32) runs on problems ADMM is slow on, and
+    its answers (the updates) are those of the reference solver."""
+    m = 64
+    gramian = make_gramian(m, kind, 1.0, seed=1)
+    calls: list[int] = []
+    polish = first_order.pdas_solve
+
+    def counted(u: Tensor, *args: object) -> tuple[Tensor, Tensor]:
+        calls.append(u.shape[1])
+        return polish(u, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(first_order, "pdas_solve", counted)
+    g = _normalized(gramian[None], 0.0, 0.0, one_sync=True)
+    u = upgrad_rows(m)[None] * m
+    v, residual = first_order.admm_solve(u, g, 20_000, 1e-10, polish_iter=10)
+    assert calls, "the polish never ran"
+    assert float(residual.amax()) <= 1e-10
+    # (the weights of a singular G are not unique, the update J^T v is: compare through G)
+    gap = v[0] - project_weights_reference(u[0], g[0])
+    assert float(torch.einsum("ki,ij,kj->k", gap, g[0], gap).amax()) <= 1e-14
+    assert_kkt(v[0], u[0], g[0])

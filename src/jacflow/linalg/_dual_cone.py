@@ -405,7 +405,7 @@ def _solve(
         if method == "pdas":
             return pdas_solve(u, g, u, cap, tol, start)
         if method == "admm":
-            return admm_solve(u, g, cap, tol, low_precision=low_precision)
+            return admm_solve(u, g, cap, tol, low_precision=low_precision, polish_iter=_POLISH_ITER)
         return _fista_with_polish(u, g, cap, tol)
 
     if dual is None:

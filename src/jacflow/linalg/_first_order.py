@@ -16,10 +16,17 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from jacflow.linalg._pdas import kkt_residual, multiplier_scale, with_exact_bounds
+from jacflow.linalg._pdas import kkt_residual, multiplier_scale, pdas_solve, with_exact_bounds
 
 _STALL_CHECKS = 50
 _FLOAT32_FLOOR = 1e-6  # the float32 phase of ADMM hands over to float64 below this residual
+# ADMM's polish: PDAS from its iterate once every residual is below _POLISH_FROM (from 1e-2 it
+# failed on a per-sample Gramian, from 1e-3 it solved every problem) and ADMM has spent as
+# many multiply-adds as _POLISH_AFTER PDAS steps (k m^2 per ADMM step, k s^3 per PDAS step on
+# free sets of size s), so that problems ADMM solves quickly are not polished.
+_POLISH_FROM = 1e-3
+_POLISH_AFTER = 10
+_POLISH_MIN_STEPS = 100  # (problems solved within them are not looked at: its checks cost too)
 
 
 def _stalled(history: list[float], worst: Tensor, window: int = _STALL_CHECKS) -> bool:
@@ -101,6 +108,7 @@ def admm_solve(
     check_every: int = 10,
     relax: float = 1.6,
     low_precision: bool = False,
+    polish_iter: int = 0,
 ) -> tuple[Tensor, Tensor]:
     """Over-relaxed ADMM with one eigendecomposition of ``G`` shared by all problems.
 
@@ -115,6 +123,14 @@ def admm_solve(
     the cost) start in float32, about twice as fast; the residuals are still measured in float64
     against the true ``G``. Once the worst residual is below ``1e-6`` (or stalls) and ``tol`` is
     not met yet, the iterations go on in float64 from where they are.
+
+    With ``polish_iter``, from the 100th step, the exact PDAS
+    (:func:`jacflow.linalg._pdas.pdas_solve`, that many steps) is tried from the iterates of
+    the problems that are close (every residual below ``1e-3``) once ADMM has spent as much as
+    ten PDAS steps on them would cost: the problems it solves leave the batch (the others go
+    on, their ADMM state intact; after a failed try the next one waits until the spending
+    doubles). On ill-conditioned Gramians ADMM's last digits take thousands of steps: UPGrad on
+    a per-sample Gramian of condition 1e5 at m = 512 took 2,900 (12.8 s), with the polish 2.2 s.
 
     Example:
         >>> import torch
@@ -136,7 +152,10 @@ def admm_solve(
     bound = u.to(dtype)
     z = bound
     w = torch.zeros_like(z)  # the scaled dual variable, updated in place
+    m = u.shape[-1]
+    spent, budget = 0, 0  # ADMM's multiply-adds, and those a polish waits for
     for it in range(max_iter):
+        spent += z.shape[1] * m * m
         # over-relaxed v-update (1 - relax) z + relax (z - w) S, as one fused product
         relaxed = torch.baddbmm(z, z - w, step, beta=1 - relax)
         w = w.add_(relaxed)
@@ -146,12 +165,28 @@ def admm_solve(
             held = with_exact_bounds(z, bound, uu) if dtype != g.dtype else z
             exact = torch.maximum(held, uu)  # feasible also where float32 rounded u
             res = kkt_residual(exact, uu, 2 * torch.bmm(exact, g), c)
+            if polish_iter and it + 1 >= _POLISH_MIN_STEPS:
+                close = ((res <= _POLISH_FROM) & (res > tol)).all(0).nonzero().flatten()
+                if len(close):
+                    free = int((exact[:, close] > uu[:, close]).sum(-1).amax())
+                    budget = budget or _POLISH_AFTER * z.shape[1] * free**3
+                if len(close) and spent >= budget:
+                    polished, polished_res = pdas_solve(
+                        uu[:, close], g, exact[:, close], polish_iter, tol
+                    )
+                    better = polished_res < res[:, close]
+                    exact = exact.index_copy(
+                        1, close, torch.where(better[..., None], polished, exact[:, close])
+                    )
+                    res = res.index_copy(1, close, torch.minimum(polished_res, res[:, close]))
+                    if bool((polished_res > tol).any()):  # (a failed try: wait longer)
+                        budget = 2 * spent
+            worst = res.amax()
             out_v = out_v.index_copy(1, rows, exact)
             out_res = out_res.index_copy(1, rows, res)
             keep = (res > tol).any(0)
             if not bool(keep.any()):
                 break
-            worst = res.amax()
             low = dtype != g.dtype
             stalled = _stalled(history, worst, 10 if low else _STALL_CHECKS)  # records it once
             if low and (worst <= _FLOAT32_FLOOR or stalled):
