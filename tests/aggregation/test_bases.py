@@ -14,6 +14,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 
+import jacflow
 import jacflow.aggregation as agg
 from jacflow.linalg import QuadprogProjector, compute_gramian
 
@@ -164,3 +165,28 @@ def test_lshift_composes_a_weighting_with_a_function() -> None:
     assert "UPGradWeighting" in repr(composed) and "compute_gramian" in repr(composed)
     with pytest.raises(TypeError, match="`fn` must be callable"):
         _ = inner << 3  # type: ignore[operator]
+
+
+@pytest.mark.parametrize(
+    "make",
+    [lambda: agg.NashMTL(2), lambda: agg.FairGrad(1.0), agg.PCD, agg.MoDo, agg.GradVac],
+    ids=["NashMTL", "FairGrad", "PCD", "MoDo", "GradVac"],
+)
+def test_weightings_that_read_the_scale_survive_an_overflowing_float32_gramian(
+    make: Callable[[], agg.GramianWeightedAggregator],
+) -> None:
+    """Finite float32 entries near 1e19 overflow ``J J^T``: those weightings gave NaN where
+    float64 has an answer; the Gramian is then formed in float64 (directly and in jac_to_grad)."""
+    J = torch.tensor([[3e19, 1e19, 0.0], [-1e19, 2e19, 1e19]])
+    torch.manual_seed(0)
+    expected = make()(J.double()).float()
+    torch.manual_seed(0)
+    out = make()(J)
+    assert bool(torch.isfinite(out).all())
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=0.0)
+    x = torch.zeros(3, requires_grad=True)
+    x.jac = J.clone()  # type: ignore[attr-defined]
+    torch.manual_seed(0)
+    jacflow.jac_to_grad([x], make())
+    assert x.grad is not None
+    torch.testing.assert_close(x.grad, expected, rtol=1e-5, atol=0.0)

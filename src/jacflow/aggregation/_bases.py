@@ -26,6 +26,7 @@ from jacflow.aggregation._hyperparameters import (
 )
 from jacflow.aggregation._properties import Property
 from jacflow.linalg import compute_gramian
+from jacflow.linalg._gramian import has_nonfinite
 
 
 def _check_matrix(value: object, name: str, owner: str) -> Tensor:
@@ -82,6 +83,23 @@ def unit_peak_factor(matrices: Sequence[Tensor], dtype: torch.dtype | None = Non
     exponent = torch.where(torch.isfinite(peak), exponent, 0).clamp(min=-largest)
     # (exp2 of an integer is exact; it is computed in the matrices' dtype, unlike ldexp's 2**e)
     return torch.exp2(-exponent.to(dtype))
+
+
+def overflowed(gramian: Tensor, matrices: Sequence[Tensor]) -> bool:
+    """Whether ``gramian``, formed from the finite ``matrices`` in a dtype narrower than
+    float64, overflowed (entries about 1e19 in float32): a weighting that reads the Gramian's
+    scale then gets it formed in float64. One host synchronisation, only below float64.
+
+    Example:
+        >>> import torch
+        >>> from jacflow.aggregation._bases import overflowed
+        >>> J = torch.tensor([[3e19, 1e19]])
+        >>> overflowed(J @ J.T, [J]), overflowed(J.double() @ J.double().T, [J.double()])
+        (True, False)
+    """
+    if gramian.dtype == torch.float64 or not has_nonfinite(gramian):
+        return False
+    return not any(has_nonfinite(m) for m in matrices)
 
 
 def scale_to_unit_peak(matrix: Tensor) -> Tensor:
@@ -341,7 +359,11 @@ class GramianOfJacobianWeighting(Weighting):
     def forward(self, stat: Tensor) -> Tensor:
         if self.gramian_weighting.scale_invariant:
             stat = scale_to_unit_peak(stat)  # same weights; no overflow or underflow of G
-        return self.gramian_weighting(compute_gramian(stat))
+            return self.gramian_weighting(compute_gramian(stat))
+        gramian = compute_gramian(stat)
+        if overflowed(gramian, [stat]):
+            return self.gramian_weighting(compute_gramian(stat.double())).to(stat.dtype)
+        return self.gramian_weighting(gramian)
 
     def __repr__(self) -> str:
         return f"{self.gramian_weighting!r} << gramian"
