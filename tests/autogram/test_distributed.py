@@ -221,6 +221,41 @@ def _one_fails(rank: int) -> None:
         Engine(DistributedDataParallel(nn.Linear(2, 1), static_graph=True), batch_dim=0)
 
 
+class _Inside(nn.Module):
+    """A forward that returns the trunk's features and, beside them, the task losses."""
+
+    def __init__(self, trunk: nn.Module, heads: nn.ModuleList) -> None:
+        super().__init__()
+        self.trunk, self.heads = trunk, heads
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        features = self.trunk(x)
+        return features, [head(features).pow(2).mean() for head in self.heads]
+
+
+def _find_unused(rank: int) -> None:
+    """DDP(find_unused_parameters=True) passes every output of its forward through one node:
+    losses computed inside that forward do not read the features it returns, which is
+    refused with that reason (the message spoke of a shared parameter used outside the
+    features); with the heads outside the forward the step is the one of find_unused=False."""
+    torch.manual_seed(1 + rank)
+    x = torch.randn(7, 4, dtype=torch.float64)
+    trunk, heads = _model()
+    ddp = DistributedDataParallel(_Inside(trunk, heads), find_unused_parameters=True)
+    features, losses = ddp(x)
+    with pytest.raises(ValueError, match="find_unused_parameters=True"):
+        mtl_backward(losses, features, A=UPGrad())
+    assert all(p.grad is None for p in trunk.parameters())
+    updates = []
+    for find_unused in (False, True):
+        trunk, heads = _model()
+        ddp = DistributedDataParallel(trunk, find_unused_parameters=find_unused)
+        features = ddp(x)
+        mtl_backward([head(features).pow(2).mean() for head in heads], features, A=UPGrad())
+        updates.append(_grads([*trunk.parameters(), *heads.parameters()]))
+    torch.testing.assert_close(updates[1], updates[0])
+
+
 def _worker(rank: int, port: int) -> None:
     torch.set_num_threads(1)
     dist.init_process_group(
@@ -236,6 +271,7 @@ def _worker(rank: int, port: int) -> None:
         _branches(rank)
         _sparse_and_refusals(rank)
         _one_fails(rank)
+        _find_unused(rank)
         dist.barrier()
     except BaseException:
         dist.destroy_process_group()

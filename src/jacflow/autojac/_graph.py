@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 from torch import Tensor
 from torch.autograd.graph import get_gradient_edge
@@ -25,7 +26,7 @@ def leaf_tensors(outputs: Iterable[Tensor], exclude: Iterable[Tensor] = ()) -> t
     excluded_leaves = {id(t) for t in exclude if t.grad_fn is None}
     found: dict[int, Tensor] = {}
     seen: set[object] = set()
-    frontier = []
+    frontier: list[tuple[Any, int]] = []
     for out in outputs:
         if out.grad_fn is None:
             if out.requires_grad and id(out) not in excluded_leaves:
@@ -33,21 +34,45 @@ def leaf_tensors(outputs: Iterable[Tensor], exclude: Iterable[Tensor] = ()) -> t
         else:
             edge = get_gradient_edge(out)
             if (edge.node, edge.output_nr) not in stop:
-                frontier.append(out.grad_fn)
+                frontier.append((edge.node, edge.output_nr))
     while frontier:
-        node = frontier.pop(0)
-        if node in seen:
+        node, output_nr = frontier.pop(0)
+        through = passes_through(node)
+        key = (node, output_nr) if through else node
+        if key in seen:
             continue
-        seen.add(node)
+        seen.add(key)
         variable = getattr(node, "variable", None)
         if isinstance(variable, Tensor):
             if id(variable) not in excluded_leaves:
                 found.setdefault(id(variable), variable)
             continue
-        for child, nr in node.next_functions:
-            if child is not None and (child, nr) not in stop and child not in seen:
-                frontier.append(child)
+        children = node.next_functions
+        if through:  # (output k is input k: only that input's graph is behind this output)
+            children = children[output_nr : output_nr + 1]
+        for child, nr in children:
+            if child is not None and (child, nr) not in stop:
+                frontier.append((child, nr))
     return tuple(found.values())
+
+
+# Autograd nodes whose output ``k`` is their input ``k`` (an identity per output): DDP's
+# ``_DDPSink``, which ``find_unused_parameters=True`` puts after every output of the forward.
+_PASS_THROUGH = frozenset({"_DDPSinkBackward"})
+
+
+def passes_through(node: Any) -> bool:
+    """Whether ``node``'s output ``k`` depends on its input ``k`` only (see ``_PASS_THROUGH``):
+    a walk that enters it through one output follows that input alone, as a walk through the
+    forward's outputs one by one would.
+
+    Example:
+        >>> import torch
+        >>> from jacflow.autojac._graph import passes_through
+        >>> passes_through((torch.ones(1, requires_grad=True) * 2).grad_fn)
+        False
+    """
+    return type(node).__name__ in _PASS_THROUGH
 
 
 def nested_features(features: Sequence[Tensor]) -> list[int]:

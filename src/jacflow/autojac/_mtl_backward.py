@@ -28,7 +28,7 @@ from jacflow.autojac._checks import (
     check_unique,
     without_repeats,
 )
-from jacflow.autojac._graph import leaf_tensors, nested_features
+from jacflow.autojac._graph import leaf_tensors, nested_features, passes_through
 from jacflow.autojac._jac import compute_jacobians
 
 if TYPE_CHECKING:
@@ -90,7 +90,7 @@ def _resolve_params(
             if id(p) in shared_ids:
                 raise ValueError(
                     _overlap_message(
-                        i, p, tasks_params is None, shared_params is None, engine_names
+                        i, p, tasks_params is None, shared_params is None, engine_names, features
                     )
                 )
     if tasks_params is not None and engine_names is None:
@@ -99,7 +99,9 @@ def _resolve_params(
         for i, loss in enumerate(losses):
             for p in leaf_tensors([loss], exclude=features):
                 if id(p) in shared_ids:
-                    raise ValueError(_overlap_message(i, p, True, shared_params is None, None))
+                    raise ValueError(
+                        _overlap_message(i, p, True, shared_params is None, None, features)
+                    )
     return heads, shared
 
 
@@ -109,8 +111,18 @@ def _overlap_message(
     found_in_loss: bool,
     found_behind_features: bool,
     engine_names: dict[int, str] | None,
+    features: tuple[Tensor, ...] = (),
 ) -> str:
     """Why ``param`` is both a parameter of task ``task`` and a shared one, and what to do."""
+    if found_in_loss and any(passes_through(f.grad_fn) for f in features):
+        return (
+            f"`losses[{task}]` does not read `features`: they come out of a forward of "
+            "DistributedDataParallel(find_unused_parameters=True), which passes every output "
+            "of the forward through one node, and a loss computed inside that forward reads the "
+            "trunk's output from before that node, not the feature returned. Return only the "
+            "features from the DDP forward and compute the heads and losses outside it, or "
+            "build DDP with find_unused_parameters=False (the engine does not need it)."
+        )
     named = None if engine_names is None else engine_names.get(id(param))
     what = f"the parameter {named}" if named else f"a parameter of shape {tuple(param.shape)}"
     if not found_in_loss:
