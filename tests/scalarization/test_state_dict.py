@@ -8,7 +8,18 @@ import pytest
 import torch
 from torch import Tensor
 
-from jacflow.scalarization import DWA, FAMO, LBTW, AdaLoss, LogSTCH, ReLoBRaLo, SoftAdapt
+from jacflow.scalarization import (
+    DWA,
+    FAMO,
+    IMTLL,
+    LBTW,
+    UW,
+    AdaLoss,
+    LogSTCH,
+    ReLoBRaLo,
+    RevisedUW,
+    SoftAdapt,
+)
 from jacflow.scalarization._base import Scalarizer
 from tests._checkpoint import check_resumes
 
@@ -98,3 +109,22 @@ def test_famo_resumes_a_float64_run_exactly(between_call_and_update: bool) -> No
         first.update(losses[i + 1])
         second.update(losses[i + 1])
     assert torch.equal(first.logits, second.logits)
+
+
+@pytest.mark.parametrize("make", [lambda: UW(2), lambda: RevisedUW(2), lambda: IMTLL(2)])
+def test_learned_weights_of_a_float64_run_load_exactly(make: Callable[[], Scalarizer]) -> None:
+    """Their parameters follow the losses' dtype: a fresh module's float32 ones rounded a
+    float64 state (the same load as FAMO's buffers, in the base class)."""
+    losses = torch.tensor([0.3, 1.7], dtype=torch.float64)
+    first = make()
+    optimizer = torch.optim.SGD(first.parameters(), lr=0.1)
+    for _ in range(3):
+        optimizer.zero_grad()
+        first(losses).backward()
+        optimizer.step()
+    second = make()
+    second.load_state_dict(first.state_dict())
+    for mine, theirs in zip(first.parameters(), second.parameters(), strict=True):
+        assert theirs.dtype == torch.float64
+        assert torch.equal(mine, theirs)
+    assert torch.equal(first(losses), second(losses))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -188,6 +189,28 @@ class Scalarizer(Configurable, ABC):
     @abstractmethod
     def forward(self, losses: Tensor, /) -> Tensor:
         """Return the scalarization of ``losses`` (a 0-dim tensor)."""
+
+    def _load_from_state_dict(self, state_dict: Any, prefix: str, *args: Any) -> None:
+        """``nn.Module``'s, after giving this module's parameters and buffers the dtype of the
+        saved ones: they follow the losses' dtype (:func:`follow_losses`), so a float64 run's
+        state loaded into float32 ones was rounded (the resumed run drifted; FAMO's ``update``
+        then mixed dtypes). A failed load gives them their own back."""
+        error_msgs: list[str] = args[-1]
+        before = len(error_msgs)
+        own = [
+            (n, t) for n, t in (*self._parameters.items(), *self._buffers.items()) if t is not None
+        ]
+        kept = [(t.data, t.grad) for _, t in own]
+        for name, tensor in own:
+            saved = state_dict.get(prefix + name)
+            if isinstance(saved, Tensor) and saved.dtype in (torch.float32, torch.float64):
+                tensor.data = tensor.data.to(saved.dtype)
+                if tensor.grad is not None:
+                    tensor.grad = tensor.grad.to(saved.dtype)
+        super()._load_from_state_dict(state_dict, prefix, *args)
+        if len(error_msgs) != before:
+            for (_, tensor), (data, grad) in zip(own, kept, strict=True):
+                tensor.data, tensor.grad = data, grad
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.extra_repr()})"

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, final
+from typing import final
 
 import torch
 from torch import Tensor
@@ -192,23 +192,6 @@ class FAMO(SavesState, Scalarizer, Stateful):
         step_size = self.lr / (1 - beta1**self._steps)
         denom = (self._exp_avg_sq / (1 - beta2**self._steps)).sqrt_().add_(_ADAM_EPS)
         self.logits.addcdiv_(self._exp_avg, denom, value=-step_size)
-
-    def _load_from_state_dict(self, state_dict: Any, prefix: str, *args: Any) -> None:
-        """The buffers take the saved dtype first (they follow the losses': a float64 run's
-        state loaded into float32 buffers was rounded, and ``update`` then mixed dtypes); on
-        a failed load they get their own back."""
-        error_msgs: list[str] = args[-1]
-        before = len(error_msgs)
-        buffers = (self.logits, self.min_losses, self._exp_avg, self._exp_avg_sq)
-        kept = [buffer.data for buffer in buffers]
-        saved = state_dict.get(prefix + "logits")
-        if isinstance(saved, Tensor) and saved.dtype in (torch.float32, torch.float64):
-            for buffer in buffers:
-                buffer.data = buffer.data.to(saved.dtype)
-        super()._load_from_state_dict(state_dict, prefix, *args)
-        if len(error_msgs) != before:
-            for buffer, data in zip(buffers, kept, strict=True):
-                buffer.data = data
 
     def reset(self) -> None:
         for buffer in (self.logits, self._exp_avg, self._exp_avg_sq):
