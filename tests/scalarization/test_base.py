@@ -281,6 +281,8 @@ ASSIGNMENTS = [
     (lambda: ReLoBRaLo(), "rho", -0.1, 0.5),
     (lambda: ReLoBRaLo(), "temperature", 0.0, 1.0),
     (lambda: SoftAdapt(), "beta", float("inf"), 0.5),
+    (lambda: SoftAdapt(), "normalized", "yes", True),
+    (lambda: SoftAdapt(), "loss_weighted", 1, True),
     (lambda: STCH(1.0), "mu", 0.0, 0.5),
     (lambda: STCH(1.0), "weights", "uniform", torch.ones(2)),
     (lambda: Tchebycheff(), "reference", 3, torch.zeros(2)),

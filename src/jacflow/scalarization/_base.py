@@ -14,6 +14,7 @@ from jacflow.aggregation._hyperparameters import (
     Check,
     Configurable,
     Hyperparameter,
+    check_bool,
     check_float,
     check_int,
     floats,
@@ -23,6 +24,7 @@ from jacflow.aggregation._hyperparameters import (
 __all__ = [
     "Hyperparameter",
     "Scalarizer",
+    "check_bool",
     "check_float",
     "check_int",
     "check_losses",

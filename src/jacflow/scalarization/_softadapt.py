@@ -12,6 +12,7 @@ from jacflow.aggregation._nonfinite import has_nonfinite
 from jacflow.scalarization._base import (
     Hyperparameter,
     Scalarizer,
+    check_bool,
     check_same_shape,
     floats,
 )
@@ -76,15 +77,14 @@ class SoftAdapt(SavesState, Scalarizer, Stateful):
     """
 
     beta = Hyperparameter(floats())
+    normalized = Hyperparameter(check_bool)
+    loss_weighted = Hyperparameter(check_bool)
 
     saved_state = ("_previous",)
 
     def __init__(self, beta: float = 0.1, normalized: bool = False, loss_weighted: bool = False):
         super().__init__()
         self.beta = beta
-        for name, flag in (("normalized", normalized), ("loss_weighted", loss_weighted)):
-            if not isinstance(flag, bool):
-                raise TypeError(f"SoftAdapt: `{name}` must be a bool, received {type(flag)}.")
         self.normalized = normalized
         self.loss_weighted = loss_weighted
         self._previous: Tensor | None = None
