@@ -66,10 +66,7 @@ def _resolve_aggregator(A: object, aggregator: object, optimize: object) -> Aggr
             f"{name} must be a jacflow.aggregation.Aggregator (e.g. UPGrad()), received "
             f"{type(given)}."
         )
-    if not isinstance(optimize, bool):
-        raise TypeError(
-            f"`optimize_gramian_computation` must be a bool, received {type(optimize)}."
-        )
+    check_flag(optimize, "optimize_gramian_computation")
     return given
 
 
