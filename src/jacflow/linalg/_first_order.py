@@ -167,9 +167,9 @@ def admm_solve(
             res = kkt_residual(exact, uu, 2 * torch.bmm(exact, g), c)
             if polish_iter and it + 1 >= _POLISH_MIN_STEPS:
                 close = ((res <= _POLISH_FROM) & (res > tol)).all(0).nonzero().flatten()
-                if len(close):
+                if len(close) and not budget:  # (set once, from the first close problems)
                     free = int((exact[:, close] > uu[:, close]).sum(-1).amax())
-                    budget = budget or _POLISH_AFTER * z.shape[1] * free**3
+                    budget = _POLISH_AFTER * z.shape[1] * free**3
                 if len(close) and spent >= budget:
                     polished, polished_res = pdas_solve(
                         uu[:, close], g, exact[:, close], polish_iter, tol
