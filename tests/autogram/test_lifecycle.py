@@ -169,6 +169,47 @@ def test_batchnorm_switched_to_batch_statistics_rejected_at_step() -> None:
         assert all(p.grad is None for p in model.parameters())
 
 
+def _batchnorm_mlp() -> nn.Sequential:
+    layers = [nn.Linear(3, 4), nn.BatchNorm1d(4), nn.ReLU(inplace=True), nn.Linear(4, 2)]
+    return nn.Sequential(*layers).double().eval()
+
+
+def test_stray_training_batchnorm_forward_is_ignored() -> None:
+    """A grad-enabled forward in training mode that the losses do not read (a metric on
+    another batch) mixes none of their samples: the next step is exact, its update too."""
+    model = _batchnorm_mlp()
+    engine = Engine(model, batch_dim=0)
+    model.train()
+    model(torch.randn(6, 3, dtype=torch.float64))  # (kept nowhere; updates the statistics)
+    model.eval()
+    losses = _losses(model, X)
+    jacobian = reference_jacobian(losses, list(model.parameters()))
+    torch.testing.assert_close(engine.compute_gramian(losses), jacobian @ jacobian.T)
+    model.train()
+    kept = model(torch.randn(6, 3, dtype=torch.float64))  # (kept alive: still not read)
+    model.eval()
+    losses = _losses(model, X)  # (the statistics changed: another Jacobian)
+    jacobian = reference_jacobian(losses, list(model.parameters()))
+    weights = engine.backward(losses, MeanWeighting())
+    expected = weights @ jacobian
+    update = torch.cat([p.grad.flatten() for p in model.parameters()])
+    torch.testing.assert_close(update, expected)
+    assert kept.grad_fn is not None
+
+
+def test_training_batchnorm_read_by_the_losses_is_rejected() -> None:
+    """Read through an in-place op on its output (which replaces the output's node) and with a
+    stray forward of the same module in eval mode before it: still refused."""
+    model = _batchnorm_mlp()
+    engine = Engine(model, batch_dim=0)
+    model(X)
+    model.train()
+    losses = _losses(model, X)
+    with pytest.raises(ValueError, match=r"modules\[0\]\.1 \(BatchNorm1d\) normalised"):
+        engine.compute_gramian(losses)
+    assert all(p.grad is None for p in model.parameters())
+
+
 class _OwnForwardGRU(nn.GRU):
     def forward(self, input: Tensor, hx: Tensor | None = None) -> tuple[Tensor, Tensor]:
         out, h = super().forward(input, hx)

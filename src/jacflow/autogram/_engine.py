@@ -1036,7 +1036,7 @@ class Engine:
     def _prepare_calls(
         self,
         calls: list[tuple[int, Call]],
-        coupled: str | None,
+        coupled: list[tuple[str, Any]],
         outside: tuple[str, str] | None,
         row_by_row: bool,
         losses: Tensor,
@@ -1056,14 +1056,16 @@ class Engine:
                 "(requires_grad_(False)). (Any grad-enabled call since the last step counts, "
                 "one that the losses do not read included: run it under torch.no_grad().)"
             )
-        if coupled is not None:
+        # (a stray forward's call that the losses do not read mixes none of their samples)
+        targets = {id(node): (name, node) for name, node in coupled}
+        mixing = first_reached(losses, targets) if targets else None
+        if mixing is not None:
             raise ValueError(
-                f"{coupled} normalised with its batch's statistics during the forward (training "
-                "mode, or track_running_stats=False): it mixes the samples, so the per-sample "
-                "engine (batch_dim=0) cannot be used. Call .eval() on one with running "
-                "statistics, replace it (e.g. by GroupNorm), or use batch_dim=None. (Any "
-                "grad-enabled forward in training mode since the last step counts, one that "
-                "the losses do not read included: run such a forward under torch.no_grad().)"
+                f"{mixing} normalised with its batch's statistics during the forward of "
+                "`losses` (training mode, or track_running_stats=False): it mixes the samples, "
+                "so the per-sample engine (batch_dim=0) cannot be used. Call .eval() on one "
+                "with running statistics, replace it (e.g. by GroupNorm), or use "
+                "batch_dim=None."
             )
         # (before the backward: autograd may fail on such a view)
         with_units = [(self._units[index], call) for index, call in calls]

@@ -251,7 +251,9 @@ class Recorder:
         self.idle = idle  # (a deep copy's: it records nothing, see __deepcopy__)
         self.calls: list[tuple[int, Call]] = []
         self.handles: list[RemovableHandle] = []
-        self.coupled: str | None = None
+        # (name, autograd node) of each grad-enabled call of a module that mixes the samples:
+        # refused where the losses read it (the nodes die with the next step's record)
+        self.coupled: list[tuple[str, Any]] = []
         self.outside: tuple[str, str] | None = None  # (child, unit) of a call outside the unit
         self.fused_rnn = False  # a recurrent layer ran torch's fused kernel (cuDNN, MIOpen)
         # per replayed module under way: its weights' versions and copies of its buffers at
@@ -336,14 +338,18 @@ class Recorder:
             self.outside = (child, unit)
 
     def watch_coupling(self, name: str, module: nn.Module) -> None:
-        """Flag training-mode, grad-enabled forwards of a module that mixes the samples."""
-        self._pre_hook(module, partial(self._flag, name))
+        """Flag training-mode, grad-enabled forwards of a module that mixes the samples, with
+        the nodes of their outputs (a user's hook that replaced one: the output read on)."""
+        self.handles.append(module.register_forward_hook(partial(self._flag, name)))
 
-    def _flag(self, name: str, module: nn.Module, args: Any) -> None:
+    def _flag(self, name: str, module: nn.Module, args: Any, output: Any) -> None:
         if self.idle or not torch.is_grad_enabled() or is_replaying():
             return
         if batch_statistics(module):
-            self.coupled = f"{name} ({type(module).__name__})"
+            label = f"{name} ({type(module).__name__})"
+            for leaf in leaves(output):
+                if isinstance(leaf, Tensor) and leaf.grad_fn is not None:
+                    self.coupled.append((label, leaf.grad_fn))
 
     def watch_fused_rnn(self, module: nn.Module) -> None:
         """Flag grad-enabled forwards of a recurrent layer that may run torch's fused kernel
@@ -451,7 +457,7 @@ class Recorder:
     def take(self) -> list[tuple[int, Call]]:
         """The recorded calls; the record starts afresh."""
         calls, self.calls = self.calls, []
-        self.coupled = self.outside = None
+        self.coupled, self.outside = [], None
         self.fused_rnn = False
         self._starts = {}
         return calls
@@ -461,5 +467,5 @@ class Recorder:
             handle.remove()
         self.handles = []
         self._pre_hooks = []
-        self.calls = []
+        self.calls, self.coupled = [], []
         self._starts = {}
