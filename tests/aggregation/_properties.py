@@ -111,11 +111,45 @@ def check_weighted(make: Callable[[], Aggregator], matrix: Tensor) -> None:
     assert torch.allclose(out / scale, (weights.to(matrix.dtype) @ matrix) / scale, atol=tol)
 
 
+def _accepts(make: Callable[[], Aggregator], m: int) -> bool:
+    """Whether the aggregator takes ``m`` rows (configured for a fixed or least ``m``)."""
+    try:
+        make()(torch.ones(m, 1, dtype=torch.float64))
+    except ValueError:
+        return False
+    return True
+
+
+def check_differentiable(make: Callable[[], Aggregator]) -> None:
+    """``differentiable``: autograd's directional derivative of the update at a generic ``J``
+    equals central finite differences (every call seeded alike: a random method draws the
+    same); else the update has no graph, so that no derivative holds the weights constant."""
+    m = next(m for m in (3, 4, 5, 6, 7, 8, 2, 1) if _accepts(make, m))
+    J = make_jacobian(m, 4, m, 1.0, torch.float64, seed=7)
+    direction = make_jacobian(m, 4, m, 1.0, torch.float64, seed=8)
+    cotangent = torch.linspace(-1.0, 1.0, 4, dtype=torch.float64)
+
+    def update(matrix: Tensor) -> Tensor:
+        torch.manual_seed(0)
+        return make()(matrix) @ cotangent
+
+    if not make().differentiable:
+        assert not update(J.clone().requires_grad_()).requires_grad
+        return
+    tracked = J.clone().requires_grad_()
+    (grad,) = torch.autograd.grad(update(tracked), tracked)
+    h = 1e-6
+    expected = (update(J + h * direction) - update(J - h * direction)) / (2 * h)
+    torch.testing.assert_close(grad.flatten() @ direction.flatten(), expected, rtol=1e-5, atol=1e-7)
+
+
 def check_claimed_properties(
     make: Callable[[], Aggregator],
     strategy: st.SearchStrategy[Tensor] | None = None,
 ) -> None:
-    """Assert the structure and every claimed property of the aggregator built by ``make``."""
+    """Assert the structure, :func:`check_differentiable` and every claimed property of the
+    aggregator built by ``make``."""
+    check_differentiable(make)
     claims = type(make()).properties
     strategy = strategy if strategy is not None else jacobians()
 

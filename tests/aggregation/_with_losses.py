@@ -47,6 +47,10 @@ class _FeedLosses(Aggregator):
         super().__init__()
         self.inner = inner
 
+    @property
+    def differentiable(self) -> bool:
+        return self.inner.differentiable
+
     def forward(self, matrix: Tensor) -> Tensor:
         loss_target(self.inner).set_losses(losses_for(matrix.shape[0]))
         return self.inner(matrix)

@@ -237,3 +237,22 @@ def test_upgrad_short_cut_agrees_with_the_projections(m: int, bad: float | None)
         expected = torch.full((m,), float("nan"), dtype=torch.float64)
     for weights in got:
         torch.testing.assert_close(weights, expected, equal_nan=True)
+
+
+def test_two_objective_gradient_at_a_zero_row_is_finite() -> None:
+    """A zero row (a constant task) left every gradient NaN (the closed form's discarded
+    quotient by 0), J = 0 too. Along the other row the update is smooth: central differences.
+    (Along the zero row it has a kink: only finiteness is asserted there.)"""
+    J = torch.tensor([[0.0, 0.0, 0.0], [1.0, -2.0, 0.5]], dtype=torch.float64)
+    tracked = J.clone().requires_grad_()
+    (grad,) = torch.autograd.grad(UPGrad()(tracked).sum(), tracked)
+    assert bool(torch.isfinite(grad).all())
+    h = 1e-6
+    for column in range(3):
+        step = torch.zeros_like(J)
+        step[1, column] = h
+        expected = (UPGrad()(J + step).sum() - UPGrad()(J - step).sum()) / (2 * h)
+        torch.testing.assert_close(grad[1, column], expected, rtol=1e-5, atol=1e-7)
+    zero = torch.zeros(2, 3, dtype=torch.float64, requires_grad=True)
+    (at_zero,) = torch.autograd.grad(UPGrad()(zero).sum(), zero)
+    assert bool(torch.isfinite(at_zero).all())

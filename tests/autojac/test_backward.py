@@ -2,12 +2,24 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 from torch import Tensor
 
 from jacflow import backward, jac, jac_to_grad
-from jacflow.aggregation import MGDA, Aggregator, ConFIG, DualProj, GradDrop, Mean, Sum, UPGrad
+from jacflow.aggregation import (
+    MGDA,
+    Aggregator,
+    ConFIG,
+    Constant,
+    DualProj,
+    GradDrop,
+    Mean,
+    Sum,
+    UPGrad,
+)
 from tests.autojac._zoo import ZOO, Case, reference_jacobians
 
 
@@ -97,6 +109,62 @@ def test_create_graph_makes_grad_differentiable() -> None:
         lambda t: 0.5 * ((t**3).sum() + t.sin().sum()), x.detach()
     ).sum(0)
     torch.testing.assert_close(second, expected)
+
+
+def _hessian_losses(x: Tensor) -> list[Tensor]:
+    return [(x**3).sum(), x.sin().sum() - x.prod(), (x[0] - 2 * x[1]).exp()]
+
+
+@pytest.mark.parametrize("make", [UPGrad, Mean, lambda: Constant(torch.tensor([0.2, 1.0, 0.5]))])
+def test_create_graph_derivative_of_grad_matches_finite_differences(
+    make: Callable[[], Aggregator],
+) -> None:
+    """The derivative of ``.grad`` is that of the update, weights included (UPGrad's change
+    with ``J``): central differences of the update computed without a graph."""
+    x = torch.tensor([0.3, -0.8], dtype=torch.float64, requires_grad=True)
+    backward(_hessian_losses(x), [x], A=make(), create_graph=True)
+    assert x.grad is not None
+    rows = [torch.autograd.grad(x.grad[i], x, retain_graph=True)[0] for i in range(2)]
+
+    def update(point: Tensor) -> Tensor:
+        leaf = point.clone().requires_grad_()
+        backward(_hessian_losses(leaf), [leaf], A=make())
+        assert leaf.grad is not None
+        return leaf.grad
+
+    h = 1e-6
+    columns = [
+        (update(x.detach() + h * e) - update(x.detach() - h * e)) / (2 * h)
+        for e in torch.eye(2, dtype=torch.float64)
+    ]
+    torch.testing.assert_close(torch.stack(rows), torch.stack(columns, 1), rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("make", [MGDA, DualProj, ConFIG])
+def test_create_graph_refuses_weights_computed_without_autograd(
+    make: Callable[[], Aggregator],
+) -> None:
+    """Their derivative would hold the weights constant (1.3-4.6 off on these losses): refused
+    before anything is differentiated or written."""
+    x = torch.tensor([0.3, -0.8], dtype=torch.float64, requires_grad=True)
+    x.grad = torch.ones(2, dtype=torch.float64)
+    losses = _hessian_losses(x)
+    with pytest.raises(ValueError, match=r"create_graph=True needs an aggregator whose update"):
+        backward(losses, [x], A=make(), create_graph=True)
+    torch.testing.assert_close(x.grad, torch.ones(2, dtype=torch.float64))
+    backward(losses, [x], A=make())  # (the graph is intact)
+
+
+def test_grad_has_no_graph_without_create_graph() -> None:
+    """As after torch's ``backward``: a preference that requires grad leaves ``.grad``
+    without a graph, and the next accumulation is in place."""
+    pref = torch.tensor([0.7, 0.3], requires_grad=True)
+    x = torch.tensor([0.3, -0.8], requires_grad=True)
+    backward([(x**2).sum(), x.sin().sum()], [x], A=UPGrad(pref_vector=pref))
+    assert x.grad is not None and not x.grad.requires_grad
+    first = x.grad
+    backward([(x**2).sum(), x.sin().sum()], [x], A=Constant(pref))
+    assert x.grad is first and not x.grad.requires_grad
 
 
 def test_non_leaf_inputs_receive_grad() -> None:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from jacflow import backward, jac, jac_to_grad
-from jacflow.aggregation import Aggregator, ConFIG, Mean, UPGrad
+from jacflow.aggregation import MGDA, Aggregator, ConFIG, Mean, UPGrad
 
 
 def _params_with_jac() -> tuple[list[torch.Tensor], torch.Tensor]:
@@ -70,3 +70,20 @@ def test_every_torchjd_keyword_is_accepted(name: str, ours: Any) -> None:
     required_theirs = sum(p.default is inspect.Parameter.empty for p in theirs)
     required_mine = sum(p.default is inspect.Parameter.empty for p in mine.values())
     assert required_mine <= required_theirs
+
+
+def test_grad_graph_only_from_a_jacobian_with_one_and_a_differentiable_aggregator() -> None:
+    """``.jac`` with a graph: UPGrad's update keeps it (its derivative is the update's), MGDA's
+    has none (its weights are computed without autograd), as their calls on ``J``. ``.jac``
+    without one: no graph, although the preference requires grad (as torch's ``backward``)."""
+    x = torch.tensor([0.3, -0.8], dtype=torch.float64, requires_grad=True)
+    for aggregator, graph in ((UPGrad(), True), (MGDA(), False)):
+        x.grad = None
+        (x.jac,) = jac([(x**3).sum(), x.sin().sum()], [x], create_graph=True)  # type: ignore[attr-defined]
+        jac_to_grad([x], aggregator)
+        assert x.grad is not None and x.grad.requires_grad is graph
+    x.grad = None
+    x.jac = torch.tensor([[1.0, 0.0], [-1.0, 2.0]], dtype=torch.float64)  # type: ignore[attr-defined]
+    pref = torch.tensor([0.4, 0.6], dtype=torch.float64, requires_grad=True)
+    jac_to_grad([x], UPGrad(pref_vector=pref))
+    assert x.grad is not None and not x.grad.requires_grad

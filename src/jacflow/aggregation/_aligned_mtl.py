@@ -79,6 +79,8 @@ class AlignedMTLWeighting(GramianWeighting):
         tensor([0.5591, 0.4083])
     """
 
+    without_autograd = True
+
     pref_vector = Hyperparameter(check_pref_vector)
     scale_mode = Hyperparameter(_check_scale_mode)
 

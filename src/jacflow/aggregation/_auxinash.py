@@ -133,6 +133,8 @@ class AuxiNashWeighting(GramianWeighting):
         tensor([0.3162, 1.2649])
     """
 
+    without_autograd = True
+
     preferences = Hyperparameter(_check_preferences)
     max_norm = Hyperparameter(or_none(floats(low=0.0, low_open=True)))
     max_iter = Hyperparameter(ints(low=1))

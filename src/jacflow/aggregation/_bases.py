@@ -10,6 +10,7 @@ lets the Gramian engine (:mod:`jacflow.autogram`) run them without ever forming 
 
 from __future__ import annotations
 
+import contextlib
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
@@ -141,12 +142,32 @@ class Aggregator(Configurable, ABC):
     properties: ClassVar[frozenset[Property]] = frozenset()
     """The :class:`Property` claims of this method, each asserted by the test suite."""
 
+    without_autograd: ClassVar[bool] = False
+    """Whether the method computes its update from ``J`` without autograd (see
+    :attr:`differentiable`)."""
+
+    @property
+    def differentiable(self) -> bool:
+        """Whether the update's graph to ``J`` gives its true derivative (a method of your own:
+        True, autograd records it). A method whose weights are computed without autograd (most
+        of them; as in TorchJD) returns an update without a graph, so that no derivative of it
+        can silently hold those weights constant; :func:`jacflow.backward` refuses it with
+        ``create_graph=True``.
+
+        Example:
+            >>> from jacflow.aggregation import MGDA, UPGrad
+            >>> UPGrad().differentiable, MGDA().differentiable
+            (True, False)
+        """
+        return not self.without_autograd
+
     def __call__(self, matrix: Tensor) -> Tensor:
         _check_matrix(matrix, "matrix", type(self).__name__)
-        work = compute_dtype(matrix.dtype)
-        if work != matrix.dtype:
-            return super().__call__(matrix.to(work)).to(matrix.dtype)
-        return super().__call__(matrix)
+        with contextlib.nullcontext() if self.differentiable else torch.no_grad():
+            work = compute_dtype(matrix.dtype)
+            if work != matrix.dtype:
+                return super().__call__(matrix.to(work)).to(matrix.dtype)
+            return super().__call__(matrix)
 
     def check_rows(self, m: int) -> None:
         """Raise ``ValueError`` if this aggregator cannot take a matrix of ``m`` rows.
@@ -187,6 +208,25 @@ class Weighting(Configurable, ABC):
         >>> MeanWeighting()(torch.eye(4))
         tensor([0.2500, 0.2500, 0.2500, 0.2500])
     """
+
+    without_autograd: ClassVar[bool] = False
+    """Whether the method computes its weights from its input without autograd (see
+    :attr:`differentiable`)."""
+
+    @property
+    def differentiable(self) -> bool:
+        """Whether ``weights @ J``'s graph gives the true derivative of the weighted update:
+        the weights are computed with autograd or do not depend on the input (locally), as
+        those of :class:`MeanWeighting`, :class:`ConstantWeighting`, :class:`KrumWeighting` or
+        :class:`UPGradWeighting` with a ``TorchProjector``; a weighting of your own: True.
+        Its aggregators are :attr:`Aggregator.differentiable` when it is.
+
+        Example:
+            >>> from jacflow.aggregation import MeanWeighting, MGDAWeighting
+            >>> MeanWeighting().differentiable, MGDAWeighting().differentiable
+            (True, False)
+        """
+        return not self.without_autograd
 
     def __call__(self, stat: Tensor) -> Tensor:
         self._check_input(stat)
@@ -259,6 +299,10 @@ class _Composition(Weighting):
     def check_rows(self, m: int) -> None:
         self.weighting.check_rows(m)  # (``fn`` keeps the rows: one weight per row of ``x``)
 
+    @property
+    def differentiable(self) -> bool:
+        return self.weighting.differentiable
+
     def forward(self, stat: Tensor) -> Tensor:
         return self.weighting(self.fn(stat))
 
@@ -283,7 +327,9 @@ class GramianWeighting(Weighting):
     preference (implicit differentiation of its projections, also twice), and so are
     :class:`Periodic`'s on the calls where it recomputes them with such a weighting; every
     other weighting computes its weights without autograd, so they carry no graph to ``G``
-    (:class:`ConstantWeighting` returns the weights it was given, as they are).
+    (:class:`ConstantWeighting` returns the weights it was given, as they are), and where they
+    depend on ``G`` (see :attr:`~Weighting.differentiable`), their aggregators' updates carry
+    none to ``J`` either.
 
     Example:
         >>> import torch
@@ -356,6 +402,10 @@ class GramianOfJacobianWeighting(Weighting):
     def check_rows(self, m: int) -> None:
         self.gramian_weighting.check_rows(m)
 
+    @property
+    def differentiable(self) -> bool:
+        return self.gramian_weighting.differentiable
+
     def forward(self, stat: Tensor) -> Tensor:
         if self.gramian_weighting.scale_invariant:
             stat = scale_to_unit_peak(stat)  # same weights; no overflow or underflow of G
@@ -397,6 +447,10 @@ class WeightedAggregator(Aggregator):
 
     def check_rows(self, m: int) -> None:
         self.weighting.check_rows(m)
+
+    @property
+    def differentiable(self) -> bool:
+        return not self.without_autograd and self.weighting.differentiable
 
     def forward(self, matrix: Tensor) -> Tensor:
         return self.weights(matrix).to(matrix.dtype) @ matrix

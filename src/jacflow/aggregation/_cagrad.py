@@ -136,6 +136,8 @@ class CAGradWeighting(GramianWeighting):
         tensor([0.7041, 0.5000])
     """
 
+    without_autograd = True
+
     c = Hyperparameter(floats(low=0.0))
     norm_eps = Hyperparameter(floats(low=0.0))
     rescale = Hyperparameter(_check_rescale)

@@ -75,6 +75,8 @@ class ConFIG(Aggregator):
         tensor([0.1588, 2.0706, 2.0706])
     """
 
+    without_autograd = True
+
     properties = frozenset({Property.LINEAR_UNDER_SCALING, Property.PERMUTATION_INVARIANT})
 
     pref_vector = Hyperparameter(check_pref_vector)

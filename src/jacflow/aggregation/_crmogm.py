@@ -55,6 +55,8 @@ class CRMOGMWeighting(SavesState, GramianWeighting, Stateful):
         tensor([0.5000, 0.5000])
     """
 
+    without_autograd = True
+
     saved_state = ("_previous",)
 
     weighting = Hyperparameter(check_weighting)

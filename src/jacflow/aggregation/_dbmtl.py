@@ -67,6 +67,8 @@ class DBMTL(SavesState, Aggregator, LossAware, Stateful):
         tensor([0.2000, 0.2000])
     """
 
+    without_autograd = True
+
     saved_state = ("_buffer", "_step")
 
     beta = Hyperparameter(floats(low=0.0, high=1.0, high_open=True))

@@ -45,6 +45,8 @@ class DualProjWeighting(GramianWeighting):
         tensor([0.6111, 0.5000])
     """
 
+    without_autograd = True
+
     pref_vector = Hyperparameter(check_pref_vector)
     projector = Hyperparameter(check_projector)
     """The dual-cone projection solver (assigning ``None`` gives the default)."""

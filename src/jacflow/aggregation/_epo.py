@@ -108,6 +108,8 @@ class EPOWeighting(GramianWeighting, LossAware):
         tensor([2., 0.])
     """
 
+    without_autograd = True
+
     preference = Hyperparameter(_check_preference)
     eps = Hyperparameter(floats(low=0.0))
     relax = Hyperparameter(check_bool)

@@ -42,6 +42,8 @@ class ExcessMTLWeighting(SavesState, Weighting, Stateful):
         tensor([0.7468, 0.2532])
     """
 
+    without_autograd = True
+
     saved_state = ("_sq_sum", "_weights", "_baseline", "_warmup_sum", "_calls")
 
     robust_step_size = Hyperparameter(floats(low=0.0, low_open=True))

@@ -52,6 +52,8 @@ class FairGradWeighting(GramianWeighting):
         tensor([0.5915, 0.4071])
     """
 
+    without_autograd = True
+
     alpha = Hyperparameter(floats(low=0.0))
     max_iters = Hyperparameter(or_none(ints(low=1)))
 

@@ -93,6 +93,8 @@ class GradNormWeighting(SavesState, GramianWeighting, LossAware, Stateful):
         tensor([0.8421, 1.1579])
     """
 
+    without_autograd = True
+
     saved_state = ("_weights", "_initial_losses")
 
     alpha = Hyperparameter(floats(low=0.0))

@@ -79,6 +79,8 @@ class GradVacWeighting(SavesState, GramianWeighting, Stateful):
         tensor([2.2222, 1.5789])
     """
 
+    without_autograd = True
+
     saved_state = ("_targets",)
 
     beta = Hyperparameter(floats(low=0.0, high=1.0))

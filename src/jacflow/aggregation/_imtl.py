@@ -50,6 +50,8 @@ class IMTL(GramianWeightedAggregator, Stateful):
         tensor([4., 9.])
     """
 
+    without_autograd = True
+
     properties = IMTLG.properties
 
     n_tasks = Hyperparameter(ints(low=1), frozen="the size of the trainable scales `imtl_l`")

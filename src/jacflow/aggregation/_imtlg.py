@@ -77,6 +77,8 @@ class IMTLGWeighting(GramianWeighting):
         tensor([0.5923, 0.4077])
     """
 
+    without_autograd = True
+
     scale_invariant = True  # (the weights solve a system homogeneous in G)
 
     def forward(self, stat: Tensor) -> Tensor:

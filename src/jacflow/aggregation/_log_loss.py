@@ -53,6 +53,8 @@ class LogLoss(GramianWeighting, LossAware):
         tensor([0.9795, 2.6170, 2.6170])
     """
 
+    without_autograd = True
+
     weighting = Hyperparameter(check_gramian_weighting)
 
     def __init__(self, weighting: GramianWeighting) -> None:

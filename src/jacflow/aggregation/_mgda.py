@@ -223,6 +223,8 @@ class MGDAWeighting(GramianWeighting, LossAware):
         tensor([0.6000, 0.4000])
     """
 
+    without_autograd = True
+
     epsilon = Hyperparameter(floats(low=0.0, low_open=True))
     max_iters = Hyperparameter(ints(low=1))
     normalization = Hyperparameter(_check_normalization)

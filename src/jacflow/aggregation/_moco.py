@@ -68,6 +68,8 @@ class MoCo(SavesState, Aggregator, Stateful):
         tensor([0.6206, 0.3665])
     """
 
+    without_autograd = True
+
     saved_state = ("_tracked", "_lambdas", "_step")
 
     beta = Hyperparameter(floats(low=0.0, high=1.0, low_open=True))

@@ -42,6 +42,8 @@ class MoDoWeighting(SavesState, GramianWeighting, Stateful):
         tensor([1., 0.])
     """
 
+    without_autograd = True
+
     saved_state = ("_lambda",)
 
     gamma = Hyperparameter(floats(low=0.0, low_open=True))

@@ -69,6 +69,8 @@ class NashMTLWeighting(SavesState, GramianWeighting, Stateful):
         tensor([0.4182, 0.2878])
     """
 
+    without_autograd = True
+
     saved_state = ("_alpha", "_step")
 
     n_tasks = Hyperparameter(ints(low=1), frozen="the state is sized by it")

@@ -112,6 +112,8 @@ class ParetoMTLWeighting(SavesState, GramianWeighting, LossAware, Stateful):
         tensor([1., 1.])
     """
 
+    without_autograd = True
+
     saved_state = ("_steps", "_warmup_done")
 
     preferences = Hyperparameter(_check_preferences, fits=_preferences_fit)

@@ -124,6 +124,8 @@ class PCDWeighting(SavesState, GramianWeighting, Stateful):
         tensor([1.8481, 1.0954])
     """
 
+    without_autograd = True
+
     saved_state = ("_sq_norm_ema", "_calls")
 
     tau = Hyperparameter(_check_tau)

@@ -90,6 +90,8 @@ class PCGradWeighting(GramianWeighting):
         tensor([2.2222, 1.5789])
     """
 
+    without_autograd = True
+
     scale_invariant = True  # (its coefficients are ratios of entries of G)
 
     def forward(self, stat: Tensor) -> Tensor:

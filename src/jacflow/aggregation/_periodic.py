@@ -88,6 +88,11 @@ class Periodic(SavesState, GramianWeighting, Stateful):
                 )
         self.weighting.check_rows(m)
 
+    @property
+    def differentiable(self) -> bool:
+        """The weighting's (the reused weights are constants: they do not depend on ``G``)."""
+        return self.weighting.differentiable
+
     def forward(self, stat: Tensor) -> Tensor:
         if self.needs_gramian():
             weights = self.weighting(stat)

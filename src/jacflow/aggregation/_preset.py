@@ -21,6 +21,8 @@ class NoGradGramianPreset(GramianWeightedAggregator):
         False
     """
 
+    without_autograd = True
+
     def forward(self, matrix: Tensor) -> Tensor:
         with torch.no_grad():
             return super().forward(matrix)

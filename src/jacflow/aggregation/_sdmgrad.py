@@ -66,6 +66,8 @@ class SDMGradWeighting(SavesState, GramianWeighting, Stateful):
         tensor([0.1154, 0.8846])
     """
 
+    without_autograd = True
+
     saved_state = ("_w",)
 
     lr = Hyperparameter(floats(low=0.0, low_open=True))

@@ -21,8 +21,11 @@ from jacflow.linalg._projectors import DualConeProjector, QuadprogProjector, Tor
 
 
 def _ratio(numerator: Tensor, denominator: Tensor) -> Tensor:
-    """``numerator / denominator`` with ``x / 0 = 0`` (a zero row); NaN still propagates."""
-    return torch.where(denominator == 0, 0.0, numerator / denominator)
+    """``numerator / denominator`` with ``x / 0 = 0`` (a zero row); NaN still propagates. The
+    discarded quotient divides by 1, not 0: its infinite derivative, times the zero that
+    ``where`` gives it, would make every gradient NaN."""
+    zero = denominator == 0
+    return torch.where(zero, 0.0, numerator / torch.where(zero, 1.0, denominator))
 
 
 def two_objective_weights(gramian: Tensor, pref: Tensor) -> Tensor:
@@ -162,6 +165,11 @@ class UPGradWeighting(GramianWeighting):
     def scale_invariant(self) -> bool:
         """Whether the projector ignores the Gramian's scale (``norm_eps == 0``)."""
         return is_scale_free(self.projector)
+
+    @property
+    def differentiable(self) -> bool:
+        """True unless the projector solves without autograd (``QuadprogProjector``)."""
+        return not isinstance(self.projector, QuadprogProjector)
 
     def check_rows(self, m: int) -> None:
         check_pref_rows(self.pref_vector, m)

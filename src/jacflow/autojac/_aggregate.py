@@ -51,7 +51,22 @@ def aggregate_blocks(
     weighted. Gramian-based aggregators get ``G = sum_k J_k J_k^T`` and never see the
     concatenated matrix, which saves a copy of the whole Jacobian. With no rows (``m = 0``),
     the aggregator gets the empty ``[0, n]`` matrix (the zero update for weighted ones).
+
+    The update and the weights have a graph only where the Jacobian has one and the aggregator
+    is :attr:`~jacflow.aggregation.Aggregator.differentiable` (as ``.grad`` after torch's
+    ``backward`` without ``create_graph``: an aggregator's trainable tensors, a
+    ``pref_vector``, leave none).
     """
+    if not (aggregator.differentiable and any(b.requires_grad for b in blocks)):
+        with torch.no_grad():
+            return _aggregated(aggregator, blocks)
+    return _aggregated(aggregator, blocks)
+
+
+def _aggregated(
+    aggregator: Aggregator, blocks: Sequence[Tensor]
+) -> tuple[list[Tensor], Tensor | None]:
+    """:func:`aggregate_blocks` in the caller's grad mode."""
     m = blocks[0].shape[0]
     if has_forward_hooks(aggregator) or not computed_by_library(aggregator):
         return _through_call(aggregator, blocks)

@@ -112,7 +112,10 @@ def backward(
             without vmap). The results agree up to rounding, as in :func:`jac`.
         jac_tensors: left-multiplies the Jacobian (chain rule, the analog of ``grad_tensors``):
             one ``[m, *tensor.shape]`` tensor per element of ``tensors``.
-        create_graph: keep the result differentiable, for higher-order derivatives.
+        create_graph: keep the result differentiable, for higher-order derivatives. With
+            ``A``, it must be :attr:`~jacflow.aggregation.Aggregator.differentiable` (a
+            ``ValueError`` otherwise). Without it, ``.grad`` has no graph, as after torch's
+            ``backward``, even where the aggregator holds tensors that require grad.
 
     If the call fails, every ``.grad`` and ``.jac`` is left as it was. An empty Jacobian
     (``m = 0``: ``tensors`` have no elements, e.g. the losses of an empty batch) gives
@@ -150,6 +153,14 @@ def backward(
     check_flag(retain_graph, "retain_graph", none_ok=True)
     check_flag(create_graph, "create_graph")
     aggregator = check_aggregator(A)
+    if create_graph and aggregator is not None and not aggregator.differentiable:
+        raise ValueError(
+            f"create_graph=True needs an aggregator whose update is differentiable, but "
+            f"{aggregator!r} computes its weights without autograd (as most methods do): a "
+            "derivative of `.grad` would hold them constant. Use UPGrad(), Mean(), Sum(), "
+            "Constant(...) or Random(); or take the Jacobian with `jac(..., "
+            "create_graph=True)` and combine its rows with weights of your choice."
+        )
     chunk_size = check_chunk_size(parallel_chunk_size, "parallel_chunk_size")
     ins = without_repeats(resolve_inputs(outs, inputs, "tensors", "inputs"))
     check_non_empty(ins, "inputs")
