@@ -55,7 +55,9 @@ class SavesState:
     """The names of the attributes that hold state besides buffers and parameters."""
 
     def get_extra_state(self) -> dict[str, Any]:
-        return {name: getattr(self, name) for name in self.saved_state}
+        # (copies: a state_dict kept in memory is a snapshot, not a view of state that later
+        # calls update in place, while its counters stay as they were)
+        return {name: copy.deepcopy(getattr(self, name)) for name in self.saved_state}
 
     def _load_from_state_dict(self, state_dict: Any, prefix: str, *args: Any) -> None:
         """``nn.Module``'s, with the saved attributes applied only if this module's own

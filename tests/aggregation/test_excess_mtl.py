@@ -184,3 +184,19 @@ def test_errors_and_repr() -> None:
         ExcessMTL(n_warmup_steps=1.5)  # type: ignore[arg-type]
     assert repr(ExcessMTL()) == "ExcessMTL(robust_step_size=1.0, n_warmup_steps=1)"
     assert str(ExcessMTL()) == "ExcessMTL"
+
+
+def test_a_state_dict_kept_in_memory_is_a_snapshot() -> None:
+    """Its running sum of squares was the live tensor, which later calls updated in place,
+    while its call counter stayed: resuming from it gave another step than the original's."""
+    generator = torch.Generator().manual_seed(0)
+    jacobians = [torch.randn(2, 3, generator=generator) for _ in range(5)]
+    original = ExcessMTL()
+    for J in jacobians[:3]:
+        original(J)
+    checkpoint = original.state_dict()
+    expected = original(jacobians[3])
+    original(jacobians[4])
+    resumed = ExcessMTL()
+    resumed.load_state_dict(checkpoint)
+    torch.testing.assert_close(resumed(jacobians[3]), expected, rtol=0, atol=0)

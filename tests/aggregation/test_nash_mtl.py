@@ -96,6 +96,31 @@ def test_the_unclipped_update_has_norm_sqrt_m(m: int, seed: int, scale: float) -
     assert abs(float(NashMTL(n_tasks=m)(J).norm()) - 1.0) <= 1e-8
 
 
+@pytest.mark.parametrize(
+    ("dtype", "scale"),
+    [
+        (torch.float32, 1e-12),
+        (torch.float32, 1e-15),
+        (torch.float64, 1e-100),
+        (torch.float64, 1e100),
+    ],
+)
+def test_the_bargaining_equation_at_extreme_scales(dtype: torch.dtype, scale: float) -> None:
+    """Finite Gramians whose Frobenius norm under- or overflows (its squares): the weights
+    still solve ``alpha * (G alpha) = 1`` (G in float64), and the unclipped update has norm
+    sqrt(m); they were zero."""
+    J = make_jacobian(3, 50, 3, 1.0, torch.float64, seed=3)
+    J = J / J.norm(dim=1, keepdim=True)
+    scaled = (J * scale).to(dtype)
+    alpha = NashMTL(n_tasks=3, max_norm=0.0).weights(scaled).double()
+    G = scaled.double() @ scaled.double().T
+    torch.testing.assert_close(
+        alpha * (G @ alpha), torch.ones(3, dtype=torch.float64), rtol=0, atol=1e-5
+    )
+    update = NashMTL(n_tasks=3, max_norm=0.0)(scaled).double()
+    assert abs(float(update.norm()) - 3**0.5) <= 1e-5
+
+
 @pytest.mark.filterwarnings("ignore::UserWarning")  # (cvxpy: "not DPP")
 def test_equals_torchjd_unclipped() -> None:
     """TorchJD 0.18's NashMTL (the official code's sequence of cvxpy problems) without

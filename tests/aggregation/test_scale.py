@@ -167,3 +167,29 @@ def test_scale_to_unit_peak(dtype: torch.dtype) -> None:
     for matrix in (torch.zeros(2, 3), torch.zeros(0, 3), torch.tensor([[float("inf"), 1.0]])):
         assert torch.equal(scale_to_unit_peak(matrix.to(dtype)), matrix.to(dtype))
     assert bool(scale_to_unit_peak(torch.tensor([[float("nan"), 1.0]])).isnan()[0, 0])
+
+
+SCALE_READING_AGGREGATORS = sorted(
+    name
+    for name, make in TABLE.items()
+    if isinstance(agg := make(), GramianWeightedAggregator)
+    and not agg.gramian_weighting.scale_invariant
+)
+
+
+@pytest.mark.parametrize("scale", [1e19, 1e-22, 1e-25])
+@pytest.mark.parametrize("name", SCALE_READING_AGGREGATORS)
+def test_weightings_that_read_the_scale_get_a_float64_gramian_out_of_range(
+    name: str, scale: float
+) -> None:
+    """A float32 ``J`` whose Gramian overflows (1e19), loses digits as subnormal numbers (1e-22)
+    or underflows to 0 (1e-25): the update is that of the same ``J`` in float64 (it was up to
+    2% off at 1e-22 and zero at 1e-25 for FairGrad and MGDA with l2 normalisation)."""
+    gen = torch.Generator().manual_seed(11)
+    J = torch.randn(M, 6, generator=gen, dtype=torch.float64)
+    J[1] = -0.8 * J[0] + 0.3 * J[1]
+    J32 = (J * scale).float()
+    expected = _aggregate(TABLE[name], J32.double())
+    out = _aggregate(TABLE[name], J32)
+    peak = float(expected.abs().max())
+    torch.testing.assert_close(out.double(), expected, rtol=1e-3, atol=1e-3 * peak)

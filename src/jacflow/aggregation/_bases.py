@@ -86,21 +86,30 @@ def unit_peak_factor(matrices: Sequence[Tensor], dtype: torch.dtype | None = Non
     return torch.exp2(-exponent.to(dtype))
 
 
-def overflowed(gramian: Tensor, matrices: Sequence[Tensor]) -> bool:
+def out_of_range(gramian: Tensor, matrices: Sequence[Tensor]) -> bool:
     """Whether ``gramian``, formed from the finite ``matrices`` in a dtype narrower than
-    float64, overflowed (entries about 1e19 in float32): a weighting that reads the Gramian's
-    scale then gets it formed in float64. One host synchronisation, only below float64.
+    float64, overflowed (entries about 1e19 in float32) or underflowed (its largest entry
+    below ``tiny / eps``, about 1e-31 in float32: its smaller entries lose digits as subnormal
+    numbers, or vanish): a weighting that reads the Gramian's scale then gets it formed in
+    float64. One host synchronisation, only below float64.
 
     Example:
         >>> import torch
-        >>> from jacflow.aggregation._bases import overflowed
+        >>> from jacflow.aggregation._bases import out_of_range
         >>> J = torch.tensor([[3e19, 1e19]])
-        >>> overflowed(J @ J.T, [J]), overflowed(J.double() @ J.double().T, [J.double()])
+        >>> out_of_range(J @ J.T, [J]), out_of_range(J.double() @ J.double().T, [J.double()])
+        (True, False)
+        >>> tiny, zero = torch.tensor([[1e-25, 2e-25]]), torch.zeros(1, 2)
+        >>> out_of_range(tiny @ tiny.T, [tiny]), out_of_range(zero @ zero.T, [zero])
         (True, False)
     """
-    if gramian.dtype == torch.float64 or not has_nonfinite(gramian):
+    if gramian.dtype == torch.float64 or gramian.numel() == 0:
         return False
-    return not any(has_nonfinite(m) for m in matrices)
+    peak = float(gramian.abs().amax())
+    if not peak < math.inf:  # (inf or NaN) overflowed, unless a matrix holds one itself
+        return not any(has_nonfinite(m) for m in matrices)
+    info = torch.finfo(gramian.dtype)
+    return peak < info.tiny / info.eps and any(bool(m.any()) for m in matrices)
 
 
 def scale_to_unit_peak(matrix: Tensor) -> Tensor:
@@ -411,7 +420,7 @@ class GramianOfJacobianWeighting(Weighting):
             stat = scale_to_unit_peak(stat)  # same weights; no overflow or underflow of G
             return self.gramian_weighting(compute_gramian(stat))
         gramian = compute_gramian(stat)
-        if overflowed(gramian, [stat]):
+        if out_of_range(gramian, [stat]):
             return self.gramian_weighting(compute_gramian(stat.double())).to(stat.dtype)
         return self.gramian_weighting(gramian)
 

@@ -39,7 +39,9 @@ class CRMOGMWeighting(SavesState, GramianWeighting, Stateful):
         initial_weights: :math:`\lambda_0` (1-D tensor), or ``None``.
 
     State: the last weights :math:`\lambda_{t-1}`. :meth:`reset` forgets them and resets the
-    wrapped weighting when it is :class:`~jacflow.Stateful`. The number of objectives may only
+    wrapped weighting when it is :class:`~jacflow.Stateful`. (Wrapped in a
+    :class:`~jacflow.aggregation.GramianWeightedAggregator` ``A``, which keeps no state of its
+    own: ``A.gramian_weighting.reset()``, as in TorchJD.) The number of objectives may only
     change after a reset. A NaN or infinite input gives NaN weights, and non-finite weights
     from the wrapped weighting give non-finite weights; both leave :math:`\lambda_{t-1}`
     untouched (so a step that an AMP ``GradScaler`` skips does not poison the average).

@@ -77,7 +77,7 @@ class ExcessMTLWeighting(SavesState, Weighting, Stateful):
             squares = stat.detach().square()
             if has_nonfinite(squares.sum(dim=1)):  # a NaN/inf in J: report it, keep the state
                 return nan_weights(m, stat)
-            self._sq_sum = self._sq_sum.to(stat).add_(squares)
+            self._sq_sum = self._sq_sum.to(stat) + squares  # (not in place: a state_dict holds it)
             # Excess risk of task i ~ g_i^T H_i^{-1} g_i with the AdaGrad diagonal H_i (Eqs 6-7).
             excess = squares.div_((self._sq_sum + _EPS).sqrt_()).sum(dim=1)
             self._calls += 1

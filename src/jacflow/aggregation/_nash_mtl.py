@@ -31,7 +31,7 @@ def nash_mtl_weights(gramian: Tensor, start: Tensor | None, max_iter: int) -> Te
         tensor([0.5000, 1.0000], dtype=torch.float64)
     """
     G = gramian.detach().to(torch.float64)
-    norm = G.norm()
+    norm = G.abs().amax()  # (not the Frobenius norm, whose squares under- or overflow)
     G = (G + G.T) / (2 * norm)
     alpha = solve_power_equation(G, 1.0, start, max_iter, ridge_for(gramian.dtype))
     return alpha / norm.sqrt()
@@ -116,7 +116,7 @@ class NashMTLWeighting(SavesState, GramianWeighting, Stateful):
             solve = self._step % self.update_weights_every == 0 or self._alpha is None
             self._step += 1
             if solve:
-                if float(stat.norm()) == 0:
+                if float(stat.abs().amax()) == 0:  # (the norm's squares may underflow)
                     return stat.new_zeros(m)
                 start = None if self._alpha is None else self._alpha.to(stat.device)
                 self._alpha = nash_mtl_weights(stat, start, self.optim_niter)

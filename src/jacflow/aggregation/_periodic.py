@@ -35,6 +35,8 @@ class Periodic(SavesState, GramianWeighting, Stateful):
 
     State: the number of calls so far and the last weights. :meth:`reset` forgets both and
     resets the wrapped weighting too when it is :class:`~jacflow.Stateful`.
+    Wrapped in a :class:`GramianWeightedAggregator` ``A``, which keeps no state of its own:
+    ``A.gramian_weighting.reset()``, as in TorchJD.
 
     Example:
         >>> import torch

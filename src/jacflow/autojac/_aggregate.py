@@ -17,7 +17,7 @@ from jacflow.aggregation import (
     Sum,
     WeightedAggregator,
 )
-from jacflow.aggregation._bases import compute_dtype, overflowed, unit_peak_factor
+from jacflow.aggregation._bases import compute_dtype, out_of_range, unit_peak_factor
 from jacflow.linalg import sum_gramians
 
 
@@ -37,7 +37,7 @@ def _gramian_weights(aggregator: GramianWeightedAggregator, blocks: Sequence[Ten
         scaled = (b.to(work) * factor for b in blocks)
         return aggregator.gramian_weighting(sum_gramians(scaled)).to(dtype)
     gramian = sum_gramians(scaled)
-    if overflowed(gramian, blocks):  # (a weighting that reads the scale: formed in float64)
+    if out_of_range(gramian, blocks):  # (a weighting that reads the scale: formed in float64)
         gramian = sum_gramians(b.double() for b in blocks)
     return aggregator.gramian_weighting(gramian).to(dtype)
 
