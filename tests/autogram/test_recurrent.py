@@ -424,3 +424,29 @@ def test_fused_layer_outside_the_engine_is_named() -> None:
             with pytest.raises(RuntimeError, match=r"cudnn\.flags\(enabled=False\)"):
                 engine.backward(losses, MeanWeighting())
     assert all(p.grad is None for p in encode.parameters())
+
+
+class _ScaledInitialState(nn.GRU):
+    """Overrides ``permute_hidden``, which ``nn.GRU.forward`` applies to the initial state."""
+
+    def permute_hidden(self, hx: Tensor, permutation: Tensor | None) -> Tensor:
+        return 2 * super().permute_hidden(hx, permutation)
+
+
+def test_a_method_the_forward_delegates_to_overridden_is_not_replayed() -> None:
+    """The closed form replays torch's recurrence from the initial state as given: a subclass
+    with its own ``permute_hidden`` takes the generic rule per task (exact), and is refused per
+    sample, as one with its own ``forward``."""
+    torch.manual_seed(0)
+    encode, rnn = nn.Linear(D, D).double(), _ScaledInitialState(D, H, batch_first=True).double()
+    x, h0 = torch.randn(B, T, D, dtype=torch.float64), torch.randn(1, B, H, dtype=torch.float64)
+
+    def forward() -> Tensor:
+        out = rnn(encode(x), h0)[0]
+        return torch.stack([out.sum(), out.pow(2).sum()])
+
+    check_case(
+        Case("permute_hidden", lambda dt: (rnn, (encode, rnn), forward), None), torch.float64
+    )
+    with pytest.raises(ValueError, match="its own forward, permute_hidden"):
+        Engine(rnn, batch_dim=0)

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from torch import Tensor, nn
 
+from jacflow.aggregation import ConstantWeighting
 from jacflow.autogram import Call, Contribution, Engine, Rule, _rules
 from jacflow.autogram._linear import PER_ROW_SLOWDOWN, ghost_cost, materialized_cost
 from jacflow.autogram._rules import Rows
+from tests.autogram.test_engine import reference_jacobian
 
 
 def test_route_of_sequence_linear_layers() -> None:
@@ -56,3 +60,44 @@ def test_weight_check_needs_a_replaying_rule(monkeypatch: pytest.MonkeyPatch) ->
         losses = module(torch.randn(3, 2, dtype=torch.float64)).sum(1)
         with pytest.raises(RuntimeError, match=r"replays\(\)"):
             engine.compute_gramian(losses)
+
+
+class _SquaredWeightConv2d(nn.Conv2d):
+    """Overrides only ``_conv_forward``, which ``nn.Conv2d.forward`` calls (as weight
+    standardisation, FFT or fake-quantised convolutions do)."""
+
+    def _conv_forward(self, input: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        return super()._conv_forward(input, weight**2, bias)
+
+
+def _squared_conv_on_instance() -> nn.Conv2d:
+    conv = nn.Conv2d(2, 3, 3)
+    plain = conv._conv_forward
+    conv._conv_forward = lambda x, w, b: plain(x, w**2, b)  # type: ignore[method-assign]
+    return conv
+
+
+@pytest.mark.parametrize("make", [lambda: _SquaredWeightConv2d(2, 3, 3), _squared_conv_on_instance])
+@pytest.mark.parametrize("batch_dim", [0, None])
+def test_a_method_the_forward_delegates_to_overridden_gets_the_generic_rule(
+    make: Any, batch_dim: int | None
+) -> None:
+    """A convolution whose ``_conv_forward`` is not ``nn.Conv2d``'s computes something else
+    than the closed form assumes: the generic rule gives its exact Gramian and update."""
+    torch.manual_seed(0)
+    model = nn.Sequential(make(), nn.Tanh(), nn.Flatten(), nn.Linear(27, 2)).double()
+    params = list(model.parameters())
+    x = torch.randn(4, 2, 5, 5, dtype=torch.float64)
+
+    def forward() -> Tensor:
+        out = model(x)
+        return out.pow(2).sum(1) if batch_dim == 0 else out.pow(2).sum(0)
+
+    weights = torch.tensor([0.5, 1.0, 1.5, 2.0], dtype=torch.float64)
+    with Engine(model, batch_dim=batch_dim) as engine:
+        losses = forward()
+        jacobian = reference_jacobian(losses, params)
+        torch.testing.assert_close(engine.compute_gramian(losses), jacobian @ jacobian.T)
+        engine.backward(forward(), ConstantWeighting(weights[: losses.shape[0]]))
+    actual = torch.cat([p.grad.flatten() for p in params])  # type: ignore[union-attr]
+    torch.testing.assert_close(actual, weights[: losses.shape[0]] @ jacobian)

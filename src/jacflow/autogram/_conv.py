@@ -334,6 +334,9 @@ class ConvContribution(Contribution):
 class ConvRule(Rule):
     """``nn.Conv1d``, ``nn.Conv2d`` and ``nn.Conv3d`` (any stride, padding, dilation, groups)."""
 
+    def delegates(self) -> tuple[str, ...]:
+        return ("_conv_forward",)  # (overridden for weight standardisation, FFT convs, ...)
+
     def prepare(
         self, module: nn.Module, params: dict[str, Tensor], calls: list[Call], rows: Rows
     ) -> Contribution:

@@ -40,6 +40,7 @@ from jacflow.autogram._rules import (
     Contribution,
     Rows,
     Rule,
+    find_rule,
     register_rule,
     unbatched_refusal,
 )
@@ -69,7 +70,7 @@ def covered(module: nn.RNNBase) -> bool:
         >>> covered(Reversed(3, 4))
         False
     """
-    return any(type(module).forward is kind.forward for kind in _TYPES)
+    return isinstance(module, _TYPES) and find_rule(module) is not None
 
 
 def uncovered_refusal(where: str, module: nn.RNNBase) -> ValueError:
@@ -79,12 +80,13 @@ def uncovered_refusal(where: str, module: nn.RNNBase) -> ValueError:
         >>> from torch import nn
         >>> from jacflow.autogram._recurrent import uncovered_refusal
         >>> str(uncovered_refusal("rnn", nn.LSTM(3, 4))).split(":")[0]
-        'rnn is a LSTM subclass with a forward of its own'
+        'rnn is a LSTM subclass with its own forward, permute_hidden or _update_flat_weights'
     """
     return ValueError(
-        f"{where} is a {type(module).__name__} subclass with a forward of its own: no closed "
-        "form covers it, and the per-sample engine (batch_dim=0) cannot re-run it sample by "
-        "sample. Use batch_dim=None, or jacflow.autojac.backward."
+        f"{where} is a {type(module).__name__} subclass with its own forward, permute_hidden or "
+        "_update_flat_weights: no closed form covers it, and the per-sample engine "
+        "(batch_dim=0) cannot re-run it sample by sample. Use batch_dim=None, or "
+        "jacflow.autojac.backward."
     )
 
 
@@ -330,6 +332,10 @@ def slots_contribution(
 class RecurrentRule(Rule):
     """``nn.RNN``, ``nn.LSTM``, ``nn.GRU``: every weight as a Linear layer over the time steps
     (see the module docstring)."""
+
+    def delegates(self) -> tuple[str, ...]:
+        # the order of the initial states, and the weights the fused kernel reads
+        return ("permute_hidden", "_update_flat_weights")
 
     def replays(self) -> bool:
         return True

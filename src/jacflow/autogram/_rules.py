@@ -564,6 +564,21 @@ class Rule(ABC):
         """Whether the rule covers the parameters of the module's children too."""
         return False
 
+    def delegates(self) -> tuple[str, ...]:
+        """The methods that the registered type's ``forward`` calls and the closed form assumes
+        (a convolution's ``_conv_forward``): a subclass, or an instance, with one of its own
+        gets no closed form, as one with its own ``forward`` (:func:`find_rule`).
+
+        Example:
+            >>> from jacflow.autogram import Rule
+            >>> class ForwardOnly(Rule):
+            ...     def prepare(self, module, params, calls, rows):
+            ...         raise NotImplementedError
+            >>> ForwardOnly().delegates()
+            ()
+        """
+        return ()
+
     def replays(self) -> bool:
         """Whether the rule recomputes part of the module's forward from the recorded inputs
         and the module's weights or buffers (attention, recurrent layers, BatchNorm, the generic
@@ -698,16 +713,33 @@ def register_rule(module_type: type[nn.Module], rule: Rule) -> None:
 
 def find_rule(module: nn.Module) -> Rule | None:
     """The registered rule of ``module``'s nearest registered base type, if its ``forward``
-    is that base type's own (a subclass with another ``forward``, or a ``forward`` set on the
-    instance, gets no closed form)."""
-    if "forward" in module.__dict__:  # (a forward set on the instance)
-        return None
+    and the methods that ``forward`` delegates to (:meth:`Rule.delegates`) are that base
+    type's own (a subclass that overrides one, or one set on the instance, gets no closed
+    form: the rule assumes the base type's computation).
+
+    Example:
+        >>> from torch import nn
+        >>> from jacflow.autogram._rules import find_rule
+        >>> class SquaredWeight(nn.Conv2d):
+        ...     def _conv_forward(self, input, weight, bias):
+        ...         return super()._conv_forward(input, weight**2, bias)
+        >>> find_rule(nn.Conv2d(1, 1, 3)) is None, find_rule(SquaredWeight(1, 1, 3)) is None
+        (False, True)
+    """
     for klass in type(module).__mro__:
         rule = _RULES.get(klass)
         if rule is not None:
-            forward: Callable[..., Any] = type(module).forward
-            return rule if forward is klass.forward else None  # type: ignore[attr-defined]
+            names = ("forward", *rule.delegates())
+            return rule if _keeps_methods(module, klass, names) else None
     return None
+
+
+def _keeps_methods(module: nn.Module, klass: type, names: tuple[str, ...]) -> bool:
+    """Whether ``module`` runs ``klass``'s own methods ``names``: none set on the instance,
+    none overridden by a subclass."""
+    return not any(name in module.__dict__ for name in names) and all(
+        getattr(type(module), name) is getattr(klass, name) for name in names
+    )
 
 
 @contextlib.contextmanager
