@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -485,3 +487,57 @@ def test_generic_parameters_the_losses_do_not_reach_keep_their_grad(batch_dim: i
                 torch.testing.assert_close(got.grad, expected.grad)
     assert models[0][0].c.grad is None
     assert models[0][0].b.grad is not None  # (from the middle step, kept through the last)
+
+
+def _masked(module: nn.Module) -> nn.Module:
+    """``module`` whose weight a forward pre-hook computes from a parameter ``weight_orig`` and
+    a fixed mask: ``torch.nn.utils.prune`` written by hand (masked or sparse training)."""
+    weight = module.weight
+    del module._parameters["weight"]
+    module.weight_orig = nn.Parameter(weight.detach().clone())
+    module.register_buffer("weight_mask", (torch.rand_like(weight) > 0.3).to(weight.dtype))
+
+    def hook(mod: nn.Module, args: Any) -> None:
+        mod.weight = mod.weight_orig * mod.weight_mask
+
+    module.register_forward_pre_hook(hook)
+    return module
+
+
+# kind: (the layers, the last one masked; their input; their output's size)
+_MASKED: dict[str, tuple[Callable[[], list[nn.Module]], Callable[[], Tensor], int]] = {
+    "linear": (lambda: [nn.Linear(5, 3)], lambda: torch.randn(4, 5), 3),
+    "conv": (lambda: [nn.Conv1d(5, 3, 2)], lambda: torch.randn(4, 5, 6), 15),
+    "layer_norm": (lambda: [nn.Linear(5, 3), nn.LayerNorm(3)], lambda: torch.randn(4, 5), 3),
+    "embedding": (lambda: [nn.Embedding(7, 3)], lambda: torch.randint(0, 7, (4, 6)), 18),
+}
+
+
+@pytest.mark.parametrize("kind", list(_MASKED))
+@pytest.mark.parametrize("batch_dim", [0, None])
+def test_a_parameter_the_closed_form_does_not_read_goes_to_the_generic_rule(
+    kind: str, batch_dim: int | None
+) -> None:
+    """A covered layer with a trainable parameter outside its rule's slots (``weight_orig``,
+    from which a pre-hook computes the weight) takes the generic rule: that parameter is in the
+    Gramian and gets its ``.grad`` (the closed form left it out, silently)."""
+    make, data, size = _MASKED[kind]
+    torch.manual_seed(0)
+    *before, last = make()
+    model = nn.Sequential(*before, _masked(last), nn.Tanh(), nn.Flatten(), nn.Linear(size, 1))
+    model = model.double()
+    x = data()
+    x = x if kind == "embedding" else x.double()
+    params = list(model.parameters())
+
+    def forward() -> Tensor:
+        out = model(x).squeeze(1)
+        return out.pow(2) if batch_dim == 0 else torch.stack([out.sum(), out.pow(2).sum()])
+
+    with Engine(model, batch_dim=batch_dim) as engine:
+        losses = forward()
+        jacobian = reference_jacobian(losses, params)
+        torch.testing.assert_close(engine.compute_gramian(losses), jacobian @ jacobian.T)
+        weights = engine.backward(forward(), UPGradWeighting())
+    actual = torch.cat([p.grad.flatten() for p in params])  # type: ignore[union-attr]
+    torch.testing.assert_close(actual, weights @ jacobian)

@@ -450,3 +450,35 @@ def test_a_method_the_forward_delegates_to_overridden_is_not_replayed() -> None:
     )
     with pytest.raises(ValueError, match="its own forward, permute_hidden"):
         Engine(rnn, batch_dim=0)
+
+
+def _weight_drop(lstm: nn.LSTM) -> nn.LSTM:
+    """AWD-LSTM's WeightDrop, with a fixed mask: ``weight_hh_l0`` recomputed at each call, by a
+    forward pre-hook, from a parameter ``weight_hh_l0_raw``."""
+    raw = lstm._parameters.pop("weight_hh_l0")
+    assert raw is not None
+    lstm.register_parameter("weight_hh_l0_raw", nn.Parameter(raw.detach().clone()))
+    lstm.register_buffer("mask", (torch.rand_like(raw) > 0.5).to(raw.dtype) / 0.5)
+
+    def hook(module: nn.Module, args: Any) -> None:
+        module.weight_hh_l0 = module.weight_hh_l0_raw * module.mask
+
+    lstm.register_forward_pre_hook(hook)
+    hook(lstm, ())
+    return lstm
+
+
+def test_a_parameter_the_closed_form_does_not_read_is_not_left_out() -> None:
+    """WeightDrop's raw weight is no slot of the closed form: per task the generic rule covers
+    it (exact), per sample the layer is refused with its name (it was left out silently)."""
+    torch.manual_seed(0)
+    encode, rnn = nn.Linear(D, D).double(), _weight_drop(nn.LSTM(D, H, batch_first=True).double())
+    x = torch.randn(B, T, D, dtype=torch.float64)
+
+    def forward() -> Tensor:
+        out = rnn(encode(x))[0]
+        return torch.stack([out.sum(), out.pow(2).sum()])
+
+    check_case(Case("weight_drop", lambda dt: (rnn, (encode, rnn), forward), None), torch.float64)
+    with pytest.raises(ValueError, match=r"does not read \(weight_hh_l0_raw;"):
+        Engine(rnn, batch_dim=0)

@@ -36,6 +36,7 @@ from jacflow.autogram._rules import (
 )
 
 _TYPES = (nn.RNNCell, nn.LSTMCell, nn.GRUCell)
+_SLOTS = frozenset({"weight_ih", "weight_hh", "bias_ih", "bias_hh"})
 
 
 def _mode(module: nn.RNNCellBase) -> str:
@@ -78,6 +79,9 @@ class CellRule(Rule):
 
     def replays(self) -> bool:
         return True
+
+    def parameter_names(self, module: nn.Module) -> frozenset[str]:
+        return _SLOTS
 
     def output_batch_dim(self, module: nn.Module, call: Call, position: int) -> int | None:
         return 0

@@ -24,6 +24,7 @@ from torch.nn.modules.conv import _ConvNd
 
 from jacflow.autogram._linear import PER_ROW_SLOWDOWN, ghost_cost, ghost_gramian
 from jacflow.autogram._rules import (
+    WEIGHT_AND_BIAS,
     Call,
     Contribution,
     Rows,
@@ -336,6 +337,9 @@ class ConvRule(Rule):
 
     def delegates(self) -> tuple[str, ...]:
         return ("_conv_forward",)  # (overridden for weight standardisation, FFT convs, ...)
+
+    def parameter_names(self, module: nn.Module) -> frozenset[str]:
+        return WEIGHT_AND_BIAS
 
     def prepare(
         self, module: nn.Module, params: dict[str, Tensor], calls: list[Call], rows: Rows

@@ -18,6 +18,8 @@ from torch import Tensor, nn
 from jacflow.autogram._rules import Call, Contribution, Rows, Rule, register_rule
 from jacflow.linalg._products import row_gramian
 
+_WEIGHT = frozenset({"weight"})
+
 
 class EmbeddingContribution(Contribution):
     """Contribution of an embedding table from its ids ``[S, T]`` and backprops ``[R, T, p]``."""
@@ -119,6 +121,9 @@ def _by_frequency(ids: Tensor, bp: Tensor, rows: Rows) -> Tensor:
 class EmbeddingRule(Rule):
     """``nn.Embedding`` (with ``scale_grad_by_freq=True``, each call's output gradients are
     divided by its tokens' counts in that call, as in its backward)."""
+
+    def parameter_names(self, module: nn.Module) -> frozenset[str]:
+        return _WEIGHT
 
     def prepare(
         self, module: nn.Module, params: dict[str, Tensor], calls: list[Call], rows: Rows

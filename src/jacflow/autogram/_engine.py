@@ -59,11 +59,13 @@ from jacflow.autogram._rules import (
     Rows,
     backward_hooks,
     check_replayed_calls,
+    find_rule,
     is_replaying,
     multi_grad_hook,
     no_hook,
     replaying,
     tracker_hook,
+    unread_parameters,
 )
 from jacflow.autogram._separable import leaks, probe_cotangent, probe_samples
 from jacflow.linalg._products import row_gramian
@@ -127,8 +129,8 @@ def _check_modules(modules: tuple[nn.Module, ...], batch_dim: int | None) -> Non
 def _check_generic_units(units: list[Unit]) -> None:
     """Per sample, the generic rule re-runs its module sample by sample under ``vmap``, which
     torch's fused recurrent kernels do not support: refuse a recurrent layer under it (inside a
-    module with parameters of its own, or parametrised), and an embedding that counts the
-    batch's tokens (``scale_grad_by_freq``)."""
+    module with parameters of its own, parametrised, or with a parameter its closed form does
+    not read), and an embedding that counts the batch's tokens (``scale_grad_by_freq``)."""
     for unit in units:
         if not isinstance(unit.rule, FallbackRule):
             continue
@@ -138,6 +140,15 @@ def _check_generic_units(units: list[Unit]) -> None:
         for name, sub in unit.module.named_modules():
             if isinstance(sub, nn.RNNBase):
                 where = f"{unit.name}.{name}" if name else unit.name
+                rule = find_rule(sub)
+                if unread := [] if rule is None else unread_parameters(sub, rule):
+                    raise ValueError(
+                        f"{where} is a {type(sub).__name__} with trainable parameters that its "
+                        f"closed form does not read ({', '.join(unread)}; e.g. a weight that a "
+                        "forward pre-hook computes from them, as AWD-LSTM's WeightDrop does), so "
+                        "it falls to the generic rule, which cannot re-run it sample by sample "
+                        "with batch_dim=0. Use batch_dim=None, or jacflow.autojac.backward."
+                    )
                 raise ValueError(
                     f"{where} is a {type(sub).__name__} under the generic rule (inside a module "
                     f"with parameters of its own, or parametrised), which cannot re-run it "

@@ -37,6 +37,7 @@ from jacflow.autogram._rules import (
     find_rule,
     is_replaying,
     no_hook,
+    unread_parameters,
 )
 
 _FALLBACK = FallbackRule()
@@ -84,6 +85,8 @@ def find_units(modules: tuple[nn.Module, ...]) -> list[Unit]:
             for hook in module._forward_pre_hooks.values()
         )
         rule = None if parametrized else find_rule(module)
+        if rule is not None and unread_parameters(module, rule):  # (e.g. a hand-made pruning
+            rule = None  # hook's weight_orig: the closed form would leave it out)
         # a rule covering the children (attention: out_proj's parameters, used without calling
         # out_proj) applies as soon as any of them is trainable
         trainable = direct

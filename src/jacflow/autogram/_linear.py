@@ -23,6 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from jacflow.autogram._rules import (
+    WEIGHT_AND_BIAS,
     Call,
     Contribution,
     Rows,
@@ -280,6 +281,9 @@ def linear_part(
 
 class LinearRule(Rule):
     """``nn.Linear`` with any number of leading dimensions (sequence, heads, ...)."""
+
+    def parameter_names(self, module: nn.Module) -> frozenset[str]:
+        return WEIGHT_AND_BIAS
 
     def prepare(
         self, module: nn.Module, params: dict[str, Tensor], calls: list[Call], rows: Rows

@@ -16,6 +16,7 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from jacflow.autogram._rules import (
+    WEIGHT_AND_BIAS,
     Call,
     Contribution,
     MaterializedContribution,
@@ -58,6 +59,9 @@ class NormRule(Rule):
     """Affine parameters (``weight``, ``bias``) of LayerNorm, RMSNorm, GroupNorm and
     BatchNorm."""
 
+    def parameter_names(self, module: nn.Module) -> frozenset[str]:
+        return WEIGHT_AND_BIAS
+
     def prepare(
         self, module: nn.Module, params: dict[str, Tensor], calls: list[Call], rows: Rows
     ) -> Contribution:
@@ -85,6 +89,9 @@ class BatchNormRule(Rule):
 
     def replays(self) -> bool:
         return True
+
+    def parameter_names(self, module: nn.Module) -> frozenset[str]:
+        return WEIGHT_AND_BIAS
 
     def prepare(
         self, module: nn.Module, params: dict[str, Tensor], calls: list[Call], rows: Rows

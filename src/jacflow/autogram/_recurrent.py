@@ -337,6 +337,10 @@ class RecurrentRule(Rule):
         # the order of the initial states, and the weights the fused kernel reads
         return ("permute_hidden", "_update_flat_weights")
 
+    def parameter_names(self, module: nn.Module) -> frozenset[str]:
+        assert isinstance(module, nn.RNNBase)
+        return frozenset(module._flat_weights_names)
+
     def replays(self) -> bool:
         return True
 

@@ -579,6 +579,24 @@ class Rule(ABC):
         """
         return ()
 
+    def parameter_names(self, module: nn.Module) -> frozenset[str] | None:
+        """The names of ``module``'s own parameters that the closed form reads (``None``: any,
+        the rule checking them itself). A module with a trainable parameter of its own in none
+        of these slots (one a forward pre-hook computes the weight from, as in a hand-made
+        pruning mask or AWD-LSTM's WeightDrop) gets the generic rule: the closed form would
+        leave that parameter out (:func:`unread_parameters`).
+
+        Example:
+            >>> from torch import nn
+            >>> from jacflow.autogram import Rule
+            >>> class ChecksItself(Rule):
+            ...     def prepare(self, module, params, calls, rows):
+            ...         raise NotImplementedError
+            >>> ChecksItself().parameter_names(nn.Linear(2, 2)) is None
+            True
+        """
+        return None
+
     def replays(self) -> bool:
         """Whether the rule recomputes part of the module's forward from the recorded inputs
         and the module's weights or buffers (attention, recurrent layers, BatchNorm, the generic
@@ -642,6 +660,7 @@ class Rule(ABC):
 
 
 _RULES: dict[type[nn.Module], Rule] = {}
+WEIGHT_AND_BIAS = frozenset({"weight", "bias"})
 
 
 def unbatched_refusal(module: nn.Module, x: Tensor) -> ValueError:
@@ -740,6 +759,28 @@ def _keeps_methods(module: nn.Module, klass: type, names: tuple[str, ...]) -> bo
     return not any(name in module.__dict__ for name in names) and all(
         getattr(type(module), name) is getattr(klass, name) for name in names
     )
+
+
+def unread_parameters(module: nn.Module, rule: Rule) -> list[str]:
+    """The names of ``module``'s own trainable parameters that ``rule`` does not read (none in
+    the slots of :meth:`Rule.parameter_names`; one registered under a second name is read).
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> from jacflow.autogram._linear import LinearRule
+        >>> from jacflow.autogram._rules import unread_parameters
+        >>> layer = nn.Linear(2, 2)
+        >>> layer.register_parameter("weight_orig", nn.Parameter(torch.ones(2, 2)))
+        >>> unread_parameters(layer, LinearRule())
+        ['weight_orig']
+    """
+    names = rule.parameter_names(module)
+    if names is None:
+        return []
+    own = module._parameters
+    read = {id(own[name]) for name in names if own.get(name) is not None}
+    return [n for n, p in own.items() if p is not None and p.requires_grad and id(p) not in read]
 
 
 @contextlib.contextmanager
