@@ -2065,3 +2065,17 @@ def test_losses_that_hold_an_already_stepped_forward_are_told_so() -> None:
     with pytest.raises(ValueError, match="earlier forward whose calls a step already took"):
         engine.backward(first + second, UPGradWeighting())
     assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads))  # type: ignore[arg-type]
+
+
+def test_a_delegate_set_on_the_instance_after_hooking_changes_the_rule() -> None:
+    """A convolution's ``_conv_forward`` replaced on the instance after the Engine hooked it
+    (as its ``forward`` would be) is seen at the next forward: the generic rule, exact."""
+    torch.manual_seed(0)
+    conv = nn.Conv1d(2, 3, 2).double()
+    model = nn.Sequential(conv, nn.Tanh(), nn.Flatten(), nn.Linear(9, 1)).double()
+    x = torch.randn(4, 2, 4, dtype=torch.float64)
+    with Engine(model, batch_dim=0) as engine:
+        engine.compute_gramian(model(x).squeeze(1))
+        plain = conv._conv_forward
+        conv._conv_forward = lambda x, w, b: plain(x, w**2, b)  # type: ignore[method-assign]
+        assert_exact_gramian(engine, model(x).squeeze(1).pow(2), list(model.parameters()))

@@ -61,6 +61,7 @@ from jacflow.autogram._rules import (
     check_replayed_calls,
     find_rule,
     is_replaying,
+    methods_set_on,
     multi_grad_hook,
     no_hook,
     replaying,
@@ -682,14 +683,15 @@ class Engine:
         return changed
 
     def _snapshot(self) -> tuple[Any, ...]:
-        """Per module (held, compared by identity): its type, whether its instance has a
-        forward of its own, its children by name, its parameters by name with their flags, and
+        """Per module (held, compared by identity): its type, which of the methods the rules
+        rely on its instance has of its own (``forward``, ``_conv_forward``), its children by
+        name, its parameters by name with their flags, and
         its forward pre-hooks (pruning, old weight norms). Equal, no unit changed."""
         return tuple(
             (
                 sub,
                 type(sub),
-                "forward" in sub.__dict__,
+                methods_set_on(sub),
                 tuple(sub._modules.items()),
                 tuple(
                     (n, id(p), p.requires_grad) for n, p in sub._parameters.items() if p is not None

@@ -660,6 +660,8 @@ class Rule(ABC):
 
 
 _RULES: dict[type[nn.Module], Rule] = {}
+# the methods some rule's module type must keep (``forward`` and the rules' delegates)
+_KEPT_METHODS: dict[str, None] = {"forward": None}
 WEIGHT_AND_BIAS = frozenset({"weight", "bias"})
 
 
@@ -728,6 +730,22 @@ def register_rule(module_type: type[nn.Module], rule: Rule) -> None:
         True
     """
     _RULES[module_type] = rule
+    _KEPT_METHODS.update(dict.fromkeys(rule.delegates()))
+
+
+def methods_set_on(module: nn.Module) -> tuple[str, ...]:
+    """Which methods that a rule relies on (``forward``, :meth:`Rule.delegates`) are set on
+    ``module``'s instance (which the engine watches: setting one changes its rule).
+
+    Example:
+        >>> from torch import nn
+        >>> from jacflow.autogram._rules import methods_set_on
+        >>> conv = nn.Conv2d(1, 1, 3)
+        >>> conv._conv_forward = lambda x, w, b: x
+        >>> methods_set_on(conv)
+        ('_conv_forward',)
+    """
+    return tuple(name for name in _KEPT_METHODS if name in module.__dict__)
 
 
 def find_rule(module: nn.Module) -> Rule | None:
