@@ -541,3 +541,57 @@ def test_a_parameter_the_closed_form_does_not_read_goes_to_the_generic_rule(
         weights = engine.backward(forward(), UPGradWeighting())
     actual = torch.cat([p.grad.flatten() for p in params])  # type: ignore[union-attr]
     torch.testing.assert_close(actual, weights @ jacobian)
+
+
+def _grown_embedding() -> tuple[nn.Module, Tensor]:
+    """An embedding whose table was replaced by a larger one (``num_embeddings`` stale), with
+    ids past the old size in some samples only."""
+    embedding = nn.Embedding(4, 3).double()
+    embedding.weight = nn.Parameter(torch.randn(8, 3, dtype=torch.float64))
+    ids = torch.tensor([[5, 1, 0], [1, 6, 2], [7, 3, 3], [2, 5, 4]])
+    return nn.Sequential(embedding, nn.Tanh(), nn.Flatten()), ids
+
+
+def _replaced_linear() -> tuple[nn.Module, Tensor]:
+    """A Linear whose weight and bias were replaced by larger ones (``out_features`` stale)."""
+    layer = nn.Linear(4, 3).double()
+    layer.weight = nn.Parameter(torch.randn(6, 4, dtype=torch.float64))
+    layer.bias = nn.Parameter(torch.randn(6, dtype=torch.float64))
+    return nn.Sequential(layer, nn.Tanh()), torch.randn(4, 4, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("make", [_grown_embedding, _replaced_linear])
+@pytest.mark.parametrize("batch_dim", [0, None])
+def test_sizes_are_read_from_the_weight(
+    make: Callable[[], tuple[nn.Module, Tensor]], batch_dim: int | None
+) -> None:
+    """The rules read a layer's sizes from its weight, as ``F.embedding`` and ``F.linear`` do,
+    not from attributes that replacing the weight leaves stale (the embedding's Gramian mixed
+    up tokens past ``num_embeddings``, and its update crashed)."""
+    torch.manual_seed(0)
+    model, x = make()
+    params = list(model.parameters())
+
+    def forward() -> Tensor:
+        out = model(x).pow(2)
+        return out.sum(1) if batch_dim == 0 else out.sum(0)[:3]
+
+    with Engine(model, batch_dim=batch_dim) as engine:
+        losses = forward()
+        jacobian = reference_jacobian(losses, params)
+        torch.testing.assert_close(engine.compute_gramian(losses), jacobian @ jacobian.T)
+        weights = engine.backward(forward(), UPGradWeighting())
+    actual = torch.cat([p.grad.flatten() for p in params])  # type: ignore[union-attr]
+    torch.testing.assert_close(actual, weights @ jacobian)
+
+
+def test_a_convolution_with_stale_sizes_is_refused_clearly() -> None:
+    """A convolution's closed form reads its channels and kernel from its attributes: a weight
+    of another shape is refused, naming both shapes (it failed inside a reshape)."""
+    conv = nn.Conv1d(2, 3, 2).double()
+    conv.weight = nn.Parameter(torch.randn(5, 2, 2, dtype=torch.float64))
+    conv.bias = nn.Parameter(torch.randn(5, dtype=torch.float64))
+    with Engine(conv, batch_dim=0) as engine:
+        losses = conv(torch.randn(4, 2, 5, dtype=torch.float64)).pow(2).sum((1, 2))
+        with pytest.raises(ValueError, match=r"weight has shape \(5, 2, 2\), but its attributes"):
+            engine.compute_gramian(losses)

@@ -332,6 +332,30 @@ class ConvContribution(Contribution):
         return out
 
 
+def stale_sizes(module: _ConvNd) -> ValueError | None:
+    """The refusal of a convolution whose weight's shape is not the one its attributes give
+    (a weight replaced by one of another shape), which the closed form reads; else ``None``.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> from jacflow.autogram._conv import stale_sizes
+        >>> conv = nn.Conv2d(2, 3, 3)
+        >>> conv.weight = nn.Parameter(torch.randn(5, 2, 3, 3))
+        >>> print(stale_sizes(conv))  # doctest: +ELLIPSIS
+        Conv2d's weight has shape (5, 2, 3, 3), but its attributes give (3, 2, 3, 3) ...
+    """
+    expected = (module.out_channels, module.in_channels // module.groups, *module.kernel_size)
+    if tuple(module.weight.shape) == expected:
+        return None
+    return ValueError(
+        f"{type(module).__name__}'s weight has shape {tuple(module.weight.shape)}, but its "
+        f"attributes give {expected} (out_channels, in_channels // groups, *kernel_size), "
+        "which the engine's closed form reads. Set them to the weight's (or build a new "
+        "layer around it)."
+    )
+
+
 class ConvRule(Rule):
     """``nn.Conv1d``, ``nn.Conv2d`` and ``nn.Conv3d`` (any stride, padding, dilation, groups)."""
 
@@ -340,6 +364,11 @@ class ConvRule(Rule):
 
     def parameter_names(self, module: nn.Module) -> frozenset[str]:
         return WEIGHT_AND_BIAS
+
+    def validate(self, module: nn.Module, call: Call, rows: Rows) -> None:
+        assert isinstance(module, _ConvNd)
+        if (stale := stale_sizes(module)) is not None:
+            raise stale
 
     def prepare(
         self, module: nn.Module, params: dict[str, Tensor], calls: list[Call], rows: Rows

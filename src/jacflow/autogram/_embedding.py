@@ -26,7 +26,9 @@ class EmbeddingContribution(Contribution):
 
     def __init__(self, ids: Tensor, bp: Tensor, rows: Rows, module: nn.Embedding) -> None:
         self.ids, self.bp, self.rows = ids, bp, rows
-        self.num_embeddings = module.num_embeddings
+        # (the table's, as F.embedding reads it: num_embeddings is stale once the weight is
+        # replaced by a larger table)
+        self.num_embeddings = module.weight.shape[0]
         self.padding_idx = module.padding_idx
         self.sparse = module.sparse
 
@@ -132,7 +134,7 @@ class EmbeddingRule(Rule):
         ids, bps = [], []
         for call in calls:
             x = rows.samples(call.input()).reshape(rows.num_samples, -1)
-            bp = call.grad().reshape(rows.num_rows, -1, module.embedding_dim)
+            bp = call.grad().reshape(rows.num_rows, -1, module.weight.shape[1])
             ids.append(x)
             bps.append(_by_frequency(x, bp, rows) if module.scale_grad_by_freq else bp)
         return EmbeddingContribution(torch.cat(ids, 1), torch.cat(bps, 1), rows, module)

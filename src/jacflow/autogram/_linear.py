@@ -289,7 +289,7 @@ class LinearRule(Rule):
         self, module: nn.Module, params: dict[str, Tensor], calls: list[Call], rows: Rows
     ) -> Contribution:
         assert isinstance(module, nn.Linear)
-        d, p = module.in_features, module.out_features
+        p, d = module.weight.shape  # (as F.linear reads them: the attributes may be stale)
         us, bps = [], []
         for call in calls:
             # (per-task mode: the whole batch is the one sample; no unsqueeze needed)
