@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from jacflow.aggregation import MeanWeighting, UPGradWeighting
+from jacflow.aggregation import ConstantWeighting, MeanWeighting, UPGradWeighting
 from jacflow.autogram import Engine, _conv, _linear
 from jacflow.autogram._conv import ConvContribution
 from jacflow.autogram._linear import UnfoldedContribution
@@ -595,3 +595,28 @@ def test_a_convolution_with_stale_sizes_is_refused_clearly() -> None:
         losses = conv(torch.randn(4, 2, 5, dtype=torch.float64)).pow(2).sum((1, 2))
         with pytest.raises(ValueError, match=r"weight has shape \(5, 2, 2\), but its attributes"):
             engine.compute_gramian(losses)
+
+
+@pytest.mark.parametrize("engine_first", [True, False])
+def test_sparse_embedding_grad_accumulates_with_autograds(engine_first: bool) -> None:
+    """A sparse embedding's ``.grad`` has autograd's layout (sparse rows, dense columns), so a
+    plain backward (an auxiliary loss, another micro-batch) and an engine step add up in either
+    order (the engine's fully sparse tensor could not be added to autograd's)."""
+    torch.manual_seed(0)
+    embedding = nn.Embedding(7, 3, sparse=True, padding_idx=2).double()
+    ids = torch.randint(0, 7, (4, 3))
+    weights = torch.tensor([0.5, 1.0, 1.5, 2.0], dtype=torch.float64)
+    dense = nn.Embedding(7, 3, padding_idx=2).double()
+    dense.load_state_dict(embedding.state_dict())
+    jacobian = reference_jacobian(dense(ids).pow(2).sum((1, 2)), [dense.weight])
+    auxiliary = torch.autograd.grad(dense(ids).pow(3).sum(), dense.weight)[0]
+    with Engine(embedding, batch_dim=0) as engine:
+        if not engine_first:
+            embedding(ids).pow(3).sum().backward()
+        engine.backward(embedding(ids).pow(2).sum((1, 2)), ConstantWeighting(weights))
+        if engine_first:
+            embedding(ids).pow(3).sum().backward()
+    grad = embedding.weight.grad
+    assert grad is not None and grad.is_sparse and grad.sparse_dim() == 1
+    expected = (weights @ jacobian).reshape(7, 3) + auxiliary
+    torch.testing.assert_close(grad.to_dense(), expected)

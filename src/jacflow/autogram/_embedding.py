@@ -76,7 +76,26 @@ class EmbeddingContribution(Contribution):
         valid = self._valid(self.ids)
         grad = y.new_zeros(self.num_embeddings, y.shape[-1])
         grad.index_add_(0, self.ids[valid], y[valid])
-        return {"weight": grad.to_sparse() if self.sparse else grad}
+        return {"weight": sparse_rows(grad, self.ids[valid]) if self.sparse else grad}
+
+
+def sparse_rows(grad: Tensor, ids: Tensor) -> Tensor:
+    """The rows ``ids`` of a table's gradient ``grad`` ``[V, p]``, in the layout of a sparse
+    embedding's backward (one sparse dimension, the rows dense), with which autograd's
+    gradients can be summed either way.
+
+    Example:
+        >>> import torch
+        >>> from jacflow.autogram._embedding import sparse_rows
+        >>> table = torch.tensor([[0.0, 0.0], [1.0, 2.0], [0.0, 0.0]])
+        >>> grad = sparse_rows(table, torch.tensor([1, 1]))
+        >>> grad.sparse_dim(), grad.dense_dim(), grad.to_dense()[1].tolist()
+        (1, 1, [1.0, 2.0])
+    """
+    rows = torch.unique(ids)  # (sorted and distinct: coalesced, which needs no check)
+    return torch.sparse_coo_tensor(
+        rows.unsqueeze(0), grad[rows], grad.shape, is_coalesced=True, check_invariants=False
+    )
 
 
 def frequency_refusal(module: nn.Module, where: str) -> ValueError | None:
