@@ -729,3 +729,32 @@ def test_in_place_ops_on_a_sequence_linear_output(batch_dim: int | None, op: str
     weights = engine.backward(forward(), UPGradWeighting())
     actual = torch.cat([p.grad.flatten() for p in params])  # type: ignore[union-attr]
     torch.testing.assert_close(actual, weights.flatten() @ jacobian)
+
+
+@pytest.mark.parametrize("affine", [True, False])
+@pytest.mark.parametrize("batch_dim", [0, None])
+def test_group_norm_on_channels_last_is_pulled_back_row_by_row(
+    affine: bool, batch_dim: int | None
+) -> None:
+    """A GroupNorm's backward on a channels_last tensor cannot run under vmap ("NYI: querying
+    is_contiguous inside of vmap"): with rows to pull back ([B, k] losses, or tasks), the
+    engine takes them one by one, whether the GroupNorm is hooked or has no parameters."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(4, 4, 3, padding=1), nn.GroupNorm(2, 4, affine=affine), nn.Conv2d(4, 2, 1)
+    ).double()
+    model = model.to(memory_format=torch.channels_last)
+    x = torch.randn(3, 4, 5, 5, dtype=torch.float64).to(memory_format=torch.channels_last)
+    params = list(model.parameters())
+
+    def forward() -> Tensor:
+        out = model(x).pow(2)
+        return out.sum((2, 3)) if batch_dim == 0 else out.sum((0, 2, 3))
+
+    with Engine(model, batch_dim=batch_dim) as engine:
+        losses = forward()
+        jacobian = reference_jacobian(losses, params)
+        torch.testing.assert_close(engine.compute_gramian(losses), jacobian @ jacobian.T)
+        weights = engine.backward(forward(), UPGradWeighting())
+    actual = torch.cat([p.grad.flatten() for p in params])  # type: ignore[union-attr]
+    torch.testing.assert_close(actual, weights.flatten() @ jacobian)

@@ -42,7 +42,11 @@ _NO_BATCHING_RULE = (
     "Engine a module that contains it, whose backward is then taken row by row, or run it under "
     "torch.backends.cudnn.flags(enabled=False)), or a gradient hook (register_hook) that reads "
     "values out of its gradient (.item(), .tolist(), data-dependent control flow), which vmap "
-    "cannot batch: compute such statistics outside the hook."
+    "cannot batch: compute such statistics outside the hook; or a GroupNorm on a "
+    "channels_last tensor outside the modules given to the Engine, or called as F.group_norm "
+    "(its backward queries the memory format, which vmap cannot do): make its input "
+    "contiguous (x.contiguous()), or give the Engine a module that contains it as an "
+    "nn.GroupNorm, whose backward is then taken row by row."
 )
 
 
@@ -236,7 +240,8 @@ def pull_back(
                 materialize_grads=False,
             )
     except RuntimeError as error:
-        if not (batched and "Batching rule not implemented" in str(error)):
+        vmap_limit = ("Batching rule not implemented", "inside of vmap")
+        if not (batched and any(text in str(error) for text in vmap_limit)):
             raise
         raise RuntimeError(_NO_BATCHING_RULE) from error
 

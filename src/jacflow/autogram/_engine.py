@@ -651,15 +651,20 @@ class Engine:
         for sub in self._watched:
             if isinstance(sub, nn.RNNBase):
                 self._recorder.watch_fused_rnn(sub)
+            elif isinstance(sub, nn.GroupNorm):
+                self._recorder.watch_group_norm(sub)
         self._snapshot_at = self._snapshot()  # (with the hooks just registered)
 
     def _to_watch(self) -> list[nn.Module]:
-        """The BatchNorm layers (per sample) and the recurrent layers of the modules, once."""
+        """The BatchNorm layers (per sample), and the recurrent and GroupNorm layers of the
+        modules, once."""
         per_sample = self.batch_dim is not None
         found: dict[int, nn.Module] = {}
         for root in self._modules:
             for sub in root.modules():
-                if isinstance(sub, nn.RNNBase) or (per_sample and isinstance(sub, _BatchNorm)):
+                if isinstance(sub, (nn.RNNBase, nn.GroupNorm)) or (
+                    per_sample and isinstance(sub, _BatchNorm)
+                ):
                     found.setdefault(id(sub), sub)
         return list(found.values())
 
@@ -1027,7 +1032,8 @@ class Engine:
         without contributions instead of an error.
         """
         coupled, outside = self._recorder.coupled, self._recorder.outside
-        row_by_row = self._recorder.fused_rnn
+        # (ops whose backward vmap cannot batch: the rows are pulled back one by one)
+        row_by_row = self._recorder.fused_rnn or self._recorder.strided_norm
         calls = self._recorder.take()
         self._pending_forwards = 0
         try:

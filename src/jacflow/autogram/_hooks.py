@@ -259,6 +259,7 @@ class Recorder:
         self.coupled: list[tuple[str, Any]] = []
         self.outside: tuple[str, str] | None = None  # (child, unit) of a call outside the unit
         self.fused_rnn = False  # a recurrent layer ran torch's fused kernel (cuDNN, MIOpen)
+        self.strided_norm = False  # a GroupNorm ran on a non-contiguous (channels_last) input
         # per replayed module under way: its weights' versions and copies of its buffers at
         # the start of each call (a stack: a module may call itself)
         self._starts: dict[int, list[_Start]] = {}
@@ -372,6 +373,20 @@ class Recorder:
         ):
             self.fused_rnn = True
 
+    def watch_group_norm(self, module: nn.Module) -> None:
+        """Flag grad-enabled forwards of a GroupNorm (hooked, or without affine parameters)
+        on a non-contiguous input (channels_last): its backward queries the memory format,
+        which vmap does not support ("NYI: querying is_contiguous inside of vmap"), so the
+        rows' gradients are pulled back one by one (exact, slower)."""
+        self.handles.append(module.register_forward_hook(self._flag_strided_norm))
+
+    def _flag_strided_norm(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self.idle or not torch.is_grad_enabled() or is_replaying():
+            return
+        first = next((x for x in leaves(args) if isinstance(x, Tensor)), None)
+        if first is not None and not first.is_contiguous():
+            self.strided_norm = True
+
     def _start(self, module: nn.Module, args: Any) -> None:
         if torch.is_grad_enabled() and not is_replaying() and not self.idle:
             weights: list[tuple[Tensor, int]] = [(p, p._version) for p in module.parameters()]
@@ -461,7 +476,7 @@ class Recorder:
         """The recorded calls; the record starts afresh."""
         calls, self.calls = self.calls, []
         self.coupled, self.outside = [], None
-        self.fused_rnn = False
+        self.fused_rnn = self.strided_norm = False
         self._starts = {}
         return calls
 
