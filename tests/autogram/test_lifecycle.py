@@ -2079,3 +2079,16 @@ def test_a_delegate_set_on_the_instance_after_hooking_changes_the_rule() -> None
         plain = conv._conv_forward
         conv._conv_forward = lambda x, w, b: plain(x, w**2, b)  # type: ignore[method-assign]
         assert_exact_gramian(engine, model(x).squeeze(1).pow(2), list(model.parameters()))
+
+
+def test_a_module_called_on_a_subset_of_the_rows_is_refused_with_the_reason() -> None:
+    """A layer called on some of the batch's rows (routing, ``x[mask]``) is refused per sample,
+    and the message says so (it only spoke of expanding a tensor to the batch)."""
+    first, expert = nn.Linear(3, 2).double(), nn.Linear(2, 2).double()
+    x = torch.randn(6, 3, dtype=torch.float64)
+    with Engine(first, expert, batch_dim=0) as engine:
+        h = first(x)
+        routed = h.clone()
+        routed[:2] = expert(h[:2])
+        with pytest.raises(ValueError, match=r"subset of the batch's rows .* batch_dim=None"):
+            engine.compute_gramian(routed.pow(2).sum(1))

@@ -1612,7 +1612,9 @@ def _check_batch(unit: Unit, call: Call, rows: Rows, batch_dims: list[int | None
                 "the batch before the call (e.g. positions.expand(B, T)), or use batch_dim=None "
                 "for modules that do not batch there. If the module was called on several "
                 "batches whose losses are concatenated, call it once on the concatenated inputs "
-                "(or use batch_dim=None)."
+                "(or use batch_dim=None). If it was called on a subset of the batch's rows "
+                "(routing to experts or clusters, x[mask], AdaptiveLogSoftmaxWithLoss), the "
+                "per-sample engine cannot tell the rows' samples: use batch_dim=None."
             )
 
 
