@@ -573,3 +573,18 @@ def test_an_unused_expert_beside_a_checkpointed_frozen_stem_is_exact() -> None:
     engine = Engine(experts, batch_dim=0)
     losses = experts[0](checkpoint(stem, x, use_reentrant=True)).pow(2).sum(1)
     assert_exact_gramian(engine, losses, [*experts[0].parameters()])
+
+
+@pytest.mark.parametrize("batch_dim", [0, None])
+def test_a_gradient_penalty_in_the_losses_is_refused_with_the_reason(batch_dim: int | None) -> None:
+    """Losses holding a derivative through a hooked module (a gradient penalty) reach its
+    parameters through the double backward, which the Gramian would miss: refused, and the
+    message names that case and the way out (autojac), not only tied weights."""
+    model = nn.Sequential(nn.Linear(3, 2), nn.Tanh(), nn.Linear(2, 1)).double()
+    x = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
+    with Engine(model, batch_dim=batch_dim) as engine:
+        out = model(x).squeeze(1)
+        (penalty,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+        losses = out + penalty.square().sum(1)
+        with pytest.raises(ValueError, match=r"gradient penalty.*jacflow\.backward"):
+            engine.compute_gramian(losses if batch_dim == 0 else losses[:2])

@@ -1271,7 +1271,10 @@ class Engine:
                 "whose weight is the tied parameter), give the engine that module too, or "
                 "freeze the parameter. If the losses also hold an earlier forward whose calls a "
                 "step already took (a graph kept by retain_graph=True, or a second forward run "
-                "before the step), run the forward again for each step instead."
+                "before the step), run the forward again for each step instead. If the losses "
+                "hold a derivative through the hooked modules (a gradient penalty: "
+                "autograd.grad(..., create_graph=True) in the loss), the engine cannot take "
+                "them: use jacflow.backward or jacflow.mtl_backward for such losses."
                 + (f" {_COMPILED_BEFORE_HINT}" if _holds_compiled(pattern[1], ()) else "")
             )
 
