@@ -101,3 +101,35 @@ def test_a_method_the_forward_delegates_to_overridden_gets_the_generic_rule(
         engine.backward(forward(), ConstantWeighting(weights[: losses.shape[0]]))
     actual = torch.cat([p.grad.flatten() for p in params])  # type: ignore[union-attr]
     torch.testing.assert_close(actual, weights[: losses.shape[0]] @ jacobian)
+
+
+class _Pair(tuple):  # type: ignore[type-arg]  # (a tuple subclass: torch's pytree keeps it whole)
+    pass
+
+
+class _PairReader(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.tensor([0.5, -1.0, 2.0], dtype=torch.float64))
+
+    def forward(self, pair: Any) -> Tensor:
+        a, b = pair
+        return (a * self.w).tanh().sum(-1) + (b * self.w**2).sum(-1)
+
+
+def test_generic_rule_refuses_batched_tensors_it_cannot_split() -> None:
+    """Per sample, tensors of the batch inside an argument that torch's pytree does not open
+    (a tuple subclass) cannot be split: refused with the reason (the re-run failed inside
+    vmap with a bare shape mismatch); in a plain tuple, and per task, the Gramian is exact."""
+    a = torch.randn(4, 3, dtype=torch.float64)
+    b = torch.randn(4, 3, dtype=torch.float64)
+    module = _PairReader()
+    refusal = pytest.raises(ValueError, match=r"given a _Pair holding tensors of the batch")
+    with Engine(module, batch_dim=0) as engine, refusal:
+        engine.compute_gramian(module(_Pair((a, b))))
+    for batch_dim, pair in ((0, (a, b)), (None, _Pair((a, b)))):
+        with Engine(module, batch_dim=batch_dim) as engine:
+            losses = module(pair)
+            losses = losses if batch_dim == 0 else losses[:2]
+            jacobian = reference_jacobian(losses, [module.w])
+            torch.testing.assert_close(engine.compute_gramian(losses), jacobian @ jacobian.T)

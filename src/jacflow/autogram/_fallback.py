@@ -10,6 +10,7 @@ custom layers); register a closed form for big ones.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
@@ -418,14 +419,42 @@ def _with_enclosing_calls(calls: list[Call], rows: Rows) -> list[Call]:
     return everything
 
 
-def _check_samples_splittable(module: nn.Module, calls: list[Call]) -> None:
+def _hidden_tensors(leaf: object) -> list[Tensor]:
+    """The tensors held by ``leaf``, an argument that torch's pytree left whole (a subclass of
+    tuple, list or dict, or a dataclass, not registered with it), at its first level."""
+    items: list[object] = []
+    if isinstance(leaf, (tuple, list)):
+        items = list(leaf)
+    elif isinstance(leaf, dict):
+        items = list(leaf.values())
+    elif dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
+        items = [getattr(leaf, field.name) for field in dataclasses.fields(leaf)]
+    return [item for item in items if isinstance(item, Tensor)]
+
+
+def _check_samples_splittable(module: nn.Module, calls: list[Call], num_samples: int) -> None:
     """Per sample, refuse what the re-run of one sample cannot reproduce: an embedding that
-    counts the batch's tokens (``scale_grad_by_freq``, set since the Engine was created), and
-    an ``nn.EmbeddingBag`` given its bags as one flat input with ``offsets``, which are not
-    split by sample (the re-run would get every sample's tokens with one sample's offset)."""
+    counts the batch's tokens (``scale_grad_by_freq``, set since the Engine was created), an
+    ``nn.EmbeddingBag`` given its bags as one flat input with ``offsets``, which are not
+    split by sample (the re-run would get every sample's tokens with one sample's offset),
+    and batched tensors inside an argument that torch's pytree does not open (they would be
+    passed whole to the re-run of one sample)."""
     refusal = frequency_refusal(module, type(module).__name__)
     if refusal is not None:
         raise refusal
+    for call in calls:
+        for leaf in tree_flatten((call.args, call.kwargs))[0]:
+            hidden = _hidden_tensors(leaf)
+            if any(t.ndim >= 1 and t.shape[0] == num_samples for t in hidden):
+                raise ValueError(
+                    f"{type(module).__name__} was given a {type(leaf).__name__} holding "
+                    "tensors of the batch, which torch's pytree does not open (a subclass of "
+                    "tuple, list or dict, or a dataclass): the generic rule re-runs the "
+                    "module sample by sample (batch_dim=0) and could not split them. Pass "
+                    "the tensors as arguments (or in a plain tuple, list or dict), register "
+                    "the type with torch.utils._pytree.register_pytree_node, or use "
+                    "batch_dim=None."
+                )
     if isinstance(module, nn.EmbeddingBag) and any(call.input().ndim == 1 for call in calls):
         raise ValueError(
             "EmbeddingBag was called with one flat input and `offsets`: the generic rule "
@@ -456,7 +485,7 @@ class FallbackRule(Rule):
             )
         _check_backward_hooks(module)
         if not rows.per_task:
-            _check_samples_splittable(module, calls)
+            _check_samples_splittable(module, calls, rows.num_samples)
         # (copies: a re-run that renormalises a weight in place, as an embedding's max_norm
         # does, must not touch the parameter, whose version the forward's graph checks)
         detached = {name: p.detach().clone() for name, p in params.items()}
