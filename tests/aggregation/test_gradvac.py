@@ -133,3 +133,23 @@ def test_device_and_dtype(device: str, dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_nonfinite_gramian_gives_nan_weights(bad: float) -> None:
     check_nonfinite_gramian_gives_nan(lambda: GradVacWeighting(), bad)
+
+
+def test_a_nonfinite_step_leaves_the_targets() -> None:
+    """A step a GradScaler skips (a NaN Gramian) gives NaN weights and leaves the similarity
+    targets as they were: the next steps are those of a run without it (it set every target
+    to NaN, after which GradVac returned the weights of Sum for good)."""
+    gen = torch.Generator().manual_seed(3)
+    jacobians = [torch.randn(3, 5, generator=gen, dtype=torch.float64) for _ in range(3)]
+    bad = torch.full((3, 3), float("nan"), dtype=torch.float64)
+    clean, skipped = GradVacWeighting(beta=0.5), GradVacWeighting(beta=0.5)
+    torch.manual_seed(0)
+    clean(jacobians[0] @ jacobians[0].T)
+    torch.manual_seed(0)
+    skipped(jacobians[0] @ jacobians[0].T)
+    assert bool(skipped(bad).isnan().all())
+    for J in jacobians[1:]:
+        torch.manual_seed(1)
+        expected = clean(J @ J.T)
+        torch.manual_seed(1)
+        torch.testing.assert_close(skipped(J @ J.T), expected)

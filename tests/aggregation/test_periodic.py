@@ -111,3 +111,17 @@ def test_reuse_steps_return_constants_under_autograd() -> None:
     torch.testing.assert_close(reused, weights.detach())
     (reused * x).sum().backward()  # (raised: backward through the first step's graph again)
     torch.testing.assert_close(x.grad, weights.detach())
+
+
+def test_nonfinite_weights_are_not_reused() -> None:
+    """A recomputing step on a NaN Gramian (a step a GradScaler skips) gives NaN weights, is
+    not counted, and the next call recomputes: it kept the NaN weights for the next every - 1
+    finite steps, all of which the scaler then skipped too."""
+    inner = _CountingWeighting()
+    W = Periodic(inner, every=3)
+    assert bool(W(torch.full((2, 2), float("nan"))).isnan().all())
+    assert W.needs_gramian()
+    torch.testing.assert_close(W(torch.eye(2) * 2), torch.tensor([2.0, 2.0]))
+    torch.testing.assert_close(W(torch.eye(2) * 5), torch.tensor([2.0, 2.0]))
+    torch.testing.assert_close(W(torch.eye(2) * 7), torch.tensor([2.0, 2.0]))
+    assert W.needs_gramian()

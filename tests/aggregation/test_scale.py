@@ -10,6 +10,7 @@ from ``J`` scaled to a largest entry of about 1.
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -113,11 +114,11 @@ INVARIANT_AGGREGATORS = [
 ]
 
 
-def _aggregate(make: Callable[[], Aggregator], matrix: Tensor) -> Tensor:
+def _aggregate(make: Callable[[], Aggregator], matrix: Tensor, calls: int = 2) -> Tensor:
     torch.manual_seed(0)
     aggregator = make()
     out = matrix.new_zeros(0)
-    for _ in range(2):
+    for _ in range(calls):
         if isinstance(aggregator, LossAware):
             aggregator.set_losses(LOSSES)
         out = aggregator(matrix)
@@ -193,3 +194,28 @@ def test_weightings_that_read_the_scale_get_a_float64_gramian_out_of_range(
     out = _aggregate(TABLE[name], J32)
     peak = float(expected.abs().max())
     torch.testing.assert_close(out.double(), expected, rtol=1e-3, atol=1e-3 * peak)
+
+
+# The methods whose update does not scale with the Jacobian, as documented in the mixed
+# precision section of docs/getting-started.md (a GradScaler's unscaled update is then wrong).
+NOT_HOMOGENEOUS = {"AuxiNash", "FairGrad", "GradNorm", "MoCo", "MoDo", "NashMTL"}
+
+
+def test_the_documented_methods_are_those_whose_update_does_not_scale_with_j() -> None:
+    """``A(S J) / S == A(J)`` (a GradScaler's loss scale S = 2^16, at the first and second
+    call) for every method except the documented ones, which the docs name."""
+    gen = torch.Generator().manual_seed(11)
+    J = torch.randn(M, 6, generator=gen, dtype=torch.float64)
+    J[1] = -0.8 * J[0] + 0.3 * J[1]
+    scale = 2.0**16
+    failing = set()
+    for name, make in TABLE.items():
+        for calls in (1, 2):
+            plain = _aggregate(make, J, calls)
+            unscaled = _aggregate(make, scale * J, calls) / scale
+            if float((unscaled - plain).norm()) > 1e-6 * float(plain.norm()):
+                failing.add(name)
+    assert failing == NOT_HOMOGENEOUS
+    section = (Path(__file__).parents[2] / "docs" / "getting-started.md").read_text()
+    section = section.split("GradScaler", 1)[1][:1500]
+    assert all(name in section for name in NOT_HOMOGENEOUS), section

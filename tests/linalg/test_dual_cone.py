@@ -997,3 +997,20 @@ def test_admm_polish_solves_the_problems_exactly(
     gap = v[0] - project_weights_reference(u[0], g[0])
     assert float(torch.einsum("ki,ij,kj->k", gap, g[0], gap).amax()) <= 1e-14
     assert_kkt(v[0], u[0], g[0])
+
+
+@pytest.mark.parametrize("m", [3, 24, 32, 40])
+def test_gramians_near_the_largest_float_are_projected_as_at_scale_one(m: int) -> None:
+    """Every route (host floats, lean, batched, ADMM): finite entries whose trace overflows
+    gave v = u (the Gramian divided by an infinite trace) or NaN; the projection ignores a
+    global scale of G."""
+    J = make_jacobian(m, m + 3, m, 1.0, torch.float64, seed=m)
+    G = J @ J.T
+    huge = G / G.diagonal().amax() * 1e308
+    assert bool(torch.isfinite(huge).all()) and not torch.isfinite(huge.diagonal().sum())
+    u = torch.eye(m, dtype=torch.float64)
+    torch.testing.assert_close(project_weights(u, huge), project_weights(u, G), rtol=0, atol=1e-9)
+    pref = torch.full((m,), 1.0 / m, dtype=torch.float64)
+    torch.testing.assert_close(
+        project_diagonal(pref, huge), project_diagonal(pref, G), rtol=0, atol=1e-9
+    )

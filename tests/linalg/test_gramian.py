@@ -98,3 +98,18 @@ def test_sum_gramians_refuses_matrices_with_other_numbers_of_rows() -> None:
         sum_gramians([torch.ones(2, 3), torch.ones(3, 3)])
     with pytest.raises(ValueError, match=r"\[m, \*any\], received \(\) at 1"):
         sum_gramians([torch.ones(2, 3), torch.ones(())])
+
+
+def test_normalize_gramian_of_entries_near_the_largest_float() -> None:
+    """Finite entries whose trace overflows (about 1e307 each): the same normalisation as at
+    scale 1 (it divided by the infinite trace and gave zeros); a NaN entry still gives NaN."""
+    J = torch.tensor([[1.0, -2.0, 0.5], [0.3, 1.0, 2.0], [2.0, 0.0, -1.0]], dtype=torch.float64)
+    G = J @ J.T
+    huge = G / G.diagonal().amax() * 1e308
+    assert bool(torch.isfinite(huge).all()) and not torch.isfinite(huge.diagonal().sum())
+    torch.testing.assert_close(normalize_gramian(huge, 0.0), normalize_gramian(G, 0.0))
+    batch = torch.stack([G, huge])
+    torch.testing.assert_close(normalize_gramian(batch, 1e-3)[1], normalize_gramian(G, 0.0))
+    with_nan = G.clone()
+    with_nan[1, 1] = float("nan")
+    assert bool(normalize_gramian(with_nan, 0.0).isnan().all())

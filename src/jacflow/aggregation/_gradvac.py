@@ -11,6 +11,7 @@ from jacflow.aggregation._hyperparameters import Forwarded, Hyperparameter, floa
 from jacflow.aggregation._nonfinite import propagate_nonfinite
 from jacflow.aggregation._pcgrad import random_orders
 from jacflow.aggregation._properties import Property
+from jacflow.linalg._gramian import has_nonfinite
 
 
 def gradvac_weights(
@@ -113,7 +114,8 @@ class GradVacWeighting(SavesState, GramianWeighting, Stateful):
             weights, new_targets = gradvac_weights(
                 stat, targets.to(stat), orders, self.beta, self.eps
             )
-        self._targets = new_targets
+        if not has_nonfinite(new_targets):  # (a step a GradScaler skips leaves the targets)
+            self._targets = new_targets
         return weights
 
     def extra_repr(self) -> str:

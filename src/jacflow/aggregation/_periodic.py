@@ -7,6 +7,7 @@ from torch import Tensor
 from jacflow._stateful import SavesState, Stateful
 from jacflow.aggregation._bases import GramianWeighting, check_gramian_weighting
 from jacflow.aggregation._hyperparameters import Hyperparameter, ints
+from jacflow.linalg._gramian import has_nonfinite
 
 
 class Periodic(SavesState, GramianWeighting, Stateful):
@@ -99,7 +100,10 @@ class Periodic(SavesState, GramianWeighting, Stateful):
         if self.needs_gramian():
             weights = self.weighting(stat)
             # (the reuse steps' weights are constants: a graph to an earlier Gramian made a
-            # second backward through it raise)
+            # second backward through it raise; non-finite ones, of a step a GradScaler skips,
+            # are not kept: the next call recomputes)
+            if has_nonfinite(weights):
+                return weights
             self._weights = weights.detach()
         else:
             self.check_rows(stat.shape[0])

@@ -196,7 +196,8 @@ def mtl_backward(
             trunk before the forward pass. With a Gramian-based ``A`` (UPGrad, MGDA, ...), the
             step then goes through the Gramian engine: no trunk Jacobian is formed and the
             trunk's weight gradients are computed once, for about ``(m + 2) / 3`` SGD steps
-            instead of ``(2m + 1) / 3``. The result is the same, except where a hooked trunk
+            instead of ``(2m + 1) / 3``. The result is the same (up to rounding: under autocast,
+            to that of its low precision, about 1e-3 in bfloat16), except where a hooked trunk
             parameter has a gradient hook: that hook runs on the parameter's update, not on
             each task's row, so the Gramian, and the weights, do not see it (without the
             engine they do, even for a hook linear in its gradient). Trunk parameters that the

@@ -468,10 +468,13 @@ def _normalized(g: Tensor, norm_eps: float, reg_eps: float, one_sync: bool) -> T
     result, 3 operations instead of 13)."""
     if one_sync and reg_eps == 0:
         trace = float(g.diagonal(dim1=-2, dim2=-1).sum())
+        if math.isinf(trace) and not has_nonfinite(g):  # (finite entries near the largest
+            return _normalized(g, norm_eps, reg_eps, one_sync=False)  # float: see below)
         if trace > norm_eps or not math.isfinite(trace):
             return (g + g.mT) * (0.5 / trace)
         return torch.zeros_like(g)
-    g = normalize_gramian((g + g.mT) / 2, norm_eps)
+    g = normalize_gramian(g, norm_eps)  # (then symmetrised: g + g^T overflowed near the max)
+    g = g / 2 + g.mT / 2
     if reg_eps > 0:
         g = normalize_gramian(regularize_gramian(g, reg_eps), 0.0)
     return g
@@ -481,9 +484,14 @@ def _normalized_on_host(gramian: Tensor, norm_eps: float, reg_eps: float) -> lis
     """The Gramian as :func:`project_weights` normalises it, in Python floats."""
     rows = gramian.tolist()
     m = len(rows)
-    g = [[(rows[i][j] + rows[j][i]) / 2 for j in range(m)] for i in range(m)]
+    # (a trace that overflows from finite entries: divided by the largest diagonal entry
+    # first, as normalize_gramian; the symmetric part's sums overflowed there too)
+    diagonal = [rows[i][i] for i in range(m)]
+    overflowed = math.isinf(sum(diagonal)) and all(math.isfinite(x) for x in diagonal)
+    unit = max(abs(x) for x in diagonal) if overflowed else 1.0
+    g = [[(rows[i][j] / unit + rows[j][i] / unit) / 2 for j in range(m)] for i in range(m)]
     trace = sum(g[i][i] for i in range(m))
-    scale = 1 / trace if trace > norm_eps else 0.0
+    scale = 1 / trace if trace > norm_eps / unit or not math.isfinite(trace) else 0.0
     g = [[x * scale for x in row] for row in g]
     if reg_eps > 0:
         renormalize = 1 / (sum(g[i][i] for i in range(m)) + m * reg_eps)

@@ -92,10 +92,16 @@ def normalize_gramian(gramian: Tensor, eps: float) -> Tensor:
         tensor([[nan, nan],
                 [nan, nan]])
     """
-    trace = gramian.diagonal(dim1=-2, dim2=-1).sum(-1)[..., None, None]
-    keep = (trace > eps) | ~torch.isfinite(trace)
+    diagonal = gramian.diagonal(dim1=-2, dim2=-1)
+    # (a trace that overflows from finite entries near the largest float: divided by the
+    # largest diagonal entry first, instead of by that infinite trace, which gave zeros)
+    overflowed = torch.isinf(diagonal.sum(-1)) & torch.isfinite(diagonal).all(-1)
+    unit = torch.where(overflowed, diagonal.abs().amax(-1), 1.0)[..., None, None]
+    scaled = gramian / unit
+    trace = scaled.diagonal(dim1=-2, dim2=-1).sum(-1)[..., None, None]
+    keep = (trace > eps / unit) | ~torch.isfinite(trace)
     safe = torch.where(keep, trace, torch.ones_like(trace))
-    return torch.where(keep, gramian / safe, torch.zeros_like(gramian))
+    return torch.where(keep, scaled / safe, torch.zeros_like(gramian))
 
 
 def regularize_gramian(gramian: Tensor, eps: float) -> Tensor:

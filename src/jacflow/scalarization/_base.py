@@ -177,6 +177,12 @@ class Scalarizer(Configurable, ABC):
     :meth:`forward`. Stateful methods also subclass :class:`jacflow.Stateful`; learnable ones
     hold ``nn.Parameter`` s to add to the optimizer.
 
+    Their parameters and buffers take the losses' device and dtype (float32 or float64) in place
+    at a call, and the dtype of a loaded ``state_dict``'s. To resume a run, load the
+    scalarizer's state before the optimizer's: torch's optimizer casts its state to its
+    parameters' dtype as it loads it, so loaded first it would hold float32 state for what
+    becomes a float64 parameter (Adam then fails on the mixed dtypes, SGD's momentum drifts).
+
     Example:
         >>> import torch
         >>> from jacflow.scalarization import Mean
