@@ -655,7 +655,11 @@ def project_weights(
     float64 where that is not met). A problem counts as solved when its KKT residual
     ``max_i |min(v_i - u_i, lam_i / c)| / max(1, |v|_inf)`` (with ``u`` scaled to max-norm 1,
     ``lam = 2 G v`` and ``c = 2 max_i G_ii``, ``G`` of trace 1, rescaled as above) is at most
-    ``tol``. If some problem does not meet ``tol`` within ``max_iter``, a
+    ``tol``. The residual is in units of ``u`` (of ``J^T u``): where the dual cone is thin
+    (objectives nearly opposed, ``|J^T v| < 1e-7 |J^T u|``), a solution within ``tol`` may be
+    percents off ``J^T v`` in relative terms (a cosine of about -1e-4 with an objective, on an
+    update that small); a smaller ``tol`` with ``method="pdas"`` resolves it as far as float64
+    allows. If some problem does not meet ``tol`` within ``max_iter``, a
     :class:`SolverWarning` is issued and the best iterate is returned. NaN or infinite
     entries in ``G`` (or in a row of ``u``) give NaN rows. Under autograd, a non-finite row of
     ``u`` gets no gradient and passes none to the other inputs; the rows of a non-finite ``G``
