@@ -86,6 +86,10 @@ def jac_to_grad(
     Call it several times on groups of tensors with separate aggregators to aggregate per
     layer or per network.
 
+    The update written has a graph only where the ``.jac`` fields have one (``jac(...,
+    create_graph=True)``) and ``A`` is :attr:`~jacflow.aggregation.Aggregator.differentiable`,
+    as ``.grad`` after torch's ``backward``.
+
     Every ``.jac`` is checked (present, ``[m, *t.shape]``, same ``m``) before anything is
     written: a failed call leaves every ``.grad`` and ``.jac`` as it was. Empty Jacobians
     (``m = 0``) aggregate to the zero update, which is added to ``.grad`` (zeros where it was
