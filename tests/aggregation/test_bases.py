@@ -190,3 +190,36 @@ def test_weightings_that_read_the_scale_survive_an_overflowing_float32_gramian(
     jacflow.jac_to_grad([x], make())
     assert x.grad is not None
     torch.testing.assert_close(x.grad, expected, rtol=1e-5, atol=0.0)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [agg.Mean, agg.Sum, agg.Random, lambda: agg.Constant(torch.tensor([0.5, 2.0, 1.0]))],
+    ids=["Mean", "Sum", "Random", "Constant"],
+)
+@pytest.mark.parametrize("where", ["weighting", "gramian_weighting"])
+def test_hooks_on_the_weightings_of_the_shortcut_methods_run(
+    make: Callable[[], agg.Aggregator], where: str
+) -> None:
+    """Mean, Sum, Random and Constant skip the Gramian; a forward hook on their weighting (TorchJD's
+    monitoring pattern, or one that changes the weights) must still run, on a call and through
+    ``jac_to_grad`` (it was skipped: the update ignored it)."""
+    J = torch.tensor([[1.0, -2.0], [0.5, 1.0], [3.0, 0.0]], dtype=torch.float64)
+    aggregator = make()
+    torch.manual_seed(0)
+    plain = aggregator(J)
+    seen: list[Tensor] = []
+
+    def double(module: nn.Module, args: Any, out: Tensor) -> Tensor:
+        seen.append(out)
+        return 2 * out
+
+    getattr(aggregator, where).register_forward_hook(double)
+    torch.manual_seed(0)
+    torch.testing.assert_close(aggregator(J), 2 * plain)
+    param = torch.zeros(2, dtype=torch.float64, requires_grad=True)
+    param.jac = J.clone()  # type: ignore[attr-defined]
+    torch.manual_seed(0)
+    jacflow.jac_to_grad([param], aggregator)
+    torch.testing.assert_close(param.grad, 2 * plain)
+    assert len(seen) == 2

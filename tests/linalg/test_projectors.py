@@ -28,9 +28,6 @@ class ReferenceProjector(DualConeProjector):
     def __call__(self, u: Tensor, gramian: Tensor) -> Tensor:
         return project_weights_reference(u, gramian)
 
-    def _repr_args(self) -> str:
-        return ""
-
 
 def test_torch_projector_is_project_weights() -> None:
     torch.manual_seed(3)
@@ -171,3 +168,12 @@ def test_project_diagonal_of_no_objective_off_the_host_route(
     full_route(monkeypatch)
     empty = TorchProjector().project_diagonal(torch.ones(0), torch.ones(0, 0))
     assert empty.shape == (0, 0)
+
+
+def test_a_projector_written_to_torchjds_contract_is_accepted() -> None:
+    """One abstract ``__call__``, as TorchJD's ``DualConeProjector``: constructible (a second
+    abstract method refused it with a TypeError), with a bare repr, and usable by UPGrad."""
+    projector = ReferenceProjector()
+    assert repr(projector) == "ReferenceProjector()"
+    J = torch.tensor([[-4.0, 1.0, 1.0], [6.0, 1.0, 1.0]], dtype=torch.float64)
+    torch.testing.assert_close(UPGrad(projector=projector)(J), UPGrad()(J))

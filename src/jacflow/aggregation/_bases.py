@@ -17,7 +17,8 @@ from collections.abc import Callable, Sequence
 from typing import ClassVar
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
+from torch.nn.modules import module as torch_module
 
 from jacflow.aggregation._hyperparameters import (
     Configurable,
@@ -131,6 +132,26 @@ def scale_to_unit_peak(matrix: Tensor) -> Tensor:
     if matrix.numel() == 0:
         return matrix
     return matrix * unit_peak_factor([matrix])
+
+
+def runs_forward_hooks(*modules: nn.Module) -> bool:
+    """Whether calling one of ``modules`` runs a forward hook or pre-hook (its own or a
+    global one): a shortcut that skips the call would skip them (TorchJD's monitoring hooks
+    on ``A.weighting``, a hook that changes the weights).
+
+    Example:
+        >>> from jacflow.aggregation import Mean
+        >>> from jacflow.aggregation._bases import runs_forward_hooks
+        >>> A = Mean()
+        >>> runs_forward_hooks(A.weighting)
+        False
+        >>> _ = A.weighting.register_forward_hook(lambda module, args, out: out)
+        >>> runs_forward_hooks(A.weighting)
+        True
+    """
+    if torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks:
+        return True
+    return any(module._forward_hooks or module._forward_pre_hooks for module in modules)
 
 
 class Aggregator(Configurable, ABC):

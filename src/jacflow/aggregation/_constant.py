@@ -4,7 +4,12 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from jacflow.aggregation._bases import GramianWeightedAggregator, GramianWeighting, Weighting
+from jacflow.aggregation._bases import (
+    GramianWeightedAggregator,
+    GramianWeighting,
+    Weighting,
+    runs_forward_hooks,
+)
 from jacflow.aggregation._hyperparameters import Hyperparameter
 from jacflow.aggregation._properties import Property
 
@@ -96,6 +101,8 @@ class Constant(GramianWeightedAggregator):
         super().__init__(ConstantWeighting(weights))
 
     def weights(self, matrix: Tensor) -> Tensor:
+        if runs_forward_hooks(self.weighting, self.gramian_weighting):  # (they must run)
+            return super().weights(matrix)
         return self.gramian_weighting(matrix[:, :0])  # only m is read: skip the Gramian
 
     def extra_repr(self) -> str:

@@ -5,7 +5,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from jacflow.aggregation._bases import GramianWeightedAggregator, GramianWeighting, Weighting
+from jacflow.aggregation._bases import (
+    GramianWeightedAggregator,
+    GramianWeighting,
+    Weighting,
+    runs_forward_hooks,
+)
 from jacflow.aggregation._properties import Property
 
 
@@ -56,6 +61,8 @@ class Mean(GramianWeightedAggregator):
         super().__init__(MeanWeighting())
 
     def weights(self, matrix: Tensor) -> Tensor:
+        if runs_forward_hooks(self.weighting, self.gramian_weighting):  # (they must run)
+            return super().weights(matrix)
         # The weights depend only on m: no Gramian. The inherited forward is then one
         # matrix-vector product, faster than a reduction over rows.
         return mean_weights(matrix.shape[0], matrix)

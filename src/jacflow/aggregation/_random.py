@@ -5,7 +5,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from jacflow.aggregation._bases import GramianWeightedAggregator, GramianWeighting, Weighting
+from jacflow.aggregation._bases import (
+    GramianWeightedAggregator,
+    GramianWeighting,
+    Weighting,
+    runs_forward_hooks,
+)
 from jacflow.aggregation._properties import Property
 
 
@@ -66,4 +71,6 @@ class Random(GramianWeightedAggregator):
         super().__init__(RandomWeighting())
 
     def weights(self, matrix: Tensor) -> Tensor:
+        if runs_forward_hooks(self.weighting, self.gramian_weighting):  # (they must run)
+            return super().weights(matrix)
         return self.gramian_weighting(matrix[:, :0])  # only m is read: skip the Gramian

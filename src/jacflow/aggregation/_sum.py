@@ -5,7 +5,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from jacflow.aggregation._bases import GramianWeightedAggregator, GramianWeighting, Weighting
+from jacflow.aggregation._bases import (
+    GramianWeightedAggregator,
+    GramianWeighting,
+    Weighting,
+    runs_forward_hooks,
+)
 from jacflow.aggregation._properties import Property
 
 
@@ -48,6 +53,8 @@ class Sum(GramianWeightedAggregator):
         super().__init__(SumWeighting())
 
     def weights(self, matrix: Tensor) -> Tensor:
+        if runs_forward_hooks(self.weighting, self.gramian_weighting):  # (they must run)
+            return super().weights(matrix)
         # The weights depend only on m: no Gramian. The inherited forward is then one
         # matrix-vector product, faster than a reduction over rows.
         return torch.ones(matrix.shape[0], dtype=matrix.dtype, device=matrix.device)

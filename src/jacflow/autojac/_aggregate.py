@@ -8,7 +8,6 @@ from collections.abc import Iterable, Sequence
 
 import torch
 from torch import Tensor
-from torch.nn.modules import module as torch_module
 
 from jacflow.aggregation import (
     Aggregator,
@@ -17,7 +16,12 @@ from jacflow.aggregation import (
     Sum,
     WeightedAggregator,
 )
-from jacflow.aggregation._bases import compute_dtype, out_of_range, unit_peak_factor
+from jacflow.aggregation._bases import (
+    compute_dtype,
+    out_of_range,
+    runs_forward_hooks,
+    unit_peak_factor,
+)
 from jacflow.linalg import sum_gramians
 
 
@@ -104,11 +108,7 @@ def computed_by_library(aggregator: Aggregator) -> bool:
 def has_forward_hooks(aggregator: Aggregator) -> bool:
     """Whether a forward hook or pre-hook is registered on the aggregator, on one of its
     submodules (its weighting) or globally: the shortcuts above skip those modules' calls."""
-    if torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks:
-        return True
-    return any(
-        module._forward_hooks or module._forward_pre_hooks for module in aggregator.modules()
-    )
+    return runs_forward_hooks(*aggregator.modules())
 
 
 def _through_call(

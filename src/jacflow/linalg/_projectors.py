@@ -53,9 +53,10 @@ class DualConeProjector(ABC):
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self._repr_args()})"
 
-    @abstractmethod
     def _repr_args(self) -> str:
-        """The constructor arguments, as they appear in ``repr``."""
+        """The constructor arguments, as they appear in ``repr`` (none by default: a projector
+        written to TorchJD's contract, one abstract ``__call__``, needs nothing more)."""
+        return ""
 
 
 @final
