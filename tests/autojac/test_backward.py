@@ -418,3 +418,29 @@ def test_a_gradient_hook_on_an_input_sees_each_row_with_mean_and_sum(A: Aggregat
     rows = torch.stack([torch.autograd.grad(y, q)[0] for y in (3 * q.sum(), -(q**2).sum())])
     expected = rows.mean(0) if isinstance(A, Mean) else rows.sum(0)
     torch.testing.assert_close(p.grad, expected)
+
+
+class _InnerGradientSteps(Aggregator):
+    """An aggregator of your own that takes gradient steps inside (weights fitted by gradient
+    descent on a small objective of its own)."""
+
+    def forward(self, matrix: Tensor) -> Tensor:
+        weights = torch.full((matrix.shape[0],), 1.0 / matrix.shape[0], requires_grad=True)
+        weights = weights.to(matrix.dtype).detach().requires_grad_()
+        for _ in range(3):
+            objective = (weights @ matrix.detach()).square().sum() - weights.log().sum()
+            (grad,) = torch.autograd.grad(objective, weights)
+            weights = (weights - 0.01 * grad).detach().requires_grad_()
+        return weights.detach() @ matrix
+
+
+def test_an_aggregator_of_your_own_may_use_autograd_inside() -> None:
+    """``backward`` and ``jac_to_grad`` run it with autograd on (a Jacobian without a graph
+    only makes the update a constant): the same update as its call on ``J``."""
+    x = torch.tensor([0.3, -0.8, 0.5], dtype=torch.float64, requires_grad=True)
+    losses = [(x**2).sum(), x.sin().sum(), (x * 2).prod()]
+    (J,) = jac(losses, [x], retain_graph=True)
+    expected = _InnerGradientSteps()(J)
+    backward(losses, [x], A=_InnerGradientSteps())
+    assert x.grad is not None and not x.grad.requires_grad
+    torch.testing.assert_close(x.grad, expected)

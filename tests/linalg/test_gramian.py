@@ -113,3 +113,11 @@ def test_normalize_gramian_of_entries_near_the_largest_float() -> None:
     with_nan = G.clone()
     with_nan[1, 1] = float("nan")
     assert bool(normalize_gramian(with_nan, 0.0).isnan().all())
+
+
+def test_normalize_gramian_without_objectives() -> None:
+    """m = 0: an empty result, as before the guard against overflowing traces (whose amax of
+    an empty diagonal raised an IndexError)."""
+    for shape in ((0, 0), (3, 0, 0)):
+        empty = torch.zeros(shape, dtype=torch.float64)
+        assert normalize_gramian(empty, 0.0).shape == shape

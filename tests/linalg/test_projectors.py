@@ -175,5 +175,8 @@ def test_a_projector_written_to_torchjds_contract_is_accepted() -> None:
     abstract method refused it with a TypeError), with a bare repr, and usable by UPGrad."""
     projector = ReferenceProjector()
     assert repr(projector) == "ReferenceProjector()"
+    # (it may solve outside autograd: UPGrad's update with it keeps no graph, create_graph
+    # refuses it)
+    assert not UPGrad(projector=projector).differentiable
     J = torch.tensor([[-4.0, 1.0, 1.0], [6.0, 1.0, 1.0]], dtype=torch.float64)
     torch.testing.assert_close(UPGrad(projector=projector)(J), UPGrad()(J))

@@ -11,7 +11,6 @@ from jacflow.aggregation._hyperparameters import Forwarded, Hyperparameter, floa
 from jacflow.aggregation._nonfinite import propagate_nonfinite
 from jacflow.aggregation._pcgrad import random_orders
 from jacflow.aggregation._properties import Property
-from jacflow.linalg._gramian import has_nonfinite
 
 
 def gradvac_weights(
@@ -114,8 +113,9 @@ class GradVacWeighting(SavesState, GramianWeighting, Stateful):
             weights, new_targets = gradvac_weights(
                 stat, targets.to(stat), orders, self.beta, self.eps
             )
-        if not has_nonfinite(new_targets):  # (a step a GradScaler skips leaves the targets)
-            self._targets = new_targets
+        # (a step a GradScaler skips leaves the targets; a where, not a host sync)
+        skipped = ~torch.isfinite(new_targets).all()
+        self._targets = torch.where(skipped, targets.to(stat), new_targets)
         return weights
 
     def extra_repr(self) -> str:

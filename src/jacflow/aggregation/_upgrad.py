@@ -168,8 +168,9 @@ class UPGradWeighting(GramianWeighting):
 
     @property
     def differentiable(self) -> bool:
-        """True unless the projector solves without autograd (``QuadprogProjector``)."""
-        return not isinstance(self.projector, QuadprogProjector)
+        """With a ``TorchProjector`` (implicit differentiation); a projector of your own may
+        solve outside autograd, as ``QuadprogProjector`` does: no graph then."""
+        return isinstance(self.projector, TorchProjector)
 
     def check_rows(self, m: int) -> None:
         check_pref_rows(self.pref_vector, m)

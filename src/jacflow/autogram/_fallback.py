@@ -453,7 +453,8 @@ def _check_samples_splittable(module: nn.Module, calls: list[Call], num_samples:
                     "module sample by sample (batch_dim=0) and could not split them. Pass "
                     "the tensors as arguments (or in a plain tuple, list or dict), register "
                     "the type with torch.utils._pytree.register_pytree_node, or use "
-                    "batch_dim=None."
+                    "batch_dim=None. (A tensor there that is not per sample but whose first "
+                    "size is the batch size counts too: make it a buffer of the module.)"
                 )
     if isinstance(module, nn.EmbeddingBag) and any(call.input().ndim == 1 for call in calls):
         raise ValueError(

@@ -241,6 +241,14 @@ def _leave(depth: list[int], module: nn.Module, args: Any, output: Any) -> None:
         depth[0] -= 1
 
 
+def _channels_last(x: Tensor) -> bool:
+    """Whether ``x`` is in a channels-last layout (the one whose GroupNorm backward vmap
+    cannot run; other strided inputs it runs)."""
+    if x.ndim == 4:
+        return x.is_contiguous(memory_format=torch.channels_last)
+    return x.ndim == 5 and x.is_contiguous(memory_format=torch.channels_last_3d)
+
+
 def _tracks(hook: Callable[..., Any]) -> bool:
     """Whether a global forward hook is a method of one of torch's module trackers."""
     owner = getattr(hook, "__self__", None)
@@ -384,7 +392,7 @@ class Recorder:
         if self.idle or not torch.is_grad_enabled() or is_replaying():
             return
         first = next((x for x in leaves(args) if isinstance(x, Tensor)), None)
-        if first is not None and not first.is_contiguous():
+        if first is not None and not first.is_contiguous() and _channels_last(first):
             self.strided_norm = True
 
     def _start(self, module: nn.Module, args: Any) -> None:

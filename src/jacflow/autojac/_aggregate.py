@@ -61,10 +61,14 @@ def aggregate_blocks(
     ``backward`` without ``create_graph``: an aggregator's trainable tensors, a
     ``pref_vector``, leave none).
     """
-    if not (aggregator.differentiable and any(b.requires_grad for b in blocks)):
+    if not aggregator.differentiable:
         with torch.no_grad():
             return _aggregated(aggregator, blocks)
-    return _aggregated(aggregator, blocks)
+    # (autograd stays on: an aggregator of your own may take gradient steps inside)
+    updates, weights = _aggregated(aggregator, blocks)
+    if any(b.requires_grad for b in blocks):
+        return updates, weights
+    return [u.detach() for u in updates], None if weights is None else weights.detach()
 
 
 def _aggregated(

@@ -92,6 +92,8 @@ def normalize_gramian(gramian: Tensor, eps: float) -> Tensor:
         tensor([[nan, nan],
                 [nan, nan]])
     """
+    if gramian.shape[-1] == 0:  # (no objectives: nothing to divide, and no amax of nothing)
+        return torch.zeros_like(gramian)
     diagonal = gramian.diagonal(dim1=-2, dim2=-1)
     # (a trace that overflows from finite entries near the largest float: divided by the
     # largest diagonal entry first, instead of by that infinite trace, which gave zeros)
