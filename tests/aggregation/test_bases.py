@@ -223,3 +223,28 @@ def test_hooks_on_the_weightings_of_the_shortcut_methods_run(
     jacflow.jac_to_grad([param], aggregator)
     torch.testing.assert_close(param.grad, 2 * plain)
     assert len(seen) == 2
+
+
+def test_str_labels_are_torchjds() -> None:
+    """``str`` gives TorchJD 0.18's labels (users' logs and result tables compare them): the
+    preference or leak vector with two decimals, trailing zeros dropped; FairGrad's alpha as a
+    float. Checked against the literal labels, and against TorchJD where it is installed."""
+    pref = torch.tensor([0.2, 0.8])
+    made = {
+        "UPGrad([0.2, 0.8])": lambda m: m.UPGrad(pref_vector=pref),
+        "DualProj([0.2, 0.8])": lambda m: m.DualProj(pref_vector=pref),
+        "AlignedMTL([0.2, 0.8])": lambda m: m.AlignedMTL(pref_vector=pref),
+        "ConFIG([0.2, 0.8])": lambda m: m.ConFIG(pref_vector=pref),
+        "UPGrad": lambda m: m.UPGrad(),
+        "Constant([1., 2.35])": lambda m: m.Constant(torch.tensor([1.0, 2.345])),
+        "1.0-FairGrad": lambda m: m.FairGrad(alpha=1.0),
+        "GradDrop([0.1, 0.5])": lambda m: m.GradDrop(leak=torch.tensor([0.1, 0.5])),
+    }
+    for label, make in made.items():
+        assert str(make(agg)) == label
+    try:
+        import torchjd.aggregation as tj
+    except ImportError:
+        return
+    for label, make in made.items():
+        assert str(make(tj)) == label

@@ -49,7 +49,7 @@ def test_errors() -> None:
 def test_repr_and_str() -> None:
     agg = Constant(torch.tensor([1.0, 2.0]))
     assert repr(agg) == "Constant(weights=tensor([1., 2.]))"
-    assert str(agg) == "Constant([1.0, 2.0])"
+    assert str(agg) == "Constant([1., 2.])"  # (TorchJD's label)
 
 
 def test_device_and_dtype(device: str, dtype: torch.dtype) -> None:

@@ -109,4 +109,4 @@ def test_errors_and_repr() -> None:
     with pytest.raises(ValueError, match="square Gramian"):
         FairGradWeighting(alpha=1.0)(torch.ones(2, 3))
     assert repr(FairGrad(alpha=1.0)) == "FairGrad(alpha=1.0, max_iters=None)"
-    assert str(FairGrad(alpha=1.0)) == "1-FairGrad"
+    assert str(FairGrad(alpha=1.0)) == "1.0-FairGrad"  # (TorchJD's label)

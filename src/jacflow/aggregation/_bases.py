@@ -20,6 +20,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules import module as torch_module
 
+from jacflow._labels import with_vector
 from jacflow.aggregation._hyperparameters import (
     Configurable,
     Forwarded,
@@ -223,7 +224,9 @@ class Aggregator(Configurable, ABC):
         return f"{type(self).__name__}({self.extra_repr()})"
 
     def __str__(self) -> str:
-        return type(self).__name__
+        """The class name, with the preference vector of a method that has one (TorchJD's
+        label: ``UPGrad([0.2, 0.8])``)."""
+        return with_vector(type(self).__name__, getattr(self, "pref_vector", None))
 
 
 class Weighting(Configurable, ABC):

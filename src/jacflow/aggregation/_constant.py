@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
+from jacflow._labels import vector_label
 from jacflow.aggregation._bases import (
     GramianWeightedAggregator,
     GramianWeighting,
@@ -111,4 +112,4 @@ class Constant(GramianWeightedAggregator):
     def __str__(self) -> str:
         weighting = self.gramian_weighting
         assert isinstance(weighting, ConstantWeighting)
-        return f"Constant({weighting.weights.tolist()})"
+        return f"Constant([{vector_label(weighting.weights)}])"

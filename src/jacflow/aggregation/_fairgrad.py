@@ -71,7 +71,7 @@ class FairGradWeighting(GramianWeighting):
         return f"alpha={self.alpha}, max_iters={self.max_iters}"
 
     def __str__(self) -> str:
-        return f"{self.alpha:g}-FairGrad"
+        return f"{float(self.alpha)}-FairGrad"
 
 
 class FairGrad(NoGradGramianPreset):

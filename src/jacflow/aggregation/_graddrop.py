@@ -7,6 +7,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from jacflow._labels import with_vector
 from jacflow.aggregation._bases import Aggregator
 from jacflow.aggregation._hyperparameters import Hyperparameter, check_unit_vector
 
@@ -115,6 +116,9 @@ class GradDrop(Aggregator):
     def forward(self, matrix: Tensor) -> Tensor:
         self.check_rows(matrix.shape[0])
         return graddrop(matrix, self.f, self.leak)
+
+    def __str__(self) -> str:
+        return with_vector("GradDrop", self.leak)
 
     def extra_repr(self) -> str:
         name = getattr(self.f, "__name__", repr(self.f))

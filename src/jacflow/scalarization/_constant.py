@@ -6,6 +6,7 @@ from typing import final
 
 from torch import Tensor
 
+from jacflow._labels import vector_label
 from jacflow.scalarization._base import Scalarizer, check_tensor, matching
 
 
@@ -37,6 +38,9 @@ class Constant(Scalarizer):
 
     def forward(self, losses: Tensor, /) -> Tensor:
         return weighted_sum(losses, matching(self.weights, "weights", losses, "Constant"))
+
+    def __str__(self) -> str:
+        return f"Constant([{vector_label(self.weights)}])"
 
     def extra_repr(self) -> str:
         return f"weights={self.weights!r}"
