@@ -157,3 +157,31 @@ def test_device_and_dtype(device: str, dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_nonfinite_gramian_gives_nan_weights(bad: float) -> None:
     check_nonfinite_gramian_gives_nan(lambda: MGDAWeighting(), bad)
+
+
+@pytest.mark.parametrize("normalization", ["none", "l2"])
+def test_weights_are_differentiable(normalization: str) -> None:
+    """The exact weights, with the derivative of the minimiser on their support: autograd's
+    directional derivative equals central differences (an interior and a boundary minimiser),
+    and a zero row under "l2" gives finite gradients (no 0 * inf from its scale)."""
+    cases = [
+        torch.tensor([[2.0, 0.3, -0.5], [-1.0, 1.5, 0.2], [0.1, -0.8, 1.2]], dtype=torch.float64),
+        torch.tensor([[1.0, 0.0, 0.2], [3.0, 0.5, 0.1], [0.2, 2.0, 0.0]], dtype=torch.float64),
+    ]
+    weighting = MGDAWeighting(normalization=normalization)
+    for J in cases:
+        direction = torch.linspace(-1.0, 1.0, J.numel(), dtype=torch.float64).reshape(J.shape)
+        tracked = J.clone().requires_grad_()
+        weights = weighting(tracked @ tracked.T)
+        torch.testing.assert_close(weights.detach(), weighting(J @ J.T))
+        cotangent = torch.tensor([0.3, -1.0, 0.7], dtype=torch.float64)
+        (grad,) = torch.autograd.grad(weights @ cotangent, tracked)
+        h = 1e-6
+        plus, minus = J + h * direction, J - h * direction
+        expected = (weighting(plus @ plus.T) - weighting(minus @ minus.T)) @ cotangent / (2 * h)
+        torch.testing.assert_close((grad * direction).sum(), expected, rtol=1e-5, atol=1e-7)
+    zero_row = cases[0].clone()
+    zero_row[2] = 0.0
+    tracked = zero_row.clone().requires_grad_()
+    (grad,) = torch.autograd.grad(weighting(tracked @ tracked.T).sum(), tracked)
+    assert bool(torch.isfinite(grad).all())

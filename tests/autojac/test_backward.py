@@ -10,6 +10,7 @@ from torch import Tensor
 
 from jacflow import backward, jac, jac_to_grad
 from jacflow.aggregation import (
+    IMTLG,
     MGDA,
     Aggregator,
     ConFIG,
@@ -115,7 +116,9 @@ def _hessian_losses(x: Tensor) -> list[Tensor]:
     return [(x**3).sum(), x.sin().sum() - x.prod(), (x[0] - 2 * x[1]).exp()]
 
 
-@pytest.mark.parametrize("make", [UPGrad, Mean, lambda: Constant(torch.tensor([0.2, 1.0, 0.5]))])
+@pytest.mark.parametrize(
+    "make", [UPGrad, MGDA, Mean, lambda: Constant(torch.tensor([0.2, 1.0, 0.5]))]
+)
 def test_create_graph_derivative_of_grad_matches_finite_differences(
     make: Callable[[], Aggregator],
 ) -> None:
@@ -140,7 +143,7 @@ def test_create_graph_derivative_of_grad_matches_finite_differences(
     torch.testing.assert_close(torch.stack(rows), torch.stack(columns, 1), rtol=1e-5, atol=1e-7)
 
 
-@pytest.mark.parametrize("make", [MGDA, DualProj, ConFIG])
+@pytest.mark.parametrize("make", [IMTLG, DualProj, ConFIG])
 def test_create_graph_refuses_weights_computed_without_autograd(
     make: Callable[[], Aggregator],
 ) -> None:

@@ -186,8 +186,8 @@ class Aggregator(Configurable, ABC):
         ``create_graph=True``.
 
         Example:
-            >>> from jacflow.aggregation import MGDA, UPGrad
-            >>> UPGrad().differentiable, MGDA().differentiable
+            >>> from jacflow.aggregation import IMTLG, UPGrad
+            >>> UPGrad().differentiable, IMTLG().differentiable
             (True, False)
         """
         return not self.without_autograd
@@ -250,13 +250,14 @@ class Weighting(Configurable, ABC):
     def differentiable(self) -> bool:
         """Whether ``weights @ J``'s graph gives the true derivative of the weighted update:
         the weights are computed with autograd or do not depend on the input (locally), as
-        those of :class:`MeanWeighting`, :class:`ConstantWeighting`, :class:`KrumWeighting` or
-        :class:`UPGradWeighting` with a ``TorchProjector``; a weighting of your own: True.
+        those of :class:`MeanWeighting`, :class:`ConstantWeighting`, :class:`KrumWeighting`,
+        :class:`MGDAWeighting` or :class:`UPGradWeighting` with a ``TorchProjector``; a
+        weighting of your own: True.
         Its aggregators are :attr:`Aggregator.differentiable` when it is.
 
         Example:
-            >>> from jacflow.aggregation import MeanWeighting, MGDAWeighting
-            >>> MeanWeighting().differentiable, MGDAWeighting().differentiable
+            >>> from jacflow.aggregation import IMTLGWeighting, MeanWeighting
+            >>> MeanWeighting().differentiable, IMTLGWeighting().differentiable
             (True, False)
         """
         return not self.without_autograd

@@ -164,7 +164,9 @@ def normalization_scales(
     """The row scales :math:`c_i` of a normalization mode (``None`` for ``"none"``)."""
     if normalization == "none":
         return None
-    norms = gramian.diagonal().clamp(min=0).sqrt()
+    diagonal = gramian.diagonal()
+    positive = diagonal > 0  # (sqrt's infinite derivative at 0 stays out of the graph)
+    norms = torch.where(positive, torch.where(positive, diagonal, 1.0).sqrt(), 0.0)
     if normalization == "l2":
         return norms
     assert losses is not None
@@ -198,6 +200,31 @@ def normalized_mgda_weights(
     return lam * inverse
 
 
+def on_support(gramian: Tensor, lam: Tensor) -> Tensor:
+    r"""The minimiser of :math:`\lambda^\top G \lambda` on the face of the simplex that is the
+    support of ``lam`` (the minimiser found), as a differentiable function of ``G``: the KKT
+    system :math:`G_{SS} \lambda_S = \mu 1, 1^\top \lambda_S = 1` solved by pseudo-inverse
+    (least norm where it is singular), zero off the support. Its value is ``lam``'s where the
+    solution is unique; its derivative is the minimiser's where the support does not change.
+
+    Example:
+        >>> import torch
+        >>> from jacflow.aggregation._mgda import on_support
+        >>> on_support(torch.tensor([[18., -22.], [-22., 38.]]), torch.tensor([0.6, 0.4]))
+        tensor([0.6000, 0.4000])
+    """
+    support = (lam > 0).nonzero().flatten()
+    s = support.numel()
+    block = gramian.index_select(0, support).index_select(1, support)
+    ones = torch.ones(s, 1, dtype=gramian.dtype, device=gramian.device)
+    corner = torch.zeros(1, 1, dtype=gramian.dtype, device=gramian.device)
+    system = torch.cat([torch.cat([block, -ones], 1), torch.cat([ones.T, corner], 1)], 0)
+    rhs = torch.zeros(s + 1, dtype=gramian.dtype, device=gramian.device)
+    rhs[-1] = 1.0
+    solution = torch.linalg.pinv(system) @ rhs
+    return torch.zeros_like(lam).index_put((support,), solution[:s])
+
+
 def _check_normalization(value: object, name: str) -> Normalization:
     if value not in _NORMALIZATIONS:
         raise ValueError(f"`{name}` must be one of {_NORMALIZATIONS}, received {value!r}.")
@@ -223,8 +250,6 @@ class MGDAWeighting(GramianWeighting, LossAware):
         tensor([0.6000, 0.4000])
     """
 
-    without_autograd = True
-
     epsilon = Hyperparameter(floats(low=0.0, low_open=True))
     max_iters = Hyperparameter(ints(low=1))
     normalization = Hyperparameter(_check_normalization)
@@ -247,12 +272,26 @@ class MGDAWeighting(GramianWeighting, LossAware):
             self.require_losses(m)
 
     def forward(self, stat: Tensor) -> Tensor:
+        losses = None
+        if self.normalization in ("loss", "loss+"):
+            losses = self.losses_like(stat.shape[0], stat)
         with torch.no_grad():
-            losses = None
-            if self.normalization in ("loss", "loss+"):
-                losses = self.losses_like(stat.shape[0], stat)
             scales = normalization_scales(stat, self.normalization, losses)
-            return normalized_mgda_weights(stat, self.epsilon, self.max_iters, scales)
+            weights = normalized_mgda_weights(stat, self.epsilon, self.max_iters, scales)
+        tracked = torch.is_grad_enabled() and (
+            stat.requires_grad or (losses is not None and losses.requires_grad)
+        )
+        if not tracked or weights.numel() == 0 or has_nonfinite(weights):
+            return weights
+        # (the exact weights' values, with the derivative of the minimiser on their support)
+        scales = normalization_scales(stat, self.normalization, losses)
+        if scales is None:
+            tracked_weights = on_support(stat, weights)
+        else:
+            inverse = 1.0 / torch.where(scales != 0, scales, 1.0)  # (1 for a zero row)
+            lam = on_support(stat * inverse[:, None] * inverse[None, :], weights / inverse.detach())
+            tracked_weights = lam * inverse
+        return weights + (tracked_weights - tracked_weights.detach())
 
     def extra_repr(self) -> str:
         return (

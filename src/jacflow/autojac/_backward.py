@@ -157,8 +157,8 @@ def backward(
         raise ValueError(
             f"create_graph=True needs an aggregator whose update is differentiable, but "
             f"{aggregator!r} computes its weights without autograd (as most methods do): a "
-            "derivative of `.grad` would hold them constant. Use UPGrad(), Mean(), Sum(), "
-            "Constant(...) or Random(); or take the Jacobian with `jac(..., "
+            "derivative of `.grad` would hold them constant. Use UPGrad(), MGDA(), Mean(), "
+            "Sum(), Constant(...) or Random(); or take the Jacobian with `jac(..., "
             "create_graph=True)` and combine its rows with weights of your choice."
         )
     chunk_size = check_chunk_size(parallel_chunk_size, "parallel_chunk_size")
