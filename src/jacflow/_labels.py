@@ -14,7 +14,9 @@ def vector_label(vector: Tensor) -> str:
         >>> vector_label(torch.tensor([0.2, 1.0, 2.345]))
         '0.2, 1., 2.35'
     """
-    return ", ".join(format(float(value), ".2f").rstrip("0") for value in vector.flatten())
+    return ", ".join(
+        format(value, ".2f").rstrip("0") for value in vector.detach().flatten().tolist()
+    )
 
 
 def with_vector(name: str, vector: Tensor | None) -> str:

@@ -248,3 +248,18 @@ def test_str_labels_are_torchjds() -> None:
         return
     for label, make in made.items():
         assert str(make(tj)) == label
+
+
+def test_str_of_a_method_whose_pref_vector_is_not_a_tensor() -> None:
+    """A method of your own with a ``pref_vector`` attribute of another type (a list): its
+    class name, as before (the label's vector formatting raised an AttributeError); a
+    preference that requires grad is labelled without a warning."""
+
+    class Listed(agg.Mean):
+        def __init__(self) -> None:
+            super().__init__()
+            self.pref_vector = [0.5, 0.5]
+
+    assert str(Listed()) == "Listed"
+    pref = torch.tensor([0.25, 0.75], requires_grad=True)
+    assert str(agg.UPGrad(pref_vector=pref)) == "UPGrad([0.25, 0.75])"

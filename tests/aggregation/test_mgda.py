@@ -185,3 +185,20 @@ def test_weights_are_differentiable(normalization: str) -> None:
     tracked = zero_row.clone().requires_grad_()
     (grad,) = torch.autograd.grad(weighting(tracked @ tracked.T).sum(), tracked)
     assert bool(torch.isfinite(grad).all())
+
+
+def test_loss_modes_are_not_differentiable() -> None:
+    """Their weights depend on the losses, which ``set_losses`` detaches: a derivative would
+    hold them constant (0.615 where the truth is -0.237 on a one-loss example), so the update
+    has no graph and ``create_graph=True`` refuses them."""
+    import jacflow
+
+    assert MGDA().differentiable and MGDA(normalization="l2").differentiable
+    for normalization in ("loss", "loss+"):
+        aggregator = MGDA(normalization=normalization)  # type: ignore[arg-type]
+        assert not aggregator.differentiable
+        x = torch.tensor([1.5, -0.5], dtype=torch.float64, requires_grad=True)
+        losses = [1 + (x**2).sum(), x.sin().sum() + 2]
+        aggregator.set_losses(torch.stack(losses).detach())
+        with pytest.raises(ValueError, match="create_graph=True needs an aggregator"):
+            jacflow.backward(losses, [x], A=aggregator, create_graph=True)

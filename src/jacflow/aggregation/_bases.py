@@ -107,7 +107,7 @@ def out_of_range(gramian: Tensor, matrices: Sequence[Tensor]) -> bool:
     """
     if gramian.dtype == torch.float64 or gramian.numel() == 0:
         return False
-    peak = float(gramian.abs().amax())
+    peak = float(gramian.detach().abs().amax())
     if not peak < math.inf:  # (inf or NaN) overflowed, unless a matrix holds one itself
         return not any(has_nonfinite(m) for m in matrices)
     info = torch.finfo(gramian.dtype)
@@ -226,7 +226,8 @@ class Aggregator(Configurable, ABC):
     def __str__(self) -> str:
         """The class name, with the preference vector of a method that has one (TorchJD's
         label: ``UPGrad([0.2, 0.8])``)."""
-        return with_vector(type(self).__name__, getattr(self, "pref_vector", None))
+        pref = getattr(self, "pref_vector", None)
+        return with_vector(type(self).__name__, pref if isinstance(pref, Tensor) else None)
 
 
 class Weighting(Configurable, ABC):

@@ -267,6 +267,12 @@ class MGDAWeighting(GramianWeighting, LossAware):
         """True for ``"none"`` and ``"loss"``; ``"l2"`` and ``"loss+"`` divide by the norms."""
         return self.normalization in ("none", "loss")
 
+    @property
+    def differentiable(self) -> bool:
+        """True for ``"none"`` and ``"l2"``; the loss modes' weights depend on the losses given
+        to :meth:`set_losses`, which it detaches: a derivative would hold them constant."""
+        return self.normalization in ("none", "l2")
+
     def check_rows(self, m: int) -> None:
         if self.normalization in ("loss", "loss+"):
             self.require_losses(m)
