@@ -14,7 +14,11 @@ from torch import Tensor, nn
 
 from jacflow.aggregation import UPGradWeighting
 from jacflow.autogram import Engine, _capture, mtl_gramian_step
-from tests.autogram.test_engine import assert_exact_gramian, reference_jacobian
+from tests.autogram.test_engine import (
+    assert_exact_gramian,
+    assert_exact_step,
+    reference_jacobian,
+)
 
 Losses = Callable[[Tensor, Tensor, Tensor, nn.ModuleList], Tensor]
 
@@ -325,13 +329,7 @@ def test_gradient_hooks_on_hooked_outputs(layout: str, where: int, scale: float)
             return out.pow(2)
         return torch.stack([out.sum(), out.pow(2).mean(), out[0, 1]])
 
-    losses = forward()
-    params = list(model.parameters())
-    jacobian = reference_jacobian(losses, params)
-    torch.testing.assert_close(engine.compute_gramian(losses), jacobian @ jacobian.T)
-    weights = engine.backward(forward(), UPGradWeighting())
-    actual = torch.cat([p.grad.flatten() for p in params])  # type: ignore[union-attr]
-    torch.testing.assert_close(actual, weights.flatten() @ jacobian)
+    assert_exact_step(engine, forward, list(model.parameters()))
 
 
 class _Scaled(nn.Module):
@@ -448,12 +446,7 @@ def test_in_place_ops_on_attention_outputs(
         out = nn.ReLU(inplace=True)(attention(h, h, h, need_weights=False)[0])
         return out.pow(2).sum((1, 2)) if dim == 0 else torch.stack([out.sum(), out[0, 0, 1]])
 
-    losses = forward()
-    jacobian = reference_jacobian(losses, params)
-    torch.testing.assert_close(engine.compute_gramian(losses), jacobian @ jacobian.T)
-    weights = engine.backward(forward(), UPGradWeighting())
-    actual = torch.cat([p.grad.flatten() for p in params])  # type: ignore[union-attr]
-    torch.testing.assert_close(actual, weights.flatten() @ jacobian)
+    assert_exact_step(engine, forward, params)
 
 
 @pytest.mark.parametrize("batch_dim", [0, None])
@@ -722,13 +715,7 @@ def test_in_place_ops_on_a_sequence_linear_output(batch_dim: int | None, op: str
         out = second(h)
         return out.pow(2).sum((1, 2)) if batch_dim == 0 else torch.stack([out.sum(), out[0, 0, 1]])
 
-    losses = forward()
-    params = [*first.parameters(), *second.parameters()]
-    jacobian = reference_jacobian(losses, params)
-    torch.testing.assert_close(engine.compute_gramian(losses), jacobian @ jacobian.T)
-    weights = engine.backward(forward(), UPGradWeighting())
-    actual = torch.cat([p.grad.flatten() for p in params])  # type: ignore[union-attr]
-    torch.testing.assert_close(actual, weights.flatten() @ jacobian)
+    assert_exact_step(engine, forward, [*first.parameters(), *second.parameters()])
 
 
 @pytest.mark.parametrize("affine", [True, False])
@@ -752,9 +739,4 @@ def test_group_norm_on_channels_last_is_pulled_back_row_by_row(
         return out.sum((2, 3)) if batch_dim == 0 else out.sum((0, 2, 3))
 
     with Engine(model, batch_dim=batch_dim) as engine:
-        losses = forward()
-        jacobian = reference_jacobian(losses, params)
-        torch.testing.assert_close(engine.compute_gramian(losses), jacobian @ jacobian.T)
-        weights = engine.backward(forward(), UPGradWeighting())
-    actual = torch.cat([p.grad.flatten() for p in params])  # type: ignore[union-attr]
-    torch.testing.assert_close(actual, weights.flatten() @ jacobian)
+        assert_exact_step(engine, forward, params)

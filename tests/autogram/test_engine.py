@@ -47,6 +47,18 @@ def assert_exact_gramian(engine: Engine, losses: Tensor, params: list[Tensor]) -
     torch.testing.assert_close(engine.compute_gramian(losses), jacobian @ jacobian.T)
 
 
+def assert_exact_step(engine: Engine, forward: Callable[[], Tensor], params: list[Tensor]) -> None:
+    """The engine's Gramian of ``forward()``'s losses equals the brute-force ``J J^T``, and its
+    UPGrad step on a second ``forward()`` writes ``weights @ J`` into the ``.grad`` of
+    ``params`` (which have none before)."""
+    losses = forward()
+    jacobian = reference_jacobian(losses, params)
+    torch.testing.assert_close(engine.compute_gramian(losses), jacobian @ jacobian.T)
+    weights = engine.backward(forward(), UPGradWeighting())
+    actual = torch.cat([p.grad.flatten() for p in params])  # type: ignore[union-attr]
+    torch.testing.assert_close(actual, weights.flatten() @ jacobian)
+
+
 def tolerances(dtype: torch.dtype) -> dict[str, float]:
     return {"rtol": 1e-6, "atol": 1e-6} if dtype == torch.float64 else TOL32
 
@@ -535,12 +547,7 @@ def test_a_parameter_the_closed_form_does_not_read_goes_to_the_generic_rule(
         return out.pow(2) if batch_dim == 0 else torch.stack([out.sum(), out.pow(2).sum()])
 
     with Engine(model, batch_dim=batch_dim) as engine:
-        losses = forward()
-        jacobian = reference_jacobian(losses, params)
-        torch.testing.assert_close(engine.compute_gramian(losses), jacobian @ jacobian.T)
-        weights = engine.backward(forward(), UPGradWeighting())
-    actual = torch.cat([p.grad.flatten() for p in params])  # type: ignore[union-attr]
-    torch.testing.assert_close(actual, weights @ jacobian)
+        assert_exact_step(engine, forward, params)
 
 
 def _grown_embedding() -> tuple[nn.Module, Tensor]:
@@ -577,12 +584,7 @@ def test_sizes_are_read_from_the_weight(
         return out.sum(1) if batch_dim == 0 else out.sum(0)[:3]
 
     with Engine(model, batch_dim=batch_dim) as engine:
-        losses = forward()
-        jacobian = reference_jacobian(losses, params)
-        torch.testing.assert_close(engine.compute_gramian(losses), jacobian @ jacobian.T)
-        weights = engine.backward(forward(), UPGradWeighting())
-    actual = torch.cat([p.grad.flatten() for p in params])  # type: ignore[union-attr]
-    torch.testing.assert_close(actual, weights @ jacobian)
+        assert_exact_step(engine, forward, params)
 
 
 def test_a_convolution_with_stale_sizes_is_refused_clearly() -> None:
