@@ -74,10 +74,6 @@ class IMTL(GramianWeightedAggregator, Stateful):
         scales = scales.to(device=losses.device)
         return torch.exp(scales) * losses - scales
 
-    def forward(self, matrix: Tensor) -> Tensor:
-        with torch.no_grad():
-            return super().forward(matrix)
-
     def reset(self) -> None:
         self.imtl_l.reset()
 

@@ -281,16 +281,16 @@ class MGDAWeighting(GramianWeighting, LossAware):
         losses = None
         if self.normalization in ("loss", "loss+"):
             losses = self.losses_like(stat.shape[0], stat)
+        scales = normalization_scales(stat, self.normalization, losses)  # (a graph if tracked)
         with torch.no_grad():
-            scales = normalization_scales(stat, self.normalization, losses)
-            weights = normalized_mgda_weights(stat, self.epsilon, self.max_iters, scales)
+            plain = None if scales is None else scales.detach()
+            weights = normalized_mgda_weights(stat, self.epsilon, self.max_iters, plain)
         tracked = torch.is_grad_enabled() and (
             stat.requires_grad or (losses is not None and losses.requires_grad)
         )
         if not tracked or weights.numel() == 0 or has_nonfinite(weights):
             return weights
         # (the exact weights' values, with the derivative of the minimiser on their support)
-        scales = normalization_scales(stat, self.normalization, losses)
         if scales is None:
             tracked_weights = on_support(stat, weights)
         else:

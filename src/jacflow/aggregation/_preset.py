@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import torch
-from torch import Tensor
-
 from jacflow._stateful import Stateful
 from jacflow.aggregation._bases import GramianWeightedAggregator
 
@@ -21,11 +18,7 @@ class NoGradGramianPreset(GramianWeightedAggregator):
         False
     """
 
-    without_autograd = True
-
-    def forward(self, matrix: Tensor) -> Tensor:
-        with torch.no_grad():
-            return super().forward(matrix)
+    without_autograd = True  # (so its call runs without autograd: Aggregator.__call__)
 
     def extra_repr(self) -> str:
         return self.gramian_weighting.extra_repr()
