@@ -21,6 +21,7 @@ from jacflow.aggregation import (
     Sum,
     UPGrad,
 )
+from jacflow.linalg import QuadprogProjector
 from tests.autojac._zoo import ZOO, Case, reference_jacobians
 
 
@@ -117,7 +118,7 @@ def _hessian_losses(x: Tensor) -> list[Tensor]:
 
 
 @pytest.mark.parametrize(
-    "make", [UPGrad, MGDA, Mean, lambda: Constant(torch.tensor([0.2, 1.0, 0.5]))]
+    "make", [UPGrad, MGDA, DualProj, Mean, lambda: Constant(torch.tensor([0.2, 1.0, 0.5]))]
 )
 def test_create_graph_derivative_of_grad_matches_finite_differences(
     make: Callable[[], Aggregator],
@@ -143,7 +144,7 @@ def test_create_graph_derivative_of_grad_matches_finite_differences(
     torch.testing.assert_close(torch.stack(rows), torch.stack(columns, 1), rtol=1e-5, atol=1e-7)
 
 
-@pytest.mark.parametrize("make", [IMTLG, DualProj, ConFIG])
+@pytest.mark.parametrize("make", [IMTLG, lambda: DualProj(projector=QuadprogProjector()), ConFIG])
 def test_create_graph_refuses_weights_computed_without_autograd(
     make: Callable[[], Aggregator],
 ) -> None:

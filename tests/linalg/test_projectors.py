@@ -180,3 +180,38 @@ def test_a_projector_written_to_torchjds_contract_is_accepted() -> None:
     assert not UPGrad(projector=projector).differentiable
     J = torch.tensor([[-4.0, 1.0, 1.0], [6.0, 1.0, 1.0]], dtype=torch.float64)
     torch.testing.assert_close(UPGrad(projector=projector)(J), UPGrad()(J))
+
+
+class DifferentiableProjector(DualConeProjector):
+    """A projector of one's own in differentiable torch code, which says so."""
+
+    differentiable = True
+
+    def __call__(self, u: Tensor, gramian: Tensor) -> Tensor:
+        return project_weights(u, gramian, method="pdas")
+
+
+def test_a_projector_that_declares_itself_differentiable_gives_a_graph() -> None:
+    """UPGrad and DualProj follow the projector's flag: with one that declares itself
+    differentiable, their updates have the true derivative (finite differences); with one that
+    does not (the default, and QuadprogProjector), no graph."""
+    from jacflow.aggregation import DualProj
+    from jacflow.linalg import QuadprogProjector
+
+    assert TorchProjector.differentiable and not QuadprogProjector.differentiable
+    assert not DualConeProjector.differentiable
+    j = torch.tensor([[-4.0, 1.0, 1.0], [6.0, 1.0, 2.0], [1.0, -3.0, 0.5]], dtype=torch.float64)
+    direction = torch.randn(3, 3, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    for make in (UPGrad, DualProj):
+        aggregator = make(projector=DifferentiableProjector())
+        assert aggregator.differentiable
+        leaf = j.clone().requires_grad_()
+        (grad,) = torch.autograd.grad(aggregator(leaf).sum(), leaf)
+        h = 1e-6
+        expected = (aggregator(j + h * direction) - aggregator(j - h * direction)).sum() / (2 * h)
+        torch.testing.assert_close((grad * direction).sum(), expected, rtol=1e-6, atol=1e-8)
+        for silent in (ReferenceProjector(), QuadprogProjector()):
+            assert not make(projector=silent).differentiable
+            assert not make(projector=silent)(j.clone().requires_grad_()).requires_grad
+            weights = make(projector=silent).weighting(j.clone().requires_grad_())
+            assert not weights.requires_grad  # (the weighting alone holds no graph either)

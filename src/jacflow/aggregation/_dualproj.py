@@ -2,19 +2,17 @@
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
-from jacflow.aggregation._bases import GramianWeighting
+from jacflow.aggregation._bases import GramianWeightedAggregator, GramianWeighting
 from jacflow.aggregation._hyperparameters import Forwarded, Hyperparameter
 from jacflow.aggregation._pref_vector import (
     check_pref_rows,
     check_pref_vector,
     resolve_pref_vector,
 )
-from jacflow.aggregation._preset import NoGradGramianPreset
 from jacflow.aggregation._properties import Property
-from jacflow.aggregation._upgrad import check_projector, is_scale_free
+from jacflow.aggregation._upgrad import check_projector, is_scale_free, projector_grad_mode
 from jacflow.linalg import DualConeProjector
 
 
@@ -34,8 +32,9 @@ class DualProjWeighting(GramianWeighting):
             problem, on the Gramian's device). ``QuadprogProjector()`` or
             ``TorchProjector(norm_eps=1e-4, reg_eps=1e-4)`` reproduce TorchJD's numbers.
 
-    The weights are computed without autograd (they carry no graph to the Gramian); see
-    :class:`GramianWeighting` for the weightings whose weights do.
+    With a ``TorchProjector`` (or any :attr:`~jacflow.linalg.DualConeProjector.differentiable`
+    projector), the weights are differentiable with respect to the Gramian and ``pref_vector``;
+    with ``QuadprogProjector`` they carry no graph.
 
     Example:
         >>> import torch
@@ -44,8 +43,6 @@ class DualProjWeighting(GramianWeighting):
         >>> DualProjWeighting()(J @ J.T)
         tensor([0.6111, 0.5000])
     """
-
-    without_autograd = True
 
     pref_vector = Hyperparameter(check_pref_vector)
     projector = Hyperparameter(check_projector)
@@ -63,11 +60,16 @@ class DualProjWeighting(GramianWeighting):
         """Whether the projector ignores the Gramian's scale (``norm_eps == 0``)."""
         return is_scale_free(self.projector)
 
+    @property
+    def differentiable(self) -> bool:
+        """The projector's :attr:`~jacflow.linalg.DualConeProjector.differentiable`."""
+        return self.projector.differentiable
+
     def check_rows(self, m: int) -> None:
         check_pref_rows(self.pref_vector, m)
 
     def forward(self, stat: Tensor) -> Tensor:
-        with torch.no_grad():
+        with projector_grad_mode(self.projector):
             pref = resolve_pref_vector(self.pref_vector, stat.shape[0], stat)
             return dualproj_weights(stat, pref, self.projector)
 
@@ -75,7 +77,7 @@ class DualProjWeighting(GramianWeighting):
         return f"pref_vector={self.pref_vector}, projector={self.projector}"
 
 
-class DualProj(NoGradGramianPreset):
+class DualProj(GramianWeightedAggregator):
     r"""DualProj: the preference combination of the rows, projected onto their dual cone.
 
     The projection step of Lopez-Paz & Ranzato, *Gradient Episodic Memory for Continual
@@ -87,7 +89,8 @@ class DualProj(NoGradGramianPreset):
 
     where :math:`\pi_J` is the projection onto the dual cone :math:`\{x : J x \succeq 0\}`
     (Quinton & Rey 2024, Prop. 1). The update conflicts with no objective and does not depend on
-    the order of the rows; it is not linear under scaling.
+    the order of the rows; it is not linear under scaling. With the default projector it is
+    differentiable in the Jacobian (implicit differentiation of the projection's KKT system).
 
     Args:
         pref_vector: the preference weights :math:`u` (default ``1/m`` each).
@@ -115,3 +118,6 @@ class DualProj(NoGradGramianPreset):
         self, pref_vector: Tensor | None = None, projector: DualConeProjector | None = None
     ) -> None:
         super().__init__(DualProjWeighting(pref_vector, projector))
+
+    def extra_repr(self) -> str:
+        return self.gramian_weighting.extra_repr()

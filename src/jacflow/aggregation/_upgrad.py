@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -87,6 +88,13 @@ def check_projector(projector: object, name: str = "projector") -> DualConeProje
     return projector
 
 
+def projector_grad_mode(projector: DualConeProjector) -> contextlib.AbstractContextManager[None]:
+    """Autograd as the projector allows: off for one that is not
+    :attr:`~jacflow.linalg.DualConeProjector.differentiable` (its weights then carry no graph
+    that could hold its solve constant)."""
+    return contextlib.nullcontext() if projector.differentiable else torch.no_grad()
+
+
 def upgrad_weights(
     gramian: Tensor, pref_vector: Tensor | None, projector: DualConeProjector
 ) -> Tensor:
@@ -117,7 +125,7 @@ def upgrad_weights(
     # (not under autograd with a G that requires grad and a differentiable projector: the
     # weights then keep their graph to G, of zero gradient, as without the short cut)
     tracked = torch.is_grad_enabled() and gramian.requires_grad
-    tracked = tracked and isinstance(projector, TorchProjector)
+    tracked = tracked and projector.differentiable
     if not tracked and float(gramian.detach().amin()) >= 0 and not has_nonfinite(gramian):
         if pref_vector is None:  # (1/m each)
             return pref
@@ -168,15 +176,16 @@ class UPGradWeighting(GramianWeighting):
 
     @property
     def differentiable(self) -> bool:
-        """With a ``TorchProjector`` (implicit differentiation); a projector of your own may
-        solve outside autograd, as ``QuadprogProjector`` does: no graph then."""
-        return isinstance(self.projector, TorchProjector)
+        """The projector's :attr:`~jacflow.linalg.DualConeProjector.differentiable`: True with
+        a ``TorchProjector`` (implicit differentiation), False with ``QuadprogProjector``."""
+        return self.projector.differentiable
 
     def check_rows(self, m: int) -> None:
         check_pref_rows(self.pref_vector, m)
 
     def forward(self, stat: Tensor) -> Tensor:
-        return upgrad_weights(stat, self.pref_vector, self.projector)
+        with projector_grad_mode(self.projector):
+            return upgrad_weights(stat, self.pref_vector, self.projector)
 
     def extra_repr(self) -> str:
         return f"pref_vector={self.pref_vector}, projector={self.projector}"

@@ -8,7 +8,7 @@ choice of the user: :class:`TorchProjector` (default, exact, batched, on the Gra
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, final
+from typing import Any, ClassVar, final
 
 import torch
 from torch import Tensor
@@ -27,6 +27,25 @@ class DualConeProjector(ABC):
         >>> import torch
         >>> from jacflow.linalg import DualConeProjector, TorchProjector
         >>> isinstance(TorchProjector(), DualConeProjector)
+        True
+    """
+
+    differentiable: ClassVar[bool] = False
+    """Whether autograd's graph of ``v`` gives its true derivative with respect to ``u`` and
+    ``G``: :class:`UPGrad` and :class:`DualProj` with this projector then return updates with
+    a graph (``create_graph=True``). Off by default, so that a solver whose graph would hold
+    something constant (an iteration, a detached step) gives no silently wrong derivative; a
+    projector of your own written in differentiable torch code sets it to True.
+
+    Example:
+        >>> import torch
+        >>> from jacflow.aggregation import UPGrad
+        >>> from jacflow.linalg import DualConeProjector, project_weights
+        >>> class Mine(DualConeProjector):
+        ...     differentiable = True
+        ...     def __call__(self, u, gramian):
+        ...         return project_weights(u, gramian)
+        >>> UPGrad(projector=Mine()).differentiable
         True
     """
 
@@ -77,6 +96,8 @@ class TorchProjector(DualConeProjector):
         >>> TorchProjector()(torch.tensor([1., 0.]), G)
         tensor([1.0000, 0.2500])
     """
+
+    differentiable = True  # (implicit differentiation of the projections' KKT systems)
 
     def __init__(
         self,
