@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from jacflow import backward, jac, jac_to_grad
-from jacflow.aggregation import IMTLG, MGDA, Aggregator, ConFIG, Mean, UPGrad
+from jacflow.aggregation import IMTLG, MGDA, Aggregator, AlignedMTL, ConFIG, Mean, UPGrad
 
 
 def _params_with_jac() -> tuple[list[torch.Tensor], torch.Tensor]:
@@ -73,12 +73,13 @@ def test_every_torchjd_keyword_is_accepted(name: str, ours: Any) -> None:
 
 
 def test_grad_graph_only_from_a_jacobian_with_one_and_a_differentiable_aggregator() -> None:
-    """``.jac`` with a graph: UPGrad's and MGDA's updates keep it (their derivative is the
-    update's), IMTLG's has none (its weights are computed without autograd), as their calls on
-    ``J``. ``.jac``
-    without one: no graph, although the preference requires grad (as torch's ``backward``)."""
+    """``.jac`` with a graph: UPGrad's, MGDA's and AlignedMTL's updates keep it (their
+    derivative is the update's), IMTLG's has none (its weights are computed without
+    autograd), as their calls on ``J``. ``.jac`` without one: no graph, although the
+    preference requires grad (as torch's ``backward``)."""
     x = torch.tensor([0.3, -0.8], dtype=torch.float64, requires_grad=True)
-    for aggregator, graph in ((UPGrad(), True), (MGDA(), True), (IMTLG(), False)):
+    cases = ((UPGrad(), True), (MGDA(), True), (AlignedMTL(), True), (IMTLG(), False))
+    for aggregator, graph in cases:
         x.grad = None
         (x.jac,) = jac([(x**3).sum(), x.sin().sum()], [x], create_graph=True)  # type: ignore[attr-defined]
         jac_to_grad([x], aggregator)

@@ -360,7 +360,9 @@ class GramianWeighting(Weighting):
     Gradients through the weights: :class:`UPGradWeighting`'s weights (with a
     ``TorchProjector``, the default) are differentiable with respect to ``G`` and its
     preference (implicit differentiation of its projections, also twice), and so are
-    :class:`Periodic`'s on the calls where it recomputes them with such a weighting; every
+    :class:`Periodic`'s on the calls where it recomputes them with such a weighting;
+    :class:`MGDAWeighting`'s (normalisations ``"none"`` and ``"l2"``) and
+    :class:`AlignedMTLWeighting`'s (first derivatives only) are too; every
     other weighting computes its weights without autograd, so they carry no graph to ``G``
     (:class:`ConstantWeighting` returns the weights it was given, as they are), and where they
     depend on ``G`` (see :attr:`~Weighting.differentiable`), their aggregators' updates carry
