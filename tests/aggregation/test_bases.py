@@ -227,8 +227,9 @@ def test_hooks_on_the_weightings_of_the_shortcut_methods_run(
 
 def test_str_labels_are_torchjds() -> None:
     """``str`` gives TorchJD 0.18's labels (users' logs and result tables compare them): the
-    preference or leak vector with two decimals, trailing zeros dropped; FairGrad's alpha as a
-    float. Checked against the literal labels, and against TorchJD where it is installed."""
+    preference or leak vector with two decimals, trailing zeros dropped; FairGrad's alpha as
+    given (``2`` stays ``2``). Checked against the literal labels, and against TorchJD where it
+    is installed."""
     pref = torch.tensor([0.2, 0.8])
     made = {
         "UPGrad([0.2, 0.8])": lambda m: m.UPGrad(pref_vector=pref),
@@ -238,6 +239,8 @@ def test_str_labels_are_torchjds() -> None:
         "UPGrad": lambda m: m.UPGrad(),
         "Constant([1., 2.35])": lambda m: m.Constant(torch.tensor([1.0, 2.345])),
         "1.0-FairGrad": lambda m: m.FairGrad(alpha=1.0),
+        "2-FairGrad": lambda m: m.FairGrad(alpha=2),
+        "0.5-FairGrad": lambda m: m.FairGrad(alpha=0.5),
         "GradDrop([0.1, 0.5])": lambda m: m.GradDrop(leak=torch.tensor([0.1, 0.5])),
     }
     for label, make in made.items():

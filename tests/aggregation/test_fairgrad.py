@@ -110,3 +110,21 @@ def test_errors_and_repr() -> None:
         FairGradWeighting(alpha=1.0)(torch.ones(2, 3))
     assert repr(FairGrad(alpha=1.0)) == "FairGrad(alpha=1.0, max_iters=None)"
     assert str(FairGrad(alpha=1.0)) == "1.0-FairGrad"  # (TorchJD's label)
+
+
+def test_label_shows_alpha_as_given() -> None:
+    """``2-FairGrad`` for ``alpha=2`` (TorchJD's label; it was ``2.0-FairGrad``), ``0.5`` and
+    ``2.0`` as they are, also after an assignment; the weights do not depend on the type."""
+    assert str(FairGrad(alpha=2)) == "2-FairGrad"
+    assert str(FairGradWeighting(alpha=2)) == "2-FairGrad"
+    assert repr(FairGrad(alpha=2)) == "FairGrad(alpha=2, max_iters=None)"
+    assert str(FairGrad(alpha=2.0)) == "2.0-FairGrad"
+    assert str(FairGrad(alpha=0.5)) == "0.5-FairGrad"
+    aggregator = FairGrad(alpha=0.5)
+    aggregator.alpha = 3
+    assert str(aggregator) == "3-FairGrad"
+    J = torch.tensor([[-4.0, 1.0, 1.0], [6.0, 1.0, 1.0]])
+    assert torch.equal(FairGrad(alpha=2)(J), FairGrad(alpha=2.0)(J))
+    assert torch.equal(FairGrad(alpha=0)(J), FairGrad(alpha=0.0)(J))
+    with pytest.raises(TypeError, match="`alpha` must be a float"):
+        FairGrad(alpha=True)

@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import Tensor
 
 from jacflow.aggregation._bargaining import ridge_for, solve_power_equation
 from jacflow.aggregation._bases import GramianWeighting
-from jacflow.aggregation._hyperparameters import Forwarded, Hyperparameter, floats, ints, or_none
+from jacflow.aggregation._hyperparameters import (
+    Forwarded,
+    Hyperparameter,
+    check_float,
+    ints,
+    or_none,
+)
 from jacflow.aggregation._mean import mean_weights
 from jacflow.aggregation._nonfinite import has_nonfinite, nan_weights
 from jacflow.aggregation._preset import NoGradGramianPreset
@@ -35,6 +43,19 @@ def fairgrad_weights(gramian: Tensor, alpha: float, max_iters: int) -> Tensor:
     return solve_power_equation(G, 1.0 / alpha, None, max_iters, ridge).to(gramian.dtype)
 
 
+def _check_alpha(value: object, name: str) -> float:
+    """``value`` if it is a float ``>= 0``, kept as given (an int stays an int, as in the label
+    ``2-FairGrad``: TorchJD's); the maths read it as a number either way.
+
+    Example:
+        >>> from jacflow.aggregation._fairgrad import _check_alpha
+        >>> _check_alpha(2, "alpha"), _check_alpha(0.5, "alpha")
+        (2, 0.5)
+    """
+    check_float(value, name, low=0.0)
+    return cast(float, value)  # (an int or a float: check_float refuses the rest)
+
+
 class FairGradWeighting(GramianWeighting):
     r"""Gramian weighting of :class:`FairGrad`.
 
@@ -54,7 +75,7 @@ class FairGradWeighting(GramianWeighting):
 
     without_autograd = True
 
-    alpha = Hyperparameter(floats(low=0.0))
+    alpha = Hyperparameter(_check_alpha)
     max_iters = Hyperparameter(or_none(ints(low=1)))
 
     def __init__(self, alpha: float, max_iters: int | None = None) -> None:
@@ -71,7 +92,7 @@ class FairGradWeighting(GramianWeighting):
         return f"alpha={self.alpha}, max_iters={self.max_iters}"
 
     def __str__(self) -> str:
-        return f"{float(self.alpha)}-FairGrad"
+        return f"{self.alpha}-FairGrad"  # (alpha as given: TorchJD's label)
 
 
 class FairGrad(NoGradGramianPreset):
