@@ -200,3 +200,22 @@ def test_a_state_dict_kept_in_memory_is_a_snapshot() -> None:
     resumed = ExcessMTL()
     resumed.load_state_dict(checkpoint)
     torch.testing.assert_close(resumed(jacobians[3]), expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("n_warmup_steps", [0, 1])
+def test_float32_entries_whose_squares_overflow(n_warmup_steps: int) -> None:
+    """Finite float32 entries of about 1e20 square past float32's range (about 3e38): the
+    weights were NaN. The squares and their running sum are then formed in float64 (the sum
+    is kept so while it does not fit float32), giving the float64 input's weights and update,
+    in float32, at that call and the later ones, of any scale."""
+    generator = torch.Generator().manual_seed(0)
+    narrow = ExcessMTL(n_warmup_steps=n_warmup_steps)
+    wide = ExcessMTL(n_warmup_steps=n_warmup_steps)
+    for scale in (1e20, 3e20, 1e19, 1.0):
+        J = scale * torch.randn(3, 4, generator=generator)
+        out, expected = narrow(J), wide(J.double())
+        assert out.dtype == torch.float32 and bool(torch.isfinite(out).all())
+        torch.testing.assert_close(out, expected.float(), rtol=1e-5, atol=0.0)
+        weights = narrow.weighting._weights
+        assert weights is not None and wide.weighting._weights is not None
+        torch.testing.assert_close(weights.double(), wide.weighting._weights, rtol=1e-6, atol=0.0)

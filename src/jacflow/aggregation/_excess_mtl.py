@@ -14,6 +14,29 @@ from jacflow.aggregation._properties import Property
 _EPS = 1e-7
 
 
+def _squares_and_sum(matrix: Tensor, sq_sum: Tensor) -> tuple[Tensor, Tensor] | None:
+    """The squares of ``matrix`` and their running sum with ``sq_sum``, in ``matrix``'s dtype,
+    or in float64 where they overflow it (finite float32 entries above about 1e19, or a sum
+    that outgrew float32: the sum is then kept in float64, as it does not fit); ``None`` when
+    ``matrix`` holds a NaN or an infinity (or its float64 squares overflow). One host
+    synchronisation, three where float32 overflows.
+
+    Example:
+        >>> import torch
+        >>> from jacflow.aggregation._excess_mtl import _squares_and_sum
+        >>> squares, total = _squares_and_sum(torch.tensor([[3e19, 1.0]]), torch.zeros(1, 2))
+        >>> squares.dtype, bool(torch.isfinite(total).all())  # (9e38: past float32's range)
+        (torch.float64, True)
+    """
+    squares = matrix.square()
+    total = sq_sum.to(squares) + squares
+    if not has_nonfinite(total):
+        return squares, total
+    if matrix.dtype == torch.float64 or has_nonfinite(matrix):
+        return None
+    return _squares_and_sum(matrix.double(), sq_sum)
+
+
 class ExcessMTLWeighting(SavesState, Weighting, Stateful):
     r"""Weighting of :class:`ExcessMTL`; reads the Jacobian itself (its state is ``[m, n]``).
 
@@ -74,28 +97,29 @@ class ExcessMTLWeighting(SavesState, Weighting, Stateful):
                 self._weights = stat.new_full((m,), 1.0 / m)
                 self._warmup_sum = stat.new_zeros(m)
             assert self._weights is not None and self._warmup_sum is not None
-            squares = stat.detach().square()
-            if has_nonfinite(squares.sum(dim=1)):  # a NaN/inf in J: report it, keep the state
+            summed = _squares_and_sum(stat.detach(), self._sq_sum)
+            if summed is None:  # a NaN/inf in J: report it, keep the state
                 return nan_weights(m, stat)
-            self._sq_sum = self._sq_sum.to(stat) + squares  # (not in place: a state_dict holds it)
+            squares, self._sq_sum = summed  # (not in place: a state_dict holds it)
             # Excess risk of task i ~ g_i^T H_i^{-1} g_i with the AdaGrad diagonal H_i (Eqs 6-7).
             excess = squares.div_((self._sq_sum + _EPS).sqrt_()).sum(dim=1)
+            # (the state follows excess: stat's dtype, or float64 where the squares overflow it)
             self._calls += 1
             if self._calls <= self.n_warmup_steps:
-                self._warmup_sum = self._warmup_sum.to(stat) + excess
+                self._warmup_sum = self._warmup_sum.to(excess) + excess
                 return self._weights.to(stat)
             if self._baseline is None:
                 if self.n_warmup_steps > 0:
-                    self._baseline = self._warmup_sum.to(stat) / self.n_warmup_steps
+                    self._baseline = self._warmup_sum.to(excess) / self.n_warmup_steps
                     excess = excess / (self._baseline + _EPS)
                 else:
                     self._baseline = excess
             else:
-                excess = excess / (self._baseline.to(stat) + _EPS)
+                excess = excess / (self._baseline.to(excess) + _EPS)
             # Exponentiated gradient (Eq. 9), in log space so that huge risks saturate.
-            logits = self._weights.to(stat).log() + self.robust_step_size * excess
+            logits = self._weights.to(excess).log() + self.robust_step_size * excess
             self._weights = torch.softmax(logits, dim=0)
-            return self._weights
+            return self._weights.to(stat)
 
     def extra_repr(self) -> str:
         return f"robust_step_size={self.robust_step_size}, n_warmup_steps={self.n_warmup_steps}"
