@@ -13,9 +13,11 @@ from typing import Any
 import pytest
 import torch
 from torch import Tensor, nn
+from torch.nn.modules.module import register_module_forward_hook
 
 import jacflow
 import jacflow.aggregation as agg
+from jacflow.aggregation import _bases as bases
 from jacflow.linalg import QuadprogProjector, compute_gramian
 
 torch.set_num_threads(1)
@@ -192,11 +194,14 @@ def test_weightings_that_read_the_scale_survive_an_overflowing_float32_gramian(
     torch.testing.assert_close(x.grad, expected, rtol=1e-5, atol=0.0)
 
 
-@pytest.mark.parametrize(
+SHORTCUT_METHODS = pytest.mark.parametrize(
     "make",
     [agg.Mean, agg.Sum, agg.Random, lambda: agg.Constant(torch.tensor([0.5, 2.0, 1.0]))],
     ids=["Mean", "Sum", "Random", "Constant"],
 )
+
+
+@SHORTCUT_METHODS
 @pytest.mark.parametrize("where", ["weighting", "gramian_weighting"])
 def test_hooks_on_the_weightings_of_the_shortcut_methods_run(
     make: Callable[[], agg.Aggregator], where: str
@@ -223,6 +228,34 @@ def test_hooks_on_the_weightings_of_the_shortcut_methods_run(
     jacflow.jac_to_grad([param], aggregator)
     torch.testing.assert_close(param.grad, 2 * plain)
     assert len(seen) == 2
+
+
+@SHORTCUT_METHODS
+def test_the_shortcut_methods_share_one_hook_check(
+    make: Callable[[], agg.GramianWeightedAggregator], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Mean, Sum, Random and Constant weigh through ``weights_without_gramian`` (the check for
+    hooks, written once): without a hook, their weights come without a Gramian; with a global
+    forward hook, through their weighting and its Gramian."""
+    from jacflow.aggregation._bases import weights_without_gramian
+
+    J = torch.tensor([[1.0, -2.0], [0.5, 1.0], [3.0, 0.0]], dtype=torch.float64)
+    aggregator = make()
+    torch.manual_seed(0)
+    expected = aggregator.weighting(J)
+    formed: list[Tensor] = []
+    monkeypatch.setattr(bases, "compute_gramian", lambda x: formed.append(x) or x @ x.T)
+    for weights in (aggregator.weights, lambda x: weights_without_gramian(aggregator, x)):
+        torch.manual_seed(0)
+        torch.testing.assert_close(weights(J), expected)
+    assert not formed
+    handle = register_module_forward_hook(lambda module, args, out: None)
+    try:
+        torch.manual_seed(0)
+        torch.testing.assert_close(aggregator.weights(J), expected)
+    finally:
+        handle.remove()
+    assert len(formed) == 1
 
 
 def test_str_labels_are_torchjds() -> None:

@@ -537,3 +537,28 @@ class GramianWeightedAggregator(WeightedAggregator):
 
     def extra_repr(self) -> str:
         return repr(self.gramian_weighting) if type(self) is GramianWeightedAggregator else ""
+
+
+def weights_without_gramian(
+    aggregator: GramianWeightedAggregator,
+    matrix: Tensor,
+    shortcut: Callable[[Tensor], Tensor] | None = None,
+) -> Tensor:
+    """The weights of ``matrix`` rows for an ``aggregator`` whose Gramian weighting reads only
+    the number of rows: ``shortcut(matrix)`` (default: the Gramian weighting of the ``[m, 0]``
+    matrix ``matrix[:, :0]``), without the Gramian; the aggregator's :attr:`~WeightedAggregator.
+    weighting` when that would skip a forward hook (:func:`runs_forward_hooks`).
+
+    Example:
+        >>> import torch
+        >>> from jacflow.aggregation import Random
+        >>> from jacflow.aggregation._bases import weights_without_gramian
+        >>> _ = torch.manual_seed(0)
+        >>> weights_without_gramian(Random(), torch.ones(3, 1000))  # (no 3 x 3 Gramian formed)
+        tensor([0.8446, 0.1349, 0.0205])
+    """
+    if runs_forward_hooks(aggregator.weighting, aggregator.gramian_weighting):  # (they must run)
+        return aggregator.weighting(matrix)
+    if shortcut is None:
+        return aggregator.gramian_weighting(matrix[:, :0])
+    return shortcut(matrix)

@@ -9,7 +9,7 @@ from jacflow.aggregation._bases import (
     GramianWeightedAggregator,
     GramianWeighting,
     Weighting,
-    runs_forward_hooks,
+    weights_without_gramian,
 )
 from jacflow.aggregation._hyperparameters import Hyperparameter
 from jacflow.aggregation._properties import Property
@@ -102,9 +102,7 @@ class Constant(GramianWeightedAggregator):
         super().__init__(ConstantWeighting(weights))
 
     def weights(self, matrix: Tensor) -> Tensor:
-        if runs_forward_hooks(self.weighting, self.gramian_weighting):  # (they must run)
-            return super().weights(matrix)
-        return self.gramian_weighting(matrix[:, :0])  # only m is read: skip the Gramian
+        return weights_without_gramian(self, matrix)  # (only m is read: skip the Gramian)
 
     def extra_repr(self) -> str:
         return self.gramian_weighting.extra_repr()

@@ -9,7 +9,7 @@ from jacflow.aggregation._bases import (
     GramianWeightedAggregator,
     GramianWeighting,
     Weighting,
-    runs_forward_hooks,
+    weights_without_gramian,
 )
 from jacflow.aggregation._properties import Property
 
@@ -61,8 +61,6 @@ class Mean(GramianWeightedAggregator):
         super().__init__(MeanWeighting())
 
     def weights(self, matrix: Tensor) -> Tensor:
-        if runs_forward_hooks(self.weighting, self.gramian_weighting):  # (they must run)
-            return super().weights(matrix)
         # The weights depend only on m: no Gramian. The inherited forward is then one
         # matrix-vector product, faster than a reduction over rows.
-        return mean_weights(matrix.shape[0], matrix)
+        return weights_without_gramian(self, matrix, lambda J: mean_weights(J.shape[0], J))

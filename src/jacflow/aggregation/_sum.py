@@ -9,9 +9,14 @@ from jacflow.aggregation._bases import (
     GramianWeightedAggregator,
     GramianWeighting,
     Weighting,
-    runs_forward_hooks,
+    weights_without_gramian,
 )
 from jacflow.aggregation._properties import Property
+
+
+def _ones(matrix: Tensor) -> Tensor:
+    """A weight of 1 for each row of ``matrix``, on its device and dtype."""
+    return torch.ones(matrix.shape[0], dtype=matrix.dtype, device=matrix.device)
 
 
 class SumWeighting(GramianWeighting):
@@ -30,7 +35,7 @@ class SumWeighting(GramianWeighting):
     scale_invariant = True  # (the weights do not read G)
 
     def forward(self, stat: Tensor) -> Tensor:
-        return torch.ones(stat.shape[0], dtype=stat.dtype, device=stat.device)
+        return _ones(stat)
 
 
 class Sum(GramianWeightedAggregator):
@@ -53,8 +58,6 @@ class Sum(GramianWeightedAggregator):
         super().__init__(SumWeighting())
 
     def weights(self, matrix: Tensor) -> Tensor:
-        if runs_forward_hooks(self.weighting, self.gramian_weighting):  # (they must run)
-            return super().weights(matrix)
         # The weights depend only on m: no Gramian. The inherited forward is then one
         # matrix-vector product, faster than a reduction over rows.
-        return torch.ones(matrix.shape[0], dtype=matrix.dtype, device=matrix.device)
+        return weights_without_gramian(self, matrix, _ones)
