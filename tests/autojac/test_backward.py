@@ -126,8 +126,8 @@ def test_create_graph_derivative_of_grad_matches_finite_differences(
     make: Callable[[], Aggregator],
 ) -> None:
     """The derivative of ``.grad`` is that of the update, weights included (UPGrad's,
-    MGDA's, DualProj's and AlignedMTL's change with ``J``): central differences of the update computed
-    without a graph."""
+    MGDA's, DualProj's and AlignedMTL's change with ``J``): central differences of the update
+    computed without a graph."""
     x = torch.tensor([0.3, -0.8], dtype=torch.float64, requires_grad=True)
     backward(_hessian_losses(x), [x], A=make(), create_graph=True)
     assert x.grad is not None

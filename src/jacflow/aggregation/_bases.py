@@ -357,9 +357,11 @@ class GramianWeighting(Weighting):
     a largest entry of about 1, so that Jacobians of extreme but finite scale (about 1e19 or
     1e-25 in float32) neither overflow nor underflow it.
 
-    Gradients through the weights: :class:`UPGradWeighting`'s weights (with a
-    ``TorchProjector``, the default) are differentiable with respect to ``G`` and its
-    preference (implicit differentiation of its projections, also twice), and so are
+    Gradients through the weights: :class:`UPGradWeighting`'s and :class:`DualProjWeighting`'s
+    weights (with a ``TorchProjector``, the default, or a projector that declares itself
+    :attr:`~jacflow.linalg.DualConeProjector.differentiable`) are differentiable with respect
+    to ``G`` and the preference (implicit differentiation of the projections, also twice), and
+    so are
     :class:`Periodic`'s on the calls where it recomputes them with such a weighting;
     :class:`MGDAWeighting`'s (normalisations ``"none"`` and ``"l2"``) and
     :class:`AlignedMTLWeighting`'s (first derivatives only) are too; every
