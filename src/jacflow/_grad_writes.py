@@ -1,6 +1,7 @@
 """Writing ``.grad`` and ``.jac`` as autograd's accumulation does: results of their own
-(copies of those that would share memory with another result or with the caller's tensors),
-and the post-accumulate hooks of the tensors whose ``.grad`` was written."""
+(copies of those that would share memory with another result or with the caller's tensors, or
+whose elements share memory among themselves), a ``.grad`` in its parameter's layout, and the
+post-accumulate hooks of the tensors whose ``.grad`` was written."""
 
 from __future__ import annotations
 
@@ -21,8 +22,123 @@ def _extent(t: Tensor) -> tuple[tuple[torch.device, int], int, int] | None:
     return (t.device, t.untyped_storage().data_ptr()), low, low + span * t.element_size()
 
 
-def owned(results: Sequence[Tensor], held: Sequence[Tensor] = ()) -> list[Tensor]:
-    """``results``, with a copy of each one whose elements overlap those of an earlier one or
+def _steps(t: Tensor) -> list[tuple[int, int]]:
+    """``(stride, size)`` of each dimension of ``t`` that has several elements, by stride."""
+    return sorted((stride, size) for size, stride in zip(t.shape, t.stride()) if size > 1)
+
+
+def non_overlapping(t: Tensor) -> bool:
+    """Whether no two elements of the strided tensor ``t`` share memory, by a sufficient test
+    (torch's): along the dimensions by increasing stride, each steps over all the elements of
+    the smaller ones. An expanded tensor (a zero stride) fails it; in-place ops refuse those.
+
+    Example:
+        >>> import torch
+        >>> from jacflow._grad_writes import non_overlapping
+        >>> non_overlapping(torch.ones(4, 4)[:, ::2]), non_overlapping(torch.ones(1).expand(3))
+        (True, False)
+    """
+    reach = 1
+    for stride, size in _steps(t):
+        if stride < reach:
+            return False
+        reach += (size - 1) * stride
+    return True
+
+
+def dense(t: Tensor) -> bool:
+    """Whether the elements of the strided tensor ``t`` fill their memory span once each:
+    contiguous in some order of the dimensions (channels_last is; a slice with gaps is not)."""
+    filled = 1
+    for stride, size in _steps(t):
+        if stride != filled:
+            return False
+        filled *= size
+    return True
+
+
+def _fits(result: Tensor, like: Tensor | None) -> bool:
+    """Whether ``result`` (strided) can be stored as it is: see :func:`laid_out`."""
+    if result.is_contiguous() and (like is None or like.is_contiguous()):
+        return True  # (the usual case, from flags that torch keeps: no Python loop)
+    if like is None:
+        return dense(result)
+    if not dense(like):
+        return result.is_contiguous()
+    return all(
+        size == 1 or a == b for size, a, b in zip(result.shape, result.stride(), like.stride())
+    )
+
+
+def laid_out(result: Tensor, like: Tensor | None = None) -> Tensor:
+    """``result``, or a copy of it where its layout is not the one to store.
+
+    A ``.grad`` (``like``: its tensor) takes the strides of its tensor where that one is dense
+    (channels_last included), else the contiguous ones, as autograd's accumulation lays out
+    ``.grad``; a ``.jac`` (``like=None``) is dense. ``torch.autograd.grad`` can return an
+    expanded tensor (a zero stride: the gradient of a ``sum`` passed on unchanged), on which
+    ``p.grad.mul_`` and ``clip_grad_norm_`` fail. A result already laid out is not copied.
+
+    Example:
+        >>> import torch
+        >>> from jacflow._grad_writes import laid_out
+        >>> param = torch.zeros(2, 3, 4, 4).to(memory_format=torch.channels_last)
+        >>> laid_out(torch.ones(()).expand(2, 3, 4, 4), param).stride() == param.stride()
+        True
+        >>> laid_out(torch.ones(1).expand(3)).stride()
+        (1,)
+    """
+    if result.layout != torch.strided or _fits(result, like):
+        return result
+    if like is not None and dense(like):
+        return torch.empty_like(like, dtype=result.dtype, device=result.device).copy_(result)
+    return result.clone(memory_format=torch.contiguous_format)
+
+
+def sole_owners(tensors: Sequence[Tensor], held: Sequence[Tensor] = ()) -> list[bool]:
+    """Per tensor, whether none of its elements share memory with those of an earlier tensor
+    or of a tensor of ``held`` (sparse and empty tensors share nothing).
+
+    Example:
+        >>> import torch
+        >>> from jacflow._grad_writes import sole_owners
+        >>> buffer = torch.zeros(4)
+        >>> sole_owners([buffer[:2], buffer[2:], buffer[1:3]])
+        [True, True, False]
+    """
+    taken: dict[tuple[torch.device, int], list[tuple[int, int]]] = {}
+
+    def take(extent: tuple[tuple[torch.device, int], int, int], shared_too: bool) -> bool:
+        """Whether ``extent`` overlaps a span taken; taken (merged with those it overlaps: the
+        spans stay disjoint and sorted) if not, or anyway with ``shared_too``."""
+        storage, low, high = extent
+        spans = taken.setdefault(storage, [])
+        i = bisect.bisect_left(spans, (low, low))
+        if i > 0 and spans[i - 1][1] > low:  # (the one span that starts before it and may reach it)
+            i -= 1
+        j = i
+        while j < len(spans) and spans[j][0] < high:
+            j += 1
+        if i == j or shared_too:
+            spans[i:j] = [
+                (min(low, spans[i][0]), max(high, spans[j - 1][1])) if i < j else (low, high)
+            ]
+        return i != j
+
+    for t in held:
+        extent = _extent(t)
+        if extent is not None:
+            take(extent, shared_too=True)
+    return [(extent := _extent(t)) is None or not take(extent, False) for t in tensors]
+
+
+def owned(
+    results: Sequence[Tensor],
+    held: Sequence[Tensor] = (),
+    like: Sequence[Tensor] | None = None,
+) -> list[Tensor]:
+    """``results`` as ``.grad`` (``like``: the tensor of each) or ``.jac`` (``like=None``) fields:
+    each :func:`laid_out`, and copied where its elements overlap those of an earlier result or
     of a tensor of ``held`` (the caller's).
 
     A ``.grad`` or ``.jac`` must be a tensor of its own, as autograd's accumulation makes it (it
@@ -43,34 +159,8 @@ def owned(results: Sequence[Tensor], held: Sequence[Tensor] = ()) -> list[Tensor
         >>> [r is t for r, t in zip(owned([first, second]), (first, second))]
         [True, True]
     """
-    taken: dict[tuple[torch.device, int], list[tuple[int, int]]] = {}
-
-    def overlaps(extent: tuple[tuple[torch.device, int], int, int]) -> bool:
-        storage, low, high = extent
-        spans = taken.setdefault(storage, [])
-        i = bisect.bisect_left(spans, (low, low))
-        before = i > 0 and spans[i - 1][1] > low
-        after = i < len(spans) and spans[i][0] < high
-        if not (before or after):
-            spans.insert(i, (low, high))
-        return before or after
-
-    for t in held:  # (merged where they overlap: the spans stay disjoint and sorted)
-        extent = _extent(t)
-        if extent is None:
-            continue
-        storage, low, high = extent
-        spans = taken.setdefault(storage, [])
-        joined = [(a, b) for a, b in spans if b > low and a < high]
-        for span in joined:
-            spans.remove(span)
-        merged = (min([low, *(a for a, _ in joined)]), max([high, *(b for _, b in joined)]))
-        bisect.insort(spans, merged)
-    result: list[Tensor] = []
-    for t in results:
-        extent = _extent(t)
-        result.append(t.clone() if extent is not None and overlaps(extent) else t)
-    return result
+    laid = [laid_out(r, None if like is None else like[k]) for k, r in enumerate(results)]
+    return [r if sole else r.clone() for r, sole in zip(laid, sole_owners(laid, held))]
 
 
 def run_post_accumulate_hooks(tensors: Iterable[Tensor]) -> None:

@@ -4,13 +4,15 @@ processes a warning that nothing is averaged."""
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 
 import pytest
 import torch
 from torch import Tensor
 
-from jacflow import backward, jac_to_grad, mtl_backward
-from jacflow.aggregation import Aggregator, Mean, UPGrad
+from jacflow import backward, jac, jac_to_grad, mtl_backward
+from jacflow._grad_writes import owned
+from jacflow.aggregation import Aggregator, Mean, Sum, UPGrad
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
@@ -105,3 +107,93 @@ def test_post_accumulate_hooks_run_once_after_the_write(call: str) -> None:
     assert sorted(i for i, _ in seen) == list(range(len(params)))
     for i, grad in seen:
         assert torch.equal(grad, params[i].grad)
+
+
+def _passed_through() -> tuple[list[Tensor], Callable[[], list[Tensor]]]:
+    """Two leaves whose losses reach them through ops that pass a ``sum``'s gradient on
+    unchanged: ``torch.autograd.grad`` returns expanded gradients (a zero stride) for them."""
+    a = torch.tensor([1.0, -2.0, 0.5], requires_grad=True)
+    b = torch.tensor([0.3, 2.0, -1.0], requires_grad=True)
+    return [a, b], lambda: [(a + 1).sum(), (b**2).mean() + b.sum()]
+
+
+@pytest.mark.parametrize("A", [Mean(), Sum(), UPGrad()], ids=["mean", "sum", "upgrad"])
+def test_grad_of_a_passed_through_sum_can_be_written_in_place(A: Aggregator) -> None:
+    """Mean's and Sum's single VJP stored autograd's expanded gradient as ``.grad``:
+    ``clip_grad_norm_`` and ``p.grad.mul_`` then failed. Now dense, as torch's own ``.grad``."""
+    params, losses = _passed_through()
+    references = [p.detach().clone().requires_grad_() for p in params]
+    backward(losses(), A=A)
+    expected = jac(losses(), params)
+    for p, ref, rows in zip(params, references, expected):
+        ref.grad = A(rows)
+        assert p.grad is not None
+        torch.testing.assert_close(p.grad, ref.grad)
+    torch.nn.utils.clip_grad_norm_(params, max_norm=0.1)
+    torch.nn.utils.clip_grad_norm_(references, max_norm=0.1)
+    for p, ref in zip(params, references):
+        p.grad.mul_(2)  # type: ignore[union-attr]
+        torch.testing.assert_close(p.grad, 2 * ref.grad)  # type: ignore[operator]
+
+
+@pytest.mark.parametrize("chunk", [None, 1, 2])
+def test_jac_of_one_chunk_can_be_written_in_place(chunk: int | None) -> None:
+    """With all the rows in one chunk, ``.jac`` was autograd's expanded result (stride 0)."""
+    params, losses = _passed_through()
+    backward(losses(), parallel_chunk_size=chunk)
+    for p, expected in zip(params, jac(losses(), params)):
+        p.jac.mul_(2)  # type: ignore[attr-defined]
+        torch.testing.assert_close(p.jac, 2 * expected)  # type: ignore[attr-defined]
+
+
+def test_head_grads_of_mtl_backward_can_be_written_in_place() -> None:
+    trunk = torch.nn.Linear(3, 4)
+    offset = torch.randn(3, requires_grad=True)
+    features = trunk(torch.randn(5, 3))
+    losses = [features.pow(2).mean() + offset.sum(), features.abs().mean()]
+    mtl_backward(losses, features, A=UPGrad())
+    assert offset.grad is not None
+    offset.grad.mul_(2)
+    torch.testing.assert_close(offset.grad, torch.full((3,), 2.0))
+
+
+def _channels_last_step(call: str) -> tuple[torch.nn.Conv2d, Tensor]:
+    """A channels_last convolution after ``call``, and its ``.grad`` after torch's backward of
+    the losses' sum (the reference, in the layout autograd gives it)."""
+    torch.manual_seed(0)
+    conv = torch.nn.Conv2d(3, 4, 3).to(memory_format=torch.channels_last)
+    head = torch.nn.Conv2d(4, 2, 3).to(memory_format=torch.channels_last)
+    reference = torch.nn.Conv2d(4, 2, 3).to(memory_format=torch.channels_last)
+    reference.load_state_dict(head.state_dict())
+    x = torch.randn(2, 3, 7, 7).to(memory_format=torch.channels_last)
+    features = conv(x)
+    sum(r.pow(2).mean() for r in reference(features.detach()).unbind(1)).backward()  # type: ignore[union-attr]
+    losses = list(head(features).pow(2).mean((0, 2, 3)).unbind())
+    if call == "mtl_backward":
+        mtl_backward(losses, features, A=UPGrad())
+        return head, reference.weight.grad  # type: ignore[return-value]
+    if call == "jac_to_grad":
+        backward(losses, list(head.parameters()), retain_graph=True)
+        jac_to_grad(list(head.parameters()), Mean())
+    else:
+        backward(losses, list(head.parameters()), A=Sum() if call == "sum" else UPGrad())
+    return head, reference.weight.grad  # type: ignore[return-value]
+
+
+@pytest.mark.parametrize("call", ["sum", "upgrad", "jac_to_grad", "mtl_backward"])
+def test_grad_of_a_channels_last_parameter_has_its_layout(call: str) -> None:
+    """As autograd's accumulation lays it out (DDP's bucket views and channels_last kernels
+    rely on it); jacflow stored contiguous ones."""
+    head, reference = _channels_last_step(call)
+    assert head.weight.grad is not None
+    assert head.weight.grad.stride() == head.weight.stride() == reference.stride()
+    if call in ("sum", "mtl_backward"):  # (the sum of the losses' gradients)
+        torch.testing.assert_close(head.weight.grad, reference)
+
+
+def test_writes_copy_only_what_needs_it() -> None:
+    """An ordinary gradient is stored as it is (no copy on the hot path)."""
+    p = torch.randn(2, 3, requires_grad=True)
+    grad = torch.randn(2, 3)
+    assert owned([grad], like=[p])[0] is grad
+    assert owned([torch.ones(1).expand(2, 3)], like=[p])[0].stride() == (3, 1)

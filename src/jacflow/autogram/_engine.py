@@ -18,7 +18,7 @@ from torch.nn.parameter import is_lazy
 from torch.nn.utils.parametrize import is_parametrized
 from torch.utils.hooks import RemovableHandle
 
-from jacflow._grad_writes import owned, run_post_accumulate_hooks
+from jacflow._grad_writes import laid_out, owned, run_post_accumulate_hooks
 from jacflow._warnings import caller_stacklevel
 from jacflow.aggregation import GramianWeighting
 from jacflow.autogram._buffers import GradientBuffers, worth_reusing
@@ -1887,9 +1887,8 @@ def _accumulate(
             if param.grad is None:
                 # Every update is a fresh tensor of ours, a view of the engine's buffer which
                 # nothing else refers to, or a gradient of autograd's that `owned` copied
-                # where it was shared: no copy needed.
-                dense_copy = not grad.is_sparse and not grad.is_contiguous()
-                param.grad = grad.contiguous() if dense_copy else grad
+                # where it was shared: a copy only to take the parameter's layout.
+                param.grad = laid_out(grad, param)
             elif grad.is_sparse or param.grad.is_sparse:
                 param.grad = _added(param.grad, grad)
             else:

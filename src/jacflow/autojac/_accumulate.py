@@ -79,16 +79,22 @@ def accumulate_grads(
     tensors: Sequence[Tensor], updates: Sequence[Tensor], held: Sequence[Tensor] = ()
 ) -> None:
     """Add ``updates[i]`` to ``tensors[i].grad`` (or set it when it is ``None``), each new
-    ``.grad`` a tensor of its own (see :func:`owned`; ``held``: the caller's tensors).
+    ``.grad`` a tensor of its own in its tensor's layout (see :func:`owned`; ``held``: the
+    caller's tensors).
 
     Every update is converted and every existing ``.grad`` read before the first write, and an
     existing ``.grad`` that cannot be written in place is replaced by ``update + existing``, so
     that no write fails after another has been made. Then the tensors' post-accumulate hooks
     run, once each, as after ``loss.backward()``.
     """
-    converted = owned([u.to(t.dtype) for t, u in zip(tensors, updates)], held)
-    plan = [(tensor, _current_grad(tensor), update) for tensor, update in zip(tensors, converted)]
-    for tensor, existing, update in plan:
+    converted = [u.to(t.dtype) for t, u in zip(tensors, updates)]
+    current = [_current_grad(tensor) for tensor in tensors]
+    # (only what is stored as it is must be a tensor of its own, laid out as its tensor)
+    fresh = [k for k, existing in enumerate(current) if existing is None]
+    stored = owned([converted[k] for k in fresh], held, [tensors[k] for k in fresh])
+    for k, update in zip(fresh, stored):
+        converted[k] = update
+    for tensor, existing, update in zip(tensors, current, converted):
         if existing is None:
             tensor.grad = update
         elif _adds_in_place(existing, update):
