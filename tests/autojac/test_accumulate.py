@@ -197,3 +197,41 @@ def test_writes_copy_only_what_needs_it() -> None:
     grad = torch.randn(2, 3)
     assert owned([grad], like=[p])[0] is grad
     assert owned([torch.ones(1).expand(2, 3)], like=[p])[0].stride() == (3, 1)
+
+
+def _two_inputs() -> tuple[Tensor, Tensor, Callable[[], list[Tensor]]]:
+    p = torch.tensor([1.0, 2.0, 3.0], requires_grad=True)
+    q = torch.tensor([0.5, -1.0], requires_grad=True)
+    return p, q, lambda: [(p**2).sum() + q.sum(), p.sum() * q.prod()]
+
+
+@pytest.mark.parametrize("where", ["sparse", "meta"])
+@pytest.mark.parametrize("call", ["backward", "mtl_backward"])
+def test_a_jac_of_another_layout_or_device_is_refused_before_any_write(
+    where: str, call: str
+) -> None:
+    """It passed the check, then the sum failed (torch's error) after ``p.jac`` was written."""
+    p, q, losses = _two_inputs()
+    p.jac = torch.zeros(2, 3)  # type: ignore[attr-defined]
+    q.jac = torch.zeros(2, 2).to_sparse() if where == "sparse" else torch.zeros(2, 2, device="meta")  # type: ignore[attr-defined]
+    p_jac, q_jac = p.jac, q.jac  # type: ignore[attr-defined]
+    pattern = (
+        "must be a dense \\(strided\\)" if where == "sparse" else "is on meta, but .* is on cpu"
+    )
+    with pytest.raises(ValueError, match=rf"`(inputs|shared_params)\[1\]\.jac` {pattern}"):
+        if call == "backward":
+            backward(losses(), inputs=[p, q])
+        else:
+            features = torch.stack([p.sum(), q.sum()])
+            mtl_backward([features.pow(2).sum(), features.prod()], features, shared_params=[p, q])
+    assert p.jac is p_jac and q.jac is q_jac  # type: ignore[attr-defined]
+    assert not p_jac.any()
+
+
+def test_jac_to_grad_refuses_a_sparse_jac() -> None:
+    """It failed inside the aggregation, with torch's error."""
+    p = torch.randn(3, requires_grad=True)
+    p.jac = torch.randn(2, 3).to_sparse()  # type: ignore[attr-defined]
+    with pytest.raises(ValueError, match=r"`tensors\[0\]\.jac` must be a dense"):
+        jac_to_grad([p], UPGrad())
+    assert p.grad is None

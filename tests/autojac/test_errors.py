@@ -203,7 +203,7 @@ def test_error_and_nothing_lost(
 def test_a_jac_that_is_not_a_float_tensor_is_refused_before_writing() -> None:
     w, v, outputs = _setup()
     v.jac = [[1.0]]  # type: ignore[attr-defined]
-    with pytest.raises(TypeError, match=r"The `.jac` of `inputs\[1\]` must be a Tensor"):
+    with pytest.raises(TypeError, match=r"`inputs\[1\]\.jac` must be a Tensor"):
         backward(outputs, [w, v])
     assert torch.equal(w.jac, torch.ones(2, 2))  # type: ignore[attr-defined]
     v.jac = torch.ones(2, 1, dtype=torch.long)  # type: ignore[attr-defined]

@@ -16,17 +16,36 @@ _NON_LEAF_GRAD_WARNING = (
 )
 
 
+def check_jac_field(jacobian: object, tensor: Tensor, where: str) -> Tensor:
+    """The ``.jac`` of ``tensor`` (named ``where``), checked to be a dense Tensor on its device:
+    adding to it or aggregating it then cannot fail half-way, after other writes."""
+    if not isinstance(jacobian, Tensor):
+        raise TypeError(
+            f"`{where}.jac` must be a Tensor, received {type(jacobian)}. Delete it "
+            "(`del t.jac`) and recompute it."
+        )
+    if jacobian.layout != torch.strided:
+        raise ValueError(
+            f"`{where}.jac` must be a dense (strided) Tensor, received one of layout "
+            f"{jacobian.layout}. Convert it with `t.jac = t.jac.to_dense()`."
+        )
+    if jacobian.device != tensor.device:
+        raise ValueError(
+            f"`{where}.jac` is on {jacobian.device}, but `{where}` is on {tensor.device}. Move "
+            "it with `t.jac = t.jac.to(t.device)`."
+        )
+    return jacobian
+
+
 def check_jac_accumulable(tensors: Sequence[Tensor], rows: int, name: str) -> None:
     """Fail before computing anything if an existing ``.jac`` cannot take ``rows`` new rows."""
     for i, tensor in enumerate(tensors):
         existing = getattr(tensor, "jac", None)
+        if existing is None:
+            continue
+        existing = check_jac_field(existing, tensor, f"{name}[{i}]")
         shape = (rows, *tensor.shape)
-        if existing is not None and not isinstance(existing, Tensor):
-            raise TypeError(
-                f"The `.jac` of `{name}[{i}]` must be a Tensor to accumulate into, received "
-                f"{type(existing)}. Delete it first (`del t.jac`)."
-            )
-        if existing is not None and tuple(existing.shape) != shape:
+        if tuple(existing.shape) != shape:
             raise ValueError(
                 f"Cannot accumulate a Jacobian of shape {shape} into the `.jac` of `{name}[{i}]`, "
                 f"which already holds shape {tuple(existing.shape)} (a different "

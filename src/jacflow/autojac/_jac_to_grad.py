@@ -7,7 +7,7 @@ from collections.abc import Iterable
 from torch import Tensor
 
 from jacflow.aggregation import Aggregator
-from jacflow.autojac._accumulate import accumulate_grads, warn_if_distributed
+from jacflow.autojac._accumulate import accumulate_grads, check_jac_field, warn_if_distributed
 from jacflow.autojac._aggregate import aggregate_blocks
 from jacflow.autojac._checks import (
     as_tensor_tuple,
@@ -19,7 +19,8 @@ from jacflow.autojac._checks import (
 
 
 def _checked_jac(tensor: Tensor, i: int) -> Tensor:
-    """The ``.jac`` of ``tensors[i]``, checked to be a ``[m, *tensor.shape]`` tensor beside it."""
+    """The ``.jac`` of ``tensors[i]``, checked to be a dense floating-point ``[m, *tensor.shape]``
+    tensor beside it."""
     jacobian = getattr(tensor, "jac", None)
     if jacobian is None:
         raise ValueError(
@@ -27,8 +28,7 @@ def _checked_jac(tensor: Tensor, i: int) -> Tensor:
             "with `jacflow.backward(...)` or `jacflow.mtl_backward(...)` without an "
             "aggregator first, and pass only tensors that the losses depend on."
         )
-    if not isinstance(jacobian, Tensor):
-        raise TypeError(f"`tensors[{i}].jac` must be a Tensor, received {type(jacobian)}.")
+    jacobian = check_jac_field(jacobian, tensor, f"tensors[{i}]")
     if not jacobian.is_floating_point():
         raise TypeError(
             f"`tensors[{i}].jac` must be a floating-point Tensor, received {jacobian.dtype}. "
@@ -39,11 +39,6 @@ def _checked_jac(tensor: Tensor, i: int) -> Tensor:
             f"`tensors[{i}].jac` must have shape [m, *tensors[{i}].shape] = "
             f"{rows_shape(tensor.shape)}, received {tuple(jacobian.shape)}. It "
             "may be stale or belong to another tensor: delete it (`del t.jac`) and recompute it."
-        )
-    if jacobian.device != tensor.device:
-        raise ValueError(
-            f"`tensors[{i}].jac` is on {jacobian.device}, but `tensors[{i}]` is on "
-            f"{tensor.device}. Move it with `t.jac = t.jac.to(t.device)`."
         )
     return jacobian
 
@@ -90,8 +85,9 @@ def jac_to_grad(
     create_graph=True)``) and ``A`` is :attr:`~jacflow.aggregation.Aggregator.differentiable`,
     as ``.grad`` after torch's ``backward``.
 
-    Every ``.jac`` is checked (present, ``[m, *t.shape]``, same ``m``) before anything is
-    written: a failed call leaves every ``.grad`` and ``.jac`` as it was. Empty Jacobians
+    Every ``.jac`` is checked (present, a dense floating-point ``[m, *t.shape]`` tensor on
+    ``t``'s device, same ``m``) before anything is written: a failed call leaves every
+    ``.grad`` and ``.jac`` as it was. Empty Jacobians
     (``m = 0``) aggregate to the zero update, which is added to ``.grad`` (zeros where it was
     ``None``), with empty weights.
 
