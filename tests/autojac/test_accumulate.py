@@ -235,3 +235,46 @@ def test_jac_to_grad_refuses_a_sparse_jac() -> None:
     with pytest.raises(ValueError, match=r"`tensors\[0\]\.jac` must be a dense"):
         jac_to_grad([p], UPGrad())
     assert p.grad is None
+
+
+def test_jac_accumulates_in_place() -> None:
+    """``+=`` as TorchJD (and migration.md) say: a reference to ``.jac`` sees the sum; it
+    was replaced by a new tensor."""
+    p, q, losses = _two_inputs()
+    backward(losses())
+    held = p.jac  # type: ignore[attr-defined]
+    backward(losses())
+    assert p.jac is held  # type: ignore[attr-defined]
+    for t, expected in zip((p, q), jac(losses(), [p, q])):
+        torch.testing.assert_close(t.jac, 2 * expected)  # type: ignore[attr-defined]
+
+
+def test_jac_shared_with_jac_tensors_is_not_changed() -> None:
+    """Adding in place to a ``.jac`` that is the caller's ``jac_tensors`` would change them."""
+    x = torch.tensor([1.0, 2.0], requires_grad=True)
+    C = torch.tensor([[1.0, 0.0], [0.0, 1.0], [2.0, 2.0]])
+    x.jac = C  # type: ignore[attr-defined]
+    backward([x], [x], jac_tensors=[C])
+    torch.testing.assert_close(C, torch.tensor([[1.0, 0.0], [0.0, 1.0], [2.0, 2.0]]))
+    torch.testing.assert_close(x.jac, 2 * C)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("kind", ["graph", "float64", "expanded", "shared"])
+def test_jac_that_cannot_take_the_sum_in_place_is_replaced(kind: str) -> None:
+    """A ``.jac`` with a graph, of another dtype, expanded, or shared with another input's
+    ``.jac`` (out of place, from the values before the call): the sum, each its own."""
+    p, q, losses = _two_inputs()
+    first = torch.ones(2, 3)
+    if kind == "graph":
+        first = first.requires_grad_()
+    elif kind == "float64":
+        first = first.double()
+    elif kind == "expanded":
+        first = torch.ones(1, 3).expand(2, 3)
+    p.jac = first  # type: ignore[attr-defined]
+    q.jac = first[:, :2] if kind == "shared" else torch.ones(2, 2)  # type: ignore[attr-defined]
+    backward(losses())
+    expected = jac(losses(), [p, q])
+    torch.testing.assert_close(p.jac, 1 + expected[0], check_dtype=False)  # type: ignore[attr-defined]
+    torch.testing.assert_close(q.jac, 1 + expected[1])  # type: ignore[attr-defined]
+    assert kind == "shared" or torch.equal(first, torch.ones(2, 3))

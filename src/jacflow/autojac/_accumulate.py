@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from jacflow._grad_writes import owned, run_post_accumulate_hooks
+from jacflow._grad_writes import non_overlapping, owned, run_post_accumulate_hooks, sole_owners
 from jacflow._warnings import caller_stacklevel
 
 _NON_LEAF_GRAD_WARNING = (
@@ -57,11 +57,41 @@ def check_jac_accumulable(tensors: Sequence[Tensor], rows: int, name: str) -> No
 def accumulate_jacs(
     tensors: Sequence[Tensor], jacobians: Sequence[Tensor], held: Sequence[Tensor] = ()
 ) -> None:
-    """Add ``jacobians[i]`` to ``tensors[i].jac`` (or set it), each a tensor of its own (see
-    :func:`owned`; ``held``: the caller's tensors, which no ``.jac`` may share)."""
-    for tensor, jac in zip(tensors, owned(jacobians, held)):
-        existing = getattr(tensor, "jac", None)
-        tensor.jac = jac if existing is None else existing + jac  # type: ignore[attr-defined]
+    """Add ``jacobians[i]`` to ``tensors[i].jac`` (or set it), each a dense tensor of its own
+    (see :func:`owned`; ``held``: the caller's tensors, which no ``.jac`` may share).
+
+    An existing ``.jac`` is added to in place (``+=``, as TorchJD does: references to it see
+    the sum) where :func:`_adds_in_place` allows it and it shares no memory with ``held`` or
+    with an earlier input's ``.jac``; else it is replaced by the sum. All the out-of-place sums
+    are formed before the first write, so that a failure leaves every ``.jac`` as it was.
+    """
+    existing = [getattr(t, "jac", None) for t in tensors]
+    jacs = owned(jacobians, [*held, *(e for e in existing if e is not None)])
+    in_place = _jacs_added_in_place(existing, jacs, held)
+    new = [j if e is None or add else e + j for e, j, add in zip(existing, jacs, in_place)]
+    with torch.no_grad():
+        for e, j, add in zip(existing, jacs, in_place):
+            if add:
+                e.add_(j)  # type: ignore[union-attr]
+    for tensor, jac, add in zip(tensors, new, in_place):
+        if not add:
+            tensor.jac = jac  # type: ignore[attr-defined]
+
+
+def _jacs_added_in_place(
+    existing: Sequence[Tensor | None], jacs: Sequence[Tensor], held: Sequence[Tensor]
+) -> list[bool]:
+    """Per input, whether its existing ``.jac`` takes the new rows in place: allowed by
+    :func:`_adds_in_place`, and sharing no memory with ``held`` (the caller's tensors, left
+    unchanged) or with an earlier input's ``.jac`` (whose sum is then formed from it first)."""
+    alone = iter(sole_owners([e for e in existing if e is not None], held))
+    flags = []
+    for e, jac in zip(existing, jacs):
+        if e is None:
+            flags.append(False)
+            continue
+        flags.append(next(alone) and _adds_in_place(e, jac))
+    return flags
 
 
 def _current_grad(tensor: Tensor) -> Tensor | None:
@@ -81,16 +111,19 @@ def _current_grad(tensor: Tensor) -> Tensor | None:
 def _adds_in_place(existing: Tensor, update: Tensor) -> bool:
     """Whether ``existing += update`` is safe and wanted, as autograd decides it.
 
-    In place (``.grad`` keeps its identity) when no graph is involved and ``existing`` is a
-    dense tensor that can be written: not an inference tensor, and no element shared by
-    several positions (an expanded tensor, a zero stride on a dimension of size > 1).
+    In place (``.grad`` or ``.jac`` keeps its identity) when no graph is involved and
+    ``existing`` is a dense tensor that can be written: not an inference tensor, no element
+    shared by several positions (an expanded tensor), and the update's dtype and device (the
+    sum then has those of the out-of-place one).
     """
     return (
         not update.requires_grad
         and not existing.requires_grad
         and existing.layout == torch.strided
         and not existing.is_inference()
-        and not any(st == 0 and sz > 1 for st, sz in zip(existing.stride(), existing.shape))
+        and existing.dtype == update.dtype
+        and existing.device == update.device
+        and non_overlapping(existing)
     )
 
 

@@ -89,8 +89,10 @@ def backward(
     """Jacobian of all values of ``tensors`` w.r.t. ``inputs``, stored or aggregated.
 
     Without an aggregator, the Jacobian with respect to each input ``t`` (shape
-    ``[m, *t.shape]``) is accumulated into ``t.jac``; aggregate it later with
-    :func:`jac_to_grad`. With an aggregator ``A``, the Jacobian (one row per value of
+    ``[m, *t.shape]``) is accumulated into ``t.jac``: in place (``t.jac += J``), unless the
+    existing ``.jac`` has a graph or another dtype, is expanded, or shares memory with
+    ``jac_tensors`` or another input's ``.jac`` (then it is replaced by the sum). Aggregate it
+    later with :func:`jac_to_grad`. With an aggregator ``A``, the Jacobian (one row per value of
     ``tensors``) is aggregated into one vector that is accumulated into ``t.grad``, as
     ``loss.backward()`` would do with the gradient: each new ``.grad`` a tensor of its own,
     then the inputs' post-accumulate hooks run once each (so do :func:`jac_to_grad`'s and
