@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
-from jacflow import jac
+from jacflow import backward, jac, mtl_backward
 from tests.autojac._zoo import ZOO, Case, reference_jacobians
 
 
@@ -185,3 +186,27 @@ def test_repeated_input_gets_one_jacobian_per_place(chunk: int | None) -> None:
     assert len(got) == 3
     for k in range(3):
         torch.testing.assert_close(got[k], torch.stack([r[k] for r in rows]))
+
+
+@pytest.mark.parametrize("call", ["jac", "backward", "mtl_backward"])
+@pytest.mark.parametrize("size", [np.int64(2), np.uint8(1), np.int32(7)], ids=repr)
+def test_numpy_integer_chunk_sizes_are_taken(call: str, size: np.integer) -> None:
+    """As by ``torch.func.jacrev`` and TorchJD (``np.ceil`` results, config arrays); they were
+    refused. A bool still is."""
+    trunk = torch.nn.Linear(3, 4)
+    features = trunk(torch.randn(5, 3))
+    losses = [features.pow(2).mean(), features.sin().mean(), features.abs().mean()]
+    params = list(trunk.parameters())
+    expected = jac(losses, params, retain_graph=True)
+    if call == "jac":
+        got = jac(losses, params, parallel_chunk_size=size)  # type: ignore[arg-type]
+    else:
+        if call == "backward":
+            backward(losses, params, parallel_chunk_size=size)  # type: ignore[arg-type]
+        else:
+            mtl_backward(losses, features, parallel_chunk_size=size)  # type: ignore[arg-type]
+        got = tuple(p.jac for p in params)  # type: ignore[attr-defined]
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e)
+    with pytest.raises(TypeError, match="`parallel_chunk_size` must be None or a positive int"):
+        jac(losses, params, parallel_chunk_size=np.bool_(True))  # type: ignore[arg-type]

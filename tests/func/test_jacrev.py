@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given
@@ -100,6 +101,16 @@ def test_composes_with_vmap_and_itself() -> None:
     torch.testing.assert_close(got, expected)
     mixed = torch.func.jacfwd(jacrev(f))(xs[0])
     torch.testing.assert_close(mixed, expected[0])
+
+
+@pytest.mark.parametrize("chunk", [np.int64(2), np.int16(1)], ids=repr)
+def test_numpy_integer_chunk_sizes_are_taken_as_by_torch_func(chunk: np.integer) -> None:
+    """``torch.func.jacrev`` takes them; they were refused. A bool is not a chunk size."""
+    x = torch.randn(3)
+    expected = torch.func.jacrev(torch.sin, chunk_size=chunk)(x)  # type: ignore[arg-type]
+    torch.testing.assert_close(jacrev(torch.sin, chunk_size=chunk)(x), expected)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="`chunk_size` must be None or a positive int"):
+        jacrev(torch.sin, chunk_size=True)
 
 
 def test_bad_arguments() -> None:

@@ -6,6 +6,8 @@ untouched; messages name the argument, what was expected and what was received.
 
 from __future__ import annotations
 
+import numbers
+import operator
 from collections.abc import Iterable, Sequence
 
 from torch import Tensor
@@ -57,16 +59,20 @@ def without_repeats(tensors: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
 
 
 def check_chunk_size(value: object, name: str) -> int | None:
+    """``value`` as a chunk size: ``None`` or an int >= 1, given as any integer but a bool
+    (numpy's too, as ``torch.func.jacrev`` and TorchJD take them: ``np.ceil`` results, config
+    arrays)."""
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"`{name}` must be None or a positive int, received {value!r}.")
-    if value < 1:
+    size = operator.index(value)
+    if size < 1:
         raise ValueError(
-            f"`{name}` must be None (all rows at once) or an int >= 1, received {value}. Use 1 "
+            f"`{name}` must be None (all rows at once) or an int >= 1, received {size}. Use 1 "
             "for a sequential loop without vmap."
         )
-    return value
+    return size
 
 
 def check_inputs_require_grad(inputs: tuple[Tensor, ...], name: str) -> None:
