@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from jacflow import backward, jac, mtl_backward
+from jacflow.aggregation import UPGrad
 from tests.autojac._zoo import ZOO, Case, reference_jacobians
 
 
@@ -210,3 +211,38 @@ def test_numpy_integer_chunk_sizes_are_taken(call: str, size: np.integer) -> Non
         torch.testing.assert_close(g, e)
     with pytest.raises(TypeError, match="`parallel_chunk_size` must be None or a positive int"):
         jac(losses, params, parallel_chunk_size=np.bool_(True))  # type: ignore[arg-type]
+
+
+class _ScaledByItsSum(torch.autograd.Function):
+    """A backward that reads a number out of its gradient (``.item()``): no batching rule."""
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, x: torch.Tensor) -> torch.Tensor:
+        return 2 * x
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> torch.Tensor:
+        return grad * (1 + grad.sum().item())
+
+
+def test_a_vmap_failure_gets_the_hint_and_the_hint_works() -> None:
+    x = torch.tensor([0.5, -1.0, 2.0], requires_grad=True)
+    outputs = _ScaledByItsSum.apply(x).sin()
+    with pytest.raises(RuntimeError, match=r"(?s)aten::item.*pass `parallel_chunk_size=1`"):
+        jac([outputs], [x], retain_graph=True)
+    (got,) = jac([outputs], [x], parallel_chunk_size=1)
+    outputs = _ScaledByItsSum.apply(x).sin()
+    rows = [torch.autograd.grad(o, x, retain_graph=True)[0] for o in outputs]
+    torch.testing.assert_close(got, torch.stack(rows))
+
+
+@pytest.mark.parametrize("chunk", [None, 2])
+def test_an_error_unrelated_to_vmap_gets_no_vmap_hint(chunk: int | None) -> None:
+    """A second differentiation of a freed graph was told to pass ``parallel_chunk_size=1``,
+    which gives the same error."""
+    p = torch.tensor([1.0, 2.0], requires_grad=True)
+    y = torch.stack([(p**2).sum(), p.sin().sum(), p.prod()])
+    backward(y, A=UPGrad(), parallel_chunk_size=chunk)
+    with pytest.raises(RuntimeError, match="second time") as caught:
+        backward(y, A=UPGrad(), parallel_chunk_size=chunk)
+    assert "parallel_chunk_size" not in str(caught.value)

@@ -31,6 +31,28 @@ _VMAP_HINT = (
     "without vmap."
 )
 
+# Pieces (lower case) of the errors that differentiating rows under vmap causes: an op without
+# a batching rule, an in-place op on an unbatched tensor, an autograd.Function without vmap
+# support, a kernel that reads a batched tensor's storage (torch.compile'd graphs do). Only
+# those get the hint: others ("backward through the graph a second time") come back row by row
+# too. (Retrying the chunk row by row to tell would run the hooks twice, and could find the
+# graph freed by the failed call.)
+_VMAP_ERRORS = ("vmap", "batching rule", "batched", "functorch", "doesn't have storage")
+
+
+def vmap_related(error: RuntimeError) -> bool:
+    """Whether ``error`` looks caused by vmap, so that ``parallel_chunk_size=1`` may avoid it.
+
+    Example:
+        >>> from jacflow.autojac._rows import vmap_related
+        >>> vmap_related(RuntimeError("Batching rule not implemented for aten::item."))
+        True
+        >>> vmap_related(RuntimeError("Trying to backward through the graph a second time"))
+        False
+    """
+    message = str(error).lower()
+    return any(piece in message for piece in _VMAP_ERRORS)
+
 
 def row_chunks(rows: int, chunk_size: int | None) -> list[tuple[int, int]]:
     size = rows if chunk_size is None else chunk_size
@@ -98,6 +120,8 @@ def stacked_vjps(
             try:
                 grads = list(vjp(chunk, batched=True, last=last))
             except RuntimeError as error:
+                if not vmap_related(error):
+                    raise
                 raise RuntimeError(f"{error}{_VMAP_HINT}") from error
         for j, (grad, inp) in enumerate(zip(grads, inputs)):
             block = (
