@@ -357,3 +357,58 @@ def test_shared_parameter_used_directly_as_a_feature() -> None:
     for head, loss in zip(heads, forward()[0], strict=True):
         for p, g in zip(head.parameters(), torch.autograd.grad(loss, list(head.parameters()))):
             torch.testing.assert_close(p.grad, g)
+
+
+def _retaining_forward(
+    trunk: nn.Module, heads: list[nn.Module], x: torch.Tensor
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Nested features (``f2`` read from ``f1``) that called ``retain_grad()``, each holding a
+    ``.grad`` already, and three losses that read them."""
+    f1 = trunk(x)
+    f2 = torch.tanh(f1) * 2
+    for f in (f1, f2):
+        f.retain_grad()
+        f.grad = torch.full_like(f, 0.25)
+    outs = [h(f) for h, f in zip(heads, (f1, f2, f2))]
+    return [outs[0].pow(2).mean(), outs[1].sin().mean(), (outs[2] - 1).abs().mean()], [f1, f2]
+
+
+@pytest.mark.parametrize("chunk", [None, 1, 2, "engine"])
+def test_features_that_retain_grad_get_the_sum_of_the_losses_gradient(
+    chunk: int | str | None,
+) -> None:
+    """As after ``sum(losses).backward()``, added to what they held; they got a leaked batched
+    tensor (vmapped rows) or twice the true value (``parallel_chunk_size=1``)."""
+    from jacflow.autogram import Engine
+
+    trunk, heads, x = _model(torch.float64)
+    losses, features = _retaining_forward(trunk, heads, x)
+    sum(losses).backward()  # type: ignore[union-attr]
+    expected = [f.grad for f in features]
+    expected_trunk = jac(_retaining_forward(trunk, heads, x)[0], list(trunk.parameters()))
+    for p in [*trunk.parameters(), *(q for h in heads for q in h.parameters())]:
+        p.grad = None
+    engine = Engine(trunk, batch_dim=None) if chunk == "engine" else None
+    losses, features = _retaining_forward(trunk, heads, x)
+    if engine is None:
+        mtl_backward(losses, features, A=Mean(), parallel_chunk_size=chunk)  # type: ignore[arg-type]
+    else:
+        mtl_backward(losses, features, A=Mean(), engine=engine)
+    for f, e in zip(features, expected, strict=True):
+        torch.testing.assert_close(f.grad, e)
+    for p, rows in zip(trunk.parameters(), expected_trunk, strict=True):
+        torch.testing.assert_close(p.grad, rows.mean(0))
+
+
+class _Failing(Aggregator):
+    def forward(self, matrix: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("this aggregator fails")
+
+
+def test_a_failed_call_leaves_the_features_grad() -> None:
+    """The heads' pass ran torch's hook on the features before the aggregator failed."""
+    trunk, heads, x = _model(torch.float64)
+    losses, features = _retaining_forward(trunk, heads, x)
+    with pytest.raises(RuntimeError, match="fails"):
+        mtl_backward(losses, features, A=_Failing())
+    assert all(torch.equal(f.grad, torch.full_like(f, 0.25)) for f in features)  # type: ignore[arg-type]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -212,6 +212,13 @@ def mtl_backward(
             run (``monitor.AggregatorWatch`` works), and hooks on ``A`` or ``A.weighting`` do
             not; a subclass of ``A`` that overrides ``forward`` or ``weights`` is refused.
 
+    A feature that called ``retain_grad()`` gets in ``.grad`` what ``sum(losses).backward()``
+    would give it: the sum of the tasks' gradients at it, added to what it held, whatever
+    ``parallel_chunk_size``, and with ``engine`` too (at the cost of one more differentiation
+    of the heads). Torch's hook would write it in every differentiation through the feature
+    (once per task, and a batched tensor under vmap). A tensor between ``features`` and the
+    shared parameters that called ``retain_grad()`` is left to that hook, as in :func:`backward`.
+
     Example:
         >>> import torch
         >>> from torch import nn
@@ -256,26 +263,67 @@ def mtl_backward(
         check_jac_accumulable(shared, len(loss_tuple), "shared_params")
     warn_if_distributed()
 
+    retaining = _retaining(feature_tuple, shared)
+    with _grads_put_back(retaining):
+        head_grads, feature_rows = _head_pass(loss_tuple, heads, feature_tuple)
+        totals = [
+            torch.stack([torch.zeros_like(f) if g is None else g for g in rows])
+            for f, rows in zip(feature_tuple, feature_rows)
+        ]
+        cotangents = _direct_cotangents(feature_tuple, totals, chunk_size)
+        jacobians = compute_jacobians(
+            feature_tuple, shared, cotangents, len(loss_tuple), retain_graph, False, chunk_size
+        )
+    store(shared, jacobians, aggregator)
+    # (a retaining feature that a loss reaches gets the sum of their gradients, once)
+    sums = {
+        id(f): total.sum(0)
+        for f, total, rows in zip(feature_tuple, totals, feature_rows)
+        if any(g is not None for g in rows)
+    }
+    written = [*head_grads, *((f, sums[id(f)]) for f in retaining if id(f) in sums)]
+    accumulate_grads([p for p, _ in written], [g for _, g in written])
+
+
+def _head_pass(
+    losses: tuple[Tensor, ...], heads: list[tuple[Tensor, ...]], features: tuple[Tensor, ...]
+) -> tuple[list[tuple[Tensor, Tensor]], list[list[Tensor | None]]]:
+    """Each head differentiated once: the gradient of each head parameter (summed over the
+    tasks that reach it), and per feature, each task's gradient (``None`` where it does not
+    reach the feature)."""
     head_grads: dict[int, tuple[Tensor, Tensor]] = {}
-    feature_rows: list[list[Tensor]] = [[] for _ in feature_tuple]
-    for loss, params in zip(loss_tuple, heads):
+    feature_rows: list[list[Tensor | None]] = [[] for _ in features]
+    for loss, params in zip(losses, heads):
         grads = torch.autograd.grad(
-            loss, [*params, *feature_tuple], retain_graph=True, allow_unused=True
+            loss, [*params, *features], retain_graph=True, allow_unused=True
         )
         for p, g in zip(params, grads[: len(params)]):
             if g is not None:
                 previous = head_grads.get(id(p))
                 head_grads[id(p)] = (p, g if previous is None else previous[1] + g)
-        for rows, f, g in zip(feature_rows, feature_tuple, grads[len(params) :]):
-            rows.append(torch.zeros_like(f) if g is None else g)
-    cotangents = _direct_cotangents(
-        feature_tuple, [torch.stack(rows) for rows in feature_rows], chunk_size
-    )
-    jacobians = compute_jacobians(
-        feature_tuple, shared, cotangents, len(loss_tuple), retain_graph, False, chunk_size
-    )
-    store(shared, jacobians, aggregator)
-    accumulate_grads([p for p, _ in head_grads.values()], [g for _, g in head_grads.values()])
+        for rows, g in zip(feature_rows, grads[len(params) :]):
+            rows.append(g)
+    return list(head_grads.values()), feature_rows
+
+
+def _retaining(features: tuple[Tensor, ...], shared: tuple[Tensor, ...] = ()) -> list[Tensor]:
+    """The features that called ``retain_grad()`` (those not among the shared parameters, which
+    get their own result): torch's hook writes their ``.grad`` in every differentiation that
+    reaches them, once per task and a batched tensor under vmap, so ``mtl_backward`` puts it
+    back and adds the tasks' summed gradient once."""
+    inputs = {id(p) for p in shared}
+    return [f for f in features if f.retains_grad and id(f) not in inputs]
+
+
+@contextlib.contextmanager
+def _grads_put_back(tensors: Sequence[Tensor]) -> Iterator[None]:
+    """Put back the ``.grad`` that ``tensors`` hold now when the block ends, failed or not."""
+    kept = [(t, t.grad) for t in tensors]
+    try:
+        yield
+    finally:
+        for tensor, grad in kept:
+            tensor.grad = grad
 
 
 def _direct_cotangents(
@@ -391,14 +439,25 @@ def _engine_step(
     explicit = tasks_params is not None or shared_params is not None
     layout = TaskLayout(_task_rows(heads) if explicit else {}, shared, features)
     stacked = torch.stack([loss.reshape(()) for loss in losses])
-    per_task_step(  # (which takes a parameter of several heads once)
-        stacked,
-        engine,
-        aggregator.gramian_weighting,
-        [p for params in heads for p in params],
-        retain_graph,
-        layout,
-    )
+    retaining = _retaining(features, shared)
+    with _grads_put_back(retaining):
+        # (the sum of the losses' gradients at these, before the step frees the graph: one
+        # more differentiation of the heads, as the engine's step does not form it)
+        sums = (
+            torch.autograd.grad(losses, retaining, retain_graph=True, allow_unused=True)
+            if retaining
+            else ()
+        )
+        per_task_step(  # (which takes a parameter of several heads once)
+            stacked,
+            engine,
+            aggregator.gramian_weighting,
+            [p for params in heads for p in params],
+            retain_graph,
+            layout,
+        )
+    reached = [(f, g) for f, g in zip(retaining, sums) if g is not None]
+    accumulate_grads([f for f, _ in reached], [g for _, g in reached])
 
 
 def _check_engine_params_shared(
