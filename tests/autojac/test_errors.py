@@ -468,3 +468,41 @@ def test_mtl_loss_reading_a_sibling_output_of_a_feature_is_refused(explicit: boo
     expected = torch.autograd.grad(sum(losses) / 2, trunk.weight, retain_graph=True)[0]
     mtl_backward(losses, [first, second], A=Mean(), tasks_params=tasks)
     torch.testing.assert_close(trunk.weight.grad, expected)
+
+
+@pytest.mark.parametrize("call", ["backward", "mtl_backward", "jac_to_grad"])
+@pytest.mark.parametrize("A", [UPGrad(), Mean()], ids=["upgrad", "mean"])
+def test_complex_inputs_with_an_aggregator_are_refused_before_any_write(
+    call: str, A: Aggregator
+) -> None:
+    """Gramian-based aggregators failed deep inside (``NotImplementedError`` for
+    ``max_values_cpu``): refused up front, naming the way out, with nothing written."""
+    w = torch.tensor([1.0, 2.0], requires_grad=True)
+    z = torch.tensor([1 + 2j, -1 + 0.5j], requires_grad=True)
+    w.grad = torch.tensor([7.0, 7.0])
+    losses = [(z.abs() ** 2).sum() + w.sum(), (z.real * 3 - z.imag).sum() * w.prod()]
+    name = {"backward": "inputs", "mtl_backward": "shared_params", "jac_to_grad": "tensors"}
+    with pytest.raises(ValueError, match=rf"`{name[call]}\[1\]` .* is complex.*view_as_real"):
+        if call == "backward":
+            backward(losses, [w, z], A=A)
+        elif call == "mtl_backward":
+            features = torch.stack([z.abs().sum(), w.sum()])
+            mtl_backward([features.sum(), features.prod()], features, A=A, shared_params=[w, z])
+        else:
+            backward(losses, [w, z], retain_graph=True)
+            jac_to_grad([w, z], A)
+    if call == "jac_to_grad":
+        assert z.jac.is_complex()  # type: ignore[attr-defined]
+    assert torch.equal(w.grad, torch.tensor([7.0, 7.0]))
+    assert z.grad is None
+    (rows,) = jac(losses, [z])  # (the graph is intact; without A, the complex Jacobian)
+    assert rows.is_complex()
+
+
+def test_an_aggregator_passed_as_inputs_is_told_to_go_to_A() -> None:
+    """TorchJD 0.3-0.7's ``backward(tensors, A)``: jacflow's second argument is ``inputs``."""
+    w, _, outputs = _setup()
+    with pytest.raises(TypeError, match=r"pass the aggregator as `A=`"):
+        backward(outputs, UPGrad())  # type: ignore[arg-type]
+    assert torch.equal(w.grad, torch.tensor([7.0, 7.0]))  # type: ignore[arg-type]
+    backward(outputs, A=UPGrad())

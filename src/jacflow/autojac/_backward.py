@@ -20,9 +20,11 @@ from jacflow.autojac._checks import (
     check_aggregator,
     check_chunk_size,
     check_flag,
+    check_inputs_not_aggregator,
     check_jac_outputs,
     check_non_empty,
     check_real,
+    check_real_inputs,
     check_unique,
     without_repeats,
 )
@@ -109,6 +111,9 @@ def backward(
             called ``retain_grad()`` gets its result once too (the ``.grad`` that torch's hook
             writes during the differentiation is put back first).
         A: aggregator reducing the Jacobian to one update; ``None`` stores ``.jac`` instead.
+            With ``A``, the inputs must be real (a ``ValueError`` otherwise: the
+            aggregators combine real Jacobians); without it, a complex input's ``.jac`` is
+            complex.
         retain_graph: keep the graph for another differentiation. Default: ``create_graph``.
         parallel_chunk_size: rows differentiated per vmapped call (``None``: all; ``1``: a loop
             without vmap). The results agree up to rounding, as in :func:`jac`.
@@ -164,8 +169,11 @@ def backward(
             "create_graph=True)` and combine its rows with weights of your choice."
         )
     chunk_size = check_chunk_size(parallel_chunk_size, "parallel_chunk_size")
+    check_inputs_not_aggregator(inputs)
     ins = without_repeats(resolve_inputs(outs, inputs, "tensors", "inputs"))
     check_non_empty(ins, "inputs")
+    if aggregator is not None:
+        check_real_inputs(ins, "inputs")
     if jac_tensors is None:
         cotangents = None
         rows = sum(o.numel() for o in outs)

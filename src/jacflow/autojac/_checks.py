@@ -105,6 +105,30 @@ def check_real(tensors: Sequence[Tensor], name: str) -> None:
             )
 
 
+def check_real_inputs(tensors: Sequence[Tensor], name: str) -> None:
+    """Refuse complex tensors whose Jacobian an aggregator is to combine: the aggregators are
+    defined on real Jacobians (a Gramian ``J J^T`` of complex rows is not the one they read),
+    and would fail deep inside, or combine the rows wrongly."""
+    for i, tensor in enumerate(tensors):
+        if tensor.is_complex():
+            raise ValueError(
+                f"`{name}[{i}]` (shape {tuple(tensor.shape)}) is complex ({tensor.dtype}), and "
+                "jacflow's aggregators combine the rows of real Jacobians only. Make it real: "
+                "hold torch.view_as_real(p) as the parameter (its real and imaginary parts as a "
+                "last dimension of size 2) and read it with torch.view_as_complex in the forward."
+            )
+
+
+def check_inputs_not_aggregator(inputs: object) -> None:
+    """Refuse an aggregator given as ``inputs``: ``backward(tensors, A)``, the order of TorchJD
+    0.3 to 0.7, where jacflow's second positional argument is ``inputs``."""
+    if isinstance(inputs, Aggregator):
+        raise TypeError(
+            f"`inputs` received an aggregator, {inputs!r}: pass the aggregator as `A=` "
+            "(`backward(tensors, A=UPGrad())`), as backward's second argument is `inputs`."
+        )
+
+
 def check_aggregator(aggregator: object) -> Aggregator | None:
     if aggregator is None or isinstance(aggregator, Aggregator):
         return aggregator

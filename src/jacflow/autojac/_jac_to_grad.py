@@ -13,6 +13,7 @@ from jacflow.autojac._checks import (
     as_tensor_tuple,
     check_flag,
     check_non_empty,
+    check_real_inputs,
     check_unique,
     rows_shape,
 )
@@ -93,7 +94,7 @@ def jac_to_grad(
 
     Args:
         tensors: the distinct tensors whose ``.jac`` to aggregate (e.g. ``model.parameters()``).
-        A: the aggregator.
+        A: the aggregator; ``tensors`` must be real, as in :func:`backward` with ``A``.
         retain_jac: keep the ``.jac`` fields (default: delete them to free memory).
         aggregator: TorchJD's name for ``A``; give one of the two.
         optimize_gramian_computation: accepted for TorchJD's calls and without effect: jacflow
@@ -122,6 +123,7 @@ def jac_to_grad(
     check_non_empty(items, "tensors")
     check_unique(items, "tensors")
     check_flag(retain_jac, "retain_jac")
+    check_real_inputs(items, "tensors")
     jacobians = [_checked_jac(t, i) for i, t in enumerate(items)]
     for i, jacobian in enumerate(jacobians):
         if jacobian.shape[0] != jacobians[0].shape[0]:

@@ -25,6 +25,7 @@ from jacflow.autojac._checks import (
     check_inputs_require_grad,
     check_non_empty,
     check_real,
+    check_real_inputs,
     check_unique,
     without_repeats,
 )
@@ -185,7 +186,8 @@ def mtl_backward(
         features: the last shared representation(s) that the heads read. One may be computed
             from another (multi-scale features, ``f2 = stage2(f1)``): each path from a loss to
             the trunk counts once (at the cost of one more pull-back per such feature).
-        A: aggregator of the trunk's Jacobian; ``None`` stores ``.jac`` instead.
+        A: aggregator of the trunk's Jacobian; ``None`` stores ``.jac`` instead. With ``A``,
+            the shared parameters must be real, as in :func:`backward`.
         tasks_params: per task, the head parameters (distinct within a task; a parameter of
             several heads gets the sum of their gradients). Default: the leaves behind each loss
             that are not behind ``features``.
@@ -261,6 +263,8 @@ def mtl_backward(
     check_non_empty(shared, "shared_params")
     if aggregator is None:
         check_jac_accumulable(shared, len(loss_tuple), "shared_params")
+    else:
+        check_real_inputs(shared, "shared_params")
     warn_if_distributed()
 
     retaining = _retaining(feature_tuple, shared)
@@ -432,6 +436,7 @@ def _engine_step(
     heads, shared = _resolve_params(
         losses, features, tasks_params, shared_params, engine._hooked_names()
     )
+    check_real_inputs(shared, "shared_params")
     if shared_params is not None:
         _check_engine_params_shared(shared, features, engine)
     # (a task parameter gets the gradient of its tasks' losses only; with both defaults, the
