@@ -44,7 +44,7 @@ def _run(make: Callable[[], Scalarizer], bad: Tensor | None) -> list[float]:
         lambda: LogSTCH(mu=0.5, warmup_epochs=0),
     ],
 )
-@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+@pytest.mark.parametrize("bad", [float("inf"), float("nan"), -float("inf")])
 def test_a_non_finite_call_is_non_finite_and_later_calls_are_as_without_it(
     make: Callable[[], Scalarizer], bad: float
 ) -> None:

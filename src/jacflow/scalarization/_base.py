@@ -62,20 +62,24 @@ def check_losses(losses: object, owner: str) -> Tensor:
 
 
 def check_non_negative(losses: Tensor, owner: str, remedy: str) -> None:
-    """Refuse a negative loss (NaN passes: a skipped step's non-finite value), for a method
-    whose weights or value are defined for non-negative losses only; ``remedy`` tells the way
-    out. Before any state changes.
+    """Refuse a finite negative loss, for a method whose weights or value are defined for
+    non-negative losses only; ``remedy`` tells the way out. Before any state changes.
+
+    NaN, ``inf`` and ``-inf`` pass: a non-finite loss is a step that an AMP ``GradScaler``
+    skips, which every scalarizer answers with a non-finite value (not an error, which would
+    stop the run the scaler was about to rescue).
 
     Example:
         >>> import torch
         >>> from jacflow.scalarization._base import check_non_negative
-        >>> check_non_negative(torch.tensor([0.0, float("nan")]), "M", "")
+        >>> check_non_negative(torch.tensor([0.0, float("nan"), -float("inf")]), "M", "")
         >>> check_non_negative(torch.tensor([-1.0, 2.0]), "M", "Shift them.")
         Traceback (most recent call last):
         ...
         ValueError: M is defined for non-negative losses only, received [-1.0, 2.0]. Shift them.
     """
-    if bool((losses.detach() < 0).any()):
+    detached = losses.detach()
+    if bool(((detached < 0) & torch.isfinite(detached)).any()):
         raise ValueError(
             f"{owner} is defined for non-negative losses only, received "
             f"{losses.detach().flatten().tolist()[:8]}. {remedy}"

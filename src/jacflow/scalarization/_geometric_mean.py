@@ -31,7 +31,8 @@ class GeometricMean(Scalarizer):
 
     Raises:
         ValueError: when a loss is negative (the geometric mean is defined for non-negative
-            values only). NaN losses give NaN.
+            values only). A NaN or infinite loss (``-inf`` included) gives a non-finite
+            value.
 
     Example:
         >>> import torch
