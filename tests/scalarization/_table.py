@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -81,6 +82,28 @@ DIFFERENTIABLE = [
     "LogSTCH",
 ]
 STATEFUL = [name for name, make in FACTORIES.items() if isinstance(make(), Stateful)]
+
+
+def assert_same_state(state: Mapping[str, Any], expected: Mapping[str, Any]) -> None:
+    """Two ``state_dict`` s hold the same values: tensors equal in dtype, device and value, the
+    extra state's attributes (tensors, lists of tensors, numbers, ``None``) as well."""
+    assert state.keys() == expected.keys()
+    for key, value in state.items():
+        _assert_same(value, expected[key], key)
+
+
+def _assert_same(value: object, expected: object, where: str) -> None:
+    if isinstance(expected, Tensor):
+        assert isinstance(value, Tensor), where
+        assert value.dtype == expected.dtype and value.device == expected.device, where
+        assert torch.equal(value, expected), where
+    elif isinstance(expected, (dict, list, tuple)):
+        assert type(value) is type(expected) and len(value) == len(expected), where  # type: ignore[arg-type]
+        pairs = expected.items() if isinstance(expected, dict) else enumerate(expected)
+        for key, item in pairs:
+            _assert_same(value[key], item, f"{where}.{key}")  # type: ignore[index]
+    else:
+        assert value == expected, where
 
 
 def frozen(scalarizer: Scalarizer, seed: int = 0) -> Callable[[Tensor], Tensor]:

@@ -3,11 +3,11 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 
 import pytest
 import torch
-from torch import Tensor
 
 from jacflow import Stateful
 from jacflow.scalarization import (
@@ -31,7 +31,14 @@ from jacflow.scalarization import (
     SoftAdapt,
     Tchebycheff,
 )
-from tests.scalarization._table import DIFFERENTIABLE, FACTORIES, STATEFUL, M, frozen
+from tests.scalarization._table import (
+    DIFFERENTIABLE,
+    FACTORIES,
+    STATEFUL,
+    M,
+    assert_same_state,
+    frozen,
+)
 
 NAMES = list(FACTORIES)
 LOSSES = [[1.0, 2.0, 0.5], [0.8, 1.5, 0.6], [0.7, 1.6, 0.4], [0.6, 1.2, 0.45]]
@@ -253,22 +260,25 @@ def test_losses_of_any_shape(name: str) -> None:
         lambda: LBTW(alpha=0.5),
         lambda: LogSTCH(mu=1.0, warmup_epochs=0),
         lambda: GeometricMean(),
+        lambda: DWA(),
+        lambda: ReLoBRaLo(alpha=0.5, rho=0.5),
+        lambda: SoftAdapt(loss_weighted=True),
     ],
-    ids=["AdaLoss", "LBTW", "LogSTCH", "GeometricMean"],
+    ids=["AdaLoss", "LBTW", "LogSTCH", "GeometricMean", "DWA", "ReLoBRaLo", "SoftAdapt-lw"],
 )
 def test_methods_for_non_negative_losses_refuse_a_negative_one(
     make: Callable[[], Scalarizer],
 ) -> None:
     """AdaLoss gave the loss a negative weight (a step ascended it), LBTW and LogSTCH NaN;
-    refused before any state changes, as GeometricMean and FAMO refuse it."""
+    SoftAdapt(loss_weighted=True) a negative weight, DWA and ReLoBRaLo more weight to the loss
+    that improved (their ratios read backwards). Refused before any state changes, as
+    GeometricMean and FAMO refuse it."""
     scalarizer = make()
     scalarizer(torch.tensor([1.0, 2.0]))  # (a first call that sets their state)
-    state = {k: v.clone() for k, v in scalarizer.state_dict().items() if isinstance(v, Tensor)}
+    state = copy.deepcopy(scalarizer.state_dict())
     with pytest.raises(ValueError, match=r"non-negative losses only, received \[-2.0, 1.0\]"):
         scalarizer(torch.tensor([-2.0, 1.0]))
-    after = scalarizer.state_dict()
-    for key, value in state.items():
-        assert torch.equal(after[key], value)
+    assert_same_state(scalarizer.state_dict(), state)
 
 
 ASSIGNMENTS = [

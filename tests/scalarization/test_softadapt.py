@@ -66,3 +66,20 @@ def test_loss_weighted_with_every_loss_zero_falls_back_to_the_softmax() -> None:
     losses = torch.zeros(2, requires_grad=True)
     (grad,) = torch.autograd.grad(sa(losses), losses)
     torch.testing.assert_close(grad, torch.softmax(torch.tensor([-1.0, -2.0]), dim=0))
+
+
+@pytest.mark.parametrize("normalized", [False, True])
+def test_negative_losses_are_kept_without_loss_weighting(normalized: bool) -> None:
+    """The slopes are differences: defined for losses of any sign (only ``loss_weighted``
+    multiplies by the losses and refuses a negative one)."""
+    sa = SoftAdapt(beta=1.0, normalized=normalized)
+    sa(torch.tensor([-1.0, 2.0]))
+    losses = torch.tensor([-3.0, 2.5], requires_grad=True)
+    sa(losses).backward()
+    slopes = [-2.0, 0.5]
+    if normalized:
+        slopes = [s / 2.5 for s in slopes]
+    exps = [math.exp(s) for s in slopes]
+    expected = [e / sum(exps) for e in exps]
+    assert losses.grad is not None
+    assert losses.grad.tolist() == pytest.approx(expected, rel=1e-6)

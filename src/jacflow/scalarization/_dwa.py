@@ -13,6 +13,7 @@ from jacflow.aggregation._nonfinite import has_nonfinite
 from jacflow.scalarization._base import (
     Hyperparameter,
     Scalarizer,
+    check_non_negative,
     check_same_shape,
     floats,
     loss_ratio,
@@ -53,7 +54,8 @@ class DWA(SavesState, Scalarizer, Stateful):
     epochs the weights are all 1. The weights carry no gradient. An average of 0 after an
     average of 0 has the rate 1 (0/0 taken as no change); if a positive average follows a zero
     one, its rate is infinite and the weights are the softmax's limit (``K`` shared by the
-    losses with an infinite rate, 0 for the others).
+    losses with an infinite rate, 0 for the others). The rates are ratios of averages, which
+    read backwards for negative ones: a negative loss raises a ``ValueError``.
 
     Paper: S. Liu, E. Johns, A. J. Davison, *End-to-End Multi-Task Learning with Attention*,
     CVPR 2019 (arXiv 1803.10704). Same names, parameters and defaults as TorchJD 0.18's ``DWA``.
@@ -106,6 +108,8 @@ class DWA(SavesState, Scalarizer, Stateful):
         return dwa_weights(older, newer, self.temperature).to(losses.dtype)
 
     def forward(self, losses: Tensor, /) -> Tensor:
+        # (the rate of a negative average reads backwards: -1 -> -2 would be a rate of 2)
+        check_non_negative(losses, "DWA", "Shift the losses, e.g. by a lower bound.")
         weights = self.weights(losses)
         detached = losses.detach()
         if has_nonfinite(detached):  # skipped step: state unchanged, non-finite value

@@ -12,6 +12,7 @@ from jacflow.aggregation._nonfinite import has_nonfinite
 from jacflow.scalarization._base import (
     Hyperparameter,
     Scalarizer,
+    check_non_negative,
     check_same_shape,
     floats,
 )
@@ -38,7 +39,9 @@ class ReLoBRaLo(SavesState, Scalarizer, Stateful):
 
     with :math:`\rho \sim \mathrm{Bernoulli}(\mathbb{E}[\rho])` drawn at each call (the random
     lookback to the initial losses :math:`L(0)`) and :math:`\lambda(0) = 1`. A
-    :math:`10^{-12}` is added to the denominators :math:`T L_i(t')`.
+    :math:`10^{-12}` is added to the denominators :math:`T L_i(t')`. The ratios
+    :math:`L_i(t) / L_i(t')` read backwards for negative losses: a negative loss raises a
+    ``ValueError``.
 
     Paper: R. Bischof, M. Kraus, *Multi-Objective Loss Balancing for Physics-Informed Deep
     Learning*, arXiv 2110.09813, 2021. :math:`\rho` is drawn from torch's global generator
@@ -80,6 +83,9 @@ class ReLoBRaLo(SavesState, Scalarizer, Stateful):
         self._lambda: Tensor | None = None
 
     def forward(self, losses: Tensor, /) -> Tensor:
+        # (the ratios L(t) / L(t') read backwards for negative losses: a larger weight for the
+        # loss that decreased)
+        check_non_negative(losses, "ReLoBRaLo", "Shift the losses, e.g. by a lower bound.")
         detached = losses.detach()
         skipped = has_nonfinite(detached)  # (a skipped step draws no look-back either)
         first = False

@@ -13,6 +13,7 @@ from jacflow.scalarization._base import (
     Hyperparameter,
     Scalarizer,
     check_bool,
+    check_non_negative,
     check_same_shape,
     floats,
 )
@@ -51,6 +52,9 @@ class SoftAdapt(SavesState, Scalarizer, Stateful):
 
     The weights sum to 1 and carry no gradient; at the first call :math:`s = 0`. With
     ``loss_weighted=True`` and every loss zero, the weights are :math:`\mathrm{softmax}(\beta s)`.
+    The slopes are differences, defined for losses of any sign; ``loss_weighted=True`` multiplies
+    by the losses themselves, so it refuses a negative loss with a ``ValueError`` (the weight
+    would be negative: the step would ascend that loss).
 
     Paper: A. A. Heydari, C. A. Thompson, A. Mehmood, *SoftAdapt: Techniques for Adaptive Loss
     Weighting of Neural Networks with Multi-Part Loss Functions*, arXiv 1912.12355, 2019. The
@@ -90,6 +94,10 @@ class SoftAdapt(SavesState, Scalarizer, Stateful):
         self._previous: Tensor | None = None
 
     def forward(self, losses: Tensor, /) -> Tensor:
+        if self.loss_weighted:  # (L_i e^{beta s_i} is a weight only for L_i >= 0)
+            check_non_negative(
+                losses, "SoftAdapt(loss_weighted=True)", "Shift the losses, e.g. by a lower bound."
+            )
         detached = losses.detach()
         if self._previous is None:
             slopes = torch.zeros_like(detached)
