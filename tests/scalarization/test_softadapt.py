@@ -83,3 +83,26 @@ def test_negative_losses_are_kept_without_loss_weighting(normalized: bool) -> No
     expected = [e / sum(exps) for e in exps]
     assert losses.grad is not None
     assert losses.grad.tolist() == pytest.approx(expected, rel=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("normalized", [False, True])
+def test_half_precision_losses_give_the_float32_weights(
+    dtype: torch.dtype, normalized: bool
+) -> None:
+    """float16 read the slopes' floor 1e-8 as 0: with zero slopes (the first call, or the same
+    losses again) ``normalized=True`` divided 0 by 0 and returned NaN."""
+    rows = [[0.5, 1.0, 2.0], [0.5, 1.0, 2.0], [0.25, 1.0, 3.0]]
+    half, reference = (
+        SoftAdapt(beta=1.0, normalized=normalized),
+        SoftAdaptReference(1.0, normalized, False),
+    )
+    for row in rows:
+        losses = torch.tensor(row, dtype=dtype, requires_grad=True)
+        value = half(losses)
+        value.backward()
+        exact = torch.tensor(row, dtype=torch.float64, requires_grad=True)
+        reference(exact).backward()
+        assert value.dtype == dtype
+        assert losses.grad is not None and exact.grad is not None
+        torch.testing.assert_close(losses.grad.double(), exact.grad, rtol=1e-2, atol=1e-3)

@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from jacflow._stateful import SavesState, Stateful
+from jacflow.aggregation._bases import compute_dtype
 from jacflow.aggregation._nonfinite import has_nonfinite
 from jacflow.scalarization._base import (
     Hyperparameter,
@@ -60,6 +61,8 @@ class SoftAdapt(SavesState, Scalarizer, Stateful):
     Weighting of Neural Networks with Multi-Part Loss Functions*, arXiv 1912.12355, 2019. The
     slope is the first-order finite difference between consecutive calls.
 
+    The weights are computed in float32 for float16 or bfloat16 losses, in their dtype otherwise.
+
     State: the losses of the previous call; each call is one step. :meth:`reset` forgets them.
     A NaN or infinite loss gives a non-finite value and is not kept (so a step that an AMP
     ``GradScaler`` skips does not make the next call's value NaN too).
@@ -99,17 +102,17 @@ class SoftAdapt(SavesState, Scalarizer, Stateful):
                 losses, "SoftAdapt(loss_weighted=True)", "Shift the losses, e.g. by a lower bound."
             )
         detached = losses.detach()
+        # (float32 at least: float16 reads the slopes' floor 1e-8 as 0, and 0 / 0 is NaN)
+        work = detached.to(compute_dtype(detached.dtype))
         if self._previous is None:
-            slopes = torch.zeros_like(detached)
+            slopes = torch.zeros_like(work)
         else:
             check_same_shape(self._previous, losses, "SoftAdapt")
-            slopes = detached - self._previous.to(losses.dtype)
+            slopes = work - self._previous.to(work.dtype)
         if not has_nonfinite(detached):  # (a skipped step keeps the previous losses)
             self._previous = detached.clone()
-        weights = softadapt_weights(
-            detached, slopes, self.beta, self.normalized, self.loss_weighted
-        )
-        return (weights * losses).sum()
+        weights = softadapt_weights(work, slopes, self.beta, self.normalized, self.loss_weighted)
+        return (weights.to(losses.dtype) * losses).sum()
 
     def reset(self) -> None:
         self._previous = None
