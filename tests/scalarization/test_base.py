@@ -158,6 +158,23 @@ def test_rejects_losses_of_the_wrong_shape(name: str) -> None:
         FACTORIES[name]()(torch.ones(4))
 
 
+@pytest.mark.parametrize("name", ["FAMO", "IMTLL", "UW", "RevisedUW"])
+def test_a_method_built_for_a_shape_says_to_build_a_new_one(name: str) -> None:
+    """UW, IMTLL and RevisedUW told the user to call ``reset()``, which keeps the shape: the
+    same error came back. The message now names what works, and the new instance does work."""
+    scalarizer = FACTORIES[name]()
+    scalarizer(torch.ones(3))
+    message = rf"{name} was built for losses of shape \(3,\).*Build a new `{name}\(2\)`"
+    with pytest.raises(ValueError, match=message):
+        scalarizer(torch.ones(2))
+    assert isinstance(scalarizer, Stateful)
+    scalarizer.reset()  # (keeps the shape, as the message says)
+    with pytest.raises(ValueError, match=message):
+        scalarizer(torch.ones(2))
+    rebuilt = type(scalarizer)(2)
+    assert torch.isfinite(rebuilt(torch.ones(2)))
+
+
 @pytest.mark.parametrize("name", ["DWA", "LBTW", "AdaLoss", "SoftAdapt", "ReLoBRaLo", "LogSTCH"])
 def test_rejects_a_shape_change_without_reset(name: str) -> None:
     scalarizer = FACTORIES[name]()

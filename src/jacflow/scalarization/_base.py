@@ -25,6 +25,7 @@ __all__ = [
     "Hyperparameter",
     "Scalarizer",
     "check_bool",
+    "check_built_shape",
     "check_float",
     "check_int",
     "check_losses",
@@ -146,6 +147,31 @@ def check_same_shape(state: Tensor, losses: Tensor, owner: str) -> None:
             f"{owner} keeps state for losses of shape {tuple(state.shape)} but received "
             f"`losses` of shape {tuple(losses.shape)}. Call `reset()` before changing the shape."
         )
+
+
+def check_built_shape(shape: torch.Size, losses: Tensor, owner: str, name: str = "losses") -> None:
+    """Check that ``losses`` (the argument ``name``) have the ``shape`` that a method built for
+    one shape holds its parameters or buffers in. ``reset()`` cannot change that shape: an
+    optimizer holds the parameters, so the message says to build a new instance.
+
+    Example:
+        >>> import torch
+        >>> from jacflow.scalarization._base import check_built_shape
+        >>> check_built_shape(torch.Size([3]), torch.ones(2), "UW")
+        Traceback (most recent call last):
+        ...
+        ValueError: UW was built for losses of shape (3,) but `losses` has shape (2,). Build a
+        new `UW(2)` for losses of that shape ... `reset()` keeps the shape it was built for.
+    """
+    if losses.shape == shape:
+        return
+    new = str(losses.shape[0]) if losses.dim() == 1 else str(tuple(losses.shape))
+    raise ValueError(
+        f"{owner} was built for losses of shape {tuple(shape)} but `{name}` has shape "
+        f"{tuple(losses.shape)}. Build a new `{owner}({new})` for losses of that shape (and give "
+        "its parameters, if any, to the optimizer in place of the old ones); `reset()` keeps "
+        "the shape it was built for."
+    )
 
 
 def loss_ratio(losses: Tensor, reference: Tensor) -> Tensor:

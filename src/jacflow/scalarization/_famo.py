@@ -13,6 +13,7 @@ from jacflow.aggregation._nonfinite import has_nonfinite
 from jacflow.scalarization._base import (
     Hyperparameter,
     Scalarizer,
+    check_built_shape,
     check_optional_tensor,
     check_shape,
     floats,
@@ -130,11 +131,7 @@ class FAMO(SavesState, Scalarizer, Stateful):
 
     def _check(self, losses: Tensor, name: str) -> None:
         """Check the shape and that no loss lies below its bound (NaN and inf pass)."""
-        if losses.shape != self.logits.shape:
-            raise ValueError(
-                f"FAMO was built for losses of shape {tuple(self.logits.shape)} but `{name}` "
-                f"has shape {tuple(losses.shape)}."
-            )
+        check_built_shape(self.logits.shape, losses, "FAMO", name)
         bounds = self.min_losses.to(device=losses.device, dtype=losses.dtype)
         detached = losses.detach()
         # (a NaN or infinite loss is a skipped step, not a bad bound: -inf included)

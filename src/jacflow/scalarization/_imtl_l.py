@@ -9,7 +9,12 @@ import torch
 from torch import Tensor, nn
 
 from jacflow._stateful import Stateful
-from jacflow.scalarization._base import Scalarizer, check_same_shape, check_shape, follow_losses
+from jacflow.scalarization._base import (
+    Scalarizer,
+    check_built_shape,
+    check_shape,
+    follow_losses,
+)
 
 
 @final
@@ -26,7 +31,8 @@ class IMTLL(Scalarizer, Stateful):
 
     State: the parameter ``log_scale`` (initialised to 0); pass ``imtl.parameters()`` to the
     optimizer. It follows the losses' device (and float32/float64 dtype) on the first call.
-    :meth:`reset` sets it back to 0.
+    :meth:`reset` sets it back to 0. It keeps the shape ``IMTLL`` was built for: for another
+    number of losses, build a new ``IMTLL`` and give its parameters to the optimizer.
 
     Args:
         shape: the shape of the losses (an ``int`` ``m`` means ``(m,)``).
@@ -46,7 +52,7 @@ class IMTLL(Scalarizer, Stateful):
         self.log_scale = nn.Parameter(torch.zeros(check_shape(shape, "IMTLL")))
 
     def forward(self, losses: Tensor, /) -> Tensor:
-        check_same_shape(self.log_scale, losses, "IMTLL")
+        check_built_shape(self.log_scale.shape, losses, "IMTLL")
         follow_losses([self.log_scale], losses)
         return (torch.exp(self.log_scale) * losses - self.log_scale).sum()
 

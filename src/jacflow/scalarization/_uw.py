@@ -9,7 +9,12 @@ import torch
 from torch import Tensor, nn
 
 from jacflow._stateful import Stateful
-from jacflow.scalarization._base import Scalarizer, check_same_shape, check_shape, follow_losses
+from jacflow.scalarization._base import (
+    Scalarizer,
+    check_built_shape,
+    check_shape,
+    follow_losses,
+)
 
 
 @final
@@ -27,7 +32,9 @@ class UW(Scalarizer, Stateful):
     :class:`RevisedUW` for Liebel & Körner's regulariser.
 
     State: the parameter ``log_var``; pass ``uw.parameters()`` to the optimizer. It follows the
-    losses' device (and float32/float64 dtype) on the first call. :meth:`reset` sets it to 0.
+    losses' device (and float32/float64 dtype) on the first call. :meth:`reset` sets it to 0
+    and keeps the shape ``UW`` was built for: for another number of losses, build a new ``UW``
+    and give its parameters to the optimizer.
 
     Args:
         shape: the shape of the losses (an ``int`` ``m`` means ``(m,)``).
@@ -47,7 +54,7 @@ class UW(Scalarizer, Stateful):
         self.log_var = nn.Parameter(torch.zeros(check_shape(shape, "UW")))
 
     def forward(self, losses: Tensor, /) -> Tensor:
-        check_same_shape(self.log_var, losses, "UW")
+        check_built_shape(self.log_var.shape, losses, "UW")
         follow_losses([self.log_var], losses)
         return (0.5 * torch.exp(-self.log_var) * losses + 0.5 * self.log_var).sum()
 
@@ -74,7 +81,9 @@ class RevisedUW(Scalarizer, Stateful):
     2018. :math:`\sigma` itself is the parameter (as in the paper), initialised to 1.
 
     State: the parameter ``sigma``; pass ``ruw.parameters()`` to the optimizer. It follows the
-    losses' device (and float32/float64 dtype) on the first call. :meth:`reset` sets it to 1.
+    losses' device (and float32/float64 dtype) on the first call. :meth:`reset` sets it to 1
+    and keeps the shape ``RevisedUW`` was built for: for another number of losses, build a new
+    one and give its parameters to the optimizer.
 
     Args:
         shape: the shape of the losses (an ``int`` ``m`` means ``(m,)``).
@@ -91,7 +100,7 @@ class RevisedUW(Scalarizer, Stateful):
         self.sigma = nn.Parameter(torch.ones(check_shape(shape, "RevisedUW")))
 
     def forward(self, losses: Tensor, /) -> Tensor:
-        check_same_shape(self.sigma, losses, "RevisedUW")
+        check_built_shape(self.sigma.shape, losses, "RevisedUW")
         follow_losses([self.sigma], losses)
         variance = self.sigma**2
         return (losses / (2 * variance) + torch.log1p(variance)).sum()
