@@ -70,3 +70,34 @@ def test_empty_epochs_do_not_count() -> None:
     stch.step()
     stch.step()  # the calibration epoch has had no call yet: ignored
     assert stch.epoch == 1 and stch.nadir is None
+
+
+def test_a_zero_nadir_entry_is_refused_at_step_and_the_calibration_goes_on() -> None:
+    """A loss that averaged 0 over the calibration epoch made the nadir 0: every later value
+    and gradient was NaN, with no error."""
+    stch = LogSTCH(mu=1.0, warmup_epochs=0)
+    stch(torch.tensor([2.0, 0.0]))
+    with pytest.raises(ValueError, match=r"nadir point is \[2.0, 0.0\]: loss \[1\] averaged 0"):
+        stch.step()
+    assert stch.nadir is None and stch.epoch == 0  # (the calibration epoch is still open)
+    stch(torch.tensor([4.0, 0.5]))  # the loss, now positive: averages [3, 0.25]
+    stch.step()
+    assert stch.nadir is not None
+    torch.testing.assert_close(stch.nadir, torch.tensor([3.0, 0.25]))
+    losses = torch.tensor([1.5, 0.5], requires_grad=True)
+    value = stch(losses)
+    value.backward()
+    # 2 * log(exp(log(1.5 / 3)) + exp(log(0.5 / 0.25))) = 2 * log(0.5 + 2)
+    assert value.item() == pytest.approx(2 * math.log(2.5), rel=1e-6)
+    assert losses.grad is not None and torch.isfinite(losses.grad).all()
+
+
+def test_a_checkpoint_with_a_zero_nadir_entry_is_refused() -> None:
+    source, target = LogSTCH(mu=1.0, warmup_epochs=0), LogSTCH(mu=1.0, warmup_epochs=0)
+    source(torch.tensor([2.0, 1.0]))
+    source.step()
+    state = source.state_dict()
+    state["_extra_state"]["nadir"] = torch.tensor([2.0, 0.0])
+    with pytest.raises(ValueError, match=r"loss \[1\] averaged 0"):
+        target.load_state_dict(state)
+    assert target.nadir is None

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import final
+from typing import Any, final
 
 import torch
 from torch import Tensor
@@ -33,6 +33,31 @@ def log_stch(losses: Tensor, nadir: Tensor, mu: float) -> Tensor:
     return losses.numel() * smooth_max(torch.log(losses / nadir + _LOG_EPS), mu)
 
 
+def check_nadir(nadir: Tensor) -> None:
+    """Refuse a nadir point with an entry below the smallest normal number of its dtype (0,
+    in practice: a loss that was 0 throughout the calibration epoch): the losses are divided by
+    it, which gives NaN (0 / 0, or x / 0 = inf turned NaN by the max-shift) at every later call.
+
+    Example:
+        >>> import torch
+        >>> from jacflow.scalarization._log_stch import check_nadir
+        >>> check_nadir(torch.tensor([2.0, 0.0]))
+        Traceback (most recent call last):
+        ...
+        ValueError: LogSTCH: the nadir point is [2.0, 0.0]: loss [1] averaged 0 ...
+    """
+    small = (nadir < torch.finfo(nadir.dtype).tiny).flatten()
+    if bool(small.any()):
+        indices = small.nonzero().flatten().tolist()
+        raise ValueError(
+            f"LogSTCH: the nadir point is {nadir.flatten().tolist()[:8]}: loss {indices[:8]} "
+            "averaged 0 (or below the smallest normal number) over the calibration epoch, and "
+            "LogSTCH divides each loss by its average, which would give NaN for the rest of "
+            "training. Make that loss positive (e.g. add a small constant to it) and call "
+            "`step()` again at the end of the next epoch: the calibration goes on until then."
+        )
+
+
 @final
 class LogSTCH(SavesState, Scalarizer, Stateful):
     r"""Smooth Tchebycheff on log-losses normalised by a nadir point, after a warm-up (LibMTL).
@@ -59,7 +84,10 @@ class LogSTCH(SavesState, Scalarizer, Stateful):
     nadir point. Call :meth:`step` at the end of every epoch; :meth:`reset` starts over. A
     NaN or infinite loss in the calibration epoch gives a non-finite value and is left out of
     the nadir point (so a step that an AMP ``GradScaler`` skips does not poison it for the rest
-    of training); a calibration epoch without a finite call is repeated.
+    of training); a calibration epoch without a finite call is repeated. A nadir entry of 0 (a
+    loss that was 0 throughout the calibration epoch) would make every later value NaN:
+    :meth:`step` then raises a ``ValueError`` and leaves the calibration epoch open, and
+    ``load_state_dict`` refuses such a nadir point.
 
     Args:
         mu: the smoothing parameter :math:`\mu > 0`.
@@ -118,10 +146,17 @@ class LogSTCH(SavesState, Scalarizer, Stateful):
         if self._count == 0 and self.nadir is None:
             return
         if self._sum is not None and self.nadir is None:
-            self.nadir = self._sum / self._count
+            nadir = self._sum / self._count
+            check_nadir(nadir)  # (before any change: the calibration epoch goes on)
+            self.nadir = nadir
             self._sum = None
         self._count = 0
         self.epoch += 1
+
+    def _check_saved(self, state: Any) -> None:
+        super()._check_saved(state)
+        if isinstance(state["nadir"], Tensor):  # (a checkpoint is checked as step() checks)
+            check_nadir(state["nadir"])
 
     def reset(self) -> None:
         self.epoch = 0
