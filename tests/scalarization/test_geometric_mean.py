@@ -44,3 +44,25 @@ def test_one_loss_is_its_own_geometric_mean_with_gradient_one_at_zero() -> None:
         mean = GeometricMean()(loss)
         (grad,) = torch.autograd.grad(mean, loss)
         assert mean.item() == value and grad.tolist() == [1.0]
+
+
+def test_a_zero_loss_gives_a_zero_gradient_and_no_nan_reaches_the_model() -> None:
+    """``exp(mean(log L))`` with a loss at 0: autograd's ``0 * inf`` put NaN into the model's
+    gradient (a task fitted exactly poisoned the next optimizer step)."""
+    model = torch.nn.Linear(2, 3, dtype=torch.float64)
+    with torch.no_grad():
+        model.weight[0] = 0.0
+        model.bias[0] = 0.0
+    losses = model(torch.tensor([1.0, -2.0], dtype=torch.float64)) ** 2  # the first one is 0
+    losses = losses + torch.tensor([0.0, 1.0, 1.0], dtype=torch.float64)
+    value = GeometricMean()(losses)
+    value.backward()
+    assert value.item() == 0.0
+    for param in model.parameters():
+        assert param.grad is not None
+        assert torch.equal(param.grad, torch.zeros_like(param))
+
+
+def test_a_zero_loss_with_an_infinite_one_stays_nan() -> None:
+    """0 * inf has no value: a NaN, as any other non-finite input propagates."""
+    assert torch.isnan(GeometricMean()(torch.tensor([0.0, float("inf"), 1.0])))
