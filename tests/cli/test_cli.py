@@ -476,3 +476,23 @@ def test_default_folders_of_runs_in_the_same_second_differ(
     assert main(argv) == 0
     names = sorted(p.name for p in (tmp_path / "runs").iterdir())
     assert names == ["train-upgrad-20260101-000000", "train-upgrad-20260101-000000-2"]
+
+
+@pytest.mark.parametrize("name", ["..", ".", "../x", "a/b", "/tmp", "a\\b", ""])
+def test_overwrite_refuses_a_comparison_naming_a_run_outside_the_folder(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], name: str
+) -> None:
+    """A `comparison.json` naming the run ".." made `--overwrite` delete the run files of the
+    parent folder (and remove it when that left it empty)."""
+    parent = tmp_path / "dd"
+    out = parent / "inner"
+    out.mkdir(parents=True)
+    (parent / "metrics.json").write_text("an earlier run in the parent")
+    (out / "metrics.json").write_text("an earlier run here")
+    (out / "comparison.json").write_text(json.dumps({"runs": [{"aggregator": name}]}))
+    argv = ["train", "--mode", "iwrm", "--epochs", "1", "--quiet", "--no-plots"]
+    assert main([*argv, "--out", str(out), "--overwrite"]) == 2
+    err = capsys.readouterr().err
+    assert f"names the run {name!r}, which is not a folder name" in err
+    assert (parent / "metrics.json").read_text() == "an earlier run in the parent"
+    assert (out / "metrics.json").read_text() == "an earlier run here"  # nothing deleted

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -276,19 +277,51 @@ RUN_FILES = (
 """The files a ``jacflow train`` or ``compare`` run may write in its folder."""
 
 
+def check_run_name(name: str, source: Path) -> str:
+    """Return ``name``, a run's folder name read from ``source``, if it is one plain folder
+    name: not empty, ``.`` or ``..``, and without a path separator (``--overwrite`` deletes
+    files in it: ``..`` deleted the earlier run's files of the parent folder).
+
+    Raises:
+        CLIError: naming the file and the run, for any other name.
+
+    Example:
+        >>> from pathlib import Path
+        >>> from jacflow.cli._train import check_run_name
+        >>> check_run_name("upgrad", Path("comparison.json"))
+        'upgrad'
+        >>> check_run_name("..", Path("comparison.json"))
+        Traceback (most recent call last):
+        ...
+        jacflow.cli._errors.CLIError: comparison.json names the run '..', which is not a ...
+    """
+    from jacflow.cli._errors import CLIError
+
+    separators = {"/", "\\", os.sep, *([os.altsep] if os.altsep else [])}
+    if name in ("", ".", "..") or any(s in name for s in separators) or "\0" in name:
+        raise CLIError(
+            f"{source} names the run {name!r}, which is not a folder name (a run is named by "
+            "its aggregator, e.g. 'upgrad'); --overwrite deletes nothing outside --out. Correct "
+            "or delete that file, then run the command again."
+        )
+    return name
+
+
 def _compared_folders(path: Path) -> list[Path]:
     """The per-aggregator sub-folders of ``path`` that an earlier comparison there wrote: those
-    its ``comparison.json`` names (no other sub-folder, whatever it holds)."""
+    its ``comparison.json`` names (no other sub-folder, whatever it holds).
+
+    Raises:
+        CLIError: when ``comparison.json`` names a run that is not a plain folder name.
+    """
+    source = path / "comparison.json"
     try:
-        runs = json.loads((path / "comparison.json").read_text()).get("runs", [])
+        runs = json.loads(source.read_text()).get("runs", [])
     except (OSError, ValueError, AttributeError):
         return []
     names = {row.get("aggregator") for row in runs if isinstance(row, dict)}
-    return [
-        path / name
-        for name in sorted(n for n in names if isinstance(n, str))
-        if name and Path(name).name == name and (path / name).is_dir()
-    ]
+    checked = [check_run_name(n, source) for n in sorted(n for n in names if isinstance(n, str))]
+    return [path / name for name in checked if (path / name).is_dir()]
 
 
 def _positive(losses: Tensor) -> Tensor:
