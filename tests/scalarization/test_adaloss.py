@@ -45,3 +45,17 @@ def test_gradient_is_the_inverse_average(dtype: torch.dtype) -> None:
 def test_scale_invariance_of_the_first_step() -> None:
     losses = torch.tensor([0.01, 1.0, 100.0])
     assert AdaLoss()(losses).item() == pytest.approx(3.0, rel=1e-6)
+
+
+def test_an_evaluation_call_divides_by_the_averages_as_they_are() -> None:
+    """An evaluation call was averaged into the running averages (as BatchNorm's statistics
+    must not be)."""
+    ada = AdaLoss(momentum=0.5)
+    ada.eval()
+    assert ada(torch.tensor([4.0, 10.0])).item() == pytest.approx(2.0)  # none yet: L / L
+    ada.train()
+    ada(torch.tensor([1.0, 10.0]))
+    ada.eval()
+    assert ada(torch.tensor([3.0, 10.0])).item() == pytest.approx(3.0 / 1.0 + 10.0 / 10.0)
+    ada.train()
+    assert ada(torch.tensor([3.0, 10.0])).item() == pytest.approx(3.0 / 2.0 + 10.0 / 10.0)

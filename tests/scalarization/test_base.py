@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from torch import Tensor
 
 from jacflow import Stateful
 from jacflow.scalarization import (
@@ -44,17 +45,19 @@ NAMES = list(FACTORIES)
 LOSSES = [[1.0, 2.0, 0.5], [0.8, 1.5, 0.6], [0.7, 1.6, 0.4], [0.6, 1.2, 0.45]]
 
 
+def _protocol(scalarizer: Scalarizer, losses: Tensor) -> float:
+    """One training step of the method's protocol (FAMO's update, DWA's and LogSTCH's epochs)."""
+    value = float(scalarizer(losses).detach())
+    if isinstance(scalarizer, FAMO):
+        scalarizer.update(losses * 0.9)
+    if isinstance(scalarizer, (DWA, LogSTCH)):
+        scalarizer.step()
+    return value
+
+
 def _run(scalarizer: Scalarizer, rows: list[list[float]], dtype: torch.dtype) -> list[float]:
     """Call on each row of losses as one training step (stepping epochs / FAMO after each)."""
-    outputs = []
-    for row in rows:
-        losses = torch.tensor(row, dtype=dtype)
-        outputs.append(float(scalarizer(losses).detach()))
-        if isinstance(scalarizer, FAMO):
-            scalarizer.update(losses * 0.9)
-        if isinstance(scalarizer, (DWA, LogSTCH)):
-            scalarizer.step()
-    return outputs
+    return [_protocol(scalarizer, torch.tensor(row, dtype=dtype)) for row in rows]
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -340,3 +343,123 @@ def test_hyperparameters_are_checked_on_assignment(
     assert getattr(scalarizer, name) is before
     setattr(scalarizer, name, good)
     assert getattr(scalarizer, name) is good or getattr(scalarizer, name) == good
+
+
+@pytest.mark.parametrize("name", STATEFUL)
+def test_evaluation_calls_leave_the_state_and_the_training_run_unchanged(name: str) -> None:
+    """A validation pass under ``.eval()`` advanced the training state (LBTW took the
+    validation losses as its reference, SoftAdapt as its previous losses, ...): the training
+    values after it changed. In evaluation mode a call reads the state and changes nothing,
+    not even torch's random generator (ReLoBRaLo's draw)."""
+    rows = [torch.tensor(row, dtype=torch.float64) for row in LOSSES]
+    validation = torch.tensor([2.0, 0.1, 5.0], dtype=torch.float64)
+    plain, evaluated = FACTORIES[name](), FACTORIES[name]()
+    torch.manual_seed(0)
+    expected = [_protocol(plain, row) for row in rows]
+    torch.manual_seed(0)
+    values = []
+    for row in rows:
+        values.append(_protocol(evaluated, row))
+        state, generator = copy.deepcopy(evaluated.state_dict()), torch.random.get_rng_state()
+        evaluated.eval()
+        for losses in (validation, validation.float()):
+            assert torch.isfinite(evaluated(losses))
+            with torch.no_grad():
+                evaluated(losses)
+        evaluated.train()
+        assert_same_state(evaluated.state_dict(), state)
+        assert torch.equal(torch.random.get_rng_state(), generator)
+    assert values == expected
+    assert_same_state(evaluated.state_dict(), plain.state_dict())
+
+
+@pytest.mark.parametrize("name", ["FAMO", "IMTLL", "UW", "RevisedUW"])
+def test_a_float32_call_in_a_float64_run_keeps_the_state_and_computes_in_float64(
+    name: str,
+) -> None:
+    """Parameters and buffers followed the dtype of every call: one float32 (validation) call
+    in a float64 run rounded the learned values for good."""
+    scalarizer = FACTORIES[name]()
+    for row in LOSSES[:2]:
+        _protocol(scalarizer, torch.tensor(row, dtype=torch.float64))
+    tensors = [*scalarizer.parameters(), *scalarizer.buffers()]
+    if isinstance(scalarizer, FAMO):
+        scalarizer.logits.copy_(torch.tensor([0.1, -0.2, 0.3], dtype=torch.float64) / 3)
+    else:
+        with torch.no_grad():
+            tensors[0].copy_(torch.tensor([0.1, -0.2, 0.3], dtype=torch.float64) / 3)
+    before = [t.detach().clone() for t in tensors]
+    exact = frozen(scalarizer)(torch.tensor(LOSSES[2], dtype=torch.float64))
+    value = scalarizer(torch.tensor(LOSSES[2], dtype=torch.float32))
+    assert value.dtype == torch.float64  # (the wider of the two)
+    torch.testing.assert_close(value, exact, rtol=1e-7, atol=0.0)  # (losses rounded, not state)
+    for tensor, kept in zip(tensors, before, strict=True):
+        assert tensor.dtype == torch.float64 and torch.equal(tensor, kept)
+
+
+@pytest.mark.parametrize("name", ["IMTLL", "UW", "RevisedUW"])
+def test_a_float64_call_after_float32_adam_steps_keeps_the_parameters(name: str) -> None:
+    """A float64 call turned the float32 parameter into float64 in place: Adam's next step
+    failed on its float32 state ("expected dtype float for `end` but got dtype double")."""
+    scalarizer = FACTORIES[name]()
+    optimizer = torch.optim.Adam(scalarizer.parameters(), lr=0.1)
+    (param,) = scalarizer.parameters()
+    for dtype in (torch.float32, torch.float32, torch.float64, torch.float64):
+        optimizer.zero_grad()
+        scalarizer(torch.tensor(LOSSES[0], dtype=dtype)).backward()
+        optimizer.step()
+        assert param.dtype == torch.float32 and param.grad is not None
+        assert param.grad.dtype == torch.float32
+    assert next(iter(scalarizer.parameters())) is param and torch.isfinite(param).all()
+
+
+@pytest.mark.parametrize("name", ["FAMO", "IMTLL", "UW", "RevisedUW"])
+def test_a_loaded_state_dict_settles_the_dtype(name: str) -> None:
+    """The optimizer loaded after the scalarizer holds state of the saved dtype: a first call
+    on losses of another dtype must not change the parameters' (nor FAMO's buffers')."""
+    source = FACTORIES[name]()
+    _protocol(source, torch.tensor(LOSSES[0], dtype=torch.float64))
+    target = FACTORIES[name]()
+    target.load_state_dict(source.state_dict())
+    target(torch.tensor(LOSSES[1], dtype=torch.float32))
+    for tensor in [*target.parameters(), *target.buffers()]:
+        assert tensor.dtype == torch.float64
+
+
+@pytest.mark.parametrize("name", ["IMTLL", "UW", "RevisedUW"])
+def test_settled_parameters_refuse_losses_on_another_device(name: str) -> None:
+    """Moved in place, a parameter no longer matched its optimizer's state; the message says to
+    move the scalarizer, which then works."""
+    scalarizer = FACTORIES[name]()
+    scalarizer(torch.tensor(LOSSES[0]))
+    losses = torch.ones(3, device="meta")
+    with pytest.raises(
+        ValueError, match=r"parameters are on cpu but `losses` are on meta.*\.to\('meta'\)"
+    ):
+        scalarizer(losses)
+    assert all(p.device.type == "cpu" for p in scalarizer.parameters())
+    assert scalarizer.to("meta")(losses).device.type == "meta"
+
+
+def _devices(value: object) -> set[str]:
+    if isinstance(value, Tensor):
+        return {value.device.type}
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, list):
+        return set().union(*(_devices(item) for item in value))
+    return set()
+
+
+@pytest.mark.parametrize("name", STATEFUL)
+def test_to_moves_the_whole_state(name: str) -> None:
+    """The state kept as plain tensors (DWA's averages, LBTW's reference, FAMO's last losses,
+    ...) stayed on the CPU under ``.to(device)``: a CPU checkpoint resumed on a GPU failed on
+    mixed devices. (``meta`` stands in for a GPU.)"""
+    scalarizer = FACTORIES[name]()
+    for row in LOSSES[:3]:
+        _protocol(scalarizer, torch.tensor(row))
+    scalarizer(torch.tensor(LOSSES[3]))  # (FAMO: losses kept for the next update)
+    assert _devices(scalarizer.state_dict()) == {"cpu"}
+    scalarizer.to("meta")
+    assert _devices(scalarizer.state_dict()) == {"meta"}

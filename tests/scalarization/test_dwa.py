@@ -132,3 +132,20 @@ def test_half_precision_losses_are_summed_in_float32() -> None:
             big(torch.tensor([100.0, 1.0], dtype=torch.float16))
         big.step()
     torch.testing.assert_close(big.weights(torch.ones(2)), torch.ones(2))
+
+
+def test_an_evaluation_call_uses_the_weights_and_adds_nothing_to_the_epoch() -> None:
+    """An evaluation call went into the epoch's average, and so into the next epochs' weights."""
+    dwa = DWA()
+    for epoch_losses in ([4.0, 2.0], [2.0, 1.5]):
+        dwa(torch.tensor(epoch_losses))
+        dwa.step()
+    dwa.eval()
+    rates = [2.0 / 4.0, 1.5 / 2.0]
+    exps = [math.exp(r / 2.0) for r in rates]
+    weights = [2 * e / sum(exps) for e in exps]
+    value = dwa(torch.tensor([1.0, 3.0]))
+    assert value.item() == pytest.approx(weights[0] * 1.0 + weights[1] * 3.0, rel=1e-6)
+    dwa.step()  # (an epoch of evaluation calls only is ignored)
+    dwa.train()
+    assert dwa(torch.tensor([1.0, 3.0])).item() == pytest.approx(value.item(), rel=1e-6)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch import Tensor, nn
@@ -148,3 +150,18 @@ def test_half_precision_losses_after_float64_ones_keep_the_float64_state() -> No
     famo(torch.tensor([1.0, 4.0], dtype=torch.float64))
     value = famo(torch.tensor([1.0, 4.0], dtype=torch.float16))
     assert famo.logits.dtype == torch.float64 and value.dtype == torch.float64
+
+
+def test_an_evaluation_call_keeps_nothing_for_the_update() -> None:
+    """An evaluation call between the training call and ``update`` replaced the losses the
+    update compares with: the logits moved by the validation losses' change."""
+    famo, clean = FAMO(2), FAMO(2)
+    famo(torch.tensor([1.0, 2.0]))
+    clean(torch.tensor([1.0, 2.0]))
+    famo.eval()
+    value = famo(torch.tensor([1.0, 4.0]))  # z = [.5, .5]: c = 1.6, 0.8 * log(4)
+    assert value.item() == pytest.approx(0.8 * math.log(4.0), rel=1e-6)
+    famo.train()
+    famo.update(torch.tensor([0.5, 2.0]))
+    clean.update(torch.tensor([0.5, 2.0]))
+    assert torch.equal(famo.logits, clean.logits)

@@ -51,3 +51,17 @@ def test_a_zero_loss_has_weight_one_on_the_first_call_and_while_it_stays_zero() 
     assert float(lbtw(torch.tensor([0.0, 2.0]))) == 2.0  # first call: weights 1 by definition
     assert float(lbtw(torch.tensor([0.0, 0.5]))) == 0.25  # weights [0/0 -> 1, sqrt(1/4)]
     assert float(lbtw(torch.tensor([1.0, 2.0]))) == float("inf")  # (1 / 0) ** 0.5
+
+
+def test_an_evaluation_call_never_becomes_the_reference() -> None:
+    """After step(), a validation call became L(0) for the whole epoch."""
+    lbtw = LBTW(alpha=0.5)
+    lbtw.eval()
+    assert lbtw(torch.tensor([9.0, 1.0])).item() == pytest.approx(10.0)  # no reference: 1
+    lbtw.train()
+    assert lbtw(torch.tensor([4.0, 2.0])).item() == pytest.approx(6.0)  # the reference
+    lbtw.eval()
+    # weights sqrt(1/4), sqrt(8/2): against the training reference
+    assert lbtw(torch.tensor([1.0, 8.0])).item() == pytest.approx(0.5 + 2.0 * 8.0)
+    lbtw.train()
+    assert lbtw(torch.tensor([1.0, 2.0])).item() == pytest.approx(0.5 + 2.0)

@@ -101,3 +101,25 @@ def test_a_checkpoint_with_a_zero_nadir_entry_is_refused() -> None:
     with pytest.raises(ValueError, match=r"loss \[1\] averaged 0"):
         target.load_state_dict(state)
     assert target.nadir is None
+
+
+def test_evaluation_calls_count_for_nothing() -> None:
+    """An evaluation call counted in the warm-up epoch and was averaged into the nadir point."""
+    stch = LogSTCH(mu=1.0, warmup_epochs=1)
+    stch.eval()
+    assert stch(torch.tensor([1.0, 4.0])).item() == pytest.approx(math.log(4.0))
+    stch.step()  # (an epoch of evaluation calls only is ignored)
+    assert stch.epoch == 0
+    stch.train()
+    stch(torch.tensor([1.0, 1.0]))
+    stch.step()  # end of the warm-up
+    stch(torch.tensor([2.0, 8.0]))
+    stch.eval()
+    stch(torch.tensor([100.0, 100.0]))  # (not in the nadir point)
+    stch.train()
+    stch.step()
+    assert stch.nadir is not None
+    torch.testing.assert_close(stch.nadir, torch.tensor([2.0, 8.0]))
+    stch.eval()
+    # 2 * log(1/2 + 8/8), from the nadir point
+    assert stch(torch.tensor([1.0, 8.0])).item() == pytest.approx(2 * math.log(1.5), rel=1e-6)

@@ -65,3 +65,19 @@ def test_weights_sum_to_m_and_carry_no_gradient() -> None:
     (grad,) = torch.autograd.grad(rl(losses), losses)
     assert grad.sum().item() == pytest.approx(3.0, rel=1e-6)
     assert grad[1] > grad[2] > grad[0]  # the loss that rose most relative to before gets most
+
+
+def test_an_evaluation_call_uses_the_expected_lookback_and_draws_nothing() -> None:
+    """An evaluation call drew a look-back from torch's generator and replaced the state."""
+    rl = ReLoBRaLo(alpha=0.5, rho=0.25, temperature=1.0)
+    rl(torch.tensor([1.0, 1.0]))
+    rl.eval()
+    generator = torch.random.get_rng_state()
+    losses = [2.0, 1.0]
+    exps = [math.exp(v) for v in losses]  # L / (T L_ref) with both references [1, 1]
+    balanced = [2 * e / sum(exps) for e in exps]
+    history = [0.25 * 1.0 + 0.75 * b for b in balanced]  # E[rho] lambda + (1 - E[rho]) bal
+    weights = [0.5 * h + 0.5 * b for h, b in zip(history, balanced)]
+    value = rl(torch.tensor(losses))
+    assert value.item() == pytest.approx(sum(w * v for w, v in zip(weights, losses)), rel=1e-6)
+    assert torch.equal(torch.random.get_rng_state(), generator)

@@ -106,3 +106,15 @@ def test_half_precision_losses_give_the_float32_weights(
         assert value.dtype == dtype
         assert losses.grad is not None and exact.grad is not None
         torch.testing.assert_close(losses.grad.double(), exact.grad, rtol=1e-2, atol=1e-3)
+
+
+def test_an_evaluation_call_takes_its_slopes_from_the_last_training_call() -> None:
+    """An evaluation call became the previous losses of the next training call's slopes."""
+    sa = SoftAdapt(beta=1.0)
+    sa(torch.tensor([2.0, 2.0]))
+    sa.eval()
+    expected = (math.exp(-1.0) * 1.0 + 1.0 * 2.0) / (math.exp(-1.0) + 1.0)  # slopes [-1, 0]
+    assert sa(torch.tensor([1.0, 2.0])).item() == pytest.approx(expected, rel=1e-6)
+    assert sa(torch.tensor([5.0, 5.0])).item() == pytest.approx(5.0, rel=1e-6)  # slopes [3, 3]
+    sa.train()
+    assert sa(torch.tensor([1.0, 2.0])).item() == pytest.approx(expected, rel=1e-6)

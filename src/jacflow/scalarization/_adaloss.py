@@ -14,6 +14,7 @@ from jacflow.scalarization._base import (
     check_non_negative,
     check_same_shape,
     floats,
+    on_losses,
 )
 
 
@@ -33,8 +34,10 @@ class AdaLoss(SavesState, Scalarizer, Stateful):
     Paper: H. Hu, D. Dey, M. Hebert, J. A. Bagnell, *Learning Anytime Predictions in Neural
     Networks via Adaptive Loss Balancing*, AAAI 2019 (arXiv 1708.06832).
 
-    State: the running averages :math:`\bar L`; each call is one step. :meth:`reset` forgets
-    them. A NaN or infinite loss gives a non-finite value and leaves the state
+    State: the running averages :math:`\bar L`; each call is one step. A call in evaluation mode
+    (``ada.eval()``) divides by the averages as they are, without adding its losses (as
+    ``BatchNorm`` uses its running statistics; by the losses themselves before any training call).
+    :meth:`reset` forgets them. A NaN or infinite loss gives a non-finite value and leaves the state
     untouched (so a step that an AMP ``GradScaler`` skips does not poison it).
 
     Args:
@@ -68,14 +71,17 @@ class AdaLoss(SavesState, Scalarizer, Stateful):
         detached = losses.detach()
         if self._average is not None:
             check_same_shape(self._average, losses, "AdaLoss")
-        if has_nonfinite(detached):  # skipped step: state unchanged, non-finite value
-            average = detached if self._average is None else self._average
-        elif self._average is None:
+        kept = self._average
+        if kept is not None:  # (on the losses' device, in its own dtype: not rounded)
+            kept = on_losses(kept, losses, kept.dtype)
+        # (an evaluation call or a skipped step: state unchanged, the kept average used as it is)
+        if not self.training or has_nonfinite(detached):
+            average = detached if kept is None else kept
+        elif kept is None:
             average = self._average = detached.clone()
         else:
-            average = self.momentum * self._average + (1 - self.momentum) * detached
-            self._average = average
-        weights = 1.0 / (average.to(losses.dtype) + self.eps)
+            average = self._average = self.momentum * kept + (1 - self.momentum) * detached
+        weights = 1.0 / (on_losses(average, losses) + self.eps)
         return (weights * losses).sum()
 
     def reset(self) -> None:

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import functools
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
+from jacflow._stateful import SavesState
 from jacflow.aggregation._hyperparameters import (
     Check,
     Configurable,
@@ -26,6 +27,7 @@ __all__ = [
     "Scalarizer",
     "check_bool",
     "check_built_shape",
+    "check_device",
     "check_float",
     "check_int",
     "check_losses",
@@ -37,7 +39,9 @@ __all__ = [
     "floats",
     "follow_losses",
     "ints",
+    "map_tensors",
     "matching",
+    "on_losses",
     "optional_tensors",
     "tensors",
 ]
@@ -187,12 +191,49 @@ def loss_ratio(losses: Tensor, reference: Tensor) -> Tensor:
     return torch.where((losses == 0) & (reference == 0), 1.0, losses / reference)
 
 
-def follow_losses(tensors: Sequence[Tensor], losses: Tensor) -> None:
-    """Move parameters or buffers in place to the losses' device (and dtype when it is float32 or
-    float64), keeping the tensor objects so that optimizers holding them stay valid."""
-    dtype = losses.dtype if losses.dtype in (torch.float32, torch.float64) else None
+def on_losses(state: Tensor, losses: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+    """``state`` kept from earlier calls, on the losses' device and in ``dtype`` (default
+    theirs): a checkpoint loaded on the CPU resumes with losses on a GPU.
+
+    Example:
+        >>> import torch
+        >>> from jacflow.scalarization._base import on_losses
+        >>> on_losses(torch.tensor([1.0]), torch.zeros(1, dtype=torch.float64))
+        tensor([1.], dtype=torch.float64)
+    """
+    return state.to(device=losses.device, dtype=losses.dtype if dtype is None else dtype)
+
+
+def map_tensors(fn: Callable[[Tensor], Tensor], value: Any) -> Any:
+    """``value`` with ``fn`` applied to it if it is a tensor, or to the tensors of a list of
+    them (the shapes of the scalarizers' plain state); anything else is returned as it is."""
+    if isinstance(value, Tensor):
+        return fn(value)
+    if isinstance(value, list):
+        return [map_tensors(fn, item) for item in value]
+    return value
+
+
+def check_device(parameters: Sequence[Tensor], losses: Tensor, owner: str) -> None:
+    """Refuse losses on another device than ``parameters``, which an optimizer holds: moved
+    in place, they would no longer match its state (Adam fails at its next step)."""
+    for parameter in parameters:
+        if parameter.device != losses.device:
+            raise ValueError(
+                f"{owner}'s parameters are on {parameter.device} but `losses` are on "
+                f"{losses.device}. Move it with `.to({str(losses.device)!r})` as you move the "
+                "model (before giving its parameters to the optimizer): they follow the losses "
+                "only until the first call in training mode or a loaded state_dict."
+            )
+
+
+def follow_losses(tensors: Sequence[Tensor], losses: Tensor, *, dtype: bool = True) -> None:
+    """Move parameters or buffers in place to the losses' device (and, with ``dtype``, to their
+    dtype when it is float32 or float64), keeping the tensor objects so that optimizers holding
+    them stay valid."""
+    follow = dtype and losses.dtype in (torch.float32, torch.float64)
     for tensor in tensors:
-        target_dtype = tensor.dtype if dtype is None else dtype
+        target_dtype = losses.dtype if follow else tensor.dtype
         if tensor.device == losses.device and tensor.dtype == target_dtype:
             continue
         tensor.data = tensor.data.to(device=losses.device, dtype=target_dtype)
@@ -207,11 +248,34 @@ class Scalarizer(Configurable, ABC):
     :meth:`forward`. Stateful methods also subclass :class:`jacflow.Stateful`; learnable ones
     hold ``nn.Parameter`` s to add to the optimizer.
 
-    Their parameters and buffers take the losses' device and dtype (float32 or float64) in place
-    at a call, and the dtype of a loaded ``state_dict``'s. To resume a run, load the
-    scalarizer's state before the optimizer's: torch's optimizer casts its state to its
-    parameters' dtype as it loads it, so loaded first it would hold float32 state for what
-    becomes a float64 parameter (Adam then fails on the mixed dtypes, SGD's momentum drifts).
+    **Training and evaluation.** A stateful scalarizer updates its state only at a call in
+    training mode (the default). After ``.eval()`` (``training`` is ``False``) a call computes
+    its value from the current state and changes nothing, as ``BatchNorm`` uses its running
+    statistics: scalarizing validation losses does not feed them into training (LBTW took them
+    as its reference losses, SoftAdapt as the previous losses of its slopes). ``.train()``
+    resumes the updates. Each class says what its evaluation calls compute; ``step()``,
+    ``update()`` and ``reset()`` act in both modes.
+
+    **Devices and dtypes.** Parameters and buffers take the losses' device and dtype (float32
+    or float64) in place, keeping the tensor objects, until the first call in training mode or
+    a loaded ``state_dict`` (which gives them the saved dtype) settles them. After that:
+
+    * their dtype stays: a call on losses of another dtype computes in the wider of the two
+      (torch's type promotion). A float32 validation call in a float64 run no longer rounds the
+      learned values, and a float64 call after float32 optimizer steps no longer changes the
+      dtype of what the optimizer holds (Adam failed at its next step);
+    * parameters stay on their device: losses on another one raise a ``ValueError``; move the
+      scalarizer with ``.to(device)``, as the model. Buffers that no optimizer holds (FAMO's)
+      follow the losses' device at every call.
+
+    The state kept as plain tensors (DWA's averages, LBTW's reference losses, ...) is read on
+    the losses' device, and ``.to()`` moves it with the parameters and buffers: a checkpoint
+    loaded on the CPU resumes on a GPU. To resume a run, load the scalarizer's state before the
+    optimizer's: torch's optimizer casts its state to its parameters' dtype as it loads it.
+
+    **Non-finite losses.** A NaN or an infinite loss (``-inf`` included) gives a non-finite
+    value, never an error: it is a step that an AMP ``GradScaler`` skips, and the stateful
+    methods leave their state untouched by it.
 
     Example:
         >>> import torch
@@ -220,9 +284,32 @@ class Scalarizer(Configurable, ABC):
         tensor(3.)
     """
 
+    _settled = False
+    """Whether the parameters' and buffers' device and dtype are fixed (see the class)."""
+
     def __call__(self, losses: Tensor, /) -> Tensor:
         check_losses(losses, type(self).__name__)
         return super().__call__(losses)
+
+    def follow(self, tensors: Sequence[Tensor], losses: Tensor) -> None:
+        """Give this module's ``tensors`` (its parameters and buffers) the losses' device and
+        dtype until they are settled, then only the device to the buffers (see the class)."""
+        if self._settled:
+            parameters = [t for t in tensors if isinstance(t, nn.Parameter)]
+            check_device(parameters, losses, type(self).__name__)
+            follow_losses(tensors, losses, dtype=False)
+            return
+        follow_losses(tensors, losses)
+        if self.training:  # (an evaluation call changes no state: the next call still follows)
+            self._settled = True
+
+    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> Scalarizer:
+        """``nn.Module``'s (``.to()``, ``.double()``, ...), also applied to the tensors of the
+        state kept as plain attributes (its ``saved_state``)."""
+        super()._apply(fn, recurse)
+        for name in self.saved_state if isinstance(self, SavesState) else ():
+            setattr(self, name, map_tensors(fn, getattr(self, name)))
+        return self
 
     @abstractmethod
     def forward(self, losses: Tensor, /) -> Tensor:
@@ -230,9 +317,9 @@ class Scalarizer(Configurable, ABC):
 
     def _load_from_state_dict(self, state_dict: Any, prefix: str, *args: Any) -> None:
         """``nn.Module``'s, after giving this module's parameters and buffers the dtype of the
-        saved ones: they follow the losses' dtype (:func:`follow_losses`), so a float64 run's
-        state loaded into float32 ones was rounded (the resumed run drifted; FAMO's ``update``
-        then mixed dtypes). A failed load gives them their own back."""
+        saved ones: a float64 run's state loaded into float32 ones was rounded (the resumed run
+        drifted; FAMO's ``update`` then mixed dtypes). A successful load settles them (see the
+        class); a failed one gives them their own back."""
         error_msgs: list[str] = args[-1]
         before = len(error_msgs)
         own = [
@@ -249,6 +336,8 @@ class Scalarizer(Configurable, ABC):
         if len(error_msgs) != before:
             for (_, tensor), (data, grad) in zip(own, kept, strict=True):
                 tensor.data, tensor.grad = data, grad
+        else:  # (the optimizer loaded next holds them as they are now)
+            self._settled = True
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.extra_repr()})"

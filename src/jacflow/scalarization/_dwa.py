@@ -17,6 +17,7 @@ from jacflow.scalarization._base import (
     check_same_shape,
     floats,
     loss_ratio,
+    on_losses,
 )
 
 
@@ -62,9 +63,11 @@ class DWA(SavesState, Scalarizer, Stateful):
 
     State: the running sum and count of this epoch's losses, and the averages of the last two
     epochs. Each call adds its (detached) losses to the epoch's sum; call :meth:`step` once at
-    the end of each epoch. :meth:`reset` forgets everything. A NaN or infinite loss gives a
-    non-finite value and is left out of the epoch's average (so a step that an AMP
-    ``GradScaler`` skips does not poison the next two epochs' weights).
+    the end of each epoch. A call in evaluation mode (``dwa.eval()``) gives the value with the
+    current weights and adds nothing to the epoch (as :meth:`weights`). :meth:`reset` forgets
+    everything. A NaN or infinite loss gives a non-finite value and is left out of the epoch's
+    average (so a step that an AMP ``GradScaler`` skips does not poison the next two epochs'
+    weights).
 
     Args:
         temperature: :math:`T > 0`; larger is more uniform (the paper uses 2).
@@ -104,23 +107,25 @@ class DWA(SavesState, Scalarizer, Stateful):
         self._check(losses)
         if len(self._averages) < 2:
             return torch.ones_like(losses)
-        older, newer = self._averages
+        older, newer = (on_losses(average, losses, average.dtype) for average in self._averages)
         return dwa_weights(older, newer, self.temperature).to(losses.dtype)
 
     def forward(self, losses: Tensor, /) -> Tensor:
         # (the rate of a negative average reads backwards: -1 -> -2 would be a rate of 2)
         check_non_negative(losses, "DWA", "Shift the losses, e.g. by a lower bound.")
-        weights = self.weights(losses)
+        value = (self.weights(losses) * losses).sum()
         detached = losses.detach()
-        if has_nonfinite(detached):  # skipped step: state unchanged, non-finite value
-            return (weights * losses).sum()
+        # (an evaluation call or a skipped step: state unchanged; the latter's value non-finite)
+        if not self.training or has_nonfinite(detached):
+            return value
+        # (summed in float32 at least: a float16 sum stops growing at 2048 and overflows)
+        work = detached.to(compute_dtype(detached.dtype))
         if self._epoch_sum is None:
-            # (summed in float32 at least: a float16 sum stops growing at 2048 and overflows)
-            self._epoch_sum = detached.to(compute_dtype(detached.dtype), copy=True)
+            self._epoch_sum = work.clone()
         else:
-            self._epoch_sum = self._epoch_sum + detached.to(compute_dtype(detached.dtype))
+            self._epoch_sum = on_losses(self._epoch_sum, work) + work
         self._epoch_batches += 1
-        return (weights * losses).sum()
+        return value
 
     def step(self) -> None:
         """End the epoch: its average loss becomes the newest of the two kept averages.

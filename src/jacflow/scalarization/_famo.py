@@ -17,7 +17,6 @@ from jacflow.scalarization._base import (
     check_optional_tensor,
     check_shape,
     floats,
-    follow_losses,
 )
 
 _EPS = 1e-8
@@ -66,14 +65,16 @@ class FAMO(SavesState, Scalarizer, Stateful):
 
     State: the logits :math:`w` (a buffer, not a parameter: FAMO steps them itself, do not give
     them to your optimizer), Adam's moments and step count, and the losses of the last call.
-    They move to the losses' device, and to their dtype when it is float32 or float64; for
-    float16 or bfloat16 losses they keep theirs (float32 from construction, float64 after
-    float64 losses: half precision would round Adam's small steps away), in which the value is
-    computed and returned. :meth:`update` converts its
-    losses to the state's dtype. A NaN or infinite loss gives a non-finite value, and an
-    :meth:`update` with a NaN or an infinity in either call's losses leaves the state untouched
-    (so a step that an AMP ``GradScaler`` skips does not poison it). :meth:`reset` restores
-    zeros.
+    They follow the losses' device at every call, and their dtype (float32 or float64) until the
+    first call in training mode or a loaded ``state_dict`` (see :class:`Scalarizer`); after
+    that, and for float16 or bfloat16 losses, they keep theirs (half precision would round
+    Adam's small steps away), and the value is computed in the wider of the two dtypes.
+    :meth:`update` converts its losses to the device and dtype of the call's (the wider one). A
+    call in evaluation mode (``famo.eval()``) computes the value and keeps nothing for
+    :meth:`update`, which then uses the last training call's losses. A NaN or infinite loss
+    gives a non-finite value, and an :meth:`update` with a NaN or an infinity in either call's
+    losses leaves the state untouched (so a step that an AMP ``GradScaler`` skips does not
+    poison it). :meth:`reset` restores zeros.
 
     Args:
         shape: the shape of the losses (an ``int`` ``m`` means ``(m,)``).
@@ -146,8 +147,10 @@ class FAMO(SavesState, Scalarizer, Stateful):
 
     def forward(self, losses: Tensor, /) -> Tensor:
         self._check(losses, "losses")
-        follow_losses([self.logits, self.min_losses, self._exp_avg, self._exp_avg_sq], losses)
-        self._before = losses.detach().to(self.logits.dtype, copy=True)
+        self.follow([self.logits, self.min_losses, self._exp_avg, self._exp_avg_sq], losses)
+        if self.training:  # (an evaluation call is not the step that update() follows)
+            work = torch.promote_types(self.logits.dtype, losses.dtype)
+            self._before = losses.detach().to(work, copy=True)
         return famo_objective(losses, self.logits, self.min_losses)
 
     @torch.no_grad()
@@ -157,10 +160,10 @@ class FAMO(SavesState, Scalarizer, Stateful):
         Args:
             new_losses: the same batch's losses, evaluated again once the optimizer has stepped.
 
-        ``new_losses`` are converted to the device and dtype of the state (those of the call's
-        losses), so that they may come from another precision (e.g. autocast). If they or the
-        call's losses hold a NaN or an infinity, the step is skipped: the logits, Adam's moments
-        and step count are left untouched.
+        ``new_losses`` are converted to the device and dtype of the call's losses (the wider of
+        theirs and the state's), so that they may come from another precision (e.g. autocast). If
+        they or the call's losses hold a NaN or an infinity, the step is skipped: the logits, Adam's
+        moments and step count are left untouched.
 
         Raises:
             ValueError: if the scalarizer was not called on this step's losses first, or if
@@ -168,8 +171,9 @@ class FAMO(SavesState, Scalarizer, Stateful):
         """
         if self._before is None:
             raise ValueError(
-                "FAMO.update(new_losses) must follow a call `famo(losses)` on the same batch; "
-                "call the scalarizer, step the model, then update with the new losses."
+                "FAMO.update(new_losses) must follow a call `famo(losses)` on the same batch, in "
+                "training mode; call the scalarizer, step the model, then update with the new "
+                "losses."
             )
         if not isinstance(new_losses, Tensor):
             raise TypeError(f"FAMO: `new_losses` must be a torch.Tensor, got {type(new_losses)}.")

@@ -13,7 +13,6 @@ from jacflow.scalarization._base import (
     Scalarizer,
     check_built_shape,
     check_shape,
-    follow_losses,
 )
 
 
@@ -30,9 +29,12 @@ class IMTLL(Scalarizer, Stateful):
     aggregator IMTL-G). Same names, parameters and defaults as TorchJD 0.18's ``IMTLL``.
 
     State: the parameter ``log_scale`` (initialised to 0); pass ``imtl.parameters()`` to the
-    optimizer. It follows the losses' device (and float32/float64 dtype) on the first call.
-    :meth:`reset` sets it back to 0. It keeps the shape ``IMTLL`` was built for: for another
-    number of losses, build a new ``IMTLL`` and give its parameters to the optimizer.
+    optimizer. It follows the losses' device and float32/float64 dtype until the first call in
+    training mode (or a loaded ``state_dict``), and keeps them after that: a call on losses of
+    another dtype computes in the wider one, and losses on another device raise (move it with
+    ``.to(device)``; see :class:`Scalarizer`). :meth:`reset` sets it back to 0. It keeps the shape
+    ``IMTLL`` was built for: for another number of losses, build a new ``IMTLL`` and give its
+    parameters to the optimizer.
 
     Args:
         shape: the shape of the losses (an ``int`` ``m`` means ``(m,)``).
@@ -53,7 +55,7 @@ class IMTLL(Scalarizer, Stateful):
 
     def forward(self, losses: Tensor, /) -> Tensor:
         check_built_shape(self.log_scale.shape, losses, "IMTLL")
-        follow_losses([self.log_scale], losses)
+        self.follow([self.log_scale], losses)
         return (torch.exp(self.log_scale) * losses - self.log_scale).sum()
 
     def reset(self) -> None:

@@ -16,6 +16,7 @@ from jacflow.scalarization._base import (
     check_same_shape,
     floats,
     loss_ratio,
+    on_losses,
 )
 
 
@@ -37,13 +38,14 @@ class LBTW(SavesState, Scalarizer, Stateful):
     :math:`L^{(0)}` is the loss of the first batch of each epoch: call :meth:`step` at the end
     of each epoch for that behaviour; without it :math:`L^{(0)}` is the first batch of training.
 
-    State: :math:`L^{(0)}`, taken from the first call after construction, :meth:`step` or
-    :meth:`reset`. The first call's weights are 1 by definition (:math:`L = L^{(0)}`), even
-    for a zero loss; later, a loss that is 0 with :math:`L_i^{(0)} = 0` has weight 1 (0/0 taken
-    as 1: no change), and a positive one an infinite weight when :math:`\alpha > 0` (infinite
-    relative growth: call :meth:`step` to take a new reference). A NaN or infinite loss gives a
-    non-finite value and is not taken as :math:`L^{(0)}` (so a step that an AMP
-    ``GradScaler`` skips does not poison the state).
+    State: :math:`L^{(0)}`, taken from the first call in training mode after construction,
+    :meth:`step` or :meth:`reset`. A call in evaluation mode (``lbtw.eval()``) weights its losses
+    against that reference (weights 1 while there is none) and never becomes it. The first call's
+    weights are 1 by definition (:math:`L = L^{(0)}`), even for a zero loss; later, a loss that is 0
+    with :math:`L_i^{(0)} = 0` has weight 1 (0/0 taken as 1: no change), and a positive one an
+    infinite weight when :math:`\alpha > 0` (infinite relative growth: call :meth:`step` to take a
+    new reference). A NaN or infinite loss gives a non-finite value and is not taken as
+    :math:`L^{(0)}` (so a step that an AMP ``GradScaler`` skips does not poison the state).
 
     Args:
         alpha: the exponent :math:`\alpha \ge 0` (the paper uses 0.1 and 0.5; 0 is the sum).
@@ -72,12 +74,13 @@ class LBTW(SavesState, Scalarizer, Stateful):
         check_non_negative(losses, "LBTW", "Shift the losses, e.g. by a lower bound.")
         detached = losses.detach()
         if self._initial is None:
-            if not has_nonfinite(detached):  # else: skipped step, no reference taken
+            # (else: an evaluation call or a skipped step, no reference taken)
+            if self.training and not has_nonfinite(detached):
                 self._initial = detached.clone()
             weights = torch.ones_like(detached)  # L = L(0): weights 1 by definition
         else:
             check_same_shape(self._initial, losses, "LBTW")
-            weights = lbtw_weights(detached, self._initial.to(losses.dtype), self.alpha)
+            weights = lbtw_weights(detached, on_losses(self._initial, losses), self.alpha)
         return (weights * losses).sum()
 
     def step(self) -> None:

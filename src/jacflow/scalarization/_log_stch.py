@@ -17,6 +17,7 @@ from jacflow.scalarization._base import (
     check_same_shape,
     floats,
     ints,
+    on_losses,
 )
 from jacflow.scalarization._stch import smooth_max
 
@@ -81,7 +82,10 @@ class LogSTCH(SavesState, Scalarizer, Stateful):
     of its multi-task experiments (official code, ported to LibMTL).
 
     State: the epoch index, the sum and count of the losses of the calibration epoch, and the
-    nadir point. Call :meth:`step` at the end of every epoch; :meth:`reset` starts over. A
+    nadir point. Call :meth:`step` at the end of every epoch; :meth:`reset` starts over. A call
+    in evaluation mode (``stch.eval()``) gives the objective of the current epoch and counts for
+    nothing: it is not averaged into the nadir point, and an epoch of such calls only is
+    ignored by :meth:`step`. A
     NaN or infinite loss in the calibration epoch gives a non-finite value and is left out of
     the nadir point (so a step that an AMP ``GradScaler`` skips does not poison it for the rest
     of training); a calibration epoch without a finite call is repeated. A nadir entry of 0 (a
@@ -123,22 +127,25 @@ class LogSTCH(SavesState, Scalarizer, Stateful):
         # (the log of a negative loss is NaN)
         check_non_negative(losses, "LogSTCH", "Shift the losses, e.g. by a lower bound.")
         if self.epoch < self.warmup_epochs:
-            self._count += 1
+            if self.training:  # (an epoch of evaluation calls only is ignored by step())
+                self._count += 1
             return log_sum(losses)
         if self.nadir is None:
             detached = losses.detach()
-            if has_nonfinite(detached):  # skipped step: not in the nadir point
+            # (an evaluation call or a skipped step: not in the nadir point)
+            if not self.training or has_nonfinite(detached):
                 return log_sum(losses)
+            # (summed in float32 at least: a float16 sum stops growing at 2048 and overflows)
+            work = detached.to(compute_dtype(detached.dtype))
             if self._sum is None:
-                # (summed in float32 at least: a float16 sum stops growing at 2048 and overflows)
-                self._sum = detached.to(compute_dtype(detached.dtype), copy=True)
+                self._sum = work.clone()
             else:
                 check_same_shape(self._sum, losses, "LogSTCH")
-                self._sum = self._sum + detached.to(compute_dtype(detached.dtype))
+                self._sum = on_losses(self._sum, work) + work
             self._count += 1
             return log_sum(losses)
         check_same_shape(self.nadir, losses, "LogSTCH")
-        return log_stch(losses, self.nadir.to(losses.dtype), self.mu)
+        return log_stch(losses, on_losses(self.nadir, losses), self.mu)
 
     def step(self) -> None:
         """End the epoch (an epoch without any call is ignored); the calibration epoch's end

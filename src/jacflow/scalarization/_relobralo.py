@@ -15,6 +15,7 @@ from jacflow.scalarization._base import (
     check_non_negative,
     check_same_shape,
     floats,
+    on_losses,
 )
 
 _EPS = 1e-12
@@ -48,7 +49,10 @@ class ReLoBRaLo(SavesState, Scalarizer, Stateful):
     (``torch.rand(()) < rho``), so ``torch.manual_seed`` makes runs reproducible.
 
     State: :math:`L(0)` (the first call's losses), :math:`L(t-1)` and :math:`\lambda(t-1)`; each
-    call is one step. :meth:`reset` forgets them. A NaN or infinite loss gives a non-finite
+    call is one step. A call in evaluation mode (``rl.eval()``) computes its weights from that
+    state with :math:`\rho` replaced by its expectation :math:`\mathbb{E}[\rho]` (no random
+    draw: the training calls draw as without it) and changes nothing; before any training call
+    its weights are 1. :meth:`reset` forgets them. A NaN or infinite loss gives a non-finite
     value and leaves the state untouched (so a step that an AMP ``GradScaler`` skips does not
     poison it).
 
@@ -94,23 +98,31 @@ class ReLoBRaLo(SavesState, Scalarizer, Stateful):
             weights = torch.ones_like(detached)
         else:
             check_same_shape(self._initial, losses, "ReLoBRaLo")
-            initial = self._initial.to(losses.dtype)
-            previous = self._previous.to(losses.dtype)
+            initial, previous, last = (
+                on_losses(state, losses) for state in (self._initial, self._previous, self._lambda)
+            )
             if skipped:
-                history = self._lambda.to(losses.dtype)
+                history = last
             else:
-                lookback = (torch.rand((), device=losses.device) < self.rho).to(losses.dtype)
-                history = lookback * self._lambda.to(losses.dtype) + (1 - lookback) * balancing(
+                lookback = self._lookback(losses)
+                history = lookback * last + (1 - lookback) * balancing(
                     detached, initial, self.temperature
                 )
             recent = balancing(detached, previous, self.temperature)
             weights = self.alpha * history + (1 - self.alpha) * recent
-        if not skipped:  # else: skipped step, state unchanged
+        if self.training and not skipped:  # else: evaluation or skipped step, state unchanged
             if first:
                 self._initial = detached.clone()
             self._previous = detached.clone()
             self._lambda = weights
         return (weights * losses).sum()
+
+    def _lookback(self, losses: Tensor) -> Tensor | float:
+        """:math:`\rho`, drawn in training mode; its expectation in evaluation mode (no draw
+        from torch's generator, which the training calls' draws would then not follow)."""
+        if not self.training:
+            return self.rho
+        return (torch.rand((), device=losses.device) < self.rho).to(losses.dtype)
 
     def reset(self) -> None:
         self._initial = None

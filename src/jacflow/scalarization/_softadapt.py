@@ -17,6 +17,7 @@ from jacflow.scalarization._base import (
     check_non_negative,
     check_same_shape,
     floats,
+    on_losses,
 )
 
 _SLOPE_FLOOR = 1e-8
@@ -63,9 +64,11 @@ class SoftAdapt(SavesState, Scalarizer, Stateful):
 
     The weights are computed in float32 for float16 or bfloat16 losses, in their dtype otherwise.
 
-    State: the losses of the previous call; each call is one step. :meth:`reset` forgets them.
-    A NaN or infinite loss gives a non-finite value and is not kept (so a step that an AMP
-    ``GradScaler`` skips does not make the next call's value NaN too).
+    State: the losses of the previous call; each call is one step. A call in evaluation mode
+    (``sa.eval()``) takes its slopes from the last training call's losses and keeps its own losses
+    out of the state. :meth:`reset` forgets them. A NaN or infinite loss gives a non-finite value
+    and is not kept (so a step that an AMP ``GradScaler`` skips does not make the next call's value
+    NaN too).
 
     Args:
         beta: the inverse temperature :math:`\beta` (paper: 0.1; negative favours the losses
@@ -108,8 +111,9 @@ class SoftAdapt(SavesState, Scalarizer, Stateful):
             slopes = torch.zeros_like(work)
         else:
             check_same_shape(self._previous, losses, "SoftAdapt")
-            slopes = work - self._previous.to(work.dtype)
-        if not has_nonfinite(detached):  # (a skipped step keeps the previous losses)
+            slopes = work - on_losses(self._previous, work)
+        # (an evaluation call, or a skipped step, keeps the previous losses)
+        if self.training and not has_nonfinite(detached):
             self._previous = detached.clone()
         weights = softadapt_weights(work, slopes, self.beta, self.normalized, self.loss_weighted)
         return (weights.to(losses.dtype) * losses).sum()

@@ -13,7 +13,6 @@ from jacflow.scalarization._base import (
     Scalarizer,
     check_built_shape,
     check_shape,
-    follow_losses,
 )
 
 
@@ -32,9 +31,11 @@ class UW(Scalarizer, Stateful):
     :class:`RevisedUW` for Liebel & Körner's regulariser.
 
     State: the parameter ``log_var``; pass ``uw.parameters()`` to the optimizer. It follows the
-    losses' device (and float32/float64 dtype) on the first call. :meth:`reset` sets it to 0
-    and keeps the shape ``UW`` was built for: for another number of losses, build a new ``UW``
-    and give its parameters to the optimizer.
+    losses' device and float32/float64 dtype until the first call in training mode (or a loaded
+    ``state_dict``), and keeps them after that: a call on losses of another dtype computes in the
+    wider one, and losses on another device raise (move it with ``.to(device)``; see
+    :class:`Scalarizer`). :meth:`reset` sets it to 0 and keeps the shape ``UW`` was built for: for
+    another number of losses, build a new ``UW`` and give its parameters to the optimizer.
 
     Args:
         shape: the shape of the losses (an ``int`` ``m`` means ``(m,)``).
@@ -55,7 +56,7 @@ class UW(Scalarizer, Stateful):
 
     def forward(self, losses: Tensor, /) -> Tensor:
         check_built_shape(self.log_var.shape, losses, "UW")
-        follow_losses([self.log_var], losses)
+        self.follow([self.log_var], losses)
         return (0.5 * torch.exp(-self.log_var) * losses + 0.5 * self.log_var).sum()
 
     def reset(self) -> None:
@@ -81,9 +82,11 @@ class RevisedUW(Scalarizer, Stateful):
     2018. :math:`\sigma` itself is the parameter (as in the paper), initialised to 1.
 
     State: the parameter ``sigma``; pass ``ruw.parameters()`` to the optimizer. It follows the
-    losses' device (and float32/float64 dtype) on the first call. :meth:`reset` sets it to 1
-    and keeps the shape ``RevisedUW`` was built for: for another number of losses, build a new
-    one and give its parameters to the optimizer.
+    losses' device and float32/float64 dtype until the first call in training mode (or a loaded
+    ``state_dict``), and keeps them after that: a call on losses of another dtype computes in the
+    wider one, and losses on another device raise (move it with ``.to(device)``; see
+    :class:`Scalarizer`). :meth:`reset` sets it to 1 and keeps the shape ``RevisedUW`` was built
+    for: for another number of losses, build a new one and give its parameters to the optimizer.
 
     Args:
         shape: the shape of the losses (an ``int`` ``m`` means ``(m,)``).
@@ -101,7 +104,7 @@ class RevisedUW(Scalarizer, Stateful):
 
     def forward(self, losses: Tensor, /) -> Tensor:
         check_built_shape(self.sigma.shape, losses, "RevisedUW")
-        follow_losses([self.sigma], losses)
+        self.follow([self.sigma], losses)
         variance = self.sigma**2
         return (losses / (2 * variance) + torch.log1p(variance)).sum()
 
