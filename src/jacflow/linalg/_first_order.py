@@ -43,6 +43,10 @@ _ANDERSON_MAX_ELEMENTS = 2**24
 _REG = {torch.float32: 1e-5, torch.float64: 1e-10}  # its least squares' Tikhonov term
 _SLOW_CHECKS, _SLOW_GAIN = 5, 10.0  # it starts where the residual fell < 10x in 5 checks
 _SLOW_FLOAT32_ABOVE = 1e-4
+# Every _SLOW_CHECKS checks, the acceleration must have divided the worst residual by this, or
+# it stops for good (nearly parallel rows: plain ADMM and the accelerated one both stall, the
+# latter at up to twice the cost per step).
+_ACCELERATED_GAIN = 2.0
 
 
 def anderson_memory(problems: int, m: int) -> int:
@@ -63,8 +67,9 @@ def anderson_memory(problems: int, m: int) -> int:
 
 def _slow(history: list[float]) -> bool:
     """Whether the worst residual fell less than ``_SLOW_GAIN`` times over the last
-    ``_SLOW_CHECKS`` checks: then Anderson's acceleration pays for its work per step (about
-    half a step's), not on the problems plain ADMM solves quickly."""
+    ``_SLOW_CHECKS`` checks: then Anderson's acceleration pays for its work per step (0.4 to
+    1.2 times a plain step's on this project's CPU host, from m = 512 down to 192), not on the
+    problems plain ADMM solves quickly."""
     return len(history) > _SLOW_CHECKS and history[-1] > history[-1 - _SLOW_CHECKS] / _SLOW_GAIN
 
 
@@ -162,10 +167,12 @@ def admm_solve(
 
     With ``anderson`` (and from ``_ANDERSON_MIN_M`` objectives), once the worst residual falls
     less than 10x in 5 checks, the iteration ``t <- F(t)`` on ``t = z + w`` is accelerated by
-    :mod:`jacflow.linalg._anderson` (5 columns of history; about half a step's work more per
-    step). UPGrad's weights on the benchmark's per-sample Gramian of real images at m = 512
-    took 700 ADMM steps without it, 140 with it; on problems that ADMM solves quickly it never
-    starts.
+    :mod:`jacflow.linalg._anderson` (5 columns of history; its steps cost up to twice plain
+    ones). It stops for good where it fails to halve the worst residual in 5 checks (both
+    stall on nearly parallel rows). UPGrad's weights on the benchmark's per-sample Gramian of
+    real images at m = 512 took 700 ADMM steps without it, 150 with it; on problems that ADMM
+    solves quickly it never starts. The stall test reads plain ADMM's residuals as they are
+    and, once the acceleration has run, each problem's best.
 
     With ``low_precision`` the iterations (the eigendecomposition and the products, nearly all
     the cost) start in float32, about twice as fast; the residuals are still measured in float64
@@ -202,6 +209,7 @@ def admm_solve(
     m = u.shape[-1]
     memory = anderson_memory(u.shape[0] * u.shape[1], m) if anderson else 0
     accelerated: AndersonState | None = None  # (started once plain ADMM proves slow)
+    anchor, since = 0.0, 0  # (its safeguard: see _ACCELERATED_GAIN)
     spent, budget = 0, 0  # ADMM's multiply-adds, and those a polish waits for
     for it in range(max_iter):
         spent += t.shape[1] * m * m
@@ -235,6 +243,7 @@ def admm_solve(
             # each problem's best iterate (the accelerated residuals do not fall monotonically)
             best = out_res[:, rows]
             improved = res < best
+            raw_worst = res.amax()
             res = torch.where(improved, res, best)
             out_v = out_v.index_copy(
                 1, rows, torch.where(improved[..., None], exact, out_v[:, rows])
@@ -245,19 +254,33 @@ def admm_solve(
             if not bool(keep.any()):
                 break
             low = dtype != g.dtype
-            stalled = _stalled(history, worst, 10 if low else _STALL_CHECKS)  # records it once
+            # (plain ADMM's stall test reads its residuals as they are, as before; the
+            # accelerated ones, which do not fall monotonically, through each problem's best)
+            watched = raw_worst if accelerated is None and not anchor else worst
+            stalled = _stalled(history, watched, 10 if low else _STALL_CHECKS)  # records it once
             if low and (worst <= _FLOAT32_FLOOR or stalled):
                 dtype = g.dtype  # float32 is done (or not enough for these problems): float64
                 step = relax * _admm_operator(g, dtype)
                 t, bound = exact + (t - z).to(dtype), uu  # (the same dual variable w)
-                accelerated = None if accelerated is None else anderson_start(t, memory)
+                if accelerated is not None:
+                    accelerated, anchor, since = anderson_start(t, memory), float(worst), 0
                 history.clear()
             elif stalled:
                 break
-            # (not near float32's floor, where its rounding, not ADMM, slows the residual)
-            near_floor = dtype != g.dtype and worst <= _SLOW_FLOAT32_ABOVE
-            if memory and accelerated is None and not near_floor and _slow(history):
-                accelerated = anderson_start(t, memory)
+            if accelerated is not None:
+                since += 1
+                if since == _SLOW_CHECKS:
+                    # (the safeguard: it must beat plain ADMM's pace by what its steps cost more)
+                    if float(worst) > anchor / _ACCELERATED_GAIN:
+                        accelerated, memory = None, 0
+                    anchor, since = float(worst), 0
+            elif memory and _slow(history):
+                # (not near float32's floor, where its rounding, not ADMM, slows the residual,
+                # nor where every problem is about to be polished)
+                near_floor = low and float(worst) <= _SLOW_FLOAT32_ABOVE
+                polish_due = bool(budget) and 2 * spent >= budget and float(worst) <= _POLISH_FROM
+                if not (near_floor or polish_due):
+                    accelerated, anchor, since = anderson_start(t, memory), float(worst), 0
             if not bool(keep.all()):
                 index = keep.nonzero().flatten()
                 rows, uu, bound, t = rows[index], uu[:, index], bound[:, index], t[:, index]
