@@ -55,6 +55,13 @@ def anderson_start(t: Tensor, memory: int) -> AndersonState:
     )
 
 
+def _products(history: Tensor, x: Tensor) -> Tensor:
+    """``[B, k, h]``: each problem's history columns ``[B, k, h, m]`` times its ``x``
+    ``[B, k, m]``, by element-wise products and sums (alone 1.4-5x faster than a batched
+    matrix-vector product of these thin shapes; within a whole step, the same time)."""
+    return (history * x[:, :, None]).sum(-1)
+
+
 def anderson_step(state: AndersonState, t: Tensor, mapped: Tensor, reg: float) -> Tensor:
     """The accelerated next iterate from ``t`` and ``mapped = F(t)`` (both ``[B, k, m]``);
     records the step in ``state``.
@@ -77,13 +84,11 @@ def anderson_step(state: AndersonState, t: Tensor, mapped: Tensor, reg: float) -
         torch.sub(f, last_f, out=df)
         step = state.step_diffs[:, :, state.slot]
         torch.sub(t, last_t, out=step).add_(df)
-        # (element-wise products and sums: a batched matrix-vector product of these thin
-        # shapes ran at a few GFLOP/s, 2-4x slower)
-        dots = (state.residual_diffs * df[:, :, None]).sum(-1)
+        dots = _products(state.residual_diffs, df)
         state.gram[:, :, state.slot] = dots
         state.gram[:, :, :, state.slot] = dots
         state.slot = (state.slot + 1) % state.gram.shape[-1]
-    rhs = (state.residual_diffs * f[:, :, None]).sum(-1)
+    rhs = _products(state.residual_diffs, f)
     norm = f.norm(dim=-1)
     blown = norm > _RESET * state.best
     state.best = torch.minimum(state.best, norm)

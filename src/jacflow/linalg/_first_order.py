@@ -67,8 +67,8 @@ def anderson_memory(problems: int, m: int) -> int:
 
 def _slow(history: list[float]) -> bool:
     """Whether the worst residual fell less than ``_SLOW_GAIN`` times over the last
-    ``_SLOW_CHECKS`` checks: then Anderson's acceleration pays for its work per step (0.4 to
-    1.2 times a plain step's on this project's CPU host, from m = 512 down to 192), not on the
+    ``_SLOW_CHECKS`` checks: then Anderson's acceleration pays for its work per step (0.65 to
+    1.1 times a plain step's on this project's CPU host, from m = 512 down to 192), not on the
     problems plain ADMM solves quickly."""
     return len(history) > _SLOW_CHECKS and history[-1] > history[-1 - _SLOW_CHECKS] / _SLOW_GAIN
 
@@ -254,9 +254,10 @@ def admm_solve(
             if not bool(keep.any()):
                 break
             low = dtype != g.dtype
-            # (plain ADMM's stall test reads its residuals as they are, as before; the
-            # accelerated ones, which do not fall monotonically, through each problem's best)
-            watched = raw_worst if accelerated is None and not anchor else worst
+            # (plain ADMM's stall test reads its residuals as they are, as before; once the
+            # acceleration has started (anchor set), through each problem's best, as the
+            # accelerated residuals do not fall monotonically)
+            watched = worst if anchor else raw_worst
             stalled = _stalled(history, watched, 10 if low else _STALL_CHECKS)  # records it once
             if low and (worst <= _FLOAT32_FLOOR or stalled):
                 dtype = g.dtype  # float32 is done (or not enough for these problems): float64
@@ -270,7 +271,7 @@ def admm_solve(
             if accelerated is not None:
                 since += 1
                 if since == _SLOW_CHECKS:
-                    # (the safeguard: it must beat plain ADMM's pace by what its steps cost more)
+                    # (the safeguard: see _ACCELERATED_GAIN)
                     if float(worst) > anchor / _ACCELERATED_GAIN:
                         accelerated, memory = None, 0
                     anchor, since = float(worst), 0
