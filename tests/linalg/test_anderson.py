@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from jacflow.linalg import _first_order as first_order
 from jacflow.linalg._anderson import anderson_start, anderson_step, anderson_take
 from jacflow.linalg._dual_cone import _normalized, project_diagonal, project_weights_reference
+from tests.conftest import DEVICES
 from tests.linalg.test_dual_cone import assert_kkt, make_gramian, upgrad_rows
 
 
@@ -38,9 +39,10 @@ def test_on_an_affine_contraction_the_fixed_point_comes_within_n_plus_one_steps(
     assert float((plain - fixed).abs().max()) > 1e-3 * float(fixed.abs().max())
 
 
-def test_a_problem_whose_residual_blows_up_forgets_its_history_alone() -> None:
+def test_a_problem_whose_residual_blows_up_forgets_its_history_alone(on_device: str) -> None:
     """The safeguard: a residual 1e3 times the problem's best clears that problem's history
-    (its step is then the plain ``F(t)``); the other problems keep theirs."""
+    (its step is then the plain ``F(t)``); the other problems keep theirs (on an accelerator
+    too, where the step does not read on the host whether any problem blew up)."""
     a = torch.tensor([[0.5, 0.2], [0.1, 0.3]], dtype=torch.float64)
     t = torch.ones(1, 2, 2, dtype=torch.float64)
     state = anderson_start(t, memory=3)
@@ -82,9 +84,10 @@ def test_memory_stays_within_its_budget() -> None:
     st.sampled_from(["gauss", "more_rows", "rank_deficient", "conflicting"]),
     st.integers(0, 2**31 - 1),
     st.booleans(),
+    st.sampled_from(DEVICES),
 )
 def test_admm_with_acceleration_solves_what_admm_without_it_solves(
-    m: int, kind: str, seed: int, low_precision: bool
+    m: int, kind: str, seed: int, low_precision: bool, device: str
 ) -> None:
     """Where plain ADMM reaches the tolerance, the accelerated one does too (it also solved
     degenerate problems on which plain ADMM stalls near 5e-5 and leaves them to the exact
@@ -99,10 +102,16 @@ def test_admm_with_acceleration_solves_what_admm_without_it_solves(
         with pytest.MonkeyPatch.context() as patch:  # (from 33 objectives: faster examples)
             patch.setattr(first_order, "_ANDERSON_MIN_M", 0)
             v, residual = first_order.admm_solve(
-                u, g, 20_000, 1e-10, low_precision=low_precision, anderson=anderson
+                u.to(device),
+                g.to(device),
+                20_000,
+                1e-10,
+                low_precision=low_precision,
+                anderson=anderson,
             )
         solved[anderson] = float(residual.amax()) <= 1e-10
         if solved[anderson]:
+            v = v.cpu()
             gap = v[0] - expected
             assert float(torch.einsum("ki,ij,kj->k", gap, g[0], gap).amax()) <= 1e-12
             assert_kkt(v[0], u[0], g[0])
@@ -142,7 +151,7 @@ def test_acceleration_takes_fewer_products(
 
 
 def test_upgrads_default_route_accelerates_slow_problems_from_192_objectives(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, device: str
 ) -> None:
     """``project_diagonal``'s "auto" route (ADMM above 32 objectives) starts the acceleration
     on a degenerate Gramian of 192 objectives, and its weights satisfy the KKT conditions."""
@@ -156,7 +165,8 @@ def test_upgrads_default_route_accelerates_slow_problems_from_192_objectives(
     monkeypatch.setattr(first_order, "anderson_start", recorded)
     m = 192
     gramian = make_gramian(m, "more_rows", 1.0, seed=3)
-    v = project_diagonal(torch.full((m,), 1.0 / m, dtype=torch.float64), gramian)
+    pref = torch.full((m,), 1.0 / m, dtype=torch.float64)
+    v = project_diagonal(pref.to(device), gramian.to(device)).cpu()
     assert started and started[0] == first_order._ANDERSON_MEMORY
     assert_kkt(v, torch.eye(m, dtype=torch.float64) / m, gramian)
 

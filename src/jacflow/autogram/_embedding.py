@@ -93,9 +93,12 @@ def sparse_rows(grad: Tensor, ids: Tensor) -> Tensor:
         (1, 1, [1.0, 2.0])
     """
     rows = torch.unique(ids)  # (sorted and distinct: coalesced, which needs no check)
-    return torch.sparse_coo_tensor(
-        rows.unsqueeze(0), grad[rows], grad.shape, is_coalesced=True, check_invariants=False
-    )
+    # (torch 2.11 warns that the checks are "implicitly disabled" at a process's first sparse
+    # tensor whatever `check_invariants` says, unless the global setting is set: set for the call)
+    with torch.sparse.check_sparse_tensor_invariants(enable=False):
+        return torch.sparse_coo_tensor(
+            rows.unsqueeze(0), grad[rows], grad.shape, is_coalesced=True, check_invariants=False
+        )
 
 
 def frequency_refusal(module: nn.Module, where: str) -> ValueError | None:
