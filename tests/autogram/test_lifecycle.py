@@ -20,8 +20,9 @@ from torch.nn.utils import parametrize
 from jacflow.aggregation import MeanWeighting, UPGradWeighting
 from jacflow.autogram import Engine
 from jacflow.autogram import _engine as engine_module
+from jacflow.autogram._fallback import ReplayMismatchError
 from tests.autogram._zoo import Scale
-from tests.autogram.test_engine import assert_exact_gramian, reference_jacobian
+from tests.autogram.test_engine import assert_exact_gramian, assert_exact_step, reference_jacobian
 
 
 def _mlp() -> nn.Sequential:
@@ -1377,7 +1378,8 @@ class _CountedLinear(_Counted):
 def test_generic_re_run_must_reproduce_the_forward(kind: str, batch_dim: int | None) -> None:
     """A generic module whose re-run gives other outputs than its forward (the batch size read
     as a number, per sample; state the forward changes) is refused: its Gramian was silently
-    2-30% off. An output changed in place after the forward is not compared, and is exact."""
+    2-30% off. A faithful module whose output is changed in place after the forward is
+    exact."""
     torch.manual_seed(0)
     module = {"batch_size": _BatchScaled, "in_place_after": Scale, "counter": _Counted}.get(
         kind, _CountedLinear
@@ -1428,6 +1430,54 @@ def test_generic_re_run_names_arguments_split_per_sample(rows_in_table: int) -> 
         _assert_refused(engine, losses, [module.scale], r"shapes \[3, 4\], \[3, 4\]\. Make such")
         return
     assert_exact_gramian(engine, losses, [module.scale])
+
+
+class _BatchDivided(Scale):
+    """Divides by the batch size; its backward saves no output (an in-place op may follow)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * self.s / x.shape[0]
+
+
+class _ShiftInPlace(nn.Module):
+    """An in-place op on its input, as a residual ``h.add_(x)``."""
+
+    def forward(self, h: Tensor) -> Tensor:
+        return h.add_(0.5)
+
+
+@pytest.mark.parametrize("after", ["relu", "add_"])
+@pytest.mark.parametrize("kind", ["batch_size", "split_table", "faithful"])
+def test_generic_re_run_is_checked_after_an_in_place_op_on_its_output(
+    kind: str, after: str
+) -> None:
+    """An in-place op on a generic module's output after its forward (an in-place ReLU, a
+    residual ``h.add_(x)``) skipped the check of its re-run: a module refused out of place gave
+    a Gramian and ``.grad`` 30-125% off, silently. Its re-run per sample is now compared with a
+    re-run on the whole batch: refused as out of place (the batch size read as a number, a
+    shared argument split per sample); a module that its re-run reproduces stays exact."""
+    torch.manual_seed(0)
+    x, table = torch.randn(5, 3, dtype=torch.float64), torch.randn(5, 4, dtype=torch.float64)
+    first, head = nn.Linear(3, 4).double(), nn.Linear(4, 2).double()
+    in_place = nn.ReLU(inplace=True) if after == "relu" else _ShiftInPlace()
+    middle: nn.Module = {"batch_size": _BatchDivided(4), "split_table": _Codebook()}.get(
+        kind, Scale(4)
+    )
+    middle.double()
+    params = [*first.parameters(), *middle.parameters(), *head.parameters()]
+    engine = Engine(first, middle, head, batch_dim=0)
+
+    def forward() -> Tensor:
+        h = first(x)
+        h = middle(h, table) if kind == "split_table" else middle(h)
+        return head(in_place(h)).pow(2).sum(1)
+
+    if kind == "faithful":
+        assert_exact_step(engine, forward, params)
+        return
+    with pytest.raises(ReplayMismatchError, match="gave other outputs than its forward"):
+        engine.backward(forward(), UPGradWeighting())
+    assert all(p.grad is None for p in params)
 
 
 def test_a_step_without_trainable_parameters_gives_zeros() -> None:

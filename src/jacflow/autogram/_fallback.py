@@ -69,6 +69,17 @@ def _per_task_grads(
     module: nn.Module, params: dict[str, Tensor], call: Call, cots: tuple[Tensor, ...]
 ) -> tuple[dict[str, Tensor], tuple[Tensor, ...]]:
     """The rows' gradients, and the re-run's outputs."""
+    outputs, pullback = vjp(_whole_batch_forward(module, call), params)[:2]
+    rows = (*cots, *_reached_inner_calls(call))
+    grads: dict[str, Tensor] = _batched_or_row_by_row(lambda r: pullback(r)[0], rows)
+    return grads, outputs
+
+
+def _whole_batch_forward(
+    module: nn.Module, call: Call
+) -> Callable[[dict[str, Tensor]], tuple[Tensor, ...]]:
+    """The module's forward on the call's recorded inputs, as a function of its parameters:
+    the selected outputs, then those of the reached calls made inside it."""
 
     def forward(p: dict[str, Tensor]) -> tuple[Tensor, ...]:
         kept: list[Tensor] = []
@@ -76,10 +87,21 @@ def _per_task_grads(
             out = functional_call(module, _with_buffers(call, module, p), call.args, call.kwargs)
         return (*_selected_outputs(out, call.output_positions), *kept)
 
-    outputs, pullback = vjp(forward, params)[:2]
-    rows = (*cots, *_reached_inner_calls(call))
-    grads: dict[str, Tensor] = _batched_or_row_by_row(lambda r: pullback(r)[0], rows)
-    return grads, outputs
+    return forward
+
+
+def _whole_batch_outputs(
+    module: nn.Module, params: dict[str, Tensor], call: Call
+) -> tuple[Tensor, ...]:
+    """The outputs of one re-run of the module on the whole recorded batch (no vmap), under
+    ``vjp`` so that the parameters are differentiated as in the forward (torch's fast paths,
+    as the transformer layers' in eval mode, are taken only without grad), with the random
+    generators left as they were."""
+    device = next(iter(params.values())).device
+    devices = [device] if device.type != "cpu" else []
+    with torch.random.fork_rng(devices, device_type=device.type):
+        outputs: tuple[Tensor, ...] = vjp(_whole_batch_forward(module, call), params)[0]
+    return outputs
 
 
 def _batched_or_row_by_row(function: Callable[[Any], Any], rows: Any) -> Any:
@@ -139,7 +161,9 @@ def _per_sample_grads(
         lambda rows: per_row(*rows), (row_leaves, (*cots, *_reached_inner_calls(call)))
     )
     split = [tuple(leaf.shape) for leaf, b in zip(leaves, batched, strict=True) if b]
-    _check_same_outputs(module, call, outputs, rows, split)
+    _check_same_outputs(
+        module, call, outputs, rows, split, lambda: _whole_batch_outputs(module, params, call)
+    )
     return grads
 
 
@@ -153,15 +177,28 @@ def _check_same_outputs(
     outputs: tuple[Tensor, ...],
     rows: Rows | None,
     split: Sequence[tuple[int, ...]] = (),
+    whole_batch: Callable[[], tuple[Tensor, ...]] | None = None,
 ) -> None:
     """Refuse a re-run whose outputs differ from the forward's (``rows``: per sample, the
     re-run's rows of samples; ``split``: the shapes of the arguments it split per sample): its
     forward read something that the re-run does not reproduce, and the gradients of the re-run
-    would be those of another function. Outputs changed in place since the forward, or not
-    batched as the rows, are not compared."""
-    for (recorded, version), again in zip(call.outputs, outputs, strict=False):
-        if recorded._version != version or not recorded.is_floating_point():
+    would be those of another function. An output changed in place since the forward (an
+    in-place ReLU or residual after the module) is compared, per sample, with the outputs of
+    ``whole_batch()`` (a re-run on the whole batch, made once, when first needed): that
+    catches a forward that reads the batch size or an argument split per sample, though not
+    one that reads state it changes. Outputs not batched as the rows, and per task those
+    changed in place, are not compared."""
+    # (no copy of the outputs is kept at the forward: every call would pay for the rare
+    # in-place op after it, whose version change is seen here)
+    whole: tuple[Tensor, ...] | None = None
+    for i, ((recorded, version), again) in enumerate(zip(call.outputs, outputs, strict=False)):
+        if not recorded.is_floating_point():
             continue
+        if recorded._version != version:
+            if whole_batch is None:
+                continue
+            whole = whole_batch() if whole is None else whole
+            recorded = whole[i]
         if rows is not None:
             if recorded.ndim == 0 or recorded.shape[0] != rows.num_samples:
                 continue
