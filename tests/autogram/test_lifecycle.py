@@ -2002,6 +2002,9 @@ _CLASS_TABLE = torch.zeros(3, dtype=torch.float64, requires_grad=True)
 _B_ROWS_TABLE = torch.zeros(4, dtype=torch.float64, requires_grad=True)
 _EXAMPLE_TABLE = torch.zeros(20, dtype=torch.float64, requires_grad=True)
 _AT_LABELS, _AT_IDS = torch.tensor([0, 2, 1, 2]), torch.tensor([10, 3, 7, 1])
+# labels that form a permutation of the batch (as many classes as samples, one each)
+_PERMUTATION = torch.tensor([3, 1, 0, 2])
+_RAMP = torch.arange(4, dtype=torch.float64)
 
 _REORDERINGS: dict[str, Callable[[Tensor], Tensor]] = {
     "sort": lambda out: out.sum(1).sort().values,
@@ -2064,6 +2067,20 @@ _REORDERINGS: dict[str, Callable[[Tensor], Tensor]] = {
     ),
     "table of B rows at labels": lambda out: out.sum(1) * _B_ROWS_TABLE[_AT_LABELS].exp(),
     "example table at ids": lambda out: out.sum(1) * torch.sigmoid(_EXAMPLE_TABLE[_AT_IDS]),
+    "table of B rows at permuted labels": lambda out: out.sum(1) * _B_ROWS_TABLE[_PERMUTATION],
+    "table of B rows gathered at permuted labels": lambda out: (
+        out.sum(1) * _B_ROWS_TABLE.gather(0, _PERMUTATION).exp()
+    ),
+    "table of B rows selected at permuted labels": lambda out: (
+        out.sum(1) + _B_ROWS_TABLE.index_select(0, _PERMUTATION)
+    ),
+    "table computed from parameters, sorted": lambda out: (
+        out.sum(1) * (_B_ROWS_TABLE - _RAMP).sort().values.exp()
+    ),
+    "swap times a table at permuted labels": lambda out: (
+        out.sum(1)[torch.tensor([1, 0, 2, 3])] * _B_ROWS_TABLE[_PERMUTATION]
+    ),
+    "swap of the losses plus a table": lambda out: (out.sum(1) + _B_ROWS_TABLE)[_PERMUTATION],
 }
 _EXACT = {
     "[B, k] sorted along dim 1",
@@ -2077,6 +2094,10 @@ _EXACT = {
     "class table at labels",
     "table of B rows at labels",
     "example table at ids",
+    "table of B rows at permuted labels",
+    "table of B rows gathered at permuted labels",
+    "table of B rows selected at permuted labels",
+    "table computed from parameters, sorted",
 }
 
 
@@ -2085,8 +2106,8 @@ def test_losses_reordered_along_the_batch_are_refused(name: str) -> None:
     """Losses sorted, indexed, gathered or selected along the batch: rows of other samples,
     which the probe missed when the probed samples mapped onto themselves (the Gramian 17%
     off, weights on the wrong losses). Each sample's own losses reordered, the batch taken in
-    place, and learned tables taken at labels or ids (refused by a first version) stay
-    exact."""
+    place, and learned tables taken at labels or ids (refused by a first version; then still
+    where the labels formed a permutation of the batch) stay exact."""
     torch.manual_seed(0)
     layer = nn.Linear(3, 2).double()
     x = torch.randn(4, 3, dtype=torch.float64)
@@ -2099,6 +2120,24 @@ def test_losses_reordered_along_the_batch_are_refused(name: str) -> None:
         assert_exact_gramian(engine, losses_of(), list(layer.parameters()))
         return
     _assert_refused(engine, losses_of(), list(layer.parameters()), r"reordered along the batch")
+
+
+def test_learned_class_weights_at_labels_that_form_a_permutation() -> None:
+    """Learned class weights outside the Engine taken at the labels (``ce * class_w[y]``),
+    with as many classes as samples: refused as a reordering of the batch whenever the
+    labels formed a permutation (at every step with one sample per class). Exact, and the
+    weights' ``.grad`` untouched."""
+    torch.manual_seed(0)
+    layer = nn.Linear(4, 6).double()
+    class_w = nn.Parameter(torch.linspace(0.5, 1.5, 6, dtype=torch.float64))
+    x, y = torch.randn(6, 4, dtype=torch.float64), torch.tensor([5, 1, 4, 2, 3, 0])
+    engine = Engine(layer, batch_dim=0)
+
+    def forward() -> Tensor:
+        return nn.functional.cross_entropy(layer(x), y, reduction="none") * class_w[y]
+
+    assert_exact_step(engine, forward, list(layer.parameters()))
+    assert class_w.grad is None
 
 
 def test_losses_that_hold_an_already_stepped_forward_are_told_so() -> None:

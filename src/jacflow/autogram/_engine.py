@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 import weakref
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Container, Iterable, Iterator, Sequence
 from types import TracebackType
 from typing import Any, NamedTuple
 
@@ -173,7 +173,11 @@ def _check_real_parameters(unit: Unit, params: dict[str, Tensor]) -> None:
             )
 
 
-def _check_losses(losses: object, batch_dim: int | None) -> Tensor:
+def _check_losses(
+    losses: object, batch_dim: int | None, holds_samples: Callable[[Any], bool]
+) -> Tensor:
+    """``losses``, checked (``holds_samples``: whether autograd's node reaches the hooked
+    modules' outputs, see :func:`_check_not_ordered_by_value`)."""
     if not isinstance(losses, Tensor):
         raise TypeError(f"`losses` must be a torch.Tensor, received {type(losses)}.")
     if losses.numel() == 0:
@@ -188,7 +192,7 @@ def _check_losses(losses: object, batch_dim: int | None) -> Tensor:
             "scalar. Pass the per-sample losses (reduction='none'), or use batch_dim=None."
         )
     if batch_dim is not None:
-        _check_not_ordered_by_value(losses)
+        _check_not_ordered_by_value(losses, holds_samples)
     return losses
 
 
@@ -237,7 +241,7 @@ _ELEMENTWISE_NODES = frozenset(
 _MAX_LOOKED_AT = 32
 
 
-def _check_not_ordered_by_value(losses: Tensor) -> None:
+def _check_not_ordered_by_value(losses: Tensor, holds_samples: Callable[[Any], bool]) -> None:
     """Per sample, refuse losses reordered along the batch: sorted, or indexed, gathered or
     selected by positions (``losses[losses.argsort()]``), where the reorderings met from the
     losses through elementwise operations do not compose to the samples' own order (a
@@ -247,7 +251,10 @@ def _check_not_ordered_by_value(losses: Tensor) -> None:
 
     Only tensors of ``B`` rows count; past an operation of several tensors (``ce * w[y]``)
     only a permutation of them does, since a learned table taken at the labels or ids (a
-    class's weight, ``w[y]``) is no reordering of the samples."""
+    class's weight, ``w[y]``) is no reordering of the samples; and only where the reordered
+    tensor ``holds_samples`` (its graph reaches a hooked module's output or parameter): one
+    computed from other parameters only (``w[y]`` with as many classes as samples, whose labels
+    may form a permutation) cannot move a sample's share of the Gramian."""
     batch = losses.shape[0]
     # (each node with whether the walk came past an operation of several tensors, and past a
     # slice of columns)
@@ -260,7 +267,9 @@ def _check_not_ordered_by_value(losses: Tensor) -> None:
             inputs = [n for n, _ in node.next_functions if n is not None]
             sliced = columns or _slices_columns(node)
             frontier += [(n, beside or len(inputs) > 1, sliced) for n in inputs]
-        elif _reorders_batch(node, batch, permutations_only=beside, columns_sliced=columns):
+        elif _reorders_batch(
+            node, batch, permutations_only=beside, columns_sliced=columns
+        ) and holds_samples(node):  # (the walk of the graph below: only when it matters)
             raise ValueError(
                 "With batch_dim=0, `losses` were reordered along the batch (sorted by value, or "
                 "indexed, gathered or selected by positions): each loss then belongs to another "
@@ -268,6 +277,25 @@ def _check_not_ordered_by_value(losses: Tensor) -> None:
                 "the samples' order and weight or select them in the weighting (a "
                 "GramianWeighting of your own), or use jacflow.backward."
             )
+
+
+def _reaches_hooked(node: Any, calls: Iterable[Call], params: Container[int]) -> bool:
+    """Whether autograd's ``node`` reaches the output of one of the recorded ``calls`` (or
+    the base of one that is a view, which an in-place op may have given a new node) or the
+    node of a hooked parameter (``params``: their ``id``), which every hooked output with
+    trainable parameters reaches."""
+    targets = {id(edge.node) for call in calls for edge in call.edges if edge is not None}
+    targets |= {id(view.base_node) for call in calls for view in call.output_views}
+    pending, seen = [node], {id(node): node}  # (held: a node's id could be reused)
+    while pending:
+        node = pending.pop()
+        if id(node) in targets or id(getattr(node, "variable", None)) in params:
+            return True
+        for parent, _ in node.next_functions:
+            if parent is not None and id(parent) not in seen:
+                seen[id(parent)] = parent
+                pending.append(parent)
+    return False
 
 
 def _keeps_positions(node: Any) -> bool:
@@ -1298,7 +1326,12 @@ class Engine:
         self._checked = False  # (a step, even one that fails: look for a change again)
         if self._removed:
             raise RuntimeError("This Engine was removed; create a new one before the forward.")
-        return _check_losses(losses, self.batch_dim)
+        return _check_losses(losses, self.batch_dim, self._holds_samples)
+
+    def _holds_samples(self, node: Any) -> bool:
+        """Whether autograd's ``node`` reaches a hooked module's output or parameter."""
+        calls = (call for _, call in self._recorder.calls)
+        return _reaches_hooked(node, calls, self._hooked_names())
 
     def _rows(self, losses: Tensor) -> tuple[Rows, Tensor, tuple[Tensor, Tensor] | None]:
         """Row layout, backward cotangents and the row<->loss permutations."""
