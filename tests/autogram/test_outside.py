@@ -588,3 +588,44 @@ def test_a_gradient_penalty_in_the_losses_is_refused_with_the_reason(batch_dim: 
         losses = out + penalty.square().sum(1)
         with pytest.raises(ValueError, match=r"gradient penalty.*jacflow\.backward"):
             engine.compute_gramian(losses if batch_dim == 0 else losses[:2])
+
+
+class _Token(nn.Module):
+    """A learned token, returned as it is, or expanded to the batch of ``x`` when given."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.token = nn.Parameter(torch.linspace(-1.0, 1.0, 4, dtype=torch.float64)[None])
+
+    def forward(self, x: Tensor | None = None) -> Tensor:
+        return self.token if x is None else self.token.expand(x.shape[0], -1)
+
+
+@pytest.mark.parametrize("batch_dim", [0, None])
+@pytest.mark.parametrize("alone", [False, True])
+def test_a_module_returning_its_parameter_as_it_is_is_told_how(
+    alone: bool, batch_dim: int | None
+) -> None:
+    """A module whose forward returns its parameter as it is records no call (the output has
+    no node): the refusal told to use the parameter through a module and give the engine that
+    module, which the user did. It now names the module and the way out: per sample, return it
+    expanded to the batch, which is exact."""
+    torch.manual_seed(0)
+    token, head = _Token(), nn.Linear(4, 1).double()
+    modules = (token,) if alone else (token, head)
+    engine = Engine(*modules, batch_dim=batch_dim)
+    x = torch.randn(5, 4, dtype=torch.float64)
+
+    def forward(expanded: bool = False) -> Tensor:
+        out = head(torch.tanh(x + token(x if expanded else None))).squeeze(1) ** 2
+        return out if batch_dim == 0 else torch.stack([out.sum(), out[0]])
+
+    way = "expanded to the batch" if batch_dim == 0 else r"through an operation"
+    match = rf"(Token|modules\[0\]) \(_Token\) returns its parameter token as it is.*{way}"
+    with pytest.raises(ValueError, match=match):
+        engine.backward(forward(), UPGradWeighting())
+    assert all(p.grad is None for m in modules for p in m.parameters())
+    if batch_dim == 0:
+        assert_exact_gramian(
+            engine, forward(expanded=True), [p for m in modules for p in m.parameters()]
+        )

@@ -1060,6 +1060,7 @@ class Engine:
         without contributions instead of an error.
         """
         coupled, outside = self._recorder.coupled, self._recorder.outside
+        returned = self._recorder.returned
         # (ops whose backward vmap cannot batch: the rows are pulled back one by one)
         row_by_row = self._recorder.fused_rnn or self._recorder.strided_norm
         calls = self._recorder.take()
@@ -1069,6 +1070,7 @@ class Engine:
                 calls,
                 coupled,
                 outside,
+                returned,
                 row_by_row,
                 losses,
                 retain_graph,
@@ -1085,6 +1087,7 @@ class Engine:
         calls: list[tuple[int, Call]],
         coupled: list[tuple[str, Any]],
         outside: tuple[str, str] | None,
+        returned: dict[int, int],
         row_by_row: bool,
         losses: Tensor,
         retain_graph: bool,
@@ -1092,7 +1095,8 @@ class Engine:
         selections: Sequence[Selection] | None,
         features: Sequence[Tensor] | None,
     ) -> _Prepared:
-        """:meth:`_prepare` on the ``calls`` taken from the recorder."""
+        """:meth:`_prepare` on the ``calls`` taken from the recorder (and its other notes:
+        see :class:`Recorder`)."""
         self._check_unchanged()
         if outside is not None:
             child, parent = outside
@@ -1123,7 +1127,7 @@ class Engine:
         if REENTRANT_CHECKPOINT in pattern[1]:
             self._check_reentrant_checkpoints(losses, calls)
         if pattern not in self._outside_checked:
-            self._check_no_outside_use(losses, calls, pattern)
+            self._check_no_outside_use(losses, calls, pattern, returned)
         rows, cotangents, order = self._rows(losses)
         edges = [edge for _, call in calls for edge in call.edges]
         # (a module re-run with torch.func replays the hooks its forward registered: its own
@@ -1200,6 +1204,10 @@ class Engine:
             return [], rows, order, extra_grads, captured_bytes
         if not reached and features is not None and not _reaches(losses, features):
             return [], rows, order, extra_grads, captured_bytes  # (zero Jacobians)
+        names = self._hooked_names() if not reached and returned else {}
+        for key, index in returned.items():  # (the cause, where a unit returned one)
+            if key in names:
+                raise _returned_as_is(self._units[index], names[key], self.batch_dim)
         if not reached:
             raise RuntimeError(
                 "No forward call of the hooked modules is in the graph of `losses`. Create the "
@@ -1260,14 +1268,20 @@ class Engine:
             )
 
     def _check_no_outside_use(
-        self, losses: Tensor, calls: list[tuple[int, Call]], pattern: Pattern
+        self,
+        losses: Tensor,
+        calls: list[tuple[int, Call]],
+        pattern: Pattern,
+        returned: dict[int, int],
     ) -> None:
         """Refuse a hooked parameter that the losses reach outside the recorded calls (a
         weight tied through a functional call): its share there would be missing. Run once per
         ``pattern`` of recorded calls (the units called, in order, and the graph around them):
         such a use is the model's or the losses' structure (a branch taken at some steps only,
         a penalty added later), and the walk costs 1-3% of a step of a small model (per
-        sample, the width-256 MLP at B = 128; per task, width 256 with 10 heads)."""
+        sample, the width-256 MLP at B = 128; per task, width 256 with 10 heads). ``returned``:
+        the parameters that a unit's call returned as they are (by ``id``: the unit's index),
+        whose use outside the calls has that cause."""
         # (a module under the generic rule is re-run, its calls of itself and of its children
         # included: the uses of its parameters inside its calls are its own)
         params = self._hooked_names()
@@ -1291,6 +1305,9 @@ class Engine:
                 self._outside_checked.clear()
             self._outside_checked.add(pattern)
         if met and outside is not None:
+            by = next((i for key, i in returned.items() if params.get(key) == outside), None)
+            if by is not None:
+                raise _returned_as_is(self._units[by], outside, self.batch_dim)
             raise ValueError(
                 f"The parameter {outside} is used outside the forward calls of the hooked modules "
                 "(e.g. a weight tied through a functional call, F.linear(h, "
@@ -1509,6 +1526,23 @@ def _new_base_nodes(node: Any, recorded: Any) -> list[object]:
         nodes.append(node)
         node = node.next_functions[0][0] if node.next_functions else None
     return nodes
+
+
+def _returned_as_is(unit: Unit, param: str, batch_dim: int | None) -> ValueError:
+    """The refusal of a unit that returns its parameter ``param`` (its full name) as it is."""
+    own = param.removeprefix(f"{unit.name}.")
+    way = (
+        f"return it expanded to the batch of an input x that the module is given (e.g. "
+        f"self.{own}.expand(x.shape[0], ...)), which the engine follows exactly"
+        if batch_dim is not None
+        else f"return it through an operation (e.g. self.{own}.expand(...) or self.{own} * 1)"
+    )
+    return ValueError(
+        f"{unit.name} ({type(unit.module).__name__}) returns its parameter {own} as it is: no "
+        "operation made that output, so the engine records no call of the module, and the "
+        f"losses use {param} outside the hooked modules' calls (the Gramian would miss that "
+        f"use). In its forward, {way}; or freeze the parameter."
+    )
 
 
 def _check_no_legacy_backward_hooks(unit: Unit) -> None:

@@ -268,6 +268,10 @@ class Recorder:
         self.outside: tuple[str, str] | None = None  # (child, unit) of a call outside the unit
         self.fused_rnn = False  # a recurrent layer ran torch's fused kernel (cuDNN, MIOpen)
         self.strided_norm = False  # a GroupNorm ran on a non-contiguous (channels_last) input
+        # (by id: the index of the unit whose call returned that trainable leaf as it is, a
+        # parameter of its own: no node, so no call is recorded, and a step's refusal of its
+        # use outside the calls names that cause)
+        self.returned: dict[int, int] = {}
         # per replayed module under way: its weights' versions and copies of its buffers at
         # the start of each call (a stack: a module may call itself)
         self._starts: dict[int, list[_Start]] = {}
@@ -419,6 +423,10 @@ class Recorder:
             for j, leaf in enumerate(flat)
             if isinstance(leaf, Tensor) and leaf.requires_grad and leaf.grad_fn is not None
         ]
+        if len(positions) < len(flat):  # (rare: a leaf, or something not a tensor, returned)
+            for leaf in flat:
+                if isinstance(leaf, Tensor) and leaf.requires_grad and leaf.grad_fn is None:
+                    self.returned[id(leaf)] = index
         # (a call with no output to record is kept in the tree of a module's calls of itself
         # when calls were made inside it: its re-run carries its uses to their inputs)
         bare = not positions and not (start is not None and any(start.children))
@@ -485,7 +493,7 @@ class Recorder:
         calls, self.calls = self.calls, []
         self.coupled, self.outside = [], None
         self.fused_rnn = self.strided_norm = False
-        self._starts = {}
+        self._starts, self.returned = {}, {}
         return calls
 
     def remove(self) -> None:
