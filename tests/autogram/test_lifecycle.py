@@ -356,6 +356,55 @@ def test_batch_size_mismatch() -> None:
         engine.compute_gramian(losses)
 
 
+class _FlatHeadLM(nn.Module):
+    """A language model whose head is called on the flattened tokens ``[B * T, d]`` (as GPT's
+    ``lm_head`` often is), or on ``[B, T, d]``."""
+
+    def __init__(self, flat: bool) -> None:
+        super().__init__()
+        self.flat = flat
+        self.embed, self.head = nn.Embedding(7, 3).double(), nn.Linear(3, 7).double()
+
+    def forward(self, ids: Tensor) -> Tensor:
+        h = torch.tanh(self.embed(ids))
+        logits = self.head(h.view(-1, 3)).view(*ids.shape, 7) if self.flat else self.head(h)
+        return nn.functional.cross_entropy(logits.transpose(1, 2), ids, reduction="none").sum(1)
+
+
+@pytest.mark.parametrize("case", ["sliced", "reduced", "flattened"])
+def test_batch_size_mismatch_names_the_losses_shape_and_common_causes(case: str) -> None:
+    """The refusal spoke of "the batch size 3 of `losses`" for losses that were not per sample
+    (``losses[:3]``, ``out.mean(0)``), and never named a layer called on the flattened tokens.
+    It now states the losses' shape, that their dimension 0 is the batch, and, where the
+    output's first size is a multiple of the batch, that the layer's input merges the batch
+    with other dimensions. Called on ``[B, T, d]``, that layer is exact."""
+    torch.manual_seed(0)
+    if case == "flattened":
+        ids = torch.randint(0, 7, (4, 5))
+        model = _FlatHeadLM(flat=True)
+        engine = Engine(model, batch_dim=0)
+        match = (
+            r"`losses` \(shape \(4,\)\) on dimension 0, received shape \(20, 7\)\..* If its "
+            r"input merges the batch with other dimensions \(20 = 4 x 5.*x\.view\(-1, d\).*"
+            r"\[B, T, d\]"
+        )
+        _assert_refused(engine, model(ids), list(model.parameters()), match)
+        model.flat = False
+        assert_exact_gramian(engine, model(ids), list(model.parameters()))
+        return
+    model = _mlp()
+    engine = Engine(model, batch_dim=0)
+    out = model(X).pow(2)  # [4, 2]
+    losses = out.sum(1)[:3] if case == "sliced" else out.mean(0)
+    shape = r"\(3,\)" if case == "sliced" else r"\(2,\)"
+    match = (
+        rf"dimension 0 of `losses` is the batch.*`losses` \(shape {shape}\).*received shape "
+        r"\(4, 5\)\. If `losses` are not per sample along their dimension 0 \(sliced.*reduced "
+        r"over the batch.*pass the per-sample losses, batch first"
+    )
+    _assert_refused(engine, losses, list(model.parameters()), match)
+
+
 def test_bad_weighting() -> None:
     model = _mlp()
     engine = Engine(model, batch_dim=0)

@@ -262,11 +262,60 @@ def test_module_around_a_recurrent_layer(on_device: str) -> None:
 
     torch.manual_seed(0)
     model = LearnedStart()
-    with pytest.raises(ValueError, match=r"LearnedStart.gru is a GRU under the generic rule"):
+    refusal = r"LearnedStart.gru is a GRU under the generic rule.*batch first, \[B, num_layers"
+    with pytest.raises(ValueError, match=refusal):
         Engine(model, batch_dim=0)
     x = torch.randn(B, T, D, dtype=torch.float64)
     case = Case("learned_start_tasks", lambda dt: (model, (model,), lambda: model(x)[:2]), None)
     check_case(case, torch.float64)
+
+
+class _InitialState(nn.Module):
+    """A learned initial state of two layers in a module of its own, returned in the layout
+    the recurrent layer takes (``[L, B, H]``) or batch first (``[B, L, H]``)."""
+
+    def __init__(self, batch_first: bool) -> None:
+        super().__init__()
+        self.batch_first = batch_first
+        self.h0 = nn.Parameter(torch.linspace(-1.0, 1.0, 2 * H, dtype=torch.float64).view(2, H))
+
+    def forward(self, x: Tensor) -> Tensor:
+        state = self.h0.expand(x.shape[0], 2, H)
+        return state if self.batch_first else state.transpose(0, 1)
+
+
+class _WithInitialState(nn.Module):
+    def __init__(self, batch_first: bool) -> None:
+        super().__init__()
+        self.init = _InitialState(batch_first)
+        self.gru = nn.GRU(D, H, num_layers=2, batch_first=True).double()
+
+    def forward(self, x: Tensor) -> Tensor:
+        h0 = self.init(x)
+        h0 = h0.transpose(0, 1) if self.init.batch_first else h0
+        return self.gru(x, h0.contiguous())[0].pow(2).sum((1, 2))
+
+
+@pytest.mark.parametrize("batch_first", [False, True])
+def test_a_learned_initial_state_in_a_module_of_its_own(batch_first: bool) -> None:
+    """The advice of the refusal above followed: a module returning the state in the layer's
+    layout ``[L, B, H]`` was refused with advice to expand it to the batch (it is). The
+    refusal now says that the generic rule reads the batch on dimension 0 of a module's
+    outputs, and to return it batch first and transpose it after the call, which is exact."""
+    torch.manual_seed(0)
+    model = _WithInitialState(batch_first)
+    engine = Engine(model, batch_dim=0)
+    x = torch.randn(B, T, D, dtype=torch.float64)
+    if batch_first:
+        assert_exact_gramian(engine, model(x), list(model.parameters()))
+        return
+    refusal = (
+        r"_WithInitialState.init \(_InitialState\) must have the batch size 3 .* received shape "
+        r"\(2, 3, 4\)\..* If the batch is on dimension 1 of that output, the generic rule reads "
+        r"it on dimension 0 .*: return it batch first and transpose it after the call"
+    )
+    with pytest.raises(ValueError, match=refusal):
+        engine.compute_gramian(model(x))
 
 
 @pytest.mark.parametrize("kind", ["LSTM", "GRU"])

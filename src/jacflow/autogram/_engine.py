@@ -154,7 +154,9 @@ def _check_generic_units(units: list[Unit]) -> None:
                     f"{where} is a {type(sub).__name__} under the generic rule (inside a module "
                     f"with parameters of its own, or parametrised), which cannot re-run it "
                     "sample by sample with batch_dim=0. Move those parameters into a module of "
-                    "their own (e.g. a learned initial state), or use batch_dim=None."
+                    "their own (e.g. a learned initial state: a module that returns it batch "
+                    "first, [B, num_layers, H], which the caller transposes to the layer's "
+                    "[num_layers, B, H]), or use batch_dim=None."
                 )
 
 
@@ -1182,7 +1184,7 @@ class Engine:
                 _check_no_legacy_backward_hooks(unit)
             unit.rule.validate(unit.module, call, rows)
             dims = [unit.rule.output_batch_dim(unit.module, call, j) for j in call.output_positions]
-            _check_batch(unit, call, rows, dims)
+            _check_batch(unit, call, rows, dims, losses.shape)
             _check_versions(call)
             _check_same_parameters(unit, call)
             call.reached = [g is not None for g in call_grads]
@@ -1668,24 +1670,49 @@ def _check_separable(
                 )
 
 
-def _check_batch(unit: Unit, call: Call, rows: Rows, batch_dims: list[int | None]) -> None:
+def _check_batch(
+    unit: Unit, call: Call, rows: Rows, batch_dims: list[int | None], losses_shape: torch.Size
+) -> None:
     if rows.per_task:
         return
+    batch = rows.num_samples
     for shape, dim in zip(call.output_shapes, batch_dims, strict=True):
-        if dim is None:
+        if dim is None or (len(shape) > dim and shape[dim] == batch):
             continue
-        if len(shape) <= dim or shape[dim] != rows.num_samples:
-            raise ValueError(
-                f"With batch_dim=0, the outputs of {unit.name} ({type(unit.module).__name__}) "
-                f"must have the batch size {rows.num_samples} of `losses` on dimension {dim}, "
-                f"received shape {tuple(shape)}. Expand a tensor without the batch dimension to "
-                "the batch before the call (e.g. positions.expand(B, T)), or use batch_dim=None "
-                "for modules that do not batch there. If the module was called on several "
-                "batches whose losses are concatenated, call it once on the concatenated inputs "
-                "(or use batch_dim=None). If it was called on a subset of the batch's rows "
-                "(routing to experts or clusters, x[mask], AdaptiveLogSoftmaxWithLoss), the "
-                "per-sample engine cannot tell the rows' samples: use batch_dim=None."
+        # (the common causes that the shapes point at, as conditions: they may coincide)
+        hints = ""
+        size = shape[dim] if len(shape) > dim else 0
+        if size > batch and size % batch == 0:
+            hints += (
+                f"If its input merges the batch with other dimensions ({size} = {batch} x "
+                f"{size // batch}: a layer called on flattened tokens, x.view(-1, d), as a "
+                "language model's head often is), call it on the unflattened input "
+                "([B, T, d]), which is exact. "
             )
+        # (the generic rule reads the batch on dimension 0 of any module's outputs)
+        elsewhere = [k for k, n in enumerate(shape) if n == batch and k != dim]
+        if elsewhere and isinstance(unit.rule, FallbackRule):
+            hints += (
+                f"If the batch is on dimension {elsewhere[0]} of that output, the generic rule "
+                f"reads it on dimension {dim} of the module's outputs: return it batch first and "
+                "transpose it after the call (e.g. a recurrent layer's learned initial state "
+                "returned as [B, num_layers, H] and transposed by the caller). "
+            )
+        raise ValueError(
+            f"With batch_dim=0, dimension 0 of `losses` is the batch: the outputs of "
+            f"{unit.name} ({type(unit.module).__name__}) must have the batch size {batch} of "
+            f"`losses` (shape {tuple(losses_shape)}) on dimension {dim}, received shape "
+            f"{tuple(shape)}. If `losses` are not per sample along their dimension 0 (sliced, "
+            "as losses[:3]; reduced over the batch, as out.mean(0); or laid out [k, B]), pass "
+            "the per-sample losses, batch first, and select or weight them in the weighting (a "
+            f"GramianWeighting of your own). {hints}Expand a tensor without the batch "
+            "dimension to the batch before the call (e.g. positions.expand(B, T)), or use "
+            "batch_dim=None for modules that do not batch there. If the module was called on "
+            "several batches whose losses are concatenated, call it once on the concatenated "
+            "inputs (or use batch_dim=None). If it was called on a subset of the batch's rows "
+            "(routing to experts or clusters, x[mask], AdaptiveLogSoftmaxWithLoss), the "
+            "per-sample engine cannot tell the rows' samples: use batch_dim=None."
+        )
 
 
 def _assemble(
