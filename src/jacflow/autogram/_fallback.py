@@ -98,8 +98,8 @@ def _whole_batch_outputs(
     as the transformer layers' in eval mode, are taken only without grad), with the random
     generators left as they were."""
     device = next(iter(params.values())).device
-    devices = [device] if device.type != "cpu" else []
-    with torch.random.fork_rng(devices, device_type=device.type):
+    cuda = device.type == "cuda"  # (the generators that _rng_states reads)
+    with torch.random.fork_rng([device] if cuda else [], device_type="cuda" if cuda else "cpu"):
         outputs: tuple[Tensor, ...] = vjp(_whole_batch_forward(module, call), params)[0]
     return outputs
 
