@@ -5,6 +5,7 @@ Jacobian, and the route each one takes."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -12,7 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor, nn
 
-from jacflow.aggregation import UPGradWeighting
+from jacflow import mtl_backward
+from jacflow.aggregation import Mean, UPGradWeighting
 from jacflow.autogram import Engine, _capture, mtl_gramian_step
 from tests.autogram.test_engine import (
     assert_exact_gramian,
@@ -218,6 +220,92 @@ def test_gradient_hook_on_the_meeting_output(hook: str, monkeypatch: pytest.Monk
     actual = torch.cat([p.grad.flatten() for p in shared])  # type: ignore[union-attr]
     torch.testing.assert_close(actual, weights @ jacobian)
     assert not calls
+
+
+def _from_grad_output(module: nn.Module, grads_in: Any, grads_out: Any) -> tuple[Tensor]:
+    """A full backward hook whose ``grad_input`` depends on ``grad_output`` (not linearly)."""
+    return (grads_in[0] * (1.0 + grads_out[0].pow(2).sum()),)
+
+
+def _halved(module: nn.Module, grads_out: Any) -> tuple[Tensor]:
+    return (grads_out[0] * 0.5,)
+
+
+@pytest.mark.parametrize("kind", ["hook", "pre_hook"])
+@pytest.mark.parametrize("where", ["unit", "container", "global", "head"])
+def test_full_backward_hooks_across_the_meeting_output(
+    kind: str, where: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A full module backward hook (or pre-hook) of a module whose output lies on the heads'
+    side and whose input on the trunk's (the module of the meeting output, a container around
+    it, every module): torch keeps the ``grad_output`` of the last backward through the output,
+    so head by head the hook saw the last task's only, and a ``grad_input`` computed from it
+    went down every task's row (a review's finding). Such losses are pulled back batched, each
+    row with its own ``grad_output``: exact; a hook inside a head is exact too."""
+    calls = _spy(monkeypatch)
+    torch.manual_seed(0)
+    trunk = nn.Sequential(nn.Linear(3, 5), nn.Sequential(nn.Tanh(), nn.Linear(5, 4))).double()
+    heads = nn.ModuleList([nn.Linear(4, 1) for _ in range(3)]).double()
+    register = {
+        "unit": lambda: trunk[1][1],
+        "container": lambda: trunk[1],
+        "head": lambda: heads[0],
+    }
+    hooks: list[Any] = []
+    if where == "global":
+        module = torch.nn.modules.module
+        hooks.append(
+            module.register_module_full_backward_hook(_from_grad_output)
+            if kind == "hook"
+            else module.register_module_full_backward_pre_hook(_halved)
+        )
+    else:
+        target = register[where]()
+        hooks.append(
+            target.register_full_backward_hook(_from_grad_output)
+            if kind == "hook"
+            else target.register_full_backward_pre_hook(_halved)
+        )
+    # (inputs that require grad: every hooked module has a grad_input to return)
+    x = torch.randn(6, 3, dtype=torch.float64, requires_grad=True)
+    try:
+        engine = Engine(trunk, batch_dim=None)
+
+        def forward() -> Tensor:
+            features = trunk(x)
+            return torch.stack([head(features).pow(2).mean() for head in heads])
+
+        losses = forward()
+        jacobian = reference_jacobian(losses, list(trunk.parameters()))
+        torch.testing.assert_close(engine.compute_gramian(losses), jacobian @ jacobian.T)
+        _check_step(forward, engine, list(trunk.parameters()), list(heads.parameters()))
+    finally:
+        for handle in hooks:
+            handle.remove()
+    if where != "head":
+        assert not calls
+
+
+def test_full_backward_hook_on_the_meeting_module_through_mtl_backward() -> None:
+    """``mtl_backward`` with the engine stacks the losses (head by head before): with a full
+    backward hook on the module of the features, it writes what it writes without the engine,
+    the plain trunk update of the mean of the tasks' rows."""
+    x = torch.randn(6, 3, dtype=torch.float64)
+    grads = {}
+    for use_engine in (False, True):
+        torch.manual_seed(0)
+        trunk = nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 4)).double()
+        heads = nn.ModuleList([nn.Linear(4, 1) for _ in range(3)]).double()
+        trunk[2].register_full_backward_hook(_from_grad_output)
+        engine = Engine(trunk, batch_dim=None) if use_engine else None
+        features = trunk(x)
+        losses = [head(features).pow(2).mean() for head in heads]
+        jacobian = reference_jacobian(torch.stack(losses), list(trunk.parameters()))
+        mtl_backward(losses, features, A=Mean(), engine=engine)
+        actual = torch.cat([p.grad.flatten() for p in trunk.parameters()])  # type: ignore[union-attr]
+        torch.testing.assert_close(actual, jacobian.mean(0))
+        grads[use_engine] = actual
+    torch.testing.assert_close(grads[True], grads[False])
 
 
 def _check_step(

@@ -6,7 +6,8 @@ often reach the hooked modules through one output (the shared trunk's features) 
 separate heads. Batched over the tasks, every head would carry all ``m`` rows, ``m - 1`` of
 them zeros, and their sum into the features would cost ``m`` times the features' gradient for
 each head. So on the CPU such losses are pulled back to that output task by task, each along
-its own head, and from there in one batched backward.
+its own head, and from there in one batched backward (unless a module's full backward hooks
+lie on the heads' side: see ``_MODULE_HOOK_NODE``).
 """
 
 from __future__ import annotations
@@ -27,6 +28,11 @@ _WALK_PER_TASK = 64
 # devices where heads are pulled back task by task: on an accelerator the m backward passes'
 # kernel launches cost more than the batched backward's extra work
 _BY_TASK_DEVICES = ("cpu",)
+# the node that torch puts at the inputs and outputs of a module with full backward hooks or
+# pre-hooks (``register_full_backward_hook``, per module or global): its hook keeps the
+# ``grad_output`` of the last backward through the module's output, and a module that lies
+# across the meeting output would fire, in the batched backward, with the last task's only
+_MODULE_HOOK_NODE = "BackwardHookFunctionBackward"
 
 Hook = Callable[[Tensor], Tensor | None]
 
@@ -289,7 +295,9 @@ def _task_heads(
     """For ``m`` losses stacked from scalars (on the devices of ``_BY_TASK_DEVICES``), the
     heads that meet the hooked modules at one recorded output without gradient hooks of a
     user's (taken by both backward passes, they would run twice); ``None`` otherwise (several
-    outputs, or a walk too long to pay)."""
+    outputs, a walk too long to pay, or a module's full backward hooks on the heads' side,
+    see ``_MODULE_HOOK_NODE``: left to the batched backward, which gives each row its own
+    ``grad_output``, also for those of a module inside a head, which are rare)."""
     root = losses.grad_fn
     if losses.ndim != 1 or losses.device.type not in _BY_TASK_DEVICES:
         return None
@@ -311,6 +319,8 @@ def _task_heads(
             continue
         if node in seen:
             continue
+        if type(node).__name__ == _MODULE_HOOK_NODE:
+            return None
         seen.add(node)
         if len(seen) > _WALK_PER_TASK * len(branches):
             return None
