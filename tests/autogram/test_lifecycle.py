@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
 from jacflow.aggregation import MeanWeighting, UPGradWeighting
-from jacflow.autogram import Engine
+from jacflow.autogram import Engine, mtl_gramian_step
 from jacflow.autogram import _engine as engine_module
 from jacflow.autogram._fallback import ReplayMismatchError
 from tests.autogram._zoo import Scale
@@ -1853,6 +1853,46 @@ def test_complex_parameters_are_refused(when: str) -> None:
     model[1].requires_grad_(True)
     with pytest.raises(TypeError, match=r"1\.weight is a complex parameter"):
         engine.compute_gramian(model(X).abs().pow(2).sum(1))
+
+
+@pytest.mark.parametrize(
+    ("call", "batch_dim"),
+    [
+        ("compute_gramian", 0),
+        ("compute_gramian", None),
+        ("backward", 0),
+        ("backward", None),
+        ("mtl_gramian_step", None),
+    ],
+)
+def test_complex_losses_are_refused(call: str, batch_dim: int | None) -> None:
+    """The backward of complex losses differentiates their real part: the imaginary part's rows
+    were dropped from the Gramian and the update, silently (a review's finding). Refused as
+    ``jacflow.backward`` refuses them, before anything is written or consumed: the same
+    forward's real losses then step exactly."""
+    model = _mlp()
+    params = list(model.parameters())
+    engine = Engine(model, batch_dim=batch_dim)
+    for param in params:
+        param.grad = torch.full_like(param, 0.25)
+    out = model(X)
+    real = out.pow(2).sum(1) if batch_dim == 0 else torch.stack([out.sum(), out.pow(2).mean()])
+    losses = real + 1j * real.sin()
+    steps: dict[str, Callable[[], object]] = {
+        "compute_gramian": lambda: engine.compute_gramian(losses),
+        "backward": lambda: engine.backward(losses, UPGradWeighting()),
+        "mtl_gramian_step": lambda: mtl_gramian_step(losses, engine, UPGradWeighting()),
+    }
+    with pytest.raises(
+        ValueError,
+        match=r"`losses` is complex \(torch\.complex128\); .* Pass torch\.view_as_real\(losses\)",
+    ):
+        steps[call]()
+    assert all(torch.equal(p.grad, torch.full_like(p, 0.25)) for p in params)
+    jacobian = reference_jacobian(real, params)
+    weights = engine.backward(real, UPGradWeighting())
+    actual = torch.cat([p.grad.flatten() for p in params])  # type: ignore[union-attr]
+    torch.testing.assert_close(actual, 0.25 + weights @ jacobian)
 
 
 class _ComplexLinear(nn.Module):

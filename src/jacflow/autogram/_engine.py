@@ -69,6 +69,7 @@ from jacflow.autogram._rules import (
     unread_parameters,
 )
 from jacflow.autogram._separable import leaks, probe_cotangent, probe_samples
+from jacflow.autojac._checks import check_real_tensor
 from jacflow.linalg._products import row_gramian
 
 # A pattern of recorded calls: their units, in order, and the losses' graph outside them (see
@@ -184,6 +185,9 @@ def _check_losses(
         raise TypeError(f"`losses` must be a torch.Tensor, received {type(losses)}.")
     if losses.numel() == 0:
         raise ValueError(f"`losses` must have at least one element, received shape {losses.shape}.")
+    # (the backward of complex losses differentiates their real part: the imaginary part's
+    # rows were dropped from the Gramian and the update, silently)
+    check_real_tensor(losses, "losses")
     if not losses.requires_grad:
         raise ValueError(
             "`losses` does not require grad: compute it from the hooked modules with grad enabled."

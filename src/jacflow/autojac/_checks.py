@@ -97,12 +97,17 @@ def check_real(tensors: Sequence[Tensor], name: str) -> None:
     """Refuse complex tensors, as ``torch.func.jacrev`` and ``torch.autograd.grad`` do (the
     Jacobian of a complex output was silently that of its real part)."""
     for i, tensor in enumerate(tensors):
-        if tensor.is_complex():
-            raise ValueError(
-                f"`{name}[{i}]` is complex ({tensor.dtype}); jacflow's Jacobians are real. "
-                f"Pass torch.view_as_real({name}[{i}]) (its real and imaginary parts as a last "
-                "dimension of size 2) to get both parts' rows."
-            )
+        check_real_tensor(tensor, f"{name}[{i}]")
+
+
+def check_real_tensor(tensor: Tensor, name: str) -> None:
+    """:func:`check_real` for one tensor, named ``name`` (the autogram Engine's ``losses``)."""
+    if tensor.is_complex():
+        raise ValueError(
+            f"`{name}` is complex ({tensor.dtype}); jacflow's Jacobians are real. "
+            f"Pass torch.view_as_real({name}) (its real and imaginary parts as a last "
+            "dimension of size 2) to get both parts' rows."
+        )
 
 
 def check_real_inputs(tensors: Sequence[Tensor], name: str) -> None:
