@@ -254,6 +254,8 @@ def test_full_backward_hooks_across_the_meeting_output(
     hooks: list[Any] = []
     if where == "global":
         module = torch.nn.modules.module
+        # (torch keeps the kind of the global hooks after they are removed: restored after)
+        monkeypatch.setattr(module, "_global_is_full_backward_hook", None)
         hooks.append(
             module.register_module_full_backward_hook(_from_grad_output)
             if kind == "hook"
