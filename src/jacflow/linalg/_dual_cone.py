@@ -28,7 +28,7 @@ from jacflow.linalg._first_order import admm_solve, fista_solve
 from jacflow.linalg._gramian import has_nonfinite, normalize_gramian, regularize_gramian
 from jacflow.linalg._host_pdas import solve_rows
 from jacflow.linalg._implicit import differentiable_projection
-from jacflow.linalg._lawson_hanson import lawson_hanson_solve
+from jacflow.linalg._lawson_hanson import DEPENDENT, DEPENDENT_RETRY, lawson_hanson_solve
 from jacflow.linalg._pdas import lean_pdas_solve, multiplier_scale, pdas_solve, start_residual
 
 
@@ -318,8 +318,17 @@ def _exact_fallback(
     The fast methods can fail on degenerate problems (singular ``G`` with more rows than its
     rank: non-unique ``v``, a dual cone that may be a single point); Lawson-Hanson cannot.
     Problems are gathered per Gramian row of the batch so that every Gramian is factorised once.
+    Those it leaves above ``tol`` take a second pass that rejects fewer columns as dependent
+    (``DEPENDENT_RETRY``).
     """
-    return _unsolved_by(lambda rows: lawson_hanson_solve(u[:, rows], g, tol), v, residual, tol)
+    for reject_below in (DEPENDENT, DEPENDENT_RETRY):
+        v, residual = _unsolved_by(
+            lambda rows, d=reject_below: lawson_hanson_solve(u[:, rows], g, tol, reject_below=d),
+            v,
+            residual,
+            tol,
+        )
+    return v, residual
 
 
 def _fista_with_polish(u: Tensor, g: Tensor, cap: int, tol: float) -> tuple[Tensor, Tensor]:

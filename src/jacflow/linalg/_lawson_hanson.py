@@ -34,7 +34,12 @@ from torch import Tensor
 from jacflow.linalg._cholesky import cholesky_ex
 from jacflow.linalg._pdas import gather_blocks, kkt_residual, multiplier_scale, pad_identity
 
-_DEPENDENT = 1e-11  # squared sine of the angle below which a column counts as in the span of P
+DEPENDENT = 1e-11  # squared sine of the angle below which a column counts as in the span of P
+# The same, for a second pass on the problems that the first left above the tolerance: on a
+# Gramian whose spectrum spans 1e-10 (rows nearly parallel or opposite), a needed column can lie
+# closer than DEPENDENT to the span of the others (squared sine about 1e-12); the pass that
+# accepts it solved them to 1e-16 (their KKT residual decides which iterate is kept).
+DEPENDENT_RETRY = 1e-14
 _ADD_TOL_FACTOR = 0.1  # add a column while its residual exceeds this fraction of the tolerance
 _CAPACITY_STEP = 16  # the stored factors grow by this many slots when a passive set outgrows them
 
@@ -66,12 +71,13 @@ def _solve_passive(
 
 
 def lawson_hanson_solve(
-    u: Tensor, g: Tensor, tol: float, max_iter: int | None = None
+    u: Tensor, g: Tensor, tol: float, max_iter: int | None = None, reject_below: float = DEPENDENT
 ) -> tuple[Tensor, Tensor]:
     """Solve every problem exactly by Lawson-Hanson; returns ``v`` and its KKT residual.
 
     ``max_iter`` caps the number of batched least-squares solves (default ``6 m + 50``); a
-    problem still running then keeps its last (feasible) iterate.
+    problem still running then keeps its last (feasible) iterate. ``reject_below``: the squared
+    sine of the angle to the span of the passive columns below which a column is rejected.
 
     Example:
         >>> import torch
@@ -147,7 +153,7 @@ def lawson_hanson_solve(
         row = row.squeeze(-1)[add]
         norm = torch.take(column_norm, which[add] * m + pick[add])
         pivot = norm - (row * row).sum(-1)
-        independent = pivot > _DEPENDENT * norm
+        independent = pivot > reject_below * norm
         row = row.scatter(
             1, position[:, None], torch.where(independent, pivot, norm).sqrt()[:, None]
         )
