@@ -412,3 +412,103 @@ def test_a_failed_call_leaves_the_features_grad() -> None:
     with pytest.raises(RuntimeError, match="fails"):
         mtl_backward(losses, features, A=_Failing())
     assert all(torch.equal(f.grad, torch.full_like(f, 0.25)) for f in features)  # type: ignore[arg-type]
+
+
+class _Hooked:
+    """A trunk whose features carry a gradient hook that is not linear (a clipping, then a
+    scaling), counted in ``calls``; with ``nested``, a second feature computed from the first,
+    hooked too."""
+
+    def __init__(self, nested: bool) -> None:
+        torch.manual_seed(7)
+        self.nested = nested
+        self.trunk = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 5)).double()
+        self.stage2 = nn.Linear(5, 5).double()
+        self.heads = [nn.Linear(5, 1).double() for _ in range(3)]
+        self.x = torch.randn(7, 4, dtype=torch.float64)
+        self.calls = 0
+        self.shared = [*self.trunk.parameters(), *(self.stage2.parameters() if nested else ())]
+        self.tasks_params = [list(h.parameters()) for h in self.heads]
+
+    def hook(self, g: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return 2 * g.clamp(-0.02, 0.02)
+
+    def forward(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        f1 = self.trunk(self.x)
+        f2 = self.stage2(f1.tanh()) if self.nested else f1
+        for f in [f1, f2] if self.nested else [f1]:
+            f.register_hook(self.hook)
+        losses = [
+            self.heads[0](f1).pow(2).mean(),
+            self.heads[1](f2).sin().mean(),
+            (self.heads[2](f2) - 1).abs().mean() + self.heads[2](f1).mean(),
+        ]
+        return losses, [f1, f2] if self.nested else [f1]
+
+
+@pytest.mark.parametrize("chunk", [None, 1, 2])
+@pytest.mark.parametrize("nested", [False, True])
+def test_feature_hooks_run_once_per_task_row(nested: bool, chunk: int | None) -> None:
+    """A gradient hook on a feature takes part in each task's row once, as in
+    ``autograd.grad(losses[i], trunk)``, where autograd runs it (a nested feature's on the
+    path to the feature below it too): the heads' pass returned the hooked gradient, and the
+    trunk's pull-back from the features ran the hook again on it (twice in all)."""
+    model = _Hooked(nested)
+    expected = _brute_rows(model.forward()[0], model.shared)
+    model.calls = 0
+    losses, features = model.forward()
+    mtl_backward(losses, features, parallel_chunk_size=chunk)
+    for p, e in zip(model.shared, expected, strict=True):
+        torch.testing.assert_close(p.jac, e, rtol=1e-10, atol=1e-12)  # type: ignore[attr-defined]
+    # (once per feature and chunk of rows: under vmap, a call takes each row of its chunk)
+    chunks = {None: 1, 1: 3, 2: 2}[chunk]
+    assert model.calls == chunks * len(features)
+
+
+@pytest.mark.parametrize("aggregator", [UPGrad(), Mean()], ids=str)
+def test_feature_hooks_same_with_and_without_engine(aggregator: Aggregator) -> None:
+    """The engine runs a feature's hook once per task's row, as autograd does: the path
+    without it agrees now (a scaling hook counted twice there, once with the engine)."""
+    from jacflow.autogram import Engine
+
+    model = _Hooked(False)
+    params = [*model.shared, *(p for ps in model.tasks_params for p in ps)]
+    expected = _expected_grads(model.forward, model.shared, model.tasks_params, aggregator)
+    losses, features = model.forward()
+    mtl_backward(losses, features, A=aggregator)
+    _assert_grads(params, expected)
+    for p in params:
+        p.grad = None
+    with Engine(model.trunk, batch_dim=None) as engine:
+        losses, features = model.forward()
+        mtl_backward(losses, features, A=aggregator, engine=engine)
+    _assert_grads(params, expected)
+
+
+@pytest.mark.parametrize("chunk", [None, 1, "engine"])
+@pytest.mark.parametrize("nested", [False, True])
+def test_hooked_features_that_retain_grad(nested: bool, chunk: int | str | None) -> None:
+    """A hooked feature that called ``retain_grad()`` gets in ``.grad`` what
+    ``sum(losses).backward()`` leaves there: the hooks' output on the losses' summed gradient
+    (nested features included), with the engine as without it."""
+    from jacflow.autogram import Engine
+
+    model = _Hooked(nested)
+    losses, features = model.forward()
+    for f in features:
+        f.retain_grad()
+    sum(losses).backward()  # type: ignore[union-attr]
+    expected = [f.grad for f in features]
+    for p in [*model.shared, *(q for ps in model.tasks_params for q in ps)]:
+        p.grad = None
+    engine = Engine(model.trunk, batch_dim=None) if chunk == "engine" else None
+    losses, features = model.forward()
+    for f in features:
+        f.retain_grad()
+    if engine is None:
+        mtl_backward(losses, features, A=Mean(), parallel_chunk_size=chunk)  # type: ignore[arg-type]
+    else:
+        mtl_backward(losses, features, A=Mean(), engine=engine)
+    for f, e in zip(features, expected, strict=True):
+        torch.testing.assert_close(f.grad, e, rtol=1e-10, atol=1e-12)

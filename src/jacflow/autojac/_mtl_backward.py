@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -34,6 +34,9 @@ from jacflow.autojac._jac import compute_jacobians
 
 if TYPE_CHECKING:
     from jacflow.autogram import Engine
+
+# a tensor's gradient hook, as torch keeps it in `Tensor._backward_hooks`
+Hook = Callable[[Tensor], Tensor | None]
 
 
 def _check_scalar_losses(losses: tuple[Tensor, ...]) -> None:
@@ -221,6 +224,13 @@ def mtl_backward(
     (once per task, and a batched tensor under vmap). A tensor between ``features`` and the
     shared parameters that called ``retain_grad()`` is left to that hook, as in :func:`backward`.
 
+    A gradient hook on a feature (``features[j].register_hook``) takes part in each task's row
+    once, as in ``autograd.grad(losses[i], shared_params)``: it runs in the trunk's
+    pull-back, on the rows of each chunk (under vmap, one call per chunk; one per task with
+    ``parallel_chunk_size=1``), and with ``engine`` on each task's row. A feature that also
+    retains grad gets the hook's output on the losses' summed gradient, as after
+    ``sum(losses).backward()`` (one more differentiation of the heads).
+
     Example:
         >>> import torch
         >>> from torch import nn
@@ -269,24 +279,53 @@ def mtl_backward(
 
     retaining = _retaining(feature_tuple, shared)
     with _grads_put_back(retaining):
-        head_grads, feature_rows = _head_pass(loss_tuple, heads, feature_tuple)
-        totals = [
-            torch.stack([torch.zeros_like(f) if g is None else g for g in rows])
-            for f, rows in zip(feature_tuple, feature_rows)
-        ]
-        cotangents = _direct_cotangents(feature_tuple, totals, chunk_size)
+        # The features' gradient hooks (register_hook) must run once on each task's row, as in
+        # `autograd.grad(losses[i], trunk)`: the heads' pass and the direct parts below take
+        # the rows before them, and the trunk's pull-back from the features runs them (where
+        # autograd does, a nested feature's too). Run in both, they applied twice.
+        with _hooks_paused(feature_tuple):
+            head_grads, feature_rows = _head_pass(loss_tuple, heads, feature_tuple)
+            totals = [
+                torch.stack([torch.zeros_like(f) if g is None else g for g in rows])
+                for f, rows in zip(feature_tuple, feature_rows)
+            ]
+            cotangents = _direct_cotangents(feature_tuple, totals, chunk_size)
+        # (the hooks' output at a feature that retains grad, before the pull-back frees the graph)
+        hooked = any(f._backward_hooks for f in feature_tuple)
+        sums = _summed_grads(loss_tuple, retaining) if retaining and hooked else None
         jacobians = compute_jacobians(
             feature_tuple, shared, cotangents, len(loss_tuple), retain_graph, False, chunk_size
         )
     store(shared, jacobians, aggregator)
+    if sums is None:  # (no hook: the sum of the tasks' gradients at a retaining feature)
+        sums = [
+            total.sum(0) if any(g is not None for g in rows) else None
+            for f, total, rows in zip(feature_tuple, totals, feature_rows)
+            if any(f is r for r in retaining)
+        ]
     # (a retaining feature that a loss reaches gets the sum of their gradients, once)
-    sums = {
-        id(f): total.sum(0)
-        for f, total, rows in zip(feature_tuple, totals, feature_rows)
-        if any(g is not None for g in rows)
-    }
-    written = [*head_grads, *((f, sums[id(f)]) for f in retaining if id(f) in sums)]
+    reached = [(f, g) for f, g in zip(retaining, sums) if g is not None]
+    written = [*head_grads, *reached]
     accumulate_grads([p for p, _ in written], [g for _, g in written])
+
+
+def _summed_grads(losses: Sequence[Tensor], tensors: list[Tensor]) -> list[Tensor | None]:
+    """The gradients of the losses' sum at ``tensors`` (``None`` where none reaches one), their
+    gradient hooks run, as ``sum(losses).backward()`` leaves in a ``.grad`` that they retain.
+
+    A hooked tensor gets a differentiation of its own: with another input behind it, torch
+    returns its gradient from before its hooks. The graph is kept.
+    """
+    found: list[Tensor | None] = [None] * len(tensors)
+    groups = [[i] for i, t in enumerate(tensors) if t._backward_hooks]
+    plain = [i for i, t in enumerate(tensors) if not t._backward_hooks]
+    for group in [*groups, *([plain] if plain else [])]:
+        grads = torch.autograd.grad(
+            losses, [tensors[i] for i in group], retain_graph=True, allow_unused=True
+        )
+        for i, g in zip(group, grads):
+            found[i] = g
+    return found
 
 
 def _head_pass(
@@ -328,6 +367,31 @@ def _grads_put_back(tensors: Sequence[Tensor]) -> Iterator[None]:
     finally:
         for tensor, grad in kept:
             tensor.grad = grad
+
+
+@contextlib.contextmanager
+def _hooks_paused(tensors: Sequence[Tensor]) -> Iterator[None]:
+    """The gradient hooks that a user registered on ``tensors`` (``register_hook``) left out of
+    the differentiations in the block, and put back, in their order, when it ends.
+
+    Torch keeps them in the tensor's ``_backward_hooks`` dict, which its node reads at each
+    backward (as the engine's ``_hooks.py`` does): emptied in place, the node runs none. The
+    hook of ``retain_grad()`` is not in it (see :func:`_grads_put_back`).
+    """
+    paused: list[tuple[dict[int, Hook], dict[int, Hook]]] = []
+    for tensor in tensors:
+        hooks = tensor._backward_hooks
+        if hooks:
+            paused.append((hooks, dict(hooks)))
+            hooks.clear()
+    try:
+        yield
+    finally:
+        for dict_, kept in paused:
+            added = dict(dict_)  # (registered meanwhile: after the user's)
+            dict_.clear()
+            dict_.update(kept)
+            dict_.update(added)
 
 
 def _direct_cotangents(
@@ -448,11 +512,7 @@ def _engine_step(
     with _grads_put_back(retaining):
         # (the sum of the losses' gradients at these, before the step frees the graph: one
         # more differentiation of the heads, as the engine's step does not form it)
-        sums = (
-            torch.autograd.grad(losses, retaining, retain_graph=True, allow_unused=True)
-            if retaining
-            else ()
-        )
+        sums = _summed_grads(losses, retaining) if retaining else []
         per_task_step(  # (which takes a parameter of several heads once)
             stacked,
             engine,
