@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -512,3 +513,80 @@ def test_hooked_features_that_retain_grad(nested: bool, chunk: int | str | None)
         mtl_backward(losses, features, A=Mean(), engine=engine)
     for f, e in zip(features, expected, strict=True):
         torch.testing.assert_close(f.grad, e, rtol=1e-10, atol=1e-12)
+
+
+class _NumpyTanh(torch.autograd.Function):
+    """A tanh computed in numpy: vmap cannot batch its backward."""
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, x: torch.Tensor) -> torch.Tensor:
+        y = torch.from_numpy(np.tanh(x.detach().numpy()))
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, g: torch.Tensor) -> torch.Tensor:
+        (y,) = ctx.saved_tensors  # type: ignore[attr-defined]
+        return torch.from_numpy(g.numpy() * (1 - y.numpy() ** 2))
+
+
+@pytest.mark.parametrize("unbatchable", ["op", "hook"])
+@pytest.mark.parametrize("route", ["by_task", "batched"])
+def test_engine_with_chunk_size_one_pulls_back_row_by_row(route: str, unbatchable: str) -> None:
+    """``parallel_chunk_size=1`` with ``engine``: the rows pulled back one by one, without
+    vmap, so an op between the hooked modules that vmap cannot batch (numpy), or a gradient
+    hook on a hooked output that reads a number (``.item()``), works, with the rows' update
+    (it was ignored: the engine's batched backward failed). Without it the engine's error
+    names that way out."""
+    from jacflow.autogram import Engine
+
+    torch.manual_seed(8)
+    lower, upper = nn.Linear(3, 5).double(), nn.Linear(5, 4).double()
+    heads = [nn.Linear(4, 1).double() for _ in range(3)]
+    x = torch.randn(6, 3, dtype=torch.float64)
+
+    def scale(g: torch.Tensor) -> torch.Tensor:
+        return g * (2.0 if g.abs().max().item() > 0.01 else 0.5)
+
+    def forward() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        h = lower(x)
+        f = upper(_NumpyTanh.apply(h) if unbatchable == "op" else h.tanh())
+        if unbatchable == "hook":  # (on an output with a hooked call below: the engine
+            f.register_hook(scale)  # runs it again on the gradient it captured there)
+        g = h[:, :4] if route == "batched" else f  # (the heads read two hooked outputs)
+        losses = [heads[0](f).pow(2).mean(), heads[1](g).sin().mean(), heads[2](f).cos().mean()]
+        return losses, [f] if route == "by_task" else [h, f]
+
+    shared = [*lower.parameters(), *upper.parameters()]
+    tasks_params = [list(h.parameters()) for h in heads]
+    params = [*shared, *(p for ps in tasks_params for p in ps)]
+    expected = _expected_grads(forward, shared, tasks_params, UPGrad())
+    with Engine(lower, upper, batch_dim=None) as engine:
+        losses, features = forward()
+        with pytest.raises(RuntimeError, match=r"mtl_backward\(\.\.\., engine=engine, parallel_"):
+            mtl_backward(losses, features, A=UPGrad(), engine=engine)
+        assert all(p.grad is None for p in params)
+        losses, features = forward()  # (a failed step took the forward's calls)
+        mtl_backward(losses, features, A=UPGrad(), engine=engine, parallel_chunk_size=1)
+    _assert_grads(params, expected)
+
+
+def test_engine_refuses_chunk_sizes_it_cannot_honour() -> None:
+    """The engine pulls the rows back all at once or one by one: another chunk size is
+    refused before anything is computed (it was ignored, silently)."""
+    from jacflow.autogram import Engine
+
+    trunk, heads, x = _model(torch.float64)
+    with Engine(trunk, batch_dim=None) as engine:
+        losses, features = _losses(trunk, heads, x)
+        with pytest.raises(ValueError, match="`parallel_chunk_size` must be None or 1 with"):
+            mtl_backward(losses, features, A=UPGrad(), engine=engine, parallel_chunk_size=2)
+        assert all(p.grad is None for p in [*trunk.parameters(), *heads[0].parameters()])
+        mtl_backward(losses, features, A=UPGrad(), engine=engine, parallel_chunk_size=1)
+    losses, features = _losses(trunk, heads, x)
+    expected = [p.grad.clone() for p in trunk.parameters()]  # type: ignore[union-attr]
+    for p in [*trunk.parameters(), *(q for h in heads for q in h.parameters())]:
+        p.grad = None
+    mtl_backward(losses, features, A=UPGrad())
+    for p, e in zip(trunk.parameters(), expected, strict=True):
+        torch.testing.assert_close(p.grad, e, rtol=1e-7, atol=1e-10)

@@ -52,7 +52,10 @@ _NO_BATCHING_RULE = (
     "channels_last tensor outside the modules given to the Engine, or called as F.group_norm "
     "(its backward queries the memory format, which vmap cannot do): make its input "
     "contiguous (x.contiguous()), or give the Engine a module that contains it as an "
-    "nn.GroupNorm, whose backward is then taken row by row."
+    "nn.GroupNorm, whose backward is then taken row by row. In a per-task step, "
+    "mtl_backward(..., engine=engine, parallel_chunk_size=1) pulls the rows back one by one, "
+    "without vmap, whatever the operation (Engine.backward and mtl_gramian_step have no such "
+    "option: step through mtl_backward, or without the engine)."
 )
 
 
@@ -111,14 +114,14 @@ def capture(
             return [None] * len(edges), _merged(
                 hooked, plain, _merged(behind, [None] * len(below), extra)
             )
-        with _hooks_run(edges, hooks, batched=True) as grads:
+        with _hooks_run(edges, hooks, True, row_by_row) as grads:
             pulled = pull_back(
                 [heads.meeting], [*edges, *below], meeting_rows, True, retain_graph, row_by_row
             )
             grads += pulled[: len(edges)]
         extra = _merged(behind, list(pulled[len(edges) :]), extra)
         return grads, _merged(hooked, plain, extra)
-    with _hooks_run(edges, hooks, batched) as grads:
+    with _hooks_run(edges, hooks, batched, row_by_row) as grads:
         pulled = pull_back(
             [losses], [*edges, *extra_inputs], cotangents, batched, retain_graph, row_by_row
         )
@@ -181,14 +184,17 @@ def _merged(
 
 @contextlib.contextmanager
 def _hooks_run(
-    edges: Sequence[GradientEdge], hooks: Sequence[Sequence[Hook]], batched: bool
+    edges: Sequence[GradientEdge],
+    hooks: Sequence[Sequence[Hook]],
+    batched: bool,
+    row_by_row: bool = False,
 ) -> Iterator[list[Tensor | None]]:
     """Around a backward that fills the yielded list with the edges' gradients: where an edge's
     node ran in it, autograd captured that edge's gradient before the user's hooks on its tensor
     (which the gradient flowing on did pass through), so they are run on the captured one here
-    (per row, under vmap, when ``batched``); an edge where the backward stopped was captured
-    after them. Multi-grad hooks (see ``multi_grad_hook``) ran in the backward and are not run
-    again."""
+    (per row when ``batched``: under vmap, or one call per row with ``row_by_row``, as the
+    backward was taken); an edge where the backward stopped was captured after them.
+    Multi-grad hooks (see ``multi_grad_hook``) ran in the backward and are not run again."""
     hooks = [[h for h in user_hooks if not multi_grad_hook(h)] for user_hooks in hooks]
     ran: set[int] = set()
     watches = [
@@ -205,7 +211,13 @@ def _hooks_run(
     for i in ran:
         grad = grads[i]
         if grad is not None:
-            grads[i] = (torch.vmap(_run(hooks[i])) if batched else _run(hooks[i]))(grad)
+            run = _run(hooks[i])
+            if not batched:
+                grads[i] = run(grad)
+            elif row_by_row:  # (a hook that vmap cannot batch: .item(), numpy)
+                grads[i] = torch.stack([run(row) for row in grad])
+            else:
+                grads[i] = torch.vmap(run)(grad)
 
 
 def _run(hooks: Sequence[Hook]) -> Callable[[Tensor], Tensor]:

@@ -460,12 +460,14 @@ class TaskLayout(NamedTuple):
     of ``losses[i]``); ``trunk``: the shared parameters (hooked or not: those behind the
     features by default), whose unhooked ones join the Jacobian with a row per task from the
     step's backward, and each of which gets an update (zeros where no loss reaches it);
-    ``features``: the features, for a step whose losses read none of them.
+    ``features``: the features, for a step whose losses read none of them; ``row_by_row``:
+    the rows pulled back one by one, without vmap (``parallel_chunk_size=1``).
     """
 
     rows: dict[int, tuple[int, ...]]
     trunk: tuple[Tensor, ...]
     features: tuple[Tensor, ...]
+    row_by_row: bool = False
 
 
 def _layout(units: list[Unit]) -> list[tuple[nn.Module, type, frozenset[str]]]:
@@ -951,6 +953,7 @@ class Engine:
                         [*tasks, *unhooked],
                         selections,
                         None if layout is None else layout.features,
+                        layout is not None and layout.row_by_row,
                     )
                     contributions, rows, order, extra_grads, captured_bytes = prepared
                     task_grads, trunk_rows = extra_grads[: len(tasks)], extra_grads[len(tasks) :]
@@ -1055,9 +1058,11 @@ class Engine:
         extra_inputs: Sequence[Tensor],
         selections: Sequence[Selection] | None = None,
         features: Sequence[Tensor] | None = None,
+        row_by_row: bool = False,
     ) -> _Prepared:
         """Capture the output gradients, then build every unit's contribution (the part after
-        the capture runs in the caller's ``no_grad``).
+        the capture runs in the caller's ``no_grad``); ``row_by_row``: pull the rows back one
+        by one, without vmap, whatever the graph holds.
 
         Returns the contributions, the row layout, the row<->loss permutations (``None`` when
         they are the identity), the gradients of the rows' sum (or those ``selections`` ask
@@ -1068,7 +1073,7 @@ class Engine:
         coupled, outside = self._recorder.coupled, self._recorder.outside
         returned = self._recorder.returned
         # (ops whose backward vmap cannot batch: the rows are pulled back one by one)
-        row_by_row = self._recorder.fused_rnn or self._recorder.strided_norm
+        row_by_row = row_by_row or self._recorder.fused_rnn or self._recorder.strided_norm
         calls = self._recorder.take()
         self._pending_forwards = 0
         try:

@@ -197,6 +197,10 @@ def mtl_backward(
         shared_params: the trunk parameters, distinct. Default: the leaves behind ``features``.
         retain_graph: keep the graph for another differentiation.
         parallel_chunk_size: tasks differentiated per vmapped trunk call (``1``: no vmap).
+            With ``engine``: ``None``, the tasks' rows pulled back in one backward batched with
+            vmap, or ``1``, one by one without vmap (the gradient hooks of the engine's modules'
+            outputs too: the way out for an operation that vmap cannot batch); the engine has
+            no chunks, so other values are refused.
         engine: a per-task :class:`jacflow.autogram.Engine` (``batch_dim=None``) hooked on the
             trunk before the forward pass. With a Gramian-based ``A`` (UPGrad, MGDA, ...), the
             step then goes through the Gramian engine: no trunk Jacobian is formed and the
@@ -253,7 +257,7 @@ def mtl_backward(
         # (under DDP, a failure of the checks on one replica is announced to the others)
         meeting = step_meeting(engine) if isinstance(engine, Engine) else contextlib.nullcontext()
         with meeting:
-            loss_tuple, feature_tuple, aggregator, _ = _checked(
+            loss_tuple, feature_tuple, aggregator, chunk_size = _checked(
                 losses, features, A, parallel_chunk_size
             )
             _engine_step(
@@ -264,6 +268,7 @@ def mtl_backward(
                 shared_params,
                 engine,
                 retain_graph,
+                chunk_size,
             )
         return
     loss_tuple, feature_tuple, aggregator, chunk_size = _checked(
@@ -473,6 +478,7 @@ def _engine_step(
     shared_params: Iterable[Tensor] | None,
     engine: Engine,
     retain_graph: bool,
+    chunk_size: int | None = None,
 ) -> None:
     """``mtl_backward`` through the per-task Gramian engine (validated first, written last)."""
     from jacflow.autogram import Engine
@@ -497,6 +503,14 @@ def _engine_step(
             "GramianWeighting of your own (GramianWeightedAggregator(MyWeighting())), or drop "
             "`engine`."
         )
+    if chunk_size not in (None, 1):
+        # (the engine's backward is one pull-back of all the rows: it has no chunks to size)
+        raise ValueError(
+            "`parallel_chunk_size` must be None or 1 with `engine`, received "
+            f"{chunk_size}: the engine pulls the tasks' rows back in one backward batched with "
+            "vmap (None) or one by one without vmap (1), not in chunks. Drop `engine` to "
+            "differentiate the trunk in chunks of rows."
+        )
     heads, shared = _resolve_params(
         losses, features, tasks_params, shared_params, engine._hooked_names()
     )
@@ -506,7 +520,7 @@ def _engine_step(
     # (a task parameter gets the gradient of its tasks' losses only; with both defaults, the
     # other losses do not reach it, and that of all the losses is the same)
     explicit = tasks_params is not None or shared_params is not None
-    layout = TaskLayout(_task_rows(heads) if explicit else {}, shared, features)
+    layout = TaskLayout(_task_rows(heads) if explicit else {}, shared, features, chunk_size == 1)
     stacked = torch.stack([loss.reshape(()) for loss in losses])
     retaining = _retaining(features, shared)
     with _grads_put_back(retaining):
