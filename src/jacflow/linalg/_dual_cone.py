@@ -322,13 +322,16 @@ def _exact_fallback(
     (``DEPENDENT_RETRY``).
     """
     for reject_below in (DEPENDENT, DEPENDENT_RETRY):
-        v, residual = _unsolved_by(
-            lambda rows, d=reject_below: lawson_hanson_solve(u[:, rows], g, tol, reject_below=d),
-            v,
-            residual,
-            tol,
-        )
+        solver = functools.partial(_lawson_hanson_rows, u, g, tol, reject_below)
+        v, residual = _unsolved_by(solver, v, residual, tol)
     return v, residual
+
+
+def _lawson_hanson_rows(
+    u: Tensor, g: Tensor, tol: float, reject_below: float, rows: Tensor
+) -> tuple[Tensor, Tensor]:
+    """Lawson-Hanson on the problem slots ``rows`` (indices into ``k``)."""
+    return lawson_hanson_solve(u[:, rows], g, tol, reject_below=reject_below)
 
 
 def _fista_with_polish(u: Tensor, g: Tensor, cap: int, tol: float) -> tuple[Tensor, Tensor]:
