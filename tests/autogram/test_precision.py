@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from jacflow.aggregation import IMTLGWeighting, MGDAWeighting, UPGradWeighting
-from jacflow.autogram import Engine
+from jacflow.aggregation import GramianWeighting, IMTLGWeighting, MGDAWeighting, UPGradWeighting
+from jacflow.autogram import Engine, mtl_gramian_step
 from jacflow.autogram._precision import autocast_state
 from tests.autogram._zoo import CASES, Case
 from tests.autogram.test_engine import hooked_params, reference_jacobian
@@ -333,3 +333,116 @@ def test_float16_batchnorm_in_eval_mode() -> None:
     expected = jacobian @ jacobian.T
     scale = float(expected.abs().max())
     torch.testing.assert_close(gramian.double() / scale, expected / scale, rtol=0, atol=2e-2)
+
+
+class _ScaleReading(GramianWeighting):
+    """A weighting that reads the Gramian's scale (not scale-invariant): ``G_ii / (1 + G_ii)``,
+    computed in the Gramian's dtype; it records the Gramian it got."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[Tensor] = []
+
+    def forward(self, stat: Tensor) -> Tensor:
+        self.seen.append(stat)
+        diagonal = stat.diagonal()
+        return diagonal / (1 + diagonal)
+
+
+def _scaled_model(kind: str) -> nn.Module:
+    torch.manual_seed(0)
+    if kind == "mlp":
+        return nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3))
+    return nn.Sequential(
+        nn.Conv2d(2, 3, 3), nn.Tanh(), nn.Flatten(), nn.Linear(3 * 4 * 4, 8), _Gain(8)
+    )
+
+
+def _scaled_losses(kind: str, model: nn.Module, scale: float) -> Tensor:
+    torch.manual_seed(1)
+    dtype = next(model.parameters()).dtype
+    x = torch.randn(6, 5) if kind == "mlp" else torch.randn(6, 2, 6, 6)
+    targets = torch.randn(6, 3 if kind == "mlp" else 8)
+    out = model(x.to(dtype))
+    return (out - targets.to(dtype)).pow(2).mean(1) * scale
+
+
+_SCALES = [1e-30, 1e-20, 1e19, 1e25]
+
+
+@pytest.mark.parametrize("scale", _SCALES)
+@pytest.mark.parametrize("batch_dim", [0, None])
+@pytest.mark.parametrize("kind", ["mlp", "cnn"])
+def test_gradients_of_extreme_scale(kind: str, batch_dim: int | None, scale: float) -> None:
+    """Per-row gradients of extreme but finite scale in a float32 model: the float32 Gramian
+    overflowed (about 1e19: NaN weights and ``.grad``) or underflowed (below about 1e-20: wrong
+    weights, uniform at 1e-30). The weights and the ``.grad`` written are now those of the
+    float64 reference (UPGrad of the float64 Gramian, weighting the float64 Jacobian) and, UPGrad
+    being scale-invariant, the weights are those at scale 1."""
+    reference = _scaled_model(kind).double()
+    losses = _scaled_losses(kind, reference, scale)
+    jacobian = reference_jacobian(losses, [*reference.parameters()])
+    expected_weights = UPGradWeighting()(jacobian @ jacobian.T)
+    expected_grad = expected_weights @ jacobian
+
+    def step(at: float) -> tuple[Tensor, Tensor]:
+        model = _scaled_model(kind)
+        with Engine(model, batch_dim=batch_dim) as engine:
+            weights = engine.backward(_scaled_losses(kind, model, at), UPGradWeighting())
+        grads = [p.grad.flatten() for p in model.parameters()]  # type: ignore[union-attr]
+        return weights, torch.cat(grads)
+
+    weights, grad = step(scale)
+    assert weights.dtype == torch.float32 and bool(weights.isfinite().all())
+    assert bool(grad.isfinite().all())
+    torch.testing.assert_close(weights.double(), expected_weights, rtol=1e-5, atol=1e-6)
+    error = (grad.double() - expected_grad).norm() / expected_grad.norm()
+    assert error < 1e-5
+    torch.testing.assert_close(weights, step(1.0)[0], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("scale", _SCALES)
+def test_scale_reading_weighting_gets_the_float64_gramian(scale: float) -> None:
+    """A weighting that reads the Gramian's scale gets, where the float32 Gramian overflowed or
+    underflowed, the Gramian formed in float64 (as ``jacflow.backward`` gives it), and its
+    weights come back in float32."""
+    reference = _scaled_model("mlp").double()
+    losses = _scaled_losses("mlp", reference, scale)
+    jacobian = reference_jacobian(losses, [*reference.parameters()])
+    expected = jacobian @ jacobian.T
+    model = _scaled_model("mlp")
+    weighting = _ScaleReading()
+    with Engine(model, batch_dim=0) as engine:
+        weights = engine.backward(_scaled_losses("mlp", model, scale), weighting)
+    (gramian,) = weighting.seen
+    assert gramian.dtype == torch.float64 and weights.dtype == torch.float32
+    torch.testing.assert_close(gramian, expected, rtol=1e-5, atol=0)
+    # (in float32, as they come: 1e-60 is 0 there)
+    torch.testing.assert_close(weights, weighting(expected).float(), rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("scale", [1e-30, 1e25])
+def test_mtl_gramian_step_of_extreme_scale(scale: float) -> None:
+    """``mtl_gramian_step`` shares the step: per-task losses of extreme scale give the weights
+    of scale 1 (UPGrad) and a finite update."""
+
+    def run(at: float) -> tuple[Tensor, list[Tensor]]:
+        torch.manual_seed(0)
+        trunk, heads = nn.Linear(5, 8), nn.ModuleList(nn.Linear(8, 1) for _ in range(3))
+        x, targets = torch.randn(10, 5), torch.randn(3, 10, 1)
+        with Engine(trunk, batch_dim=None) as engine:
+            features = trunk(x).tanh()
+            losses = torch.stack(
+                [(h(features) - t).pow(2).mean() * at for h, t in zip(heads, targets)]
+            )
+            weights = mtl_gramian_step(
+                losses, engine, UPGradWeighting(), tasks_params=heads.parameters()
+            )
+        params = [*trunk.parameters(), *heads.parameters()]
+        return weights, [p.grad / at for p in params]  # type: ignore[operator]
+
+    weights, grads = run(scale)
+    expected_weights, expected_grads = run(1.0)
+    torch.testing.assert_close(weights, expected_weights, rtol=1e-4, atol=1e-5)
+    for grad, expected in zip(grads, expected_grads, strict=True):
+        torch.testing.assert_close(grad, expected, rtol=1e-4, atol=1e-6)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import warnings
 import weakref
 from collections.abc import Callable, Container, Iterable, Iterator, Sequence
@@ -21,6 +22,7 @@ from torch.utils.hooks import RemovableHandle
 from jacflow._grad_writes import laid_out, owned, run_post_accumulate_hooks
 from jacflow._warnings import caller_stacklevel
 from jacflow.aggregation import GramianWeighting
+from jacflow.aggregation._bases import unit_peak_factor
 from jacflow.autogram._buffers import GradientBuffers, worth_reusing
 from jacflow.autogram._capture import EACH, Selection, capture, pull_back
 from jacflow.autogram._distributed import (
@@ -566,6 +568,18 @@ class Engine:
     overflow float16's range, so they run in float32, and the Gramian comes in float32 (the
     update in float16).
 
+    Per-row gradients of extreme but finite scale (about 1e19 or 1e-20 and beyond in float32)
+    overflow or underflow the Gramian's products. The step reads the Gramian's largest entry
+    (one host read) and, when it is not finite or lost its digits (below ``tiny / eps``,
+    about 1e-31 in float32, zero included), forms the Gramian again in float64 from the
+    per-row gradients, one parameter at a time (slow, and it materialises them: only then).
+    A :attr:`~jacflow.aggregation.GramianWeighting.scale_invariant` weighting gets it scaled
+    by a power of two to a largest entry in [1/2, 1), in the usual dtype (the weights at
+    scale 1); another gets it in float64, as from ``jacflow.backward``, and its weights are
+    returned in the Gramian's usual dtype. The ``.grad`` written is the true ``w @ J``. Not
+    under DDP per task, whose replicas average their Gramians as formed; nor in
+    :meth:`compute_gramian`, which returns the Gramian as formed.
+
     Args:
         modules: the modules whose parameters define the Jacobian. Parameters of other modules
             get no gradient from :meth:`backward` unless passed as ``other_params``.
@@ -959,10 +973,16 @@ class Engine:
                     task_grads, trunk_rows = extra_grads[: len(tasks)], extra_grads[len(tasks) :]
                     gramian = _to_loss_order(_assemble(contributions, rows, losses), order)
                     gramian = _with_rows(gramian, trunk_rows)
+                    dtype = gramian.dtype
                     if meetings is not None and rows.per_task:  # (the same weights everywhere)
                         meetings.meet(gramian.shape[0])
                         gramian = averaged_gramian(gramian, self._replicas)
+                    elif _out_of_range(gramian):  # (rare: formed again, exactly)
+                        exact = _gramian_in_float64(contributions, rows, order, trunk_rows, gramian)
+                        gramian = _usable(exact, weighting, dtype) if _in_range(exact) else gramian
                 weights = _check_weights(weighting(gramian), gramian.shape[0], weighting)
+                if gramian.dtype != dtype:  # (a weighting that read the float64 Gramian)
+                    weights = weights.to(dtype)
                 with torch.no_grad():
                     row_weights = weights if order is None else weights[order[1]]
                     params = (p for named, _ in contributions for p in named.values())
@@ -1747,6 +1767,69 @@ def _assemble(
     if total is None:  # every hooked parameter is frozen
         return losses.new_zeros(rows.num_rows, rows.num_rows)
     return total
+
+
+def _out_of_range(gramian: Tensor) -> bool:
+    """Whether ``gramian``, below float64, overflowed (inf or NaN: per-row gradients of about
+    1e19 in float32) or lost its digits to underflow (largest entry below ``tiny / eps``, zero
+    included: gradients below about 1e-20). One host read of its peak, a few operations on the
+    ``m x m`` matrix; the common path's only cost."""
+    if gramian.dtype == torch.float64 or gramian.numel() == 0:
+        return False
+    info = torch.finfo(gramian.dtype)
+    # (NaN fails both comparisons)
+    return not info.tiny / info.eps <= float(gramian.detach().abs().amax()) < math.inf
+
+
+def _in_range(exact: Tensor) -> bool:
+    """Whether the float64 Gramian is finite and not zero: otherwise the gradients themselves
+    are non-finite or zero, and the Gramian as formed gives the same weights."""
+    peak = float(exact.abs().amax())
+    return 0 < peak < math.inf
+
+
+_CHUNK = 1 << 22  # elements of a per-row gradient converted to float64 at once
+
+
+def _gramian_in_float64(
+    contributions: list[tuple[dict[str, Tensor], Contribution]],
+    rows: Rows,
+    order: tuple[Tensor, Tensor] | None,
+    trunk_rows: Sequence[Tensor | None],
+    like: Tensor,
+) -> Tensor:
+    """The Gramian in float64 (on ``like``'s device), in the losses' order, from each
+    parameter's per-row gradients (finite where the lower-precision products overflowed, and
+    with their digits where those underflowed), one parameter and a few columns at a time.
+    Slow: materialises the per-row gradients; only for a Gramian out of range."""
+    owners: dict[int, list[tuple[Contribution, str]]] = {}
+    for params, contribution in contributions:
+        for name, param in params.items():
+            owners.setdefault(id(param), []).append((contribution, name))
+    num_rows = rows.num_rows
+    total: Tensor | None = None
+    for users in owners.values():
+        grads = [c.per_row_grads(n).reshape(num_rows, -1) for c, n in users]
+        step = max(1, _CHUNK // max(1, num_rows))
+        for start in range(0, grads[0].shape[1], step):
+            block = sum(g[:, start : start + step].double() for g in grads)
+            assert isinstance(block, Tensor)
+            term = row_gramian(block)
+            total = term if total is None else total + term
+    if total is None:  # (every hooked parameter frozen)
+        total = like.new_zeros(num_rows, num_rows, dtype=torch.float64)
+    total = _to_loss_order(total, order)
+    present = [r.reshape(r.shape[0], -1).double() for r in trunk_rows if r is not None]
+    return total + row_gramian(torch.cat(present, dim=1)) if present else total
+
+
+def _usable(exact: Tensor, weighting: GramianWeighting, dtype: torch.dtype) -> Tensor:
+    """What ``weighting`` gets of the exact Gramian: a scale-invariant one gets it scaled by a
+    power of two to a largest entry in [1/2, 1), in ``dtype`` (the weights at scale 1); one
+    that reads the scale gets it in float64, as ``jacflow.backward`` gives it."""
+    if weighting.scale_invariant:
+        return (exact * unit_peak_factor([exact])).to(dtype)
+    return exact
 
 
 def step_meeting(engine: Engine) -> contextlib.AbstractContextManager[Meetings | None]:
