@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import assume, given, settings
@@ -125,3 +126,64 @@ def test_device_and_dtype(device: str, dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_nonfinite_gramian_gives_nan_weights(bad: float) -> None:
     check_nonfinite_gramian_gives_nan(lambda: IMTLGWeighting(), bad)
+
+
+def _closed_form(J: Tensor) -> Tensor:
+    """w = G^{-1} n / 1^T G^{-1} n in float64 numpy (invertible G), the update J^T w."""
+    rows = J.double().numpy()
+    gramian = rows @ rows.T
+    u = np.linalg.solve(gramian, np.sqrt(np.diag(gramian)))
+    return torch.from_numpy(rows.T @ (u / u.sum()))
+
+
+@pytest.mark.parametrize(
+    ("dtype", "small"), [(torch.float32, 1e-4), (torch.float32, 1e-5), (torch.float64, 1e-8)]
+)
+def test_a_short_row_is_not_a_zero_row(dtype: torch.dtype, small: float) -> None:
+    """J = diag(1, small, 1): G is invertible, and the update has the projection
+    small / (1 + 2 small) on every unit gradient. The zero-row test was on the squared norm
+    relative to the trace, so such a row (1e-4 in float32, 1e-8 in float64) got weight 0 and
+    the update had projection 0 on it."""
+    J = torch.diag(torch.tensor([1.0, small, 1.0], dtype=dtype))
+    out = IMTLG()(J)
+    expected = _closed_form(J)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=0)
+    assert torch.all(out > 0)
+
+
+def test_a_short_row_keeps_equal_projections_in_float32() -> None:
+    """Random rows, one 1e-4 times shorter, in float32: the update conflicted with it
+    (cosine -0.66 against equal cosines of 0.23 in float64)."""
+    J = torch.randn(3, 6, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    J[1] *= 1e-4
+    out = IMTLG()(J.float()).double()
+    cosines = (J / J.norm(dim=1, keepdim=True)) @ out / out.norm()
+    torch.testing.assert_close(cosines, cosines[0].expand(3), atol=1e-4, rtol=0)
+    torch.testing.assert_close(out, _closed_form(J.float()), rtol=1e-4, atol=0)
+
+
+@settings(max_examples=40)
+@given(
+    st.integers(2, 5),
+    st.integers(0, 3),
+    st.floats(0.0, 6.0),
+    st.sampled_from([torch.float32, torch.float64]),
+    st.integers(0, 2**31 - 1),
+)
+def test_equal_projections_for_row_norms_spread_over_decades(
+    m: int, extra: int, decades: float, dtype: torch.dtype, seed: int
+) -> None:
+    """Invertible G with row norms spread over up to 1e6 (1e3 in float32, whose Gramian
+    keeps about 7 digits): the update has equal projections on the unit gradients, those
+    of the closed form, computed in float64 from the same rows."""
+    decades = decades if dtype == torch.float64 else decades / 2
+    generator = torch.Generator().manual_seed(seed)
+    J = torch.randn(m, m + extra, generator=generator, dtype=torch.float64)
+    J = J * torch.logspace(0, -decades, m, dtype=torch.float64)[:, None]
+    J = J.to(dtype)
+    units = J.double() / J.double().norm(dim=1, keepdim=True)
+    assume(float(torch.linalg.svdvals(units).min()) > 1e-2)  # (well-posed in both dtypes)
+    expected = units @ _closed_form(J)
+    projections = units @ IMTLG()(J).double()
+    tolerance = 1e-9 if dtype == torch.float64 else 1e-3
+    torch.testing.assert_close(projections, expected, rtol=tolerance, atol=0)

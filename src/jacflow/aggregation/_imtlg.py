@@ -38,29 +38,37 @@ def imtlg_weights(gramian: Tensor) -> Tensor:
         return gramian.new_zeros(0)
     if has_nonfinite(gramian):
         return nan_weights(m, gramian)
-    eps = torch.finfo(gramian.dtype).eps
+    dtype = gramian.dtype
+    eps = torch.finfo(dtype).eps  # (the input's precision: what counts as rounding)
+    # Solved in float64 (m is small): a float32 row 1e-4 times shorter than the largest has a
+    # squared norm 1e-8 of it, whose digits float32 arithmetic would lose.
+    gramian = gramian.to(torch.float64)
     trace = gramian.diagonal().sum()
     scale = torch.where(trace > 0, trace, torch.ones_like(trace))
-    normalized = gramian / scale  # scale-free, avoids over/underflow in float32
-    squared = normalized.diagonal().clamp(min=0)
-    active = squared > m * eps  # (relative to the trace, 1: zero rows up to rounding)
-    norms = squared.sqrt()
+    normalized = gramian / scale  # scale-free
+    norms = normalized.diagonal().clamp(min=0).sqrt()
+    # Zero rows (up to rounding) are those of norm below the input's rounding relative to the
+    # largest; a test on the squared norm would also drop real rows 1e-4 (float32) or 1e-8
+    # (float64) times shorter, and the update could then conflict with them.
+    active = norms > m * eps
     # rows G_i / n_i (projections of the combination on the unit gradients); zero rows: none
     projections = torch.where(active[:, None], normalized / norms.clamp(min=eps)[:, None], 0.0)
     projections = projections * active[None, :]  # (a zero row takes no weight)
     first = int(torch.argmax(active.to(torch.int8)))  # (the first active row, if any)
     system = torch.cat(
-        [active[None, :].to(gramian.dtype), (projections[first] - projections) * active[:, None]]
+        [active[None, :].to(torch.float64), (projections[first] - projections) * active[:, None]]
     )
     system = torch.cat([system[:1], system[1:][torch.arange(m, device=gramian.device) != first]])
-    target = torch.zeros(m, dtype=gramian.dtype, device=gramian.device)
+    target = torch.zeros(m, dtype=torch.float64, device=gramian.device)
     target[0] = 1.0
+    # (the cut-off of the input's precision: a singular G stays singular under its rounding)
     weights = torch.linalg.pinv(system, rtol=m * eps) @ target
     residual = (system @ weights - target).abs().max()
     solved = bool(active.any()) and bool(
         residual <= eps**0.5 * max(1.0, float(weights.abs().sum()))
     )
-    return weights * active if solved else torch.zeros_like(weights)
+    weights = weights * active if solved else torch.zeros_like(weights)
+    return weights.to(dtype)
 
 
 class IMTLGWeighting(GramianWeighting):
