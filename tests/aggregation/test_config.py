@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from torch import Tensor
 
@@ -84,3 +85,44 @@ def test_repr_and_str() -> None:
 
 def test_device_and_dtype(device: str, dtype: torch.dtype) -> None:
     check_device_and_dtype(lambda: ConFIG(), device, dtype)
+
+
+def _reference(J: Tensor) -> np.ndarray:
+    """ConFIG's definition in float64 numpy: x = pinv(U) 1, (sum_i g_i . x_hat) x_hat."""
+    rows = J.double().numpy()
+    x = np.linalg.pinv(rows / np.linalg.norm(rows, axis=1, keepdims=True)) @ np.ones(len(rows))
+    x_hat = x / np.linalg.norm(x)
+    return (rows @ x_hat).sum() * x_hat
+
+
+@pytest.mark.parametrize("theta", [1e-2, 3e-3, 1e-3, 3e-4])
+def test_nearly_parallel_rows_in_float32_match_the_float64_definition(theta: float) -> None:
+    """Two rows theta rad apart and a third: the float32 unit Gramian has an eigenvalue about
+    theta^2, which pinv's float32 cut-off dropped below 1e-3 rad (10% error, and a wrong sign
+    at 3e-3). The float32 result must match the definition to float32 precision."""
+    J = torch.tensor(
+        [[1.0, 0.0, 0.0], [np.cos(theta), np.sin(theta), 0.0], [0.5, 0.2, 1.0]],
+        dtype=torch.float32,
+    )
+    expected = _reference(J)
+    out = ConFIG()(J).double().numpy()
+    assert np.linalg.norm(out - expected) <= 1e-4 * np.linalg.norm(expected)
+    assert np.sign(out[1]) == np.sign(expected[1])
+
+
+@settings(max_examples=30)
+@given(st.integers(2, 5), st.integers(0, 3), st.floats(1e-3, 1e-1), st.integers(0, 2**31 - 1))
+def test_float32_matches_the_float64_definition(
+    m: int, extra: int, spread: float, seed: int
+) -> None:
+    """Independent rows close to one direction (angles about ``spread``) in float32."""
+    generator = torch.Generator().manual_seed(seed)
+    n = m + extra
+    base = torch.randn(n, generator=generator, dtype=torch.float64)
+    J = (base + spread * base.norm() * torch.randn(m, n, generator=generator).double()).float()
+    units = J.double() / J.double().norm(dim=1, keepdim=True)
+    condition = torch.linalg.svdvals(units)
+    assume(float(condition.min()) > 1e-2 * spread)  # (independent at float32 precision)
+    expected = _reference(J)
+    out = ConFIG()(J).double().numpy()
+    assert np.linalg.norm(out - expected) <= 1e-3 * np.linalg.norm(expected)

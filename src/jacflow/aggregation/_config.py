@@ -13,7 +13,7 @@ from jacflow.aggregation._properties import Property
 from jacflow.linalg import compute_gramian
 
 
-def config_weights(gramian: Tensor, pref: Tensor) -> Tensor:
+def config_weights(gramian: Tensor, pref: Tensor, eps: float | None = None) -> Tensor:
     r"""Weights :math:`w` with :math:`J^\top w` = ConFIG's update, from the Gramian only.
 
     With :math:`D = \mathrm{diag}(1/\|g_i\|)` (0 for zero rows), the unit rows are :math:`DJ`
@@ -22,6 +22,12 @@ def config_weights(gramian: Tensor, pref: Tensor) -> Tensor:
     :math:`\sum_i \langle g_i, x\rangle = \mathbf 1^\top G D y`, the update
     :math:`(\sum_i \langle g_i, \hat x\rangle)\hat x`, :math:`\hat x = x/\|x\|`, is
     :math:`J^\top w` for :math:`w = \frac{\mathbf 1^\top G D y}{y^\top \hat G y} D y`.
+
+    ``eps`` is the relative precision of :math:`\hat G`'s eigenvalues, which sets the
+    pseudo-inverse's cut-off (default: the machine epsilon of ``gramian``'s dtype). A Gramian
+    formed in float64 from float32 rows is exact to float64 rounding, but the rows themselves
+    are known to float32's: :class:`ConFIG` passes ``max(eps64, eps32**2)`` (the Gramian
+    squares the rows' singular values).
 
     Example:
         >>> import torch
@@ -37,13 +43,14 @@ def config_weights(gramian: Tensor, pref: Tensor) -> Tensor:
     norms = gramian.diagonal().clamp(min=0).sqrt()
     inverse = torch.where(norms > 0, 1.0 / torch.where(norms > 0, norms, 1.0), 0.0)
     unit_gramian = gramian * inverse[:, None] * inverse[None, :]
-    y = torch.linalg.pinv(unit_gramian, hermitian=True) @ pref
+    eps = torch.finfo(gramian.dtype).eps if eps is None else eps
+    y = torch.linalg.pinv(unit_gramian, rtol=m * eps, hermitian=True) @ pref
     dy = inverse * y
     squared_norm = y @ unit_gramian @ y
     magnitude = (gramian @ dy).sum()
     # ||x||^2 >= |p_R|^2 / m when p has a part p_R in the range of U; below rounding level,
     # p is orthogonal to it (e.g. opposite rows) and there is no direction: the update is 0.
-    floor = 100 * m * torch.finfo(gramian.dtype).eps * (pref @ pref)
+    floor = 100 * m * eps * (pref @ pref)
     defined = squared_norm > floor
     safe = torch.where(defined, squared_norm, torch.ones_like(squared_norm))
     return torch.where(defined, magnitude / safe, 0.0) * dy
@@ -63,7 +70,9 @@ class ConFIG(Aggregator):
     \|g_i\| > 0` for every row. When :math:`x` vanishes (e.g. two opposite rows) there is no
     direction and the update is 0. Linear under scaling and invariant to the rows' order. Computed
     from the Gramian :math:`JJ^\top` (an ``m x m`` pseudo-inverse) and one product with
-    :math:`J^\top`, never a pseudo-inverse of the ``[m, n]`` matrix.
+    :math:`J^\top`, never a pseudo-inverse of the ``[m, n]`` matrix; the Gramian is formed and
+    solved in float64 (it squares the rows' condition number: in float32, rows 1e-3 rad apart
+    would be taken for one), and a float32 ``J`` gives the float64 result to float32 precision.
 
     Args:
         pref_vector: the right-hand side :math:`p` (default: ones).
@@ -92,13 +101,17 @@ class ConFIG(Aggregator):
         m = matrix.shape[0]
         self.check_rows(m)
         if self.pref_vector is None:
-            pref = torch.ones(m, dtype=matrix.dtype, device=matrix.device)
+            pref = torch.ones(m, dtype=torch.float64, device=matrix.device)
         else:
-            pref = self.pref_vector.to(device=matrix.device, dtype=matrix.dtype)
+            pref = self.pref_vector.to(device=matrix.device, dtype=torch.float64)
         with torch.no_grad():
             # (the weights ignore a global scale of J: no overflow or underflow of the Gramian)
-            weights = config_weights(compute_gramian(scale_to_unit_peak(matrix)), pref)
-        return weights @ matrix
+            scaled = scale_to_unit_peak(matrix)
+            # In float64: the unit Gramian squares the rows' condition number, so in float32 two
+            # rows 1e-3 rad apart have an eigenvalue 1e-7, below float32's pinv cut-off.
+            eps = max(torch.finfo(torch.float64).eps, torch.finfo(matrix.dtype).eps ** 2)
+            weights = config_weights(compute_gramian(scaled.to(torch.float64)), pref, eps)
+        return weights.to(matrix.dtype) @ matrix
 
     def extra_repr(self) -> str:
         return f"pref_vector={self.pref_vector!r}"
