@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
@@ -202,3 +204,45 @@ def test_loss_modes_are_not_differentiable() -> None:
         aggregator.set_losses(torch.stack(losses).detach())
         with pytest.raises(ValueError, match="create_graph=True needs an aggregator"):
             jacflow.backward(losses, [x], A=aggregator, create_graph=True)
+
+
+def min_norm_point_of_rows(J: np.ndarray) -> np.ndarray:
+    """The min-norm point of the rows' convex hull by brute force over supports, each
+    affine hull's min-norm point by least squares on the rows themselves (never G): a convex
+    combination of the rows, so its norm bounds the minimum from above."""
+    best = None
+    for k in range(1, J.shape[0] + 1):
+        for support in itertools.combinations(range(J.shape[0]), k):
+            P = J[list(support)]
+            t = np.linalg.lstsq((P[1:] - P[0]).T, -P[0], rcond=None)[0] if k > 1 else []
+            lam = np.concatenate([[1 - np.sum(t)], t])
+            if (lam < -1e-12).any():
+                continue
+            d = lam @ P
+            if best is None or np.linalg.norm(d) < np.linalg.norm(best):
+                best = d
+    assert best is not None
+    return best
+
+
+def test_exact_and_non_conflicting_for_row_norms_spread_over_decades() -> None:
+    """Random rows with norms in logspace(-s, s), s up to 6 (1e12 apart). The refinement's
+    stopping test was relative to the largest row only: at s = 5 it stopped at points 40-3000
+    times longer than the minimum, with cosines down to -0.8 with the shortest row. Points
+    zero to the Gramian's rounding (Pareto stationary) are exempt."""
+    rng = np.random.default_rng(0)
+    worst_cosine, worst_ratio = 1.0, 1.0
+    for _ in range(300):
+        m, n, s = int(rng.integers(3, 6)), int(rng.integers(2, 8)), int(rng.integers(1, 7))
+        J = rng.standard_normal((m, n)) * np.logspace(-s, s, m)[:, None]
+        d = MGDA()(torch.tensor(J)).numpy()
+        norms = np.linalg.norm(J, axis=1)
+        if np.linalg.norm(d) <= 1e-14 * norms.max():
+            continue
+        cosines = (J @ d) / (norms * np.linalg.norm(d))
+        worst_cosine = min(worst_cosine, float(cosines.min()))
+        if s <= 5:  # (at 1e12 the minimum's norm, 1e-12 of the largest row's, is noise)
+            ratio = np.linalg.norm(d) / np.linalg.norm(min_norm_point_of_rows(J))
+            worst_ratio = max(worst_ratio, float(ratio))
+    assert worst_cosine >= -1e-9
+    assert worst_ratio <= 1 + 1e-3

@@ -78,13 +78,15 @@ def refine_min_norm(gramian: Tensor, lam: Tensor, max_steps: int) -> Tensor:
 
     Starts from the feasible ``lam`` with the free set :math:`F = \{i : \lambda_i > 0\}`. Each
     step solves the equality-constrained problem on :math:`F` (the KKT system
-    :math:`[G_{FF}\ \mathbf 1; \mathbf 1^\top\ 0]`, by pseudo-inverse so that singular Gramians
-    are fine); if its solution is non-negative it is taken and the most violated optimality
-    condition :math:`(G\lambda)_i \ge \lambda^\top G\lambda` outside :math:`F` frees its
-    index, otherwise a ratio test moves as far as feasibility allows and fixes one index at 0.
-    Stops when the KKT conditions hold (relative tolerance ``8 m eps``) or after
-    ``max_steps`` steps; every step keeps :math:`\lambda` feasible and does not increase the
-    objective.
+    :math:`[G_{FF}\ \mathbf 1; \mathbf 1^\top\ 0]`, scaled to the unit-diagonal
+    :math:`DGD`, :math:`D = \mathrm{diag}(1/\|g_i\|)`, and solved by pseudo-inverse so that
+    singular Gramians are fine); if its solution is non-negative it is taken and the most
+    violated optimality condition :math:`(G\lambda)_i \ge \lambda^\top G\lambda` outside
+    :math:`F` frees its index, otherwise a ratio test moves as far as feasibility allows and
+    fixes one index at 0. Stops when the KKT conditions hold, each to ``8 m eps`` of its own
+    row's scale (:math:`\|g_i\|(\|d\| + \sum_j \lambda_j \|g_j\|) + \|d\|^2`, so that rows
+    of norms 1e10 apart are all resolved), or after ``max_steps`` steps; every step keeps
+    :math:`\lambda` feasible and does not increase the objective.
 
     Example:
         >>> import torch
@@ -97,23 +99,39 @@ def refine_min_norm(gramian: Tensor, lam: Tensor, max_steps: int) -> Tensor:
     scale = gramian.diagonal().max().clamp(min=torch.finfo(gramian.dtype).tiny)
     normalized = gramian / scale
     tol = 8 * m * torch.finfo(gramian.dtype).eps
+    norms = normalized.diagonal().clamp(min=0).sqrt()
+    # The equality-constrained steps are solved on the unit-diagonal D G D, D = diag(1/|g_i|)
+    # (1 for a zero row), lam = D z: with row norms 1e10 apart, G's small entries would fall
+    # below the pseudo-inverse's cut-off.
+    inverse = 1.0 / torch.where(norms > 0, norms, torch.ones_like(norms))
+    unit = normalized * inverse[:, None] * inverse[None, :]
     free = lam > 0
     for _ in range(max_steps):
         index = free.nonzero().squeeze(1)
         k = index.shape[0]
         kkt = torch.zeros(k + 1, k + 1, dtype=gramian.dtype, device=gramian.device)
-        kkt[:k, :k] = normalized[index][:, index]
-        kkt[:k, k] = 1
-        kkt[k, :k] = 1
+        # [D G D, c; c^T, 0] [z; -nu] = [0; 1] with c = D 1 / max(D 1): G lam = mu 1 on F
+        ones = inverse[index] / inverse[index].max()
+        kkt[:k, :k] = unit[index][:, index]
+        kkt[:k, k] = ones
+        kkt[k, :k] = ones
         rhs = torch.zeros(k + 1, dtype=gramian.dtype, device=gramian.device)
         rhs[k] = 1
-        solution = (torch.linalg.pinv(kkt, hermitian=True) @ rhs)[:k]
+        solution = inverse[index] * (torch.linalg.pinv(kkt, hermitian=True) @ rhs)[:k]
+        solution = solution / solution.sum()  # (1^T D z = max(D 1) exactly; the sum is 1)
         target = torch.zeros_like(lam)
         target[index] = solution
         if bool((solution >= 0).all()):
             lam = target
             g_lam = normalized @ lam
-            slack = torch.where(free, torch.full_like(g_lam, float("inf")), g_lam - lam @ g_lam)
+            squared = lam @ g_lam
+            # Each condition g_i.d >= |d|^2 on the scale of its own row: |g_i| (|d| + the
+            # rounding of g_i.d, |g_i| sum_j lam_j |g_j|) and |d|^2. A tolerance on the scale
+            # of the largest row accepted points 1e4 times too long, that conflict with rows
+            # 1e10 times shorter.
+            scale = norms * (squared.clamp(min=0).sqrt() + lam @ norms) + squared
+            slack = torch.where(free, torch.full_like(g_lam, float("inf")), g_lam - squared)
+            slack = slack / scale.clamp(min=torch.finfo(gramian.dtype).tiny)
             j = torch.argmin(slack)
             if bool(slack[j] >= -tol):
                 return lam
