@@ -5,10 +5,17 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from jacflow.aggregation._bases import GramianWeightedAggregator, GramianWeighting
+from jacflow.aggregation._bases import (
+    GramianOfJacobianWeighting,
+    GramianWeightedAggregator,
+    GramianWeighting,
+    WeightedAggregator,
+    scale_to_unit_peak,
+)
 from jacflow.aggregation._hyperparameters import Forwarded, Hyperparameter, ints
 from jacflow.aggregation._nonfinite import propagate_nonfinite
 from jacflow.aggregation._properties import Property
+from jacflow.linalg import compute_gramian
 
 
 def krum_weights(gramian: Tensor, n_byzantine: int, n_selected: int) -> Tensor:
@@ -57,8 +64,16 @@ def _check_rows(m: int, n_byzantine: int, n_selected: int) -> None:
 
 
 class KrumWeighting(GramianWeighting):
-    """Gramian weighting of :class:`Krum` (Blanchard et al., *Machine Learning with Adversaries:
+    r"""Gramian weighting of :class:`Krum` (Blanchard et al., *Machine Learning with Adversaries:
     Byzantine Tolerant Gradient Descent*, NeurIPS 2017).
+
+    Precision: the distances :math:`G_{ii} + G_{jj} - 2G_{ij}` are differences of entries of
+    ``G``; when the rows share a component :math:`c` much larger than their differences
+    (per-sample or per-worker gradients), they lose the digits of :math:`\|c\|^2` that
+    ``G``'s dtype rounds away (in float32, distances below about :math:`10^{-7}\|c\|^2` are
+    noise). A Gramian alone cannot recover them: :class:`Krum`, which has ``J``, forms the
+    Gramian of the centred rows in float64; with a Gramian of your own, centre the rows
+    (:math:`J - \bar J`: the same scores) or form it in float64.
 
     Args:
         n_byzantine: number of rows that may be adversarial, >= 0.
@@ -97,6 +112,21 @@ class KrumWeighting(GramianWeighting):
         return f"KrumWeighting{self.n_byzantine}-{self.n_selected}"
 
 
+class _CentredGramianWeighting(GramianOfJacobianWeighting):
+    r"""``gramian_weighting << gramian`` applied to the Gramian of the centred rows
+    :math:`J - \bar J`, formed in float64: Krum's scores depend only on the rows' differences,
+    and a common component would otherwise cancel in them (see :class:`KrumWeighting`)."""
+
+    def forward(self, stat: Tensor) -> Tensor:
+        if not isinstance(self.gramian_weighting, KrumWeighting):  # (translation invariant)
+            return super().forward(stat)
+        with torch.no_grad():
+            rows = scale_to_unit_peak(stat).to(torch.float64)
+            # (the rounding of the mean is common to all rows: the differences stay exact)
+            centred = rows - rows.mean(dim=0)
+            return self.gramian_weighting(compute_gramian(centred)).to(stat.dtype)
+
+
 class Krum(GramianWeightedAggregator):
     r"""Krum / Multi-Krum.
 
@@ -118,6 +148,11 @@ class Krum(GramianWeightedAggregator):
     the closest pair always tie, and ``n_selected=1`` then returns the one given first. For
     this reason Krum does not claim :attr:`Property.PERMUTATION_INVARIANT`.
 
+    The scores are computed from the Gramian of the centred rows :math:`J - \bar J` (the same
+    distances), formed in float64: rows that share a large component (per-worker gradients)
+    keep their differences, which ``J J^T`` in float32 rounds away. That Gramian is what
+    :attr:`gramian_weighting` (and a hook on it) receives.
+
     Args:
         n_byzantine: number of possibly adversarial rows, >= 0.
         n_selected: number of rows averaged, >= 1 (default 1).
@@ -136,7 +171,10 @@ class Krum(GramianWeightedAggregator):
     n_selected = Forwarded(KrumWeighting.n_selected)
 
     def __init__(self, n_byzantine: int, n_selected: int = 1) -> None:
-        super().__init__(KrumWeighting(n_byzantine, n_selected))
+        # (not GramianWeightedAggregator's weighting: that of the centred rows, see above)
+        WeightedAggregator.__init__(
+            self, _CentredGramianWeighting(KrumWeighting(n_byzantine, n_selected))
+        )
 
     def extra_repr(self) -> str:
         return self.gramian_weighting.extra_repr()
