@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import pytest
 import torch
 from torch import Tensor, nn
 
 from jacflow import backward, jac_to_grad
-from jacflow.aggregation import MGDA, Aggregator, ConFIG, Mean, Sum, UPGrad
+from jacflow.aggregation import MGDA, Aggregator, ConFIG, Constant, Mean, NashMTL, Sum, UPGrad
 
 
 def _problem() -> tuple[Tensor, Tensor, list[Tensor]]:
@@ -154,3 +157,160 @@ def test_a_forward_set_on_the_instance_is_used() -> None:
     backward(outputs, A=aggregator)
     assert a.grad is not None and b.grad is not None
     assert not a.grad.any() and not b.grad.any()
+
+
+def _half_problem() -> tuple[Tensor, list[Tensor]]:
+    """float16 losses whose Jacobian is small (unscaled float16 gradients): methods whose
+    weights grow like ``1 / ||g||`` then give weights above float16's maximum (65504)."""
+    matrix = torch.tensor([[1e-5, 0.0], [0.0, 2e-5]], dtype=torch.float16)
+    p = torch.zeros(2, dtype=torch.float16, requires_grad=True)
+    return p, list((matrix @ p).unbind())
+
+
+@pytest.mark.parametrize(
+    "make",
+    [lambda: NashMTL(2), lambda: Constant(torch.tensor([7e4, 1e5]))],
+    ids=["NashMTL", "Constant"],
+)
+@pytest.mark.parametrize("via", ["backward", "jac_to_grad"])
+def test_large_weights_of_a_float16_jacobian_do_not_overflow(
+    make: Callable[[], Aggregator], via: str
+) -> None:
+    """The weights stay in float32 (as in ``A(J)``, which aggregates float16 in float32) and
+    only the update is cast to float16: weights above 65504 gave an inf/NaN ``.grad``."""
+    p, losses = _half_problem()
+    matrix = torch.stack([torch.autograd.grad(loss, p, retain_graph=True)[0] for loss in losses])
+    expected = make()(matrix)
+    expected_weights = make().weights(matrix.float())
+    assert torch.isfinite(expected).all() and expected_weights.max() > 65504
+    weights = None
+    if via == "backward":
+        backward(losses, [p], A=make())
+    else:
+        backward(losses, [p])
+        weights = jac_to_grad([p], make())
+    assert p.grad is not None and p.grad.dtype == torch.float16
+    torch.testing.assert_close(p.grad, expected)
+    if weights is not None:
+        assert weights.dtype == torch.float32
+        torch.testing.assert_close(weights, expected_weights)
+
+
+@pytest.mark.parametrize("make", [UPGrad, Mean, Sum, MGDA], ids=["UPGrad", "Mean", "Sum", "MGDA"])
+def test_jac_to_grad_returns_float32_weights_for_half_precision_jacobians(
+    make: Callable[[], Aggregator],
+) -> None:
+    """As the Engine's: the dtype in which the weights were computed (documented)."""
+    p = torch.tensor([1.0, 2.0], dtype=torch.bfloat16, requires_grad=True)
+    backward([(p**2).sum(), p.sum()])
+    jacobian = p.jac.clone()  # type: ignore[attr-defined]
+    weights = jac_to_grad([p], make())
+    assert weights is not None and weights.dtype == torch.float32
+    torch.testing.assert_close(weights, make().weights(jacobian.float()))
+    torch.testing.assert_close(p.grad, make()(jacobian))
+
+
+def _second_order(A: Aggregator, via: str, grad_mode: Callable[[], Any]) -> tuple[Tensor, Tensor]:
+    """``p.grad`` after a differentiable call under ``grad_mode``, and the derivative of a
+    gradient penalty ``|grad|^2 + |p|^2`` through it."""
+    p = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64, requires_grad=True)
+    losses = [(p**2).sum(), (p**3).sum()]
+    with grad_mode():
+        if via == "backward":
+            backward(losses, A=A, create_graph=True)
+        else:
+            backward(losses, create_graph=True)
+            jac_to_grad([p], A)
+    grad = p.grad
+    assert grad is not None
+    p.grad = None  # (breaks the cycle between p and its graph)
+    if not grad.requires_grad:
+        return grad, torch.full_like(p, torch.nan)
+    (derivative,) = torch.autograd.grad((grad**2).sum() + (p**2).sum(), p)
+    return grad, derivative
+
+
+@pytest.mark.parametrize("make", [UPGrad, MGDA], ids=["UPGrad", "MGDA"])
+@pytest.mark.parametrize("via", ["backward", "jac_to_grad"])
+def test_create_graph_keeps_the_graph_of_the_update_under_no_grad(
+    make: Callable[[], Aggregator], via: str
+) -> None:
+    """As torch's ``backward(create_graph=True)``, which records the gradient under
+    ``no_grad`` too: the update's graph was lost, and with it a gradient penalty's
+    second-order term. The reference is the same call with grad enabled."""
+    expected_grad, expected = _second_order(make(), via, torch.enable_grad)
+    grad, derivative = _second_order(make(), via, torch.no_grad)
+    assert grad.requires_grad
+    torch.testing.assert_close(grad, expected_grad)
+    torch.testing.assert_close(derivative, expected)
+
+
+def test_create_graph_under_no_grad_matches_torch_for_a_fixed_weighting() -> None:
+    """The second-order term of ``.grad`` under ``no_grad``, against torch's ``backward`` of
+    the same weighted sum (``Constant``'s weights do not depend on ``J``)."""
+    weights = torch.tensor([0.3, 2.0], dtype=torch.float64)
+    p = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64, requires_grad=True)
+    total = weights[0] * (p**2).sum() + weights[1] * (p**3).sum()
+    with torch.no_grad():
+        total.backward(create_graph=True)
+    expected_grad = p.grad
+    assert expected_grad is not None and expected_grad.requires_grad
+    p.grad = None
+    (expected,) = torch.autograd.grad((expected_grad**2).sum() + (p**2).sum(), p)
+    grad, derivative = _second_order(Constant(weights), "backward", torch.no_grad)
+    torch.testing.assert_close(grad, expected_grad)
+    torch.testing.assert_close(derivative, expected)
+
+
+@pytest.mark.parametrize("make", [UPGrad, Mean], ids=["UPGrad", "Mean"])
+def test_create_graph_under_no_grad_keeps_the_graph_of_an_accumulated_grad(
+    make: Callable[[], Aggregator],
+) -> None:
+    """An existing ``.grad`` plus the update (out of place) keeps the update's graph, as in
+    torch's ``backward(create_graph=True)`` under ``no_grad``."""
+    p = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64, requires_grad=True)
+    p.grad = torch.ones(3, dtype=torch.float64)
+    losses = [(p**2).sum(), (p**3).sum()]
+    with torch.no_grad():
+        backward(losses, A=make(), create_graph=True)
+    grad = p.grad
+    p.grad = None
+    assert grad is not None and grad.requires_grad
+    q = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64, requires_grad=True)
+    backward([(q**2).sum(), (q**3).sum()], A=make(), create_graph=True)
+    reference = q.grad
+    q.grad = None
+    assert reference is not None
+    torch.testing.assert_close(grad, reference + 1)
+    (derivative,) = torch.autograd.grad(grad.sum(), p)
+    (expected,) = torch.autograd.grad(reference.sum(), q)
+    torch.testing.assert_close(derivative, expected)
+
+
+class _Truncated(Aggregator):
+    """A bug of a user's aggregator: its update is one entry short."""
+
+    def forward(self, matrix: Tensor) -> Tensor:
+        return matrix.mean(0)[:-1]
+
+
+@pytest.mark.parametrize("via", ["backward", "jac_to_grad"])
+def test_an_update_of_the_wrong_shape_is_refused_with_the_aggregator_named(via: str) -> None:
+    """Torch's ``split_with_sizes`` error named neither; ``.grad`` and ``.jac`` are unchanged."""
+    a = torch.ones(3, requires_grad=True)
+    b = torch.ones(2, requires_grad=True)
+    a.grad = torch.full((3,), 7.0)
+    losses = [(a**2).sum(), b.sum() + a.sum()]
+    message = r"`A` \(_Truncated\(\)\) returned an update of shape \(4,\), expected \(5,\)"
+    if via == "backward":
+        with pytest.raises(ValueError, match=message):
+            backward(losses, [a, b], A=_Truncated())
+    else:
+        backward(losses, [a, b])
+        jacs = [a.jac.clone(), b.jac.clone()]  # type: ignore[attr-defined]
+        with pytest.raises(ValueError, match=message):
+            jac_to_grad([a, b], _Truncated())
+        torch.testing.assert_close(a.jac, jacs[0])  # type: ignore[attr-defined]
+        torch.testing.assert_close(b.jac, jacs[1])  # type: ignore[attr-defined]
+    torch.testing.assert_close(a.grad, torch.full((3,), 7.0))
+    assert b.grad is None

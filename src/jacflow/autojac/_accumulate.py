@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections.abc import Sequence
 
@@ -66,9 +67,10 @@ def accumulate_jacs(
     are formed before the first write, so that a failure leaves every ``.jac`` as it was.
     """
     existing = [getattr(t, "jac", None) for t in tensors]
-    jacs = owned(jacobians, [*held, *(e for e in existing if e is not None)])
-    in_place = _jacs_added_in_place(existing, jacs, held)
-    new = [j if e is None or add else e + j for e, j, add in zip(existing, jacs, in_place)]
+    with _recording(jacobians):
+        jacs = owned(jacobians, [*held, *(e for e in existing if e is not None)])
+        in_place = _jacs_added_in_place(existing, jacs, held)
+        new = [j if e is None or add else e + j for e, j, add in zip(existing, jacs, in_place)]
     with torch.no_grad():
         for e, j, add in zip(existing, jacs, in_place):
             if add:
@@ -92,6 +94,15 @@ def _jacs_added_in_place(
             continue
         flags.append(next(alone) and _adds_in_place(e, jac))
     return flags
+
+
+def _recording(results: Sequence[Tensor]) -> contextlib.AbstractContextManager[object]:
+    """Grad mode on where a result has a graph (``create_graph=True``): autograd records the
+    accumulation then even under ``no_grad``, and so must the sums, copies and conversions
+    of the results (else ``.grad`` silently loses its graph)."""
+    if any(r.requires_grad for r in results):
+        return torch.enable_grad()
+    return contextlib.nullcontext()
 
 
 def _current_grad(tensor: Tensor) -> Tensor | None:
@@ -134,26 +145,30 @@ def accumulate_grads(
     ``.grad`` a tensor of its own in its tensor's layout (see :func:`owned`; ``held``: the
     caller's tensors).
 
-    Every update is converted and every existing ``.grad`` read before the first write, and an
-    existing ``.grad`` that cannot be written in place is replaced by ``update + existing``, so
-    that no write fails after another has been made. Then the tensors' post-accumulate hooks
-    run, once each, as after ``loss.backward()``.
+    Every update is converted to its tensor's dtype and every existing ``.grad`` read and every
+    out-of-place sum (``update + existing``, where the ``.grad`` cannot be written in place)
+    formed before the first write, so that no write fails after another has been made. Then
+    the tensors' post-accumulate hooks run, once each, as after ``loss.backward()``.
     """
-    converted = [u.to(t.dtype) for t, u in zip(tensors, updates)]
-    current = [_current_grad(tensor) for tensor in tensors]
-    # (only what is stored as it is must be a tensor of its own, laid out as its tensor)
-    fresh = [k for k, existing in enumerate(current) if existing is None]
-    stored = owned([converted[k] for k in fresh], held, [tensors[k] for k in fresh])
-    for k, update in zip(fresh, stored):
-        converted[k] = update
-    for tensor, existing, update in zip(tensors, current, converted):
-        if existing is None:
-            tensor.grad = update
-        elif _adds_in_place(existing, update):
+    with _recording(updates):
+        converted = [u.to(t.dtype) for t, u in zip(tensors, updates)]
+        current = [_current_grad(tensor) for tensor in tensors]
+        # (only what is stored as it is must be a tensor of its own, laid out as its tensor)
+        fresh = [k for k, existing in enumerate(current) if existing is None]
+        stored = owned([converted[k] for k in fresh], held, [tensors[k] for k in fresh])
+        for k, update in zip(fresh, stored):
+            converted[k] = update
+        in_place = [e is not None and _adds_in_place(e, u) for e, u in zip(current, converted)]
+        new = [
+            u if e is None or add else u + e  # (dense + sparse works, sparse + dense does not)
+            for e, u, add in zip(current, converted, in_place)
+        ]
+    for tensor, existing, update, add in zip(tensors, current, new, in_place):
+        if add:
             with torch.no_grad():
-                existing.add_(update)
+                existing.add_(update)  # type: ignore[union-attr]
         else:
-            tensor.grad = update + existing  # (dense + sparse works, sparse + dense does not)
+            tensor.grad = update
     run_post_accumulate_hooks(tensors)
 
 

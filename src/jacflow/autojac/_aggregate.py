@@ -26,24 +26,40 @@ from jacflow.linalg import sum_gramians
 
 
 def _combine(weights: Tensor, blocks: Sequence[Tensor]) -> list[Tensor]:
-    return [torch.tensordot(weights.to(b.dtype), b, dims=1) for b in blocks]
+    """``J_k^T w`` per block, formed as ``Aggregator.__call__`` forms ``J^T w``: in the
+    block's compute dtype (float32 for half precision: large weights would overflow float16),
+    only the update cast to the block's dtype."""
+    updates = []
+    for b in blocks:
+        work = compute_dtype(b.dtype)
+        if work == b.dtype:  # (float32/float64: no conversion of the block)
+            updates.append(torch.tensordot(weights.to(work), b, dims=1))
+        else:
+            updates.append(torch.tensordot(weights.to(work), b.to(work), dims=1).to(b.dtype))
+    return updates
+
+
+def _work_dtype(blocks: Sequence[Tensor]) -> torch.dtype:
+    """The dtype in which the weights of ``blocks`` are computed and returned: that of the
+    aggregator's call on the concatenated matrix (float32 for half-precision blocks)."""
+    return compute_dtype(functools.reduce(torch.promote_types, (b.dtype for b in blocks)))
 
 
 def _gramian_weights(aggregator: GramianWeightedAggregator, blocks: Sequence[Tensor]) -> Tensor:
     """The weights of ``G = sum_k J_k J_k^T``, formed as the aggregator forms it from ``J``: in
     float32 for half-precision blocks, and from ``J`` scaled by a power of two to a largest entry
-    in [1/2, 1) for a scale-invariant weighting (one block's copy at a time)."""
-    dtype = functools.reduce(torch.promote_types, (b.dtype for b in blocks))
-    work = compute_dtype(dtype)
+    in [1/2, 1) for a scale-invariant weighting (one block's copy at a time). Returned in that
+    dtype (see :func:`_work_dtype`)."""
+    work = _work_dtype(blocks)
     scaled: Iterable[Tensor] = (b.to(work) for b in blocks)
     if aggregator.gramian_weighting.scale_invariant:
         factor = unit_peak_factor(blocks, work)
         scaled = (b.to(work) * factor for b in blocks)
-        return aggregator.gramian_weighting(sum_gramians(scaled)).to(dtype)
+        return aggregator.gramian_weighting(sum_gramians(scaled)).to(work)
     gramian = sum_gramians(scaled)
     if out_of_range(gramian, blocks):  # (a weighting that reads the scale: formed in float64)
         gramian = sum_gramians(b.double() for b in blocks)
-    return aggregator.gramian_weighting(gramian).to(dtype)
+    return aggregator.gramian_weighting(gramian).to(work)
 
 
 def aggregate_blocks(
@@ -55,19 +71,24 @@ def aggregate_blocks(
     weighted. Gramian-based aggregators get ``G = sum_k J_k J_k^T`` and never see the
     concatenated matrix, which saves a copy of the whole Jacobian. With no rows (``m = 0``),
     the aggregator gets the empty ``[0, n]`` matrix (the zero update for weighted ones).
+    The weights are in the dtype of the aggregator's call on that matrix: float32 for
+    half-precision blocks, as the Engine's (weights in float16 would overflow).
 
     The update and the weights have a graph only where the Jacobian has one and the aggregator
     is :attr:`~jacflow.aggregation.Aggregator.differentiable` (as ``.grad`` after torch's
     ``backward`` without ``create_graph``: an aggregator's trainable tensors, a
-    ``pref_vector``, leave none).
+    ``pref_vector``, leave none), in any grad mode.
     """
     if not aggregator.differentiable:
         with torch.no_grad():
             return _aggregated(aggregator, blocks)
+    if any(b.requires_grad for b in blocks):
+        # (blocks with a graph come from create_graph=True, under which autograd records the
+        # accumulation even in no_grad: so is the update, else its derivative is lost)
+        with torch.enable_grad():
+            return _aggregated(aggregator, blocks)
     # (autograd stays on: an aggregator of your own may take gradient steps inside)
     updates, weights = _aggregated(aggregator, blocks)
-    if any(b.requires_grad for b in blocks):
-        return updates, weights
     return [u.detach() for u in updates], None if weights is None else weights.detach()
 
 
@@ -80,12 +101,13 @@ def _aggregated(
         return _through_call(aggregator, blocks)
     if isinstance(aggregator, (Mean, Sum)):
         # Their weights only depend on m: skip the Gramian entirely.
-        weights = aggregator.weights(blocks[0].new_empty((m, 0)))
+        weights = aggregator.weights(blocks[0].new_empty((m, 0), dtype=_work_dtype(blocks)))
         return _combine(weights, blocks), weights
     if isinstance(aggregator, GramianWeightedAggregator) and m > 0:
         return _combine(weights := _gramian_weights(aggregator, blocks), blocks), weights
     if isinstance(aggregator, WeightedAggregator):
-        weights = aggregator.weights(_concatenated(blocks))
+        # (in the compute dtype, as the aggregator's call weights it: not cast back to half)
+        weights = aggregator.weights(_concatenated(blocks).to(_work_dtype(blocks)))
         return _combine(weights, blocks), weights
     return _through_call(aggregator, blocks)
 
@@ -130,8 +152,14 @@ def _through_call(
         flat, recorded = _recording_weights(aggregator, matrix)
         weights = recorded[-1] if recorded else None
         if weights is None and computed_by_library(aggregator):  # (Mean's and Sum's)
-            weights = aggregator.weights(matrix)
+            weights = aggregator.weights(matrix.to(compute_dtype(matrix.dtype)))
     sizes = [math.prod(b.shape[1:]) for b in blocks]
+    if not isinstance(flat, Tensor) or tuple(flat.shape) != (matrix.shape[1],):
+        received = tuple(flat.shape) if isinstance(flat, Tensor) else type(flat).__name__
+        raise ValueError(
+            f"`A` ({aggregator!r}) returned an update of shape {received}, expected "
+            f"({matrix.shape[1]},): one entry per column of the Jacobian."
+        )
     pieces = torch.split(flat, sizes)
     return [piece.reshape(b.shape[1:]) for piece, b in zip(pieces, blocks, strict=True)], weights
 

@@ -121,8 +121,10 @@ def backward(
             one ``[m, *tensor.shape]`` tensor per element of ``tensors``.
         create_graph: keep the result differentiable, for higher-order derivatives. With
             ``A``, it must be :attr:`~jacflow.aggregation.Aggregator.differentiable` (a
-            ``ValueError`` otherwise). Without it, ``.grad`` has no graph, as after torch's
-            ``backward``, even where the aggregator holds tensors that require grad.
+            ``ValueError`` otherwise). The result has its graph under ``torch.no_grad()`` too,
+            as after torch's ``backward(create_graph=True)``. Without it, ``.grad`` has no
+            graph, as after torch's ``backward``, even where the aggregator holds tensors that
+            require grad.
 
     If the call fails, every ``.grad`` and ``.jac`` is left as it was. An empty Jacobian
     (``m = 0``: ``tensors`` have no elements, e.g. the losses of an empty batch) gives

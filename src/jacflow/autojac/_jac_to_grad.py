@@ -84,7 +84,8 @@ def jac_to_grad(
 
     The update written has a graph only where the ``.jac`` fields have one (``jac(...,
     create_graph=True)``) and ``A`` is :attr:`~jacflow.aggregation.Aggregator.differentiable`,
-    as ``.grad`` after torch's ``backward``.
+    as ``.grad`` after torch's ``backward``; it has one then even under ``torch.no_grad()``,
+    as after torch's ``backward(create_graph=True)``.
 
     Every ``.jac`` is checked (present, a dense floating-point ``[m, *t.shape]`` tensor on
     ``t``'s device, same ``m``) before anything is written: a failed call leaves every
@@ -105,7 +106,9 @@ def jac_to_grad(
     Returns:
         The weights of the rows when ``A`` is a weighted aggregator (those its call used),
         else ``None``; also ``None`` for a subclass whose own ``forward`` does not ask for
-        its ``weights``.
+        its ``weights``. They are in the dtype ``A`` computes in: float32 for float16 or
+        bfloat16 ``.jac`` fields (as :meth:`jacflow.autogram.Engine.backward`'s; in half
+        precision, large weights would overflow), else the ``.jac`` fields' (promoted) dtype.
 
     Example:
         >>> import torch
