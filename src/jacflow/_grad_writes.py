@@ -11,6 +11,8 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import Tensor
 
+_HAS_GRAD_DTYPE = hasattr(Tensor, "grad_dtype")  # (torch >= 2.10)
+
 
 def _extent(t: Tensor) -> tuple[tuple[torch.device, int], int, int] | None:
     """``t``'s storage and the bytes ``[low, high)`` its elements span in it (``None`` where
@@ -161,6 +163,23 @@ def owned(
     """
     laid = [laid_out(r, None if like is None else like[k]) for k, r in enumerate(results)]
     return [r if sole else r.clone() for r, sole in zip(laid, sole_owners(laid, held))]
+
+
+def grad_dtype(tensor: Tensor) -> torch.dtype:
+    """The dtype of the gradient that torch's ``backward`` writes into ``tensor.grad``: a leaf's
+    ``grad_dtype`` where one is set (torch >= 2.10, e.g. float32 gradients of a bfloat16
+    parameter; its ``.grad`` setter refuses any other), else ``tensor``'s dtype (also for
+    ``grad_dtype=None``, which accepts any: autograd's gradient keeps the tensor's dtype).
+
+    Example:
+        >>> import torch
+        >>> from jacflow._grad_writes import grad_dtype
+        >>> grad_dtype(torch.zeros(2, dtype=torch.bfloat16, requires_grad=True))
+        torch.bfloat16
+    """
+    if not (_HAS_GRAD_DTYPE and tensor.is_leaf):  # (torch refuses to read a non-leaf's)
+        return tensor.dtype
+    return getattr(tensor, "grad_dtype", None) or tensor.dtype
 
 
 def run_post_accumulate_hooks(tensors: Iterable[Tensor]) -> None:

@@ -446,3 +446,34 @@ def test_mtl_gramian_step_of_extreme_scale(scale: float) -> None:
     torch.testing.assert_close(weights, expected_weights, rtol=1e-4, atol=1e-5)
     for grad, expected in zip(grads, expected_grads, strict=True):
         torch.testing.assert_close(grad, expected, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.skipif(
+    not hasattr(torch.Tensor, "grad_dtype"), reason="Tensor.grad_dtype needs torch >= 2.10"
+)
+@pytest.mark.parametrize("hooked", [False, True])
+@pytest.mark.parametrize("existing", [False, True])
+def test_grad_is_written_in_the_parameters_grad_dtype(hooked: bool, existing: bool) -> None:
+    """float32 gradients of a bfloat16 parameter (its ``grad_dtype``), as torch's ``backward``
+    of the weighted losses writes them (its gradient hooks see them so too): the step failed,
+    after writing the other parameters' ``.grad``."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1)).bfloat16()
+    reference = copy.deepcopy(model)
+    x = torch.randn(5, 3).bfloat16()
+    for m in (model, reference):
+        m[0].bias.grad_dtype = torch.float32  # type: ignore[attr-defined]
+        m[2].weight.grad_dtype = torch.float32  # type: ignore[attr-defined]
+        if hooked:
+            m[0].bias.register_hook(lambda g: g * 2)
+        if existing:
+            for p in m.parameters():
+                p.grad = torch.ones_like(p, dtype=p.grad_dtype)  # type: ignore[attr-defined]
+    engine = Engine(model, batch_dim=0)
+    weights = engine.backward(model(x).squeeze(1), UPGradWeighting())
+    (weights.to(torch.bfloat16) @ reference(x).squeeze(1)).backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert p.grad is not None and q.grad is not None
+        assert p.grad.dtype == q.grad.dtype, name
+        torch.testing.assert_close(p.grad.float(), q.grad.float(), atol=0.02, rtol=0.02)
+    assert model[0].bias.grad.dtype == torch.float32

@@ -278,3 +278,70 @@ def test_jac_that_cannot_take_the_sum_in_place_is_replaced(kind: str) -> None:
     torch.testing.assert_close(p.jac, 1 + expected[0], check_dtype=False)  # type: ignore[attr-defined]
     torch.testing.assert_close(q.jac, 1 + expected[1])  # type: ignore[attr-defined]
     assert kind == "shared" or torch.equal(first, torch.ones(2, 3))
+
+
+_NO_GRAD_DTYPE = pytest.mark.skipif(
+    not hasattr(torch.Tensor, "grad_dtype"), reason="Tensor.grad_dtype needs torch >= 2.10"
+)
+
+
+def _grad_dtype_params() -> tuple[Tensor, Tensor]:
+    """bfloat16 parameters, the second with float32 gradients (its ``grad_dtype``)."""
+    a = torch.tensor([1.0, 2.0], dtype=torch.bfloat16, requires_grad=True)
+    b = torch.tensor([3.0, 4.0], dtype=torch.bfloat16, requires_grad=True)
+    b.grad_dtype = torch.float32  # type: ignore[attr-defined]
+    return a, b
+
+
+@_NO_GRAD_DTYPE
+@pytest.mark.parametrize("A", [Sum(), Mean(), UPGrad()], ids=["Sum", "Mean", "UPGrad"])
+@pytest.mark.parametrize("existing", [False, True])
+def test_grad_is_written_in_the_parameters_grad_dtype(A: Aggregator, existing: bool) -> None:
+    """As torch's ``backward`` writes it (the setter refuses another dtype): the call failed
+    after writing the other parameters' ``.grad``."""
+    a, b = _grad_dtype_params()
+    if existing:
+        a.grad = torch.ones(2, dtype=torch.bfloat16)
+        b.grad = torch.ones(2, dtype=torch.float32)
+    losses = [(a**2).sum(), (a * b).sum()]
+    backward(losses, [a, b], A=A)
+    ra, rb = _grad_dtype_params()
+    matrix = torch.stack(
+        [
+            torch.cat(
+                torch.autograd.grad(
+                    loss, [ra, rb], retain_graph=True, allow_unused=True, materialize_grads=True
+                )
+            )
+            for loss in [(ra**2).sum(), (ra * rb).sum()]
+        ]
+    )
+    update = A(matrix.float())
+    assert a.grad is not None and b.grad is not None
+    assert (a.grad.dtype, b.grad.dtype) == (torch.bfloat16, torch.float32)
+    offset = 1.0 if existing else 0.0
+    torch.testing.assert_close(a.grad.float(), update[:2] + offset, atol=0.05, rtol=0.01)
+    torch.testing.assert_close(b.grad, update[2:] + offset, atol=0.05, rtol=0.01)
+
+
+@_NO_GRAD_DTYPE
+def test_sum_in_grad_dtype_matches_torchs_backward() -> None:
+    a, b = _grad_dtype_params()
+    ((a**2).sum() + (a * b).sum()).backward()
+    ra, rb = _grad_dtype_params()
+    backward([(ra**2).sum(), (ra * rb).sum()], [ra, rb], A=Sum())
+    for got, expected in [(ra.grad, a.grad), (rb.grad, b.grad)]:
+        assert got is not None and expected is not None
+        assert got.dtype == expected.dtype
+        torch.testing.assert_close(got, expected)
+
+
+@_NO_GRAD_DTYPE
+def test_jac_to_grad_writes_in_grad_dtype_and_none_accepts_the_tensors_dtype() -> None:
+    """``grad_dtype=None`` accepts any dtype: torch's backward keeps the tensor's."""
+    a, b = _grad_dtype_params()
+    a.grad_dtype = None  # type: ignore[attr-defined]
+    backward([(a**2).sum(), (a * b).sum()], [a, b])
+    jac_to_grad([a, b], UPGrad())
+    assert a.grad is not None and b.grad is not None
+    assert (a.grad.dtype, b.grad.dtype) == (torch.bfloat16, torch.float32)

@@ -590,3 +590,39 @@ def test_engine_refuses_chunk_sizes_it_cannot_honour() -> None:
     mtl_backward(losses, features, A=UPGrad())
     for p, e in zip(trunk.parameters(), expected, strict=True):
         torch.testing.assert_close(p.grad, e, rtol=1e-7, atol=1e-10)
+
+
+@pytest.mark.skipif(
+    not hasattr(torch.Tensor, "grad_dtype"), reason="Tensor.grad_dtype needs torch >= 2.10"
+)
+@pytest.mark.parametrize("A", [UPGrad(), Mean(), None], ids=str)
+def test_trunk_and_heads_are_written_in_their_grad_dtype(A: Aggregator | None) -> None:
+    """As torch's ``backward`` writes them: the call failed, after writing the trunk's
+    ``.grad`` (and the heads' before the one with a ``grad_dtype``)."""
+    trunk, heads, x = _model(torch.bfloat16)
+    with_dtype = [trunk[2].bias, heads[1].bias, heads[2].weight]
+    for p in with_dtype:
+        p.grad_dtype = torch.float32  # type: ignore[attr-defined]
+    losses, features = _losses(trunk, heads, x)
+    shared = list(trunk.parameters())
+    rows = [torch.autograd.grad(loss, shared, retain_graph=True) for loss in losses]
+    matrix = torch.stack([torch.cat([g.float().flatten() for g in row]) for row in rows])
+    expected_heads = [
+        torch.autograd.grad(loss, list(h.parameters()), retain_graph=True)
+        for loss, h in zip(losses, heads)
+    ]
+    mtl_backward(losses, features, A=A)
+    for h, expected in zip(heads, expected_heads):
+        for p, g in zip(h.parameters(), expected):
+            assert p.grad is not None
+            wanted = torch.float32 if any(p is q for q in with_dtype) else torch.bfloat16
+            assert p.grad.dtype == wanted
+            torch.testing.assert_close(p.grad.float(), g.float(), atol=0.02, rtol=0.02)
+    if A is None:
+        return
+    update = A(matrix).split([p.numel() for p in shared])
+    for p, u in zip(shared, update):
+        assert p.grad is not None
+        wanted = torch.float32 if any(p is q for q in with_dtype) else torch.bfloat16
+        assert p.grad.dtype == wanted
+        torch.testing.assert_close(p.grad.float(), u.view(p.shape), atol=0.02, rtol=0.02)

@@ -19,7 +19,7 @@ from torch.nn.parameter import is_lazy
 from torch.nn.utils.parametrize import is_parametrized
 from torch.utils.hooks import RemovableHandle
 
-from jacflow._grad_writes import laid_out, owned, run_post_accumulate_hooks
+from jacflow._grad_writes import grad_dtype, laid_out, owned, run_post_accumulate_hooks
 from jacflow._warnings import caller_stacklevel
 from jacflow.aggregation import GramianWeighting
 from jacflow.aggregation._bases import unit_peak_factor
@@ -1980,10 +1980,12 @@ def _weighted_grads(
 
 
 def _as_update(param: Tensor, grad: Tensor) -> Tensor:
-    """``grad`` in ``param``'s dtype and shape (each conversion only when needed: it costs a
-    dispatch per parameter)."""
-    if grad.dtype != param.dtype:
-        grad = grad.to(param.dtype)
+    """``grad`` in the dtype of ``param``'s gradient (:func:`grad_dtype`: its ``grad_dtype``
+    where set, as torch's backward writes it and its ``.grad`` setter requires) and in its
+    shape (each conversion only when needed: it costs a dispatch per parameter)."""
+    dtype = grad_dtype(param)
+    if grad.dtype != dtype:
+        grad = grad.to(dtype)
     if not grad.is_sparse and grad.shape != param.shape:
         grad = grad.reshape(param.shape)
     return grad
@@ -2066,10 +2068,12 @@ def _accumulate(
     step ``reached`` run, once each (under DDP, not those of a parameter that only another
     replica's losses reached: autograd would not have accumulated into it here)."""
     with torch.no_grad():
+        # (every conversion before the first write: the `.grad` setter then refuses none)
+        written = [(param, _as_update(param, grad)) for param, grad in written]
+        updates = [(param, _as_update(param, grad)) for param, grad in updates]
         for param, grad in written:
             param.grad = grad
         for param, grad in updates:
-            grad = _as_update(param, grad)
             if param.grad is None:
                 # Every update is a fresh tensor of ours, a view of the engine's buffer which
                 # nothing else refers to, or a gradient of autograd's that `owned` copied

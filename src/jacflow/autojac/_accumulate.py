@@ -9,7 +9,13 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from jacflow._grad_writes import non_overlapping, owned, run_post_accumulate_hooks, sole_owners
+from jacflow._grad_writes import (
+    grad_dtype,
+    non_overlapping,
+    owned,
+    run_post_accumulate_hooks,
+    sole_owners,
+)
 from jacflow._warnings import caller_stacklevel
 
 _NON_LEAF_GRAD_WARNING = (
@@ -145,13 +151,14 @@ def accumulate_grads(
     ``.grad`` a tensor of its own in its tensor's layout (see :func:`owned`; ``held``: the
     caller's tensors).
 
-    Every update is converted to its tensor's dtype and every existing ``.grad`` read and every
+    Every update is converted to the dtype of torch's gradient (:func:`grad_dtype`: a
+    parameter's ``grad_dtype`` where set) and every existing ``.grad`` read and every
     out-of-place sum (``update + existing``, where the ``.grad`` cannot be written in place)
     formed before the first write, so that no write fails after another has been made. Then
     the tensors' post-accumulate hooks run, once each, as after ``loss.backward()``.
     """
     with _recording(updates):
-        converted = [u.to(t.dtype) for t, u in zip(tensors, updates)]
+        converted = [u.to(grad_dtype(t)) for t, u in zip(tensors, updates)]
         current = [_current_grad(tensor) for tensor in tensors]
         # (only what is stored as it is must be a tensor of its own, laid out as its tensor)
         fresh = [k for k, existing in enumerate(current) if existing is None]

@@ -12,11 +12,11 @@ from torch import Tensor
 from jacflow.aggregation import Aggregator, GramianWeightedAggregator
 from jacflow.autojac._accumulate import (
     accumulate_grads,
+    accumulate_jacs,
     check_jac_accumulable,
     warn_if_distributed,
 )
-from jacflow.autojac._aggregate import computed_by_library
-from jacflow.autojac._backward import store
+from jacflow.autojac._aggregate import aggregate_blocks, computed_by_library
 from jacflow.autojac._checks import (
     as_tensor_tuple,
     check_aggregator,
@@ -301,7 +301,12 @@ def mtl_backward(
         jacobians = compute_jacobians(
             feature_tuple, shared, cotangents, len(loss_tuple), retain_graph, False, chunk_size
         )
-    store(shared, jacobians, aggregator)
+    trunk: list[tuple[Tensor, Tensor]] = []
+    if aggregator is None:
+        accumulate_jacs(shared, jacobians)
+    else:
+        updates, _ = aggregate_blocks(aggregator, jacobians)
+        trunk = list(zip(shared, updates, strict=True))
     if sums is None:  # (no hook: the sum of the tasks' gradients at a retaining feature)
         sums = [
             total.sum(0) if any(g is not None for g in rows) else None
@@ -310,7 +315,8 @@ def mtl_backward(
         ]
     # (a retaining feature that a loss reaches gets the sum of their gradients, once)
     reached = [(f, g) for f, g in zip(retaining, sums) if g is not None]
-    written = [*head_grads, *reached]
+    # (the trunk's and the heads' .grad in one write: a failure leaves all of them as they were)
+    written = [*trunk, *head_grads, *reached]
     accumulate_grads([p for p, _ in written], [g for _, g in written])
 
 
