@@ -236,6 +236,19 @@ def test_a_vmap_failure_gets_the_hint_and_the_hint_works() -> None:
     torch.testing.assert_close(got, torch.stack(rows))
 
 
+def test_the_vmap_hint_names_inductors_donated_buffers() -> None:
+    """With inductor, ``parallel_chunk_size=1`` alone fails on donated buffers (each row's
+    backward retains the graph): the hint says what else to set."""
+    x = torch.tensor([0.5, -1.0, 2.0], requires_grad=True)
+    outputs = _ScaledByItsSum.apply(x).sin()
+    with pytest.raises(
+        RuntimeError,
+        match=r"(?s)parallel_chunk_size=1.*inductor.*"
+        r"`torch\._functorch\.config\.donated_buffer = False` before compiling",
+    ):
+        jac([outputs], [x])
+
+
 @pytest.mark.parametrize("chunk", [None, 2])
 def test_an_error_unrelated_to_vmap_gets_no_vmap_hint(chunk: int | None) -> None:
     """A second differentiation of a freed graph was told to pass ``parallel_chunk_size=1``,

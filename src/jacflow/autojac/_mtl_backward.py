@@ -200,7 +200,10 @@ def mtl_backward(
             With ``engine``: ``None``, the tasks' rows pulled back in one backward batched with
             vmap, or ``1``, one by one without vmap (the gradient hooks of the engine's modules'
             outputs too: the way out for an operation that vmap cannot batch); the engine has
-            no chunks, so other values are refused.
+            no chunks, so other values are refused. A ``torch.compile``'d trunk cannot be
+            vmapped: pass ``1``, and with the default backend (inductor) set
+            ``torch._functorch.config.donated_buffer = False`` before compiling (each task's
+            backward retains the graph).
         engine: a per-task :class:`jacflow.autogram.Engine` (``batch_dim=None``) hooked on the
             trunk before the forward pass. With a Gramian-based ``A`` (UPGrad, MGDA, ...), the
             step then goes through the Gramian engine: no trunk Jacobian is formed and the

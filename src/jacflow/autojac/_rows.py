@@ -28,7 +28,9 @@ _VMAP_HINT = (
     "\n\njacflow: differentiating several rows at once with vmap failed. If the graph comes from "
     "a torch.compile'd model, an RNN on CUDA or an operation without a batching rule, pass "
     "`parallel_chunk_size=1` (or `chunk_size=1` for jacrev) to differentiate row by row "
-    "without vmap."
+    "without vmap. With torch.compile's default backend (inductor), also set "
+    "`torch._functorch.config.donated_buffer = False` before compiling: the rows' backwards "
+    "retain the graph, which inductor refuses for a graph whose buffers it donates."
 )
 
 # Pieces (lower case) of the errors that differentiating rows under vmap causes: an op without
