@@ -13,7 +13,11 @@ from jacflow.aggregation import UPGradWeighting
 from jacflow.autogram import Engine
 from jacflow.autogram._cells import CellRule
 from jacflow.autogram._hooks import find_units
-from tests.autogram.test_engine import assert_exact_gramian, reference_jacobian
+from tests.autogram.test_engine import (
+    assert_exact_gramian,
+    assert_exact_step,
+    reference_jacobian,
+)
 
 D, H = 3, 4
 
@@ -120,6 +124,64 @@ def test_a_subclass_with_its_own_forward_gets_the_generic_rule() -> None:
     out = cell(torch.randn(5, D, dtype=torch.float64))
     losses = torch.stack([out.sum(), out.pow(2).mean()])
     assert_exact_gramian(engine, losses, list(cell.parameters()))
+
+
+class _OwnLSTMCell(nn.LSTMCell):
+    """An LSTM cell with its own forward: torch computes its ``h'`` from its ``c'`` (CPU),
+    so one output is computed from the other; ``zoneout`` keeps a share of the previous
+    ``h`` (eval-mode zoneout), so the returned ``h`` is computed from ``c'`` too."""
+
+    def __init__(self, zoneout: bool) -> None:
+        super().__init__(D, H)
+        self.zoneout = zoneout
+
+    def forward(self, x: Tensor, hx: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
+        h, c = super().forward(x, hx)
+        if self.zoneout and hx is not None:
+            h = 0.3 * hx[0] + 0.7 * h
+        return h, c
+
+
+@pytest.mark.parametrize("zoneout", [False, True])
+@pytest.mark.parametrize("batch_dim", [0, None])
+@pytest.mark.parametrize("reads", ["h", "h_and_c"])
+def test_an_lstm_cell_subclass_with_its_own_forward(
+    zoneout: bool, batch_dim: int | None, reads: str
+) -> None:
+    """The generic rule gives the captured gradient of ``c'`` (which holds the path through
+    ``h'``) to the re-run's ``c'`` in place of the one it accumulates: exact, in a loop and
+    with the losses reading ``h`` only or both (it was refused as an auxiliary loss)."""
+    torch.manual_seed(0)
+    cell = _OwnLSTMCell(zoneout).double()
+    assert [type(unit.rule) for unit in find_units((cell,))] != [CellRule]
+    x = torch.randn(4, 3, D, dtype=torch.float64)
+
+    def forward() -> Tensor:
+        state = None
+        for step in x:
+            state = cell(step, state)
+        assert state is not None
+        per = state[0].pow(2).sum(1) + (state[1].sin().sum(1) if reads == "h_and_c" else 0)
+        return per if batch_dim == 0 else torch.stack([per.sum(), per[1]])
+
+    with Engine(cell, batch_dim=batch_dim) as engine:
+        assert_exact_step(engine, forward, list(cell.parameters()))
+
+
+class _AuxiliaryGRUCell(nn.GRUCell):
+    def forward(self, x: Tensor, hx: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        h = super().forward(x, hx)
+        return h, h.exp()
+
+
+def test_other_cells_outputs_computed_from_one_another_stay_refused() -> None:
+    """Only the LSTM cell's own structure is given the captured gradients: another module's
+    output computed from another stays refused."""
+    cell = _AuxiliaryGRUCell(D, H).double()
+    with Engine(cell, batch_dim=None) as engine:
+        h, e = cell(torch.randn(3, D, dtype=torch.float64))
+        with pytest.raises(ValueError, match="count those paths twice"):
+            engine.compute_gramian(torch.stack([h.sum(), e.sum()]))
 
 
 def test_unbatched_input_per_sample_is_refused() -> None:

@@ -14,7 +14,8 @@ both (CUDA), each captured gradient is its output's own.
 
 Covered: every nonlinearity, with or without biases, a given or a default (zero) state,
 weights tied between the two slots, unbatched inputs per task. Refused with a clear error:
-unbatched inputs per sample. (A subclass with its own ``forward`` gets the generic rule.)
+unbatched inputs per sample. (A subclass with its own ``forward`` gets the generic rule, which
+gives an LSTM cell's ``s'`` its captured gradient: ``_fallback._own_gradients``.)
 """
 
 from __future__ import annotations

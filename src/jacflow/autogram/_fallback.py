@@ -66,26 +66,46 @@ def _with_buffers(call: Call, module: nn.Module, params: dict[str, Tensor]) -> d
 
 
 def _per_task_grads(
-    module: nn.Module, params: dict[str, Tensor], call: Call, cots: tuple[Tensor, ...]
+    module: nn.Module,
+    params: dict[str, Tensor],
+    call: Call,
+    cots: tuple[Tensor, ...],
+    upstream: frozenset[int],
 ) -> tuple[dict[str, Tensor], tuple[Tensor, ...]]:
     """The rows' gradients, and the re-run's outputs."""
-    outputs, pullback = vjp(_whole_batch_forward(module, call), params)[:2]
-    rows = (*cots, *_reached_inner_calls(call))
-    grads: dict[str, Tensor] = _batched_or_row_by_row(lambda r: pullback(r)[0], rows)
+    pulled: list[tuple[Tensor, ...]] = []  # (the row being pulled back, for the hooks)
+    forward = _whole_batch_forward(module, call, lambda: pulled[-1], upstream)
+    outputs, pullback = vjp(forward, params)[:2]
+
+    def pull(row: tuple[Tensor, ...]) -> dict[str, Tensor]:
+        pulled.append(row)
+        try:
+            result: dict[str, Tensor] = pullback(row)[0]
+            return result
+        finally:
+            pulled.pop()
+
+    grads: dict[str, Tensor] = _batched_or_row_by_row(pull, (*cots, *_reached_inner_calls(call)))
     return grads, outputs
 
 
 def _whole_batch_forward(
-    module: nn.Module, call: Call
+    module: nn.Module,
+    call: Call,
+    row: Callable[[], tuple[Tensor, ...]] = tuple,
+    upstream: frozenset[int] = frozenset(),
 ) -> Callable[[dict[str, Tensor]], tuple[Tensor, ...]]:
     """The module's forward on the call's recorded inputs, as a function of its parameters:
-    the selected outputs, then those of the reached calls made inside it."""
+    the selected outputs, then those of the reached calls made inside it (the ``upstream``
+    ones given their gradient in ``row()``, see :func:`_own_gradients`)."""
 
     def forward(p: dict[str, Tensor]) -> tuple[Tensor, ...]:
         kept: list[Tensor] = []
         with _inner_calls(module, list(p), call, kept):
             out = functional_call(module, _with_buffers(call, module, p), call.args, call.kwargs)
-        return (*_selected_outputs(out, call.output_positions), *kept)
+        outputs = _selected_outputs(out, call.output_positions)
+        _own_gradients(outputs, upstream, lambda j: row()[j])
+        return (*outputs, *kept)
 
     return forward
 
@@ -123,12 +143,23 @@ def _batched_or_row_by_row(function: Callable[[Any], Any], rows: Any) -> Any:
     return tree_unflatten(stacked, tree_flatten(results[0])[1])
 
 
+def _own_gradients(
+    outputs: tuple[Tensor, ...], upstream: frozenset[int], grad: Callable[[int], Tensor]
+) -> None:
+    """Give each re-run output ``j`` in ``upstream`` (another output is computed from it) the
+    gradient ``grad(j)`` in place of the one it accumulates: its captured gradient already
+    counts the paths through the outputs computed from it, which the re-run would add again."""
+    for j in upstream:
+        outputs[j].register_hook(lambda g, j=j: grad(j).to(g.dtype).reshape(g.shape))
+
+
 def _per_sample_grads(
     module: nn.Module,
     params: dict[str, Tensor],
     call: Call,
     cots: tuple[Tensor, ...],
     rows: Rows,
+    upstream: frozenset[int],
 ) -> dict[str, Tensor]:
     leaves, spec = tree_flatten((call.args, call.kwargs))
     batched = [
@@ -150,8 +181,9 @@ def _per_sample_grads(
                 out = functional_call(
                     module, _with_buffers(call, module, p), tuple(args), dict(kwargs)
                 )
-            outputs = (*_selected_outputs(out, call.output_positions), *kept)
-            return tuple(o.squeeze(0) for o in outputs)
+            selected = _selected_outputs(out, call.output_positions)
+            _own_gradients(selected, upstream, lambda j: cot[j].unsqueeze(0))
+            return tuple(o.squeeze(0) for o in (*selected, *kept))
 
         outputs, pullback = vjp(forward, params)[:2]
         result: dict[str, Tensor] = pullback(cot)[0]
@@ -243,14 +275,18 @@ def _rng_states(device: torch.device) -> list[Tensor]:
 
 
 def _replay_per_task(
-    module: nn.Module, params: dict[str, Tensor], call: Call, cots: tuple[Tensor, ...]
+    module: nn.Module,
+    params: dict[str, Tensor],
+    call: Call,
+    cots: tuple[Tensor, ...],
+    upstream: frozenset[int],
 ) -> dict[str, Tensor]:
     """:func:`_per_task_grads`, refused when the re-run drew random numbers (dropout): it then
     drew other ones than the forward did (per sample, ``vmap`` raises on them itself), or gave
     other outputs."""
     device = next(iter(params.values())).device  # (an enclosing call may have no output)
     before = _rng_states(device)
-    grads, outputs = _per_task_grads(module, params, call, cots)
+    grads, outputs = _per_task_grads(module, params, call, cots, upstream)
     if any(not torch.equal(a, b) for a, b in zip(before, _rng_states(device), strict=True)):
         raise RuntimeError("the re-run of the module drew random numbers")
     _check_same_outputs(module, call, outputs, None)
@@ -394,11 +430,15 @@ def _reached_inner(call: Call) -> list[Call]:
     return found
 
 
-def _check_independent_outputs(module: nn.Module, call: Call) -> None:
+def _check_independent_outputs(module: nn.Module, call: Call) -> frozenset[int]:
     """Refuse a call whose pulled-back tensors depend on one of its outputs: an output computed
     from another (``return h, h.exp()``), or a call of the module made on its own output. The
     captured gradient of an output counts every path from it, those through the other tensors
-    too, so the re-run would count them twice."""
+    too, so the re-run would count them twice. An ``nn.LSTMCell`` (a subclass with its own
+    ``forward``) is the exception: torch computes its ``h'`` from its ``s'`` (the CPU kernel),
+    which the user cannot change, so the outputs computed from (indices into ``call.edges``)
+    are returned, for the re-run to give them their captured gradients (:func:`_own_gradients`),
+    which is exact."""
 
     def reached(c: Call) -> list[Any]:  # (an output the losses do not reach counts no path)
         return [e for e, r in zip(c.edges, c.reached, strict=False) if r]
@@ -408,7 +448,7 @@ def _check_independent_outputs(module: nn.Module, call: Call) -> None:
         e.node for c in _reached_inner(call) for e in reached(c)
     ]
     if len(starts) < 2:
-        return
+        return frozenset()
     twice = len({(id(e.node), e.output_nr) for e in own}) < len(own)
     inputs = leaves((call.args, call.kwargs))
     # (the dicts hold the nodes: a node's Python object can die and its id be reused)
@@ -416,11 +456,21 @@ def _check_independent_outputs(module: nn.Module, call: Call) -> None:
         id(node): node for t in inputs if isinstance(t, Tensor) and (node := t.grad_fn) is not None
     }
     outputs = {id(edge.node): j for j, edge in enumerate(own)}
+    positions = {
+        id(e.node): j
+        for j, (e, r) in enumerate(zip(call.edges, call.reached, strict=False))
+        if r and e is not None
+    }
+    cell = isinstance(module, nn.LSTMCell) and not call.children
+    upstream: set[int] = set()
     for position, start in enumerate(starts):
         pending, seen = [start], {id(start): start}
         while pending:
             node = pending.pop()
             if twice or (id(node) in outputs and (node is not start or position >= len(own))):
+                if cell and not twice and position < len(own):
+                    upstream.add(positions[id(node)])
+                    continue  # (its own gradient replaces what reaches it: no need to go on)
                 raise ValueError(
                     f"{_no_closed_form(module)}, and one of its "
                     "outputs is computed from another in the same call (e.g. `return h, "
@@ -437,6 +487,7 @@ def _check_independent_outputs(module: nn.Module, call: Call) -> None:
                 if parent is not None and id(parent) not in seen:
                     seen[id(parent)] = parent
                     pending.append(parent)
+    return frozenset(upstream)
 
 
 def _with_enclosing_calls(calls: list[Call], rows: Rows) -> list[Call]:
@@ -529,7 +580,7 @@ class FallbackRule(Rule):
         detached = {name: p.detach().clone() for name, p in params.items()}
         total: dict[str, Tensor] = {}
         for call in _with_enclosing_calls(calls, rows):
-            _check_independent_outputs(module, call)
+            upstream = _check_independent_outputs(module, call)
             cots = tuple(call.grad(j) for j in range(len(call.grads)))
             try:
                 with (
@@ -542,9 +593,9 @@ class FallbackRule(Rule):
                     _without_backward_hooks(module),
                 ):
                     if rows.per_task:
-                        new = _replay_per_task(module, detached, call, cots)
+                        new = _replay_per_task(module, detached, call, cots, upstream)
                     else:
-                        new = _per_sample_grads(module, detached, call, cots, rows)
+                        new = _per_sample_grads(module, detached, call, cots, rows, upstream)
             except ReplayMismatchError:
                 raise
             except RuntimeError as error:
