@@ -47,7 +47,7 @@ def test_reuse_step_ignores_the_gramian_values() -> None:
     W = Periodic(UPGradWeighting(), every=2)
     G = torch.tensor([[18.0, -22.0], [-22.0, 38.0]])
     first = W(G)
-    torch.testing.assert_close(W(torch.full((2, 2), float("nan"))), first)
+    torch.testing.assert_close(W(torch.zeros(2, 2)), first)
     torch.testing.assert_close(W.cached_weights(), first)
 
 
@@ -125,3 +125,47 @@ def test_nonfinite_weights_are_not_reused() -> None:
     torch.testing.assert_close(W(torch.eye(2) * 5), torch.tensor([2.0, 2.0]))
     torch.testing.assert_close(W(torch.eye(2) * 7), torch.tensor([2.0, 2.0]))
     assert W.needs_gramian()
+
+
+def test_skipped_reuse_step_is_not_counted() -> None:
+    """A reuse step on a non-finite Gramian (a step a GradScaler skips) gives NaN weights and
+    leaves the state as it was: the schedule is that of a run without that step. It was counted,
+    which moved every later recomputation one step earlier (a review's finding)."""
+    grams = [torch.eye(2) * (t + 1) for t in range(7)]
+    bad = torch.eye(2)
+    bad[0, 1] = float("inf")
+    inner = _CountingWeighting()
+    W = Periodic(inner, every=3)
+    outs = []
+    flags = []
+    for t, G in enumerate(grams):
+        if t in (1, 5):  # skipped steps, on reuse steps
+            assert bool(W(bad).isnan().all())
+            assert bool(W(torch.full((2, 2), float("nan"))).isnan().all())
+        flags.append(W.needs_gramian())
+        outs.append(W(G))
+    for t, out in enumerate(outs):  # as in a run without the skipped steps
+        torch.testing.assert_close(out, grams[3 * (t // 3)].diagonal())
+    assert flags == [True, False, False, True, False, False, True]
+    assert inner.calls == 3
+    torch.testing.assert_close(W.cached_weights(), grams[6].diagonal())
+
+
+def test_skipped_reuse_step_in_the_aggregator_keeps_the_schedule() -> None:
+    """The review's reproducer: in a GramianWeightedAggregator, a Jacobian with an infinity on
+    a reuse step gives a non-finite update and changes none of the later updates."""
+    torch.manual_seed(0)
+    j1, j2, j3 = torch.randn(3, 5), torch.randn(3, 5), torch.randn(3, 5)
+    bad = j2.clone()
+    bad[0, 0] = float("inf")
+
+    def run(with_skipped_step: bool) -> list[torch.Tensor]:
+        A = GramianWeightedAggregator(Periodic(UPGradWeighting(), every=3))
+        updates = [A(j1)]
+        if with_skipped_step:
+            assert not bool(torch.isfinite(A(bad)).all())
+        updates += [A(j2), A(j3), A(j1)]
+        return updates
+
+    for expected, actual in zip(run(False), run(True), strict=True):
+        torch.testing.assert_close(actual, expected)

@@ -7,7 +7,7 @@ from torch import Tensor
 from jacflow._stateful import SavesState, Stateful
 from jacflow.aggregation._bases import GramianWeighting, check_gramian_weighting
 from jacflow.aggregation._hyperparameters import Hyperparameter, ints
-from jacflow.linalg._gramian import has_nonfinite
+from jacflow.aggregation._nonfinite import has_nonfinite, nan_weights
 
 
 class Periodic(SavesState, GramianWeighting, Stateful):
@@ -20,11 +20,16 @@ class Periodic(SavesState, GramianWeighting, Stateful):
     .. math:: w_t = \begin{cases} W(G_t) & t \equiv 0 \pmod k \\ w_{t-1} & \text{otherwise.}
               \end{cases}
 
-    On a reuse step the Gramian is not read (only its size is checked against the cached
-    weights), so a caller that forms the Gramian itself can skip that work:
-    :meth:`needs_gramian` says whether the next call recomputes, and :meth:`cached_weights`
-    returns the weights that a reuse step gives. With :class:`GramianWeightedAggregator` the
-    Gramian is always formed, so the saving is then only the weighting's own cost.
+    On a reuse step the Gramian is only checked for size and for a NaN or an infinity (one
+    reduction), so a caller that forms the Gramian itself can skip that work and pass
+    ``torch.zeros(m, m)``: :meth:`needs_gramian` says whether the next call recomputes, and
+    :meth:`cached_weights` returns the weights that a reuse step gives. With
+    :class:`GramianWeightedAggregator` the Gramian is always formed, so the saving is then only
+    the weighting's own cost.
+
+    A Gramian with a NaN or an infinity (a step that a ``GradScaler`` skips) gives non-finite
+    weights and is not counted: the state is left as it was, on a recomputing call and on a
+    reuse step alike (a reuse step then gives NaN weights).
 
     A recomputing call returns the wrapped weighting's weights as they are (with their graph
     to the Gramian when it has one, as :class:`UPGradWeighting`'s); a reuse step returns them
@@ -107,6 +112,8 @@ class Periodic(SavesState, GramianWeighting, Stateful):
             self._weights = weights.detach()
         else:
             self.check_rows(stat.shape[0])
+            if has_nonfinite(stat):  # a skipped step: not counted, the state is left as it was
+                return nan_weights(stat.shape[0], self.cached_weights())
             weights = self.cached_weights()
         self._calls += 1
         return weights
