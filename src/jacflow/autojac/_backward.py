@@ -134,18 +134,24 @@ def backward(
     ``[0, *t.shape]`` in ``.jac``, or with ``A`` the zero update, added to ``.grad`` (zeros
     where it was ``None``), as ``y.backward(torch.zeros(0))`` does for an empty ``y``.
 
+    With ``A`` a ``Mean()`` or a ``Sum()`` (not a subclass) that has no forward hook, and no
+    gradient hook (``register_hook``) on ``inputs``, the weighted tensors are differentiated
+    once, without forming the Jacobian. In every other case each row of the Jacobian is
+    differentiated.
+
     A tensor between ``tensors`` and ``inputs`` that called ``retain_grad()`` is left to torch's
-    hook, which runs in every differentiation through it: with ``A=Mean()`` or ``A=Sum()`` (one
-    differentiation of the weighted tensors) it gets what ``(w @ losses).backward()`` gives it;
-    with ``parallel_chunk_size=1``, the sum of the Jacobian's rows at it; with several rows per
+    hook, which runs in every differentiation through it: with the single differentiation above,
+    it gets what ``(w @ losses).backward()`` gives it; otherwise, with
+    ``parallel_chunk_size=1``, the sum of the Jacobian's rows at it; with several rows per
     vmapped call, an unusable batched tensor (the hook runs inside vmap, and torch does not say
     which tensors retain grad, so jacflow can neither avoid nor undo it; TorchJD does the same).
     Pass ``parallel_chunk_size=1`` then, or list the tensor in ``inputs`` for its own result.
-    Gradient hooks (``register_hook``) on ``inputs`` run on each row of the Jacobian, whatever
-    the aggregator. Those on tensors between ``tensors`` and ``inputs`` also run on each row,
-    except with ``A=Mean()`` or ``A=Sum()``, where they run once, on the weighted rows' sum:
-    the same update for a hook linear in its gradient (a mask, a scaling), not for another (a
-    clipping).
+    Gradient hooks on ``inputs`` run on each row of the Jacobian, whatever the aggregator. Those
+    on tensors between ``tensors`` and ``inputs`` also run on each row, except with the single
+    differentiation above, where they run once, on the weighted rows' sum: the same update for
+    a hook linear in its gradient (a mask, a scaling), not for another (a clipping). So with
+    ``A=Mean()`` and a clipping hook on such a tensor, adding a gradient hook to an input, even
+    one that returns its gradient unchanged, changes the update.
 
     Example:
         >>> import torch
