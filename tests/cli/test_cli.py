@@ -123,6 +123,22 @@ def test_bad_arguments_exit_2_with_clear_message(
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("name", ["", " , ", "upgrad,mgda", "mean,mean", "nope"])
+def test_iwrm_train_takes_one_known_aggregator_name(
+    name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """As in mtl mode: "" ran mean alone (rc 0), "upgrad,mgda" three aggregators, and "mean,mean"
+    blamed an option --aggregators that train does not have."""
+    out = tmp_path / "run"
+    argv = ["train", "--mode", "iwrm", "--aggregator", name, "--quiet", "--out", str(out)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert f"unknown aggregator {name!r}. Valid names: " in err
+    assert "--aggregators" not in err
+    assert not out.exists()
+
+
 def test_unknown_aggregator_lists_valid_names(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["train", "--aggregator", "nope"]) == 2
     err = capsys.readouterr().err

@@ -239,11 +239,14 @@ def _check_tensorboard(args: argparse.Namespace) -> None:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from jacflow.cli._registry import make_aggregator
+    from jacflow.cli._registry import aggregator_key, make_aggregator
 
-    if args.mode == "iwrm":  # (a comparison, which checks the options itself)
-        chosen = args.aggregator.strip()  # (mean runs anyway: then beside upgrad, the default)
-        args.aggregators = ",".join(["mean", "upgrad" if chosen.lower() == "mean" else chosen])
+    if args.mode == "iwrm":  # (a comparison, which checks the other options itself)
+        # (one known name, checked here: compare's list would split "a,b", drop "", and name its
+        # own --aggregators in its errors; built for m = --batch-size once that is checked)
+        chosen = aggregator_key(args.aggregator)
+        # (mean runs anyway: then beside upgrad, the default)
+        args.aggregators = ",".join(["mean", "upgrad" if chosen == "mean" else chosen])
         return _cmd_compare(args, title="iwrm")
     make_aggregator(args.aggregator, 3)  # fail early on a bad name
     loggers: list[Logger] = []

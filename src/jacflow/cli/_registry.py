@@ -90,6 +90,28 @@ def aggregator_classes() -> dict[str, type[Aggregator]]:
     return classes
 
 
+def aggregator_key(name: str) -> str:
+    """The lower-case name of the command line's aggregator called ``name``.
+
+    Raises:
+        CLIError: for an unknown name (listing the valid ones), a list of names included.
+
+    Example:
+        >>> from jacflow.cli._registry import aggregator_key
+        >>> aggregator_key(" UPGrad ")
+        'upgrad'
+        >>> aggregator_key("upgrad,mgda")
+        Traceback (most recent call last):
+        ...
+        jacflow.cli._errors.CLIError: unknown aggregator 'upgrad,mgda'. Valid names: ...
+    """
+    key = name.strip().lower()
+    classes = aggregator_classes()
+    if key not in classes:
+        raise CLIError(f"unknown aggregator {name!r}. Valid names: {', '.join(sorted(classes))}.")
+    return key
+
+
 def make_aggregator(name: str, m: int) -> Aggregator:
     """Construct the aggregator called ``name`` for ``m`` objectives.
 
@@ -109,11 +131,8 @@ def make_aggregator(name: str, m: int) -> Aggregator:
         ...
         jacflow.cli._errors.CLIError: unknown aggregator 'nope'. Valid names: ...
     """
-    key = name.strip().lower()
-    classes = aggregator_classes()
-    if key not in classes:
-        raise CLIError(f"unknown aggregator {name!r}. Valid names: {', '.join(sorted(classes))}.")
-    cls = classes[key]
+    key = aggregator_key(name)
+    cls = aggregator_classes()[key]
     if cls is Mean:
         return GramianWeightedAggregator(MeanWeighting())
     if cls is Sum:

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from typing import final
 
+import torch
 from torch import Tensor
 
 from jacflow._stateful import SavesState, Stateful
+from jacflow.aggregation._bases import compute_dtype
 from jacflow.aggregation._nonfinite import has_nonfinite
 from jacflow.scalarization._base import (
     Hyperparameter,
@@ -40,6 +42,14 @@ class AdaLoss(SavesState, Scalarizer, Stateful):
     :meth:`reset` forgets them. A NaN or infinite loss gives a non-finite value and leaves the state
     untouched (so a step that an AMP ``GradScaler`` skips does not poison it).
 
+    The running averages are kept, and the weights and the value computed, in float32 for
+    float16 or bfloat16 losses (float16 reads :math:`\epsilon = 10^{-8}` as 0, and
+    :math:`1 / \bar L_i` overflows its largest value 65504 for an average below about
+    :math:`1.5 \cdot 10^{-5}`), in their dtype otherwise; the value is then rounded to the
+    losses' dtype. A weight above that dtype's largest value gives that largest value as the
+    gradient of its loss (not ``inf``, which times a zero gradient of that loss would make the
+    parameters' gradients NaN).
+
     Args:
         momentum: :math:`\beta \in [0, 1)`; 0 uses the current losses only.
         eps: :math:`\epsilon \ge 0`, keeps the weights finite for a zero average.
@@ -68,7 +78,10 @@ class AdaLoss(SavesState, Scalarizer, Stateful):
     def forward(self, losses: Tensor, /) -> Tensor:
         # (a negative average gives a negative weight: the step would ascend that loss)
         check_non_negative(losses, "AdaLoss", "Shift the losses, e.g. by a lower bound.")
-        detached = losses.detach()
+        # (float32 at least: float16 reads eps = 1e-8 as 0, 1 / 1e-5 overflows it, and its
+        # running average of small losses would be subnormal, i.e. rounded)
+        wide = losses.to(compute_dtype(losses.dtype))
+        detached = wide.detach()
         if self._average is not None:
             check_same_shape(self._average, losses, "AdaLoss")
         kept = self._average
@@ -81,8 +94,11 @@ class AdaLoss(SavesState, Scalarizer, Stateful):
             average = self._average = detached.clone()
         else:
             average = self._average = self.momentum * kept + (1 - self.momentum) * detached
-        weights = 1.0 / (on_losses(average, losses) + self.eps)
-        return (weights * losses).sum()
+        weights = 1.0 / (on_losses(average, wide) + self.eps)
+        # (the gradient of each loss, its weight, rounded to the losses' dtype: finite)
+        graded = weights.clamp(max=torch.finfo(losses.dtype).max)
+        value = (graded * wide).sum() + ((weights - graded) * detached).sum()
+        return value.to(losses.dtype)
 
     def reset(self) -> None:
         self._average = None

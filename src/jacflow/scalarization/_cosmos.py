@@ -7,6 +7,7 @@ from typing import final
 import torch
 from torch import Tensor
 
+from jacflow.aggregation._bases import compute_dtype
 from jacflow.scalarization._base import (
     Hyperparameter,
     Scalarizer,
@@ -48,6 +49,9 @@ class COSMOS(Scalarizer):
         weights: the preference :math:`r`, one entry per loss; resample it from a Dirichlet
             distribution and reassign ``cosmos.weights`` at each step as in the paper.
 
+    The value is computed in float32 for float16 or bfloat16 losses (the norm of small float16
+    losses underflows), in their dtype otherwise, and rounded to the losses' dtype.
+
     Example:
         >>> import torch
         >>> from jacflow.scalarization import COSMOS
@@ -64,8 +68,11 @@ class COSMOS(Scalarizer):
         self.weights = weights
 
     def forward(self, losses: Tensor, /) -> Tensor:
-        r = matching(self.weights, "weights", losses, "COSMOS")
-        return cosmos(losses, r, self.lambda_)
+        # (float32 at least: float16 squares of losses below 2e-4 underflow to 0 in the norm's
+        # backward, which makes the gradient NaN)
+        wide = losses.to(compute_dtype(losses.dtype))
+        r = matching(self.weights, "weights", wide, "COSMOS")
+        return cosmos(wide, r, self.lambda_).to(losses.dtype)
 
     def extra_repr(self) -> str:
         return f"lambda_={self.lambda_}, weights={self.weights!r}"

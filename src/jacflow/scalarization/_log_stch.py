@@ -25,13 +25,19 @@ _LOG_EPS = 1e-20
 
 
 def log_sum(losses: Tensor) -> Tensor:
-    """``sum(log(losses + 1e-20))``, the warm-up objective."""
-    return torch.log(losses + _LOG_EPS).sum()
+    """``sum(log(losses + 1e-20))``, the warm-up objective, computed in float32 for
+    half-precision losses (which read the 1e-20 as 0) and rounded to their dtype."""
+    wide = losses.to(compute_dtype(losses.dtype))
+    return torch.log(wide + _LOG_EPS).sum().to(losses.dtype)
 
 
 def log_stch(losses: Tensor, nadir: Tensor, mu: float) -> Tensor:
-    """``m * mu * logsumexp(log(losses / nadir + 1e-20) / mu)``."""
-    return losses.numel() * smooth_max(torch.log(losses / nadir + _LOG_EPS), mu)
+    """``m * mu * logsumexp(log(losses / nadir + 1e-20) / mu)``, computed in float32 for
+    half-precision losses (which read the 1e-20 as 0: log(0) = -inf, whose zero softmax weight
+    times the infinite derivative of the log makes the gradient NaN) and rounded to their dtype."""
+    wide = losses.to(compute_dtype(losses.dtype))
+    ratios = wide / on_losses(nadir, wide)
+    return (losses.numel() * smooth_max(torch.log(ratios + _LOG_EPS), mu)).to(losses.dtype)
 
 
 def check_nadir(nadir: Tensor) -> None:
@@ -93,6 +99,11 @@ class LogSTCH(SavesState, Scalarizer, Stateful):
     :meth:`step` then raises a ``ValueError`` and leaves the calibration epoch open, and
     ``load_state_dict`` refuses such a nadir point.
 
+    The objective is computed in float32 for float16 or bfloat16 losses (float16 reads the
+    :math:`10^{-20}` as 0), in their dtype otherwise, and rounded to the losses' dtype; so is
+    its gradient, which is ``inf`` in float16 where float32's exceeds 65504 (the warm-up's
+    :math:`1 / (L_i + 10^{-20})` for a loss below about :math:`1.5 \cdot 10^{-5}`).
+
     Args:
         mu: the smoothing parameter :math:`\mu > 0`.
         warmup_epochs: the number :math:`W \ge 0` of log-sum epochs before the calibration
@@ -145,7 +156,7 @@ class LogSTCH(SavesState, Scalarizer, Stateful):
             self._count += 1
             return log_sum(losses)
         check_same_shape(self.nadir, losses, "LogSTCH")
-        return log_stch(losses, on_losses(self.nadir, losses), self.mu)
+        return log_stch(losses, self.nadir, self.mu)
 
     def step(self) -> None:
         """End the epoch (an epoch without any call is ignored); the calibration epoch's end

@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from jacflow._stateful import SavesState, Stateful
+from jacflow.aggregation._bases import compute_dtype
 from jacflow.aggregation._nonfinite import has_nonfinite
 from jacflow.scalarization._base import (
     Hyperparameter,
@@ -22,9 +23,16 @@ _EPS = 1e-12
 
 
 def balancing(losses: Tensor, reference: Tensor, temperature: float) -> Tensor:
-    """``m * softmax(L / (T * L_ref + 1e-12))``: the relative balancing weights."""
+    """``m * softmax(L / (T * L_ref + 1e-12))``: the relative balancing weights.
+
+    Where some ratios overflow to ``inf`` (a huge loss over a zero reference), the weights are
+    the softmax's limit: ``m`` shared by them (``softmax`` itself would give NaN).
+    """
     ratios = (losses / (temperature * reference + _EPS)).flatten()
-    return losses.numel() * torch.softmax(ratios, dim=0).reshape(losses.shape)
+    infinite = ratios == float("inf")
+    limit = infinite.to(ratios.dtype) / infinite.sum().clamp(min=1)
+    weights = torch.where(infinite.any(), limit, torch.softmax(ratios, dim=0))
+    return losses.numel() * weights.reshape(losses.shape)
 
 
 @final
@@ -55,6 +63,11 @@ class ReLoBRaLo(SavesState, Scalarizer, Stateful):
     its weights are 1. :meth:`reset` forgets them. A NaN or infinite loss gives a non-finite
     value and leaves the state untouched (so a step that an AMP ``GradScaler`` skips does not
     poison it).
+
+    The weights are computed, and :math:`\lambda` kept, in float32 for float16 or bfloat16
+    losses (float16 reads the :math:`10^{-12}` as 0, and a zero loss in :math:`L(0)` or
+    :math:`L(t-1)` then gives 0/0), in their dtype otherwise. Non-finite weights are never kept:
+    such a call is a skipped step (state untouched), as for a non-finite loss.
 
     Args:
         alpha: the exponential decay :math:`\alpha \in [0, 1]` (paper: 0.999).
@@ -92,30 +105,33 @@ class ReLoBRaLo(SavesState, Scalarizer, Stateful):
         check_non_negative(losses, "ReLoBRaLo", "Shift the losses, e.g. by a lower bound.")
         detached = losses.detach()
         skipped = has_nonfinite(detached)  # (a skipped step draws no look-back either)
+        # (float32 at least: float16 reads the 1e-12 as 0, and a zero reference gives 0 / 0)
+        work = detached.to(compute_dtype(detached.dtype))
         first = False
         if self._initial is None or self._previous is None or self._lambda is None:
             first = True
-            weights = torch.ones_like(detached)
+            weights = torch.ones_like(work)
         else:
             check_same_shape(self._initial, losses, "ReLoBRaLo")
             initial, previous, last = (
-                on_losses(state, losses) for state in (self._initial, self._previous, self._lambda)
+                on_losses(state, work) for state in (self._initial, self._previous, self._lambda)
             )
             if skipped:
                 history = last
             else:
-                lookback = self._lookback(losses)
+                lookback = self._lookback(work)
                 history = lookback * last + (1 - lookback) * balancing(
-                    detached, initial, self.temperature
+                    work, initial, self.temperature
                 )
-            recent = balancing(detached, previous, self.temperature)
+            recent = balancing(work, previous, self.temperature)
             weights = self.alpha * history + (1 - self.alpha) * recent
-        if self.training and not skipped:  # else: evaluation or skipped step, state unchanged
+        # (else: evaluation, a skipped step, or weights that would poison every later call)
+        if self.training and not skipped and not has_nonfinite(weights):
             if first:
                 self._initial = detached.clone()
             self._previous = detached.clone()
             self._lambda = weights
-        return (weights * losses).sum()
+        return (weights.to(losses.dtype) * losses).sum()
 
     def _lookback(self, losses: Tensor) -> Tensor | float:
         """:math:`\rho`, drawn in training mode; its expectation in evaluation mode (no draw

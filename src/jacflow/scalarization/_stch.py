@@ -7,6 +7,7 @@ from typing import final
 import torch
 from torch import Tensor
 
+from jacflow.aggregation._bases import compute_dtype
 from jacflow.scalarization._base import (
     Hyperparameter,
     Scalarizer,
@@ -65,6 +66,9 @@ class STCH(Scalarizer):
             each.
         reference: the ideal point :math:`z^*`, one entry per loss; ``None`` gives zero.
 
+    The value is computed in float32 for float16 or bfloat16 losses (float16 reads a small
+    :math:`\mu` as 0), in their dtype otherwise, and rounded to the losses' dtype.
+
     Example:
         >>> import torch
         >>> from jacflow.scalarization import STCH
@@ -85,8 +89,11 @@ class STCH(Scalarizer):
         self.reference = reference
 
     def forward(self, losses: Tensor, /) -> Tensor:
-        lambda_ = preference(self.weights, losses, "STCH")
-        return smooth_max(lambda_ * shifted(losses, self.reference, "STCH"), self.mu)
+        # (float32 at least: float16 reads a mu below 6e-8 as 0, whose gradient is then 0)
+        wide = losses.to(compute_dtype(losses.dtype))
+        lambda_ = preference(self.weights, wide, "STCH")
+        value = smooth_max(lambda_ * shifted(wide, self.reference, "STCH"), self.mu)
+        return value.to(losses.dtype)
 
     def extra_repr(self) -> str:
         return f"mu={self.mu}, weights={self.weights!r}, reference={self.reference!r}"
