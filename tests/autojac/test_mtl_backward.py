@@ -626,3 +626,25 @@ def test_trunk_and_heads_are_written_in_their_grad_dtype(A: Aggregator | None) -
         wanted = torch.float32 if any(p is q for q in with_dtype) else torch.bfloat16
         assert p.grad.dtype == wanted
         torch.testing.assert_close(p.grad.float(), u.view(p.shape), atol=0.02, rtol=0.02)
+
+
+def test_compiled_trunk_with_donated_buffers_names_the_way_out() -> None:
+    """A trunk compiled with aot_eager donates its backward's buffers once a smaller last batch
+    recompiles it; the rows' backwards (``parallel_chunk_size=1``) then failed with torch's
+    raw error: it now names the setting to change."""
+    torch.manual_seed(0)
+    trunk = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh()).double()
+    heads = [nn.Linear(8, 1).double() for _ in range(3)]
+    torch._dynamo.reset()
+    compiled = torch.compile(trunk, backend="aot_eager")
+
+    def step(batch: int) -> None:
+        f = compiled(torch.randn(batch, 6, dtype=torch.float64))
+        mtl_backward([h(f).pow(2).mean() for h in heads], f, A=UPGrad(), parallel_chunk_size=1)
+
+    try:
+        with pytest.raises(RuntimeError, match=r"donated_buffer = False` before compiling"):
+            for batch in (16, 16, 5):
+                step(batch)
+    finally:
+        torch._dynamo.reset()

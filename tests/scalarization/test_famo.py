@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -165,3 +166,20 @@ def test_an_evaluation_call_keeps_nothing_for_the_update() -> None:
     famo.update(torch.tensor([0.5, 2.0]))
     clean.update(torch.tensor([0.5, 2.0]))
     assert torch.equal(famo.logits, clean.logits)
+
+
+def test_a_state_dict_kept_in_memory_stays_a_snapshot() -> None:
+    """``update`` and ``reset`` changed the buffers in place: a ``state_dict()`` kept in memory
+    mixed its step count with later moments and logits (a state no run had)."""
+    famo = FAMO(3)
+    losses = torch.tensor([1.0, 2.0, 3.0])
+    for i in range(3):
+        famo(losses + i)
+        famo.update(losses * 0.5 + i)
+    kept, truth = famo.state_dict(), copy.deepcopy(famo.state_dict())
+    famo(losses)
+    famo.update(losses * 0.1)
+    famo.reset()
+    for key, value in truth.items():
+        if isinstance(value, torch.Tensor):
+            torch.testing.assert_close(kept[key], value, rtol=0, atol=0)

@@ -117,9 +117,10 @@ def backward(
         retain_graph: keep the graph for another differentiation. Default: ``create_graph``.
         parallel_chunk_size: rows differentiated per vmapped call (``None``: all; ``1``: a loop
             without vmap). The results agree up to rounding, as in :func:`jac`. A
-            ``torch.compile``'d graph cannot be vmapped: pass ``1``, and with the default
-            backend (inductor) set ``torch._functorch.config.donated_buffer = False`` before
-            compiling (each row's backward retains the graph).
+            ``torch.compile``'d graph cannot be vmapped: pass ``1``, and set
+            ``torch._functorch.config.donated_buffer = False`` before compiling (each row's
+            backward retains the graph, which inductor refuses at once and ``aot_eager`` after
+            a recompilation, e.g. at a smaller last batch).
         jac_tensors: left-multiplies the Jacobian (chain rule, the analog of ``grad_tensors``):
             one ``[m, *tensor.shape]`` tensor per element of ``tensors``.
         create_graph: keep the result differentiable, for higher-order derivatives. With

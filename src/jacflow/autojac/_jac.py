@@ -87,9 +87,10 @@ def jac(
             ``1`` = one plain call per row without vmap. Memory scales with the chunk. The
             results agree up to rounding, not bit for bit: batched and per-row kernels may sum
             in another order (differences of about 1e-7 of the largest entries in float32, as
-            in TorchJD). A ``torch.compile``'d graph cannot be vmapped: pass ``1``, and with
-            the default backend (inductor) set ``torch._functorch.config.donated_buffer =
-            False`` before compiling (each row's backward retains the graph).
+            in TorchJD). A ``torch.compile``'d graph cannot be vmapped: pass ``1``, and set
+            ``torch._functorch.config.donated_buffer = False`` before compiling (each row's
+            backward retains the graph, which inductor refuses at once and ``aot_eager`` after
+            a recompilation, e.g. at a smaller last batch).
         create_graph: build the graph of the result, for higher-order derivatives.
 
     No ``.grad`` is written: an input that called ``retain_grad()`` keeps its ``.grad`` (torch's

@@ -201,9 +201,9 @@ def mtl_backward(
             vmap, or ``1``, one by one without vmap (the gradient hooks of the engine's modules'
             outputs too: the way out for an operation that vmap cannot batch); the engine has
             no chunks, so other values are refused. A ``torch.compile``'d trunk cannot be
-            vmapped: pass ``1``, and with the default backend (inductor) set
-            ``torch._functorch.config.donated_buffer = False`` before compiling (each task's
-            backward retains the graph).
+            vmapped: pass ``1``, and set ``torch._functorch.config.donated_buffer = False``
+            before compiling (each task's backward retains the graph, which inductor refuses at
+            once and ``aot_eager`` after a recompilation, e.g. at a smaller last batch).
         engine: a per-task :class:`jacflow.autogram.Engine` (``batch_dim=None``) hooked on the
             trunk before the forward pass. With a Gramian-based ``A`` (UPGrad, MGDA, ...), the
             step then goes through the Gramian engine: no trunk Jacobian is formed and the

@@ -28,9 +28,17 @@ _VMAP_HINT = (
     "\n\njacflow: differentiating several rows at once with vmap failed. If the graph comes from "
     "a torch.compile'd model, an RNN on CUDA or an operation without a batching rule, pass "
     "`parallel_chunk_size=1` (or `chunk_size=1` for jacrev) to differentiate row by row "
-    "without vmap. With torch.compile's default backend (inductor), also set "
+    "without vmap. With torch.compile, also set "
     "`torch._functorch.config.donated_buffer = False` before compiling: the rows' backwards "
-    "retain the graph, which inductor refuses for a graph whose buffers it donates."
+    "retain the graph, which torch refuses for a graph whose buffers it donates (inductor at "
+    "once, aot_eager after a recompilation)."
+)
+
+_DONATED_HINT = (
+    "\n\njacflow: the graph holds torch.compile'd code whose backward runs once only (donated "
+    "buffers), and the rows are pulled back one backward each, retaining the graph. Set "
+    "`torch._functorch.config.donated_buffer = False` before compiling (with aot_eager the "
+    "buffers are donated after a recompilation, e.g. at a smaller last batch)."
 )
 
 # Pieces (lower case) of the errors that differentiating rows under vmap causes: an op without
@@ -116,7 +124,12 @@ def stacked_vjps(
         last = k == len(chunks) - 1
         chunk = cotangents_of(start, stop)
         if sequential:
-            grads = vjp(tuple(c[0] for c in chunk), batched=False, last=last)
+            try:
+                grads = vjp(tuple(c[0] for c in chunk), batched=False, last=last)
+            except RuntimeError as error:
+                if "donated buffer" not in str(error):
+                    raise
+                raise RuntimeError(f"{error}{_DONATED_HINT}") from error
             grads = [None if g is None else g.unsqueeze(0) for g in grads]
         else:
             try:

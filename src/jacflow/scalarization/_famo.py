@@ -188,15 +188,16 @@ class FAMO(SavesState, Scalarizer, Stateful):
         grad = famo_logit_gradient(self.logits, delta) + self.weight_decay * self.logits
         beta1, beta2 = _BETAS
         self._steps += 1
-        self._exp_avg.mul_(beta1).add_(grad, alpha=1 - beta1)
-        self._exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        # (out of place: a state_dict kept in memory holds the buffers, and stays a snapshot)
+        self._exp_avg = torch.add(self._exp_avg * beta1, grad, alpha=1 - beta1)
+        self._exp_avg_sq = torch.addcmul(self._exp_avg_sq * beta2, grad, grad, value=1 - beta2)
         step_size = self.lr / (1 - beta1**self._steps)
         denom = (self._exp_avg_sq / (1 - beta2**self._steps)).sqrt_().add_(_ADAM_EPS)
-        self.logits.addcdiv_(self._exp_avg, denom, value=-step_size)
+        self.logits = torch.addcdiv(self.logits, self._exp_avg, denom, value=-step_size)
 
     def reset(self) -> None:
-        for buffer in (self.logits, self._exp_avg, self._exp_avg_sq):
-            buffer.zero_()
+        for name in ("logits", "_exp_avg", "_exp_avg_sq"):
+            setattr(self, name, torch.zeros_like(getattr(self, name)))
         self._steps = 0
         self._before = None
 
