@@ -215,3 +215,27 @@ def test_a_projector_that_declares_itself_differentiable_gives_a_graph() -> None
             assert not make(projector=silent)(j.clone().requires_grad_()).requires_grad
             weights = make(projector=silent).weighting(j.clone().requires_grad_())
             assert not weights.requires_grad  # (the weighting alone holds no graph either)
+
+
+def test_quadprog_gives_nan_weights_for_non_finite_rows_and_takes_no_objective() -> None:
+    """A NaN or infinite row of ``u`` gave finite (or infinite) weights through quadprog, where
+    the batched solver and the docs give NaN weights; ``m = 0`` crashed."""
+    pytest.importorskip("quadprog")
+    g = torch.tensor([[1.0, -1.0, 0.0], [-1.0, 4.0, 0.0], [0.0, 0.0, 1.0]], dtype=torch.float64)
+    u = torch.tensor([[float("nan"), 0, 0], [float("inf"), 0, 0], [1, 0, 0]], dtype=torch.float64)
+    v = QuadprogProjector()(u, g)
+    assert bool(v[:2].isnan().all())
+    torch.testing.assert_close(v[2], TorchProjector()(u[2:], g)[0], rtol=0, atol=1e-4)
+    empty = torch.zeros(3, 0, dtype=torch.float64)
+    torch.testing.assert_close(QuadprogProjector()(empty, torch.zeros(0, 0)), empty)
+
+
+@pytest.mark.parametrize("m", [3, 20, 40])
+def test_a_subnormal_trace_gives_the_weights_of_the_scaled_gramian(m: int) -> None:
+    """A finite float64 Gramian whose trace is subnormal (gradients of about 1e-155): the
+    reciprocal of its trace overflowed and every weight was NaN, silently."""
+    gen = torch.Generator().manual_seed(m)
+    j = torch.randn(m, m + 3, generator=gen, dtype=torch.float64)
+    u = torch.randn(4, m, generator=gen, dtype=torch.float64)
+    expected = project_weights(u, j @ j.T)
+    torch.testing.assert_close(project_weights(u, j @ j.T * 1e-313), expected, rtol=1e-6, atol=1e-9)

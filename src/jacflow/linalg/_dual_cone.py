@@ -483,6 +483,9 @@ def _normalized(g: Tensor, norm_eps: float, reg_eps: float, one_sync: bool) -> T
         if math.isinf(trace) and not has_nonfinite(g):  # (finite entries near the largest
             return _normalized(g, norm_eps, reg_eps, one_sync=False)  # float: see below)
         if trace > norm_eps or not math.isfinite(trace):
+            lift = _lift(trace, g.dtype)
+            if lift != 1.0:  # (a subnormal trace, whose reciprocal overflows)
+                g, trace = g * lift, trace * lift
             return (g + g.mT) * (0.5 / trace)
         return torch.zeros_like(g)
     g = normalize_gramian(g, norm_eps)  # (then symmetrised: g + g^T overflowed near the max)
@@ -490,6 +493,16 @@ def _normalized(g: Tensor, norm_eps: float, reg_eps: float, one_sync: bool) -> T
     if reg_eps > 0:
         g = normalize_gramian(regularize_gramian(g, reg_eps), 0.0)
     return g
+
+
+def _lift(trace: float, dtype: torch.dtype) -> float:
+    """1, or an exact power of two by which a Gramian of ``trace`` in ``dtype`` is multiplied
+    before dividing it by its trace, where the trace is so small (subnormal) that its
+    reciprocal overflows; the quotient is the same."""
+    info = torch.finfo(dtype)
+    if trace > 0 and 1 / trace > info.max:
+        return 2.0 ** (math.frexp(info.max)[1] // 2)
+    return 1.0
 
 
 def _normalized_on_host(gramian: Tensor, norm_eps: float, reg_eps: float) -> list[list[float]]:
@@ -503,7 +516,11 @@ def _normalized_on_host(gramian: Tensor, norm_eps: float, reg_eps: float) -> lis
     unit = max(abs(x) for x in diagonal) if overflowed else 1.0
     g = [[(rows[i][j] / unit + rows[j][i] / unit) / 2 for j in range(m)] for i in range(m)]
     trace = sum(g[i][i] for i in range(m))
-    scale = 1 / trace if trace > norm_eps / unit or not math.isfinite(trace) else 0.0
+    kept = trace > norm_eps / unit or not math.isfinite(trace)
+    lift = _lift(trace, torch.float64)  # (a subnormal trace, whose reciprocal overflows)
+    if lift != 1.0:
+        g, trace = [[x * lift for x in row] for row in g], trace * lift
+    scale = 1 / trace if kept else 0.0
     g = [[x * scale for x in row] for row in g]
     if reg_eps > 0:
         renormalize = 1 / (sum(g[i][i] for i in range(m)) + m * reg_eps)

@@ -193,16 +193,23 @@ class QuadprogProjector(DualConeProjector):
                 f"{tuple(u.shape)} and {tuple(gramian.shape)}."
             )
         dtype = torch.promote_types(u.dtype, gramian.dtype)
+        if m == 0:  # (nothing to project, as project_weights)
+            return u.detach().to(device=gramian.device, dtype=dtype, copy=True)
         g = normalize_gramian(gramian.detach().cpu().double(), self.norm_eps)
         g = regularize_gramian(g, self.reg_eps)
-        rows = u.detach().cpu().double().reshape(-1, m).numpy()
+        rows_t = u.detach().cpu().double().reshape(-1, m)
+        finite_rows = torch.isfinite(rows_t).all(-1).tolist()
+        rows = rows_t.numpy()
         if not bool(torch.isfinite(g).all()):  # quadprog would call it "not positive definite"
             return torch.full(u.shape, float("nan"), dtype=dtype, device=gramian.device)
         g_np = ((g + g.T) / 2).numpy()
         identity = torch.eye(m, dtype=torch.float64, device="cpu").numpy()
         zeros = torch.zeros(m, dtype=torch.float64, device="cpu").numpy()
         solutions = []
-        for row in rows:
+        for row, finite in zip(rows, finite_rows, strict=True):
+            if not finite:  # (as the batched solver: NaN weights for a NaN or infinite row)
+                solutions.append(torch.full((m,), float("nan"), dtype=torch.float64))
+                continue
             try:
                 solution = self._quadprog.solve_qp(g_np, zeros, identity, row)[0]
             except ValueError as error:
