@@ -278,3 +278,45 @@ def test_duplicate_argnums_are_refused() -> None:
         torch.func.jacrev(lambda a, b: a + b, argnums=(0, -2))(x, x)
     with pytest.raises(ValueError, match="each argument once"):
         jacrev(lambda a, b: a + b, argnums=(0, -2))(x, x)
+
+
+_X = torch.ones(3)
+
+
+@pytest.mark.parametrize(
+    ("func", "has_aux", "words"),
+    [
+        (lambda x: 3, False, r"`func` must return a Tensor.*received int\."),
+        (lambda x: (x, "a"), False, r"`func` must return a Tensor.*received str\."),
+        (lambda x: x * 2, True, r"has_aux=True, `func` must return a pair.*Tensor"),
+        (lambda x: (x, x, x), True, r"must return a pair.*a tuple of length 3"),
+        (lambda x: (x * 2, 1), True, r"the aux of `func` must be a Tensor.*received int\."),
+        (lambda x: (3, x), True, r"`func` must return a Tensor.*received int\."),
+    ],
+)
+def test_jacrev_refuses_outputs_that_are_not_tensors(
+    func: Callable[[torch.Tensor], Any], has_aux: bool, words: str
+) -> None:
+    with pytest.raises(TypeError, match=words):
+        jacrev(func, has_aux=has_aux)(_X)
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.bool])
+def test_jacrev_refuses_integer_inputs(dtype: torch.dtype) -> None:
+    with pytest.raises(TypeError, match=rf"argument 0 must be a floating-point.*{dtype}"):
+        jacrev(lambda x: x * 2)(torch.ones(3, dtype=dtype))
+    with pytest.raises(TypeError, match=r"argument 1 \(leaf \['b'\]\) must be a floating"):
+        jacrev(lambda y, p: y * p["b"], argnums=(0, 1))(_X, {"b": torch.ones(3, dtype=dtype)})
+
+
+@pytest.mark.parametrize("has_aux", [1, 0, "yes", None])
+def test_jacrev_refuses_a_has_aux_that_is_not_a_bool(has_aux: object) -> None:
+    with pytest.raises(TypeError, match="`has_aux` must be a bool"):
+        jacrev(lambda x: (x, x), has_aux=has_aux)  # type: ignore[arg-type]
+
+
+def test_jacrev_keeps_valid_outputs_and_aux() -> None:
+    jacobian, aux = jacrev(lambda x: (x * 2, {"a": x.sum()}), has_aux=True)(_X)
+    assert torch.equal(jacobian, 2 * torch.eye(3)) and torch.equal(aux["a"], _X.sum())
+    assert torch.equal(jacrev(lambda x: [x * 2])(_X)[0], 2 * torch.eye(3))
+    assert torch.equal(jacrev(lambda x, k: x * k, argnums=0)(_X, 2), 2 * torch.eye(3))

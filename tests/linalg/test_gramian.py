@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -121,3 +124,92 @@ def test_normalize_gramian_without_objectives() -> None:
     for shape in ((0, 0), (3, 0, 0)):
         empty = torch.zeros(shape, dtype=torch.float64)
         assert normalize_gramian(empty, 0.0).shape == shape
+
+
+_G = torch.tensor([[3.0, 1.0], [1.0, 4.0]])
+_NOT_A_NUMBER = ["x", None, True, [0.1]]
+_BAD_EPS = [float("nan"), float("inf"), -1.0]
+
+
+@pytest.mark.parametrize("function", [normalize_gramian, regularize_gramian])
+@pytest.mark.parametrize("eps", _NOT_A_NUMBER)
+def test_eps_of_the_wrong_type_is_a_type_error(function: Any, eps: object) -> None:
+    with pytest.raises(TypeError, match=r"`eps` must be a float in \[0.0, inf\), received"):
+        function(_G, eps)
+
+
+@pytest.mark.parametrize("function", [normalize_gramian, regularize_gramian])
+@pytest.mark.parametrize("eps", _BAD_EPS)
+def test_non_finite_or_negative_eps_is_a_value_error(function: Any, eps: float) -> None:
+    with pytest.raises(ValueError, match=r"`eps` must be a float in \[0.0, inf\)"):
+        function(_G, eps)
+
+
+@pytest.mark.parametrize("function", [normalize_gramian, regularize_gramian])
+@pytest.mark.parametrize(
+    ("gramian", "error", "words"),
+    [
+        ([[1.0, 0.0], [0.0, 1.0]], TypeError, r"`gramian` must be a torch\.Tensor"),
+        (np.eye(2), TypeError, r"`gramian` must be a torch\.Tensor"),
+        (torch.eye(2, dtype=torch.int64), TypeError, "floating dtype.*int64"),
+        (torch.eye(2, dtype=torch.complex64), TypeError, "floating dtype.*complex64"),
+        (torch.ones(2), ValueError, r"square matrix.*received shape \(2,\)"),
+        (torch.tensor(1.0), ValueError, r"square matrix.*received shape \(\)"),
+        (torch.ones(2, 3), ValueError, r"square matrix.*received shape \(2, 3\)"),
+        (torch.ones(4, 2, 3), ValueError, r"square matrix.*received shape \(4, 2, 3\)"),
+    ],
+)
+def test_gramian_helpers_refuse_what_is_not_a_real_square_matrix(
+    function: Any, gramian: object, error: type[Exception], words: str
+) -> None:
+    with pytest.raises(error, match=words):
+        function(gramian, 0.0)
+
+
+def test_gramian_helpers_keep_valid_inputs() -> None:
+    torch.testing.assert_close(normalize_gramian(_G, 0), _G / 7)
+    torch.testing.assert_close(regularize_gramian(_G, 1), _G + torch.eye(2))
+    batch = _G.expand(3, 2, 2).double()
+    torch.testing.assert_close(normalize_gramian(batch, np.float64(0.0)), batch / 7)
+    assert normalize_gramian(torch.zeros(0, 0), 0.0).shape == (0, 0)
+    assert regularize_gramian(torch.zeros(0, 0), 1.0).shape == (0, 0)
+
+
+@pytest.mark.parametrize(
+    ("matrix", "error", "words"),
+    [
+        ([[1.0, 0.0]], TypeError, r"`matrix` must be a torch\.Tensor.*list"),
+        (np.ones((2, 3)), TypeError, r"`matrix` must be a torch\.Tensor.*ndarray"),
+        (torch.ones(2, 3, dtype=torch.int64), TypeError, "floating dtype.*int64"),
+        (torch.ones(2, 3, dtype=torch.complex64), TypeError, "floating dtype.*complex64"),
+        (torch.ones(3), ValueError, "2-D"),
+    ],
+)
+def test_compute_gramian_refuses_bad_matrices(
+    matrix: object, error: type[Exception], words: str
+) -> None:
+    with pytest.raises(error, match=words):
+        compute_gramian(matrix)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("matrices", "error", "words"),
+    [
+        ([[1.0, 0.0]], TypeError, r"`matrices\[0\]` must be a torch\.Tensor"),
+        ([torch.ones(2, 2), np.ones((2, 2))], TypeError, r"`matrices\[1\]`.*ndarray"),
+        ([torch.ones(2, 2, dtype=torch.bool)], TypeError, "floating dtype.*bool"),
+        ([torch.ones(2, 2, dtype=torch.complex64)], TypeError, "floating dtype.*complex64"),
+    ],
+)
+def test_sum_gramians_refuses_bad_matrices(
+    matrices: list[Any], error: type[Exception], words: str
+) -> None:
+    with pytest.raises(error, match=words):
+        sum_gramians(matrices)
+
+
+@pytest.mark.parametrize("shape", [(0, 0), (0,), (0, 3, 2)])
+def test_sum_gramians_of_empty_matrices_is_an_empty_gramian(shape: tuple[int, ...]) -> None:
+    assert torch.equal(sum_gramians([torch.empty(shape)]), torch.empty(0, 0))
+    assert torch.equal(sum_gramians([torch.empty(shape), torch.empty(0, 5)]), torch.empty(0, 0))
+    torch.testing.assert_close(sum_gramians([torch.ones(2, 0), torch.ones(2, 1)]), torch.ones(2, 2))

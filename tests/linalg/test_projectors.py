@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 import pytest
 import torch
@@ -239,3 +240,62 @@ def test_a_subnormal_trace_gives_the_weights_of_the_scaled_gramian(m: int) -> No
     u = torch.randn(4, m, generator=gen, dtype=torch.float64)
     expected = project_weights(u, j @ j.T)
     torch.testing.assert_close(project_weights(u, j @ j.T * 1e-313), expected, rtol=1e-6, atol=1e-9)
+
+
+_NAN, _INF = float("nan"), float("inf")
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "words"),
+    [
+        ({"norm_eps": _NAN}, ValueError, r"`norm_eps` must be a float in \[0.0, inf\)"),
+        ({"norm_eps": _INF}, ValueError, r"`norm_eps` must be a float in \[0.0, inf\)"),
+        ({"reg_eps": _INF}, ValueError, r"`reg_eps` must be a float in \[0.0, inf\)"),
+        ({"reg_eps": -_INF}, ValueError, r"`reg_eps` must be a float in \[0.0, inf\)"),
+        ({"tol": _INF}, ValueError, r"`tol` must be a float in \(0.0, inf\)"),
+        ({"tol": _NAN}, ValueError, r"`tol` must be a float in \(0.0, inf\)"),
+        ({"norm_eps": "x"}, TypeError, r"`norm_eps` must be a float.*received <class 'str'>"),
+        ({"reg_eps": True}, TypeError, r"`reg_eps` must be a float.*received <class 'bool'>"),
+        ({"tol": "x"}, TypeError, r"`tol` must be a float.*received <class 'str'>"),
+        ({"max_iter": "x"}, TypeError, r"`max_iter` must be an int >= 1.*<class 'str'>"),
+        ({"max_iter": 2.0}, TypeError, r"`max_iter` must be an int >= 1.*<class 'float'>"),
+        ({"max_iter": True}, TypeError, r"`max_iter` must be an int >= 1.*<class 'bool'>"),
+    ],
+)
+def test_solver_settings_must_be_finite_numbers(
+    options: dict[str, Any], error: type[Exception], words: str
+) -> None:
+    g = torch.tensor([[1.0, -1.0], [-1.0, 4.0]])
+    with pytest.raises(error, match=words):
+        TorchProjector(**options)
+    with pytest.raises(error, match=words):
+        project_weights(torch.ones(2), g, **options)
+    if "norm_eps" in options or "reg_eps" in options:
+        with pytest.raises(error, match=words):
+            QuadprogProjector(**options)
+
+
+def test_valid_solver_settings_are_kept() -> None:
+    g, u = torch.tensor([[1.0, -1.0], [-1.0, 4.0]]), torch.tensor([1.0, 0.0])
+    expected = torch.tensor([1.0, 0.25])
+    for options in ({}, {"norm_eps": 0, "reg_eps": 0.0, "max_iter": 50, "tol": 1e-7}):
+        torch.testing.assert_close(TorchProjector(**options)(u, g), expected)
+    torch.testing.assert_close(QuadprogProjector(0, 0)(u, g), expected, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize(
+    ("u", "gramian", "error", "words"),
+    [
+        ([1.0, 0.0], torch.eye(2), TypeError, r"`u` must be a torch\.Tensor"),
+        (torch.ones(2), [[1.0, 0.0], [0.0, 1.0]], TypeError, r"`gramian` must be a torch\.T"),
+        (torch.ones(2, dtype=torch.int64), torch.eye(2), TypeError, "`u`.*floating dtype"),
+        (torch.ones(2), torch.eye(2, dtype=torch.complex64), TypeError, "`gramian`.*complex64"),
+        (torch.ones(2), torch.tensor(1.0), ValueError, r"\[m, m\].*\(2,\) and \(\)"),
+        (torch.ones(2), torch.ones(2, 3), ValueError, r"\[m, m\].*\(2, 3\)"),
+    ],
+)
+def test_quadprog_projector_refuses_bad_inputs(
+    u: object, gramian: object, error: type[Exception], words: str
+) -> None:
+    with pytest.raises(error, match=words):
+        QuadprogProjector()(u, gramian)  # type: ignore[arg-type]

@@ -60,8 +60,43 @@ def _flatten_argument(value: Any, position: int) -> tuple[list[Tensor], TreeSpec
                 "and rebuild z with torch.view_as_complex inside `func` to get the Jacobian "
                 "with respect to its real and imaginary parts."
             )
+        if not leaf.is_floating_point():
+            raise TypeError(
+                f"jacrev: {where} must be a floating-point Tensor to be differentiated, "
+                f"received {leaf.dtype}; convert it with `.float()`."
+            )
         leaves.append(leaf)
     return leaves, spec
+
+
+def _non_tensors(tree: Any) -> str:
+    """The type names of the leaves of ``tree`` that are not Tensors ("" if none)."""
+    names = {type(leaf).__name__ for leaf in tree_flatten(tree)[0] if not isinstance(leaf, Tensor)}
+    return ", ".join(sorted(names))
+
+
+def _check_result(result: Any, has_aux: bool) -> Any:
+    """``func``'s result, checked before ``torch.func.vjp`` sees it (its errors are
+    ``RuntimeError``s that do not say what was received)."""
+    output = result
+    if has_aux:
+        if not isinstance(result, tuple) or len(result) != 2:
+            got = f"a tuple of length {len(result)}" if isinstance(result, tuple) else type(result)
+            raise TypeError(
+                "jacrev: with has_aux=True, `func` must return a pair (output, aux), received "
+                f"{got}."
+            )
+        output, aux = result
+        if bad := _non_tensors(aux):
+            raise TypeError(
+                "jacrev: with has_aux=True, the aux of `func` must be a Tensor or a (nested) "
+                f"tuple of Tensors, received {bad}."
+            )
+    if bad := _non_tensors(output):
+        raise TypeError(
+            f"jacrev: `func` must return a Tensor or a (nested) tuple of Tensors, received {bad}."
+        )
+    return result
 
 
 def jacrev(
@@ -110,6 +145,8 @@ def jacrev(
     size = check_chunk_size(chunk_size, "chunk_size")
     if not callable(func):
         raise TypeError(f"jacrev: `func` must be callable, received {type(func)}.")
+    if not isinstance(has_aux, bool):
+        raise TypeError(f"jacrev: `has_aux` must be a bool, received {type(has_aux)}.")
 
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -135,16 +172,14 @@ def jacrev(
             full = list(args)
             for a, value in zip(nums, rebuild(diff_leaves)):
                 full[a] = value
-            return func(*full, **kwargs)
+            return _check_result(func(*full, **kwargs), has_aux)
 
         aux: Any = None
         if has_aux:
             output, pullback, aux = torch.func.vjp(partial, *primals, has_aux=True)  # type: ignore[misc]
         else:
             output, pullback = torch.func.vjp(partial, *primals)  # type: ignore[misc]
-        flat_out, out_spec = tree_flatten(output)
-        if not all(isinstance(o, Tensor) for o in flat_out):
-            raise TypeError("jacrev: `func` must return a Tensor or a (nested) tuple of Tensors.")
+        flat_out, out_spec = tree_flatten(output)  # (Tensors: checked by _check_result)
         for k, o in enumerate(flat_out):
             if o.is_complex():
                 raise ValueError(

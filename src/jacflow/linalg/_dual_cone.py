@@ -25,7 +25,13 @@ from torch import Tensor
 from jacflow._warnings import caller_stacklevel
 from jacflow.linalg._dual_pdas import active_systems_pay, dual_pdas_solve, safe_inverse
 from jacflow.linalg._first_order import admm_solve, fista_solve
-from jacflow.linalg._gramian import has_nonfinite, normalize_gramian, regularize_gramian
+from jacflow.linalg._gramian import (
+    _normalize_gramian,
+    _regularize_gramian,
+    check_eps,
+    check_real_tensor,
+    has_nonfinite,
+)
 from jacflow.linalg._host_pdas import solve_rows
 from jacflow.linalg._implicit import differentiable_projection
 from jacflow.linalg._lawson_hanson import DEPENDENT, DEPENDENT_RETRY, lawson_hanson_solve
@@ -102,7 +108,7 @@ def project_weights_reference(
         tensor([1.0000, 0.2500], dtype=torch.float64)
     """
     device, dtype = gramian.device, gramian.dtype
-    g = regularize_gramian(normalize_gramian(gramian.detach().double().cpu(), norm_eps), reg_eps)
+    g = _regularize_gramian(_normalize_gramian(gramian.detach().double().cpu(), norm_eps), reg_eps)
     flat_u = u.detach().double().cpu().reshape(-1, g.shape[0])
     # (solved with v = d * y, d = diag(g)^(-1/2): the unit diagonal makes the active set's
     # absolute tolerance relative to every row, whose norms may differ by orders of magnitude)
@@ -231,19 +237,18 @@ def check_solver_settings(
     norm_eps: float, reg_eps: float, method: str, max_iter: int | None, tol: float | None
 ) -> None:
     """Validate the settings of :func:`project_weights` (shared with ``TorchProjector``)."""
+    # (imported here: jacflow.aggregation imports jacflow.linalg)
+    from jacflow.aggregation._hyperparameters import check_float, check_int
+
+    # (a bool is not a number here; NaN or an infinity would silently give zeros or NaN)
     for name, eps in (("norm_eps", norm_eps), ("reg_eps", reg_eps)):
-        if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not eps >= 0:
-            raise ValueError(f"`{name}` must be a non-negative float, received {eps!r}.")
+        check_eps(eps, name)
     if method not in METHODS:
         raise ValueError(f"`method` must be one of {METHODS}, received {method!r}.")
-    if max_iter is not None and (
-        not isinstance(max_iter, int) or isinstance(max_iter, bool) or max_iter < 1
-    ):
-        raise ValueError(f"`max_iter` must be a positive int or None, received {max_iter!r}.")
-    if tol is not None and (
-        not isinstance(tol, (int, float)) or isinstance(tol, bool) or not tol > 0
-    ):
-        raise ValueError(f"`tol` must be a positive float or None, received {tol!r}.")
+    if max_iter is not None:
+        check_int(max_iter, "max_iter", low=1)
+    if tol is not None:
+        check_float(tol, "tol", low=0.0, low_open=True)
 
 
 def _check_inputs(u: Tensor, gramian: Tensor, diagonal: bool = False) -> None:
@@ -251,13 +256,7 @@ def _check_inputs(u: Tensor, gramian: Tensor, diagonal: bool = False) -> None:
     of ``project_diagonal``'s ``pref`` ``[m]`` and ``gramian`` ``[m, m]``)."""
     u_name = "pref" if diagonal else "u"
     for name, value in ((u_name, u), ("gramian", gramian)):
-        if not isinstance(value, Tensor):
-            raise TypeError(f"`{name}` must be a torch.Tensor, received {type(value)}.")
-        if not value.is_floating_point():
-            raise TypeError(
-                f"`{name}` must have a floating dtype (float32 or float64), received "
-                f"{value.dtype}; convert it with `.double()`."
-            )
+        check_real_tensor(value, name)
     if diagonal and (u.ndim != 1 or gramian.shape != (u.shape[0], u.shape[0])):
         raise ValueError(
             "`pref` must have shape [m] and `gramian` shape [m, m] (one Gramian), received "
@@ -488,10 +487,10 @@ def _normalized(g: Tensor, norm_eps: float, reg_eps: float, one_sync: bool) -> T
                 g, trace = g * lift, trace * lift
             return (g + g.mT) * (0.5 / trace)
         return torch.zeros_like(g)
-    g = normalize_gramian(g, norm_eps)  # (then symmetrised: g + g^T overflowed near the max)
+    g = _normalize_gramian(g, norm_eps)  # (then symmetrised: g + g^T overflowed near the max)
     g = g / 2 + g.mT / 2
     if reg_eps > 0:
-        g = normalize_gramian(regularize_gramian(g, reg_eps), 0.0)
+        g = _normalize_gramian(_regularize_gramian(g, reg_eps), 0.0)
     return g
 
 

@@ -11,6 +11,37 @@ from torch import Tensor
 from jacflow.linalg._products import row_gramian
 
 
+def check_eps(value: object, name: str) -> float:
+    """``value`` as a finite float ``>= 0``: a ``TypeError`` for a non-number (or a bool), a
+    ``ValueError`` for NaN, an infinity or a negative number."""
+    # (imported here: jacflow.aggregation imports jacflow.linalg)
+    from jacflow.aggregation._hyperparameters import check_float
+
+    return check_float(value, name, low=0.0)
+
+
+def check_real_tensor(value: object, name: str) -> None:
+    """A ``TypeError`` unless ``value`` is a Tensor of a real floating dtype (metadata only)."""
+    if not isinstance(value, Tensor):
+        raise TypeError(f"`{name}` must be a torch.Tensor, received {type(value)}.")
+    if not value.is_floating_point():  # (False for integer, bool and complex dtypes)
+        raise TypeError(
+            f"`{name}` must have a floating dtype (float32 or float64), received "
+            f"{value.dtype}; convert it with `.double()`."
+        )
+
+
+def check_gramian(gramian: object, function: str) -> None:
+    """``gramian`` must be a real floating Tensor of shape ``[..., m, m]`` (metadata only)."""
+    check_real_tensor(gramian, "gramian")
+    assert isinstance(gramian, Tensor)  # (for mypy: checked just above)
+    if gramian.ndim < 2 or gramian.shape[-1] != gramian.shape[-2]:
+        raise ValueError(
+            f"`{function}` expects a square matrix [m, m] or a batch of them [..., m, m], "
+            f"received shape {tuple(gramian.shape)}."
+        )
+
+
 def compute_gramian(matrix: Tensor) -> Tensor:
     """Return ``matrix @ matrix.T``: the Gramian of the rows of a ``[m, n]`` matrix.
 
@@ -25,7 +56,8 @@ def compute_gramian(matrix: Tensor) -> Tensor:
                 [-1.,  5.]])
     """
     if not torch.jit.is_scripting():  # noqa: SIM102 (TorchScript drops this branch only alone)
-        if type(matrix) is Tensor:  # (not an fx proxy, whose `ndim` is not known)
+        if not isinstance(matrix, torch.fx.Proxy):  # (whose `ndim` is not known)
+            check_real_tensor(matrix, "matrix")
             if matrix.ndim != 2:
                 raise ValueError(
                     "`compute_gramian` expects a 2-D [m, n] matrix (one row per objective), "
@@ -53,10 +85,11 @@ def sum_gramians(matrices: Iterable[Tensor]) -> Tensor:
     total: Tensor | None = None
     rows: int | None = None
     for i, matrix in enumerate(matrices):
-        if not isinstance(matrix, Tensor) or matrix.ndim == 0:
-            got = tuple(matrix.shape) if isinstance(matrix, Tensor) else type(matrix)
+        check_real_tensor(matrix, f"matrices[{i}]")
+        if matrix.ndim == 0:
             raise ValueError(
-                f"`sum_gramians` expects tensors of shape [m, *any], received {got} at {i}."
+                "`sum_gramians` expects tensors of shape [m, *any], received "
+                f"{tuple(matrix.shape)} at {i}."
             )
         if rows is not None and matrix.shape[0] != rows:
             raise ValueError(
@@ -64,7 +97,8 @@ def sum_gramians(matrices: Iterable[Tensor]) -> Tensor:
                 f"{rows} rows first and {matrix.shape[0]} at {i}."
             )
         rows = matrix.shape[0]
-        flat = matrix.reshape(matrix.shape[0], -1)
+        # (reshape cannot infer -1 for an empty [0, ...] matrix)
+        flat = matrix.reshape(rows, -1) if rows else matrix.new_zeros(0, 0)
         term = row_gramian(flat)
         total = term if total is None else total + term
     if total is None:
@@ -92,6 +126,12 @@ def normalize_gramian(gramian: Tensor, eps: float) -> Tensor:
         tensor([[nan, nan],
                 [nan, nan]])
     """
+    check_gramian(gramian, "normalize_gramian")
+    return _normalize_gramian(gramian, check_eps(eps, "eps"))
+
+
+def _normalize_gramian(gramian: Tensor, eps: float) -> Tensor:
+    """:func:`normalize_gramian` without the checks (internal callers, on hot paths)."""
     if gramian.shape[-1] == 0:  # (no objectives: nothing to divide, and no amax of nothing)
         return torch.zeros_like(gramian)
     diagonal = gramian.diagonal(dim1=-2, dim2=-1)
@@ -116,6 +156,12 @@ def regularize_gramian(gramian: Tensor, eps: float) -> Tensor:
         tensor([[ 1.5000, -1.0000],
                 [-1.0000,  1.5000]])
     """
+    check_gramian(gramian, "regularize_gramian")
+    return _regularize_gramian(gramian, check_eps(eps, "eps"))
+
+
+def _regularize_gramian(gramian: Tensor, eps: float) -> Tensor:
+    """:func:`regularize_gramian` without the checks (internal callers, on hot paths)."""
     m = gramian.shape[-1]
     eye = torch.eye(m, dtype=gramian.dtype, device=gramian.device)
     return gramian + eps * eye

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from jacflow.linalg._dual_cone import check_solver_settings, project_diagonal, project_weights
-from jacflow.linalg._gramian import normalize_gramian, regularize_gramian
+from jacflow.linalg._gramian import _normalize_gramian, _regularize_gramian, check_real_tensor
 
 
 class DualConeProjector(ABC):
@@ -186,7 +186,9 @@ class QuadprogProjector(DualConeProjector):
         self._quadprog: Any = quadprog
 
     def __call__(self, u: Tensor, gramian: Tensor) -> Tensor:
-        m = gramian.shape[-1]
+        check_real_tensor(u, "u")
+        check_real_tensor(gramian, "gramian")
+        m = gramian.shape[-1] if gramian.ndim else 0
         if gramian.ndim != 2 or gramian.shape[0] != m or u.shape[-1:] != (m,):
             raise ValueError(
                 "`QuadprogProjector` expects `u` [..., m] and `gramian` [m, m], received shapes "
@@ -195,8 +197,8 @@ class QuadprogProjector(DualConeProjector):
         dtype = torch.promote_types(u.dtype, gramian.dtype)
         if m == 0:  # (nothing to project, as project_weights)
             return u.detach().to(device=gramian.device, dtype=dtype, copy=True)
-        g = normalize_gramian(gramian.detach().cpu().double(), self.norm_eps)
-        g = regularize_gramian(g, self.reg_eps)
+        g = _normalize_gramian(gramian.detach().cpu().double(), self.norm_eps)
+        g = _regularize_gramian(g, self.reg_eps)
         rows_t = u.detach().cpu().double().reshape(-1, m)
         finite_rows = torch.isfinite(rows_t).all(-1).tolist()
         rows = rows_t.numpy()
