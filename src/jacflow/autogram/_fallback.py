@@ -310,6 +310,56 @@ def _without_backward_hooks(module: nn.Module) -> Iterator[None]:
         module._backward_hooks, module._backward_pre_hooks = hooks, pre_hooks
 
 
+def _ours(hook: Callable[..., Any]) -> bool:
+    """Whether a hook is one of the engine's (a bound method or a partial from this package),
+    which ignore a re-run's calls (see :func:`replaying`)."""
+    return getattr(getattr(hook, "func", hook), "__module__", "").startswith("jacflow.autogram")
+
+
+def _hook_on(
+    module: nn.Module, hook: Callable[..., Any], only: bool = False
+) -> Callable[..., None]:
+    """``hook`` as a pre-hook of the re-run's call of ``module``: given copies of the inputs
+    (the recorded ones already have its change, in place or returned), its return value
+    ignored, its side effects kept (the old ``weight_norm``, ``spectral_norm`` and pruning
+    compute the weight from the parameters in theirs). ``only``: a global hook, kept as it is
+    on the other modules, whose calls the forward ran it on too."""
+
+    def run(called: nn.Module, *inputs: Any) -> Any:
+        if only and called is not module:
+            return hook(called, *inputs)
+        copies = tree_map(lambda x: x.clone() if isinstance(x, Tensor) else x, inputs)
+        hook(called, *copies)
+        return None
+
+    return run
+
+
+@contextlib.contextmanager
+def _as_recorded(module: nn.Module) -> Iterator[None]:
+    """The re-run reproduces the call as the engine recorded it: from its inputs after the
+    forward pre-hooks, to its output before its forward hooks (the engine's record runs first,
+    and a global forward hook that runs before it is refused). Run again, a hook's change would
+    count twice: the module's forward hooks stay out of the re-run, and its pre-hooks (and the
+    global ones, on this module) run on copies of the inputs with their results ignored."""
+    torch_module = nn.modules.module
+    hooks, pre_hooks = module._forward_hooks, module._forward_pre_hooks
+    global_pre = torch_module._global_forward_pre_hooks
+    module._forward_hooks = OrderedDict()
+    module._forward_pre_hooks = OrderedDict(
+        (k, h if _ours(h) else _hook_on(module, h)) for k, h in pre_hooks.items()
+    )
+    # (torch's _call_impl reads the module-level name at each call)
+    torch_module._global_forward_pre_hooks = OrderedDict(
+        (k, _hook_on(module, h, only=True)) for k, h in global_pre.items()
+    )
+    try:
+        yield
+    finally:
+        module._forward_hooks, module._forward_pre_hooks = hooks, pre_hooks
+        torch_module._global_forward_pre_hooks = global_pre
+
+
 def _check_backward_hooks(module: nn.Module) -> None:
     """Full module backward hooks inside the module, or registered for every module, would act
     on the gradients inside the re-run, which torch.func cannot run."""
@@ -591,6 +641,7 @@ class FallbackRule(Rule):
                     call.forward_modes(module),
                     _native_rnn(module),
                     _without_backward_hooks(module),
+                    _as_recorded(module),
                 ):
                     if rows.per_task:
                         new = _replay_per_task(module, detached, call, cots, upstream)
