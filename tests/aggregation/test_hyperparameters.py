@@ -415,3 +415,85 @@ def test_a_subclass_constructor_sets_declared_hyperparameters() -> None:
     passing.c = 0.9
     torch.testing.assert_close(passing(J), agg.CAGrad(c=0.9)(J))
     assert "_jacflow_constructing" not in vars(passing)
+
+
+_NAN = float("nan")
+_INF = float("inf")
+
+# (factory from a vector of 3 entries, the argument's name): every tensor hyper-parameter.
+TENSOR_HYPERPARAMETERS: list[tuple[Any, str]] = [
+    *[
+        (lambda v, cls=cls: cls(pref_vector=v), "pref_vector")
+        for cls in (
+            agg.UPGrad,
+            agg.UPGradWeighting,
+            agg.DualProj,
+            agg.DualProjWeighting,
+            agg.ConFIG,
+            agg.AlignedMTL,
+            agg.AlignedMTLWeighting,
+            agg.SDMGrad,
+            agg.SDMGradWeighting,
+        )
+    ],
+    (agg.Constant, "weights"),
+    (agg.ConstantWeighting, "weights"),
+    (lambda v: agg.CRMOGMWeighting(agg.MeanWeighting(), initial_weights=v), "initial_weights"),
+    (agg.EPO, "preference"),
+    (agg.AuxiNash, "preferences"),
+    (lambda v: agg.ParetoMTL(torch.stack([v, v]), 0), "preferences"),
+    (lambda v: agg.GradDrop(leak=v), "leak"),
+    (lambda v: agg.PCD(tau=v[:2]), "tau"),  # (one entry per row after the first)
+]
+
+
+# (value, exception, words of its message), with their ids: the values every tensor
+# hyper-parameter refuses (also used by the scalarization tests).
+BAD_TENSORS = pytest.mark.parametrize(
+    ("bad", "error", "words"),
+    [
+        (torch.tensor([1.0, _NAN, 1.0]), ValueError, r"must be finite, received \[1\.0, nan"),
+        (torch.tensor([1.0, _INF, 1.0]), ValueError, r"must be finite, received \[1\.0, inf"),
+        (torch.ones(3, dtype=torch.complex64), TypeError, r"real floating-point.*complex64"),
+        (torch.tensor([True, False, True]), TypeError, r"real floating-point.*torch\.bool"),
+        (torch.ones(3, dtype=torch.int64), TypeError, r"real floating-point.*int64"),
+        (torch.ones(3, device="meta"), ValueError, r"meta device"),
+    ],
+    ids=["nan", "inf", "complex", "bool", "int", "meta"],
+)
+
+
+@pytest.mark.parametrize(("make", "name"), TENSOR_HYPERPARAMETERS)
+@BAD_TENSORS
+def test_tensor_hyperparameters_refuse_nonfinite_complex_nonfloat_and_meta_values(
+    make: Any, name: str, bad: Tensor, error: type[Exception], words: str
+) -> None:
+    """A NaN or inf tensor hyper-parameter was accepted (every later output NaN), a complex one
+    lost its imaginary part or raised NotImplementedError, a bool ``leak`` failed at call time
+    and a meta one failed inside torch: all are refused at construction, naming the argument."""
+    with pytest.raises(error, match=rf"`{name}`.*{words}"):
+        make(bad)
+    valid = make(torch.tensor([0.5, 0.25, 1.0]))
+    matrix = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]])
+    if isinstance(valid, agg.LossAware):
+        valid.set_losses(torch.ones(3))
+    assert bool(
+        torch.isfinite(
+            valid(matrix @ matrix.T if isinstance(valid, agg.Weighting) else matrix)
+        ).all()
+    )
+
+
+def test_tensor_hyperparameter_assignment_is_checked_too() -> None:
+    aggregator = agg.UPGrad(pref_vector=torch.ones(2))
+    with pytest.raises(ValueError, match=r"`pref_vector` must be finite"):
+        aggregator.pref_vector = torch.tensor([_NAN, 1.0])
+    assert aggregator.pref_vector.tolist() == [1.0, 1.0]
+
+
+def test_a_meta_matrix_is_refused_at_the_boundary() -> None:
+    """A meta matrix raised torch's ``Tensor.item() cannot be called on meta tensors``."""
+    with pytest.raises(ValueError, match=r"UPGrad expects `matrix`.*meta device"):
+        agg.UPGrad()(torch.ones(3, 4, device="meta"))
+    with pytest.raises(ValueError, match=r"UPGradWeighting expects `gramian`.*meta device"):
+        agg.UPGradWeighting()(torch.ones(3, 3, device="meta"))

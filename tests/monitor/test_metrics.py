@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -176,3 +177,11 @@ def test_min_cosine_propagates_nan_whatever_its_position() -> None:
     metrics = conflict_metrics(torch.eye(3))
     patched = type(metrics)(metrics.norms, cosines, 0, 1.0)
     assert math.isnan(patched.to_dict()["min_cosine"])
+
+
+@pytest.mark.parametrize("metric", [conflicting_pairs, norm_ratio, conflict_metrics])
+def test_a_meta_gramian_is_refused(metric: Any) -> None:
+    """A meta Gramian raised torch's ``Tensor.item() cannot be called on meta tensors``."""
+    with pytest.raises(ValueError, match=r"`gramian` is on the meta device"):
+        metric(torch.ones(3, 3, device="meta"))
+    metric(torch.eye(3))

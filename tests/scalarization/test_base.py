@@ -32,6 +32,7 @@ from jacflow.scalarization import (
     SoftAdapt,
     Tchebycheff,
 )
+from tests.aggregation.test_hyperparameters import BAD_TENSORS
 from tests.scalarization._table import (
     DIFFERENTIABLE,
     FACTORIES,
@@ -463,3 +464,53 @@ def test_to_moves_the_whole_state(name: str) -> None:
     assert _devices(scalarizer.state_dict()) == {"cpu"}
     scalarizer.to("meta")
     assert _devices(scalarizer.state_dict()) == {"meta"}
+
+
+# (factory from a tensor of 3 entries, the argument's name): every tensor hyper-parameter.
+TENSOR_HYPERPARAMETERS: list[tuple[Callable[[Tensor], Scalarizer], str]] = [
+    (Constant, "weights"),
+    (lambda v: Tchebycheff(weights=v), "weights"),
+    (lambda v: Tchebycheff(reference=v), "reference"),
+    (lambda v: AugmentedTchebycheff(0.1, weights=v), "weights"),
+    (lambda v: AugmentedTchebycheff(0.1, reference=v), "reference"),
+    (lambda v: STCH(1.0, weights=v), "weights"),
+    (lambda v: STCH(1.0, reference=v), "reference"),
+    (lambda v: PBI(5.0, weights=v), "weights"),
+    (lambda v: PBI(5.0, weights=torch.ones(3), reference=v), "reference"),
+    (lambda v: COSMOS(1.0, weights=v), "weights"),
+    (lambda v: FAMO(3, min_losses=v), "min_losses"),
+]
+
+
+@pytest.mark.parametrize(("make", "name"), TENSOR_HYPERPARAMETERS)
+@BAD_TENSORS
+def test_tensor_hyperparameters_refuse_nonfinite_complex_nonfloat_and_meta_values(
+    make: Callable[[Tensor], Scalarizer], name: str, bad: Tensor, error: type, words: str
+) -> None:
+    """A NaN weight or reference was accepted and every value was NaN; a complex one lost its
+    imaginary part. All are refused at construction, naming the class and the argument."""
+    with pytest.raises(error, match=rf"\w+: `{name}`.*{words}"):
+        make(bad)
+    value = make(torch.tensor([0.5, 0.25, 0.25]))(torch.tensor(LOSSES[0]))
+    assert bool(torch.isfinite(value))
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        DWA,
+        ReLoBRaLo,
+        AdaLoss,
+        LBTW,
+        SoftAdapt,
+        GeometricMean,
+        lambda: FAMO(3),
+        FACTORIES["LogSTCH"],
+    ],
+)
+def test_methods_that_read_the_losses_refuse_meta_losses(make: Callable[[], Scalarizer]) -> None:
+    """Meta losses raised torch's ``Tensor.item() cannot be called on meta tensors``."""
+    scalarizer = make()
+    with pytest.raises(ValueError, match=r"reads the values of `losses`.*meta device"):
+        scalarizer(torch.ones(3, device="meta"))
+    assert bool(torch.isfinite(scalarizer(torch.tensor(LOSSES[0]))))

@@ -6,7 +6,14 @@ import torch
 from torch import Tensor
 
 from jacflow.aggregation._bases import GramianWeightedAggregator, GramianWeighting
-from jacflow.aggregation._hyperparameters import Forwarded, Hyperparameter, floats, ints, or_none
+from jacflow.aggregation._hyperparameters import (
+    Forwarded,
+    Hyperparameter,
+    check_real_values,
+    floats,
+    ints,
+    or_none,
+)
 from jacflow.aggregation._nonfinite import has_nonfinite, nan_weights
 from jacflow.aggregation._properties import Property
 
@@ -111,7 +118,8 @@ def _check_preferences(preferences: object, name: str) -> Tensor:
             f"`{name}` must be a vector (1-D tensor) with one bargaining power per "
             f"objective, received shape {tuple(preferences.shape)}."
         )
-    if not bool(torch.isfinite(preferences).all()) or bool((preferences < 0).any()):
+    check_real_values(preferences, name)
+    if bool((preferences < 0).any()):
         raise ValueError(f"`{name}` must be finite and non-negative, received {preferences}.")
     return preferences.detach().clone()
 

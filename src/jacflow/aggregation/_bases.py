@@ -45,6 +45,11 @@ def _check_matrix(value: object, name: str, owner: str) -> Tensor:
             f"{owner} expects `{name}` to be a real floating-point tensor (e.g. float32 or "
             f"float64), received dtype {value.dtype}. Convert it with `.float()` first."
         )
+    if value.device.type == "meta":
+        raise ValueError(
+            f"{owner} expects `{name}` to hold values, but it is on the meta device, which holds "
+            "none; pass a tensor on a real device (e.g. cpu)."
+        )
     return value
 
 

@@ -11,7 +11,7 @@ from jacflow.aggregation._bases import (
     Weighting,
     weights_without_gramian,
 )
-from jacflow.aggregation._hyperparameters import Hyperparameter
+from jacflow.aggregation._hyperparameters import Hyperparameter, check_real_values
 from jacflow.aggregation._properties import Property
 
 
@@ -23,7 +23,7 @@ def _check_weights(weights: object, name: str) -> Tensor:
             f"`{name}` must be a vector (1-D tensor) with one weight per objective, received "
             f"shape {tuple(weights.shape)}."
         )
-    return weights
+    return check_real_values(weights, name)
 
 
 def constant_weights(weights: Tensor, m: int, like: Tensor) -> Tensor:

@@ -7,7 +7,7 @@ from torch import Tensor
 
 from jacflow._stateful import SavesState, Stateful
 from jacflow.aggregation._bases import GramianWeighting, Weighting, check_weighting
-from jacflow.aggregation._hyperparameters import Hyperparameter, floats
+from jacflow.aggregation._hyperparameters import Hyperparameter, check_real_values, floats
 from jacflow.aggregation._nonfinite import has_nonfinite, propagate_nonfinite
 
 
@@ -17,7 +17,7 @@ def _check_initial_weights(value: object, name: str) -> Tensor | None:
             f"`{name}` must be None or a vector (1-D tensor) with one weight per objective, "
             f"received {value!r}."
         )
-    return value
+    return None if value is None else check_real_values(value, name)
 
 
 class CRMOGMWeighting(SavesState, GramianWeighting, Stateful):

@@ -6,7 +6,13 @@ import torch
 from torch import Tensor
 
 from jacflow.aggregation._bases import GramianWeightedAggregator, GramianWeighting
-from jacflow.aggregation._hyperparameters import Forwarded, Hyperparameter, check_bool, floats
+from jacflow.aggregation._hyperparameters import (
+    Forwarded,
+    Hyperparameter,
+    check_bool,
+    check_real_values,
+    floats,
+)
 from jacflow.aggregation._linprog import linprog_max
 from jacflow.aggregation._loss_aware import LossAware
 from jacflow.aggregation._nonfinite import has_nonfinite, nan_weights
@@ -84,7 +90,8 @@ def _check_preference(preference: object, name: str) -> Tensor:
             f"`{name}` must be a vector (1-D tensor) with one positive entry per objective, "
             f"received shape {tuple(preference.shape)}."
         )
-    if not bool(torch.isfinite(preference).all()) or bool((preference <= 0).any()):
+    check_real_values(preference, name)
+    if bool((preference <= 0).any()):
         raise ValueError(f"`{name}` must be finite and positive, received {preference}.")
     return preference.detach().clone()
 

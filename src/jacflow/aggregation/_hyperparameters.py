@@ -25,6 +25,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar, overload
 
+import torch
 from torch import Tensor, nn
 
 T = TypeVar("T")
@@ -113,6 +114,37 @@ def or_none(check: Check[T]) -> Check[T | None]:
     return check_optional
 
 
+def check_real_values(value: Tensor, name: str, owner: str = "") -> Tensor:
+    """``value`` if it is a real floating-point tensor of finite values that can be read (not on
+    the meta device), else a ``TypeError``/``ValueError`` naming ``name`` (and ``owner``, the
+    class, when given). The shared value check of every tensor hyper-parameter.
+
+    Example:
+        >>> import torch
+        >>> from jacflow.aggregation._hyperparameters import check_real_values
+        >>> check_real_values(torch.tensor([1.0, float("nan")]), "pref_vector")
+        Traceback (most recent call last):
+        ...
+        ValueError: `pref_vector` must be finite, received [1.0, nan].
+    """
+    where = f"{owner}: " if owner else ""
+    if value.is_complex() or not value.is_floating_point():
+        raise TypeError(
+            f"{where}`{name}` must be a real floating-point tensor (e.g. float32), received dtype "
+            f"{value.dtype}. Convert it with `.float()`."
+        )
+    if value.device.type == "meta":
+        raise ValueError(
+            f"{where}`{name}` is on the meta device, which holds no values; create it on a real "
+            "device (e.g. cpu)."
+        )
+    if not bool(torch.isfinite(value).all()):
+        raise ValueError(
+            f"{where}`{name}` must be finite, received {value.detach().flatten().tolist()[:8]}."
+        )
+    return value
+
+
 def check_unit_vector(value: object, name: str, expected: str) -> Tensor:
     """``value`` if it is a vector (1-D tensor) of entries in [0, 1], else a ``ValueError``
     saying that ``name`` must be ``expected``.
@@ -126,6 +158,7 @@ def check_unit_vector(value: object, name: str, expected: str) -> Tensor:
     if not isinstance(value, Tensor) or value.ndim != 1:
         shape = tuple(value.shape) if isinstance(value, Tensor) else type(value)
         raise ValueError(f"`{name}` must be {expected}, received {shape}.")
+    check_real_values(value, name)
     if not bool(((value >= 0) & (value <= 1)).all()):
         raise ValueError(f"`{name}` values must lie in [0, 1], received {value.tolist()}.")
     return value

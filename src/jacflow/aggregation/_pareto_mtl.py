@@ -7,7 +7,7 @@ from torch import Tensor
 
 from jacflow._stateful import SavesState, Stateful
 from jacflow.aggregation._bases import GramianWeightedAggregator, GramianWeighting
-from jacflow.aggregation._hyperparameters import Forwarded, Hyperparameter, ints
+from jacflow.aggregation._hyperparameters import Forwarded, Hyperparameter, check_real_values, ints
 from jacflow.aggregation._loss_aware import LossAware
 from jacflow.aggregation._mgda import mgda_weights
 from jacflow.aggregation._nonfinite import has_nonfinite, nan_weights
@@ -64,10 +64,9 @@ def _check_preferences(preferences: object, name: str) -> Tensor:
             f"`{name}` must be a matrix [K, m] with one preference vector per row (K >= 1), "
             f"received shape {tuple(preferences.shape)}."
         )
-    if (
-        not bool(torch.isfinite(preferences).all())
-        or bool((preferences < 0).any())
-        or (preferences.shape[1] > 0 and bool((preferences.sum(1) == 0).any()))
+    check_real_values(preferences, name)
+    if bool((preferences < 0).any()) or (
+        preferences.shape[1] > 0 and bool((preferences.sum(1) == 0).any())
     ):
         raise ValueError(
             f"`{name}` must be finite and non-negative with no zero row, received {preferences}."

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
+from jacflow.aggregation._hyperparameters import check_real_values
 from jacflow.aggregation._mean import mean_weights
 
 
@@ -18,7 +19,7 @@ def check_pref_vector(pref_vector: object, name: str = "pref_vector") -> Tensor 
             f"`{name}` must be a vector (1-D tensor) with one entry per objective, received "
             f"shape {tuple(pref_vector.shape)}."
         )
-    return pref_vector
+    return check_real_values(pref_vector, name)
 
 
 def resolve_pref_vector(pref_vector: Tensor | None, m: int, like: Tensor) -> Tensor:

@@ -40,6 +40,11 @@ def _check_gramian(gramian: object) -> Tensor:
             f"`gramian` must be a real matrix, received dtype {gramian.dtype}. Pass the real "
             "Gramian J @ J.T of a real Jacobian."
         )
+    if gramian.device.type == "meta":
+        raise ValueError(
+            "`gramian` is on the meta device, which holds no values; pass a Gramian on a real "
+            "device (e.g. cpu)."
+        )
     if gramian.is_floating_point():
         dtype = compute_dtype(gramian.dtype)
     else:

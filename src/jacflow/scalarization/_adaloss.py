@@ -69,6 +69,8 @@ class AdaLoss(SavesState, Scalarizer, Stateful):
 
     saved_state = ("_average",)
 
+    reads_losses = True
+
     def __init__(self, momentum: float = 0.9, eps: float = 1e-8) -> None:
         super().__init__()
         self.momentum = momentum

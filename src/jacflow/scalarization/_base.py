@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
@@ -18,6 +18,7 @@ from jacflow.aggregation._hyperparameters import (
     check_bool,
     check_float,
     check_int,
+    check_real_values,
     floats,
     ints,
 )
@@ -33,6 +34,7 @@ __all__ = [
     "check_losses",
     "check_non_negative",
     "check_optional_tensor",
+    "check_readable",
     "check_same_shape",
     "check_shape",
     "check_tensor",
@@ -108,19 +110,30 @@ def check_shape(shape: object, owner: str) -> torch.Size:
 
 
 def check_optional_tensor(value: object, name: str, owner: str) -> Tensor | None:
-    """Check that ``value`` is ``None`` or a tensor."""
-    if value is not None and not isinstance(value, Tensor):
+    """Check that ``value`` is ``None`` or a real floating-point tensor of finite values."""
+    if value is None:
+        return None
+    if not isinstance(value, Tensor):
         raise TypeError(
             f"{owner}: `{name}` must be a torch.Tensor or None, received {type(value)}."
         )
-    return value
+    return check_real_values(value, name, owner)
 
 
 def check_tensor(value: object, name: str, owner: str) -> Tensor:
-    """Check that ``value`` is a tensor."""
+    """Check that ``value`` is a real floating-point tensor of finite values."""
     if not isinstance(value, Tensor):
         raise TypeError(f"{owner}: `{name}` must be a torch.Tensor, received {type(value)}.")
-    return value
+    return check_real_values(value, name, owner)
+
+
+def check_readable(losses: Tensor, owner: str) -> None:
+    """Refuse losses on the meta device, for a method that reads their values."""
+    if losses.device.type == "meta":
+        raise ValueError(
+            f"{owner} reads the values of `losses`, but they are on the meta device, which holds "
+            "none; pass losses on a real device (e.g. cpu)."
+        )
 
 
 def tensors(owner: str) -> Check[Tensor]:
@@ -287,8 +300,13 @@ class Scalarizer(Configurable, ABC):
     _settled = False
     """Whether the parameters' and buffers' device and dtype are fixed (see the class)."""
 
+    reads_losses: ClassVar[bool] = False
+    """Whether the method reads the losses' values (then losses on the meta device are refused)."""
+
     def __call__(self, losses: Tensor, /) -> Tensor:
         check_losses(losses, type(self).__name__)
+        if self.reads_losses:
+            check_readable(losses, type(self).__name__)
         return super().__call__(losses)
 
     def follow(self, tensors: Sequence[Tensor], losses: Tensor) -> None:

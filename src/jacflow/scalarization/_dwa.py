@@ -89,6 +89,8 @@ class DWA(SavesState, Scalarizer, Stateful):
 
     saved_state = ("_epoch_sum", "_epoch_batches", "_averages")
 
+    reads_losses = True
+
     def __init__(self, temperature: float = 2.0) -> None:
         super().__init__()
         self.temperature = temperature

@@ -104,6 +104,8 @@ class FAMO(SavesState, Scalarizer, Stateful):
     _exp_avg: Tensor
     _exp_avg_sq: Tensor
 
+    reads_losses = True
+
     def __init__(
         self,
         shape: int | Sequence[int],

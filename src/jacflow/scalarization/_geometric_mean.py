@@ -61,6 +61,8 @@ class GeometricMean(Scalarizer):
         tensor(4.)
     """
 
+    reads_losses = True
+
     def forward(self, losses: Tensor, /) -> Tensor:
         check_non_negative(losses, "GeometricMean", "Shift the losses or use `Mean`.")
         return geometric_mean(losses)

@@ -64,6 +64,8 @@ class LBTW(SavesState, Scalarizer, Stateful):
 
     saved_state = ("_initial",)
 
+    reads_losses = True
+
     def __init__(self, alpha: float = 0.5) -> None:
         super().__init__()
         self.alpha = alpha

@@ -125,6 +125,8 @@ class LogSTCH(SavesState, Scalarizer, Stateful):
 
     saved_state = ("epoch", "_sum", "_count", "nadir")
 
+    reads_losses = True
+
     def __init__(self, mu: float, warmup_epochs: int = 4) -> None:
         super().__init__()
         self.mu = mu

@@ -80,7 +80,7 @@ class PBI(Scalarizer):
     @weights.setter
     def weights(self, value: Tensor) -> None:
         direction = check_tensor(value, "weights", "PBI")
-        if not bool(torch.isfinite(direction).all()) or not bool((direction != 0).any()):
+        if not bool((direction != 0).any()):  # (finite: checked by `check_tensor`)
             raise ValueError(
                 "PBI: `weights` (the preference direction) must be finite and not all zero "
                 f"(its norm divides it), received {direction.detach().flatten().tolist()[:8]}. "

@@ -90,6 +90,8 @@ class ReLoBRaLo(SavesState, Scalarizer, Stateful):
 
     saved_state = ("_initial", "_previous", "_lambda")
 
+    reads_losses = True
+
     def __init__(self, alpha: float = 0.999, rho: float = 0.999, temperature: float = 0.1):
         super().__init__()
         self.alpha = alpha

@@ -92,6 +92,8 @@ class SoftAdapt(SavesState, Scalarizer, Stateful):
 
     saved_state = ("_previous",)
 
+    reads_losses = True
+
     def __init__(self, beta: float = 0.1, normalized: bool = False, loss_weighted: bool = False):
         super().__init__()
         self.beta = beta
