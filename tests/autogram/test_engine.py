@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -622,3 +623,118 @@ def test_sparse_embedding_grad_accumulates_with_autograds(engine_first: bool) ->
     assert grad is not None and grad.is_sparse and grad.sparse_dim() == 1
     expected = (weights @ jacobian).reshape(7, 3) + auxiliary
     torch.testing.assert_close(grad.to_dense(), expected)
+
+
+class _HeldWeights(nn.Module):
+    """Weights kept in a ParameterList or ParameterDict, read by this module's forward: the
+    container is never called, so it had no call of its own to record (findings29 F3)."""
+
+    def __init__(self, container: str, head: bool) -> None:
+        super().__init__()
+        weights = [nn.Parameter(torch.randn(3, 3, dtype=torch.float64)) for _ in range(2)]
+        self.container = container
+        self.ws: nn.ParameterList | nn.ParameterDict = (
+            nn.ParameterList(weights)
+            if container == "list"
+            else nn.ParameterDict({f"w{i}": w for i, w in enumerate(weights)})
+        )
+        self.head = nn.Linear(3, 2).double() if head else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        weights = self.ws if isinstance(self.ws, nn.ParameterList) else self.ws.values()
+        for w in weights:
+            x = torch.tanh(x @ w)
+        return x if self.head is None else self.head(x)
+
+
+def _losses(out: Tensor, batch_dim: int | None) -> Tensor:
+    per_sample = out.pow(2).sum(1)
+    return per_sample if batch_dim == 0 else torch.stack([out.sum(), per_sample.pow(2).sum()])
+
+
+@pytest.mark.parametrize("container", ["list", "dict"])
+@pytest.mark.parametrize("head", [False, True])
+@pytest.mark.parametrize("batch_dim", [0, None])
+def test_parameters_held_in_a_parameter_container_are_the_parents(
+    container: str, head: bool, batch_dim: int | None
+) -> None:
+    torch.manual_seed(0)
+    model = _HeldWeights(container, head)
+    x = torch.randn(4, 3, dtype=torch.float64)
+    engine = Engine(model, batch_dim=batch_dim)
+    assert_exact_step(engine, lambda: _losses(model(x), batch_dim), list(model.parameters()))
+
+
+@dataclasses.dataclass
+class _Encoded:
+    h: Tensor
+    size: int
+
+
+class _Encoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(3, 3, dtype=torch.float64))
+
+    def forward(self, x: Tensor) -> _Encoded:
+        return _Encoded(torch.tanh(x @ self.w), x.shape[0])
+
+
+@pytest.mark.parametrize("head", [False, True])
+@pytest.mark.parametrize("batch_dim", [0, None])
+def test_a_module_returning_a_dataclass_is_recorded(head: bool, batch_dim: int | None) -> None:
+    """Torch's pytree takes a dataclass as a leaf: its tensors were not recorded (findings29
+    F3)."""
+    torch.manual_seed(0)
+    encoder, linear = _Encoder(), nn.Linear(3, 2).double()
+    model = nn.ModuleList([encoder, linear])
+    x = torch.randn(4, 3, dtype=torch.float64)
+
+    def forward() -> Tensor:
+        h = encoder(x).h
+        return _losses(linear(h) if head else h, batch_dim)
+
+    engine = Engine(model, batch_dim=batch_dim)
+    params = list(encoder.parameters()) + (list(linear.parameters()) if head else [])
+    assert_exact_step(engine, forward, params)
+
+
+def _non_strided(kind: str) -> Tensor:
+    torch.manual_seed(0)
+    dense = torch.randn(4, 5, dtype=torch.float64)
+    dense[dense.abs() < 0.8] = 0
+    if kind == "coo":
+        return dense.to_sparse()
+    if kind == "csr":
+        return dense.to_sparse_csr()
+    rows = [torch.randn(n, 5, dtype=torch.float64) for n in (2, 3, 1, 4)]
+    return torch.nested.nested_tensor(rows, layout=torch.jagged)
+
+
+@pytest.mark.parametrize(
+    ("kind", "words"), [("coo", "sparse_coo"), ("csr", "sparse_csr"), ("jagged", "nested")]
+)
+@pytest.mark.parametrize("batch_dim", [0, None])
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
+def test_a_sparse_or_nested_input_of_a_closed_form_rule_is_refused(
+    kind: str, words: str, batch_dim: int | None
+) -> None:
+    """They crashed the step with torch's errors from inside the rules (findings29 F4)."""
+    x = _non_strided(kind)
+    model = nn.Sequential(nn.Linear(5, 3), nn.Tanh(), nn.Linear(3, 2)).double()
+    engine = Engine(model, batch_dim=batch_dim)
+    out = model(x)
+    losses = (
+        torch.stack([o.pow(2).sum() for o in out.unbind()]) if out.is_nested else out.pow(2).sum(1)
+    )
+    if batch_dim is None:
+        losses = torch.stack([losses.sum(), losses.pow(2).sum()])
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    with pytest.raises(
+        ValueError,
+        match=rf"(?s)Sequential\.0 \(Linear\).*{words}.*dense.*"
+        r"parallel_chunk_size=1",
+    ):
+        engine.backward(losses, ConstantWeighting(torch.ones(losses.numel())))
+    assert all(torch.equal(p.grad, torch.ones_like(p)) for p in model.parameters())

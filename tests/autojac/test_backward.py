@@ -451,3 +451,26 @@ def test_an_aggregator_of_your_own_may_use_autograd_inside() -> None:
     backward(losses, [x], A=_InnerGradientSteps())
     assert x.grad is not None and not x.grad.requires_grad
     torch.testing.assert_close(x.grad, expected)
+
+
+def test_a_sparse_input_gets_the_vmap_hint_and_the_hint_works() -> None:
+    """Vmapped rows fail on a sparse input with "expand is unsupported for Sparse tensors", which
+    was not hinted although ``parallel_chunk_size=1`` works (findings29 F5)."""
+    torch.manual_seed(0)
+    dense = torch.randn(4, 3, dtype=torch.float64)
+    dense[dense.abs() < 0.7] = 0
+    x = dense.to_sparse()
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Tanh()).double()
+    params = list(model.parameters())
+    before = [p.grad for p in params]
+    with pytest.raises(RuntimeError, match=r"(?s)Sparse.*pass `parallel_chunk_size=1`"):
+        backward(model(x).pow(2).sum(1), A=Constant(torch.ones(4, dtype=torch.float64)))
+    assert all(p.grad is g for p, g in zip(params, before))
+    backward(
+        model(x).pow(2).sum(1),
+        A=Constant(torch.ones(4, dtype=torch.float64)),
+        parallel_chunk_size=1,
+    )
+    expected = torch.autograd.grad(model(dense).pow(2).sum(), params)
+    for p, e in zip(params, expected):
+        torch.testing.assert_close(p.grad, e, rtol=1e-12, atol=1e-12)

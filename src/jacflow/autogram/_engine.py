@@ -35,6 +35,7 @@ from jacflow.autogram._distributed import (
 )
 from jacflow.autogram._embedding import frequency_refusal
 from jacflow.autogram._fallback import FallbackRule
+from jacflow.autogram._flatten import leaves
 from jacflow.autogram._hooks import (
     Recorder,
     Unit,
@@ -1151,6 +1152,7 @@ class Engine:
             )
         # (before the backward: autograd may fail on such a view)
         with_units = [(self._units[index], call) for index, call in calls]
+        _check_strided_inputs(with_units, self.batch_dim)
         _check_hooks_under_view_ops(losses, with_units)
         _check_output_views(losses, with_units)
         # (the checks below hold for a pattern of calls and the graph around them)
@@ -1438,6 +1440,28 @@ def _rows_shaped(
         # (usually already so: a reshape is a dispatch, the comparison is not)
         shaped.append(grad if grad.shape == target else grad.reshape(target))
     return shaped
+
+
+def _check_strided_inputs(calls: list[tuple[Unit, Call]], batch_dim: int | None) -> None:
+    """Refuse a nested (jagged) tensor given to a hooked module, and a sparse one given to a
+    module with a closed-form rule: the rules reshape, index and stack the recorded tensors,
+    which torch does not implement for them. (The generic rule re-runs the module on the
+    sparse input as it was given, which is exact.)"""
+    for unit, call in calls:
+        for leaf in leaves((call.args, call.kwargs)):
+            if not isinstance(leaf, Tensor):
+                continue
+            nested = leaf.is_nested
+            if not nested and (leaf.layout == torch.strided or isinstance(unit.rule, FallbackRule)):
+                continue
+            kind = "a nested (jagged) tensor" if nested else f"a sparse tensor ({leaf.layout})"
+            dense = "pad the batch into a dense tensor" if nested else "pass x.to_dense()"
+            raise ValueError(
+                f"{unit.name} ({type(unit.module).__name__}) was given {kind} as input, which "
+                f"the Engine (batch_dim={batch_dim}) cannot take apart by sample or task. "
+                f"Give it a dense strided tensor ({dense}), or use jacflow.backward(..., "
+                "parallel_chunk_size=1), which differentiates the losses row by row."
+            )
 
 
 def _check_output_views(losses: Tensor, calls: list[tuple[Unit, Call]]) -> None:

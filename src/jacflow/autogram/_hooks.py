@@ -77,6 +77,16 @@ def find_units(modules: tuple[nn.Module, ...]) -> list[Unit]:
             return
         seen.add(id(module))
         direct = [p for p in module.parameters(recurse=False) if p.requires_grad]
+        # the entries of a ParameterList/ParameterDict child are read by this module's forward
+        # (the container is never called): they count as its direct parameters
+        held = [
+            p
+            for child in module.children()
+            if isinstance(child, (nn.ParameterList, nn.ParameterDict))
+            for p in child.parameters()
+            if p.requires_grad
+        ]
+        direct += held
         # a parametrised tensor (torch.nn.utils.parametrize, or the hooks of weight_norm,
         # spectral_norm and prune) is computed from other parameters: no closed form sees them,
         # the generic rule (covering children) does
@@ -84,7 +94,7 @@ def find_units(modules: tuple[nn.Module, ...]) -> list[Unit]:
             isinstance(hook, (WeightNorm, SpectralNorm, BasePruningMethod))
             for hook in module._forward_pre_hooks.values()
         )
-        rule = None if parametrized else find_rule(module)
+        rule = None if parametrized or held else find_rule(module)
         if rule is not None and unread_parameters(module, rule):  # (e.g. a hand-made pruning
             rule = None  # hook's weight_orig: the closed form would leave it out)
         # a rule covering the children (attention: out_proj's parameters, used without calling

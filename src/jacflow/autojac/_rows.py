@@ -43,11 +43,19 @@ _DONATED_HINT = (
 
 # Pieces (lower case) of the errors that differentiating rows under vmap causes: an op without
 # a batching rule, an in-place op on an unbatched tensor, an autograd.Function without vmap
-# support, a kernel that reads a batched tensor's storage (torch.compile'd graphs do). Only
+# support, a kernel that reads a batched tensor's storage (torch.compile'd graphs do), an op
+# that cannot expand a sparse tensor to the chunk (the cotangents' batch dimension). Only
 # those get the hint: others ("backward through the graph a second time") come back row by row
 # too. (Retrying the chunk row by row to tell would run the hooks twice, and could find the
 # graph freed by the failed call.)
-_VMAP_ERRORS = ("vmap", "batching rule", "batched", "functorch", "doesn't have storage")
+_VMAP_ERRORS = (
+    "vmap",
+    "batching rule",
+    "batched",
+    "functorch",
+    "doesn't have storage",
+    "unsupported for sparse",
+)
 
 
 def vmap_related(error: RuntimeError) -> bool:
@@ -56,6 +64,8 @@ def vmap_related(error: RuntimeError) -> bool:
     Example:
         >>> from jacflow.autojac._rows import vmap_related
         >>> vmap_related(RuntimeError("Batching rule not implemented for aten::item."))
+        True
+        >>> vmap_related(RuntimeError("expand is unsupported for Sparse tensors"))
         True
         >>> vmap_related(RuntimeError("Trying to backward through the graph a second time"))
         False
