@@ -110,13 +110,29 @@ def out_of_range(gramian: Tensor, matrices: Sequence[Tensor]) -> bool:
         >>> out_of_range(tiny @ tiny.T, [tiny]), out_of_range(zero @ zero.T, [zero])
         (True, False)
     """
+    if not peak_out_of_range(gramian):
+        return False
+    if has_nonfinite(gramian):  # overflowed, unless a matrix holds a non-finite entry itself
+        return not any(has_nonfinite(m) for m in matrices)
+    return any(bool(m.any()) for m in matrices)  # underflowed, unless every entry is zero
+
+
+def peak_out_of_range(gramian: Tensor) -> bool:
+    """Whether the largest absolute entry of ``gramian``, in a dtype narrower than float64,
+    is not finite (inf or NaN) or below ``tiny / eps`` (zero included): the test of
+    :func:`out_of_range` on the Gramian alone. One host read, only below float64.
+
+    Example:
+        >>> import torch
+        >>> from jacflow.aggregation._bases import peak_out_of_range
+        >>> peak_out_of_range(torch.tensor([[1e-35]])), peak_out_of_range(torch.eye(2))
+        (True, False)
+    """
     if gramian.dtype == torch.float64 or gramian.numel() == 0:
         return False
-    peak = float(gramian.detach().abs().amax())
-    if not peak < math.inf:  # (inf or NaN) overflowed, unless a matrix holds one itself
-        return not any(has_nonfinite(m) for m in matrices)
     info = torch.finfo(gramian.dtype)
-    return peak < info.tiny / info.eps and any(bool(m.any()) for m in matrices)
+    # (NaN fails both comparisons)
+    return not info.tiny / info.eps <= float(gramian.detach().abs().amax()) < math.inf
 
 
 def scale_to_unit_peak(matrix: Tensor) -> Tensor:

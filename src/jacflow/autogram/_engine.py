@@ -22,7 +22,7 @@ from torch.utils.hooks import RemovableHandle
 from jacflow._grad_writes import grad_dtype, laid_out, owned, run_post_accumulate_hooks
 from jacflow._warnings import caller_stacklevel
 from jacflow.aggregation import GramianWeighting
-from jacflow.aggregation._bases import unit_peak_factor
+from jacflow.aggregation._bases import peak_out_of_range, unit_peak_factor
 from jacflow.autogram._buffers import GradientBuffers, worth_reusing
 from jacflow.autogram._capture import EACH, Selection, capture, pull_back
 from jacflow.autogram._distributed import (
@@ -35,7 +35,6 @@ from jacflow.autogram._distributed import (
 )
 from jacflow.autogram._embedding import frequency_refusal
 from jacflow.autogram._fallback import FallbackRule
-from jacflow.autogram._flatten import leaves
 from jacflow.autogram._hooks import (
     Recorder,
     Unit,
@@ -978,7 +977,9 @@ class Engine:
                     if meetings is not None and rows.per_task:  # (the same weights everywhere)
                         meetings.meet(gramian.shape[0])
                         gramian = averaged_gramian(gramian, self._replicas)
-                    elif _out_of_range(gramian):  # (rare: formed again, exactly)
+                    # (overflowed: per-row gradients of about 1e19 in float32; or underflowed:
+                    # below about 1e-20; one host read of the peak, the common path's only cost)
+                    elif peak_out_of_range(gramian):  # (rare: formed again, exactly)
                         exact = _gramian_in_float64(contributions, rows, order, trunk_rows, gramian)
                         gramian = _usable(exact, weighting, dtype) if _in_range(exact) else gramian
                 weights = _check_weights(weighting(gramian), gramian.shape[0], weighting)
@@ -1448,9 +1449,7 @@ def _check_strided_inputs(calls: list[tuple[Unit, Call]], batch_dim: int | None)
     which torch does not implement for them. (The generic rule re-runs the module on the
     sparse input as it was given, which is exact.)"""
     for unit, call in calls:
-        for leaf in leaves((call.args, call.kwargs)):
-            if not isinstance(leaf, Tensor):
-                continue
+        for leaf, _ in call.versions:  # (the call's tensor inputs, flattened at the forward)
             nested = leaf.is_nested
             if not nested and (leaf.layout == torch.strided or isinstance(unit.rule, FallbackRule)):
                 continue
@@ -1791,18 +1790,6 @@ def _assemble(
     if total is None:  # every hooked parameter is frozen
         return losses.new_zeros(rows.num_rows, rows.num_rows)
     return total
-
-
-def _out_of_range(gramian: Tensor) -> bool:
-    """Whether ``gramian``, below float64, overflowed (inf or NaN: per-row gradients of about
-    1e19 in float32) or lost its digits to underflow (largest entry below ``tiny / eps``, zero
-    included: gradients below about 1e-20). One host read of its peak, a few operations on the
-    ``m x m`` matrix; the common path's only cost."""
-    if gramian.dtype == torch.float64 or gramian.numel() == 0:
-        return False
-    info = torch.finfo(gramian.dtype)
-    # (NaN fails both comparisons)
-    return not info.tiny / info.eps <= float(gramian.detach().abs().amax()) < math.inf
 
 
 def _in_range(exact: Tensor) -> bool:
