@@ -29,7 +29,7 @@ from jacflow.linalg._gramian import (
     _normalize_gramian,
     _regularize_gramian,
     check_eps,
-    check_real_tensor,
+    check_float_tensor,
     has_nonfinite,
 )
 from jacflow.linalg._host_pdas import solve_rows
@@ -256,7 +256,7 @@ def _check_inputs(u: Tensor, gramian: Tensor, diagonal: bool = False) -> None:
     of ``project_diagonal``'s ``pref`` ``[m]`` and ``gramian`` ``[m, m]``)."""
     u_name = "pref" if diagonal else "u"
     for name, value in ((u_name, u), ("gramian", gramian)):
-        check_real_tensor(value, name)
+        check_float_tensor(value, name)
     if diagonal and (u.ndim != 1 or gramian.shape != (u.shape[0], u.shape[0])):
         raise ValueError(
             "`pref` must have shape [m] and `gramian` shape [m, m] (one Gramian), received "

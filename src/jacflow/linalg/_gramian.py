@@ -20,7 +20,7 @@ def check_eps(value: object, name: str) -> float:
     return check_float(value, name, low=0.0)
 
 
-def check_real_tensor(value: object, name: str) -> None:
+def check_float_tensor(value: object, name: str) -> None:
     """A ``TypeError`` unless ``value`` is a Tensor of a real floating dtype (metadata only)."""
     if not isinstance(value, Tensor):
         raise TypeError(f"`{name}` must be a torch.Tensor, received {type(value)}.")
@@ -33,7 +33,7 @@ def check_real_tensor(value: object, name: str) -> None:
 
 def check_gramian(gramian: object, function: str) -> None:
     """``gramian`` must be a real floating Tensor of shape ``[..., m, m]`` (metadata only)."""
-    check_real_tensor(gramian, "gramian")
+    check_float_tensor(gramian, "gramian")
     assert isinstance(gramian, Tensor)  # (for mypy: checked just above)
     if gramian.ndim < 2 or gramian.shape[-1] != gramian.shape[-2]:
         raise ValueError(
@@ -57,7 +57,7 @@ def compute_gramian(matrix: Tensor) -> Tensor:
     """
     if not torch.jit.is_scripting():  # noqa: SIM102 (TorchScript drops this branch only alone)
         if not isinstance(matrix, torch.fx.Proxy):  # (whose `ndim` is not known)
-            check_real_tensor(matrix, "matrix")
+            check_float_tensor(matrix, "matrix")
             if matrix.ndim != 2:
                 raise ValueError(
                     "`compute_gramian` expects a 2-D [m, n] matrix (one row per objective), "
@@ -85,7 +85,7 @@ def sum_gramians(matrices: Iterable[Tensor]) -> Tensor:
     total: Tensor | None = None
     rows: int | None = None
     for i, matrix in enumerate(matrices):
-        check_real_tensor(matrix, f"matrices[{i}]")
+        check_float_tensor(matrix, f"matrices[{i}]")
         if matrix.ndim == 0:
             raise ValueError(
                 "`sum_gramians` expects tensors of shape [m, *any], received "

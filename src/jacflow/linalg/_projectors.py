@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from jacflow.linalg._dual_cone import check_solver_settings, project_diagonal, project_weights
-from jacflow.linalg._gramian import _normalize_gramian, _regularize_gramian, check_real_tensor
+from jacflow.linalg._gramian import _normalize_gramian, _regularize_gramian, check_float_tensor
 
 
 class DualConeProjector(ABC):
@@ -186,8 +186,8 @@ class QuadprogProjector(DualConeProjector):
         self._quadprog: Any = quadprog
 
     def __call__(self, u: Tensor, gramian: Tensor) -> Tensor:
-        check_real_tensor(u, "u")
-        check_real_tensor(gramian, "gramian")
+        check_float_tensor(u, "u")
+        check_float_tensor(gramian, "gramian")
         m = gramian.shape[-1] if gramian.ndim else 0
         if gramian.ndim != 2 or gramian.shape[0] != m or u.shape[-1:] != (m,):
             raise ValueError(
