@@ -72,6 +72,26 @@ def _per_sample(rank: int) -> None:
     assert torch.equal(replicas[0], replicas[1])  # (bit for bit: the replicas stay the same)
 
 
+def _weights_then_ddp_backward(rank: int) -> None:
+    """The frameworks' route (docs/integrations.md): the Gramian of the wrapped model's losses,
+    then DDP's own backward of ``losses @ w``, which averages the replicas' updates."""
+    trunk, heads = _model()
+    model = nn.Sequential(trunk, heads[0])
+    params = list(model.parameters())
+    ddp = DistributedDataParallel(model)
+    engine = Engine(model, batch_dim=0)  # (the inner model: its replica's own Gramian)
+    torch.manual_seed(1 + rank)
+    x = torch.randn(5, 4, dtype=torch.float64)
+    losses = ddp(x).squeeze(1).sin()
+    jacobian = _jacobian(losses, params)
+    gramian = engine.compute_gramian(losses)
+    torch.testing.assert_close(gramian, jacobian @ jacobian.T)
+    weights = UPGradWeighting()(gramian)
+    (losses @ weights).backward()
+    torch.testing.assert_close(_grads(params), _gathered(weights @ jacobian).mean(0))
+    engine.remove()
+
+
 def _per_task(rank: int) -> None:
     trunk, heads = _model()
     shared, specific = list(trunk.parameters()), list(heads.parameters())
@@ -267,6 +287,7 @@ def _worker(rank: int, port: int) -> None:
     )
     try:
         _per_sample(rank)
+        _weights_then_ddp_backward(rank)
         _per_task(rank)
         _branches(rank)
         _sparse_and_refusals(rank)

@@ -24,6 +24,8 @@ def _blocks(page: Path) -> list[tuple[str, str]]:
 
 
 PAGES = sorted(p for p in DOCS.rglob("*.md") if any(k == "python" for k, _ in _blocks(p)))
+# The frameworks a page's examples import (the `integrations` extra; the test command has it).
+_FRAMEWORKS = {"integrations.md": ("lightning", "transformers")}
 
 
 def test_the_pages_with_examples_are_found() -> None:
@@ -43,6 +45,8 @@ def _run_doctest(code: str, namespace: dict[str, object], name: str) -> None:
 
 @pytest.mark.parametrize("page", PAGES, ids=[str(p.relative_to(DOCS)) for p in PAGES])
 def test_page_examples(page: Path) -> None:
+    for module in _FRAMEWORKS.get(page.name, ()):
+        pytest.importorskip(module, reason='pip install "jacflow[integrations]"')
     blocks = _blocks(page)
     namespace: dict[str, object] = {"__name__": f"docs_{page.stem}"}
     for index, (kind, code) in enumerate(blocks):
