@@ -73,7 +73,7 @@ def accumulate_jacs(
     are formed before the first write, so that a failure leaves every ``.jac`` as it was.
     """
     existing = [getattr(t, "jac", None) for t in tensors]
-    with _recording(jacobians):
+    with recording(jacobians):
         jacs = owned(jacobians, [*held, *(e for e in existing if e is not None)])
         in_place = _jacs_added_in_place(existing, jacs, held)
         new = [j if e is None or add else e + j for e, j, add in zip(existing, jacs, in_place)]
@@ -102,10 +102,19 @@ def _jacs_added_in_place(
     return flags
 
 
-def _recording(results: Sequence[Tensor]) -> contextlib.AbstractContextManager[object]:
+def recording(results: Sequence[Tensor]) -> contextlib.AbstractContextManager[object]:
     """Grad mode on where a result has a graph (``create_graph=True``): autograd records the
     accumulation then even under ``no_grad``, and so must the sums, copies and conversions
-    of the results (else ``.grad`` silently loses its graph)."""
+    of the results (else ``.grad`` silently loses its graph), and the stacking of the rows.
+
+    Example:
+        >>> import torch
+        >>> from jacflow.autojac._accumulate import recording
+        >>> row = torch.ones(2, requires_grad=True) * 2
+        >>> with torch.no_grad(), recording([row]):
+        ...     row.unsqueeze(0).requires_grad
+        True
+    """
     if any(r.requires_grad for r in results):
         return torch.enable_grad()
     return contextlib.nullcontext()
@@ -157,7 +166,7 @@ def accumulate_grads(
     formed before the first write, so that no write fails after another has been made. Then
     the tensors' post-accumulate hooks run, once each, as after ``loss.backward()``.
     """
-    with _recording(updates):
+    with recording(updates):
         converted = [u.to(grad_dtype(t)) for t, u in zip(tensors, updates)]
         current = [_current_grad(tensor) for tensor in tensors]
         # (only what is stored as it is must be a tensor of its own, laid out as its tensor)

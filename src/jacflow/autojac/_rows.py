@@ -15,6 +15,8 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
+from jacflow.autojac._accumulate import recording
+
 
 class VJP(Protocol):
     """``cotangents -> gradients`` for one row (``batched=False``) or a chunk of rows."""
@@ -140,7 +142,7 @@ def stacked_vjps(
                 if "donated buffer" not in str(error):
                     raise
                 raise RuntimeError(f"{error}{_DONATED_HINT}") from error
-            grads = [None if g is None else g.unsqueeze(0) for g in grads]
+            grads = _unsqueezed(grads)
         else:
             try:
                 grads = list(vjp(chunk, batched=True, last=last))
@@ -160,7 +162,24 @@ def stacked_vjps(
                 results[j].append(block)
     if buffers is not None:
         return tuple(buffers)
-    return tuple(r[0] if len(r) == 1 else torch.cat(r) for r in results)
+    return tuple(_joined(r) for r in results)
+
+
+def _unsqueezed(grads: Sequence[Tensor | None]) -> list[Tensor | None]:
+    """One row's gradients as blocks of one row, their graph kept (see :func:`_joined`)."""
+    present = [g for g in grads if g is not None]
+    with recording(present):
+        return [None if g is None else g.unsqueeze(0) for g in grads]
+
+
+def _joined(blocks: list[Tensor]) -> Tensor:
+    """The chunks' blocks of one input in one ``[rows, *input.shape]`` tensor. Rows with a
+    graph (``create_graph=True``) keep it under ``torch.no_grad()`` too, as torch's gradients
+    do: the result is the same, graph included, for every chunk size."""
+    if len(blocks) == 1:
+        return blocks[0]
+    with recording(blocks):
+        return torch.cat(blocks)
 
 
 def autograd_vjp(
