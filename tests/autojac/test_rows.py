@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from jacflow import backward, jac
-from jacflow.aggregation import Constant
+from jacflow.aggregation import Constant, UPGrad
 
 CHUNKS = [None, 1, 2]
 
@@ -69,3 +69,42 @@ def test_backward_keeps_the_graph_of_grad_and_jac_under_no_grad(
     (penalty,) = torch.autograd.grad((got**2).sum() + (x**2).sum(), x)
     (reference,) = torch.autograd.grad((expected**2).sum() + (x**2).sum(), x)
     torch.testing.assert_close(penalty, reference, rtol=0, atol=1e-12)
+
+
+_needs_grad_dtype = pytest.mark.skipif(
+    not hasattr(Tensor, "grad_dtype"), reason="Tensor.grad_dtype needs torch >= 2.10"
+)
+
+
+def _mixed_precision_problem() -> tuple[Tensor, Tensor, Tensor]:
+    """A bfloat16 parameter with float32 gradients (``grad_dtype``), its outputs and their
+    Jacobian row by row with ``torch.autograd.grad`` (float32 rows)."""
+    generator = torch.Generator().manual_seed(0)
+    p = torch.randn(64, generator=generator).to(torch.bfloat16).requires_grad_()
+    p.grad_dtype = torch.float32  # type: ignore[attr-defined]
+    c = torch.randn(8, 64, generator=generator)
+    y = torch.tanh(c @ p.float()) * 3.1
+    rows = torch.stack([torch.autograd.grad(y[i], p, retain_graph=True)[0] for i in range(8)])
+    assert rows.dtype == torch.float32
+    return p, y, rows
+
+
+@_needs_grad_dtype
+@pytest.mark.parametrize("chunk", [None, 1, 3])
+def test_jacobian_has_the_dtype_of_autograds_rows_for_every_chunk_size(chunk: int | None) -> None:
+    p, y, rows = _mixed_precision_problem()
+    (got,) = jac([y], [p], parallel_chunk_size=chunk, retain_graph=True)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, rows, rtol=0, atol=0)
+    backward([y], [p], parallel_chunk_size=chunk)
+    assert p.jac.dtype == torch.float32  # type: ignore[attr-defined]
+    torch.testing.assert_close(p.jac, rows, rtol=0, atol=0)  # type: ignore[attr-defined]
+
+
+@_needs_grad_dtype
+@pytest.mark.parametrize("chunk", [None, 1, 3])
+def test_aggregated_grad_is_not_rounded_to_the_parameters_dtype(chunk: int | None) -> None:
+    p, y, rows = _mixed_precision_problem()
+    backward([y], [p], A=UPGrad(), parallel_chunk_size=chunk)
+    assert p.grad is not None and p.grad.dtype == torch.float32
+    torch.testing.assert_close(p.grad, UPGrad()(rows), rtol=0, atol=0)

@@ -121,11 +121,7 @@ def stacked_vjps(
     chunks = row_chunks(rows, chunk_size)
     sequential = chunk_size == 1
     results: list[list[Tensor]] = [[] for _ in inputs]
-    buffers = (
-        [torch.empty((rows, *i.shape), dtype=i.dtype, device=i.device) for i in inputs]
-        if preallocate and len(chunks) > 1
-        else None
-    )
+    buffers: list[Tensor] | None = [] if preallocate and len(chunks) > 1 else None
 
     def cotangents_of(start: int, stop: int) -> tuple[Tensor, ...]:
         if cotangents is None:
@@ -157,6 +153,10 @@ def stacked_vjps(
                 else grad
             )
             if buffers is not None:
+                # (in the rows' dtype, autograd's, as unchunked: a parameter's ``grad_dtype``
+                # may set it apart from the parameter's)
+                if k == 0:
+                    buffers.append(block.new_empty((rows, *block.shape[1:])))
                 buffers[j][start:stop].copy_(block)
             else:
                 results[j].append(block)
