@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch import Tensor
 
-from jacflow import backward, jac
-from jacflow.aggregation import Constant, UPGrad
+from jacflow import backward, jac, mtl_backward
+from jacflow.aggregation import Constant, Mean, UPGrad
 
 CHUNKS = [None, 1, 2]
 
@@ -108,3 +108,104 @@ def test_aggregated_grad_is_not_rounded_to_the_parameters_dtype(chunk: int | Non
     backward([y], [p], A=UPGrad(), parallel_chunk_size=chunk)
     assert p.grad is not None and p.grad.dtype == torch.float32
     torch.testing.assert_close(p.grad, UPGrad()(rows), rtol=0, atol=0)
+
+
+class _SparseModel:
+    """A sparse embedding (``sparse=True``: autograd's gradient of its table is sparse) under a
+    linear layer, in float64, with two outputs."""
+
+    def __init__(self) -> None:
+        torch.manual_seed(0)
+        self.embedding = torch.nn.Embedding(5, 3, sparse=True).double()
+        self.linear = torch.nn.Linear(3, 2).double()
+        self.ids = torch.tensor([0, 2, 2])
+        self.params = [self.embedding.weight, self.linear.weight, self.linear.bias]
+
+    def outputs(self) -> list[Tensor]:
+        y = self.linear(self.embedding(self.ids))
+        return [y[:, 0].sum(), (y[:, 1] ** 2).sum()]
+
+    def reference_rows(self) -> list[Tensor]:
+        """Per parameter, its dense Jacobian row by row with ``torch.autograd.grad``."""
+        grads = [torch.autograd.grad(o, self.params, retain_graph=True) for o in self.outputs()]
+        return [torch.stack([g[k].to_dense() for g in grads]) for k in range(len(self.params))]
+
+
+def _flat(blocks: list[Tensor]) -> Tensor:
+    return torch.cat([b.reshape(b.shape[0], -1) for b in blocks], dim=1)
+
+
+@pytest.mark.parametrize("chunk", CHUNKS)
+def test_sparse_gradients_give_the_dense_jacobian(chunk: int | None) -> None:
+    model = _SparseModel()
+    expected = model.reference_rows()
+    got = jac(model.outputs(), model.params, parallel_chunk_size=chunk)
+    for g, e in zip(got, expected):
+        assert g.layout == torch.strided
+        torch.testing.assert_close(g, e, rtol=0, atol=1e-14)
+    backward(model.outputs(), model.params, parallel_chunk_size=chunk)
+    for p, e in zip(model.params, expected):
+        assert p.jac.layout == torch.strided  # type: ignore[attr-defined]
+        torch.testing.assert_close(p.jac, e, rtol=0, atol=1e-14)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("chunk", CHUNKS)
+def test_sparse_gradients_are_aggregated_into_a_dense_grad(chunk: int | None) -> None:
+    model = _SparseModel()
+    expected = model.reference_rows()
+    update = UPGrad()(_flat(expected))
+    backward(model.outputs(), model.params, A=UPGrad(), parallel_chunk_size=chunk)
+    got = torch.cat([p.grad.reshape(-1) for p in model.params])  # type: ignore[union-attr]
+    assert all(p.grad is not None and p.grad.layout == torch.strided for p in model.params)
+    torch.testing.assert_close(got, update, rtol=0, atol=1e-12)
+    assert update[: model.embedding.weight.numel()].abs().sum() > 0
+
+
+def test_mean_keeps_autograds_sparse_grad() -> None:
+    """``Mean()``'s single differentiation writes autograd's gradient (sparse), as before."""
+    model = _SparseModel()
+    expected = model.reference_rows()
+    backward(model.outputs(), model.params, A=Mean())
+    table = model.embedding.weight.grad
+    assert table is not None and table.layout == torch.sparse_coo
+    torch.testing.assert_close(table.to_dense(), expected[0].mean(0), rtol=0, atol=1e-14)
+
+
+@pytest.mark.parametrize("chunk", CHUNKS)
+def test_gather_with_sparse_grad(chunk: int | None) -> None:
+    x = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
+    index = torch.tensor([[0, 1, 1], [3, 3, 0]])
+    y = torch.gather(x, 0, index, sparse_grad=True) ** 2
+    expected = torch.stack(
+        [torch.autograd.grad(v, x, retain_graph=True)[0].to_dense() for v in y.reshape(-1)]
+    )
+    (got,) = jac(y, [x], parallel_chunk_size=chunk)
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-14)
+
+
+@pytest.mark.parametrize("chunk", CHUNKS)
+def test_mtl_backward_with_a_sparse_embedding_trunk(chunk: int | None) -> None:
+    torch.manual_seed(0)
+    embedding = torch.nn.Embedding(5, 3, sparse=True).double()
+    heads = [torch.nn.Linear(3, 1).double() for _ in range(2)]
+    ids = torch.tensor([0, 2, 2])
+
+    def losses() -> tuple[list[Tensor], Tensor]:
+        feature = embedding(ids)
+        return [heads[0](feature).sum(), heads[1](feature).pow(2).sum()], feature
+
+    table = embedding.weight
+    references = [
+        torch.autograd.grad(loss, [table, *head.parameters()], retain_graph=True)
+        for loss, head in zip(losses()[0], heads)
+    ]
+    rows = torch.stack([r[0].to_dense() for r in references])
+    loss_list, feature = losses()
+    mtl_backward(loss_list, feature, A=UPGrad(), parallel_chunk_size=chunk)
+    assert table.grad is not None and table.grad.layout == torch.strided
+    torch.testing.assert_close(
+        table.grad, UPGrad()(rows.reshape(2, -1)).reshape(table.shape), rtol=0, atol=1e-12
+    )
+    for head, reference in zip(heads, references):
+        for p, r in zip(head.parameters(), reference[1:]):
+            torch.testing.assert_close(p.grad, r, rtol=0, atol=1e-14)

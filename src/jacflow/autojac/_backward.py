@@ -140,6 +140,12 @@ def backward(
     once, without forming the Jacobian. In every other case each row of the Jacobian is
     differentiated.
 
+    A sparse gradient (``nn.Embedding(sparse=True)``) is densified, as in :func:`jac`: ``.jac``
+    and an aggregated ``.grad`` are dense, as :func:`jac_to_grad` writes from that ``.jac``
+    (the aggregation mixes the rows). The single differentiation above writes autograd's
+    gradient, sparse as after ``loss.backward()``. For an optimizer that needs a sparse
+    gradient (``SparseAdam``), convert it: ``p.grad = p.grad.to_sparse()``.
+
     A tensor between ``tensors`` and ``inputs`` that called ``retain_grad()`` is left to torch's
     hook, which runs in every differentiation through it: with the single differentiation above,
     it gets what ``(w @ losses).backward()`` gives it; otherwise, with

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 from torch import Tensor
@@ -101,16 +101,54 @@ def nested_features(features: Sequence[Tensor]) -> list[int]:
         edge = get_gradient_edge(feature)
         edges.setdefault((edge.node, edge.output_nr), []).append(position)
     found: set[int] = set()
-    stack = [f.grad_fn for f in features if f.grad_fn is not None]
+    for node in _nodes_behind(features):
+        for child, output_nr in node.next_functions:
+            if child is not None:
+                found.update(edges.get((child, output_nr), ()))
+    return sorted(found)
+
+
+def _nodes_behind(tensors: Sequence[Tensor]) -> Iterator[Any]:
+    """Each node of the graph behind ``tensors`` once, depth first from their ``grad_fn``."""
+    stack = [t.grad_fn for t in tensors if t.grad_fn is not None]
     seen: dict[int, object] = {}  # (holding the nodes: their ids stay theirs)
     while stack:
         node = stack.pop()
         if id(node) in seen:
             continue
         seen[id(node)] = node
-        for child, output_nr in node.next_functions:
-            if child is None:
-                continue
-            found.update(edges.get((child, output_nr), ()))
-            stack.append(child)
-    return sorted(found)
+        yield node
+        stack.extend(child for child, _ in node.next_functions if child is not None)
+
+
+# The saved flags of the autograd nodes whose backward may return a sparse gradient:
+# ``nn.Embedding(sparse=True)``, ``nn.EmbeddingBag(sparse=True)``, ``gather(sparse_grad=True)``.
+_SPARSE_FLAGS = ("_saved_sparse", "_saved_sparse_grad")
+
+
+def sparse_gradients(outputs: Sequence[Tensor], inputs: Sequence[Tensor]) -> bool:
+    """Whether differentiating ``outputs`` with respect to ``inputs`` runs a backward that
+    returns a sparse gradient (which torch cannot batch with vmap): a node of the graph behind
+    ``outputs`` with a sparse flag set whose gradient goes to one of ``inputs`` or to a tensor
+    computed from others (not only to leaves that are not among ``inputs``, where autograd does
+    not run it).
+
+    Example:
+        >>> import torch
+        >>> from jacflow.autojac._graph import sparse_gradients
+        >>> table = torch.nn.Embedding(4, 2, sparse=True)
+        >>> out = table(torch.tensor([1, 3])).sum()
+        >>> sparse_gradients([out], [table.weight]), sparse_gradients([out * 2], [out])
+        (True, False)
+    """
+    wanted = {id(t) for t in inputs if t.grad_fn is None}
+    for node in _nodes_behind(outputs):
+        if not any(getattr(node, flag, False) is True for flag in _SPARSE_FLAGS):
+            continue
+        children = [child for child, _ in node.next_functions if child is not None]
+        if any(
+            id(getattr(child, "variable", None)) in wanted or not hasattr(child, "variable")
+            for child in children
+        ):
+            return True
+    return False

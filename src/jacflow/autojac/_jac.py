@@ -16,7 +16,7 @@ from jacflow.autojac._checks import (
     check_real,
     check_unique,
 )
-from jacflow.autojac._graph import leaf_tensors
+from jacflow.autojac._graph import leaf_tensors, sparse_gradients
 from jacflow.autojac._rows import autograd_vjp, stacked_vjps
 
 
@@ -47,7 +47,14 @@ def compute_jacobians(
     create_graph: bool,
     chunk_size: int | None,
 ) -> tuple[Tensor, ...]:
-    """The validated core call shared by ``jac``, ``backward`` and ``mtl_backward``."""
+    """The validated core call shared by ``jac``, ``backward`` and ``mtl_backward``.
+
+    A graph whose backward returns sparse gradients (``nn.Embedding(sparse=True)``) is
+    differentiated row by row whatever ``chunk_size``: torch cannot batch those backwards with
+    vmap. The rows are densified, so the Jacobians are dense.
+    """
+    if chunk_size != 1 and sparse_gradients(outputs, inputs):
+        chunk_size = 1
     cotangents = (
         None if jac_outputs is None else tuple(j.to(o.dtype) for j, o in zip(jac_outputs, outputs))
     )
@@ -90,7 +97,10 @@ def jac(
             in TorchJD). A ``torch.compile``'d graph cannot be vmapped: pass ``1``, and set
             ``torch._functorch.config.donated_buffer = False`` before compiling (each row's
             backward retains the graph, which inductor refuses at once and ``aot_eager`` after
-            a recompilation, e.g. at a smaller last batch).
+            a recompilation, e.g. at a smaller last batch). A graph with sparse gradients
+            (``nn.Embedding(sparse=True)``, ``gather(..., sparse_grad=True)``) is
+            differentiated row by row whatever the chunk size (torch cannot vmap their
+            backward), and its rows are densified: the Jacobian is dense.
         create_graph: build the graph of the result, for higher-order derivatives.
 
     No ``.grad`` is written: an input that called ``retain_grad()`` keeps its ``.grad`` (torch's

@@ -166,10 +166,16 @@ def stacked_vjps(
 
 
 def _unsqueezed(grads: Sequence[Tensor | None]) -> list[Tensor | None]:
-    """One row's gradients as blocks of one row, their graph kept (see :func:`_joined`)."""
+    """One row's gradients as dense blocks of one row, their graph kept (see
+    :func:`_joined`). A sparse gradient (``nn.Embedding(sparse=True)``) is densified: a row of
+    the Jacobian has its input's shape, and the rows are stacked."""
     present = [g for g in grads if g is not None]
     with recording(present):
-        return [None if g is None else g.unsqueeze(0) for g in grads]
+        return [None if g is None else _dense(g).unsqueeze(0) for g in grads]
+
+
+def _dense(grad: Tensor) -> Tensor:
+    return grad if grad.layout == torch.strided else grad.to_dense()
 
 
 def _joined(blocks: list[Tensor]) -> Tensor:
