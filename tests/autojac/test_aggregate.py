@@ -9,8 +9,19 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from jacflow import backward, jac_to_grad
-from jacflow.aggregation import MGDA, Aggregator, ConFIG, Constant, Mean, NashMTL, Sum, UPGrad
+from jacflow import backward, jac_to_grad, mtl_backward
+from jacflow.aggregation import (
+    MGDA,
+    Aggregator,
+    ConFIG,
+    Constant,
+    Krum,
+    Mean,
+    NashMTL,
+    Sum,
+    UPGrad,
+)
+from jacflow.autogram import Engine
 
 
 def _problem() -> tuple[Tensor, Tensor, list[Tensor]]:
@@ -314,3 +325,54 @@ def test_an_update_of_the_wrong_shape_is_refused_with_the_aggregator_named(via: 
         torch.testing.assert_close(b.jac, jacs[1])  # type: ignore[attr-defined]
     torch.testing.assert_close(a.grad, torch.full((3,), 7.0))
     assert b.grad is None
+
+
+def _shared_rows(seed: int) -> Tensor:
+    """7 float32 rows sharing a component of norm about 1e3 that differ by about 1e-2, row 0 a
+    mild outlier: ``J J^T`` in float32 rounds their distances away."""
+    generator = torch.Generator().manual_seed(seed)
+    common = 100 * torch.randn(50, generator=generator, dtype=torch.float64)
+    rows = common + 1e-3 * torch.randn(7, 50, generator=generator, dtype=torch.float64)
+    rows[0] += 5e-3 * torch.randn(50, generator=generator, dtype=torch.float64)
+    return rows.float()
+
+
+def _exact_krum(J: Tensor, n_byzantine: int) -> Tensor:
+    """The row of lowest Krum score, by brute-force float64 distances on the rows of ``J``."""
+    rows = J.double()
+    distances = torch.cdist(rows, rows) ** 2
+    k = len(rows) - n_byzantine - 2
+    scores = [
+        d[torch.arange(len(rows)) != i].sort().values[:k].sum() for i, d in enumerate(distances)
+    ]
+    return J[int(torch.stack(scores).argmin())]
+
+
+@pytest.mark.parametrize("seed", range(5))
+@pytest.mark.parametrize("via", ["backward", "jac_to_grad", "mtl_backward"])
+def test_krum_gives_its_call_s_update_on_every_path(via: str, seed: int) -> None:
+    """Krum scores the centred rows in float64 (its weighting reads J, not only J J^T): every
+    path asks it on J, as its call does, instead of weighting the float32 Gramian (which picked
+    the outlier)."""
+    J = _shared_rows(seed)
+    p = torch.zeros(J.shape[1], requires_grad=True)
+    if via == "backward":
+        backward(list(J @ p), [p], A=Krum(2))
+    elif via == "jac_to_grad":
+        backward(list(J @ p), [p])
+        jac_to_grad([p], Krum(2))
+    else:
+        features = p * 1.0
+        mtl_backward([row @ features for row in J], features, A=Krum(2))
+    assert torch.equal(Krum(2)(J), _exact_krum(J, 2))
+    assert torch.equal(p.grad, Krum(2)(J))
+
+
+def test_an_engine_refuses_krum() -> None:
+    """The engine has the Gramian only, not the centred rows that Krum scores: refused rather
+    than another row picked silently."""
+    trunk = nn.Linear(3, 4)
+    features = trunk(torch.ones(2, 3))
+    losses = [features.sum(), features.pow(2).sum(), features[0].sum()]
+    with pytest.raises(ValueError, match="more than their Gramian"):
+        mtl_backward(losses, features, A=Krum(0), engine=Engine(trunk, batch_dim=None))

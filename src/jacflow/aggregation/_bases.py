@@ -14,7 +14,7 @@ import contextlib
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from typing import ClassVar
+from typing import ClassVar, TypeGuard
 
 import torch
 from torch import Tensor, nn
@@ -560,6 +560,24 @@ class GramianWeightedAggregator(WeightedAggregator):
 
     def extra_repr(self) -> str:
         return repr(self.gramian_weighting) if type(self) is GramianWeightedAggregator else ""
+
+
+def weights_from_gramian(aggregator: Aggregator) -> TypeGuard[GramianWeightedAggregator]:
+    """Whether ``aggregator``'s weights are those of its :attr:`~GramianWeightedAggregator.
+    gramian_weighting` on the plain Gramian ``J J^T``, so that a caller holding only that
+    Gramian (or ``J`` in blocks) may form it and skip ``J``. False for a weighting of ``J``
+    that reads more than ``J J^T`` (:class:`Krum`'s scores the centred rows in float64).
+
+    Example:
+        >>> from jacflow.aggregation import Krum, UPGrad
+        >>> from jacflow.aggregation._bases import weights_from_gramian
+        >>> weights_from_gramian(UPGrad()), weights_from_gramian(Krum(1))
+        (True, False)
+    """
+    return (
+        isinstance(aggregator, GramianWeightedAggregator)
+        and type(aggregator.weighting) is GramianOfJacobianWeighting
+    )
 
 
 def weights_without_gramian(

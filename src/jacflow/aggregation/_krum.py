@@ -151,7 +151,10 @@ class Krum(GramianWeightedAggregator):
     The scores are computed from the Gramian of the centred rows :math:`J - \bar J` (the same
     distances), formed in float64: rows that share a large component (per-worker gradients)
     keep their differences, which ``J J^T`` in float32 rounds away. That Gramian is what
-    :attr:`gramian_weighting` (and a hook on it) receives.
+    :attr:`gramian_weighting` (and a hook on it) receives. :func:`jacflow.backward`,
+    :func:`jacflow.jac_to_grad` and :func:`jacflow.mtl_backward` ask Krum on ``J`` for the same
+    reason (the update of its call); an :class:`~jacflow.autogram.Engine`, which has only
+    ``J J^T``, refuses it.
 
     Args:
         n_byzantine: number of possibly adversarial rows, >= 0.

@@ -21,6 +21,7 @@ from jacflow.aggregation._bases import (
     out_of_range,
     runs_forward_hooks,
     unit_peak_factor,
+    weights_from_gramian,
 )
 from jacflow.linalg import sum_gramians
 
@@ -103,7 +104,8 @@ def _aggregated(
         # Their weights only depend on m: skip the Gramian entirely.
         weights = aggregator.weights(blocks[0].new_empty((m, 0), dtype=_work_dtype(blocks)))
         return _combine(weights, blocks), weights
-    if isinstance(aggregator, GramianWeightedAggregator) and m > 0:
+    if weights_from_gramian(aggregator) and m > 0:
+        # (not Krum's, whose weighting reads J itself: asked on J below, as in its call)
         return _combine(weights := _gramian_weights(aggregator, blocks), blocks), weights
     if isinstance(aggregator, WeightedAggregator):
         # (in the compute dtype, as the aggregator's call weights it: not cast back to half)

@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from jacflow.aggregation import Aggregator, GramianWeightedAggregator
+from jacflow.aggregation._bases import weights_from_gramian
 from jacflow.autojac._accumulate import (
     accumulate_grads,
     accumulate_jacs,
@@ -505,6 +506,13 @@ def _engine_step(
             "`engine` needs a Gramian-based aggregator `A` (e.g. UPGrad(), MGDA(), Mean()): the "
             f"engine computes the Gramian, not the Jacobian; received A={aggregator!r}. Drop "
             "`engine` to store `.jac` or to use a Jacobian-based aggregator."
+        )
+    if not weights_from_gramian(aggregator):
+        raise ValueError(
+            f"`engine` calls the Gramian weighting of `A` on the Gramian, and A={aggregator!r} "
+            "weights the rows from more than their Gramian (Krum: the centred rows in float64), "
+            "which that would skip. Drop `engine`, or pass "
+            "GramianWeightedAggregator(A.gramian_weighting) to weight the plain Gramian."
         )
     if not computed_by_library(aggregator):
         raise ValueError(
