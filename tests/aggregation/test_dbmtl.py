@@ -113,3 +113,16 @@ def test_bad_losses_leave_the_state_untouched(bad: float) -> None:
         method.set_losses(torch.tensor([1.0, 0.5]))
     torch.testing.assert_close(A(J), reference(J))
     torch.testing.assert_close(fresh(J), new(J))
+
+
+def test_a_skipped_first_call_does_not_fix_the_shape() -> None:
+    """A NaN Jacobian on a fresh instance set the EMA up (zeros of its shape), and a valid
+    Jacobian of another shape was then refused; now it gives a fresh instance's update."""
+    A = DBMTL()
+    A.set_losses(torch.ones(2))
+    assert bool(A(torch.tensor([[math.nan, 1.0, 2.0], [0.0, 1.0, 1.0]])).isnan().all())
+    J = torch.tensor([[1.0, 0.0], [0.0, 1.0]])
+    fresh = DBMTL()
+    fresh.set_losses(torch.ones(2))
+    A.set_losses(torch.ones(2))
+    assert torch.equal(A(J), fresh(J))

@@ -219,3 +219,14 @@ def test_float32_entries_whose_squares_overflow(n_warmup_steps: int) -> None:
         weights = narrow.weighting._weights
         assert weights is not None and wide.weighting._weights is not None
         torch.testing.assert_close(weights.double(), wide.weighting._weights, rtol=1e-6, atol=0.0)
+
+
+def test_a_skipped_call_of_another_shape_keeps_the_state() -> None:
+    """A NaN Jacobian of a new shape re-initialised the state (and forgot the old one) before
+    the check that skips the call; now the next call continues as if it had not happened."""
+    J = torch.tensor([[1.0, 2.0], [3.0, -1.0]], dtype=torch.float64)
+    A, reference = ExcessMTL(), ExcessMTL()
+    for scale in (1.0, 2.0):
+        A(scale * J), reference(scale * J)
+    assert bool(A(torch.full((3, 2), math.nan, dtype=torch.float64)).isnan().all())
+    assert torch.equal(A(3 * J), reference(3 * J))

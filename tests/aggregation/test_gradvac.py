@@ -153,3 +153,16 @@ def test_a_nonfinite_step_leaves_the_targets() -> None:
         expected = clean(J @ J.T)
         torch.manual_seed(1)
         torch.testing.assert_close(skipped(J @ J.T), expected)
+
+
+def test_a_skipped_first_call_does_not_fix_the_number_of_rows() -> None:
+    """A NaN Jacobian on a fresh instance stored zero targets of its number of rows, and a valid
+    Jacobian of another number was then refused; now it gives a fresh instance's update."""
+    A = GradVac()
+    assert bool(A(torch.tensor([[math.nan, 1.0], [0.0, 1.0], [1.0, 1.0]])).isnan().all())
+    assert A.gramian_weighting.state_dict() == GradVac().gramian_weighting.state_dict()
+    J = torch.tensor([[1.0, -0.5], [0.0, 1.0]])
+    torch.manual_seed(0)
+    out = A(J)
+    torch.manual_seed(0)
+    assert torch.equal(out, GradVac()(J))

@@ -84,3 +84,12 @@ def test_nan_gives_nan_and_leaves_the_state_untouched() -> None:
         expected = reference(J)
         assert bool(torch.isnan(A(torch.tensor([[float("nan"), 0.0], [0.0, 1.0]]))).all())
         torch.testing.assert_close(A(J), expected)
+
+
+def test_a_skipped_first_call_does_not_fix_the_shape() -> None:
+    """A NaN Jacobian on a fresh instance set the tracked Jacobian up (zeros of its shape), and
+    a valid Jacobian of another shape was then refused; now it gives a fresh instance's update."""
+    A = MoCo()
+    assert bool(A(torch.tensor([[float("nan"), 1.0, 2.0], [0.0, 1.0, 1.0]])).isnan().all())
+    J = torch.tensor([[1.0, 0.0], [0.0, 1.0]])
+    assert torch.equal(A(J), MoCo()(J))

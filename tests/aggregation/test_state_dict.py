@@ -81,3 +81,41 @@ def test_a_foreign_state_is_refused() -> None:
     state = MoCo().state_dict()
     with pytest.raises(ValueError, match=r"must hold \['_buffer', '_step'\], received"):
         DBMTL().load_state_dict(state)
+
+
+def _same_state(a: object, b: object) -> bool:
+    """Whether two ``state_dict`` values are equal, tensors entry by entry (NaN equal to NaN)."""
+    if isinstance(a, Tensor) or isinstance(b, Tensor):
+        return (
+            isinstance(a, Tensor)
+            and isinstance(b, Tensor)
+            and a.shape == b.shape
+            and bool(torch.equal(a.isnan(), b.isnan()))
+            and bool((a.nan_to_num() == b.nan_to_num()).all())
+        )
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same_state(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same_state(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+@pytest.mark.parametrize("name", list(MAKERS))
+@pytest.mark.parametrize("steps_before", [0, 2])
+def test_a_skipped_call_leaves_the_state_as_it_was(name: str, steps_before: int) -> None:
+    """A call on a Jacobian with a NaN (a step a GradScaler skips) changes no state, on a fresh
+    instance too: DBMTL, MoCo, GradVac and ExcessMTL set theirs up on it (and the first three
+    then refused a valid input of another shape)."""
+    method = MAKERS[name]()
+    for step in range(steps_before):
+        _call(method, step)
+    before = method.state_dict()
+    nan_jacobian = _JACOBIANS[steps_before].clone()
+    nan_jacobian[1, 2] = float("nan")
+    torch.manual_seed(0)
+    if isinstance(method, LossAware) or isinstance(
+        getattr(method, "gramian_weighting", None), LossAware
+    ):
+        loss_target(method).set_losses(_LOSSES[steps_before])
+    method(nan_jacobian)
+    assert _same_state(method.state_dict(), before)

@@ -98,17 +98,18 @@ class DBMTL(SavesState, Aggregator, LossAware, Stateful):
                 f"received {losses.tolist()}. Shift the losses by a constant to make them "
                 "positive."
             )
-        if self._buffer is None:
-            self._buffer = torch.zeros_like(matrix)
-        elif self._buffer.shape != matrix.shape:
+        if self._buffer is not None and self._buffer.shape != matrix.shape:
             raise ValueError(
                 f"DBMTL holds an EMA of shape {tuple(self._buffer.shape)} but received a matrix "
                 f"of shape {tuple(matrix.shape)}; call `reset()` when the shape changes."
             )
+        if matrix.shape[0] and (has_nonfinite(matrix) or has_nonfinite(losses)):
+            # a skipped step: the state is left as it was (not set up, on a fresh instance)
+            return torch.full_like(matrix[0], float("nan"))
+        if self._buffer is None:
+            self._buffer = torch.zeros_like(matrix)
         if matrix.shape[0] == 0:
             return matrix.new_zeros(matrix.shape[1])
-        if has_nonfinite(matrix) or has_nonfinite(losses):  # skipped step: state unchanged
-            return torch.full_like(matrix[0], float("nan"))
         self._step += 1
         beta_t = self.beta / self._step**self.beta_sigma
         with torch.no_grad():

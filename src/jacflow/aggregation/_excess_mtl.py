@@ -91,15 +91,16 @@ class ExcessMTLWeighting(SavesState, Weighting, Stateful):
         with torch.no_grad():
             if m == 0:
                 return stat.new_zeros(0)
-            if self._sq_sum is None or self._sq_sum.shape != stat.shape:
+            fresh = self._sq_sum is None or self._sq_sum.shape != stat.shape
+            sq_sum = stat.new_zeros(m, n) if self._sq_sum is None or fresh else self._sq_sum
+            summed = _squares_and_sum(stat.detach(), sq_sum)
+            if summed is None:  # a NaN/inf in J: report it, keep the state (even on a new shape)
+                return nan_weights(m, stat)
+            if fresh:
                 self.reset()
-                self._sq_sum = stat.new_zeros(m, n)
                 self._weights = stat.new_full((m,), 1.0 / m)
                 self._warmup_sum = stat.new_zeros(m)
             assert self._weights is not None and self._warmup_sum is not None
-            summed = _squares_and_sum(stat.detach(), self._sq_sum)
-            if summed is None:  # a NaN/inf in J: report it, keep the state
-                return nan_weights(m, stat)
             squares, self._sq_sum = summed  # (not in place: a state_dict holds it)
             # Excess risk of task i ~ g_i^T H_i^{-1} g_i with the AdaGrad diagonal H_i (Eqs 6-7).
             excess = squares.div_((self._sq_sum + _EPS).sqrt_()).sum(dim=1)

@@ -113,8 +113,11 @@ class GradVacWeighting(SavesState, GramianWeighting, Stateful):
             weights, new_targets = gradvac_weights(
                 stat, targets.to(stat), orders, self.beta, self.eps
             )
-        # (a step a GradScaler skips leaves the targets; a where, not a host sync)
+        # (a step a GradScaler skips leaves the targets; a where, not a host sync, except on
+        # the first call, where a skipped step must leave no targets at all)
         skipped = ~torch.isfinite(new_targets).all()
+        if self._targets is None and bool(skipped):
+            return weights
         self._targets = torch.where(skipped, targets.to(stat), new_targets)
         return weights
 

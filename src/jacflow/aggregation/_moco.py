@@ -106,20 +106,21 @@ class MoCo(SavesState, Aggregator, Stateful):
     def forward(self, matrix: Tensor) -> Tensor:
         m = matrix.shape[0]
         self.check_rows(m)
+        if self._tracked is not None and self._tracked.shape != matrix.shape:
+            raise ValueError(
+                f"MoCo tracks a Jacobian of shape {tuple(self._tracked.shape)} but received one of "
+                f"shape {tuple(matrix.shape)}; call `reset()` when the shape changes."
+            )
+        if m and has_nonfinite(matrix):
+            # a skipped step: the state is left as it was (not set up, on a fresh instance)
+            return torch.full_like(matrix[0], float("nan"))
         if self._tracked is None or self._lambdas is None:
             self._tracked = torch.zeros_like(matrix)
             self._lambdas = torch.full(
                 (m,), 1.0 / max(m, 1), dtype=matrix.dtype, device=matrix.device
             )
-        elif self._tracked.shape != matrix.shape:
-            raise ValueError(
-                f"MoCo tracks a Jacobian of shape {tuple(self._tracked.shape)} but received one of "
-                f"shape {tuple(matrix.shape)}; call `reset()` when the shape changes."
-            )
         if m == 0:
             return matrix.new_zeros(matrix.shape[1])
-        if has_nonfinite(matrix):  # a skipped step: the state is left as it was
-            return torch.full_like(matrix[0], float("nan"))
         self._step += 1
         beta_k = self.beta / self._step**self.beta_sigma
         gamma_k = self.gamma / self._step**self.gamma_sigma
