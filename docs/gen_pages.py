@@ -300,6 +300,13 @@ def method_page(name: str, cls: type) -> str:
             meaning = _inline(descriptions.get(member.name, ""))
             lines.append(f"| {member.value} | {meaning} | {_check(member in claims)} |")
         lines.append("")
+        if cls.uniform_preference_properties:
+            names = ", ".join(member.value for member in cls.uniform_preference_properties)
+            lines += [
+                f"With a `pref_vector` of unequal entries, {names} is not claimed: the",
+                "objectives are weighted unequally (`A.claimed_properties()` leaves it out).",
+                "",
+            ]
     weighting = getattr(aggregation, f"{name}Weighting", None)
     if inspect.isclass(weighting):
         kind = (
@@ -331,6 +338,8 @@ def index_page(classes: dict[str, type]) -> str:
         "Every method exported by `jacflow.aggregation`, generated from the code: the property",
         "columns are the classes' `properties` attributes, each asserted by the test suite.",
         "Weightings without an aggregator of their own are listed with no property claim.",
+        "The claims are those of the default configuration; a non-uniform `pref_vector` drops",
+        "permutation invariance (see each method's page).",
         "",
         f"| method | summary | {header} |",
         "|---|---|" + "---|" * len(Property),

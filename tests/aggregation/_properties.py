@@ -150,7 +150,7 @@ def check_claimed_properties(
     """Assert the structure, :func:`check_differentiable` and every claimed property of the
     aggregator built by ``make``."""
     check_differentiable(make)
-    claims = type(make()).properties
+    claims = make().claimed_properties()
     strategy = strategy if strategy is not None else jacobians()
 
     @given(strategy)

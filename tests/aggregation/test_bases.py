@@ -19,6 +19,7 @@ import jacflow
 import jacflow.aggregation as agg
 from jacflow.aggregation import _bases as bases
 from jacflow.linalg import QuadprogProjector, compute_gramian
+from tests.aggregation._properties import check_claimed_properties, jacobians
 
 torch.set_num_threads(1)
 
@@ -299,3 +300,31 @@ def test_str_of_a_method_whose_pref_vector_is_not_a_tensor() -> None:
     assert str(Listed()) == "Listed"
     pref = torch.tensor([0.25, 0.75], requires_grad=True)
     assert str(agg.UPGrad(pref_vector=pref)) == "UPGrad([0.25, 0.75])"
+
+
+_PREFERRING = [agg.UPGrad, agg.DualProj, agg.AlignedMTL, agg.ConFIG]
+
+
+@pytest.mark.parametrize("make", _PREFERRING, ids=lambda cls: cls.__name__)
+def test_a_non_uniform_preference_drops_permutation_invariance(make: type) -> None:
+    """They claimed permutation invariance for every pref_vector; with unequal preferences a
+    permutation of the rows changes the update (the preference stays with the positions), so
+    the claim of that configuration is dropped, and kept for a uniform one."""
+    J = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]], dtype=torch.float64)
+    perm = [2, 0, 1]
+    preferring = make(pref_vector=torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64))
+    assert not torch.allclose(preferring(J[perm]), preferring(J))  # (the claim is false)
+    assert agg.Property.PERMUTATION_INVARIANT in make.properties
+    assert preferring.claimed_properties() == make.properties - {agg.Property.PERMUTATION_INVARIANT}
+    assert make().claimed_properties() == make.properties
+    assert make(pref_vector=torch.full((3,), 2.0)).claimed_properties() == make.properties
+
+
+@pytest.mark.parametrize("make", _PREFERRING, ids=lambda cls: cls.__name__)
+@pytest.mark.parametrize("pref", [[1.0, 2.0, 3.0], [2.0, 2.0, 2.0]])
+def test_the_claims_of_a_configuration_with_a_preference_hold(
+    make: type, pref: list[float]
+) -> None:
+    """Every claim of ``claimed_properties()`` is checked on random 3-row Jacobians."""
+    pref_vector = torch.tensor(pref, dtype=torch.float64)
+    check_claimed_properties(lambda: make(pref_vector=pref_vector), jacobians(min_m=3, max_m=3))

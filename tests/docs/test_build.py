@@ -63,6 +63,8 @@ def test_one_page_per_method_with_the_claimed_properties() -> None:
         for member in Property:
             row = next(line for line in page.splitlines() if line.startswith(f"| {member.value} |"))
             assert row.endswith("✓ |") == (member in cls.properties), (name, row)
+        dropped = "With a `pref_vector` of unequal entries, permutation invariant is not claimed"
+        assert (dropped in page) == bool(cls.uniform_preference_properties), name
     index = pages["methods/index.md"]
     upgrad_row = next(line for line in index.splitlines() if line.startswith("| [UPGrad]"))
     assert upgrad_row.count("✓") == len(aggregation.UPGrad.properties)

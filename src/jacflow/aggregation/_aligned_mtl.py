@@ -292,6 +292,8 @@ class AlignedMTL(GramianWeightedAggregator):
 
     properties = frozenset({Property.PERMUTATION_INVARIANT, Property.WEIGHTED})
 
+    uniform_preference_properties = frozenset({Property.PERMUTATION_INVARIANT})
+
     pref_vector = Forwarded(AlignedMTLWeighting.pref_vector)
     scale_mode = Forwarded(AlignedMTLWeighting.scale_mode)
 

@@ -192,7 +192,29 @@ class Aggregator(Configurable, ABC):
     """
 
     properties: ClassVar[frozenset[Property]] = frozenset()
-    """The :class:`Property` claims of this method, each asserted by the test suite."""
+    """The :class:`Property` claims of this method in its default configuration, each asserted
+    by the test suite; :meth:`claimed_properties` gives those of an instance."""
+
+    uniform_preference_properties: ClassVar[frozenset[Property]] = frozenset()
+    """The claims of :attr:`properties` that hold only with a uniform ``pref_vector`` (``None``
+    or equal entries): a preference that weights the objectives unequally breaks them."""
+
+    def claimed_properties(self) -> frozenset[Property]:
+        """The :class:`Property` claims of this configuration: :attr:`properties`, less
+        :attr:`uniform_preference_properties` when its ``pref_vector`` has unequal entries.
+
+        Example:
+            >>> import torch
+            >>> from jacflow.aggregation import Property, UPGrad
+            >>> Property.PERMUTATION_INVARIANT in UPGrad().claimed_properties()
+            True
+            >>> UPGrad(pref_vector=torch.tensor([1., 2.])).claimed_properties() < UPGrad.properties
+            True
+        """
+        pref = getattr(self, "pref_vector", None)
+        if isinstance(pref, Tensor) and not bool((pref == pref[:1]).all()):
+            return self.properties - self.uniform_preference_properties
+        return self.properties
 
     without_autograd: ClassVar[bool] = False
     """Whether the method computes its update from ``J`` without autograd (see

@@ -68,7 +68,8 @@ class ConFIG(Aggregator):
 
     When the rows are linearly independent, :math:`\langle g_i, \hat x\rangle \propto p_i
     \|g_i\| > 0` for every row. When :math:`x` vanishes (e.g. two opposite rows) there is no
-    direction and the update is 0. Linear under scaling and invariant to the rows' order. Computed
+    direction and the update is 0. Linear under scaling, and invariant to the rows'
+    order with a uniform ``pref_vector``. Computed
     from the Gramian :math:`JJ^\top` (an ``m x m`` pseudo-inverse) and one product with
     :math:`J^\top`, never a pseudo-inverse of the ``[m, n]`` matrix; the Gramian is formed and
     solved in float64 (it squares the rows' condition number: in float32, rows 1e-3 rad apart
@@ -87,6 +88,8 @@ class ConFIG(Aggregator):
     without_autograd = True
 
     properties = frozenset({Property.LINEAR_UNDER_SCALING, Property.PERMUTATION_INVARIANT})
+
+    uniform_preference_properties = frozenset({Property.PERMUTATION_INVARIANT})
 
     pref_vector = Hyperparameter(check_pref_vector)
 

@@ -111,6 +111,8 @@ class DualProj(GramianWeightedAggregator):
         {Property.NON_CONFLICTING, Property.PERMUTATION_INVARIANT, Property.WEIGHTED}
     )
 
+    uniform_preference_properties = frozenset({Property.PERMUTATION_INVARIANT})
+
     pref_vector = Forwarded(DualProjWeighting.pref_vector)
     projector = Forwarded(DualProjWeighting.projector)
 

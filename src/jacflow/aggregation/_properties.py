@@ -1,6 +1,7 @@
 """The properties an aggregation method may claim, as checked by the test suite.
 
-Each aggregator class states its claims in its ``properties`` class attribute; the test suite
+Each aggregator class states its claims in its ``properties`` class attribute (those of its
+default configuration; ``claimed_properties()`` gives an instance's); the test suite
 asserts every claim on hypothesis-generated Jacobians and the documentation table is generated
 from the same attribute, so a claim in the docs is always a test.
 """
@@ -30,7 +31,7 @@ class Property(str, Enum):
     """``A(diag(c) J)`` is linear in ``c`` for ``c > 0``."""
 
     PERMUTATION_INVARIANT = "permutation invariant"
-    """Permuting the rows of ``J`` does not change ``A(J)``."""
+    """Permuting the rows of ``J`` does not change ``A(J)`` (with a uniform ``pref_vector``)."""
 
     WEIGHTED = "weighted"
     """``A(J) = J^T w`` for weights ``w`` that the aggregator exposes."""

@@ -231,6 +231,8 @@ class UPGrad(GramianWeightedAggregator):
         }
     )
 
+    uniform_preference_properties = frozenset({Property.PERMUTATION_INVARIANT})
+
     pref_vector = Forwarded(UPGradWeighting.pref_vector)
     projector = Forwarded(UPGradWeighting.projector)
 
