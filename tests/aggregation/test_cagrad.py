@@ -140,3 +140,69 @@ def test_errors_and_repr() -> None:
     assert repr(CAGrad(c=0.5)) == "CAGrad(c=0.5, norm_eps=0.0001, rescale=0)"
     assert str(CAGrad(c=0.5)) == "CAGrad0.5"
     assert str(CAGrad(c=1)) == "CAGrad1"
+
+
+def _two_row_reference(J: Tensor, c: float) -> Tensor:
+    """CAGrad's update for two rows in float64 from the rows themselves: the dual over the
+    segment ``g(t) = (1 - t) g_1 + t g_2`` is convex in ``t``, minimised by bounded Brent."""
+    scipy_optimize = pytest.importorskip("scipy.optimize")
+    rows = J.double()
+    g0 = rows.mean(dim=0)
+    s = c * float(g0.norm())
+
+    def point(t: float) -> Tensor:
+        return (1 - t) * rows[0] + t * rows[1]
+
+    def dual(t: float) -> float:
+        return float(point(t) @ g0) + s * float(point(t).norm())
+
+    found = scipy_optimize.minimize_scalar(
+        dual, bounds=(0.0, 1.0), method="bounded", options={"xatol": 1e-14}
+    )
+    t = min([0.0, 1.0, float(found.x)], key=dual)
+    return g0 + s * point(t) / point(t).norm()
+
+
+@pytest.mark.parametrize(
+    ("dtype", "small", "c", "norm_eps"),
+    [
+        (torch.float32, 1e-3, 0.5, 1e-4),
+        (torch.float32, 1e-3, 0.5, 0.0),
+        (torch.float32, 1e-3, 2.0, 0.0),
+        (torch.float32, 3e-3, 2.0, 0.0),
+        (torch.float64, 1e-7, 0.5, 0.0),
+        (torch.float64, 1e-7, 2.0, 0.0),
+    ],
+)
+def test_rows_of_very_different_norms_are_not_taken_as_stationary(
+    dtype: torch.dtype, small: float, c: float, norm_eps: float
+) -> None:
+    """Orthogonal rows (0 is not in their hull) 1e3 apart in float32, 1e7 in float64: the
+    update was 0, from a rounding floor relative to the largest row (and an eigensolver error
+    of that size) where the point x* is supported by the short row only."""
+    J = torch.tensor([[1.0, 0.0], [0.0, small]], dtype=dtype)
+    expected = _two_row_reference(J, c).to(dtype)
+    torch.testing.assert_close(CAGrad(c, norm_eps)(J), expected, rtol=1e-4, atol=0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.floats(-4.0, 0.0),
+    st.floats(0.0, 2.5),
+    st.floats(0.1, 2.5),
+    st.sampled_from([torch.float32, torch.float64]),
+)
+def test_two_rows_match_the_dual_on_their_segment(
+    log_ratio: float, angle: float, c: float, dtype: torch.dtype
+) -> None:
+    """Two rows at an angle below 2.5 rad (0 outside their hull) with norms up to 1e4 apart: the
+    update is that of the dual minimised in float64 on the rows (to 1e-4 relative: the
+    Gramian's rounding, amplified near stationarity; the update was 0 in float32)."""
+    J = torch.tensor(
+        [[1.0, 0.0], [10**log_ratio * math.cos(angle), 10**log_ratio * math.sin(angle)]],
+        dtype=dtype,
+    )
+    expected = _two_row_reference(J, c)
+    out = CAGrad(c, norm_eps=0.0)(J).double()
+    tol = 1e-4 * float(expected.norm())
+    assert float((out - expected).norm()) <= tol, (out, expected)

@@ -16,7 +16,7 @@ from jacflow.aggregation._simplex import min_norm_weights
 _RESCALES = (0, 1, 2)
 
 
-def _hull_weights(gramian: Tensor, s: float, zero: float = 0.0) -> Tensor:
+def _hull_weights(gramian: Tensor, s: float, noise: float = 0.0) -> Tensor:
     """Simplex weights ``w`` of ``x* = argmin_{x in conv(g_i)} g0.x + s ||x||``.
 
     For ``tau >= 0`` let ``x(tau)`` be the projection of ``-tau g0`` onto the hull, i.e. the
@@ -24,6 +24,9 @@ def _hull_weights(gramian: Tensor, s: float, zero: float = 0.0) -> Tensor:
     ``||x|| = min_l (||x||^2 / l + l) / 2`` shows that ``x* = x(tau*)`` where ``tau*`` is the
     unique sign change of ``h(tau) = ||x(tau)|| - s tau`` (positive before, negative after).
     ``tau*`` lies in ``[0, max_i ||g_i|| / s]`` and is found by safeguarded false position.
+    ``noise`` is the relative rounding of the Gramian: ``||x||`` of ``x = sum_i w_i g_i`` is
+    known only up to ``noise * sum_i w_i ||g_i||`` (the rows that support ``x``, not the
+    largest).
     """
     m = gramian.shape[0]
     u = torch.full((m,), 1.0 / m, dtype=gramian.dtype, device=gramian.device)
@@ -31,11 +34,13 @@ def _hull_weights(gramian: Tensor, s: float, zero: float = 0.0) -> Tensor:
     q = float(u @ b)
     cross = b[:, None] + b[None, :]
 
+    norms = gramian.diagonal().clamp_min(0).sqrt()
+
     def evaluate(tau: float, start: Tensor | None) -> tuple[Tensor, float]:
         w = min_norm_weights(gramian + tau * cross + tau * tau * q, start)
         return w, math.sqrt(max(float(w @ gramian @ w), 0.0)) - s * tau
 
-    radius = math.sqrt(float(gramian.diagonal().max()))
+    radius = float(norms.max())
     lo, hi = 0.0, radius / s
     w, h_lo = evaluate(lo, None)
     w_hi, h_hi = evaluate(hi, w)
@@ -43,6 +48,7 @@ def _hull_weights(gramian: Tensor, s: float, zero: float = 0.0) -> Tensor:
         return w_hi
     # ||x|| read from the Gramian is exact only up to ``zero`` (its rounding): where both ||x|| and
     # s tau are below 2 zero the sign of h is noise, and tau is taken as too small.
+    zero = noise * float(w @ norms)
     side = 0
     for _ in range(200):
         usable = h_lo > 2 * zero
@@ -50,6 +56,7 @@ def _hull_weights(gramian: Tensor, s: float, zero: float = 0.0) -> Tensor:
         if not lo < tau < hi:
             tau = 0.5 * (lo + hi)
         w, h = evaluate(tau, w)
+        zero = noise * float(w @ norms)
         if abs(h) <= 1e-13 * radius or hi - lo <= 1e-13 * hi:
             break
         norm = h + s * tau
@@ -67,15 +74,36 @@ def _hull_weights(gramian: Tensor, s: float, zero: float = 0.0) -> Tensor:
     return w
 
 
+def _nearest_psd(gramian: Tensor) -> Tensor:
+    """``gramian`` with its negative eigenvalues clipped to 0 (Wolfe's algorithm needs a true Gram
+    matrix; one formed in low precision is PSD only up to rounding), computed on the Gramian
+    of the unit rows: the eigensolver's error is then relative to each entry's ``|g_i||g_j|``,
+    not to the largest row's norm, which would swamp rows much shorter than it.
+
+    Example:
+        >>> import torch
+        >>> from jacflow.aggregation._cagrad import _nearest_psd
+        >>> _nearest_psd(torch.tensor([[1.0, 1e-3], [1e-3, 1e-6 - 1e-12]], dtype=torch.float64))
+        tensor([[1.0000e+00, 1.0000e-03],
+                [1.0000e-03, 1.0000e-06]], dtype=torch.float64)
+    """
+    norms = gramian.diagonal().clamp_min(0).sqrt()
+    inverse = torch.where(norms > 0, 1 / torch.where(norms > 0, norms, 1.0), 0.0)
+    eigenvalues, eigenvectors = torch.linalg.eigh(gramian * inverse[:, None] * inverse[None, :])
+    unit = (eigenvectors * eigenvalues.clamp_min(0)) @ eigenvectors.T
+    return unit * norms[:, None] * norms[None, :]
+
+
 def cagrad_weights(gramian: Tensor, c: float, norm_eps: float, rescale: int) -> Tensor:
     r"""CAGrad weights of the Gramian (any scale; solved in float64 on its device).
 
     With :math:`G` divided by its trace, :math:`u = 1/m`, :math:`g_0 = J^\top u` and
     :math:`s = c\|g_0\|`, solve :math:`\min_{w \in \Delta} g_w^\top g_0 + s\|g_w\|` and return
     :math:`(u + s\, w / \|g_w\|) / r` with :math:`r = 1, 1 + c^2, 1 + c` for ``rescale`` 0, 1, 2.
-    Returns zeros when :math:`\|g_w\|` is below ``norm_eps`` or below the resolution of the
-    Gramian's dtype (``12 sqrt(eps)`` of the largest row norm: 2e-7 in float64, 4e-3 in
-    float32), both on the trace-normalised scale, and NaN weights for a non-finite Gramian.
+    Returns zeros when :math:`\|g_w\|` is below ``norm_eps`` (on the trace-normalised scale) or
+    below the resolution of the Gramian's dtype, ``12 sqrt(eps)`` of
+    :math:`\sum_i w_i \|g_i\|` (the rows that support :math:`g_w`: 0 is then in their
+    convex hull up to rounding), and NaN weights for a non-finite Gramian.
     """
     m = gramian.shape[0]
     dtype, device = gramian.dtype, gramian.device
@@ -87,22 +115,20 @@ def cagrad_weights(gramian: Tensor, c: float, norm_eps: float, rescale: int) -> 
     trace = float(G.trace())
     if trace <= 0:
         return torch.zeros(m, dtype=dtype, device=device)
-    # A Gramian computed in low precision is PSD only up to rounding; Wolfe's algorithm needs a
-    # true Gram matrix, so clip the negative eigenvalues.
-    eigenvalues, eigenvectors = torch.linalg.eigh((G + G.T) / (2 * trace))
-    G = (eigenvectors * eigenvalues.clamp_min(0)) @ eigenvectors.T
+    G = _nearest_psd((G + G.T) / (2 * trace))
     u = torch.full((m,), 1.0 / m, dtype=torch.float64, device=device)
     s = c * math.sqrt(max(float(u @ G @ u), 0.0))
     if s == 0:
         weights = u
     else:
-        # Rounding errors of the Gramian (relative eps of its dtype) move x* by about sqrt(eps)
-        # of the rows' norm: the root search cannot resolve ||x*|| below a few times that, and
-        # there x* = 0 (its direction is noise).
-        resolution = 3 * math.sqrt(torch.finfo(dtype).eps) * math.sqrt(float(G.diagonal().max()))
-        w = _hull_weights(G, s, resolution)
+        # Rounding errors of the Gramian (eps of its dtype relative to |g_i||g_j| in entry ij)
+        # move x* = g_w by about sqrt(eps) sum_i w_i |g_i|: the root search cannot resolve
+        # ||x*|| below a few times that, and there x* = 0 (its direction is noise).
+        noise = 3 * math.sqrt(torch.finfo(dtype).eps)
+        w = _hull_weights(G, s, noise)
         norm = math.sqrt(max(float(w @ G @ w), 0.0))
-        if norm < max(norm_eps, 4 * resolution):
+        resolution = noise * float(w @ G.diagonal().clamp_min(0).sqrt())
+        if norm == 0 or norm < max(norm_eps, 4 * resolution):
             return torch.zeros(m, dtype=dtype, device=device)
         weights = u + (s / norm) * w
     divisor = (1.0, 1.0 + c * c, 1.0 + c)[rescale]
@@ -124,7 +150,9 @@ class CAGradWeighting(GramianWeighting):
     Args:
         c: radius of the ball around the mean gradient, relative to its norm; ``c >= 0``.
         norm_eps: below this norm of :math:`g_w` (Gramian divided by its trace, so relative to
-            the rows' scale), the point is treated as Pareto-stationary and the weights are 0.
+            the rows' scale), the point is treated as Pareto-stationary and the weights are 0;
+            so is it below the Gramian's rounding, ``12 sqrt(eps)`` of :math:`\sum_i w_i
+            \|g_i\|` (relative to the rows that support :math:`g_w`, not the largest row).
         rescale: 0 (default, TorchJD's behaviour): no rescaling; 1: divide by :math:`1 + c^2`
             (the official code's default); 2: divide by :math:`1 + c`.
 
