@@ -477,3 +477,34 @@ def test_grad_is_written_in_the_parameters_grad_dtype(hooked: bool, existing: bo
         assert p.grad.dtype == q.grad.dtype, name
         torch.testing.assert_close(p.grad.float(), q.grad.float(), atol=0.02, rtol=0.02)
     assert model[0].bias.grad.dtype == torch.float32
+
+
+@pytest.mark.parametrize("batch_dim", [0, None])
+def test_meta_forward_runs_and_its_step_is_refused(batch_dim: int | None) -> None:
+    """A grad-enabled forward of a hooked model moved to the meta device (shape inference,
+    deferred initialisation) runs as without the Engine: it failed inside the forward hook
+    (``unknown device type for autocast``). A step on its losses is refused, naming the meta
+    device, and after ``to_empty`` and loading values the engine's step is exact."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3)).double()
+    reference = copy.deepcopy(model)
+    x = torch.randn(5, 4, dtype=torch.float64)
+    with Engine(model, batch_dim=batch_dim) as engine:
+        model.to("meta")
+        out = model(torch.empty(5, 4, dtype=torch.float64, device="meta"))
+        assert out.shape == (5, 3) and out.device.type == "meta"
+        losses = out.sum(1) if batch_dim == 0 else out.sum(0)
+        with pytest.raises(ValueError, match=r"`losses` are on the meta device.*to_empty"):
+            engine.compute_gramian(losses)
+        with pytest.raises(ValueError, match=r"`losses` are on the meta device"):
+            engine.backward(losses, UPGradWeighting())
+        model.to_empty(device="cpu")
+        model.load_state_dict(reference.state_dict())
+        out = model(x)
+        weights = engine.backward(out.sum(1) if batch_dim == 0 else out.sum(0), UPGradWeighting())
+    ref_out = reference(x)
+    params = [*reference.parameters()]
+    jacobian = reference_jacobian(ref_out.sum(1) if batch_dim == 0 else ref_out.sum(0), params)
+    torch.testing.assert_close(weights, UPGradWeighting()(jacobian @ jacobian.T))
+    actual = torch.cat([p.grad.flatten() for p in model.parameters()])  # type: ignore[union-attr]
+    torch.testing.assert_close(actual, weights @ jacobian)

@@ -190,6 +190,12 @@ def _check_losses(
     # (the backward of complex losses differentiates their real part: the imaginary part's
     # rows were dropped from the Gramian and the update, silently)
     check_real_tensor(losses, "losses")
+    if losses.device.type == "meta":
+        raise ValueError(
+            "`losses` are on the meta device, which holds no values: a forward on meta tensors "
+            "runs (shape inference), but the Engine's step computes from the values of its "
+            "recorded calls. Step on a real device (e.g. after model.to_empty(device='cpu'))."
+        )
     if not losses.requires_grad:
         raise ValueError(
             "`losses` does not require grad: compute it from the hooked modules with grad enabled."
@@ -566,7 +572,9 @@ class Engine:
     autocast region or after it (PyTorch's advice for ``backward``). Without autocast, the
     recorded tensors are used as they are, but for float16 parameters: their products would
     overflow float16's range, so they run in float32, and the Gramian comes in float32 (the
-    update in float16).
+    update in float16). A forward on the meta device (shape inference, deferred
+    initialisation) runs as without the engine; a step on its losses, which hold no values, is
+    refused with a ``ValueError`` (step after ``model.to_empty(device=...)``).
 
     Per-row gradients of extreme but finite scale (about 1e19 or 1e-20 and beyond in float32)
     overflow or underflow the Gramian's products. The step reads the Gramian's largest entry

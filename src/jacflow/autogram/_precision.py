@@ -23,7 +23,8 @@ AutocastState = tuple[str, torch.dtype]
 
 
 def autocast_state(device_type: str) -> AutocastState | None:
-    """``(device type, dtype)`` of the autocast enabled for ``device_type``, else ``None``.
+    """``(device type, dtype)`` of the autocast enabled for ``device_type``, else ``None`` (also
+    for a device type that has no autocast, e.g. ``meta``).
 
     Example:
         >>> import torch
@@ -31,9 +32,11 @@ def autocast_state(device_type: str) -> AutocastState | None:
         >>> with torch.autocast("cpu", dtype=torch.bfloat16):
         ...     autocast_state("cpu")
         ('cpu', torch.bfloat16)
-        >>> autocast_state("cpu") is None
-        True
+        >>> autocast_state("cpu") is None, autocast_state("meta") is None
+        (True, True)
     """
+    if not torch.amp.is_autocast_available(device_type):
+        return None
     if not torch.is_autocast_enabled(device_type):
         return None
     return device_type, torch.get_autocast_dtype(device_type)
