@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
-from jacflow.aggregation import MeanWeighting, UPGradWeighting
+from jacflow.aggregation import ConstantWeighting, MeanWeighting, UPGradWeighting
 from jacflow.autogram import Engine, mtl_gramian_step
 from jacflow.autogram import _engine as engine_module
 from jacflow.autogram._fallback import ReplayMismatchError
@@ -1392,6 +1392,83 @@ def test_parameters_unfrozen_between_forward_and_step_are_refused() -> None:
     copy.deepcopy(model)(x)  # (a copy of the hooked model carries no engine)
 
 
+def _freeze(model: nn.Module, part: str) -> None:
+    """Freeze ``part`` of a ``Linear, Tanh, Scale, Linear`` model."""
+    if part == "first_layer":
+        model[0].requires_grad_(False)
+    elif part == "first_weight":
+        model[0].weight.requires_grad_(False)
+    elif part == "generic_scale":
+        model[2].requires_grad_(False)
+    else:  # (every parameter: a zero Gramian and no update)
+        model.requires_grad_(False)
+
+
+_FROZEN_WHEN = [
+    (part, when)
+    for part in ["first_layer", "first_weight", "generic_scale", "whole_model"]
+    for when in ["after_stray_forward", "after_forward"]
+    # (a frozen model's forward gives losses that do not require grad)
+    if (part, when) != ("whole_model", "after_stray_forward")
+]
+
+
+@pytest.mark.parametrize(("part", "when"), _FROZEN_WHEN)
+@pytest.mark.parametrize("batch_dim", [0, None])
+def test_parameters_frozen_while_calls_are_pending(
+    part: str, when: str, batch_dim: int | None
+) -> None:
+    """Parameters frozen while calls are pending (after a stray grad-enabled forward, or
+    between the forward and the step) were refused as "a frozen parameter made trainable". The
+    calls recorded give the exact step without them: the Gramian is ``J J^T`` and ``.grad``
+    gains ``w @ J`` over the parameters still trainable (the reference: autograd row by row on
+    an unhooked copy frozen alike), the frozen ones keep their ``.grad``; the next forward is
+    hooked again and exact."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), Scale(8), nn.Linear(8, 3)).double()
+    reference = copy.deepcopy(model)
+    _freeze(reference, part)
+    trainable = [p for p in reference.parameters() if p.requires_grad]
+    x = torch.randn(5, 4, dtype=torch.float64)
+    weighting = ConstantWeighting(torch.linspace(0.3, 1.7, 5 if batch_dim == 0 else 3))
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    old = [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+
+    def losses_of(out: Tensor) -> Tensor:
+        per_sample = out.pow(2).sum(1)
+        return per_sample if batch_dim == 0 else torch.stack([per_sample.sum(), *per_sample[:2]])
+
+    def pending_losses() -> Tensor:
+        if when == "after_stray_forward":
+            model(x)
+            _freeze(model, part)
+            return losses_of(model(x))
+        losses = losses_of(model(x))
+        _freeze(model, part)
+        return losses
+
+    reference_losses = losses_of(reference(x))
+    jacobian = (
+        reference_jacobian(reference_losses, trainable)
+        if trainable
+        else reference_losses.new_zeros(reference_losses.numel(), 0)
+    )
+    with Engine(model, batch_dim=batch_dim) as engine:
+        torch.testing.assert_close(engine.compute_gramian(pending_losses()), jacobian @ jacobian.T)
+        model.requires_grad_(True)
+        engine.clear()
+        weights = engine.backward(pending_losses(), weighting)
+        torch.testing.assert_close(weights, weighting(jacobian @ jacobian.T))
+        update = iter((weights @ jacobian).split([p.numel() for p in trainable]))
+        for p, q, before in zip(model.parameters(), reference.parameters(), old, strict=True):
+            expected = before + next(update).view_as(p) if q.requires_grad else before
+            torch.testing.assert_close(p.grad, expected)
+        if trainable:  # (hooked again for the parameters trainable now)
+            now = [p for p in model.parameters() if p.requires_grad]
+            assert_exact_gramian(engine, losses_of(model(x)), now)
+
+
 class _BatchScaled(Scale):
     """Divides by the batch size: per sample, its re-run (a batch of one) is another function."""
 
@@ -1549,6 +1626,53 @@ class _Backbone(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return torch.tanh(self.fc2(torch.tanh(self.fc1(x + self.pos))))
+
+
+def test_unfrozen_after_a_step_that_froze_parameters_of_its_forward() -> None:
+    """A step that takes parameters frozen after its forward hooks the modules again at its
+    end, also where no forward would (an ``nn.ModuleList`` whose modules the loop calls): a
+    module frozen during the next forward and unfrozen before its step is refused, as without
+    the first freeze (with the old hooks it was taken, its share of the Gramian read through
+    a graph that has none), and the step after it is exact."""
+    torch.manual_seed(0)
+    model = nn.ModuleList([nn.Linear(4, 8), nn.Tanh(), Scale(8), nn.Linear(8, 3)]).double()
+    engine = Engine(model, batch_dim=0)
+    x = torch.randn(5, 4, dtype=torch.float64)
+
+    def losses_of() -> Tensor:
+        out = x
+        for module in model:  # (the container itself is never called)
+            out = module(out)
+        return out.pow(2).sum(1)
+
+    losses = losses_of()
+    model[2].requires_grad_(False)
+    engine.backward(losses, MeanWeighting())
+    model.zero_grad()
+    losses = losses_of()
+    model[2].requires_grad_(True)
+    with pytest.raises(ValueError, match="modules changed since it hooked them"):
+        engine.backward(losses, MeanWeighting())
+    assert all(p.grad is None for p in model.parameters())
+    assert_exact_step(engine, losses_of, list(model.parameters()))
+
+
+def test_own_parameters_of_a_generic_unit_frozen_while_calls_are_pending() -> None:
+    """Freezing the own parameters of a module whose rule covers its children changes which
+    modules hold the units (its children, hooked on their own): with calls pending, refused
+    with a message that names it (it named "a frozen parameter made trainable" only), before
+    anything is written; the next step is exact."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_Backbone(), nn.Linear(8, 2)).double()
+    engine = Engine(model, batch_dim=0)
+    x = torch.randn(5, 4, dtype=torch.float64)
+    losses = model(x).pow(2).sum(1)
+    model[0].pos.requires_grad_(False)
+    with pytest.raises(ValueError, match="own parameters frozen under a rule that covered"):
+        engine.backward(losses, UPGradWeighting())
+    assert all(p.grad is None for p in model.parameters())
+    now = [p for p in model.parameters() if p.requires_grad]
+    assert_exact_gramian(engine, model(x).pow(2).sum(1), now)
 
 
 @pytest.mark.parametrize("given", ["generic_module", "sequential", "container"])

@@ -486,6 +486,22 @@ def _layout(units: list[Unit]) -> list[tuple[nn.Module, type, frozenset[str]]]:
     return [(unit.module, type(unit.rule), frozenset(unit.params())) for unit in units]
 
 
+def _narrowed(
+    units: list[Unit], layout: list[tuple[nn.Module, type, frozenset[str]]]
+) -> list[tuple[nn.Module, type, frozenset[str]]] | None:
+    """The ``layout`` of the hooked ``units`` with only their parameters trainable now (a unit
+    left with none dropped), or ``None`` where a unit has a trainable parameter it had not
+    when hooked (one unfrozen or added)."""
+    narrowed = []
+    for unit, (module, rule, names) in zip(units, layout, strict=True):
+        now = frozenset(unit.params())
+        if not now <= names:
+            return None
+        if now:
+            narrowed.append((module, rule, now))
+    return narrowed
+
+
 def _unhook(recorder: weakref.ref[Recorder], watches: list[RemovableHandle]) -> None:
     for handle in watches:
         handle.remove()
@@ -531,8 +547,9 @@ class Engine:
     a functional call or to an unhooked layer, a penalty on it added to the losses) is refused
     with a clear error, so hook every module that uses it (for a module under the generic
     rule, the uses inside its calls are its own). Frozen parameters
-    (``requires_grad=False``) are left out; a module unfrozen later (a backbone after a warm-up)
-    is hooked at the next forward of the given modules.
+    (``requires_grad=False``) are left out, also those frozen between a forward and its step;
+    a module unfrozen later (a backbone after a warm-up) is hooked at the next forward of the
+    given modules.
 
     Per sample, the first step of each pattern of recorded calls (the hooked modules called,
     and the losses' graph around their calls) checks that every loss reads the hooked calls'
@@ -662,6 +679,8 @@ class Engine:
         # (and, per sample, those whose losses read each output at its own sample only)
         self._separable_checked: set[Pattern] = set()
         self._hook_error: Exception | None = None  # (of hooking them again at a forward)
+        # (a step's forward ran with parameters frozen since: hooked again after the step)
+        self._frozen_since_hooked = False
         self._pending_forwards = 0  # (see _note_pending_forward)
         self._warned_pending = False
         # (DistributedDataParallel wrappers: the step takes their averaging over the replicas)
@@ -765,6 +784,18 @@ class Engine:
             for sub in root.modules()
         )
 
+    def _only_frozen(self) -> bool:
+        """Whether the modules changed since they were hooked only by parameters frozen: the
+        units found now are the hooked ones less their frozen parameters (and those left with
+        none), and the layers watched are the same. The calls recorded then give the exact
+        step without them (a unit reads its trainable parameters at the step)."""
+        try:
+            units = find_units(self._modules)
+        except ValueError:
+            return False
+        narrowed = _narrowed(self._units, self._layout)
+        return _layout(units) == narrowed and self._to_watch() == self._watched
+
     def _rehook_if_changed(self, module: nn.Module, args: Any) -> None:
         # (not with calls pending, whose units would change: the step refuses them instead;
         # nor for a forward that records nothing; looked for once between steps)
@@ -777,17 +808,28 @@ class Engine:
         self._checked = True
         if not self._changed():
             return
+        if self._hooked_again():
+            self._recorder.run_pre_hooks(module, args)
+
+    def _hooked_again(self) -> bool:
+        """Hook the modules again; whether that succeeded (a refusal is kept for the next
+        step, which raises it: not in the forward)."""
         try:
             self._hook_modules()
-        except (ValueError, TypeError) as error:  # (refused by the step, not in the forward)
+        except (ValueError, TypeError) as error:
             self._hook_error = error
-            return
-        self._recorder.run_pre_hooks(module, args)
+            return False
+        return True
 
     def _check_unchanged(self) -> None:
         """Refuse a step whose forward ran with the modules changed since they were hooked
-        (its calls were not all recorded), after hooking them again for the next forward."""
+        (its calls were not all recorded), after hooking them again for the next forward. One
+        that only froze parameters is not refused: the step hooks them again at its end (its
+        calls taken, none is pending then)."""
         if not self._changed():
+            return
+        if self._only_frozen():
+            self._frozen_since_hooked = True
             return
         error = self._hook_error
         try:
@@ -798,7 +840,8 @@ class Engine:
             raise error
         raise ValueError(
             "The Engine's modules changed since it hooked them, after this forward began (a "
-            "frozen parameter made trainable, or a module added or replaced, while calls of a "
+            "frozen parameter made trainable, a module added or replaced, or a module's own "
+            "parameters frozen under a rule that covered its children, while calls of a "
             "forward were pending), so not all of its calls were recorded. The Engine has "
             "hooked them again: run the forward again. (It hooks them again at the start of a "
             "forward of a module given to it when no call is pending.)"
@@ -1122,6 +1165,9 @@ class Engine:
         finally:  # (the tree of a module's calls of itself is a reference cycle)
             for _, call in calls:
                 call.parent, call.children = None, []
+            if self._frozen_since_hooked:  # (so that a parameter unfrozen later is seen)
+                self._frozen_since_hooked = False
+                self._hooked_again()
 
     def _prepare_calls(
         self,
