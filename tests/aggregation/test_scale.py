@@ -103,6 +103,33 @@ def test_scale_invariant_claims_hold(name: str) -> None:
     check()
 
 
+def test_the_weightings_that_do_not_read_the_gramian() -> None:
+    """Those whose weights read only the number of rows (the Engine skips its range test of
+    their Gramian, a host read); a wrapper reads it (Periodic's reuse steps check it for a NaN
+    or an infinity)."""
+    assert {n for n, make in WEIGHTINGS.items() if not make().reads_gramian} == {
+        "Constant",
+        "Mean",
+        "Random",
+        "Sum",
+    }
+
+
+@pytest.mark.parametrize(
+    "name", sorted(n for n, make in WEIGHTINGS.items() if not make().reads_gramian)
+)
+def test_reads_gramian_claims_hold(name: str) -> None:
+    """A weighting that says it does not read the Gramian gives the same weights, bit for bit
+    (with the same random draws), for any Gramian of the same size and dtype: overflowed,
+    NaN, zero or of an ordinary scale."""
+    make = WEIGHTINGS[name]
+    torch.manual_seed(1)
+    matrix = torch.randn(M, 5)
+    expected = _weights(make, matrix @ matrix.T)
+    for fill in (torch.inf, torch.nan, 0.0, 1e-30):
+        assert torch.equal(_weights(make, torch.full((M, M), fill)), expected), fill
+
+
 INVARIANT_AGGREGATORS = [
     "ConFIG",
     *sorted(

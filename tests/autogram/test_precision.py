@@ -5,14 +5,26 @@ from __future__ import annotations
 
 import contextlib
 import copy
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from jacflow.aggregation import GramianWeighting, IMTLGWeighting, MGDAWeighting, UPGradWeighting
+from jacflow.aggregation import (
+    ConstantWeighting,
+    GramianWeighting,
+    IMTLGWeighting,
+    MeanWeighting,
+    MGDAWeighting,
+    RandomWeighting,
+    SumWeighting,
+    UPGradWeighting,
+)
 from jacflow.autogram import Engine, mtl_gramian_step
+from jacflow.autogram import _engine as engine_module
 from jacflow.autogram._precision import autocast_state
 from tests.autogram._zoo import CASES, Case
 from tests.autogram.test_engine import hooked_params, reference_jacobian
@@ -419,6 +431,90 @@ def test_scale_reading_weighting_gets_the_float64_gramian(scale: float) -> None:
     torch.testing.assert_close(gramian, expected, rtol=1e-5, atol=0)
     # (in float32, as they come: 1e-60 is 0 there)
     torch.testing.assert_close(weights, weighting(expected).float(), rtol=1e-5, atol=0)
+
+
+_HOST_READS = ("__float__", "__bool__", "__int__", "item", "tolist")
+
+
+@contextlib.contextmanager
+def _counting_host_reads(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, int]]:
+    """Counts the tensors' host reads and the Engine's range tests of its Gramian."""
+    counts = {"reads": 0, "range_tests": 0}
+
+    def counted(key: str, original: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            counts[key] += 1
+            return original(*args, **kwargs)
+
+        return wrapper
+
+    with monkeypatch.context() as patch:
+        for name in _HOST_READS:
+            patch.setattr(Tensor, name, counted("reads", getattr(Tensor, name)))
+        test = counted("range_tests", engine_module.peak_out_of_range)
+        patch.setattr(engine_module, "peak_out_of_range", test)
+        yield counts
+
+
+_ROWS_ONLY: dict[str, Callable[[], GramianWeighting]] = {
+    "mean": MeanWeighting,
+    "sum": SumWeighting,
+    "constant": lambda: ConstantWeighting(torch.linspace(0.3, 1.7, 6)),
+    "random": RandomWeighting,
+}
+
+
+@pytest.mark.parametrize("scale", [1.0, 1e-30, 1e25])
+@pytest.mark.parametrize("batch_dim", [0, None])
+@pytest.mark.parametrize("name", sorted(_ROWS_ONLY))
+def test_no_range_test_for_weightings_that_do_not_read_the_gramian(
+    name: str, batch_dim: int | None, scale: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A weighting whose weights read only the number of rows (Mean, Sum, Constant, Random)
+    had the Gramian's peak read at every step (a host read, which stalls a GPU's queue), to
+    rescue weights that do not depend on it: a step after the first makes no host read now,
+    and the update is still the float64 reference's ``w @ J`` at extreme scales."""
+    reference = _scaled_model("mlp").double()
+    losses = _scaled_losses("mlp", reference, scale)
+    jacobian = reference_jacobian(losses, [*reference.parameters()])
+    model, weighting = _scaled_model("mlp"), _ROWS_ONLY[name]()
+    with Engine(model, batch_dim=batch_dim) as engine:
+        engine.backward(_scaled_losses("mlp", model, scale), weighting)  # (a first step)
+        model.zero_grad()
+        losses = _scaled_losses("mlp", model, scale)
+        torch.manual_seed(2)
+        with _counting_host_reads(monkeypatch) as counts:
+            weights = engine.backward(losses, weighting)
+    assert counts == {"reads": 0, "range_tests": 0}
+    torch.manual_seed(2)
+    assert torch.equal(weights, _ROWS_ONLY[name]()(torch.zeros(6, 6)))
+    grad = torch.cat([p.grad.flatten() for p in model.parameters()])  # type: ignore[union-attr]
+    expected = weights.double() @ jacobian
+    assert (grad.double() - expected).norm() <= 1e-5 * expected.norm()
+
+
+@pytest.mark.parametrize("hooked", [False, True])
+def test_range_test_for_weightings_that_read_the_gramian(
+    hooked: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A weighting that reads the Gramian (UPGrad; Mean with a forward pre-hook, which may
+    read it) still has it tested, and rescued from an overflow: the weights of scale 1."""
+    weighting: GramianWeighting = MeanWeighting() if hooked else UPGradWeighting()
+    seen: list[Tensor] = []
+    if hooked:
+        weighting.register_forward_pre_hook(lambda module, args: seen.append(args[0]))
+    model = _scaled_model("mlp")
+    with Engine(model, batch_dim=0) as engine, _counting_host_reads(monkeypatch) as counts:
+        weights = engine.backward(_scaled_losses("mlp", model, 1e25), weighting)
+    assert counts["range_tests"] == 1
+    if hooked:  # (the Gramian rescued: finite, scaled to a peak in [1/2, 1))
+        assert 0.5 <= float(seen[0].abs().amax()) < 1
+    else:
+        reference = _scaled_model("mlp").double()
+        losses = _scaled_losses("mlp", reference, 1.0)
+        jacobian = reference_jacobian(losses, [*reference.parameters()])
+        expected = UPGradWeighting()(jacobian @ jacobian.T)
+        torch.testing.assert_close(weights.double(), expected, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("scale", [1e-30, 1e25])

@@ -425,6 +425,21 @@ class GramianWeighting(Weighting):
         """Whether ``weights(c^2 G) == weights(G)`` for every ``c > 0`` (default: False)."""
         return False
 
+    @property
+    def reads_gramian(self) -> bool:
+        """Whether the weights read the Gramian's values, not only its number of rows (default:
+        True). :class:`MeanWeighting`, :class:`SumWeighting`, :class:`ConstantWeighting` and
+        :class:`RandomWeighting` do not (a subclass whose ``forward`` reads them says so): the
+        :class:`~jacflow.autogram.Engine` then skips its range test of their Gramian (a host
+        read), which only matters to weights computed from it.
+
+        Example:
+            >>> from jacflow.aggregation import MeanWeighting, UPGradWeighting
+            >>> MeanWeighting().reads_gramian, UPGradWeighting().reads_gramian
+            (False, True)
+        """
+        return True
+
     def _check_input(self, stat: Tensor) -> None:
         gramian = _check_matrix(stat, "gramian", type(self).__name__)
         if gramian.shape[0] != gramian.shape[1]:

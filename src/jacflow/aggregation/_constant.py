@@ -65,6 +65,7 @@ class ConstantWeighting(GramianWeighting):
         Weighting._check_input(self, stat)
 
     scale_invariant = True  # (the weights do not read G)
+    reads_gramian = False
 
     def check_rows(self, m: int) -> None:
         _check_count(self.weights, m)

@@ -35,6 +35,7 @@ class MeanWeighting(GramianWeighting):
         Weighting._check_input(self, stat)
 
     scale_invariant = True  # (the weights do not read G)
+    reads_gramian = False
 
     def forward(self, stat: Tensor) -> Tensor:
         return mean_weights(stat.shape[0], stat)

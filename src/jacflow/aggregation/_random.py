@@ -41,6 +41,7 @@ class RandomWeighting(GramianWeighting):
         Weighting._check_input(self, stat)
 
     scale_invariant = True  # (the weights do not read G)
+    reads_gramian = False
 
     def forward(self, stat: Tensor) -> Tensor:
         return random_weights(stat.shape[0], stat)

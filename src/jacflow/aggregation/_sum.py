@@ -33,6 +33,7 @@ class SumWeighting(GramianWeighting):
         Weighting._check_input(self, stat)
 
     scale_invariant = True  # (the weights do not read G)
+    reads_gramian = False
 
     def forward(self, stat: Tensor) -> Tensor:
         return _ones(stat)

@@ -22,7 +22,7 @@ from torch.utils.hooks import RemovableHandle
 from jacflow._grad_writes import grad_dtype, laid_out, owned, run_post_accumulate_hooks
 from jacflow._warnings import caller_stacklevel
 from jacflow.aggregation import GramianWeighting
-from jacflow.aggregation._bases import peak_out_of_range, unit_peak_factor
+from jacflow.aggregation._bases import peak_out_of_range, runs_forward_hooks, unit_peak_factor
 from jacflow.autogram._buffers import GradientBuffers, worth_reusing
 from jacflow.autogram._capture import EACH, Selection, capture, pull_back
 from jacflow.autogram._distributed import (
@@ -594,7 +594,10 @@ class Engine:
     refused with a ``ValueError`` (step after ``model.to_empty(device=...)``).
 
     Per-row gradients of extreme but finite scale (about 1e19 or 1e-20 and beyond in float32)
-    overflow or underflow the Gramian's products. The step reads the Gramian's largest entry
+    overflow or underflow the Gramian's products. The step of a weighting that
+    :attr:`~jacflow.aggregation.GramianWeighting.reads_gramian` (not ``MeanWeighting``,
+    ``SumWeighting``, ``ConstantWeighting``, ``RandomWeighting``: their weights and the update
+    do not need it) reads the Gramian's largest entry
     (one host read) and, when it is not finite or lost its digits (below ``tiny / eps``,
     about 1e-31 in float32, zero included), forms the Gramian again in float64 from the
     per-row gradients, one parameter at a time (slow, and it materialises them: only then).
@@ -1029,8 +1032,10 @@ class Engine:
                         meetings.meet(gramian.shape[0])
                         gramian = averaged_gramian(gramian, self._replicas)
                     # (overflowed: per-row gradients of about 1e19 in float32; or underflowed:
-                    # below about 1e-20; one host read of the peak, the common path's only cost)
-                    elif peak_out_of_range(gramian):  # (rare: formed again, exactly)
+                    # below about 1e-20; one host read of the peak, the common path's only cost,
+                    # for weights that read the Gramian: the update is formed by book-keeping)
+                    elif _reads_gramian(weighting) and peak_out_of_range(gramian):
+                        # (rare: formed again, exactly)
                         exact = _gramian_in_float64(contributions, rows, order, trunk_rows, gramian)
                         gramian = _usable(exact, weighting, dtype) if _in_range(exact) else gramian
                 weights = _check_weights(weighting(gramian), gramian.shape[0], weighting)
@@ -1886,6 +1891,13 @@ def _gramian_in_float64(
     total = _to_loss_order(total, order)
     present = [r.reshape(r.shape[0], -1).double() for r in trunk_rows if r is not None]
     return total + row_gramian(torch.cat(present, dim=1)) if present else total
+
+
+def _reads_gramian(weighting: GramianWeighting) -> bool:
+    """Whether ``weighting``'s call reads the Gramian's values: its
+    :attr:`~jacflow.aggregation.GramianWeighting.reads_gramian`, or a forward hook or pre-hook
+    that runs with it (it may read them)."""
+    return weighting.reads_gramian or runs_forward_hooks(weighting)
 
 
 def _usable(exact: Tensor, weighting: GramianWeighting, dtype: torch.dtype) -> Tensor:
