@@ -19,6 +19,7 @@ from jacflow.aggregation import (
     IMTLGWeighting,
     MeanWeighting,
     MGDAWeighting,
+    Periodic,
     RandomWeighting,
     SumWeighting,
     UPGradWeighting,
@@ -431,6 +432,37 @@ def test_scale_reading_weighting_gets_the_float64_gramian(scale: float) -> None:
     torch.testing.assert_close(gramian, expected, rtol=1e-5, atol=0)
     # (in float32, as they come: 1e-60 is 0 there)
     torch.testing.assert_close(weights, weighting(expected).float(), rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("batch_dim", [0, None])
+def test_periodic_reuse_steps_after_a_float64_gramian(batch_dim: int | None) -> None:
+    """A ``Periodic`` weighting that reads the scale keeps the float64 weights of a step whose
+    Gramian was formed in float64 (an overflow): its reuse steps returned them in float64, where
+    the docs say the Gramian's usual dtype. Every step's weights are float32 now, the reuse
+    steps' those of the first step, and each ``.grad`` is the float64 reference's ``w @ J``."""
+    reference = _scaled_model("mlp").double()
+    scales = [1e25, 1.0, 1.0, 1.0]  # (recomputed at steps 0 and 3)
+    jacobians = [
+        reference_jacobian(_scaled_losses("mlp", reference, s), [*reference.parameters()])
+        for s in scales
+    ]
+    inner = _ScaleReading()
+    model, weighting = _scaled_model("mlp"), Periodic(inner, every=3)
+    steps = []
+    with Engine(model, batch_dim=batch_dim) as engine:
+        for scale, jacobian in zip(scales, jacobians, strict=True):
+            model.zero_grad()
+            weights = engine.backward(_scaled_losses("mlp", model, scale), weighting)
+            grad = torch.cat([p.grad.flatten() for p in model.parameters()])  # type: ignore[union-attr]
+            expected = weights.double() @ jacobian
+            assert (grad.double() - expected).norm() <= 1e-5 * expected.norm()
+            steps.append(weights)
+    assert [g.dtype for g in inner.seen] == [torch.float64, torch.float32]  # (the rescue)
+    assert all(weights.dtype == torch.float32 for weights in steps)
+    assert torch.equal(steps[1], steps[0]) and torch.equal(steps[2], steps[0])
+    for step in (0, 3):
+        expected = _ScaleReading()(jacobians[step] @ jacobians[step].T).float()
+        torch.testing.assert_close(steps[step], expected, rtol=1e-5, atol=0)
 
 
 _HOST_READS = ("__float__", "__bool__", "__int__", "item", "tolist")

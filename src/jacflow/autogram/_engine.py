@@ -603,9 +603,10 @@ class Engine:
     per-row gradients, one parameter at a time (slow, and it materialises them: only then).
     A :attr:`~jacflow.aggregation.GramianWeighting.scale_invariant` weighting gets it scaled
     by a power of two to a largest entry in [1/2, 1), in the usual dtype (the weights at
-    scale 1); another gets it in float64, as from ``jacflow.backward``, and its weights are
-    returned in the Gramian's usual dtype. The ``.grad`` written is the true ``w @ J``. Not
-    under DDP per task, whose replicas average their Gramians as formed; nor in
+    scale 1); another gets it in float64, as from ``jacflow.backward``. The weights are
+    returned in the Gramian's usual dtype at every step, also by a weighting that keeps those
+    of a float64 Gramian (``Periodic``'s reuse steps). The ``.grad`` written is the true
+    ``w @ J``. Not under DDP per task, whose replicas average their Gramians as formed; nor in
     :meth:`compute_gramian`, which returns the Gramian as formed.
 
     Args:
@@ -1039,8 +1040,9 @@ class Engine:
                         exact = _gramian_in_float64(contributions, rows, order, trunk_rows, gramian)
                         gramian = _usable(exact, weighting, dtype) if _in_range(exact) else gramian
                 weights = _check_weights(weighting(gramian), gramian.shape[0], weighting)
-                if gramian.dtype != dtype:  # (a weighting that read the float64 Gramian)
-                    weights = weights.to(dtype)
+                # (a weighting that read the float64 Gramian, or reused the weights of a step
+                # that did: Periodic's)
+                weights = _in_usual_dtype(weights, dtype)
                 with torch.no_grad():
                     row_weights = weights if order is None else weights[order[1]]
                     params = (p for named, _ in contributions for p in named.values())
@@ -1891,6 +1893,11 @@ def _gramian_in_float64(
     total = _to_loss_order(total, order)
     present = [r.reshape(r.shape[0], -1).double() for r in trunk_rows if r is not None]
     return total + row_gramian(torch.cat(present, dim=1)) if present else total
+
+
+def _in_usual_dtype(weights: Tensor, dtype: torch.dtype) -> Tensor:
+    """``weights`` in the Gramian's usual ``dtype``, whatever the weighting returned."""
+    return weights if weights.dtype == dtype else weights.to(dtype)
 
 
 def _reads_gramian(weighting: GramianWeighting) -> bool:
