@@ -32,6 +32,7 @@ from jacflow.autogram._rules import (
     add_grads,
     kept_weighted_grads,
     register_rule,
+    unbatched_refusal,
     worth_keeping,
 )
 from jacflow.linalg._products import row_gramian
@@ -369,6 +370,9 @@ class ConvRule(Rule):
         assert isinstance(module, _ConvNd)
         if (stale := stale_sizes(module)) is not None:
             raise stale
+        x = call.input()
+        if not rows.per_task and x.dim() == len(module.kernel_size) + 1:  # [C, *spatial]
+            raise unbatched_refusal(module, x)
 
     def prepare(
         self, module: nn.Module, params: dict[str, Tensor], calls: list[Call], rows: Rows

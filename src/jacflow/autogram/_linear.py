@@ -31,6 +31,7 @@ from jacflow.autogram._rules import (
     kept_weighted_grads,
     kernel_gram,
     register_rule,
+    unbatched_refusal,
     weighted_sum,
     worth_keeping,
 )
@@ -284,6 +285,11 @@ class LinearRule(Rule):
 
     def parameter_names(self, module: nn.Module) -> frozenset[str]:
         return WEIGHT_AND_BIAS
+
+    def validate(self, module: nn.Module, call: Call, rows: Rows) -> None:
+        x = call.input()
+        if not rows.per_task and x.dim() < 2:  # (an output [p] whose p happens to be B)
+            raise unbatched_refusal(module, x)
 
     def prepare(
         self, module: nn.Module, params: dict[str, Tensor], calls: list[Call], rows: Rows

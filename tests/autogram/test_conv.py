@@ -1,0 +1,51 @@
+"""The closed form of ``nn.Conv1d/2d/3d`` against the brute-force Jacobian of an unhooked copy."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from jacflow.autogram._conv import ConvContribution
+from tests.autogram.test_linear import assert_exact_backward, assert_refused_per_sample
+
+
+class _UnbatchedConv(nn.Module):
+    """A head on the batch ``[B, 4]`` plus a convolution on a buffer ``[1, *spatial]`` without
+    the batch dimension: its output ``[3, *positions]`` starts with the batch's size (B = 3)."""
+
+    def __init__(self, conv: nn.Module, spatial: tuple[int, ...]) -> None:
+        super().__init__()
+        self.head, self.conv = nn.Linear(4, 3), conv
+        self.register_buffer("context", torch.randn(1, *spatial))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(x).sum(1) + self.conv(self.context).flatten(1).sum(1)
+
+
+# each convolution type (built with 1 input channel, 3 outputs, kernel 2) and its input's size
+UNBATCHED: list[tuple[type[nn.Module], tuple[int, ...]]] = [
+    (nn.Conv1d, (5,)),
+    (nn.Conv2d, (6, 6)),
+    (nn.Conv3d, (3, 3, 3)),
+]
+
+
+@pytest.mark.parametrize("route", ["ghost", "conv", "unfold"])
+@pytest.mark.parametrize(("conv", "spatial"), UNBATCHED, ids=["1d", "2d", "3d"])
+def test_unbatched_input_per_sample_is_refused(
+    conv: type[nn.Module], spatial: tuple[int, ...], route: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Per sample, the call without a batch dimension is refused as such on every route,
+    before anything is written (the routes' reshapes failed with raw torch errors)."""
+    monkeypatch.setattr(ConvContribution, "_route", lambda self: route)
+    model = _UnbatchedConv(conv(1, 3, 2), spatial).double()
+    assert_refused_per_sample(model, r"Conv\dd received an unbatched input of shape \(1, ")
+
+
+@pytest.mark.parametrize(("conv", "spatial"), UNBATCHED, ids=["1d", "2d", "3d"])
+def test_unbatched_input_per_task_is_exact(conv: type[nn.Module], spatial: tuple[int, ...]) -> None:
+    """Per task the batch is one sample: the same call is differentiated exactly."""
+    model = _UnbatchedConv(conv(1, 3, 2), spatial).double()
+    x = torch.randn(3, 4, dtype=torch.float64)
+    assert_exact_backward(model, lambda m: torch.stack([m(x).pow(2).sum(), m(x).sum()]), None)

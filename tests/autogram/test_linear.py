@@ -1,0 +1,76 @@
+"""The closed form of ``nn.Linear`` against the brute-force Jacobian of an unhooked copy."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from jacflow.aggregation import ConstantWeighting
+from jacflow.autogram import Engine
+from tests.autogram.test_engine import reference_jacobian
+
+
+def assert_exact_backward(
+    model: nn.Module, losses_of: Callable[[nn.Module], Tensor], batch_dim: int | None
+) -> None:
+    """The engine's Gramian of ``losses_of(model)`` is ``J J^T`` and its step with fixed
+    asymmetric weights ``w`` adds ``w @ J`` to the ``.grad`` already there, with ``J`` the
+    Jacobian of an unhooked copy, row by row (float64)."""
+    reference = copy.deepcopy(model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    jacobian = reference_jacobian(
+        losses_of(reference), [p for p in reference.parameters() if p.requires_grad]
+    )
+    previous = [torch.randn_like(p) for p in params]
+    for p, g in zip(params, previous):
+        p.grad = g.clone()
+    weights = torch.linspace(-1.0, 2.0, jacobian.shape[0], dtype=torch.float64)
+    with Engine(model, batch_dim=batch_dim) as engine:
+        torch.testing.assert_close(engine.compute_gramian(losses_of(model)), jacobian @ jacobian.T)
+        engine.backward(losses_of(model), ConstantWeighting(weights))
+    expected = weights @ jacobian + torch.cat([g.flatten() for g in previous])
+    actual = torch.cat([p.grad.flatten() for p in params])  # type: ignore[union-attr]
+    torch.testing.assert_close(actual, expected)
+
+
+def assert_refused_per_sample(model: nn.Module, refusal: str) -> None:
+    """A per-sample step on the squared outputs of ``model`` on a batch ``[3, 4]`` raises a
+    ``ValueError`` matching ``refusal`` and leaves every ``.grad`` as it was."""
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    x = torch.randn(3, 4, dtype=torch.float64)
+    with Engine(model, batch_dim=0) as engine, pytest.raises(ValueError, match=refusal):
+        engine.backward(model(x) ** 2, ConstantWeighting(torch.ones(3, dtype=torch.float64)))
+    assert all(bool((p.grad == 1).all()) for p in model.parameters())
+
+
+class _UnbatchedCall(nn.Module):
+    """A head on the batch ``[B, 4]`` plus a Linear called on a buffer without the batch
+    dimension: its output ``[3]`` happens to have the batch's size (B = 3)."""
+
+    def __init__(self, context: Tensor) -> None:
+        super().__init__()
+        self.head, self.side = nn.Linear(4, 3), nn.Linear(context.shape[-1], 3)
+        self.register_buffer("context", context)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(x).sum(1) + self.side(self.context)
+
+
+@pytest.mark.parametrize("d", [1, 5])
+def test_unbatched_input_per_sample_is_refused(d: int) -> None:
+    """Per sample, the call without a batch dimension is refused as such, before anything is
+    written (it reached the closed form, whose reshape failed with a raw torch error)."""
+    model = _UnbatchedCall(torch.randn(d, dtype=torch.float64)).double()
+    assert_refused_per_sample(model, rf"Linear received an unbatched input of shape \({d},\)")
+
+
+def test_unbatched_input_per_task_is_exact() -> None:
+    """Per task the batch is one sample: the same call is differentiated exactly."""
+    model = _UnbatchedCall(torch.randn(5, dtype=torch.float64)).double()
+    x = torch.randn(3, 4, dtype=torch.float64)
+    assert_exact_backward(model, lambda m: torch.stack([m(x).pow(2).sum(), m(x).sum()]), None)
