@@ -11,7 +11,7 @@ from torch import Tensor, nn
 
 from jacflow.aggregation import ConstantWeighting
 from jacflow.autogram import Engine
-from tests.autogram.test_engine import reference_jacobian
+from tests.autogram.test_engine import force_route, reference_jacobian
 
 
 def assert_exact_backward(
@@ -74,3 +74,55 @@ def test_unbatched_input_per_task_is_exact() -> None:
     model = _UnbatchedCall(torch.randn(5, dtype=torch.float64)).double()
     x = torch.randn(3, 4, dtype=torch.float64)
     assert_exact_backward(model, lambda m: torch.stack([m(x).pow(2).sum(), m(x).sum()]), None)
+
+
+class _EmptyFeatures(nn.Module):
+    """``nn.Linear(4, 0)`` (an empty output) feeding ``nn.Linear(0, 3)`` (no input features:
+    its output is its bias, a learned constant), which scales a head on the input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head, self.squeeze, self.const = nn.Linear(4, 3), nn.Linear(4, 0), nn.Linear(0, 3)
+        nn.init.normal_(self.const.bias)  # (its default is 0: no fan-in)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(x) * self.const(self.squeeze(x))
+
+
+def _losses_of(x: Tensor, batch_dim: int | None, k: int) -> Callable[[nn.Module], Tensor]:
+    """Non-linear losses of a model's outputs on ``x``: ``[B]`` or ``[B, k]`` per sample, ``k``
+    full-batch losses per task."""
+
+    def losses(model: nn.Module) -> Tensor:
+        out = model(x).flatten(1)
+        terms = [out.pow(2).sum(1), (out.sin() * out).sum(1)][:k]
+        if batch_dim is None:
+            return torch.stack([t.sum() for t in terms])
+        return terms[0] if k == 1 else torch.stack(terms, dim=1)
+
+    return losses
+
+
+@pytest.mark.parametrize(
+    ("route", "keep"),
+    [(None, False), ("ghost", False), ("materialized", True), ("materialized", False)],
+)
+@pytest.mark.parametrize("positions", [(), (2,)], ids=["flat", "sequence"])
+@pytest.mark.parametrize(("batch_dim", "k"), [(0, 1), (0, 2), (None, 2)])
+def test_linear_without_input_or_output_features_is_exact(
+    route: str | None,
+    keep: bool,
+    positions: tuple[int, ...],
+    batch_dim: int | None,
+    k: int,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``in_features = 0`` or ``out_features = 0`` (as plain autograd allows): the empty
+    weight adds 0 to the Gramian and its bias counts as usual, on every route (``route=None``:
+    the engine's choice; the positions of an empty input were inferred by a reshape, which
+    failed)."""
+    if route is not None:
+        force_route(monkeypatch, route, keep)
+    model = _EmptyFeatures().double()
+    x = torch.randn(3, *positions, 4, dtype=torch.float64)
+    assert_exact_backward(model, _losses_of(x, batch_dim, k), batch_dim)

@@ -110,7 +110,7 @@ def weighted_weight_grad(u: Tensor, y: Tensor, out: Tensor | None = None) -> Ten
     weight-gradient product, as in the plain backward; written into ``out`` (``g = 1`` only,
     ``p d`` elements, the dtype of ``u`` and ``y``) when given."""
     if u.shape[2] == 1:
-        flat_y, flat_u = y.reshape(-1, y.shape[-1]).T, u.reshape(-1, u.shape[3])
+        flat_y, flat_u = y.flatten(0, -2).T, u.flatten(0, 2)  # (no -1: y or u may be empty)
         if out is None:
             return product(flat_y, flat_u)
         product(flat_y, flat_u, out=out.view(flat_y.shape[0], flat_u.shape[1]))
@@ -150,7 +150,7 @@ class UnfoldedContribution(Contribution):
         self.kept: Tensor | None = None  # per-row weight gradients [R, g * p * d]
 
     def _bias_rows(self) -> Tensor:
-        return self.bp.sum(dim=1).reshape(self.bp.shape[0], -1)
+        return self.bp.sum(dim=1).flatten(1)
 
     def _ghost_cheaper(self) -> bool:
         _, t, g, d = self.u.shape
@@ -158,7 +158,8 @@ class UnfoldedContribution(Contribution):
         return ghost_cost(self.rows, t, g, d, p) <= materialized_cost(self.rows, t, g, d, p)
 
     def gramian(self, names: set[str]) -> Tensor | None:
-        weight = self.weight_name is not None and self.weight_name in names
+        # (an empty weight, of a Linear without input or output features, adds 0)
+        weight = self.weight_name in names and self.weight_shape.numel() > 0
         bias = self.bias_name is not None and self.bias_name in names
         if weight and self._ghost_cheaper():
             return ghost_gramian(self.u, self.bp, self.rows, with_bias=bias)
@@ -262,6 +263,20 @@ class JoinedLinear(Contribution):
         return out
 
 
+def by_position(x: Tensor, n: int, width: int) -> Tensor:
+    """``x`` (``[*lead, width]``, the leading sizes ``n`` times a number ``T`` of positions) as
+    ``[n, T, 1, width]``. ``T`` is counted from the leading sizes, not inferred: an empty
+    ``x`` (``width = 0``, a Linear with no input or no output features) has any ``T``.
+
+    Example:
+        >>> import torch
+        >>> from jacflow.autogram._linear import by_position
+        >>> by_position(torch.ones(3, 2, 0), 3, 0).shape
+        torch.Size([3, 2, 1, 0])
+    """
+    return x.reshape(n, x.shape[:-1].numel() // n, 1, width)
+
+
 def linear_part(
     us: list[Tensor],
     grads: list[Tensor],
@@ -273,8 +288,8 @@ def linear_part(
     """A Linear contribution of ``weight`` (and its bias) from the inputs ``us`` and output
     gradients ``grads`` of every call (joined along the positions: their gradients add up), with
     the names of the two parameters that are in ``params``."""
-    u = torch.cat([x.reshape(rows.num_samples, -1, 1, x.shape[-1]) for x in us], dim=1)
-    bp = torch.cat([g.reshape(rows.num_rows, -1, 1, g.shape[-1]) for g in grads], dim=1)
+    u = torch.cat([by_position(x, rows.num_samples, x.shape[-1]) for x in us], dim=1)
+    bp = torch.cat([by_position(g, rows.num_rows, g.shape[-1]) for g in grads], dim=1)
     weight_name, bias_name = (n if n in params else None for n in names)
     part = UnfoldedContribution(u, bp, rows, weight.shape, weight_name, bias_name)
     return {n for n in names if n in params}, part
@@ -299,8 +314,8 @@ class LinearRule(Rule):
         us, bps = [], []
         for call in calls:
             # (per-task mode: the whole batch is the one sample; no unsqueeze needed)
-            us.append(call.input().reshape(rows.num_samples, -1, 1, d))
-            bps.append(call.grad().reshape(rows.num_rows, -1, 1, p))
+            us.append(by_position(call.input(), rows.num_samples, d))
+            bps.append(by_position(call.grad(), rows.num_rows, p))
         return unfolded_contribution(us, bps, rows, module, params)
 
 
