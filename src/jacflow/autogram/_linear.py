@@ -5,8 +5,8 @@ form. With ``U`` the unfolded inputs ``[S, T, g, d]`` (``g`` independent groups 
 ``Bp`` the output gradients ``[R, T, g, p]``:
 
 * ghost: ``<g_r, g_q> = sum_{t,s} (a_rt . a_qs)(b_rt . b_qs)``, from the two Gram matrices of
-  the positions (cost about ``(ST)^2 d + (RT)^2 p``, or ``T^2 d + R T^2 p + R^2 T p`` when the
-  whole batch is one sample, per-task mode);
+  the positions (cost about ``(ST)^2 d + (RT)^2 p`` and elementwise passes over the ``(RT)^2``
+  entries, or ``T^2 d + R T^2 p + R^2 T p`` when the whole batch is one sample, per-task mode);
 * materialised: form ``g_r`` (``R T d p``) then ``g g^T`` (``R^2 d p``).
 
 The cheaper of the two is chosen per layer. The bias gradient is ``sum_t b_rt``; on the ghost
@@ -37,13 +37,29 @@ from jacflow.autogram._rules import (
 )
 from jacflow.linalg._products import product, row_gramian
 
+# Per sample with several positions, the ghost route also multiplies the ``[R T, R T]`` Gram
+# matrix of the backprops with the kernel's and sums over the positions, and with several rows
+# per sample it first gathers the kernel to the rows (two indexing copies, the slowest pass):
+# memory-bound passes, charged in multiply-adds per entry. Measured (1 thread, float32, 4M
+# entries): multiply and sum 2.4 ns, gather 5.4 ns, against 0.02-0.04 ns per multiply-add of a
+# large product; the charges are lower, as entries that stay in cache cost less (a transformer's
+# feed-forward layer on 16 positions, B = 32, [B] losses: the ghost form at 0.46-0.89x the
+# materialised one keeps its route). It only picks between exact routes.
+MULTIPLY_SUM_COST = 32
+GATHER_COST = 96
+
 
 def ghost_cost(rows: Rows, positions: int, groups: int, d: int, p: int) -> int:
-    """Multiply-adds of the ghost Gramian of one layer."""
+    """Multiply-adds of the ghost Gramian of one layer, with its elementwise passes over the
+    ``[R T, R T]`` entries (per sample, ``T > 1``) at :data:`MULTIPLY_SUM_COST` and
+    :data:`GATHER_COST` each."""
     r, s, t = rows.num_rows, rows.num_samples, positions
     if rows.per_task:
         return groups * (t * t * d + r * t * t * p + r * r * t * p)
-    return groups * ((s * t) ** 2 * d + (r * t) ** 2 * p)
+    per_entry = p
+    if t > 1:
+        per_entry += MULTIPLY_SUM_COST + (GATHER_COST if rows.index is not None else 0)
+    return groups * ((s * t) ** 2 * d + (r * t) ** 2 * per_entry)
 
 
 # Per-sample gradients come from one batched matmul of small per-sample ``[p, T] x [T, d]``
