@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 
+from jacflow.autogram import Engine
 from jacflow.autogram._conv import ConvContribution
 from tests.autogram.test_linear import assert_exact_backward, assert_refused_per_sample
 
@@ -49,3 +50,27 @@ def test_unbatched_input_per_task_is_exact(conv: type[nn.Module], spatial: tuple
     model = _UnbatchedConv(conv(1, 3, 2), spatial).double()
     x = torch.randn(3, 4, dtype=torch.float64)
     assert_exact_backward(model, lambda m: torch.stack([m(x).pow(2).sum(), m(x).sum()]), None)
+
+
+@pytest.mark.parametrize(
+    ("channels", "size", "batch_dim", "k"),
+    [(64, 32, 0, 1), (64, 32, 0, 4), (64, 32, None, 2), (128, 56, 0, 1), (64, 8, 0, 1)],
+)
+def test_depthwise_convolution_takes_the_grouped_route(
+    channels: int, size: int, batch_dim: int | None, k: int
+) -> None:
+    """One input and one output channel per group: the grouped ``convolution_backward`` is a
+    depthwise convolution, with no padded channel block (charged as one, the unfolded route
+    was taken at 2-3.6x its time, measured: e.g. 60 against 16.5 ms for 64 channels of 32 x
+    32, B = 32, 1 thread)."""
+    conv = nn.Conv2d(channels, channels, 3, padding=1, groups=channels)
+    with Engine(conv, batch_dim=batch_dim) as engine:
+        out = conv(torch.randn(8, channels, size, size)).flatten(1)
+        terms = [out[:, i::k].pow(2).sum(1) for i in range(k)]
+        if batch_dim is None:
+            losses = torch.stack([t.sum() for t in terms])
+        else:
+            losses = terms[0] if k == 1 else torch.stack(terms, dim=1)
+        contribution = engine._prepare(losses, False, ())[0][0][1]
+    assert isinstance(contribution, ConvContribution)
+    assert contribution._route() == "conv"
