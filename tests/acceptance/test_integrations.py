@@ -29,6 +29,18 @@ def _model() -> nn.Module:
     return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
 
 
+class _HFStyle(nn.Module):
+    """A model whose ``forward`` takes ``**kwargs``, as Hugging Face models' do (the Trainer
+    then leaves the loss of accumulated steps to it, unless told otherwise)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = _model()
+
+    def forward(self, x: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        return self.net(x)  # type: ignore[no-any-return]
+
+
 def _data(n: int) -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(1)
     return torch.randn(n, 6, generator=generator), torch.randint(0, 3, (n,), generator=generator)
@@ -119,6 +131,7 @@ class _PerSampleJDTrainer(transformers.Trainer):  # type: ignore[misc,name-defin
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.engine = Engine(self.model, batch_dim=0)
+        self.model_accepts_loss_kwargs = False
 
     def compute_loss(
         self,
@@ -173,7 +186,7 @@ def test_hf_trainer_compute_loss_gives_the_engines_updates() -> None:
 def test_hf_trainer_accumulation_averages_the_micro_batches_updates() -> None:
     """Two micro-batches of 8 per step: the step's update is the mean of their updates, each
     weighted by its own Gramian."""
-    model, reference = _model(), copy.deepcopy(_model())
+    model, reference = _HFStyle(), copy.deepcopy(_model())
     _hf_train(model, n=32, batch_size=8, accumulation=2)
     x, y = _data(32)
     optimizer = torch.optim.SGD(reference.parameters(), lr=LR)

@@ -525,6 +525,14 @@ def test_no_range_test_for_weightings_that_do_not_read_the_gramian(
     assert (grad.double() - expected).norm() <= 1e-5 * expected.norm()
 
 
+class _InverseNormMean(MeanWeighting):
+    """A subclass of Mean whose own ``forward`` reads the Gramian: weights ``1 / |g_i|``."""
+
+    def forward(self, stat: Tensor) -> Tensor:
+        inverse = stat.diagonal().rsqrt()
+        return inverse / inverse.sum()
+
+
 @pytest.mark.parametrize("hooked", [False, True])
 def test_range_test_for_weightings_that_read_the_gramian(
     hooked: bool, monkeypatch: pytest.MonkeyPatch
@@ -547,6 +555,28 @@ def test_range_test_for_weightings_that_read_the_gramian(
         jacobian = reference_jacobian(losses, [*reference.parameters()])
         expected = UPGradWeighting()(jacobian @ jacobian.T)
         torch.testing.assert_close(weights.double(), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_a_subclass_with_its_own_forward_reads_the_gramian(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A subclass of Mean whose ``forward`` reads the Gramian does not inherit Mean's claims
+    (it inherited them: no range test, and an overflowed Gramian gave NaN weights and NaN
+    ``.grad`` at gradients of 1e20): its Gramian is tested and rescued, and the weights are
+    those of the float64 reference."""
+    weighting = _InverseNormMean()
+    assert weighting.reads_gramian and not weighting.scale_invariant
+    reference = _scaled_model("mlp").double()
+    losses = _scaled_losses("mlp", reference, 1e20)
+    jacobian = reference_jacobian(losses, [*reference.parameters()])
+    model = _scaled_model("mlp")
+    with Engine(model, batch_dim=0) as engine, _counting_host_reads(monkeypatch) as counts:
+        weights = engine.backward(_scaled_losses("mlp", model, 1e20), weighting)
+    assert counts["range_tests"] == 1
+    expected = _InverseNormMean()(jacobian @ jacobian.T)
+    torch.testing.assert_close(weights.double(), expected, rtol=1e-5, atol=0.0)
+    grad = torch.cat([p.grad.flatten() for p in model.parameters()])  # type: ignore[union-attr]
+    assert bool(torch.isfinite(grad).all())
 
 
 @pytest.mark.parametrize("scale", [1e-30, 1e25])

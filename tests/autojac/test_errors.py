@@ -166,6 +166,18 @@ CASES: list[tuple[str, type[Exception], str, Callable[[Tensor, Tensor, list[Tens
         lambda w, v, o: backward([w * 3], [w], jac_tensors=[torch.eye(2) * 1j]),
     ),
     (
+        "outputs computed under no_grad, explicit inputs",
+        ValueError,
+        r"No tensor of `tensors` requires grad.*torch.no_grad",
+        lambda w, v, o: backward([w.detach() * 2, v.detach().sum()], [w, v], A=UPGrad()),
+    ),
+    (
+        "jac of outputs computed under no_grad",
+        ValueError,
+        r"No tensor of `outputs` requires grad",
+        lambda w, v, o: jac([o[0].detach()], [w]),
+    ),
+    (
         "retain_graph not bool",
         TypeError,
         "`retain_graph` must be a bool or None, received 'no'",

@@ -420,25 +420,43 @@ class GramianWeighting(Weighting):
         tensor([0.5000, 0.5000])
     """
 
+    # Set to True by a class whose ``forward`` reads only the Gramian's number of rows; a
+    # subclass with a ``forward`` of its own does not inherit the claim (see ``_size_only``).
+    _forward_reads_size_only: ClassVar[bool] = False
+
+    def _size_only(self) -> bool:
+        """Whether the ``forward`` that runs is one declared to read only the number of rows."""
+        for cls in type(self).__mro__:
+            if "forward" in cls.__dict__:
+                return bool(cls.__dict__.get("_forward_reads_size_only", False))
+        return False
+
     @property
     def scale_invariant(self) -> bool:
-        """Whether ``weights(c^2 G) == weights(G)`` for every ``c > 0`` (default: False)."""
-        return False
+        """Whether ``weights(c^2 G) == weights(G)`` for every ``c > 0`` (default: False; True
+        for the weightings that do not read the Gramian, see :attr:`reads_gramian`)."""
+        return self._size_only()
 
     @property
     def reads_gramian(self) -> bool:
         """Whether the weights read the Gramian's values, not only its number of rows (default:
         True). :class:`MeanWeighting`, :class:`SumWeighting`, :class:`ConstantWeighting` and
-        :class:`RandomWeighting` do not (a subclass whose ``forward`` reads them says so): the
-        :class:`~jacflow.autogram.Engine` then skips its range test of their Gramian (a host
-        read), which only matters to weights computed from it.
+        :class:`RandomWeighting` do not, unless a subclass gives them a ``forward`` of its own:
+        the :class:`~jacflow.autogram.Engine` then skips its range test of their Gramian (a
+        host read), which only matters to weights computed from it.
 
         Example:
+            >>> import torch
             >>> from jacflow.aggregation import MeanWeighting, UPGradWeighting
             >>> MeanWeighting().reads_gramian, UPGradWeighting().reads_gramian
             (False, True)
+            >>> class Diagonal(MeanWeighting):
+            ...     def forward(self, stat: torch.Tensor) -> torch.Tensor:
+            ...         return stat.diagonal() / stat.trace()
+            >>> Diagonal().reads_gramian, Diagonal().scale_invariant
+            (True, False)
         """
-        return True
+        return not self._size_only()
 
     def _check_input(self, stat: Tensor) -> None:
         gramian = _check_matrix(stat, "gramian", type(self).__name__)

@@ -64,8 +64,7 @@ class ConstantWeighting(GramianWeighting):
     def _check_input(self, stat: Tensor) -> None:
         Weighting._check_input(self, stat)
 
-    scale_invariant = True  # (the weights do not read G)
-    reads_gramian = False
+    _forward_reads_size_only = True  # (the weights do not read G: scale-invariant)
 
     def check_rows(self, m: int) -> None:
         _check_count(self.weights, m)

@@ -34,8 +34,7 @@ class MeanWeighting(GramianWeighting):
     def _check_input(self, stat: Tensor) -> None:
         Weighting._check_input(self, stat)
 
-    scale_invariant = True  # (the weights do not read G)
-    reads_gramian = False
+    _forward_reads_size_only = True  # (the weights do not read G: scale-invariant)
 
     def forward(self, stat: Tensor) -> Tensor:
         return mean_weights(stat.shape[0], stat)

@@ -32,8 +32,7 @@ class SumWeighting(GramianWeighting):
     def _check_input(self, stat: Tensor) -> None:
         Weighting._check_input(self, stat)
 
-    scale_invariant = True  # (the weights do not read G)
-    reads_gramian = False
+    _forward_reads_size_only = True  # (the weights do not read G: scale-invariant)
 
     def forward(self, stat: Tensor) -> Tensor:
         return _ones(stat)

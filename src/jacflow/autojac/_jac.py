@@ -35,6 +35,12 @@ def resolve_inputs(
         return leaf_tensors(outputs)  # (a leaf output requiring grad is its own input)
     resolved = as_tensor_tuple(inputs, in_name)
     check_inputs_require_grad(resolved, in_name)
+    if outputs and not any(out.requires_grad for out in outputs):
+        # (a Jacobian of zeros, silently: most likely computed under torch.no_grad())
+        raise ValueError(
+            f"No tensor of `{out_name}` requires grad: they do not depend on `{in_name}` (were "
+            f"they computed under `torch.no_grad()`?). Compute them with grad enabled."
+        )
     return resolved
 
 
