@@ -237,8 +237,7 @@ def _check_same_outputs(
             recorded = rows.gather(recorded)
         if recorded.shape != again.shape:
             continue
-        scale = float(recorded.detach().abs().amax()) if recorded.numel() else 0.0
-        error = float((again.detach() - recorded.detach()).abs().amax()) if again.numel() else 0.0
+        error, scale = _replay_difference(recorded, again)
         # (under autocast, the re-run's products round at the autocast dtype's precision,
         # whatever the output's dtype: a float32 parameter times a bfloat16 product)
         eps = torch.finfo(again.dtype).eps
@@ -247,7 +246,8 @@ def _check_same_outputs(
         tolerance = min(_SAME_OUTPUT_EPS * eps, _SAME_OUTPUT_MAX)
         if error > tolerance * max(scale, 1e-30):
             per_sample = (
-                " (the batch size as a number: the re-run sees one sample; or an argument "
+                " (a statistic over the batch, as a mean or variance over dimension 0, or "
+                "the batch size as a number: the re-run sees one sample; or an argument "
                 f"split per sample, as every tensor argument whose first size is the batch size "
                 f"{rows.num_samples} is, that has no batch dimension: here the arguments of "
                 f"shapes {', '.join(str(list(shape)) for shape in split)}. Make such a shared "
@@ -258,12 +258,41 @@ def _check_same_outputs(
             raise ReplayMismatchError(
                 f"{_no_closed_form(module)}, so the engine re-runs "
                 "it from its recorded inputs and parameters, which gave other outputs than its "
-                f"forward (max difference {error:.2e}, outputs up to {scale:.2e}): its forward "
+                f"forward ({_difference_text(error, scale)}): its forward "
                 "depends on something else"
                 f"{per_sample}, or on state that it changes (a "
                 "call counter). Make the forward a function of its inputs and parameters, or "
                 "register a closed form for it (jacflow.autogram.register_rule)."
             )
+
+
+def _non_finite_codes(t: Tensor) -> Tensor:
+    """``t``'s non-finite entries as codes (NaN 1, inf 2, -inf 3; a finite entry 0)."""
+    codes = t.isnan().to(torch.int8) + 2 * t.isposinf().to(torch.int8)
+    return codes + 3 * t.isneginf().to(torch.int8)
+
+
+def _replay_difference(recorded: Tensor, again: Tensor) -> tuple[float, float]:
+    """The largest difference between a re-run's output ``again`` and the recorded one, and
+    the largest recorded entry, over the entries finite in both; the difference is infinite
+    where their non-finite entries (compared exactly) differ: a NaN of the re-run alone (the
+    variance of one sample) would pass any tolerance, and an inf of the forward (masked
+    scores) would make it infinite."""
+    recorded, again = recorded.detach(), again.detach()
+    if not torch.equal(_non_finite_codes(recorded), _non_finite_codes(again)):
+        return float("inf"), 0.0
+    if not recorded.numel():
+        return 0.0, 0.0
+    finite = recorded.isfinite()
+    recorded, again = recorded.where(finite, 0), again.where(finite, 0)
+    return float((again - recorded).abs().amax()), float(recorded.abs().amax())
+
+
+def _difference_text(error: float, scale: float) -> str:
+    """How a refusal states the difference that :func:`_replay_difference` measured."""
+    if error == float("inf"):
+        return "NaN or inf entries other than the forward's"
+    return f"max difference {error:.2e}, outputs up to {scale:.2e}"
 
 
 def _rng_states(device: torch.device) -> list[Tensor]:

@@ -1,0 +1,123 @@
+"""The generic rule (``_fallback.py``): its re-run checks, against a brute-force reference on
+an unhooked copy (``G = J J^T``, ``.grad = w @ J`` plus the ``.grad`` already there), and its
+refusals, which leave the ``.grad`` and the random generators as they were."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from jacflow.aggregation import UPGradWeighting
+from jacflow.autogram import Engine
+from jacflow.autogram._fallback import ReplayMismatchError
+from tests.autogram.test_engine import reference_jacobian
+
+Losses = Callable[[nn.Module], Tensor]
+
+
+def _hooked(model: nn.Module) -> nn.Module:
+    """The module the engine hooks: ``model.inner`` where it has one, else ``model``."""
+    return model.inner if hasattr(model, "inner") else model
+
+
+def _params(model: nn.Module) -> list[Tensor]:
+    return list(_hooked(model).parameters())
+
+
+def _seed_grads(model: nn.Module) -> list[Tensor]:
+    """Put a random ``.grad`` on the hooked parameters; return copies of them."""
+    for p in _params(model):
+        p.grad = torch.randn_like(p)
+    return [p.grad.clone() for p in _params(model)]  # type: ignore[union-attr]
+
+
+def _assert_exact(model: nn.Module, losses: Losses, batch_dim: int | None) -> None:
+    """The engine's Gramian and step on ``model`` match the reference on a deep copy."""
+    reference = copy.deepcopy(model)
+    jacobian = reference_jacobian(losses(reference), _params(reference))
+    previous = torch.cat([g.flatten() for g in _seed_grads(model)])
+    with Engine(_hooked(model), batch_dim=batch_dim) as engine:
+        torch.testing.assert_close(engine.compute_gramian(losses(model)), jacobian @ jacobian.T)
+        weights = engine.backward(losses(model), UPGradWeighting())
+    actual = torch.cat([p.grad.flatten() for p in _params(model)])  # type: ignore[union-attr]
+    torch.testing.assert_close(actual, weights.flatten() @ jacobian + previous)
+
+
+def _assert_refused(
+    model: nn.Module, losses: Losses, batch_dim: int | None, error: type[Exception], match: str
+) -> str:
+    """Both the Gramian and the step are refused, with the ``.grad`` unchanged; the message."""
+    previous = _seed_grads(model)
+    with Engine(_hooked(model), batch_dim=batch_dim) as engine:
+        with pytest.raises(error, match=match):
+            engine.compute_gramian(losses(model))
+        with pytest.raises(error, match=match) as caught:
+            engine.backward(losses(model), UPGradWeighting())
+    for p, g in zip(_params(model), previous, strict=True):
+        assert torch.equal(p.grad, g)  # type: ignore[arg-type]
+    return str(caught.value)
+
+
+def _squares(model: nn.Module) -> Tensor:
+    return model(X).pow(2).sum(1)
+
+
+def _task_losses(model: nn.Module) -> Tensor:
+    out = model(X)
+    return torch.stack([out.pow(2).sum(), out[0].sum()])
+
+
+def _losses(batch_dim: int | None) -> Losses:
+    return _squares if batch_dim == 0 else _task_losses
+
+
+X = torch.linspace(-1.3, 1.7, 15, dtype=torch.float64).reshape(5, 3).sin()
+
+
+class _BatchStatNorm(nn.Module):
+    """A batch norm by hand (training mode): the variance of one sample is NaN."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gain = nn.Parameter(torch.tensor([0.5, -1.0, 2.0], dtype=torch.float64))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return (x - x.mean(0)) / (x.var(0) + 1e-5).sqrt() * self.gain
+
+
+@pytest.mark.filterwarnings("ignore:var.*degrees of freedom:UserWarning")
+def test_nan_in_the_re_run_is_a_mismatch() -> None:
+    """Per sample, the re-run's NaN passed the check: the Gramian and ``.grad`` were NaN."""
+    _assert_refused(_BatchStatNorm(), _squares, 0, ReplayMismatchError, "NaN or inf")
+    _assert_exact(_BatchStatNorm(), _task_losses, None)
+
+
+class _MaskedScores(nn.Module):
+    """Scores with their last column masked to -inf, divided by the batch size if ``read``."""
+
+    def __init__(self, read: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.linspace(-1, 1, 12, dtype=torch.float64).reshape(3, 4))
+        self.read = read
+
+    def forward(self, x: Tensor) -> Tensor:
+        scores = x @ self.weight / (x.shape[0] if self.read else 1)
+        mask = torch.zeros_like(scores, dtype=torch.bool)
+        mask[:, -1] = True
+        return scores.masked_fill(mask, float("-inf"))
+
+
+def _logsumexp(model: nn.Module) -> Tensor:
+    return model(X).logsumexp(1)
+
+
+def test_inf_in_the_output_keeps_the_check() -> None:
+    """An inf in the recorded output made the tolerance infinite: a module reading the batch
+    size was not refused (its Gramian B^2 too large); the infs are now compared exactly."""
+    _assert_refused(_MaskedScores(read=True), _logsumexp, 0, ReplayMismatchError, "other outputs")
+    _assert_exact(_MaskedScores(read=False), _logsumexp, 0)
+    _assert_exact(_MaskedScores(read=True), lambda m: m(X).logsumexp(1)[:2], None)
