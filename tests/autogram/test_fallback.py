@@ -121,3 +121,113 @@ def test_inf_in_the_output_keeps_the_check() -> None:
     _assert_refused(_MaskedScores(read=True), _logsumexp, 0, ReplayMismatchError, "other outputs")
     _assert_exact(_MaskedScores(read=False), _logsumexp, 0)
     _assert_exact(_MaskedScores(read=True), lambda m: m(X).logsumexp(1)[:2], None)
+
+
+class _ReZero(nn.Module):
+    """``x + alpha * tanh(c(x) @ W)``, its gate ``alpha`` at 0 (as initialised), whose branch
+    mixes the samples: ``c`` centres the batch, or, if ``straight``, adds a straight-through
+    ``m - m.detach()`` of the batch mean (zero in value, not in gradient)."""
+
+    def __init__(self, straight: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.linspace(-1, 1, 9, dtype=torch.float64).reshape(3, 3))
+        self.alpha = nn.Parameter(torch.zeros((), dtype=torch.float64))
+        self.straight = straight
+
+    def forward(self, x: Tensor) -> Tensor:
+        mean = (x * self.weight[0]).mean(0)
+        if self.straight:
+            return x * self.weight[1] + (mean - mean.detach())
+        return x + self.alpha * torch.tanh((x - x.mean(0)) @ self.weight)
+
+
+@pytest.mark.parametrize("straight", [False, True])
+def test_mixing_the_outputs_do_not_show_is_refused(straight: bool) -> None:
+    """Per sample, a module mixing the samples with no effect on its outputs (a gate at 0) gave
+    a Gramian of zeros where the reference's is not: the rows' gradients are now checked
+    against a re-run on the whole batch. Per task, it is exact."""
+    _assert_refused(_ReZero(straight), _squares, 0, ReplayMismatchError, "mixes the samples")
+    _assert_exact(_ReZero(straight), _task_losses, None)
+
+
+class _Gated(nn.Module):
+    """The per-sample counterpart of :class:`_ReZero`, which the check lets through."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.linspace(-1, 1, 9, dtype=torch.float64).reshape(3, 3))
+        self.alpha = nn.Parameter(torch.zeros((), dtype=torch.float64))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + self.alpha * torch.tanh((x - x.mean(1, keepdim=True)) @ self.weight)
+
+
+def test_a_gate_at_zero_without_mixing_stays_exact() -> None:
+    _assert_exact(_Gated(), _squares, 0)
+    _assert_exact(_Gated(), lambda m: m(X).pow(2)[:, :2], 0)  # (two rows per sample)
+
+
+class _OwnGeneratorDropout(nn.Module):
+    """A dropout drawing its mask from the module's own generator."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.linspace(-1, 1, 9, dtype=torch.float64).reshape(3, 3))
+        self.generator = torch.Generator().manual_seed(0)
+
+    def forward(self, x: Tensor) -> Tensor:
+        keep = torch.rand(x.shape, generator=self.generator, dtype=x.dtype) > 0.5
+        return x @ self.weight * keep * 2
+
+
+class _Then(nn.Module):
+    """``inner``, then an in-place ReLU on its output if ``in_place``, else an out-of-place one."""
+
+    def __init__(self, inner: nn.Module, in_place: bool) -> None:
+        super().__init__()
+        self.inner, self.in_place = inner, in_place
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.relu_(self.inner(x)) if self.in_place else torch.relu(self.inner(x))
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+@pytest.mark.parametrize("batch_dim", [0, None])
+def test_random_draws_of_a_module_generator_are_refused_before_they_draw(
+    in_place: bool, batch_dim: int | None
+) -> None:
+    """Per task, the re-run drew from the module's own generator unseen: refused, it had
+    advanced it; after an in-place op, the Gramian was another mask's. Now refused, before the
+    draw: the module's generator and the global one are as the forward left them."""
+    model = _Then(_OwnGeneratorDropout(), in_place)
+    previous = _seed_grads(model)
+    with Engine(model.inner, batch_dim=batch_dim) as engine:
+        for step in (engine.compute_gramian, lambda t: engine.backward(t, UPGradWeighting())):
+            losses = _losses(batch_dim)(model)
+            states = model.inner.generator.get_state(), torch.get_rng_state()
+            with pytest.raises(RuntimeError, match="random operations"):
+                step(losses)
+            assert torch.equal(states[0], model.inner.generator.get_state())
+            assert torch.equal(states[1], torch.get_rng_state())
+    for p, g in zip(_params(model), previous, strict=True):
+        assert torch.equal(p.grad, g)  # type: ignore[arg-type]
+
+
+class _Counter(nn.Module):
+    """A module that scales its output by the number of times it was called."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gain = nn.Parameter(torch.tensor([0.5, -1.0, 2.0], dtype=torch.float64))
+        self.calls = 0
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.calls += 1
+        return x * self.gain * self.calls
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+def test_a_call_counter_is_refused_per_task_after_an_in_place_op(in_place: bool) -> None:
+    """Per task, an output changed in place was not compared: a call counter gave a Gramian
+    4x the reference's. It is now compared with a second re-run."""
+    _assert_refused(_Then(_Counter(), in_place), _task_losses, None, ReplayMismatchError, "counter")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
@@ -20,6 +21,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, vjp, vmap
 from torch.nn.utils import parametrize
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from jacflow.autogram._embedding import frequency_refusal
@@ -75,7 +77,8 @@ def _per_task_grads(
     """The rows' gradients, and the re-run's outputs."""
     pulled: list[tuple[Tensor, ...]] = []  # (the row being pulled back, for the hooks)
     forward = _whole_batch_forward(module, call, lambda: pulled[-1], upstream)
-    outputs, pullback = vjp(forward, params)[:2]
+    with _NoRandomDraws():
+        outputs, pullback = vjp(forward, params)[:2]
 
     def pull(row: tuple[Tensor, ...]) -> dict[str, Tensor]:
         pulled.append(row)
@@ -117,11 +120,70 @@ def _whole_batch_outputs(
     ``vjp`` so that the parameters are differentiated as in the forward (torch's fast paths,
     as the transformer layers' in eval mode, are taken only without grad), with the random
     generators left as they were."""
-    device = next(iter(params.values())).device
-    cuda = device.type == "cuda"  # (the generators that _rng_states reads)
-    with torch.random.fork_rng([device] if cuda else [], device_type="cuda" if cuda else "cpu"):
+    with _generators_kept(params), _NoRandomDraws():
         outputs: tuple[Tensor, ...] = vjp(_whole_batch_forward(module, call), params)[0]
     return outputs
+
+
+def _generators_kept(params: dict[str, Tensor]) -> contextlib.AbstractContextManager[Any]:
+    """Restore the global generators of the parameters' device (those :func:`_rng_states`
+    reads) at the end."""
+    device = next(iter(params.values())).device
+    cuda = device.type == "cuda"
+    return torch.random.fork_rng([device] if cuda else [], device_type="cuda" if cuda else "cpu")
+
+
+def _whole_batch_run(
+    module: nn.Module,
+    params: dict[str, Tensor],
+    call: Call,
+    cots: tuple[Tensor, ...],
+    upstream: frozenset[int],
+) -> tuple[tuple[Tensor, ...], dict[str, Tensor]]:
+    """The outputs of one re-run of the module on the whole recorded batch, as
+    :func:`_whole_batch_outputs`, and its parameters' gradient for the output gradients
+    ``cots`` (one per sample, those of the reached inner calls after the outputs')."""
+    forward = _whole_batch_forward(module, call, lambda: cots, upstream)
+    with _generators_kept(params):
+        with _NoRandomDraws():
+            outputs, pullback = vjp(forward, params)[:2]
+        grads: dict[str, Tensor] = pullback(tuple(c.to(o.dtype) for c, o in zip(cots, outputs)))[0]
+    return outputs, grads
+
+
+def _per_sample_sums(rows: Rows, per_row: Tensor) -> Tensor:
+    """``[R, ...]`` -> ``[S, ...]``: each sample's sum of its rows."""
+    if rows.index is None:
+        return per_row
+    return per_row.new_zeros(rows.num_samples, *per_row.shape[1:]).index_add_(
+        0, rows.index, per_row
+    )
+
+
+class _NoRandomDraws(TorchDispatchMode):
+    """Raise at a re-run's first random operation, before it draws: it would draw other
+    numbers than the forward did, and advance a generator, the module's own too."""
+
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        if torch.Tag.nondeterministic_seeded in func.tags and _draws(func, args, kwargs):
+            raise RuntimeError(f"the re-run of the module draws random numbers ({func})")
+        return func(*args, **kwargs)
+
+
+def _draws(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether an operation tagged as random draws: not with a dropout probability of 0 (the
+    attention kernels') or outside training (``native_dropout``'s ``train=False``)."""
+    schema = func._schema.arguments
+    given = {a.name: a.default_value for a in schema if a.has_default_value()}
+    given.update({**dict(zip([a.name for a in schema], args, strict=False)), **kwargs})
+    return given.get("dropout_p", 1.0) != 0.0 and given.get("train", True) is not False
 
 
 def _batched_or_row_by_row(function: Callable[[Any], Any], rows: Any) -> Any:
@@ -189,13 +251,16 @@ def _per_sample_grads(
         result: dict[str, Tensor] = pullback(cot)[0]
         return result, outputs
 
-    grads, outputs = _batched_or_row_by_row(
-        lambda rows: per_row(*rows), (row_leaves, (*cots, *_reached_inner_calls(call)))
-    )
+    row_cots = (*cots, *_reached_inner_calls(call))
+    grads, outputs = _batched_or_row_by_row(lambda rows: per_row(*rows), (row_leaves, row_cots))
     split = [tuple(leaf.shape) for leaf, b in zip(leaves, batched, strict=True) if b]
-    _check_same_outputs(
-        module, call, outputs, rows, split, lambda: _whole_batch_outputs(module, params, call)
+    whole = functools.cache(
+        lambda: _whole_batch_run(
+            module, params, call, tuple(_per_sample_sums(rows, c) for c in row_cots), upstream
+        )
     )
+    _check_same_outputs(module, call, outputs, rows, split, lambda: whole()[0])
+    _check_same_gradients(module, call, grads, whole()[1])
     return grads
 
 
@@ -215,11 +280,11 @@ def _check_same_outputs(
     re-run's rows of samples; ``split``: the shapes of the arguments it split per sample): its
     forward read something that the re-run does not reproduce, and the gradients of the re-run
     would be those of another function. An output changed in place since the forward (an
-    in-place ReLU or residual after the module) is compared, per sample, with the outputs of
-    ``whole_batch()`` (a re-run on the whole batch, made once, when first needed): that
-    catches a forward that reads the batch size or an argument split per sample, though not
-    one that reads state it changes. Outputs not batched as the rows, and per task those
-    changed in place, are not compared."""
+    in-place ReLU or residual after the module) is compared with the outputs of
+    ``whole_batch()`` (a re-run on the whole batch, made once, when first needed): per sample,
+    that catches a forward that reads the batch size or an argument split per sample; per
+    task (a second re-run), one that reads state it changes (a call counter). Outputs not
+    batched as the rows are not compared."""
     # (no copy of the outputs is kept at the forward: every call would pay for the rare
     # in-place op after it, whose version change is seen here)
     whole: tuple[Tensor, ...] | None = None
@@ -238,13 +303,7 @@ def _check_same_outputs(
         if recorded.shape != again.shape:
             continue
         error, scale = _replay_difference(recorded, again)
-        # (under autocast, the re-run's products round at the autocast dtype's precision,
-        # whatever the output's dtype: a float32 parameter times a bfloat16 product)
-        eps = torch.finfo(again.dtype).eps
-        if call.autocast is not None:
-            eps = max(eps, torch.finfo(call.autocast[1]).eps)
-        tolerance = min(_SAME_OUTPUT_EPS * eps, _SAME_OUTPUT_MAX)
-        if error > tolerance * max(scale, 1e-30):
+        if error > _tolerance(call, again.dtype) * max(scale, 1e-30):
             per_sample = (
                 " (a statistic over the batch, as a mean or variance over dimension 0, or "
                 "the batch size as a number: the re-run sees one sample; or an argument "
@@ -263,6 +322,43 @@ def _check_same_outputs(
                 f"{per_sample}, or on state that it changes (a "
                 "call counter). Make the forward a function of its inputs and parameters, or "
                 "register a closed form for it (jacflow.autogram.register_rule)."
+            )
+
+
+def _tolerance(call: Call, dtype: torch.dtype) -> float:
+    """How far, relative to the largest entry, a re-run may differ from what it reproduces."""
+    # (under autocast, the re-run's products round at the autocast dtype's precision,
+    # whatever the output's dtype: a float32 parameter times a bfloat16 product)
+    eps = torch.finfo(dtype).eps
+    if call.autocast is not None:
+        eps = max(eps, torch.finfo(call.autocast[1]).eps)
+    return min(_SAME_OUTPUT_EPS * eps, _SAME_OUTPUT_MAX)
+
+
+def _check_same_gradients(
+    module: nn.Module, call: Call, grads: dict[str, Tensor], whole: dict[str, Tensor]
+) -> None:
+    """Per sample, refuse a re-run whose rows' gradients do not sum to the gradient of a re-run
+    on the whole batch (``whole``, for each sample's summed output gradients): the forward
+    mixes the samples in a way its outputs do not show, as a batch-centred branch behind a
+    gate at 0 (ReZero, adaLN-Zero) or a straight-through ``m - m.detach()`` of a batch
+    statistic, and the rows would be the gradients of another function. The difference is
+    measured against the largest gradient of any of the parameters (one whose gradient is 0,
+    as a shift before a normalisation, differs by roundoff of the others' size)."""
+    checked = {n: g.detach() for n, g in grads.items() if g.is_floating_point() and g.numel()}
+    sizes = [float(g.abs().sum(0).amax().nan_to_num(0.0, 0.0, 0.0)) for g in checked.values()]
+    scale = max(sizes, default=0.0)
+    for name, per_row in checked.items():
+        error, _ = _replay_difference(whole[name].detach().to(per_row.dtype), per_row.sum(0))
+        if error > _tolerance(call, per_row.dtype) * max(scale, 1e-30):
+            raise ReplayMismatchError(
+                f"{_no_closed_form(module)}, so the engine re-runs it sample by sample, whose "
+                f"gradients for {name} differ from those of a re-run on the whole batch "
+                f"({_difference_text(error, scale)}): its forward mixes the samples (a "
+                "statistic over the batch, as a mean over dimension 0), though its outputs do "
+                "not show it here (a branch behind a gate at 0, as ReZero's or adaLN-Zero's "
+                "at initialisation). Use batch_dim=None, make the forward a function of each "
+                "sample, or register a closed form for it (jacflow.autogram.register_rule)."
             )
 
 
@@ -310,15 +406,19 @@ def _replay_per_task(
     cots: tuple[Tensor, ...],
     upstream: frozenset[int],
 ) -> dict[str, Tensor]:
-    """:func:`_per_task_grads`, refused when the re-run drew random numbers (dropout): it then
-    drew other ones than the forward did (per sample, ``vmap`` raises on them itself), or gave
-    other outputs."""
+    """:func:`_per_task_grads`, refused when the re-run draws random numbers (dropout, from
+    any generator: :class:`_NoRandomDraws` raises before the draw; per sample, ``vmap``
+    raises on them itself) or gives other outputs."""
     device = next(iter(params.values())).device  # (an enclosing call may have no output)
     before = _rng_states(device)
     grads, outputs = _per_task_grads(module, params, call, cots, upstream)
     if any(not torch.equal(a, b) for a, b in zip(before, _rng_states(device), strict=True)):
         raise RuntimeError("the re-run of the module drew random numbers")
-    _check_same_outputs(module, call, outputs, None)
+    # (an output changed in place since is compared with a second re-run: a forward that
+    # reads state it changes, as a call counter, gives another output at each)
+    _check_same_outputs(
+        module, call, outputs, None, whole_batch=lambda: _whole_batch_outputs(module, params, call)
+    )
     return grads
 
 
