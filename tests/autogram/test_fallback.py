@@ -231,3 +231,98 @@ def test_a_call_counter_is_refused_per_task_after_an_in_place_op(in_place: bool)
     """Per task, an output changed in place was not compared: a call counter gave a Gramian
     4x the reference's. It is now compared with a second re-run."""
     _assert_refused(_Then(_Counter(), in_place), _task_losses, None, ReplayMismatchError, "counter")
+
+
+class _Checkpointed(nn.Module):
+    """``tanh(x @ W)`` under a non-reentrant activation checkpoint."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.linspace(-1, 1, 9, dtype=torch.float64).reshape(3, 3))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.utils.checkpoint.checkpoint(
+            lambda z: torch.tanh(z @ self.weight), x, use_reentrant=False
+        )
+
+
+@pytest.mark.parametrize("batch_dim", [0, None])
+def test_a_non_reentrant_checkpoint_inside_is_exact(batch_dim: int | None) -> None:
+    """torch.func failed on the saved tensor hooks of ``use_reentrant=False`` (a raw torch
+    error per task); the re-run now calls the checkpointed function plainly."""
+    _assert_exact(_Checkpointed(), _losses(batch_dim), batch_dim)
+
+
+class _Square(torch.autograd.Function):
+    """``x * x * w``, its forward taking ``ctx`` (no ``setup_context``)."""
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, x: Tensor, w: Tensor) -> Tensor:  # type: ignore[override]
+        ctx.save_for_backward(x, w)
+        return x * x * w
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad: Tensor) -> tuple[Tensor, Tensor]:  # type: ignore[override]
+        x, w = ctx.saved_tensors  # type: ignore[attr-defined]
+        return 2 * x * w * grad, x * x * grad
+
+
+class _OldStyleFunction(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gain = nn.Parameter(torch.tensor([0.5, -1.0, 2.0], dtype=torch.float64))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return _Square.apply(x, self.gain)  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("batch_dim", [0, None])
+def test_a_function_without_setup_context_gets_a_clear_refusal(batch_dim: int | None) -> None:
+    """Per task, torch's raw error escaped; per sample, it advised batch_dim=None, which fails
+    the same way."""
+    message = _assert_refused(
+        _OldStyleFunction(), _losses(batch_dim), batch_dim, RuntimeError, "setup_context"
+    )
+    assert "_OldStyleFunction has no closed-form" in message
+    assert "Use batch_dim=None" not in message
+
+
+class _Noisy(nn.Module):
+    def __init__(self, child: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.linspace(-1, 1, 9, dtype=torch.float64).reshape(3, 3))
+        self.dropout = nn.Dropout(0.5) if child else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = x @ self.weight
+        return self.dropout(h) if self.dropout is not None else h + torch.randn_like(h)
+
+
+@pytest.mark.parametrize("child", [False, True])
+@pytest.mark.parametrize("batch_dim", [0, None])
+def test_random_refusal_advises_randomness_outside_the_module(
+    child: bool, batch_dim: int | None
+) -> None:
+    """The advice was a separate module such as nn.Dropout, which as a child is refused too."""
+    message = _assert_refused(_Noisy(child), _losses(batch_dim), batch_dim, RuntimeError, "random")
+    assert "outside this module" in message and "nn.Sequential(module, nn.Dropout(p))" in message
+
+
+class _SequenceFirst(nn.Module):
+    """``x @ W`` of ``x`` ``[B, T, d]``, returned ``[T, B, d]``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.linspace(-1, 1, 9, dtype=torch.float64).reshape(3, 3))
+
+    def forward(self, x: Tensor, y: Tensor) -> Tensor:
+        return x @ self.weight * y.T
+
+
+def test_a_batch_off_dimension_0_names_the_cause() -> None:
+    """The refusal quoted vmap's "Mismatch in shape" in place of the cause."""
+    y = torch.linspace(0.5, 1.5, 15, dtype=torch.float64).reshape(3, 5)
+    message = _assert_refused(
+        _SequenceFirst(), lambda m: m(X, y).pow(2).sum(1), 0, ReplayMismatchError, "of shape"
+    )
+    assert "Mismatch in shape" not in message and "[1, 3] was expected" in message

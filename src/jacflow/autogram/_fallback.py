@@ -21,6 +21,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, vjp, vmap
 from torch.nn.utils import parametrize
+from torch.utils import checkpoint as torch_checkpoint
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
@@ -195,7 +196,8 @@ def _batched_or_row_by_row(function: Callable[[Any], Any], rows: Any) -> Any:
             warnings.filterwarnings("ignore", message=_SILENCED_HOOK, category=UserWarning)
             return vmap(function)(rows)
     except RuntimeError as error:
-        if "random" in str(error):  # (vmap's refusal of random operations: not a rule's)
+        # (vmap's refusal of random operations, or a refusal of the re-run: not a rule's)
+        if "random" in str(error) or isinstance(error, ReplayMismatchError):
             raise
     leaves, spec = tree_flatten(rows)
     count = leaves[0].shape[0]
@@ -245,6 +247,7 @@ def _per_sample_grads(
                 )
             selected = _selected_outputs(out, call.output_positions)
             _own_gradients(selected, upstream, lambda j: cot[j].unsqueeze(0))
+            _check_one_sample_shapes(module, (*selected, *kept), cot)
             return tuple(o.squeeze(0) for o in (*selected, *kept))
 
         outputs, pullback = vjp(forward, params)[:2]
@@ -266,6 +269,26 @@ def _per_sample_grads(
 
 class ReplayMismatchError(RuntimeError):
     """A re-run of a module gave other outputs than its forward."""
+
+
+def _check_one_sample_shapes(
+    module: nn.Module, outputs: tuple[Tensor, ...], cots: tuple[Tensor, ...]
+) -> None:
+    """Per sample, refuse a re-run on one sample whose output is not that sample's (shape
+    ``[1, *row]``, ``row`` the shape of its rows' output gradients): the forward does not
+    keep the batch of its arguments' dimension 0 on its outputs' dimension 0."""
+    for output, cot in zip(outputs, cots, strict=False):
+        if output.squeeze(0).shape != cot.shape:
+            raise ReplayMismatchError(
+                f"{_no_closed_form(module)}, so the engine re-runs it sample by sample "
+                f"(batch_dim=0), on a batch of one, which gave an output of shape "
+                f"{list(output.shape)} where {[1, *cot.shape]} was expected: its outputs do not "
+                "follow the batch on dimension 0 of its tensor arguments (an argument with the "
+                "batch on another dimension, as [T, B, d], or an output transposed so; no "
+                "tensor argument, as a batch size passed as a number; or the batch read as a "
+                "number with .item()). Use batch_dim=None, or register a closed form for it "
+                "(jacflow.autogram.register_rule)."
+            )
 
 
 def _check_same_outputs(
@@ -487,6 +510,26 @@ def _as_recorded(module: nn.Module) -> Iterator[None]:
     finally:
         module._forward_hooks, module._forward_pre_hooks = hooks, pre_hooks
         torch_module._global_forward_pre_hooks = global_pre
+
+
+@contextlib.contextmanager
+def _plain_checkpoints() -> Iterator[None]:
+    """A non-reentrant activation checkpoint (``use_reentrant=False``) inside the module runs
+    its function plainly in the re-run: torch.func cannot run the saved tensor hooks it is
+    made of, and the function's gradient is the checkpoint's."""
+    name = "_checkpoint_without_reentrant_generator"  # (what torch's checkpoint() calls)
+    original = getattr(torch_checkpoint, name, None)
+
+    def plain(*args: Any, **kwargs: Any) -> Iterator[None]:
+        yield  # (checkpoint() runs the function here, and returns its output at the end)
+
+    if original is not None:
+        setattr(torch_checkpoint, name, plain)
+    try:
+        yield
+    finally:
+        if original is not None:
+            setattr(torch_checkpoint, name, original)
 
 
 def _check_backward_hooks(module: nn.Module) -> None:
@@ -732,6 +775,28 @@ def _check_samples_splittable(module: nn.Module, calls: list[Call], num_samples:
         )
 
 
+def _unsupported_by_torch_func(module: nn.Module, error: RuntimeError) -> RuntimeError | None:
+    """A clear refusal for a re-run that torch.func cannot run in either mode (``None`` for
+    other failures): an ``autograd.Function`` without ``setup_context``, or saved tensor hooks
+    inside the module."""
+    if "setup_context" in str(error):
+        what = "an autograd.Function without a setup_context staticmethod (its forward takes ctx)"
+        advice = (
+            "Split its forward into forward(*args) and setup_context(ctx, inputs, output) "
+            "(per sample, also set generate_vmap_rule = True)"
+        )
+    elif "saved tensor hooks" in str(error):
+        what = "saved tensor hooks (torch.autograd.graph.saved_tensors_hooks, save_on_cpu)"
+        advice = "Take them out of its forward (around the whole forward, they may stay)"
+    else:
+        return None
+    return RuntimeError(
+        f"{_no_closed_form(module)}, so the engine re-runs it with torch.func, which cannot run "
+        f"{what} inside it, whatever the batch_dim: {error}. {advice}, or register a closed "
+        "form for it (jacflow.autogram.register_rule)."
+    )
+
+
 class FallbackRule(Rule):
     """Generic rule: the module and all its children's parameters, via ``torch.func``."""
 
@@ -771,6 +836,7 @@ class FallbackRule(Rule):
                     _native_rnn(module),
                     _without_backward_hooks(module),
                     _as_recorded(module),
+                    _plain_checkpoints(),
                 ):
                     if rows.per_task:
                         new = _replay_per_task(module, detached, call, cots, upstream)
@@ -779,6 +845,9 @@ class FallbackRule(Rule):
             except ReplayMismatchError:
                 raise
             except RuntimeError as error:
+                unsupported = _unsupported_by_torch_func(module, error)
+                if unsupported is not None:
+                    raise unsupported from error
                 if "random" not in str(error):
                     recurrent = any(isinstance(sub, nn.RNNBase) for sub in module.modules())
                     if recurrent and "storage" in str(error):  # (torch's packed kernels)
@@ -797,12 +866,18 @@ class FallbackRule(Rule):
                             f"failed: {error}. Use batch_dim=None, or register a closed form "
                             "for it (jacflow.autogram.register_rule)."
                         ) from error
-                    raise
+                    raise RuntimeError(
+                        f"{_no_closed_form(module)}, so the engine re-runs it on the whole "
+                        f"batch with torch.func, which failed: {error}. Register a closed form "
+                        "for it (jacflow.autogram.register_rule)."
+                    ) from error
                 raise RuntimeError(
                     f"{_no_closed_form(module)}, so the engine "
                     "re-runs it with torch.func, which cannot replay its random operations "
-                    "(dropout). Set its dropout to 0, put the randomness in a separate "
-                    "parameter-free module (e.g. nn.Dropout), or call .eval()."
+                    "(dropout, noise: the re-run would draw other numbers). Move them outside "
+                    "this module, whose children are re-run with it (e.g. "
+                    "nn.Sequential(module, nn.Dropout(p)) in place of a dropout inside it), set "
+                    "their probability to 0, or call .eval()."
                 ) from error
             add_grads(total, new)
         return MaterializedContribution(total)
