@@ -29,7 +29,10 @@ and its weights back) and the clock is wall time between synchronisations (``_ti
 Usage::
 
     .venv/bin/python benchmarks/bench_upgrad_solver.py [--sizes 2 8 32] [--torchjd-max-m 512]
-        [--device cuda] [--dtype float32]
+        [--device cuda] [--dtype float32] [--seeds 0 1 2 3]
+
+``--seeds`` draws each Gramian with several seeds (a row each): the degenerate "lowrank" ones
+differ much between seeds (a dual cone reduced to 0 with some, a thin one with others).
 
 TorchJD at m = 512 takes about a minute per call: it is timed once there (and three times at
 m = 256); ``--torchjd-max-m`` skips it above a size.
@@ -149,6 +152,13 @@ def main() -> None:
     parser.add_argument("--gramians", nargs="+", default=["gauss", "mlp"])
     parser.add_argument("--device", default="cpu", help="where the Gramian lies: cpu or cuda")
     parser.add_argument("--dtype", default="float64", choices=["float64", "float32"])
+    parser.add_argument(
+        "--seeds",
+        type=int,
+        nargs="+",
+        default=[0],
+        help="one row per seed of each Gramian (its name then reads kind/seed)",
+    )
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
     now = clock(args.device)
@@ -167,8 +177,9 @@ def main() -> None:
     print(header)
     print("|---|---|---|---|---|---|---|")
     for m in args.sizes:
-        for kind in args.gramians:
-            gramian = makers[kind](m)
+        for kind, seed in [(k, seed) for k in args.gramians for seed in args.seeds]:
+            gramian = makers[kind](m, seed)
+            name = kind if args.seeds == [0] else f"{kind}/{seed}"
             exact, residual = exact_weights(gramian)
             reference = gramian  # (float64, on the CPU: the errors are measured on it)
             assert residual < 1e-11, f"reference not converged: {residual}"
@@ -197,7 +208,7 @@ def main() -> None:
                 tail = f"{err_ours:.1e} | {err_theirs:.1e} |"
             else:
                 cols, tail = "- | - | ", f"{err_ours:.1e} | - |"
-            print(f"| {m} | {kind} | {t['ours'] * 1e3:.2f} | {cols}{tail}", flush=True)
+            print(f"| {m} | {name} | {t['ours'] * 1e3:.2f} | {cols}{tail}", flush=True)
 
 
 if __name__ == "__main__":
