@@ -2110,7 +2110,7 @@ def test_step_under_torchs_flop_counter(generic: bool) -> None:
 def test_multi_grad_hook_on_an_output_runs_once() -> None:
     """A hook of register_multi_grad_hook on a hooked module's output runs once per backward
     of the engine, as in a plain backward, and was not run again outside it (where it raised).
-    (The first step of a batch size also runs the separation probe's backward.)"""
+    (The first step of a batch size also runs the separation probe's backwards.)"""
     model = _mlp()
     reference = copy.deepcopy(model)
     seen: list[int] = []

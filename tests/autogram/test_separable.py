@@ -3,13 +3,14 @@ refused (the probe of ``autogram._separable``); the shapes alone could not tell.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 
 import pytest
 import torch
 from torch import Tensor, nn
 
-from jacflow.aggregation import UPGradWeighting
+from jacflow.aggregation import ConstantWeighting, UPGradWeighting
 from jacflow.autogram import Engine
 from tests.autogram.test_engine import assert_exact_gramian, hooked_params, reference_jacobian
 
@@ -88,8 +89,8 @@ def test_losses_mixing_the_samples_are_refused(case: str, batch: int) -> None:
 
 
 def test_the_probe_runs_once_per_pattern_of_calls() -> None:
-    """The probe is one more backward at the first step of a pattern of calls (a hook on an
-    intermediate tensor sees it), none at the next steps; its steps are exact."""
+    """The probe is two more backwards at the first step of a pattern of calls (a hook on an
+    intermediate tensor sees them), none at the next steps; its steps are exact."""
     models = []
     for _ in range(2):  # (the engine's, and one for the reference)
         torch.manual_seed(0)
@@ -106,7 +107,44 @@ def test_the_probe_runs_once_per_pattern_of_calls() -> None:
         gramian = engine.compute_gramian(model[2](hidden).pow(2).sum(1))
         runs.append(len(seen) - before)
         torch.testing.assert_close(gramian, jacobian @ jacobian.T)
-    assert runs == [2, 1]
+    assert runs == [3, 1]
+
+
+@pytest.mark.parametrize("sequence_first", [True, False])
+def test_a_position_that_the_data_zero_does_not_hide_a_sequence_first_linear(
+    sequence_first: bool,
+) -> None:
+    """A Linear on a sequence-first ``[T, B, d]`` tensor with ``T == B`` takes positions for
+    samples. With one position all zero before a ReLU, its gradient vanishes at that (unprobed)
+    row, and the probe of half the losses passed it: the Gramian was off by 4.8 and the update
+    by 3.1, silently. The other losses' probe sees them read the probed rows: refused, ``.grad``
+    untouched. Batch-first, the same zero position is exact."""
+    torch.manual_seed(0)
+    layer = nn.Linear(2, 2, bias=False).double()
+    x = torch.randn(3, 3, 2, dtype=torch.float64)
+    x[:, 1] = 0.0
+
+    def losses(module: nn.Module) -> Tensor:
+        if not sequence_first:
+            return torch.relu(module(x)).pow(2).sum((1, 2))
+        return torch.relu(module(x.transpose(0, 1))).transpose(0, 1).pow(2).sum((1, 2))
+
+    reference = copy.deepcopy(layer)
+    jacobian = reference_jacobian(losses(reference), [reference.weight])
+    engine = Engine(layer, batch_dim=0)
+    previous = torch.randn_like(layer.weight)
+    layer.weight.grad = previous.clone()
+    weights = torch.tensor([0.2, 1.0, 3.0], dtype=torch.float64)
+    if sequence_first:
+        with pytest.raises(ValueError, match=_MESSAGE):
+            engine.compute_gramian(losses(layer))
+        with pytest.raises(ValueError, match=_MESSAGE):
+            engine.backward(losses(layer), ConstantWeighting(weights))
+        assert torch.equal(layer.weight.grad, previous)
+        return
+    torch.testing.assert_close(engine.compute_gramian(losses(layer)), jacobian @ jacobian.T)
+    engine.backward(losses(layer), ConstantWeighting(weights))
+    torch.testing.assert_close(layer.weight.grad.flatten(), previous.flatten() + weights @ jacobian)
 
 
 def test_non_finite_gradients_are_not_judged() -> None:

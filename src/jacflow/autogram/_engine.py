@@ -70,7 +70,7 @@ from jacflow.autogram._rules import (
     tracker_hook,
     unread_parameters,
 )
-from jacflow.autogram._separable import leaks, probe_cotangent, probe_samples
+from jacflow.autogram._separable import leaks, others, probe_cotangents, probe_samples
 from jacflow.autojac._checks import check_real_tensor
 from jacflow.linalg._products import row_gramian
 
@@ -551,24 +551,24 @@ class Engine:
     a module unfrozen later (a backbone after a warm-up) is hooked at the next forward of the
     given modules.
 
-    Per sample, the first step of each pattern of recorded calls (the hooked modules called,
-    and the losses' graph around their calls) checks that every loss reads the hooked calls'
-    outputs at its own sample only, by one more backward from the losses of about half the
-    samples (gradient hooks on that path run in it too): a loss over pairs of samples, a module
-    outside the engine that mixes them, or a module called on a tensor without the batch
-    dimension whose first size equals the batch size (position embeddings of
+    Per sample, the first step of each pattern of recorded calls (the hooked modules called, and
+    the losses' graph around their calls) checks that every loss reads the hooked calls' outputs
+    at its own sample only, by two more backwards, from the losses of about half the samples and
+    from the others' (gradient hooks on that path run in them too): a loss over pairs of
+    samples, a module outside the engine that mixes them, or a module called on a tensor without
+    the batch dimension whose first size equals the batch size (position embeddings of
     ``torch.arange(T)`` with ``T == B``) is refused with a clear error, where the shapes alone
     cannot tell. (The probed samples are fixed for a batch size: a mixing of only two samples
-    shows for about half the pairs, never for the first and the last, and a read decided by
-    the data, as a normalisation by the batch's largest output or losses sorted by value
+    shows for about half the pairs, never for the first and the last, and a read decided by the
+    data, as a normalisation by the batch's largest output or losses sorted by value
     (``losses.sort()``, ``topk``), when it falls on an unprobed sample: missed, such a mixing
     gives other samples' rows, silently. A ``retain_grad()`` tensor on that path accumulates
-    that backward's gradient too.
-    A model whose calls or losses' graph change at every step, as with LayerDrop, is checked at
-    every step.) A reentrant activation checkpoint (``use_reentrant=True``) that runs hooked modules
-    (or a function that is not a module's) or lies above the hooked calls, whose calls the
-    engine cannot see, is refused; the non-reentrant one is supported. Torch.compile'd code,
-    whose backward may run only once, is not checked.
+    those backwards' gradients too. A model whose calls or losses' graph change at every step,
+    as with LayerDrop, is checked at every step.) A reentrant activation checkpoint
+    (``use_reentrant=True``) that runs hooked modules (or a function that is not a module's) or
+    lies above the hooked calls, whose calls the engine cannot see, is refused; the
+    non-reentrant one is supported. Torch.compile'd code, whose backward may run only once, is
+    not checked.
 
     The output gradients of several rows per sample (``[B, k]`` losses) or of per-task losses
     are pulled back in one backward batched with ``vmap``. Per task on the CPU, losses stacked
@@ -1757,19 +1757,23 @@ def _check_separable(
     retain_graph: bool,
 ) -> None:
     """Refuse a per-sample step in which the losses read a reached call's output at other
-    samples than their own (see ``_separable``), from one probing backward of the losses of
-    about half the samples (:func:`probe_samples`), which frees the graph unless
-    ``retain_graph``."""
+    samples than their own (see ``_separable``), from two probing backwards, one row by one
+    (as the step's own, not under vmap): of the losses of about half the samples
+    (:func:`probe_samples`) and of the others'. They free the graph unless ``retain_graph``."""
     samples = probe_samples(num_samples)
+    probes = [samples, others(num_samples, samples)]
     edges = [edge for _, call, _ in calls for edge in call.edges]
     with replaying():
-        grads = pull_back([losses], edges, probe_cotangent(losses, samples), False, retain_graph)
+        cotangents = probe_cotangents(losses, samples)
+        grads = pull_back([losses], edges, cotangents, True, retain_graph, row_by_row=True)
     cursor = 0
     for unit, call, dims in calls:
         call_grads = _at_outputs(call, grads[cursor : cursor + len(call.edges)])
         cursor += len(call.edges)
-        for grad, dim in zip(call_grads, dims, strict=True):
-            if grad is not None and dim is not None and leaks(grad, dim, samples):
+        for rows, dim in zip(call_grads, dims, strict=True):
+            if rows is None or dim is None:
+                continue
+            if any(leaks(grad, dim, probe) for grad, probe in zip(rows, probes, strict=True)):
                 raise ValueError(
                     f"Per sample (batch_dim=0), the losses read the output of {unit.name} "
                     f"({type(unit.module).__name__}) at other samples than their own, so its "

@@ -11,9 +11,13 @@ that row. The shapes cannot tell when it is not:
 * anything after the call that mixes the samples: a loss over pairs of samples (contrastive),
   a BatchNorm in training mode outside the engine's modules, ``h - h.mean(0)``.
 
-One probing backward from the losses of about half the samples shows it, as the gradient w.r.t.
-each output must vanish, exactly, at every other sample (zero rows stay zero through every
-operation that keeps the samples apart).
+Two probing backwards show it: one from the losses of about half the samples, one from the
+other samples' losses, as the gradient w.r.t. each output must vanish, exactly, at every sample
+outside those pulled back (zero rows stay zero through every operation that keeps the samples
+apart). One of them alone misses a read where the data zero the gradient: a sequence-first
+``[T, B, d]`` Linear with ``T == B`` whose rows are positions, one position all zero before a
+ReLU, hides from the first that the probed losses read it, but not from the second that the
+other losses read the probed positions.
 """
 
 from __future__ import annotations
@@ -44,11 +48,32 @@ def probe_samples(num_samples: int) -> list[int]:
     return sorted([0, num_samples - 1, *middle])
 
 
-def probe_cotangent(losses: Tensor, samples: list[int]) -> Tensor:
-    """Ones on the losses of ``samples`` (batch on dimension 0), zeros elsewhere."""
+def probe_cotangents(losses: Tensor, samples: list[int]) -> Tensor:
+    """Two rows (``[2, *losses.shape]``): ones on the losses of ``samples`` (batch on dimension
+    0), zeros elsewhere; and its complement.
+
+    Example:
+        >>> import torch
+        >>> from jacflow.autogram._separable import probe_cotangents
+        >>> probe_cotangents(torch.zeros(3), [0, 2])
+        tensor([[1., 0., 1.],
+                [0., 1., 0.]])
+    """
     cotangent = torch.zeros_like(losses)
     cotangent[samples] = 1.0
-    return cotangent
+    return torch.stack([cotangent, 1.0 - cotangent])
+
+
+def others(num_samples: int, samples: list[int]) -> list[int]:
+    """The samples outside ``samples``: those of the complementary probe.
+
+    Example:
+        >>> from jacflow.autogram._separable import others
+        >>> others(5, [0, 2, 4])
+        [1, 3]
+    """
+    chosen = set(samples)
+    return [b for b in range(num_samples) if b not in chosen]
 
 
 def leaks(grad: Tensor, dim: int, samples: list[int]) -> bool:
