@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -9,7 +11,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from jacflow import mtl_backward
-from jacflow.aggregation import UPGrad, UPGradWeighting
+from jacflow.aggregation import Constant, UPGrad, UPGradWeighting
 from jacflow.autogram import Engine, mtl_gramian_step
 from tests.autogram._zoo import CASES
 from tests.autogram.test_engine import assert_exact_gramian, hooked_params, reference_jacobian
@@ -293,3 +295,64 @@ def test_retain_graph_keeps_the_graph() -> None:
     out = heads[0](trunk(x)).squeeze(1)
     per_sample.backward(out, UPGradWeighting(), retain_graph=True)
     out.sum().backward()
+
+
+class _Scaled(nn.Module):
+    """A parameter of its own on a sequence (the generic rule)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.randn(3, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x * self.scale)
+
+
+@pytest.mark.parametrize("stem", ["embedding", "bag"])
+@pytest.mark.parametrize("hooked", ["linear", "generic"])
+@pytest.mark.parametrize("chunk_size", [None, 1])
+def test_a_sparse_embedding_below_the_engine(
+    stem: str, hooked: str, chunk_size: int | None
+) -> None:
+    """An ``nn.Embedding(sparse=True)`` (or ``EmbeddingBag``) outside the engine, below its
+    modules: ``mtl_backward`` failed with torch's "Could not run 'aten::view' ... SparseCPU"
+    (vmap cannot batch its backward) or "reshape is not implemented for sparse tensors". Its
+    rows are pulled back one by one and densified now: the step is that without the engine,
+    each ``.grad`` the previous one plus ``w @ J`` (the heads: plus their task's gradient)."""
+    torch.manual_seed(0)
+    table = (nn.Embedding if stem == "embedding" else nn.EmbeddingBag)(5, 3, sparse=True)
+    middle = nn.Linear(3, 3) if hooked == "linear" else _Scaled()
+    heads = [nn.Linear(3, 1) for _ in range(2)]
+    model = nn.ModuleList([table, middle, *heads]).double()
+    reference = copy.deepcopy(model)
+    ids = torch.randint(0, 5, (4, 2))
+
+    def forward(modules: nn.ModuleList) -> tuple[list[torch.Tensor], torch.Tensor]:
+        features = modules[1](modules[0](ids))
+        features = features.mean(1) if stem == "embedding" else features
+        return [head(features).pow(2).mean() for head in modules[2:]], features
+
+    weights = torch.tensor([0.3, 1.7], dtype=torch.float64)
+    reference_losses, _ = forward(reference)
+    trunk = [*reference[0].parameters(), *reference[1].parameters()]
+    rows = [torch.autograd.grad(loss, trunk, retain_graph=True) for loss in reference_losses]
+    jacobian = torch.stack([torch.cat([g.to_dense().flatten() for g in row]) for row in rows])
+    head_grads = [
+        torch.autograd.grad(loss, [*h.parameters()], retain_graph=True)
+        for loss, h in zip(reference_losses, reference[2:], strict=True)
+    ]
+    params = [*model.parameters()]
+    previous = [torch.randn_like(p) for p in params]
+    for param, grad in zip(params, previous, strict=True):
+        param.grad = grad.clone()
+    engine = Engine(middle, batch_dim=None)
+    losses, features = forward(model)
+    aggregator = Constant(weights)
+    mtl_backward(losses, features, A=aggregator, engine=engine, parallel_chunk_size=chunk_size)
+    assert all(p.grad.layout == torch.strided for p in params)  # type: ignore[union-attr]
+    updates = [p.grad - g for p, g in zip(params, previous, strict=True)]  # type: ignore[operator]
+    trunk_update = torch.cat([u.flatten() for u in updates[: len(trunk)]])
+    torch.testing.assert_close(trunk_update, weights @ jacobian)
+    expected = [g for grads in head_grads for g in grads]
+    for update, grad in zip(updates[len(trunk) :], expected, strict=True):
+        torch.testing.assert_close(update, grad)

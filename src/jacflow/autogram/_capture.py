@@ -285,11 +285,13 @@ def _row_by_row(
 
 
 def _stacked(grads: list[Tensor | None]) -> Tensor | None:
-    """The rows' gradients stacked, zeros for the rows that do not reach the input."""
-    some = next((g for g in grads if g is not None), None)
+    """The rows' gradients stacked, zeros for the rows that do not reach the input, dense (a
+    sparse one, of an ``nn.Embedding(sparse=True)``, as autojac's Jacobian rows)."""
+    dense = [g if g is None or g.layout == torch.strided else g.to_dense() for g in grads]
+    some = next((g for g in dense if g is not None), None)
     if some is None:
         return None
-    return torch.stack([torch.zeros_like(some) if g is None else g for g in grads])
+    return torch.stack([torch.zeros_like(some) if g is None else g for g in dense])
 
 
 class _Heads(NamedTuple):

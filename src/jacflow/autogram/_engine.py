@@ -72,6 +72,7 @@ from jacflow.autogram._rules import (
 )
 from jacflow.autogram._separable import leaks, others, probe_cotangents, probe_samples
 from jacflow.autojac._checks import check_real_tensor
+from jacflow.autojac._graph import sparse_gradients
 from jacflow.linalg._products import row_gramian
 
 # A pattern of recorded calls: their units, in order, and the losses' graph outside them (see
@@ -1233,6 +1234,8 @@ class Engine:
         above = [a for _, call in calls for a in call.hooks_above()]
         # (compiled code's backward runs once, and not under vmap: no probe, rows one by one)
         compiled = _holds_compiled(pattern[1], edges)
+        # (vmap cannot batch a sparse backward, that of an nn.Embedding(sparse=True) below)
+        row_by_row = row_by_row or _sparse_rows(pattern[1], losses, extra_inputs, selections)
         # (per sample, a new pattern's losses are probed after the checks below: the graph stays)
         probing = not rows.per_task and rows.num_samples > 1 and not compiled
         probing = probing and pattern not in self._separable_checked
@@ -1714,6 +1717,26 @@ def _check_versions(call: Call) -> None:
 
 # the node of torch.compile'd code in the eager graph (AOT autograd's)
 _COMPILED_NODE = "CompiledFunctionBackward"
+
+# the nodes whose backward may return a sparse gradient (see autojac's ``sparse_gradients``)
+_SPARSE_NODES = frozenset({"EmbeddingBackward0", "EmbeddingBagBackward0", "GatherBackward0"})
+
+
+def _sparse_rows(
+    outside: tuple[object, ...],
+    losses: Tensor,
+    extra_inputs: Sequence[Tensor],
+    selections: Sequence[Selection] | None,
+) -> bool:
+    """Whether an extra input whose rows are asked for one by one (``EACH``: an unhooked trunk
+    parameter of ``mtl_backward``) gets a sparse gradient (``nn.Embedding(sparse=True)``),
+    which the backward batched with vmap cannot form: the key ``outside`` (from
+    :func:`outside_calls`) names such a node, and a walk of the losses' graph finds its sparse
+    flag set."""
+    if selections is None or _SPARSE_NODES.isdisjoint(outside):
+        return False
+    each = [t for t, rows in zip(extra_inputs, selections, strict=True) if rows == EACH]
+    return bool(each) and sparse_gradients([losses], each)
 
 
 def _holds_compiled(outside: tuple[object, ...], edges: Sequence[Any]) -> bool:

@@ -205,8 +205,9 @@ def mtl_backward(
             vmapped: pass ``1``, and set ``torch._functorch.config.donated_buffer = False``
             before compiling (each task's backward retains the graph, which inductor refuses at
             once and ``aot_eager`` after a recompilation, e.g. at a smaller last batch).
-            Without ``engine``, a trunk with sparse gradients (``nn.Embedding(sparse=True)``)
-            is differentiated task by task, into a dense Jacobian, as in :func:`jac`.
+            A trunk with sparse gradients (``nn.Embedding(sparse=True)``) is differentiated
+            task by task, into a dense Jacobian, as in :func:`jac`; with ``engine``, its
+            parameters outside the engine's modules too.
         engine: a per-task :class:`jacflow.autogram.Engine` (``batch_dim=None``) hooked on the
             trunk before the forward pass. With a Gramian-based ``A`` (UPGrad, MGDA, ...), the
             step then goes through the Gramian engine: no trunk Jacobian is formed and the
