@@ -3,6 +3,7 @@ configuration, and its hand-over to the generic rule."""
 
 from __future__ import annotations
 
+import copy
 import itertools
 from collections.abc import Callable
 from typing import Any
@@ -11,7 +12,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from jacflow.aggregation import MeanWeighting
+from jacflow.aggregation import ConstantWeighting, MeanWeighting
 from jacflow.autogram import Call, Engine, Rows, _attention
 from tests.autogram._zoo import Built, Case
 from tests.autogram.test_engine import check_case
@@ -83,6 +84,8 @@ def _masks(dtype: torch.dtype) -> dict[str, Tensor]:
             "padding_float": torch.zeros(B, S, dtype=dtype).masked_fill(padding, float("-inf")),
             "float2d": torch.randn(T, S, generator=gen, dtype=dtype),
             "bool3d": torch.rand(B * H, T, S, generator=gen) < 0.3,
+            "float3d": torch.randn(B * H, T, S, generator=gen, dtype=dtype),
+            "float3d_self": torch.randn(B * H, T, T, generator=gen, dtype=dtype),
             "causal": nn.Transformer.generate_square_subsequent_mask(T, dtype=dtype),
         }
     return {name: mask.to(device) for name, mask in masks.items()}
@@ -162,8 +165,22 @@ CASES = [
     _case("generic_bias_kv", _self, _kw(need_weights=False), add_bias_kv=True),
     _case("generic_zero_attn", _self, _kw(need_weights=False), add_zero_attn=True),
     _case("generic_kdim", _narrow, _kw(need_weights=False), kdim=E - 1, vdim=E - 1),
+    # per-sample 3-D masks ([B * H, T, S]) there: the re-run of a sample was given every
+    # sample's, and torch refused them ("should be (2, 3, 3)")
+    _case("generic_bias_kv_3d", _three, _kw(attn_mask="bool3d"), add_bias_kv=True),
+    _case(
+        "generic_zero_attn_3d",
+        _cross,
+        _kw(attn_mask="float3d"),
+        use_weights=True,
+        add_zero_attn=True,
+    ),
+    _case("generic_kdim_3d", _narrow, _kw(attn_mask="float3d"), kdim=E - 1, vdim=E - 1),
+    _case("tasks_generic_bias_kv_3d", _self, _kw(attn_mask="float3d_self"), None, add_bias_kv=True),
 ]
 GENERIC = {"generic_bias_kv", "generic_zero_attn", "generic_kdim"}
+GENERIC |= {"generic_bias_kv_3d", "generic_zero_attn_3d", "generic_kdim_3d"}
+GENERIC |= {"tasks_generic_bias_kv_3d"}
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
@@ -318,3 +335,39 @@ def test_weights_changed_in_place_since_the_forward_are_refused() -> None:
         with pytest.raises(RuntimeError, match="modified in place"):
             engine.backward(losses, MeanWeighting())
     assert attn.in_proj_weight.grad is None
+
+
+@pytest.mark.parametrize("option", ["add_bias_kv", "add_zero_attn"])
+def test_per_sample_3d_mask_on_the_generic_rule_with_rows_per_sample(option: str) -> None:
+    """A 3-D ``attn_mask`` (``[B * H, T, T]``) with ``add_bias_kv`` or ``add_zero_attn``, two
+    losses per sample: each re-run row gets its sample's heads' masks. The Gramian is ``J J^T``
+    and ``.grad`` the previous one plus ``w @ J`` (weights of the rows, not symmetric), against
+    an unhooked copy."""
+    torch.manual_seed(0)
+    attn = nn.MultiheadAttention(E, H, batch_first=True, **{option: True}).double()
+    reference = copy.deepcopy(attn)
+    x = torch.randn(B, T, E, dtype=torch.float64)
+    mask = torch.randn(B * H, T, T, dtype=torch.float64)
+
+    def losses(module: nn.MultiheadAttention) -> Tensor:
+        out = module(x, x, x, attn_mask=mask, need_weights=False)[0]
+        return torch.stack([out.pow(2).sum((1, 2)), out[:, 0].sum(1)], dim=1)
+
+    params = [*reference.parameters()]
+    jacobian = torch.stack(
+        [
+            torch.cat([g.flatten() for g in torch.autograd.grad(loss, params, retain_graph=True)])
+            for loss in losses(reference).flatten()
+        ]
+    )
+    engine = Engine(attn, batch_dim=0)
+    torch.testing.assert_close(engine.compute_gramian(losses(attn)), jacobian @ jacobian.T)
+    previous = [torch.randn_like(p) for p in attn.parameters()]
+    for param, grad in zip(attn.parameters(), previous, strict=True):
+        param.grad = grad.clone()
+    weights = torch.linspace(0.2, 2.9, B * 2, dtype=torch.float64)
+    engine.backward(losses(attn), ConstantWeighting(weights))
+    update = torch.cat(
+        [(p.grad - g).flatten() for p, g in zip(attn.parameters(), previous, strict=True)]  # type: ignore[operator]
+    )
+    torch.testing.assert_close(update, weights @ jacobian)

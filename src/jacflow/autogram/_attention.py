@@ -19,13 +19,15 @@ Covered: packed projection weights (``kdim == vdim == embed_dim``), self- and
 cross-attention, key-padding and attention masks (boolean or additive), ``is_causal``, the
 returned attention weights, batched inputs. Anything else (``bias_k``/``bias_v``,
 ``add_zero_attn``, separate projection weights, a parametrised ``out_proj``, autocast, unbatched
-inputs per task, a subclass with its own ``forward``) goes to the generic rule. Dropout in
+inputs per task, a subclass with its own ``forward``) goes to the generic rule (per sample, with
+a 3-D ``attn_mask`` split by sample: :func:`_with_sample_masks`). Dropout in
 training mode is refused (its random mask cannot be replayed), and so are unbatched inputs per
 sample (``batch_dim=0``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import math
 from collections.abc import Callable
@@ -55,6 +57,35 @@ def _arguments(call: Call) -> dict[str, Any]:
     bound = _SIGNATURE.bind(None, *call.args, **call.kwargs)
     bound.apply_defaults()
     return dict(bound.arguments)
+
+
+def _with_sample_masks(call: Call, heads: int, num_samples: int) -> Call:
+    """``call`` with its 3-D ``attn_mask`` (``[B * heads, T, S]``, each sample's heads in a
+    block) as ``[B, heads, T, S]``, which the generic rule splits by sample as it splits every
+    argument whose first size is the batch size; one sample's is flattened back by
+    :func:`_flattened_mask`. Given whole, the re-run of one sample read every sample's masks
+    and torch refused them."""
+    bound = _SIGNATURE.bind(None, *call.args, **call.kwargs)
+    mask = bound.arguments.get("attn_mask")
+    if not isinstance(mask, Tensor) or mask.dim() != 3 or heads == 1:
+        return call
+    if mask.shape[0] != num_samples * heads:
+        return call
+    bound.arguments["attn_mask"] = mask.unflatten(0, (num_samples, heads))
+    return dataclasses.replace(call, args=bound.args[1:], kwargs=bound.kwargs)
+
+
+def _flattened_mask(
+    module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    """A forward pre-hook for the generic rule's re-run: a 4-D ``attn_mask`` (from
+    :func:`_with_sample_masks`) as the ``[N * heads, T, S]`` one that torch takes."""
+    bound = _SIGNATURE.bind(None, *args, **kwargs)
+    mask = bound.arguments.get("attn_mask")
+    if not isinstance(mask, Tensor) or mask.dim() != 4:
+        return None
+    bound.arguments["attn_mask"] = mask.flatten(0, 1)
+    return bound.args[1:], bound.kwargs
 
 
 _PROJECTIONS = frozenset({"in_proj_weight", "in_proj_bias", "out_proj.weight", "out_proj.bias"})
@@ -245,7 +276,16 @@ class AttentionRule(Rule):
             )
         arguments = [_arguments(call) for call in calls]
         if not _covered(module, params, calls, arguments):
-            return _GENERIC.prepare(module, params, calls, rows)
+            if rows.per_task:
+                return _GENERIC.prepare(module, params, calls, rows)
+            split = [_with_sample_masks(call, module.num_heads, rows.num_samples) for call in calls]
+            handle = module.register_forward_pre_hook(
+                _flattened_mask, with_kwargs=True, prepend=True
+            )
+            try:
+                return _GENERIC.prepare(module, params, split, rows)
+            finally:
+                handle.remove()
         terms = [
             _projection_terms(module, call, args, rows)
             for call, args in zip(calls, arguments, strict=True)
