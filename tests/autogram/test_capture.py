@@ -4,6 +4,7 @@ Jacobian, and the route each one takes."""
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -14,7 +15,7 @@ from hypothesis import strategies as st
 from torch import Tensor, nn
 
 from jacflow import mtl_backward
-from jacflow.aggregation import Mean, UPGradWeighting
+from jacflow.aggregation import ConstantWeighting, Mean, UPGradWeighting
 from jacflow.autogram import Engine, _capture, mtl_gramian_step
 from tests.autogram.test_engine import (
     assert_exact_gramian,
@@ -509,6 +510,58 @@ def test_in_place_op_on_a_view_output_is_refused(pattern: str, batch_dim: int | 
     with pytest.raises(RuntimeError, match=r"is a view .* modified in place"):
         engine.backward(_in_place_forward(first, module, pattern, batch_dim), UPGradWeighting())
     assert all(p.grad is None for p in [*first.parameters(), *module.parameters()])
+
+
+class _ScaleThenLinear(nn.Module):
+    """A parameter of its own (the generic rule), then a child Linear on a sequence: its output
+    is the Linear's product reshaped, a view made inside its forward."""
+
+    def __init__(self, clone: bool) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.randn(3))
+        self.linear = nn.Linear(3, 3)
+        self.clone = clone
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = self.linear(x * self.scale)
+        return out.clone() if self.clone else out
+
+
+@pytest.mark.parametrize("batch_dim", [0, None])
+@pytest.mark.parametrize("clone", [False, True])
+def test_in_place_op_after_a_generic_module_ending_in_a_linear(
+    batch_dim: int | None, clone: bool
+) -> None:
+    """A generic-rule module whose forward ends in a Linear on a sequence returns a view made
+    inside it; an in-place ReLU after it was refused with a message that sent the user looking
+    for a transpose or reshape of their own. The message names that Linear now (``.grad``
+    untouched), and the documented way out (``.clone()`` at the forward's end) is exact:
+    ``.grad`` is the previous one plus ``w @ J`` of an unhooked copy."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_ScaleThenLinear(clone), nn.ReLU(inplace=True), nn.Linear(3, 2))
+    model = model.double()
+    reference = copy.deepcopy(model)
+    x = torch.randn(4, 3, 3, dtype=torch.float64)
+
+    def losses(net: nn.Module) -> Tensor:
+        out = net(x).flatten(1)
+        return out.pow(2).sum(1) if batch_dim == 0 else torch.stack([out.sum(), out[0, 1]])
+
+    params = [*model.parameters()]
+    previous = [torch.randn_like(p) for p in params]
+    for param, grad in zip(params, previous, strict=True):
+        param.grad = grad.clone()
+    engine = Engine(model[0], model[2], batch_dim=batch_dim)
+    weights = torch.linspace(0.3, 1.9, 4 if batch_dim == 0 else 2, dtype=torch.float64)
+    if not clone:
+        with pytest.raises(RuntimeError, match=r"an nn.Linear on a sequence .* modified in place"):
+            engine.backward(losses(model), ConstantWeighting(weights))
+        assert all(torch.equal(p.grad, g) for p, g in zip(params, previous, strict=True))
+        return
+    jacobian = reference_jacobian(losses(reference), [*reference.parameters()])
+    engine.backward(losses(model), ConstantWeighting(weights))
+    update = torch.cat([(p.grad - g).flatten() for p, g in zip(params, previous, strict=True)])
+    torch.testing.assert_close(update, weights @ jacobian)
 
 
 @pytest.mark.parametrize("batch_dim", [0, None])

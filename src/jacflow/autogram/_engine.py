@@ -1559,12 +1559,14 @@ def _check_output_views(losses: Tensor, calls: list[tuple[Unit, Call]]) -> None:
         changed = first_reached(losses, new_nodes)
         if changed is not None:
             raise RuntimeError(
-                f"An output of {changed.name} ({type(changed.module).__name__}) is a view (e.g. a "
-                "transposed or reshaped tensor) and was modified in place after the forward "
-                "(relu_, +=, indexing assignment; or under no_grad or through .detach() before "
-                "the losses used it): that takes the module's call out of the graph, so its "
+                f"An output of {changed.name} ({type(changed.module).__name__}) is a view (a "
+                "transposed or reshaped tensor, or one made inside its forward: an nn.Linear "
+                "on a sequence [..., T, d] returns its product reshaped, so a forward that ends "
+                "in one returns a view) and was modified in place after the forward (relu_, "
+                "+=, indexing assignment; or under no_grad or through .detach() before the "
+                "losses used it): that takes the module's call out of the graph, so its "
                 "gradients cannot be read. Use an out-of-place operation on it (torch.relu(x), "
-                "x = x + y), or .clone() it first."
+                "x = x + y), or .clone() it first (at the end of the module's forward too)."
             )
 
 
