@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from jacflow.aggregation import ConstantWeighting
+from jacflow.aggregation import ConstantWeighting, UPGradWeighting
 from jacflow.autogram import Call, Contribution, Engine, Rule, _rules
 from jacflow.autogram._linear import PER_ROW_SLOWDOWN, ghost_cost, materialized_cost
 from jacflow.autogram._rules import Rows
@@ -133,3 +133,42 @@ def test_generic_rule_refuses_batched_tensors_it_cannot_split() -> None:
             losses = losses if batch_dim == 0 else losses[:2]
             jacobian = reference_jacobian(losses, [module.w])
             torch.testing.assert_close(engine.compute_gramian(losses), jacobian @ jacobian.T)
+
+
+class _BatchStatistic(nn.Module):
+    """A Linear on the batch's mean (``[d]``, not per sample) added to every sample's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(5, 5), nn.Linear(5, 5)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.a(x)
+        return (h + self.b(h.mean(0))).pow(2).sum(1)
+
+
+class _PerSampleLoop(nn.Module):
+    """A Linear called on one sample at a time (``[d]`` inputs)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(5, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.stack([self.a(row).pow(2).sum() for row in x])
+
+
+@pytest.mark.parametrize("model_type", [_BatchStatistic, _PerSampleLoop])
+def test_unbatched_refusal_names_both_causes(model_type: type[nn.Module]) -> None:
+    """The refusal of an unbatched Linear input advised only ``x.unsqueeze(0)``, which fits
+    neither a batch statistic (``x.mean(0)``) nor a loop over the samples. It names both causes
+    with the advice for each now, before anything is written."""
+    torch.manual_seed(0)
+    model = model_type().double()
+    engine = Engine(model, batch_dim=0)
+    with pytest.raises(ValueError, match=r"unbatched input") as refusal:
+        engine.backward(model(torch.randn(4, 5, dtype=torch.float64)), UPGradWeighting())
+    message = str(refusal.value)
+    for advice in ("x.unsqueeze(0)", "call it once on the batch", "x.mean(0)", "batch_dim=None"):
+        assert advice in message
+    assert all(p.grad is None for p in model.parameters())

@@ -674,12 +674,16 @@ def unbatched_refusal(module: nn.Module, x: Tensor) -> ValueError:
         >>> from torch import nn
         >>> from jacflow.autogram._rules import unbatched_refusal
         >>> print(unbatched_refusal(nn.GRU(3, 2), torch.ones(4, 3)))  # doctest: +ELLIPSIS
-        GRU received an unbatched input of shape (4, 3): the per-sample engine ... batch_dim=None.
+        GRU received an unbatched input of shape (4, 3): the per-sample engine ... batch_dim=None).
     """
     return ValueError(
         f"{type(module).__name__} received an unbatched input of shape {tuple(x.shape)}: the "
-        "per-sample engine (batch_dim=0) needs a batch dimension. Add one (x.unsqueeze(0) for "
-        "a single sample), or use batch_dim=None."
+        "per-sample engine (batch_dim=0) needs the batch on dimension 0 of each hooked call's "
+        "input. Either the input lacks that dimension (a single sample: x.unsqueeze(0); a loop "
+        "calling the module on one sample at a time: call it once on the batch), or it is not "
+        "per sample: a tensor shared by all samples (a learned token: expand it to the batch "
+        "first, e.g. token.expand(B, -1)) or a batch statistic (x.mean(0), which mixes the "
+        "samples: use batch_dim=None)."
     )
 
 
