@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from torch import Tensor, nn
 
 from jacflow.aggregation import UPGradWeighting
 from jacflow.autogram import Engine
+from jacflow.autogram import _fallback as fallback
 from jacflow.autogram._fallback import ReplayMismatchError
 from tests.autogram.test_engine import reference_jacobian
 
@@ -326,3 +328,104 @@ def test_a_batch_off_dimension_0_names_the_cause() -> None:
         _SequenceFirst(), lambda m: m(X, y).pow(2).sum(1), 0, ReplayMismatchError, "of shape"
     )
     assert "Mismatch in shape" not in message and "[1, 3] was expected" in message
+
+
+def _re_runs(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Count the generic rule's re-runs on the whole batch for its gradient check."""
+    runs: list[int] = []
+    original = fallback._whole_batch_run
+
+    def counted(*args: Any) -> Any:
+        runs.append(1)
+        return original(*args)
+
+    monkeypatch.setattr(fallback, "_whole_batch_run", counted)
+    return runs
+
+
+class _Twice(nn.Module):
+    """``inner(inner(x))``: two calls of the hooked module per forward."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.inner(self.inner(x))  # type: ignore[no-any-return]
+
+
+def test_the_check_reads_the_forward_s_backward(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Per sample, the parameters' gradient that the rows must sum to is taken in the engine's
+    own backward (no re-run of the module on the whole batch), summed over the module's calls:
+    called twice, the mixing module is refused, the other exact."""
+    runs = _re_runs(monkeypatch)
+    for straight in (False, True):
+        _assert_refused(_ReZero(straight), _squares, 0, ReplayMismatchError, "the forward's")
+    _assert_refused(_Twice(_ReZero(False)), _squares, 0, ReplayMismatchError, "mixes the")
+    _assert_exact(_Twice(_Gated()), _squares, 0)
+    _assert_exact(_Gated(), _squares, 0)
+    assert not runs
+    _assert_exact(_Gated(), lambda m: m(X).pow(2)[:, :2], 0)  # (two rows per sample: re-run)
+    assert runs
+
+
+class _TiedToLinear(nn.Module):
+    """A generic module (a :class:`_ReZero` or :class:`_Gated`) then an ``nn.Linear`` whose
+    weight is the module's: a parameter of two hooked units."""
+
+    def __init__(self, first: nn.Module) -> None:
+        super().__init__()
+        self.first, self.linear = first, nn.Linear(3, 3).double()
+        self.linear.weight = first.weight
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.linear(self.first(x))  # type: ignore[no-any-return]
+
+
+def test_a_parameter_tied_to_another_unit_keeps_the_re_run(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where a parameter is also another hooked module's, the engine's backward gives the sum of
+    both uses: the generic rule checks its rows against a re-run on the whole batch instead,
+    exact where the module is per sample, and refusing the mixing one."""
+    runs = _re_runs(monkeypatch)
+    _assert_exact(_TiedToLinear(_Gated()), _squares, 0)
+    assert runs
+    _assert_refused(_TiedToLinear(_ReZero(False)), _squares, 0, ReplayMismatchError, "mixes the")
+
+
+def test_parameter_hooks_run_once_on_the_update() -> None:
+    """The engine's backward takes the generic module's parameters' gradient for the check
+    with their gradient hooks left out: a hook (doubling the gradient) and a post-accumulate
+    hook run once per step, on the update, none for the Gramian."""
+    model = _Gated()
+    reference = copy.deepcopy(model)
+    jacobian = reference_jacobian(_squares(reference), _params(reference))
+    previous = torch.cat([g.flatten() for g in _seed_grads(model)])
+    fired: list[str] = []
+    model.weight.register_hook(lambda g: fired.append("hook") or g * 2)  # type: ignore[func-returns-value]
+    model.weight.register_post_accumulate_grad_hook(lambda p: fired.append("post"))
+    with Engine(model, batch_dim=0) as engine:
+        torch.testing.assert_close(engine.compute_gramian(_squares(model)), jacobian @ jacobian.T)
+        assert not fired
+        weights = engine.backward(_squares(model), UPGradWeighting())
+    assert fired == ["hook", "post"]
+    update = weights @ jacobian
+    update[1:] *= 2  # (the weight's entries, after the gate's)
+    actual = torch.cat([p.grad.flatten() for p in _params(model)])  # type: ignore[union-attr]
+    torch.testing.assert_close(actual, update + previous)
+    assert model.weight._backward_hooks  # (kept)
+
+
+@pytest.mark.filterwarnings("ignore:var.*degrees of freedom:UserWarning")
+def test_an_output_changed_in_place_is_compared_with_a_re_run(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Per sample, with the gradients checked against the engine's backward, an output changed
+    in place since the forward (an in-place ReLU after the module) is still compared with a
+    re-run of the outputs on the whole batch: a batch norm by hand is refused, the per-sample
+    module exact, neither re-running the module's gradient."""
+    runs = _re_runs(monkeypatch)
+    _assert_refused(_Then(_BatchStatNorm(), True), _squares, 0, ReplayMismatchError, "other outp")
+    _assert_exact(_Then(_Gated(), True), _squares, 0)
+    assert not runs

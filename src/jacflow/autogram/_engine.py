@@ -34,7 +34,7 @@ from jacflow.autogram._distributed import (
     wrappers_in,
 )
 from jacflow.autogram._embedding import frequency_refusal
-from jacflow.autogram._fallback import FallbackRule
+from jacflow.autogram._fallback import FallbackRule, without_tensor_hooks
 from jacflow.autogram._hooks import (
     Recorder,
     Unit,
@@ -1239,19 +1239,35 @@ class Engine:
         # (per sample, a new pattern's losses are probed after the checks below: the graph stays)
         probing = not rows.per_task and rows.num_samples > 1 and not compiled
         probing = probing and pattern not in self._separable_checked
-        with replaying(), _compiled_backward_hint():  # (replaying: a checkpointed forward
-            grads, extra_grads = capture(  # recomputed by it is not a forward call)
+        # (per sample, one row per sample, the backward also takes the gradient of the
+        # generic-rule units' own parameters: the reference of the rule's check of their rows,
+        # see FallbackRule.prepare; their gradient hooks, which the engine runs on the update,
+        # left out meanwhile. Batched over several rows, it would take each row's, under vmap,
+        # where a backward without a batching rule could fail: the rule re-runs the module.)
+        one_row = not rows.per_task and rows.index is None
+        checked = _own_generic_params(self._units, calls) if one_row else {}
+        inputs = [*extra_inputs, *(p for params in checked.values() for p in params.values())]
+        if selections is not None:
+            selections = [*selections, *[None] * (len(inputs) - len(extra_inputs))]
+        with (
+            replaying(),  # (a checkpointed forward recomputed by it is not a forward call)
+            _compiled_backward_hint(),
+            without_tensor_hooks(inputs[len(extra_inputs) :]),
+        ):
+            grads, extra_grads = capture(
                 losses,
                 edges,
                 hooks,
                 above,
-                extra_inputs,
+                inputs,
                 cotangents,
                 rows.per_task,
                 retain_graph or probing,
                 row_by_row or compiled,
                 selections,
             )
+        references = _by_unit(checked, extra_grads[len(extra_inputs) :])
+        extra_grads = extra_grads[: len(extra_inputs)]
         captured_bytes = sum(g.numel() * g.element_size() for g in grads if g is not None)
         reached: dict[int, list[Call]] = {}
         recorded: dict[int, list[Call]] = {}  # (the replayed units' calls, reached or not)
@@ -1339,7 +1355,13 @@ class Engine:
                 for call in unit_calls:
                     if call.autocast is not None or work != dtype:
                         upcast(call, work)
-            contributions.append((params, unit.rule.prepare(unit.module, params, unit_calls, rows)))
+            rule = unit.rule
+            if isinstance(rule, FallbackRule) and index in references:
+                reference = {name: references[index][name] for name in params}
+                contribution = rule.prepare(unit.module, params, unit_calls, rows, reference)
+            else:
+                contribution = rule.prepare(unit.module, params, unit_calls, rows)
+            contributions.append((params, contribution))
         return contributions, rows, order, extra_grads, captured_bytes
 
     def _check_reentrant_checkpoints(self, losses: Tensor, calls: list[tuple[int, Call]]) -> None:
@@ -2029,6 +2051,56 @@ def _to_loss_order(gramian: Tensor, order: tuple[Tensor, Tensor] | None) -> Tens
         return gramian
     row_of_loss = order[0]
     return gramian[row_of_loss][:, row_of_loss]
+
+
+def _own_generic_params(
+    units: Sequence[Unit], calls: Sequence[tuple[int, Call]]
+) -> dict[int, dict[str, Tensor]]:
+    """The trainable parameters of the generic-rule units called (by unit index), where none
+    is another unit's too (a tie): the losses reach them through the unit's calls only (a use
+    outside the hooked calls is refused), so the gradient of the rows' sum w.r.t. them is the
+    sum of the rows' gradients that the rule re-runs the module for. Not those of a unit whose
+    weights changed since one of its calls: the rule refuses that, where the backward through
+    the module would fail on its saved weights."""
+    called: dict[int, list[Call]] = {}
+    for index, call in calls:
+        called.setdefault(index, []).append(call)
+    generic = [
+        i
+        for i, unit_calls in called.items()
+        if isinstance(units[i].rule, FallbackRule) and _weights_as_called(units[i], unit_calls)
+    ]
+    if not generic:
+        return {}
+    seen: dict[int, int] = {}
+    for unit in units:
+        for param in unit.params().values():
+            seen[id(param)] = seen.get(id(param), 0) + 1
+    found = {i: units[i].params() for i in generic}
+    return {
+        i: params
+        for i, params in found.items()
+        if params and all(seen[id(p)] == 1 for p in params.values())
+    }
+
+
+def _weights_as_called(unit: Unit, calls: Sequence[Call]) -> bool:
+    """Whether the module's parameters are those, at the versions, that each of its ``calls``
+    (of a replaying rule, which records them) left."""
+    now = list(unit.module.parameters())
+    return all(
+        len(now) == len(call.weight_versions)
+        and all(p is q and p._version == v for p, (q, v) in zip(now, call.weight_versions))
+        for call in calls
+    )
+
+
+def _by_unit(
+    params: dict[int, dict[str, Tensor]], grads: Sequence[Tensor | None]
+) -> dict[int, dict[str, Tensor | None]]:
+    """``grads`` (one per parameter of ``params``, in order) as ``params`` is laid out."""
+    found = iter(grads)
+    return {index: {name: next(found) for name in named} for index, named in params.items()}
 
 
 def _reached_params(params: dict[str, Tensor], calls: list[Call]) -> dict[str, Tensor]:

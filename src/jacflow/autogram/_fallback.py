@@ -14,7 +14,7 @@ import dataclasses
 import functools
 import warnings
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -224,7 +224,11 @@ def _per_sample_grads(
     cots: tuple[Tensor, ...],
     rows: Rows,
     upstream: frozenset[int],
+    summed_later: bool = False,
 ) -> dict[str, Tensor]:
+    """Each row's gradient, by a re-run of each sample under ``vmap``, checked against a re-run
+    on the whole batch (``summed_later``: the gradients are checked by the caller, with those
+    of the module's other calls, and only the outputs here)."""
     leaves, spec = tree_flatten((call.args, call.kwargs))
     batched = [
         isinstance(leaf, Tensor) and leaf.ndim >= 1 and leaf.shape[0] == rows.num_samples
@@ -257,13 +261,18 @@ def _per_sample_grads(
     row_cots = (*cots, *_reached_inner_calls(call))
     grads, outputs = _batched_or_row_by_row(lambda rows: per_row(*rows), (row_leaves, row_cots))
     split = [tuple(leaf.shape) for leaf, b in zip(leaves, batched, strict=True) if b]
+    if summed_later:
+        _check_same_outputs(
+            module, call, outputs, rows, split, lambda: _whole_batch_outputs(module, params, call)
+        )
+        return grads
     whole = functools.cache(
         lambda: _whole_batch_run(
             module, params, call, tuple(_per_sample_sums(rows, c) for c in row_cots), upstream
         )
     )
     _check_same_outputs(module, call, outputs, rows, split, lambda: whole()[0])
-    _check_same_gradients(module, call, grads, whole()[1])
+    _check_same_gradients(module, [call], grads, whole()[1], "a re-run on the whole batch")
     return grads
 
 
@@ -358,13 +367,34 @@ def _tolerance(call: Call, dtype: torch.dtype) -> float:
     return min(_SAME_OUTPUT_EPS * eps, _SAME_OUTPUT_MAX)
 
 
+@contextlib.contextmanager
+def without_tensor_hooks(tensors: Sequence[Tensor]) -> Iterator[None]:
+    """The gradient hooks (``register_hook``) of ``tensors`` left out meanwhile: autograd runs
+    a leaf's hooks on the gradient it returns for it (the engine's backward, which takes the
+    gradient of the generic-rule units' parameters for the rule's check, would run them once
+    more than a plain backward, and check their result)."""
+    hooked = [(t, t._backward_hooks) for t in tensors if t._backward_hooks]
+    for tensor, _ in hooked:
+        tensor._backward_hooks = None  # (torch drops its hook that runs the dict)
+    try:
+        yield
+    finally:
+        for tensor, hooks in hooked:
+            tensor._backward_hooks = hooks
+
+
 def _check_same_gradients(
-    module: nn.Module, call: Call, grads: dict[str, Tensor], whole: dict[str, Tensor]
+    module: nn.Module,
+    calls: Sequence[Call],
+    grads: dict[str, Tensor],
+    whole: Mapping[str, Tensor | None],
+    of_whole: str,
 ) -> None:
-    """Per sample, refuse a re-run whose rows' gradients do not sum to the gradient of a re-run
-    on the whole batch (``whole``, for each sample's summed output gradients): the forward
-    mixes the samples in a way its outputs do not show, as a batch-centred branch behind a
-    gate at 0 (ReZero, adaLN-Zero) or a straight-through ``m - m.detach()`` of a batch
+    """Per sample, refuse a re-run whose rows' gradients (``grads``, of the ``calls``) do not
+    sum to the gradient on the whole batch (``whole``, for the summed output gradients, that
+    ``of_whole`` names; ``None``: the losses do not reach the parameter, a zero gradient): the
+    forward mixes the samples in a way its outputs do not show, as a batch-centred branch
+    behind a gate at 0 (ReZero, adaLN-Zero) or a straight-through ``m - m.detach()`` of a batch
     statistic, and the rows would be the gradients of another function. The difference is
     measured against the largest gradient of any of the parameters (one whose gradient is 0,
     as a shift before a normalisation, differs by roundoff of the others' size)."""
@@ -372,11 +402,15 @@ def _check_same_gradients(
     sizes = [float(g.abs().sum(0).amax().nan_to_num(0.0, 0.0, 0.0)) for g in checked.values()]
     scale = max(sizes, default=0.0)
     for name, per_row in checked.items():
-        error, _ = _replay_difference(whole[name].detach().to(per_row.dtype), per_row.sum(0))
-        if error > _tolerance(call, per_row.dtype) * max(scale, 1e-30):
+        summed = per_row.sum(0)
+        reference = whole[name]
+        reference = summed.new_zeros(()) if reference is None else reference.detach()
+        reference = reference.to(per_row.dtype).expand_as(summed)
+        error, _ = _replay_difference(reference, summed)
+        if error > max(_tolerance(c, per_row.dtype) for c in calls) * max(scale, 1e-30):
             raise ReplayMismatchError(
                 f"{_no_closed_form(module)}, so the engine re-runs it sample by sample, whose "
-                f"gradients for {name} differ from those of a re-run on the whole batch "
+                f"gradients for {name} differ from those of {of_whole} "
                 f"({_difference_text(error, scale)}): its forward mixes the samples (a "
                 "statistic over the batch, as a mean over dimension 0), though its outputs do "
                 "not show it here (a branch behind a gate at 0, as ReZero's or adaLN-Zero's "
@@ -807,8 +841,17 @@ class FallbackRule(Rule):
         return True
 
     def prepare(
-        self, module: nn.Module, params: dict[str, Tensor], calls: list[Call], rows: Rows
+        self,
+        module: nn.Module,
+        params: dict[str, Tensor],
+        calls: list[Call],
+        rows: Rows,
+        reference: Mapping[str, Tensor | None] | None = None,
     ) -> Contribution:
+        """Per sample, ``reference`` (the engine's, where the losses reach ``params`` through
+        these calls only) is the gradient of the rows' sum w.r.t. each of ``params``, taken in
+        the engine's backward (``None``: not reached): the sum of the rows' gradients is checked
+        against it, in place of a re-run of each call on the whole batch."""
         if parametrize._cache_enabled and any(map(parametrize.is_parametrized, module.modules())):
             raise RuntimeError(
                 f"The Jacobian-descent step runs inside torch.nn.utils.parametrize.cached(): "
@@ -823,7 +866,8 @@ class FallbackRule(Rule):
         # does, must not touch the parameter, whose version the forward's graph checks)
         detached = {name: p.detach().clone() for name, p in params.items()}
         total: dict[str, Tensor] = {}
-        for call in _with_enclosing_calls(calls, rows):
+        replayed = _with_enclosing_calls(calls, rows)
+        for call in replayed:
             upstream = _check_independent_outputs(module, call)
             cots = tuple(call.grad(j) for j in range(len(call.grads)))
             try:
@@ -841,7 +885,9 @@ class FallbackRule(Rule):
                     if rows.per_task:
                         new = _replay_per_task(module, detached, call, cots, upstream)
                     else:
-                        new = _per_sample_grads(module, detached, call, cots, rows, upstream)
+                        new = _per_sample_grads(
+                            module, detached, call, cots, rows, upstream, reference is not None
+                        )
             except ReplayMismatchError:
                 raise
             except RuntimeError as error:
@@ -880,4 +926,6 @@ class FallbackRule(Rule):
                     "their probability to 0, or call .eval()."
                 ) from error
             add_grads(total, new)
+        if reference is not None and not rows.per_task:
+            _check_same_gradients(module, replayed, total, reference, "the forward's backward")
         return MaterializedContribution(total)
