@@ -5,6 +5,7 @@ refusals, which leave the ``.grad`` and the random generators as they were."""
 from __future__ import annotations
 
 import copy
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -253,6 +254,74 @@ def test_a_non_reentrant_checkpoint_inside_is_exact(batch_dim: int | None) -> No
     """torch.func failed on the saved tensor hooks of ``use_reentrant=False`` (a raw torch
     error per task); the re-run now calls the checkpointed function plainly."""
     _assert_exact(_Checkpointed(), _losses(batch_dim), batch_dim)
+
+
+def _checkpoint_runs(function_runs: list[int]) -> int:
+    """How often a checkpointed function runs in one forward and backward (2 where the
+    checkpoint recomputes it in the backward, 1 where it runs plainly)."""
+    before = len(function_runs)
+    x = torch.ones(2, 3, requires_grad=True)
+    checkpointed = torch.utils.checkpoint.checkpoint(
+        lambda z: function_runs.append(1) or z.sin(), x, use_reentrant=False
+    )
+    checkpointed.sum().backward()
+    return len(function_runs) - before
+
+
+def test_plain_checkpoints_only_in_the_re_running_thread() -> None:
+    """The re-run's plain checkpoints apply to its own thread only, and end with it, also when
+    re-runs of two threads overlap (A starts, B starts, A ends, B ends): a swap of torch's
+    function left checkpoints plain in every thread, and for good after such an overlap."""
+    runs: list[int] = []
+    counts: dict[str, int] = {}
+    a_in, b_in, a_out, other_done = (threading.Event() for _ in range(4))
+
+    def thread_a() -> None:
+        with fallback._plain_checkpoints():
+            counts["inside"] = _checkpoint_runs(runs)
+            a_in.set()
+            b_in.wait()
+        a_out.set()
+
+    def thread_b() -> None:
+        a_in.wait()
+        with fallback._plain_checkpoints():
+            b_in.set()
+            other_done.wait()
+            a_out.wait()
+
+    def other() -> None:  # (a checkpoint in a third thread while both re-runs are under way)
+        b_in.wait()
+        counts["other"] = _checkpoint_runs(runs)
+        other_done.set()
+
+    threads = [threading.Thread(target=f) for f in (thread_a, thread_b, other)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert counts == {"inside": 1, "other": 2}
+    assert _checkpoint_runs(runs) == 2  # (after both: torch's checkpoint again)
+
+
+class _RReLUBlock(nn.Module):
+    """A generic-rule module with an eval-mode RReLU (a fixed slope: no random draw, though
+    torch tags the operation as random)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.linspace(-1, 1, 9, dtype=torch.float64).reshape(3, 3))
+        self.act = nn.RReLU().eval()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.act(x @ self.weight)
+
+
+@pytest.mark.parametrize("batch_dim", [0, None])
+def test_an_eval_mode_rrelu_is_exact(batch_dim: int | None) -> None:
+    """``rrelu_with_noise`` says ``training``, not ``train``: in eval mode it was taken for a
+    random draw and refused (with the advice to call ``.eval()``)."""
+    _assert_exact(_RReLUBlock(), _losses(batch_dim), batch_dim)
 
 
 class _Square(torch.autograd.Function):

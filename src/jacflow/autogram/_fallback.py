@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import threading
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -184,7 +185,8 @@ def _draws(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     schema = func._schema.arguments
     given = {a.name: a.default_value for a in schema if a.has_default_value()}
     given.update({**dict(zip([a.name for a in schema], args, strict=False)), **kwargs})
-    return given.get("dropout_p", 1.0) != 0.0 and given.get("train", True) is not False
+    off = given.get("train", True) is False or given.get("training", True) is False
+    return given.get("dropout_p", 1.0) != 0.0 and not off  # (training: rrelu_with_noise's)
 
 
 def _batched_or_row_by_row(function: Callable[[Any], Any], rows: Any) -> Any:
@@ -546,24 +548,38 @@ def _as_recorded(module: nn.Module) -> Iterator[None]:
         torch_module._global_forward_pre_hooks = global_pre
 
 
+_CHECKPOINT_GENERATOR = "_checkpoint_without_reentrant_generator"  # (what checkpoint() calls)
+_replaying = threading.local()  # (depth: the re-runs under way in this thread)
+
+
 @contextlib.contextmanager
 def _plain_checkpoints() -> Iterator[None]:
     """A non-reentrant activation checkpoint (``use_reentrant=False``) inside the module runs
     its function plainly in the re-run: torch.func cannot run the saved tensor hooks it is
-    made of, and the function's gradient is the checkpoint's."""
-    name = "_checkpoint_without_reentrant_generator"  # (what torch's checkpoint() calls)
-    original = getattr(torch_checkpoint, name, None)
-
-    def plain(*args: Any, **kwargs: Any) -> Iterator[None]:
-        yield  # (checkpoint() runs the function here, and returns its output at the end)
-
-    if original is not None:
-        setattr(torch_checkpoint, name, plain)
+    made of, and the function's gradient is the checkpoint's. Only in this thread: torch's
+    generator is wrapped once, and the wrapper runs it for every other checkpoint."""
+    _wrap_checkpoint_generator()
+    _replaying.depth = getattr(_replaying, "depth", 0) + 1
     try:
         yield
     finally:
-        if original is not None:
-            setattr(torch_checkpoint, name, original)
+        _replaying.depth -= 1
+
+
+def _wrap_checkpoint_generator() -> None:
+    original = getattr(torch_checkpoint, _CHECKPOINT_GENERATOR, None)
+    if original is None or getattr(original, "_jacflow_wrapper", False):
+        return  # (a torch without it, or already wrapped)
+
+    @functools.wraps(original)
+    def wrapper(*args: Any, **kwargs: Any) -> Iterator[None]:
+        if getattr(_replaying, "depth", 0):
+            yield  # (checkpoint() runs the function here, and returns its output at the end)
+        else:
+            yield from original(*args, **kwargs)
+
+    wrapper._jacflow_wrapper = True  # type: ignore[attr-defined]
+    setattr(torch_checkpoint, _CHECKPOINT_GENERATOR, wrapper)
 
 
 def _check_backward_hooks(module: nn.Module) -> None:
