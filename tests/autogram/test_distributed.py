@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import warnings
 
 import pytest
 import torch
@@ -84,11 +85,18 @@ def _weights_then_ddp_backward(rank: int) -> None:
     x = torch.randn(5, 4, dtype=torch.float64)
     losses = ddp(x).squeeze(1).sin()
     jacobian = _jacobian(losses, params)
-    gramian = engine.compute_gramian(losses)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (the Gramian of its own replica: meant, no warning)
+        gramian = engine.compute_gramian(losses)
     torch.testing.assert_close(gramian, jacobian @ jacobian.T)
     weights = UPGradWeighting()(gramian)
     (losses @ weights).backward()
     torch.testing.assert_close(_grads(params), _gathered(weights @ jacobian).mean(0))
+    # The engine's own step without the wrapper keeps each replica's update: it warns.
+    model.zero_grad()
+    with pytest.warns(UserWarning, match="no DistributedDataParallel wrapper"):
+        engine.backward(ddp(x).squeeze(1).sin(), UPGradWeighting())
+    torch.testing.assert_close(_grads(params), weights @ jacobian)
     engine.remove()
 
 
@@ -168,9 +176,19 @@ def _sparse_and_refusals(rank: int) -> None:
     ddp = DistributedDataParallel(model)
     engine = Engine(ddp, batch_dim=0)
     engine.backward(ddp(tokens).squeeze(1).sin(), UPGradWeighting())
-    assert model[0].weight.grad is not None and model[0].weight.grad.is_sparse
+    table = model[0].weight.grad
+    assert table is not None and table.is_sparse
+    assert table.sparse_dim() == 1  # (by rows, as autograd's: it was by entries, and adding a
+    # plain backward's gradient or an engine step's under no_sync() to it failed)
     grads = torch.cat([p.grad.to_dense().reshape(-1) for p in params])  # type: ignore[union-attr]
     torch.testing.assert_close(grads, _gathered(update).mean(0))
+    with ddp.no_sync():
+        engine.backward(ddp(tokens).squeeze(1).sin(), UPGradWeighting())
+    ddp(tokens).squeeze(1).sin().sum().backward()  # (DDP's own: averages the accumulated .grad)
+    plain = _jacobian(model(tokens).squeeze(1).sin().sum()[None], params)[0]
+    grads = torch.cat([p.grad.to_dense().reshape(-1) for p in params])  # type: ignore[union-attr]
+    expected = _gathered(update).mean(0) + _gathered(update + plain).mean(0)
+    torch.testing.assert_close(grads, expected)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 2), nn.Linear(2, 1)).double()
     DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ["1.bias"])

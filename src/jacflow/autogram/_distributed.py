@@ -22,6 +22,7 @@ silently. Given a DDP wrapper, the step averages what DDP would have averaged:
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator, Sequence
 from typing import final
 
@@ -54,6 +55,21 @@ def wrappers_in(modules: Sequence[nn.Module]) -> list[DistributedDataParallel]:
             "process groups; the step averages over one. Wrap the model once."
         )
     return wrappers
+
+
+def warn_without_wrapper(stacklevel: int) -> None:
+    """Warn when several processes share the default process group and the engine was given
+    no ``DistributedDataParallel`` wrapper: its step then writes each replica's own update
+    (the replicas drift apart), as jacflow.backward, which warns the same."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return
+    warnings.warn(
+        f"torch.distributed runs {dist.get_world_size()} processes, and this Engine was given "
+        "no DistributedDataParallel wrapper: its step writes each replica's own update, without "
+        "DDP's averaging, and the replicas drift apart. Give it the wrapper: "
+        "Engine(ddp_model, ...), or Engine(ddp_model.module.trunk, ..., ddp=ddp_model).",
+        stacklevel=stacklevel,
+    )
 
 
 def check_dynamic(wrappers: Sequence[DistributedDataParallel]) -> None:
@@ -223,7 +239,7 @@ def averaged_grads(
                 continue
             grad = mean.view(param.shape).clone()
             if id(param) in sparse and (param.grad is None or param.grad.is_sparse):
-                grad = grad.to_sparse()
+                grad = grad.to_sparse(1)  # (by rows, as autograd writes an embedding's)
             written.append((param, grad))
     return written, rest
 

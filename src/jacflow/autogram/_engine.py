@@ -31,6 +31,7 @@ from jacflow.autogram._distributed import (
     averaged_gramian,
     check_wrapped,
     meetings_of,
+    warn_without_wrapper,
     wrappers_in,
 )
 from jacflow.autogram._embedding import frequency_refusal
@@ -1005,6 +1006,8 @@ class Engine:
         ``losses.sum()`` (per-task mode only; see :func:`capture`), or, with ``layout``, of the
         losses of their tasks, and its unhooked trunk parameters join the Jacobian. Under DDP,
         a failure on this replica is announced to the others at the step's next meeting."""
+        if not self._replicas:
+            warn_without_wrapper(caller_stacklevel())
         with self._meeting() as meetings:
             if not isinstance(weighting, GramianWeighting):
                 raise TypeError(
@@ -2176,6 +2179,27 @@ def _as_update(param: Tensor, grad: Tensor) -> Tensor:
     return grad
 
 
+def _sparse_sums(
+    updates: list[tuple[Tensor, Tensor]], written: list[tuple[Tensor, Tensor]]
+) -> dict[int, Tensor]:
+    """The new ``.grad`` of each parameter of ``updates`` with a sparse side (a piece, or the
+    ``.grad`` it is added to, ``written``'s where it replaces it): the sum of its ``.grad``
+    and its pieces in order, out of place."""
+    current = {id(param): param.grad for param, _ in updates}
+    current.update((id(param), grad) for param, grad in written)
+    sparse = {id(p) for p, g in updates if g.is_sparse or _is_sparse(current[id(p)])}
+    sums: dict[int, Tensor] = {}
+    for param, grad in updates:
+        if id(param) in sparse:
+            total = sums.get(id(param), current[id(param)])
+            sums[id(param)] = laid_out(grad, param) if total is None else _added(total, grad)
+    return sums
+
+
+def _is_sparse(grad: Tensor | None) -> bool:
+    return grad is not None and grad.is_sparse
+
+
 def _added(total: Tensor, grad: Tensor) -> Tensor:
     """``total + grad`` out of place, sparse or dense (dense + sparse is; sparse + dense
     is not, in torch)."""
@@ -2256,16 +2280,19 @@ def _accumulate(
         # (every conversion before the first write: the `.grad` setter then refuses none)
         written = [(param, _as_update(param, grad)) for param, grad in written]
         updates = [(param, _as_update(param, grad)) for param, grad in updates]
+        # (and the new .grad of every parameter with a sparse side, out of place: a sum that
+        # fails writes nothing)
+        sparse_sums = _sparse_sums(updates, written)
         for param, grad in written:
             param.grad = grad
         for param, grad in updates:
-            if param.grad is None:
+            if id(param) in sparse_sums:
+                param.grad = sparse_sums[id(param)]
+            elif param.grad is None:
                 # Every update is a fresh tensor of ours, a view of the engine's buffer which
                 # nothing else refers to, or a gradient of autograd's that `owned` copied
                 # where it was shared: a copy only to take the parameter's layout.
                 param.grad = laid_out(grad, param)
-            elif grad.is_sparse or param.grad.is_sparse:
-                param.grad = _added(param.grad, grad)
             else:
                 param.grad.add_(grad)
         pairs = [*written, *updates]
