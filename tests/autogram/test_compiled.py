@@ -110,3 +110,35 @@ def test_a_second_step_on_one_forward_gets_no_compile_hint() -> None:
     with pytest.raises(RuntimeError, match="No forward call") as error:
         engine.backward(losses, UPGradWeighting())
     assert "compile" not in str(error.value)
+
+
+class _Gate(nn.Module):
+    """A module of the generic rule: re-run, so hooked by a forward pre-hook too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.linspace(-1, 1, 4, dtype=torch.float64))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * torch.tanh(self.weight)
+
+
+@pytest.mark.parametrize("generic", [False, True])
+def test_fullgraph_is_refused_with_the_way_out(generic: bool) -> None:
+    """With ``fullgraph=True``, Dynamo's error read "Tensor with grad_fn()", raised inside the
+    Engine's hook, and named neither the Engine nor a way out: its reason names both now. The
+    engine stays usable, the model compiled without ``fullgraph`` exact."""
+    torch.manual_seed(0)
+    first = _Gate() if generic else nn.Linear(4, 4)
+    model = nn.Sequential(first, nn.Tanh(), nn.Linear(4, 2)).double()
+    x = torch.randn(5, 4, dtype=torch.float64)
+    engine = Engine(model, batch_dim=0)
+    way_out = r"(?s)jacflow\.autogram\.Engine.*fullgraph=True.*Compile without fullgraph=True"
+    with pytest.raises(torch._dynamo.exc.Unsupported, match=way_out):
+        torch.compile(model, backend="eager", fullgraph=True)(x)
+    torch._dynamo.reset()
+    jacobian = reference_jacobian(model(x).pow(2).sum(1), [*model.parameters()])
+    engine.clear()  # (the reference's forward)
+    gramian = engine.compute_gramian(torch.compile(model, backend="aot_eager")(x).pow(2).sum(1))
+    torch.testing.assert_close(gramian, jacobian @ jacobian.T)
+    torch._dynamo.reset()

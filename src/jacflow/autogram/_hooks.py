@@ -9,6 +9,7 @@ forwards of other graphs) are ignored when the Gramian is computed.
 
 from __future__ import annotations
 
+import inspect
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -185,6 +186,29 @@ def next_sequence_nr() -> int | None:
     """The sequence number autograd gives the next node it creates (in this thread): the nodes
     of a call's forward have numbers from the one at its start to the one at its end."""
     return None if _SEQUENCE_NR is None else int(_SEQUENCE_NR())
+
+
+# (the reason Dynamo gives for its graph break at the engine's hooks: with fullgraph=True, its
+# error; it read "Tensor with grad_fn()", naming neither the Engine nor a way out)
+_OUTSIDE_GRAPHS = (
+    "jacflow.autogram.Engine: the Engine's forward hooks, which record the autograd nodes of "
+    "each call of the modules given to it, run outside Dynamo's graphs, so "
+    "torch.compile(..., fullgraph=True) cannot be used on code that calls those modules with "
+    "the Engine attached. Compile without fullgraph=True (the hooks run between the compiled "
+    "pieces), or compile with fullgraph=True only parts that call none of those modules."
+)
+
+
+def _run_outside_graphs() -> None:
+    """Called by the engine's hooks while Dynamo traces them: disabled for torch.compile, so
+    Dynamo breaks its graph there, with :data:`_OUTSIDE_GRAPHS` as the reason (an error with
+    ``fullgraph=True``); the hook then runs eagerly."""
+
+
+if "reason" in inspect.signature(torch.compiler.disable).parameters:  # (torch >= 2.8)
+    _run_outside_graphs = torch.compiler.disable(_run_outside_graphs, reason=_OUTSIDE_GRAPHS)
+else:  # pragma: no cover
+    _run_outside_graphs = torch.compiler.disable(_run_outside_graphs)
 
 
 def _hooks_of(tensor: Tensor) -> dict[Any, Any]:
@@ -411,6 +435,8 @@ class Recorder:
 
     def _start(self, module: nn.Module, args: Any) -> None:
         if torch.is_grad_enabled() and not is_replaying() and not self.idle:
+            if torch.compiler.is_compiling():
+                _run_outside_graphs()
             weights: list[tuple[Tensor, int]] = [(p, p._version) for p in module.parameters()]
             buffers = {name: b.detach().clone() for name, b in module.named_buffers()}
             modes = tuple((sub, sub.training) for sub in module.modules())
@@ -422,6 +448,8 @@ class Recorder:
     ) -> None:
         if self.idle or not torch.is_grad_enabled() or is_replaying():
             return
+        if torch.compiler.is_compiling():
+            _run_outside_graphs()
         preceded = self._foreign_hook_first(module)
         pending = self._starts.get(id(module)) if replays else None
         start = pending.pop() if pending else None
