@@ -142,3 +142,37 @@ def test_fullgraph_is_refused_with_the_way_out(generic: bool) -> None:
     gramian = engine.compute_gramian(torch.compile(model, backend="aot_eager")(x).pow(2).sum(1))
     torch.testing.assert_close(gramian, jacobian @ jacobian.T)
     torch._dynamo.reset()
+
+
+class _Mixer(nn.Module):
+    """Unhooked operations between the layers: compiled pieces that save intermediates."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1, self.l2, self.l3 = nn.Linear(6, 8), nn.Linear(8, 8), nn.Linear(8, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.l1(x)
+        h = self.l2((h.sin() * h.cos()).exp() + h**2)
+        return self.l3(nn.functional.gelu(h) * torch.sigmoid(h))
+
+
+def test_donated_buffers_refusal_names_compute_gramians_retained_graph() -> None:
+    """With aot_eager, code recompiled after a first step donates its buffers: per sample with
+    ``[B]`` losses, ``compute_gramian``, which retains the graph by default, is refused. The
+    hint said nothing of that default (nor of aot_eager); it names it and ``retain_graph=False``
+    now, which works, exact."""
+    torch.manual_seed(0)
+    model = _Mixer().double()
+    x = torch.randn(5, 6, dtype=torch.float64)
+    engine = Engine(model, batch_dim=0)
+    compiled = torch.compile(model, backend="aot_eager")
+    engine.backward(compiled(x).pow(2).sum(1), UPGradWeighting())
+    hint = r"(?s)aot_eager's after a recompilation.*compute_gramian's default.*retain_graph=False"
+    with pytest.raises(RuntimeError, match=hint):
+        engine.compute_gramian(compiled(x).pow(2).sum(1))
+    jacobian = reference_jacobian(model(x).pow(2).sum(1), [*model.parameters()])
+    engine.clear()  # (the reference's forward)
+    gramian = engine.compute_gramian(compiled(x).pow(2).sum(1), retain_graph=False)
+    torch.testing.assert_close(gramian, jacobian @ jacobian.T)
+    torch._dynamo.reset()

@@ -1782,10 +1782,13 @@ def _compiled_backward_hint() -> Iterator[None]:
             raise
         raise RuntimeError(
             "The losses' graph holds torch.compile'd code whose backward may run once only "
-            "(donated buffers), and this step pulls the losses back more than once (several "
-            "rows per sample or several tasks: one backward per row; or retain_graph=True). "
-            "Set torch._functorch.config.donated_buffer = False before compiling, or compile "
-            "without the modules given to the Engine."
+            "(donated buffers: inductor's at once, aot_eager's after a recompilation, e.g. at a "
+            "smaller last batch), and this step pulls the losses back more than once (several "
+            "rows per sample or several tasks: one backward per row) or keeps their graph "
+            "(retain_graph=True, compute_gramian's default). Set "
+            "torch._functorch.config.donated_buffer = False before compiling (or then call "
+            "torch._dynamo.reset()), pass retain_graph=False to compute_gramian if the losses "
+            "are not pulled back again, or compile without the modules given to the Engine."
         ) from error
 
 
