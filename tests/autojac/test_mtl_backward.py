@@ -7,7 +7,7 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from jacflow import jac, jac_to_grad, mtl_backward
 from jacflow.aggregation import Aggregator, Mean, UPGrad
@@ -648,3 +648,51 @@ def test_compiled_trunk_with_donated_buffers_names_the_way_out() -> None:
                 step(batch)
     finally:
         torch._dynamo.reset()
+
+
+class _MultiTask(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = nn.Sequential(nn.Linear(6, 8), nn.GELU())
+        self.heads = nn.ModuleList([nn.Linear(8, 1) for _ in range(2)])
+
+    def forward(self, x: Tensor) -> tuple[Tensor, list[Tensor]]:
+        f = self.trunk(x)
+        return f, [h(f).squeeze(1) for h in self.heads]
+
+
+def test_features_and_losses_of_one_compiled_graph_name_compile() -> None:
+    """The whole multi-task model compiled: the losses reach the trunk through the graph's one
+    node, not through ``features``. The refusal named a parameter used outside ``features``
+    and advice that led to another refusal; it names torch.compile and the way out now, which
+    works (the trunk and the heads compiled apart: as eager). An eager refusal says nothing of
+    torch.compile."""
+    torch.manual_seed(0)
+    model = _MultiTask().double()
+    x = torch.randn(8, 6, dtype=torch.float64)
+    f, outs = model(x)
+    with pytest.raises(ValueError, match="outside `features`") as error:
+        mtl_backward([outs[0].mean() + model.trunk[0].bias.sum(), outs[1].mean()], f)
+    assert "compile" not in str(error.value)
+    f, outs = model(x)
+    mtl_backward([o.pow(2).mean() for o in outs], f, A=UPGrad())
+    expected = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    model.zero_grad(set_to_none=True)
+    torch._dynamo.reset()
+    try:
+        with torch._functorch.config.patch(donated_buffer=False):
+            f, outs = torch.compile(model, backend="aot_eager")(x)
+            way_out = r"(?s)torch\.compile'd code.*Compile the trunk and the heads separately"
+            with pytest.raises(ValueError, match=way_out):
+                mtl_backward([o.pow(2).mean() for o in outs], f, A=UPGrad(), parallel_chunk_size=1)
+            assert all(p.grad is None for p in model.parameters())
+            trunk = torch.compile(model.trunk, backend="aot_eager")
+            heads = [torch.compile(h, backend="aot_eager") for h in model.heads]
+            f = trunk(x)
+            losses = [h(f).squeeze(1).pow(2).mean() for h in heads]
+            mtl_backward(losses, f, A=UPGrad(), parallel_chunk_size=1)
+    finally:
+        torch._dynamo.reset()
+    assert len(expected) == len([*model.parameters()])
+    for p, g in zip(model.parameters(), expected):
+        torch.testing.assert_close(p.grad, g)

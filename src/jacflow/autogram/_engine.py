@@ -73,7 +73,7 @@ from jacflow.autogram._rules import (
 )
 from jacflow.autogram._separable import leaks, others, probe_cotangents, probe_samples
 from jacflow.autojac._checks import check_real_tensor
-from jacflow.autojac._graph import sparse_gradients
+from jacflow.autojac._graph import COMPILED_NODE, sparse_gradients
 from jacflow.linalg._products import row_gramian
 
 # A pattern of recorded calls: their units, in order, and the losses' graph outside them (see
@@ -1742,9 +1742,6 @@ def _check_versions(call: Call) -> None:
             )
 
 
-# the node of torch.compile'd code in the eager graph (AOT autograd's)
-_COMPILED_NODE = "CompiledFunctionBackward"
-
 # the nodes whose backward may return a sparse gradient (see autojac's ``sparse_gradients``)
 _SPARSE_NODES = frozenset({"EmbeddingBackward0", "EmbeddingBagBackward0", "GatherBackward0"})
 
@@ -1769,7 +1766,7 @@ def _sparse_rows(
 def _holds_compiled(outside: tuple[object, ...], edges: Sequence[Any]) -> bool:
     """Whether the losses' graph holds torch.compile'd code, around the recorded calls
     (``outside``, from :func:`outside_calls`) or as their outputs' nodes."""
-    return _COMPILED_NODE in outside or any(type(e.node).__name__ == _COMPILED_NODE for e in edges)
+    return COMPILED_NODE in outside or any(type(e.node).__name__ == COMPILED_NODE for e in edges)
 
 
 @contextlib.contextmanager

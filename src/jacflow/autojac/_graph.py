@@ -19,19 +19,31 @@ def leaf_tensors(outputs: Iterable[Tensor], exclude: Iterable[Tensor] = ()) -> t
     feature's node (``f1, f2 = out.chunk(2)`` with ``f1`` a feature) is walked through.
     Outputs that are leaves themselves are included.
     """
+    outputs, exclude = list(outputs), list(exclude)
+    excluded_leaves = {id(t) for t in exclude if t.grad_fn is None}
+    found: dict[int, Tensor] = {}
+    for out in outputs:
+        if out.grad_fn is None and out.requires_grad and id(out) not in excluded_leaves:
+            found.setdefault(id(out), out)
+    for node in nodes_until(outputs, exclude):
+        variable = getattr(node, "variable", None)
+        if isinstance(variable, Tensor) and id(variable) not in excluded_leaves:
+            found.setdefault(id(variable), variable)
+    return tuple(found.values())
+
+
+def nodes_until(outputs: Sequence[Tensor], exclude: Sequence[Tensor] = ()) -> Iterator[Any]:
+    """The nodes of the graph behind ``outputs``, breadth-first, up to the gradient edges of
+    ``exclude`` and the leaves' gradient accumulators: those that :func:`leaf_tensors` walks
+    (a node that :func:`passes_through` once per output entered)."""
     stop = {
         (edge.node, edge.output_nr)
         for edge in (get_gradient_edge(t) for t in exclude if t.grad_fn is not None)
     }
-    excluded_leaves = {id(t) for t in exclude if t.grad_fn is None}
-    found: dict[int, Tensor] = {}
     seen: set[object] = set()
     frontier: list[tuple[Any, int]] = []
     for out in outputs:
-        if out.grad_fn is None:
-            if out.requires_grad and id(out) not in excluded_leaves:
-                found.setdefault(id(out), out)
-        else:
+        if out.grad_fn is not None:
             edge = get_gradient_edge(out)
             if (edge.node, edge.output_nr) not in stop:
                 frontier.append((edge.node, edge.output_nr))
@@ -42,10 +54,8 @@ def leaf_tensors(outputs: Iterable[Tensor], exclude: Iterable[Tensor] = ()) -> t
         if key in seen:
             continue
         seen.add(key)
-        variable = getattr(node, "variable", None)
-        if isinstance(variable, Tensor):
-            if id(variable) not in excluded_leaves:
-                found.setdefault(id(variable), variable)
+        yield node
+        if isinstance(getattr(node, "variable", None), Tensor):
             continue
         children = node.next_functions
         if through:  # (output k is input k: only that input's graph is behind this output)
@@ -53,7 +63,23 @@ def leaf_tensors(outputs: Iterable[Tensor], exclude: Iterable[Tensor] = ()) -> t
         for child, nr in children:
             if child is not None and (child, nr) not in stop:
                 frontier.append((child, nr))
-    return tuple(found.values())
+
+
+# the autograd node of torch.compile'd code (AOTAutograd's): one node for the whole graph
+COMPILED_NODE = "CompiledFunctionBackward"
+
+
+def holds_compiled(outputs: Sequence[Tensor], exclude: Sequence[Tensor] = ()) -> bool:
+    """Whether the graph behind ``outputs``, up to the gradient edges of ``exclude``, holds
+    torch.compile'd code (see :func:`nodes_until`).
+
+    Example:
+        >>> import torch
+        >>> from jacflow.autojac._graph import holds_compiled
+        >>> holds_compiled([torch.ones(1, requires_grad=True) * 2])
+        False
+    """
+    return any(type(node).__name__ == COMPILED_NODE for node in nodes_until(outputs, exclude))
 
 
 # Autograd nodes whose output ``k`` is their input ``k`` (an identity per output): DDP's

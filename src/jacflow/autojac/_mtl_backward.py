@@ -30,7 +30,12 @@ from jacflow.autojac._checks import (
     check_unique,
     without_repeats,
 )
-from jacflow.autojac._graph import leaf_tensors, nested_features, passes_through
+from jacflow.autojac._graph import (
+    holds_compiled,
+    leaf_tensors,
+    nested_features,
+    passes_through,
+)
 from jacflow.autojac._jac import compute_jacobians
 
 if TYPE_CHECKING:
@@ -95,7 +100,13 @@ def _resolve_params(
             if id(p) in shared_ids:
                 raise ValueError(
                     _overlap_message(
-                        i, p, tasks_params is None, shared_params is None, engine_names, features
+                        i,
+                        p,
+                        tasks_params is None,
+                        shared_params is None,
+                        engine_names,
+                        features,
+                        losses[i],
                     )
                 )
     if tasks_params is not None and engine_names is None:
@@ -105,7 +116,7 @@ def _resolve_params(
             for p in leaf_tensors([loss], exclude=features):
                 if id(p) in shared_ids:
                     raise ValueError(
-                        _overlap_message(i, p, True, shared_params is None, None, features)
+                        _overlap_message(i, p, True, shared_params is None, None, features, loss)
                     )
     return heads, shared
 
@@ -117,8 +128,10 @@ def _overlap_message(
     found_behind_features: bool,
     engine_names: dict[int, str] | None,
     features: tuple[Tensor, ...] = (),
+    loss: Tensor | None = None,
 ) -> str:
-    """Why ``param`` is both a parameter of task ``task`` and a shared one, and what to do."""
+    """Why ``param`` is both a parameter of task ``task`` and a shared one, and what to do
+    (``loss``: that task's, whose graph may hold compiled code)."""
     if found_in_loss and any(passes_through(f.grad_fn) for f in features):
         return (
             f"`losses[{task}]` does not read `features`: they come out of a forward of "
@@ -152,6 +165,17 @@ def _overlap_message(
         f"{trunk}: a task's parameters get its loss's gradient and the shared ones a row per "
         "task through `features`, so that use fits neither. "
     )
+    if loss is not None and holds_compiled([loss], features):
+        # (a whole model compiled, or a compiled step: the trunk and the heads in one graph,
+        # whose single node the losses reach the trunk through, `features` an output of it)
+        return message + (
+            f"The graph of `losses[{task}]` holds torch.compile'd code outside `features`: "
+            "if the features and the losses come out of one compiled graph (a whole "
+            "multi-task model compiled, or a compiled step that computes both), the losses reach "
+            "the trunk through that graph, not through `features`. Compile the trunk and the "
+            "heads separately (torch.compile(model.trunk), each head apart), or break the graph "
+            "after the trunk (torch._dynamo.graph_break())."
+        )
     if engine_names is None:
         return message + (
             "Use the shared parameters only through `features`, or pass what the loss reads "
@@ -205,6 +229,8 @@ def mtl_backward(
             vmapped: pass ``1``, and set ``torch._functorch.config.donated_buffer = False``
             before compiling (each task's backward retains the graph, which inductor refuses at
             once and ``aot_eager`` after a recompilation, e.g. at a smaller last batch).
+            Compile the trunk and the heads apart: from one compiled graph (a whole model, or
+            a compiled step computing both), the losses reach the trunk outside ``features``.
             A trunk with sparse gradients (``nn.Embedding(sparse=True)``) is differentiated
             task by task, into a dense Jacobian, as in :func:`jac`; with ``engine``, its
             parameters outside the engine's modules too.
