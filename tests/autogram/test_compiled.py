@@ -176,3 +176,29 @@ def test_donated_buffers_refusal_names_compute_gramians_retained_graph() -> None
     gramian = engine.compute_gramian(compiled(x).pow(2).sum(1), retain_graph=False)
     torch.testing.assert_close(gramian, jacobian @ jacobian.T)
     torch._dynamo.reset()
+
+
+def test_code_compiled_for_another_instance_is_named() -> None:
+    """Dynamo reuses code compiled for another instance of the same class: the Engine, created
+    before this instance's first compiled forward, records nothing. The hint said to create
+    the Engine before the first compiled forward, which it was; it names that case now, and
+    ``torch._dynamo.reset()``, which makes the step exact."""
+    torch.manual_seed(0)
+    first, model = (nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)) for _ in range(2))
+    first, model = first.double(), model.double()
+    x = torch.randn(5, 4, dtype=torch.float64)
+    torch._dynamo.reset()
+    try:
+        torch.compile(first, backend="aot_eager")(x).sum().backward()
+        engine = Engine(model, batch_dim=0)
+        compiled = torch.compile(model, backend="aot_eager")
+        hint = r"(?s)compiled and run before.*another instance of the same class.*_dynamo\.reset"
+        with pytest.raises(RuntimeError, match=hint):
+            engine.compute_gramian(compiled(x).pow(2).sum(1))
+        torch._dynamo.reset()
+        jacobian = reference_jacobian(model(x).pow(2).sum(1), [*model.parameters()])
+        engine.clear()  # (the reference's forward)
+        gramian = engine.compute_gramian(compiled(x).pow(2).sum(1))
+        torch.testing.assert_close(gramian, jacobian @ jacobian.T)
+    finally:
+        torch._dynamo.reset()

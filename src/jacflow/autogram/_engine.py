@@ -91,8 +91,11 @@ _PENDING_BYTES_WARNING = 256 * 2**20
 # (a compiled graph traced before the engine hooked its modules runs without the hooks)
 _COMPILED_BEFORE_HINT = (
     "The losses' graph holds torch.compile'd code: code compiled and run before the Engine was "
-    "created does not call the Engine's hooks (Dynamo does not watch module hooks); create "
-    "the Engine before the first compiled forward, or call torch._dynamo.reset()."
+    "created does not call the Engine's hooks (Dynamo does not watch module hooks), and "
+    "Dynamo reuses compiled code across modules (code compiled for another instance of the "
+    "same class, or a forward decorated with @torch.compile in the class). Create the Engine "
+    "before the first compiled forward of any such module in the process, or call "
+    "torch._dynamo.reset() after creating it."
 )
 _COMPILE_HINT = (
     "torch.compile'd modules cannot be hooked (their layers run inside one fused graph node). "
