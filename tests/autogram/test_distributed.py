@@ -94,8 +94,9 @@ def _weights_then_ddp_backward(rank: int) -> None:
     torch.testing.assert_close(_grads(params), _gathered(weights @ jacobian).mean(0))
     # The engine's own step without the wrapper keeps each replica's update: it warns.
     model.zero_grad()
-    with pytest.warns(UserWarning, match="no DistributedDataParallel wrapper"):
+    with pytest.warns(UserWarning, match="no DistributedDataParallel wrapper") as record:
         engine.backward(ddp(x).squeeze(1).sin(), UPGradWeighting())
+    assert record[0].filename == __file__  # (at the caller's line, not jacflow's)
     torch.testing.assert_close(_grads(params), weights @ jacobian)
     engine.remove()
 

@@ -31,6 +31,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
+from jacflow._warnings import caller_stacklevel
+
 
 def wrappers_in(modules: Sequence[nn.Module]) -> list[DistributedDataParallel]:
     """The DDP wrappers among ``modules`` and their submodules, once each; refused when they do
@@ -57,7 +59,7 @@ def wrappers_in(modules: Sequence[nn.Module]) -> list[DistributedDataParallel]:
     return wrappers
 
 
-def warn_without_wrapper(stacklevel: int) -> None:
+def warn_without_wrapper() -> None:
     """Warn when several processes share the default process group and the engine was given
     no ``DistributedDataParallel`` wrapper: its step then writes each replica's own update
     (the replicas drift apart), as jacflow.backward, which warns the same."""
@@ -68,7 +70,7 @@ def warn_without_wrapper(stacklevel: int) -> None:
         "no DistributedDataParallel wrapper: its step writes each replica's own update, without "
         "DDP's averaging, and the replicas drift apart. Give it the wrapper: "
         "Engine(ddp_model, ...), or Engine(ddp_model.module.trunk, ..., ddp=ddp_model).",
-        stacklevel=stacklevel,
+        stacklevel=caller_stacklevel(),
     )
 
 

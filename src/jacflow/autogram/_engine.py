@@ -1010,7 +1010,7 @@ class Engine:
         losses of their tasks, and its unhooked trunk parameters join the Jacobian. Under DDP,
         a failure on this replica is announced to the others at the step's next meeting."""
         if not self._replicas:
-            warn_without_wrapper(caller_stacklevel())
+            warn_without_wrapper()
         with self._meeting() as meetings:
             if not isinstance(weighting, GramianWeighting):
                 raise TypeError(
