@@ -89,8 +89,9 @@ def test_losses_mixing_the_samples_are_refused(case: str, batch: int) -> None:
 
 
 def test_the_probe_runs_once_per_pattern_of_calls() -> None:
-    """The probe is two more backwards at the first step of a pattern of calls (a hook on an
-    intermediate tensor sees them), none at the next steps; its steps are exact."""
+    """The probe is 2 ceil(log2 B) more backwards at the first step of a pattern of calls and
+    batch size (a hook on an intermediate tensor sees them), none at the next steps; its steps
+    are exact."""
     models = []
     for _ in range(2):  # (the engine's, and one for the reference)
         torch.manual_seed(0)
@@ -107,7 +108,45 @@ def test_the_probe_runs_once_per_pattern_of_calls() -> None:
         gramian = engine.compute_gramian(model[2](hidden).pow(2).sum(1))
         runs.append(len(seen) - before)
         torch.testing.assert_close(gramian, jacobian @ jacobian.T)
-    assert runs == [3, 1]
+    assert runs == [7, 1]  # (B = 6: 3 binary digits, a probe and its complement each)
+
+
+class _PooledAt(nn.Module):
+    """A sequence-first ``[T, B, d]`` Linear with ``T == B`` (its rows are positions, which the
+    Engine takes for samples), each sequence pooled at the position ``(b + shift) % B``."""
+
+    def __init__(self, shift: int) -> None:
+        super().__init__()
+        self.layer, self.head = nn.Linear(3, 4), nn.Linear(4, 1)
+        self.shift = shift
+
+    def forward(self, x: Tensor) -> Tensor:
+        hidden = torch.tanh(self.layer(x))
+        batch = x.shape[1]
+        where = [(b + self.shift) % batch for b in range(batch)]
+        return self.head(hidden[where, range(batch)]).squeeze(1).pow(2)
+
+
+@pytest.mark.parametrize("batch", [4, 5, 6, 8])
+def test_a_read_of_any_other_sample_is_refused(batch: int) -> None:
+    """Each loss reads one other sample's row: two complementary halves missed the reads within
+    a half (a Gramian 100% off, silently); the binary digits' probes split every pair. Reading
+    its own row (shift 0) is exact, and a new batch size is probed again (a pattern probed at
+    one size passed a mixing at another)."""
+    x = torch.randn(batch, batch, 3, dtype=torch.float64)
+    torch.manual_seed(0)
+    model = _PooledAt(0).double()
+    engine = Engine(model, batch_dim=0)
+    small = torch.randn(2, 2, 3, dtype=torch.float64)
+    engine.compute_gramian(model(small))  # (the pattern, probed at B = 2)
+    for shift in range(1, batch):
+        model.shift = shift
+        with pytest.raises(ValueError, match=_MESSAGE):
+            engine.compute_gramian(model(x))
+    model.shift = 0
+    reference = copy.deepcopy(model)
+    jacobian = reference_jacobian(reference(x), [*reference.parameters()])
+    torch.testing.assert_close(engine.compute_gramian(model(x)), jacobian @ jacobian.T)
 
 
 @pytest.mark.parametrize("sequence_first", [True, False])

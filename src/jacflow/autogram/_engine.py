@@ -71,7 +71,7 @@ from jacflow.autogram._rules import (
     tracker_hook,
     unread_parameters,
 )
-from jacflow.autogram._separable import leaks, others, probe_cotangents, probe_samples
+from jacflow.autogram._separable import leaks, probe_cotangents, probe_sets
 from jacflow.autojac._checks import check_real_tensor
 from jacflow.autojac._graph import COMPILED_NODE, sparse_gradients
 from jacflow.linalg._products import row_gramian
@@ -557,17 +557,18 @@ class Engine:
     given modules.
 
     Per sample, the first step of each pattern of recorded calls (the hooked modules called, and
-    the losses' graph around their calls) checks that every loss reads the hooked calls' outputs
-    at its own sample only, by two more backwards, from the losses of about half the samples and
-    from the others' (gradient hooks on that path run in them too): a loss over pairs of
+    the losses' graph around their calls) and batch size checks that every loss reads the hooked
+    calls' outputs at its own sample only, by ``2 ceil(log2 B)`` more backwards, from the losses
+    of the samples with a 1 at each binary digit of their index and from the others' (gradient
+    hooks on that path run in them too), which split every pair of samples: a loss over pairs of
     samples, a module outside the engine that mixes them, or a module called on a tensor without
     the batch dimension whose first size equals the batch size (position embeddings of
     ``torch.arange(T)`` with ``T == B``) is refused with a clear error, where the shapes alone
-    cannot tell. (The probed samples are fixed for a batch size: a mixing of only two samples
-    shows for about half the pairs, never for the first and the last, and a read decided by the
-    data, as a normalisation by the batch's largest output or losses sorted by value
-    (``losses.sort()``, ``topk``), when it falls on an unprobed sample: missed, such a mixing
-    gives other samples' rows, silently. A ``retain_grad()`` tensor on that path accumulates
+    cannot tell. (A read decided by the data, as a normalisation by the batch's largest output,
+    losses sorted by value (``losses.sort()``, ``topk``) or sequences pooled at their lengths,
+    is seen only where the probed step shows it: a later step of the same pattern and batch size
+    is not probed, and such a mixing gives other samples' rows, silently. A ``retain_grad()``
+    tensor on that path accumulates
     those backwards' gradients too. A model whose calls or losses' graph change at every step,
     as with LayerDrop, is checked at every step.) A reentrant activation checkpoint
     (``use_reentrant=True``) that runs hooked modules (or a function that is not a module's) or
@@ -686,7 +687,7 @@ class Engine:
         # losses' graph is walked again only for a new pattern
         self._outside_checked: set[Pattern] = set()
         # (and, per sample, those whose losses read each output at its own sample only)
-        self._separable_checked: set[Pattern] = set()
+        self._separable_checked: set[tuple[Pattern, int]] = set()
         self._hook_error: Exception | None = None  # (of hooking them again at a forward)
         # (a step's forward ran with parameters frozen since: hooked again after the step)
         self._frozen_since_hooked = False
@@ -1244,7 +1245,9 @@ class Engine:
         row_by_row = row_by_row or _sparse_rows(pattern[1], losses, extra_inputs, selections)
         # (per sample, a new pattern's losses are probed after the checks below: the graph stays)
         probing = not rows.per_task and rows.num_samples > 1 and not compiled
-        probing = probing and pattern not in self._separable_checked
+        # (a pattern is probed again for another batch size: other pairs of samples)
+        probed = (pattern, int(losses.shape[0]) if losses.dim() else 1)
+        probing = probing and probed not in self._separable_checked
         # (per sample, one row per sample, the backward also takes the gradient of the
         # generic-rule units' own parameters: the reference of the rule's check of their rows,
         # see FallbackRule.prepare; their gradient hooks, which the engine runs on the update,
@@ -1313,7 +1316,7 @@ class Engine:
             _check_separable(losses, batch_dims, rows.num_samples, retain_graph)
             if len(self._separable_checked) >= _MAX_PATTERNS:
                 self._separable_checked.clear()
-            self._separable_checked.add(pattern)
+            self._separable_checked.add(probed)
         if not reached and is_replaying():
             raise RuntimeError(
                 "An Engine step ran inside the forward of a module that another engine re-runs "
@@ -1810,14 +1813,15 @@ def _check_separable(
     retain_graph: bool,
 ) -> None:
     """Refuse a per-sample step in which the losses read a reached call's output at other
-    samples than their own (see ``_separable``), from two probing backwards, one row by one
-    (as the step's own, not under vmap): of the losses of about half the samples
-    (:func:`probe_samples`) and of the others'. They free the graph unless ``retain_graph``."""
-    samples = probe_samples(num_samples)
-    probes = [samples, others(num_samples, samples)]
+    samples than their own (see ``_separable``), from probing backwards, one row by one (as
+    the step's own, not under vmap), of the losses of the samples of each of
+    :func:`probe_sets`. They free the graph unless ``retain_graph``."""
+    probes = probe_sets(num_samples)
+    if not probes:  # (one sample: nothing to mix)
+        return
     edges = [edge for _, call, _ in calls for edge in call.edges]
     with replaying():
-        cotangents = probe_cotangents(losses, samples)
+        cotangents = probe_cotangents(losses, probes)
         grads = pull_back([losses], edges, cotangents, True, retain_graph, row_by_row=True)
     cursor = 0
     for unit, call, dims in calls:

@@ -11,69 +11,57 @@ that row. The shapes cannot tell when it is not:
 * anything after the call that mixes the samples: a loss over pairs of samples (contrastive),
   a BatchNorm in training mode outside the engine's modules, ``h - h.mean(0)``.
 
-Two probing backwards show it: one from the losses of about half the samples, one from the
-other samples' losses, as the gradient w.r.t. each output must vanish, exactly, at every sample
-outside those pulled back (zero rows stay zero through every operation that keeps the samples
-apart). One of them alone misses a read where the data zero the gradient: a sequence-first
-``[T, B, d]`` Linear with ``T == B`` whose rows are positions, one position all zero before a
-ReLU, hides from the first that the probed losses read it, but not from the second that the
-other losses read the probed positions.
+Probing backwards show it, from the losses of some samples (:func:`probe_sets`): the gradient
+w.r.t. each output must vanish, exactly, at every sample outside those pulled back (zero rows
+stay zero through every operation that keeps the samples apart). For every pair of samples,
+one probe pulls back the first's loss and not the second's, and another the reverse: a read
+that the data hide from one (a zero gradient, as at an all-zero position before a ReLU) shows
+in the other.
 """
 
 from __future__ import annotations
-
-import random
 
 import torch
 from torch import Tensor
 
 
-def probe_samples(num_samples: int) -> list[int]:
-    """The samples whose losses the probe pulls back: the first, the last (a mixing along the
-    batch in either direction, as a cumulative sum) and a fixed pseudo-random half of the
-    others; the first of two. A mixing shows when a probed sample's loss reads an unprobed
-    sample's output: one over many pairs (a mixup, a contrastive loss, a centring) almost
-    surely, but one sample reading one other only for the pairs this fixed set splits (about
-    half of them, never the first and the last), and a read decided by the data (the batch's
-    largest output) when it falls on an unprobed sample.
+def probe_sets(num_samples: int) -> list[list[int]]:
+    """The samples whose losses each probing backward pulls back: for each binary digit of the
+    samples' indices, those with a 1 there and those with a 0. Any two samples differ in a
+    digit, so for every pair ``(a, b)`` one probe pulls back ``a``'s loss and not ``b``'s: a
+    loss that reads another sample's output shows, whichever (2 log2(B) backwards; two halves
+    alone miss a read within a half, as a sequence-first ``[T, B, d]`` layer with ``T == B``
+    pooled at a position of the same half).
 
     Example:
-        >>> from jacflow.autogram._separable import probe_samples
-        >>> probe_samples(2), probe_samples(3), len(probe_samples(10))
-        ([0], [0, 2], 6)
+        >>> from jacflow.autogram._separable import probe_sets
+        >>> probe_sets(3)
+        [[1], [0, 2], [2], [0, 1]]
+        >>> probe_sets(1)
+        []
     """
-    if num_samples == 2:
-        return [0]
-    middle = random.Random(num_samples).sample(range(1, num_samples - 1), (num_samples - 2) // 2)
-    return sorted([0, num_samples - 1, *middle])
+    sets = []
+    for digit in range(max(num_samples - 1, 0).bit_length()):
+        ones = [b for b in range(num_samples) if b >> digit & 1]
+        sets += [ones, [b for b in range(num_samples) if not b >> digit & 1]]
+    return sets
 
 
-def probe_cotangents(losses: Tensor, samples: list[int]) -> Tensor:
-    """Two rows (``[2, *losses.shape]``): ones on the losses of ``samples`` (batch on dimension
-    0), zeros elsewhere; and its complement.
+def probe_cotangents(losses: Tensor, sets: list[list[int]]) -> Tensor:
+    """One row per set (``[len(sets), *losses.shape]``): ones on the losses of its samples
+    (batch on dimension 0), zeros elsewhere.
 
     Example:
         >>> import torch
         >>> from jacflow.autogram._separable import probe_cotangents
-        >>> probe_cotangents(torch.zeros(3), [0, 2])
+        >>> probe_cotangents(torch.zeros(3), [[0, 2], [1]])
         tensor([[1., 0., 1.],
                 [0., 1., 0.]])
     """
-    cotangent = torch.zeros_like(losses)
-    cotangent[samples] = 1.0
-    return torch.stack([cotangent, 1.0 - cotangent])
-
-
-def others(num_samples: int, samples: list[int]) -> list[int]:
-    """The samples outside ``samples``: those of the complementary probe.
-
-    Example:
-        >>> from jacflow.autogram._separable import others
-        >>> others(5, [0, 2, 4])
-        [1, 3]
-    """
-    chosen = set(samples)
-    return [b for b in range(num_samples) if b not in chosen]
+    cotangents = torch.zeros(len(sets), *losses.shape, dtype=losses.dtype, device=losses.device)
+    for row, samples in zip(cotangents, sets, strict=True):
+        row[samples] = 1.0
+    return cotangents
 
 
 def leaks(grad: Tensor, dim: int, samples: list[int]) -> bool:
