@@ -309,7 +309,7 @@ class _Scaled(nn.Module):
 
 
 @pytest.mark.parametrize("stem", ["embedding", "bag"])
-@pytest.mark.parametrize("hooked", ["linear", "generic"])
+@pytest.mark.parametrize("hooked", ["linear", "generic", "whole trunk"])
 @pytest.mark.parametrize("chunk_size", [None, 1])
 def test_a_sparse_embedding_below_the_engine(
     stem: str, hooked: str, chunk_size: int | None
@@ -318,10 +318,12 @@ def test_a_sparse_embedding_below_the_engine(
     modules: ``mtl_backward`` failed with torch's "Could not run 'aten::view' ... SparseCPU"
     (vmap cannot batch its backward) or "reshape is not implemented for sparse tensors". Its
     rows are pulled back one by one and densified now: the step is that without the engine,
-    each ``.grad`` the previous one plus ``w @ J`` (the heads: plus their task's gradient)."""
+    each ``.grad`` the previous one plus ``w @ J`` (the heads: plus their task's gradient).
+    With the table in the engine too ("whole trunk"), an ``EmbeddingBag``'s re-run by the
+    generic rule gave sparse rows, which failed to reshape: densified."""
     torch.manual_seed(0)
     table = (nn.Embedding if stem == "embedding" else nn.EmbeddingBag)(5, 3, sparse=True)
-    middle = nn.Linear(3, 3) if hooked == "linear" else _Scaled()
+    middle = _Scaled() if hooked == "generic" else nn.Linear(3, 3)
     heads = [nn.Linear(3, 1) for _ in range(2)]
     model = nn.ModuleList([table, middle, *heads]).double()
     reference = copy.deepcopy(model)
@@ -345,7 +347,7 @@ def test_a_sparse_embedding_below_the_engine(
     previous = [torch.randn_like(p) for p in params]
     for param, grad in zip(params, previous, strict=True):
         param.grad = grad.clone()
-    engine = Engine(middle, batch_dim=None)
+    engine = Engine(*([table] if hooked == "whole trunk" else []), middle, batch_dim=None)
     losses, features = forward(model)
     aggregator = Constant(weights)
     mtl_backward(losses, features, A=aggregator, engine=engine, parallel_chunk_size=chunk_size)

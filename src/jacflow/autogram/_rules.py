@@ -908,7 +908,8 @@ class MaterializedContribution(Contribution):
     """A contribution given by explicit per-row gradients ``{name: [R, *shape]}``."""
 
     def __init__(self, grads: dict[str, Tensor]) -> None:
-        self.grads = grads
+        # (a sparse table's rows, as an EmbeddingBag(sparse=True)'s re-run gives: dense)
+        self.grads = {n: g.to_dense() if g.is_sparse else g for n, g in grads.items()}
 
     def gramian(self, names: set[str]) -> Tensor | None:
         kept = {n: g for n, g in self.grads.items() if n in names}
