@@ -184,6 +184,23 @@ def test_gather_with_sparse_grad(chunk: int | None) -> None:
 
 
 @pytest.mark.parametrize("chunk", CHUNKS)
+def test_a_sparse_input(chunk: int | None) -> None:
+    """A sparse leaf (through ``torch.sparse.mm``) has sparse gradients too: its Jacobian was
+    refused by vmap at the default chunk size; it is autograd's rows, densified."""
+    generator = torch.Generator().manual_seed(0)
+    dense = torch.randn(4, 3, generator=generator, dtype=torch.float64)
+    dense[dense.abs() < 0.5] = 0.0
+    sparse = dense.to_sparse().requires_grad_()
+    other = torch.randn(3, 2, generator=generator, dtype=torch.float64)
+    y = torch.sparse.mm(sparse, other).sum(1).sin()
+    expected = torch.stack(
+        [torch.autograd.grad(v, sparse, retain_graph=True)[0].to_dense() for v in y]
+    )
+    (got,) = jac(y, [sparse], parallel_chunk_size=chunk)
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-14)
+
+
+@pytest.mark.parametrize("chunk", CHUNKS)
 def test_mtl_backward_with_a_sparse_embedding_trunk(chunk: int | None) -> None:
     torch.manual_seed(0)
     embedding = torch.nn.Embedding(5, 3, sparse=True).double()

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
+import torch
 from torch import Tensor
 from torch.autograd.graph import get_gradient_edge
 
@@ -41,14 +43,14 @@ def nodes_until(outputs: Sequence[Tensor], exclude: Sequence[Tensor] = ()) -> It
         for edge in (get_gradient_edge(t) for t in exclude if t.grad_fn is not None)
     }
     seen: set[object] = set()
-    frontier: list[tuple[Any, int]] = []
+    frontier: deque[tuple[Any, int]] = deque()
     for out in outputs:
         if out.grad_fn is not None:
             edge = get_gradient_edge(out)
             if (edge.node, edge.output_nr) not in stop:
                 frontier.append((edge.node, edge.output_nr))
     while frontier:
-        node, output_nr = frontier.pop(0)
+        node, output_nr = frontier.popleft()
         through = passes_through(node)
         key = (node, output_nr) if through else node
         if key in seen:
@@ -154,7 +156,8 @@ _SPARSE_FLAGS = ("_saved_sparse", "_saved_sparse_grad")
 
 def sparse_gradients(outputs: Sequence[Tensor], inputs: Sequence[Tensor]) -> bool:
     """Whether differentiating ``outputs`` with respect to ``inputs`` runs a backward that
-    returns a sparse gradient (which torch cannot batch with vmap): a node of the graph behind
+    returns a sparse gradient (which torch cannot batch with vmap): a sparse input, or a node
+    of the graph behind
     ``outputs`` with a sparse flag set whose gradient goes to one of ``inputs`` or to a tensor
     computed from others (not only to leaves that are not among ``inputs``, where autograd does
     not run it).
@@ -167,6 +170,8 @@ def sparse_gradients(outputs: Sequence[Tensor], inputs: Sequence[Tensor]) -> boo
         >>> sparse_gradients([out], [table.weight]), sparse_gradients([out * 2], [out])
         (True, False)
     """
+    if any(t.layout != torch.strided for t in inputs):  # (a sparse leaf: sparse gradients)
+        return True
     wanted = {id(t) for t in inputs if t.grad_fn is None}
     for node in _nodes_behind(outputs):
         if not any(getattr(node, flag, False) is True for flag in _SPARSE_FLAGS):
