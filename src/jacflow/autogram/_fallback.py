@@ -115,16 +115,28 @@ def _whole_batch_forward(
     return forward
 
 
+def _whole_batch_vjp(
+    module: nn.Module,
+    params: dict[str, Tensor],
+    call: Call,
+    row: Callable[[], tuple[Tensor, ...]] = tuple,
+    upstream: frozenset[int] = frozenset(),
+) -> tuple[tuple[Tensor, ...], Callable[..., tuple[dict[str, Tensor]]]]:
+    """One re-run of the module on the whole recorded batch (no vmap), under ``vjp`` so that
+    the parameters are differentiated as in the forward (torch's fast paths, as the transformer
+    layers' in eval mode, are taken only without grad), with the random generators left as
+    they were: its outputs and its pullback (see :func:`_whole_batch_forward`)."""
+    forward = _whole_batch_forward(module, call, row, upstream)
+    with _generators_kept(params), _NoRandomDraws():
+        outputs, pullback = vjp(forward, params)[:2]
+    return outputs, pullback
+
+
 def _whole_batch_outputs(
     module: nn.Module, params: dict[str, Tensor], call: Call
 ) -> tuple[Tensor, ...]:
-    """The outputs of one re-run of the module on the whole recorded batch (no vmap), under
-    ``vjp`` so that the parameters are differentiated as in the forward (torch's fast paths,
-    as the transformer layers' in eval mode, are taken only without grad), with the random
-    generators left as they were."""
-    with _generators_kept(params), _NoRandomDraws():
-        outputs: tuple[Tensor, ...] = vjp(_whole_batch_forward(module, call), params)[0]
-    return outputs
+    """The outputs of one re-run of the module on the whole recorded batch."""
+    return _whole_batch_vjp(module, params, call)[0]
 
 
 def _generators_kept(params: dict[str, Tensor]) -> contextlib.AbstractContextManager[Any]:
@@ -142,14 +154,11 @@ def _whole_batch_run(
     cots: tuple[Tensor, ...],
     upstream: frozenset[int],
 ) -> tuple[tuple[Tensor, ...], dict[str, Tensor]]:
-    """The outputs of one re-run of the module on the whole recorded batch, as
-    :func:`_whole_batch_outputs`, and its parameters' gradient for the output gradients
-    ``cots`` (one per sample, those of the reached inner calls after the outputs')."""
-    forward = _whole_batch_forward(module, call, lambda: cots, upstream)
-    with _generators_kept(params):
-        with _NoRandomDraws():
-            outputs, pullback = vjp(forward, params)[:2]
-        grads: dict[str, Tensor] = pullback(tuple(c.to(o.dtype) for c, o in zip(cots, outputs)))[0]
+    """The outputs of one re-run of the module on the whole recorded batch, and its
+    parameters' gradient for the output gradients ``cots`` (one per sample, those of the
+    reached inner calls after the outputs')."""
+    outputs, pullback = _whole_batch_vjp(module, params, call, lambda: cots, upstream)
+    grads: dict[str, Tensor] = pullback(tuple(c.to(o.dtype) for c, o in zip(cots, outputs)))[0]
     return outputs, grads
 
 
