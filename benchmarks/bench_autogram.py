@@ -1,14 +1,20 @@
 """autogram speed and memory: jacflow's Gramian engine vs an SGD step vs TorchJD 0.18, one run.
 
 Per-sample losses (IWRM, m = B): one step = zero grads + forward + JD update + ``SGD.step``,
-on ``--models`` (default ``mlp256,mlp1024,cnn``; also ``transformer``, one encoder layer, and
-``lstm`` and ``gru``, a recurrent layer and a head, which TorchJD's autogram refuses).
+on ``--models`` (default ``mlp256,mlp1024,cnn``; also ``transformer``, one encoder layer,
+``lstm`` and ``gru``, a recurrent layer and a head, which TorchJD's autogram refuses, and
+``custom``, a layer of the user's own between two Linear layers: an ``einsum`` over the
+sequence, a ``tanh`` and a learned scale, which no closed form covers, so the engine takes its
+generic rule, a ``vmap`` per sample with the checks it documents).
 
 * ``sgd``: ``cross_entropy(reduction="mean").backward()``;
 * ``jacflow``: ``jacflow.autogram.Engine(model, batch_dim=0).backward(losses, UPGradWeighting())``
   (one activation-only backward, closed-form Gramian, book-keeping update);
+* ``jacflow_route``: the same engine's ``compute_gramian`` (the graph kept) + ``UPGradWeighting``
+  + ``losses.backward(weights)``: the route of docs/integrations.md, where a framework (Lightning,
+  the Hugging Face Trainer) runs the backward; one ordinary backward more than ``jacflow``;
 * ``tjd_autogram``: TorchJD ``autogram.Engine`` + ``compute_gramian`` + its ``UPGradWeighting`` +
-  ``losses.backward(weights)``;
+  ``losses.backward(weights)`` (the same route with TorchJD's engine and weighting);
 * ``tjd_autojac``: TorchJD ``autojac.backward(losses)`` + ``jac_to_grad(params, UPGrad())``.
 
 Multi-task (m heads on a shared trunk, MSE): ``sgd`` = ``losses.sum().backward()``; ``jacflow`` =
@@ -41,7 +47,8 @@ minus the memory allocated before them.
 end fault in fresh pages at the next one, which the process CPU time counts.
 
 Run: ``.venv/bin/python benchmarks/bench_autogram.py [--quick] [--no-memory] [--only iwrm|mtl]
-[--models mlp256,cnn,transformer] [--widths 256] [--device cuda] [--keep-heap] [--processes 5]``.
+[--models mlp256,cnn,transformer,custom] [--widths 256] [--device cuda] [--keep-heap]
+[--processes 5]``.
 """
 
 from __future__ import annotations
@@ -104,6 +111,24 @@ def transformer() -> nn.Module:
     )
 
 
+class Custom(nn.Module):
+    """A layer without a closed form in the engine: ``tanh(x @ W) * scale`` written as an
+    ``einsum`` over ``[B, T, d]``."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(width, width) / width**0.5)
+        self.scale = nn.Parameter(torch.ones(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(torch.einsum("btd,de->bte", x, self.weight)) * self.scale
+
+
+def custom() -> nn.Module:
+    """Linear 32 -> 128 per position, the custom layer, and a head on the 16 positions."""
+    return nn.Sequential(nn.Linear(32, 128), Custom(128), nn.Flatten(), nn.Linear(16 * 128, 10))
+
+
 class Recurrent(nn.Module):
     """A recurrent layer (64 -> 128) over 16 steps and a linear head on the last step."""
 
@@ -131,6 +156,8 @@ def iwrm_problem(
         model, x = transformer(), torch.randn(batch, 16, 128)
     elif model_name in RECURRENT:
         model, x = Recurrent(model_name), torch.randn(batch, 16, 64)
+    elif model_name == "custom":
+        model, x = custom(), torch.randn(batch, 16, 32)
     else:
         width = int(model_name.removeprefix("mlp"))
         model, x = mlp(width), torch.randn(batch, width)
@@ -166,6 +193,15 @@ def _iwrm_step(
         def step() -> None:
             opt.zero_grad()
             engine.backward(F.cross_entropy(model(x), y, reduction="none"), weighting)
+            opt.step()
+
+    elif method == "jacflow_route":
+        route_engine, route_weighting = Engine(model, batch_dim=0), UPGradWeighting()
+
+        def step() -> None:
+            opt.zero_grad()
+            losses = F.cross_entropy(model(x), y, reduction="none")
+            losses.backward(route_weighting(route_engine.compute_gramian(losses)))
             opt.step()
 
     elif method == "tjd_autogram":
@@ -449,7 +485,8 @@ def main() -> None:
     batches = [32, 64] if args.quick else [32, 64, 128]
     for model_name in models:
         for batch in batches:
-            methods = ["sgd", "jacflow"] + ([] if model_name in RECURRENT else ["tjd_autogram"])
+            methods = ["sgd", "jacflow", "jacflow_route"]
+            methods += [] if model_name in RECURRENT else ["tjd_autogram"]
             wide = model_name.startswith("mlp") and int(model_name[3:]) >= 1024
             if not wide or batch <= 64:  # (its Jacobian: 128 rows of 3M+ parameters)
                 methods.append("tjd_autojac")
@@ -473,6 +510,7 @@ def main() -> None:
                     f"{(times['jacflow'] - qp) / sgd:.2f}x",
                     ratio["jacflow"],
                     alone,
+                    ratio["jacflow_route"],
                     ratio.get("tjd_autogram", "refused"),
                     ratio.get("tjd_autojac", "-"),
                     f"{times['tjd_autogram'] / times['jacflow']:.0f}x"
@@ -534,6 +572,7 @@ def main() -> None:
             "jacflow without weighting",
             "jacflow",
             "jacflow, SGD alone",
+            "jacflow, Gramian then backward",
             "TorchJD autogram",
             "TorchJD autojac",
             "autogram / jacflow",
