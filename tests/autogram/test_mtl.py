@@ -15,6 +15,7 @@ from jacflow.aggregation import Constant, UPGrad, UPGradWeighting
 from jacflow.autogram import Engine, mtl_gramian_step
 from tests.autogram._zoo import CASES
 from tests.autogram.test_engine import assert_exact_gramian, hooked_params, reference_jacobian
+from tests.autojac import _zoo
 
 
 def _setup(m: int, seq: bool) -> tuple[nn.Module, nn.ModuleList, torch.Tensor]:
@@ -358,3 +359,70 @@ def test_a_sparse_embedding_below_the_engine(
     expected = [g for grads in head_grads for g in grads]
     for update, grad in zip(updates[len(trunk) :], expected, strict=True):
         torch.testing.assert_close(update, grad)
+
+
+class _Propagate(nn.Module):
+    """A graph convolution of the user's own (the engine's generic rule): ``A X W`` with a
+    sparse adjacency matrix ``A`` inside the module."""
+
+    def __init__(self, adjacency: torch.Tensor, features: int, width: int) -> None:
+        super().__init__()
+        self.adjacency = adjacency
+        self.weight = nn.Parameter(torch.randn(features, width) / features**0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sparse.mm(self.adjacency, x @ self.weight)
+
+
+@pytest.mark.parametrize("layout", ["coo", "csr"])
+@pytest.mark.parametrize("trunk_kind", ["linear", "generic"])
+@pytest.mark.parametrize("route", ["compute_gramian", "backward", "mtl_backward"])
+def test_a_graph_neural_network_trunk(layout: str, trunk_kind: str, route: str) -> None:
+    """Per task, a trunk of graph convolutions: products with a sparse adjacency matrix between
+    the hooked Linear layers, or inside modules of the generic rule. The batched backward
+    failed with torch's "expand is unsupported for Sparse tensors"; the rows are pulled back
+    one by one now: the Gramian is ``J J^T`` and the update UPGrad's of ``J``, as computed row
+    by row with autograd. (A generic-rule module with a CSR product is refused: torch.func,
+    which re-runs it, cannot differentiate CSR products.)"""
+    torch.manual_seed(0)
+    adjacency = _zoo.adjacency(layout)
+    if trunk_kind == "linear":
+        trunk: nn.Module = _zoo.GCN(adjacency).double()
+    else:
+        trunk = nn.Sequential(
+            _Propagate(adjacency, 3, 4), nn.ReLU(), _Propagate(adjacency, 4, 4)
+        ).double()
+    heads = [nn.Linear(4, 1).double() for _ in range(3)]
+    x = torch.randn(7, 3, dtype=torch.float64)
+    shared = list(trunk.parameters())
+    with Engine(trunk, batch_dim=None) as engine:
+        features = trunk(x)
+        losses = [head(features).pow(2).mean() for head in heads]
+        jacobian = _zoo.rows_by_autograd(losses, shared)
+        if trunk_kind == "generic" and layout == "csr":
+            # (torch.func, which re-runs the module, fails on CSR products: a clear refusal)
+            with pytest.raises(RuntimeError, match=r"(?s)re-runs it.*CSR"):
+                engine.compute_gramian(torch.stack(losses))
+            return
+        if route == "compute_gramian":
+            torch.testing.assert_close(
+                engine.compute_gramian(torch.stack(losses)), jacobian @ jacobian.T
+            )
+            return
+        if route == "backward":
+            engine.backward(torch.stack(losses), UPGradWeighting())
+        else:
+            mtl_backward(losses, features, A=UPGrad(), engine=engine)
+    update = torch.cat([p.grad.reshape(-1) for p in shared])  # type: ignore[union-attr]
+    torch.testing.assert_close(update, UPGrad()(jacobian))
+
+
+def test_a_graph_neural_network_per_node_is_refused() -> None:
+    """Per sample (the nodes), the adjacency matrix mixes the samples: the engine's check
+    refuses it clearly (it ran its probe row by row), and no ``.grad`` is written."""
+    model = _zoo.GCN(_zoo.adjacency("coo")).double()
+    with Engine(model, batch_dim=0) as engine:
+        losses = model(torch.randn(7, 3, dtype=torch.float64)).pow(2).sum(1)
+        with pytest.raises(ValueError, match="at other samples than their own"):
+            engine.backward(losses, UPGradWeighting())
+    assert all(p.grad is None for p in model.parameters())

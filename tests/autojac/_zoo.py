@@ -6,12 +6,13 @@ jacflow's autograd-based path.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
 
 @dataclass(frozen=True)
@@ -123,3 +124,48 @@ def reference_jacobians(
         torch.cat([nested[o][k].reshape(out.numel(), *inp.shape) for o, out in enumerate(outputs)])
         for k, inp in enumerate(inputs)
     )
+
+
+def adjacency(layout: str, dtype: torch.dtype = torch.float64, nodes: int = 7) -> Tensor:
+    """The weighted adjacency matrix of a random graph on ``nodes`` nodes (two edges per node),
+    sparse, in ``layout`` ("coo" or "csr")."""
+    gen = torch.Generator().manual_seed(3)
+    edges = torch.randint(0, nodes, (2, 2 * nodes), generator=gen)
+    weights = torch.rand(2 * nodes, generator=gen, dtype=dtype)
+    coo = torch.sparse_coo_tensor(edges, weights, (nodes, nodes), check_invariants=True)
+    if layout == "coo":
+        return coo.coalesce()
+    with warnings.catch_warnings():  # (torch: "Sparse CSR tensor support is in beta state")
+        warnings.simplefilter("ignore", UserWarning)
+        return coo.to_sparse_csr()
+
+
+class GCN(nn.Module):
+    """Two graph convolutions, ``A relu(A X W1) W2`` with biases: Linear layers between products
+    with a sparse adjacency matrix ``A``, as graph neural networks compute them."""
+
+    def __init__(self, adjacency: Tensor, features: int = 3, width: int = 4) -> None:
+        super().__init__()
+        self.adjacency = adjacency
+        self.first, self.second = nn.Linear(features, width), nn.Linear(width, width)
+
+    def forward(self, x: Tensor) -> Tensor:
+        hidden = torch.relu(torch.sparse.mm(self.adjacency, self.first(x)))
+        return self.adjacency @ self.second(hidden)
+
+
+def rows_by_autograd(losses: Sequence[Tensor], params: Sequence[Tensor]) -> Tensor:
+    """The Jacobian ``[m, n]`` of the scalar ``losses`` w.r.t. ``params`` (flattened), one
+    ``torch.autograd.grad`` per loss: no vmap, which sparse products defeat."""
+    rows = []
+    for loss in losses:
+        grads = torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)
+        rows.append(
+            torch.cat(
+                [
+                    (torch.zeros_like(p) if g is None else g).reshape(-1)
+                    for p, g in zip(params, grads)
+                ]
+            )
+        )
+    return torch.stack(rows)

@@ -5,9 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from torch import Tensor, nn
 
 from jacflow import backward, jac, mtl_backward
 from jacflow.aggregation import UPGrad
+from tests.autojac import _zoo
 from tests.autojac._zoo import ZOO, Case, reference_jacobians
 
 
@@ -259,3 +261,34 @@ def test_an_error_unrelated_to_vmap_gets_no_vmap_hint(chunk: int | None) -> None
     with pytest.raises(RuntimeError, match="second time") as caught:
         backward(y, A=UPGrad(), parallel_chunk_size=chunk)
     assert "parallel_chunk_size" not in str(caught.value)
+
+
+def _edge_weighted(adjacency: Tensor, scores: nn.Linear, x: Tensor) -> Tensor:
+    """A layer with learned edge weights: the scores of the edges' endpoints, normalised by
+    ``torch.sparse.softmax`` over each node's edges (a sparse tensor that requires grad)."""
+    edges = adjacency.coalesce().indices()
+    logits = scores(x[edges[0]] * x[edges[1]]).squeeze(1)
+    weights = torch.sparse_coo_tensor(edges, logits, adjacency.shape, check_invariants=True)
+    return torch.sparse.mm(torch.sparse.softmax(weights, 1), x)
+
+
+@pytest.mark.parametrize("layout", ["coo", "csr", "learned"])
+@pytest.mark.parametrize("chunk", [None, 2, 1])
+def test_products_with_a_sparse_adjacency_matrix(layout: str, chunk: int | None) -> None:
+    """A graph neural network's products with a sparse adjacency matrix (``torch.sparse.mm``,
+    ``@``) and learned sparse edge weights: vmap fails on them ("expand is unsupported for
+    Sparse tensors"), so their rows are taken one by one at every chunk size, equal to
+    autograd's."""
+    torch.manual_seed(0)
+    adjacency = _zoo.adjacency("coo" if layout == "learned" else layout)
+    model = _zoo.GCN(adjacency).double()
+    scores = nn.Linear(3, 1).double()
+    x = torch.randn(7, 3, dtype=torch.float64)
+    hidden = _edge_weighted(adjacency, scores, x) if layout == "learned" else x
+    out = model(hidden)
+    losses = [out[:, k].pow(2).mean() for k in range(3)]
+    params = [*model.parameters(), *(scores.parameters() if layout == "learned" else [])]
+    expected = _zoo.rows_by_autograd(losses, params)
+    got = jac(losses, params, parallel_chunk_size=chunk)
+    torch.testing.assert_close(torch.cat([g.reshape(3, -1) for g in got], 1), expected)
+    assert all(g.layout == torch.strided for g in got)

@@ -11,6 +11,7 @@ from torch import Tensor, nn
 
 from jacflow import jac, jac_to_grad, mtl_backward
 from jacflow.aggregation import Aggregator, Mean, UPGrad
+from tests.autojac import _zoo
 
 
 def _model(dtype: torch.dtype) -> tuple[nn.Module, list[nn.Module], torch.Tensor]:
@@ -696,3 +697,27 @@ def test_features_and_losses_of_one_compiled_graph_name_compile() -> None:
     assert len(expected) == len([*model.parameters()])
     for p, g in zip(model.parameters(), expected):
         torch.testing.assert_close(p.grad, g)
+
+
+@pytest.mark.parametrize("layout", ["coo", "csr"])
+def test_a_graph_neural_network_trunk(layout: str) -> None:
+    """Three tasks on the nodes' features of a graph convolutional trunk (products with a
+    sparse adjacency matrix, which vmap cannot batch): the trunk gets UPGrad of the tasks'
+    Jacobian, the heads their own gradients, as computed row by row with autograd."""
+    torch.manual_seed(0)
+    trunk = _zoo.GCN(_zoo.adjacency(layout)).double()
+    heads = [nn.Linear(4, 1).double() for _ in range(3)]
+    x = torch.randn(7, 3, dtype=torch.float64)
+    features = trunk(x)
+    losses = [head(features).pow(2).mean() for head in heads]
+    shared = list(trunk.parameters())
+    expected = UPGrad()(_zoo.rows_by_autograd(losses, shared))
+    expected_heads = [
+        torch.autograd.grad(loss, list(h.parameters()), retain_graph=True)
+        for loss, h in zip(losses, heads)
+    ]
+    mtl_backward(losses, features=features, A=UPGrad())
+    torch.testing.assert_close(torch.cat([p.grad.reshape(-1) for p in shared]), expected)
+    for head, grads in zip(heads, expected_heads):
+        for p, g in zip(head.parameters(), grads):
+            torch.testing.assert_close(p.grad, g)

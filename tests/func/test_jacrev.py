@@ -14,6 +14,7 @@ from torch.func import vmap
 from torch.utils._pytree import tree_leaves, tree_structure
 
 from jacflow.func import jacrev
+from tests.autojac import _zoo
 
 CHUNKS = [None, 1, 2, 3]
 
@@ -320,3 +321,20 @@ def test_jacrev_keeps_valid_outputs_and_aux() -> None:
     assert torch.equal(jacobian, 2 * torch.eye(3)) and torch.equal(aux["a"], _X.sum())
     assert torch.equal(jacrev(lambda x: [x * 2])(_X)[0], 2 * torch.eye(3))
     assert torch.equal(jacrev(lambda x, k: x * k, argnums=0)(_X, 2), 2 * torch.eye(3))
+
+
+@pytest.mark.parametrize("chunk_size", [None, 2, 1])
+def test_a_product_with_a_sparse_adjacency_matrix(chunk_size: int | None) -> None:
+    """vmap cannot batch the pullback of a product with a sparse COO matrix ("expand is
+    unsupported for Sparse tensors"): the chunk is differentiated again row by row (a
+    functional pullback may be called again), equal to autograd's row-by-row Jacobian. (A CSR
+    matrix fails in torch.func itself, as with torch.func.jacrev.)"""
+    adjacency = _zoo.adjacency("coo")
+    x = torch.randn(7, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+
+    def propagate(weight: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(torch.sparse.mm(adjacency, x @ weight)).sum(1)
+
+    weight = torch.randn(3, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    expected = torch.autograd.functional.jacobian(propagate, weight)
+    torch.testing.assert_close(jacrev(propagate, chunk_size=chunk_size)(weight), expected)

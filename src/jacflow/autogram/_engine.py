@@ -45,12 +45,14 @@ from jacflow.autogram._hooks import (
 )
 from jacflow.autogram._outside import (
     REENTRANT_CHECKPOINT,
+    SPARSE_OPERATION,
     checkpoint_above_calls,
     checkpointed_module,
     first_reached,
     graph_nodes,
     outside_calls,
     reentrant_checkpoints,
+    sparse_inside,
     unreached,
     used_outside,
 )
@@ -1241,8 +1243,15 @@ class Engine:
         above = [a for _, call in calls for a in call.hooks_above()]
         # (compiled code's backward runs once, and not under vmap: no probe, rows one by one)
         compiled = _holds_compiled(pattern[1], edges)
-        # (vmap cannot batch a sparse backward, that of an nn.Embedding(sparse=True) below)
-        row_by_row = row_by_row or _sparse_rows(pattern[1], losses, extra_inputs, selections)
+        # (vmap cannot batch a sparse backward, that of an nn.Embedding(sparse=True) below or
+        # of a product with a sparse adjacency matrix, between the modules or inside a module
+        # of the generic rule, whose graph the walk of outside_calls steps over)
+        row_by_row = (
+            row_by_row
+            or SPARSE_OPERATION in pattern[1]
+            or any(self._reruns(index) and sparse_inside(call) for index, call in calls)
+            or _sparse_rows(pattern[1], losses, extra_inputs, selections)
+        )
         # (per sample, a new pattern's losses are probed after the checks below: the graph stays)
         probing = not rows.per_task and rows.num_samples > 1 and not compiled
         # (a pattern is probed again for another batch size: other pairs of samples)

@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from torch.autograd.graph import get_gradient_edge
 
 from jacflow.autogram._rules import Call
+from jacflow.autojac._graph import sparse_operation
 
 _Target = TypeVar("_Target")
 
@@ -198,7 +199,9 @@ def outside_calls(losses: Tensor, calls: Sequence[Call]) -> tuple[object, ...]:
     :func:`used_outside` does), a call as its position in ``calls``. Equal keys, with equal
     calls, have the same uses of the hooked parameters outside the calls and the same ways
     for one sample's loss to read another's outputs: an L2 penalty added to the losses, a
-    mixing of the samples or a functional use of a weight changes it.
+    mixing of the samples or a functional use of a weight changes it. A
+    :data:`SPARSE_OPERATION` follows each node of an operation on sparse tensors (a product
+    with a sparse adjacency matrix), whose backward vmap cannot batch.
 
     Example:
         >>> import torch
@@ -226,6 +229,8 @@ def outside_calls(losses: Tensor, calls: Sequence[Call]) -> tuple[object, ...]:
                 key.append(end)
                 return inputs
         key.append(type(node).__name__)
+        if sparse_operation(node):  # (an operand's layout, which the node's name may not say)
+            key.append(SPARSE_OPERATION)
         return [node for node, _ in node.next_functions]
 
     for _ in _walk([losses.grad_fn], following):
@@ -234,7 +239,45 @@ def outside_calls(losses: Tensor, calls: Sequence[Call]) -> tuple[object, ...]:
 
 
 # the node of a reentrant activation checkpoint (torch.utils.checkpoint, use_reentrant=True)
+def sparse_inside(call: Call) -> bool:
+    """Whether the graph of ``call``, from its outputs' nodes down to its inputs', holds a
+    :func:`~jacflow.autojac._graph.sparse_operation` (a module of the user's own that
+    multiplies by a sparse adjacency matrix), which a backward through it cannot batch.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> from jacflow.autogram import Engine
+        >>> from jacflow.autogram._outside import sparse_inside
+        >>> class Propagate(nn.Module):
+        ...     def __init__(self) -> None:
+        ...         super().__init__()
+        ...         self.weight = nn.Parameter(torch.ones(2, 2))
+        ...     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ...         return torch.eye(3).to_sparse() @ (x @ self.weight)
+        >>> layer = Propagate()
+        >>> engine = Engine(layer, batch_dim=None)
+        >>> _ = layer(torch.ones(3, 2))
+        >>> [sparse_inside(call) for _, call in engine._recorder.take()]
+        [True]
+    """
+    inputs = {id(t.grad_fn) for t, _ in call.versions if t.grad_fn is not None}
+    stack = [edge.node for edge in call.edges]
+    seen: set[int] = set()
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen or id(node) in inputs:
+            continue
+        seen.add(id(node))
+        if sparse_operation(node):
+            return True
+        stack.extend(child for child, _ in node.next_functions)
+    return False
+
+
 REENTRANT_CHECKPOINT = "CheckpointFunctionBackward"
+# (in the key of outside_calls: the node before it is an operation on sparse tensors)
+SPARSE_OPERATION = "sparse operation"
 
 
 def reentrant_checkpoints(losses: Tensor) -> list[Any]:

@@ -153,14 +153,57 @@ def _nodes_behind(tensors: Sequence[Tensor]) -> Iterator[Any]:
 # ``nn.Embedding(sparse=True)``, ``nn.EmbeddingBag(sparse=True)``, ``gather(sparse_grad=True)``.
 _SPARSE_FLAGS = ("_saved_sparse", "_saved_sparse_grad")
 
+# The operands that autograd saves for the backward of a matrix product: vmap cannot expand a
+# sparse one to the rows of a chunk ("expand is unsupported for Sparse tensors"), as a graph
+# neural network's product of a sparse adjacency matrix and the nodes' features needs.
+_PRODUCT_OPERANDS = {
+    "MmBackward0": ("_saved_self", "_saved_mat2"),
+    "AddmmBackward0": ("_saved_mat1", "_saved_mat2"),
+    "SparseAddmmBackward0": ("_saved_mat1", "_saved_mat2"),
+    "MvBackward0": ("_saved_self", "_saved_vec"),
+    "AddmvBackward0": ("_saved_mat", "_saved_vec"),
+    "BmmBackward0": ("_saved_self", "_saved_mat2"),
+}
+
+# Nodes of operations on sparse tensors (learned edge weights: ``sparse_coo_tensor`` of values
+# that require grad, ``torch.sparse.softmax``, ``to_dense``), whose backwards vmap cannot batch
+# either; the others have ``Sparse`` in their names.
+_SPARSE_OPERATIONS = frozenset({"ToDenseBackward0", "ValuesBackward0", "CoalesceBackward0"})
+
+
+def sparse_operation(node: Any) -> bool:
+    """Whether ``node`` is the backward of an operation on a sparse tensor, or of a matrix
+    product one of whose saved operands is sparse (see ``_PRODUCT_OPERANDS``).
+
+    Example:
+        >>> import torch
+        >>> from jacflow.autojac._graph import sparse_operation
+        >>> adjacency = torch.eye(3).to_sparse()
+        >>> features = torch.ones(3, 2, requires_grad=True)
+        >>> sparse_operation((adjacency @ features).grad_fn)
+        True
+        >>> sparse_operation((torch.eye(3) @ features).grad_fn)
+        False
+    """
+    name = type(node).__name__
+    if "Sparse" in name or name in _SPARSE_OPERATIONS:
+        return True
+    for attribute in _PRODUCT_OPERANDS.get(name, ()):
+        try:
+            operand = getattr(node, attribute)
+        except RuntimeError:  # (freed by an earlier backward: the next one fails on its own)
+            continue
+        if isinstance(operand, Tensor) and operand.layout != torch.strided:
+            return True
+    return False
+
 
 def sparse_gradients(outputs: Sequence[Tensor], inputs: Sequence[Tensor]) -> bool:
     """Whether differentiating ``outputs`` with respect to ``inputs`` runs a backward that
-    returns a sparse gradient (which torch cannot batch with vmap): a sparse input, or a node
-    of the graph behind
-    ``outputs`` with a sparse flag set whose gradient goes to one of ``inputs`` or to a tensor
-    computed from others (not only to leaves that are not among ``inputs``, where autograd does
-    not run it).
+    torch cannot batch with vmap because of sparse tensors: a sparse input, a node of the graph
+    behind ``outputs`` with a sparse flag set whose gradient goes to one of ``inputs`` or to a
+    tensor computed from others (not only to leaves that are not among ``inputs``, where
+    autograd does not run it), or a :func:`sparse_operation` (a sparse adjacency matrix).
 
     Example:
         >>> import torch
@@ -174,6 +217,8 @@ def sparse_gradients(outputs: Sequence[Tensor], inputs: Sequence[Tensor]) -> boo
         return True
     wanted = {id(t) for t in inputs if t.grad_fn is None}
     for node in _nodes_behind(outputs):
+        if sparse_operation(node):
+            return True
         if not any(getattr(node, flag, False) is True for flag in _SPARSE_FLAGS):
             continue
         children = [child for child, _ in node.next_functions if child is not None]

@@ -55,9 +55,10 @@ def compute_jacobians(
 ) -> tuple[Tensor, ...]:
     """The validated core call shared by ``jac``, ``backward`` and ``mtl_backward``.
 
-    A graph whose backward returns sparse gradients (``nn.Embedding(sparse=True)``) is
-    differentiated row by row whatever ``chunk_size``: torch cannot batch those backwards with
-    vmap. The rows are densified, so the Jacobians are dense.
+    A graph whose backward returns sparse gradients (``nn.Embedding(sparse=True)``) or runs
+    through sparse tensors (a product with a graph's sparse adjacency matrix) is differentiated
+    row by row whatever ``chunk_size``: torch cannot batch those backwards with vmap. The rows
+    are densified, so the Jacobians are dense.
     """
     if chunk_size != 1 and sparse_gradients(outputs, inputs):
         chunk_size = 1
@@ -104,9 +105,10 @@ def jac(
             ``torch._functorch.config.donated_buffer = False`` before compiling (each row's
             backward retains the graph, which inductor refuses at once and ``aot_eager`` after
             a recompilation, e.g. at a smaller last batch). A graph with sparse gradients
-            (``nn.Embedding(sparse=True)``, ``gather(..., sparse_grad=True)``) is
-            differentiated row by row whatever the chunk size (torch cannot vmap their
-            backward), and its rows are densified: the Jacobian is dense.
+            (``nn.Embedding(sparse=True)``, ``gather(..., sparse_grad=True)``) or products
+            with sparse tensors (a graph neural network's sparse adjacency matrix, COO or CSR,
+            learned edge weights) is differentiated row by row whatever the chunk size (torch
+            cannot vmap their backward), and its rows are densified: the Jacobian is dense.
         create_graph: build the graph of the result, for higher-order derivatives.
 
     No ``.grad`` is written: an input that called ``retain_grad()`` keeps its ``.grad`` (torch's

@@ -231,9 +231,11 @@ def mtl_backward(
             once and ``aot_eager`` after a recompilation, e.g. at a smaller last batch).
             Compile the trunk and the heads apart: from one compiled graph (a whole model, or
             a compiled step computing both), the losses reach the trunk outside ``features``.
-            A trunk with sparse gradients (``nn.Embedding(sparse=True)``) is differentiated
-            task by task, into a dense Jacobian, as in :func:`jac`; with ``engine``, its
-            parameters outside the engine's modules too.
+            A trunk with sparse gradients (``nn.Embedding(sparse=True)``) or products with
+            sparse tensors (a graph neural network's adjacency matrix) is differentiated task
+            by task, into a dense Jacobian, as in :func:`jac`; with ``engine``, its
+            parameters outside the engine's modules too, and the engine pulls the tasks back
+            one by one.
         engine: a per-task :class:`jacflow.autogram.Engine` (``batch_dim=None``) hooked on the
             trunk before the forward pass. With a Gramian-based ``A`` (UPGrad, MGDA, ...), the
             step then goes through the Gramian engine: no trunk Jacobian is formed and the

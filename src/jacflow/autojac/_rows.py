@@ -103,6 +103,7 @@ def stacked_vjps(
     chunk_size: int | None,
     cotangents: Sequence[Tensor] | None = None,
     preallocate: bool = True,
+    sparse_retry: bool = False,
 ) -> tuple[Tensor, ...]:
     """The ``rows`` x input Jacobians ``[rows, *input.shape]`` of ``outputs``, one per input.
 
@@ -115,6 +116,10 @@ def stacked_vjps(
         cotangents: ``[rows, *output.shape]`` each, or ``None`` for the identity.
         preallocate: write chunks into one preallocated result (not differentiable; off when
             the result must carry a graph or run under function transforms).
+        sparse_retry: a chunk that vmap fails to batch because of sparse tensors (a product
+            with a sparse adjacency matrix) is differentiated again row by row: only for a
+            ``vjp`` that may be called again (a functional pullback; autograd's runs hooks and
+            may free the graph, so its callers choose rows by a walk of the graph instead).
     """
     if rows == 0:
         return tuple(torch.zeros((0, *i.shape), dtype=i.dtype, device=i.device) for i in inputs)
@@ -143,9 +148,12 @@ def stacked_vjps(
             try:
                 grads = list(vjp(chunk, batched=True, last=last))
             except RuntimeError as error:
-                if not vmap_related(error):
+                if sparse_retry and "sparse" in str(error).lower():
+                    grads = _row_by_row(vjp, chunk, last)
+                elif not vmap_related(error):
                     raise
-                raise RuntimeError(f"{error}{_VMAP_HINT}") from error
+                else:
+                    raise RuntimeError(f"{error}{_VMAP_HINT}") from error
         for j, (grad, inp) in enumerate(zip(grads, inputs)):
             block = (
                 torch.zeros((stop - start, *inp.shape), dtype=inp.dtype, device=inp.device)
@@ -163,6 +171,26 @@ def stacked_vjps(
     if buffers is not None:
         return tuple(buffers)
     return tuple(_joined(r) for r in results)
+
+
+def _row_by_row(vjp: VJP, chunk: tuple[Tensor, ...], last: bool) -> list[Tensor | None]:
+    """The chunk's rows differentiated one plain VJP each, stacked (dense; see
+    :func:`_unsqueezed`), ``None`` for an input that no row reaches."""
+    count = chunk[0].shape[0]
+    rows = [
+        _unsqueezed(vjp(tuple(c[r] for c in chunk), batched=False, last=last and r == count - 1))
+        for r in range(count)
+    ]
+    return [
+        None
+        if all(g is None for g in column)
+        else _joined([torch.zeros_like(_first(column)) if g is None else g for g in column])
+        for column in zip(*rows, strict=True)
+    ]
+
+
+def _first(column: Sequence[Tensor | None]) -> Tensor:
+    return next(g for g in column if g is not None)
 
 
 def _unsqueezed(grads: Sequence[Tensor | None]) -> list[Tensor | None]:

@@ -117,7 +117,9 @@ def jacrev(
     :func:`torch.func.vmap` and with itself (Hessians), and respects ``torch.no_grad`` inside
     ``func`` but not around the call (it is a function transform). Like
     :func:`torch.func.jacrev`, it refuses complex inputs and outputs (differentiate
-    ``torch.view_as_real`` views instead).
+    ``torch.view_as_real`` views instead). A chunk whose pullback vmap cannot batch because of
+    a sparse COO tensor (a product with a graph's adjacency matrix) is differentiated again row
+    by row; torch.func itself fails on sparse CSR tensors.
 
     Args:
         func: takes one or more arguments, at least one a Tensor, and returns one or more
@@ -195,7 +197,13 @@ def jacrev(
         rows = sum(o.numel() for o in flat_out)
         # stacked_vjps returns [rows, *primal.shape] per primal (the leaves of all the args).
         stacked = stacked_vjps(
-            functional_vjp(pullback_flat), flat_out, primals, rows, size, preallocate=False
+            functional_vjp(pullback_flat),
+            flat_out,
+            primals,
+            rows,
+            size,
+            preallocate=False,
+            sparse_retry=True,
         )
         single_arg = isinstance(argnums, int)
         leaves: list[Any] = []
