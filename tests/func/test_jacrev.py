@@ -338,3 +338,23 @@ def test_a_product_with_a_sparse_adjacency_matrix(chunk_size: int | None) -> Non
     weight = torch.randn(3, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     expected = torch.autograd.functional.jacobian(propagate, weight)
     torch.testing.assert_close(jacrev(propagate, chunk_size=chunk_size)(weight), expected)
+
+
+@pytest.mark.parametrize("chunk_size", [None, 2, 1])
+def test_a_sparse_embedding(chunk_size: int | None) -> None:
+    """The pullback of an ``nn.Embedding(sparse=True)`` gives sparse gradients, which vmap
+    cannot stack (torch.func.jacrev fails: "Could not run 'aten::view' with arguments from the
+    'SparseCPU' backend"): the rows are taken one by one and densified."""
+    table = torch.nn.Embedding(5, 3, sparse=True).double()
+    ids = torch.tensor([1, 3, 3])
+    params = {name: p.detach() for name, p in table.named_parameters()}
+
+    def looked_up(p: dict[str, torch.Tensor]) -> torch.Tensor:
+        return torch.func.functional_call(table, p, (ids,)).pow(2).sum(1)
+
+    got = jacrev(looked_up, chunk_size=chunk_size)(params)["weight"]
+    expected = torch.autograd.functional.jacobian(
+        lambda w: torch.nn.functional.embedding(ids, w).pow(2).sum(1), params["weight"]
+    )
+    assert got.layout == torch.strided
+    torch.testing.assert_close(got, expected)
