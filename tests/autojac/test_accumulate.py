@@ -237,6 +237,47 @@ def test_jac_to_grad_refuses_a_sparse_jac() -> None:
     assert p.grad is None
 
 
+def _sparse_step(call: str, layout: torch.layout) -> tuple[Tensor, Tensor, Tensor]:
+    """A dense parameter with a ``.grad`` and a sparse leaf (through ``torch.sparse.mm``) stepped
+    with UPGrad by ``call``: both, and the update expected for them (from the dense rows)."""
+    generator = torch.Generator().manual_seed(0)
+    dense = torch.randn(4, 3, generator=generator, dtype=torch.float64)
+    dense[dense.abs() < 0.5] = 0.0
+    sparse = dense.to_sparse(layout=layout).requires_grad_()
+    other = torch.randn(3, 2, generator=generator, dtype=torch.float64)
+    p = torch.randn(4, 2, generator=generator, dtype=torch.float64, requires_grad=True)
+    p.grad = torch.ones_like(p)
+
+    def losses() -> tuple[Tensor, list[Tensor]]:
+        features = torch.sparse.mm(sparse, other) * p
+        return features, [features.sin().sum(), features.pow(2).sum()]
+
+    rows = jac(losses()[1], [p, sparse])
+    expected = UPGrad()(torch.cat([r.reshape(2, -1) for r in rows], dim=1))
+    features, values = losses()
+    if call == "upgrad":
+        backward(values, [p, sparse], A=UPGrad())
+    elif call == "jac_to_grad":
+        backward(values, [p, sparse])
+        jac_to_grad([p, sparse], UPGrad())
+    else:
+        mtl_backward(values, features, A=UPGrad(), shared_params=[p, sparse])
+    return p, sparse, expected
+
+
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta state")
+@pytest.mark.parametrize("layout", [torch.sparse_coo, torch.sparse_csr], ids=["coo", "csr"])
+@pytest.mark.parametrize("call", ["upgrad", "jac_to_grad", "mtl_backward"])
+def test_aggregated_grad_of_a_sparse_leaf_has_its_layout(call: str, layout: torch.layout) -> None:
+    """As autograd's gradient of it; the dense update was refused by the ``.grad`` setter (torch's
+    "data of a different type"), after the other inputs' ``.grad`` had been written."""
+    p, sparse, expected = _sparse_step(call, layout)
+    assert sparse.grad is not None and sparse.grad.layout == layout
+    torch.testing.assert_close(sparse.grad.to_dense(), expected[8:].reshape(4, 3))
+    assert p.grad is not None
+    torch.testing.assert_close(p.grad, 1.0 + expected[:8].reshape(4, 2))
+
+
 def test_jac_accumulates_in_place() -> None:
     """``+=`` as TorchJD (and migration.md) say: a reference to ``.jac`` sees the sum; it
     was replaced by a new tensor."""

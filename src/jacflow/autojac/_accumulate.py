@@ -167,7 +167,7 @@ def accumulate_grads(
     the tensors' post-accumulate hooks run, once each, as after ``loss.backward()``.
     """
     with recording(updates):
-        converted = [u.to(grad_dtype(t)) for t, u in zip(tensors, updates)]
+        converted = [_in_layout(u.to(grad_dtype(t)), t) for t, u in zip(tensors, updates)]
         current = [_current_grad(tensor) for tensor in tensors]
         # (only what is stored as it is must be a tensor of its own, laid out as its tensor)
         fresh = [k for k, existing in enumerate(current) if existing is None]
@@ -186,6 +186,22 @@ def accumulate_grads(
         else:
             tensor.grad = update
     run_post_accumulate_hooks(tensors)
+
+
+def _in_layout(update: Tensor, tensor: Tensor) -> Tensor:
+    """``update`` in the layout of ``tensor``: a sparse leaf (through ``torch.sparse.mm``) gets a
+    sparse ``.grad`` of its layout, as from autograd, and the ``.grad`` setter refuses a dense
+    one (an aggregated update is dense: the aggregation mixes the densified rows)."""
+    if tensor.layout == torch.strided or update.layout != torch.strided:
+        return update
+    if tensor.layout == torch.sparse_coo:
+        return update.to_sparse(tensor.sparse_dim())
+    blocksize = None
+    if tensor.layout in (torch.sparse_bsr, torch.sparse_bsc):
+        values = tensor.values().shape  # ([*batch], nnz, *block, *dense)
+        end = len(values) - tensor.dense_dim()
+        blocksize = tuple(values[end - 2 : end])
+    return update.to_sparse(layout=tensor.layout, blocksize=blocksize, dense_dim=tensor.dense_dim())
 
 
 def warn_if_distributed() -> None:

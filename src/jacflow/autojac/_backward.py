@@ -142,9 +142,11 @@ def backward(
 
     A sparse gradient (``nn.Embedding(sparse=True)``) is densified, as in :func:`jac`: ``.jac``
     and an aggregated ``.grad`` are dense, as :func:`jac_to_grad` writes from that ``.jac``
-    (the aggregation mixes the rows). The single differentiation above writes autograd's
-    gradient, sparse as after ``loss.backward()``. For an optimizer that needs a sparse
-    gradient (``SparseAdam``), convert it: ``p.grad = p.grad.to_sparse()``.
+    (the aggregation mixes the rows); that of a sparse leaf (through ``torch.sparse.mm``) is
+    converted to the leaf's layout, as torch's ``.grad`` must have it. The single
+    differentiation above writes autograd's gradient, sparse as after ``loss.backward()``.
+    For an optimizer that needs a sparse gradient (``SparseAdam``), convert it:
+    ``p.grad = p.grad.to_sparse()``.
 
     A tensor between ``tensors`` and ``inputs`` that called ``retain_grad()`` is left to torch's
     hook, which runs in every differentiation through it: with the single differentiation above,
