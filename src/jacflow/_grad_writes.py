@@ -138,6 +138,7 @@ def owned(
     results: Sequence[Tensor],
     held: Sequence[Tensor] = (),
     like: Sequence[Tensor] | None = None,
+    copied: bool = False,
 ) -> list[Tensor]:
     """``results`` as ``.grad`` (``like``: the tensor of each) or ``.jac`` (``like=None``) fields:
     each :func:`laid_out`, and copied where its elements overlap those of an earlier result or
@@ -149,6 +150,12 @@ def owned(
     Jacobian can be a view of the caller's ``jac_tensors``. Shared, a later in-place
     accumulation or ``p.grad.mul_`` (gradient clipping) would change another tensor's too.
     Disjoint views of one buffer (the engine's reused gradient memory) are not copied.
+
+    ``copied``: copy every result, as autograd's accumulation does under ``create_graph=True``
+    (the gradients of a differentiation that built a graph): the graph of one gradient may save
+    another (a gradient that an addition passes on, the cotangent itself), and an in-place write
+    into the ``.grad`` or ``.jac`` holding it (the next call's accumulation, a clipping) would
+    break that graph.
 
     Example:
         >>> import torch
@@ -162,7 +169,9 @@ def owned(
         [True, True]
     """
     laid = [laid_out(r, None if like is None else like[k]) for k, r in enumerate(results)]
-    return [r if sole else r.clone() for r, sole in zip(laid, sole_owners(laid, held))]
+    return [
+        r if sole and not copied else r.clone() for r, sole in zip(laid, sole_owners(laid, held))
+    ]
 
 
 def grad_dtype(tensor: Tensor) -> torch.dtype:

@@ -162,6 +162,76 @@ def test_create_graph_refuses_weights_computed_without_autograd(
     backward(losses, [x], A=make())  # (the graph is intact)
 
 
+def _penalty_step(case: str) -> tuple[list[Tensor], list[Tensor], Callable[[], list[Tensor]]]:
+    """Leaves, inputs, and outputs where the gradient of one input is saved by the graph of
+    another's (with ``create_graph``): ``pass_on``, ``a``'s is the cotangent that ``a + sin(b)``
+    passes on, which ``b``'s (``cos(b)`` times it) saves; ``non_leaf``, ``h = v * w``'s, which
+    ``w``'s (it times ``v``) saves."""
+    gen = torch.Generator().manual_seed(0)
+    a, b = (torch.randn(3, generator=gen, dtype=torch.float64).requires_grad_() for _ in "ab")
+    if case == "pass_on":
+        return [a, b], [a, b], lambda: [a + b.sin()]
+    h = a * b
+    return [a, b], [b, h], lambda: [h * 3.0]
+
+
+def _rows(outputs: list[Tensor], inputs: list[Tensor]) -> list[Tensor]:
+    """The Jacobians by ``torch.autograd.grad``, row by row, with their graph."""
+    flat = torch.cat([o.reshape(-1) for o in outputs])
+    rows = [
+        [
+            torch.zeros_like(i) if g is None else g
+            for g, i in zip(
+                torch.autograd.grad(
+                    v, inputs, retain_graph=True, create_graph=True, allow_unused=True
+                ),
+                inputs,
+            )
+        ]
+        for v in flat
+    ]
+    return [torch.stack([r[k] for r in rows]) for k in range(len(inputs))]
+
+
+@pytest.mark.parametrize("case", ["pass_on", "non_leaf"])
+@pytest.mark.parametrize("chunk", [None, 1, 2])
+@pytest.mark.parametrize("A", [None, Sum(), Mean(), UPGrad()], ids=["jac", "Sum", "Mean", "UPGrad"])
+def test_create_graph_accumulated_twice_keeps_the_graphs(
+    case: str, chunk: int | None, A: Aggregator | None
+) -> None:
+    """Gradient accumulation with a gradient penalty: the first call stored autograd's gradient
+    of one input as it was, saved by the graph of another's, and the second added to it in
+    place, so the penalty's derivative failed with torch's "modified by an inplace operation".
+    As torch's ``backward(create_graph=True)``, each result is stored as a copy."""
+    leaves, inputs, outputs = _penalty_step(case)
+    blocks = _rows(outputs(), inputs)
+    matrix = torch.cat([2 * j.reshape(j.shape[0], -1) for j in blocks], dim=1)
+    expected = (UPGrad() if A is None else A)(matrix)
+    penalty_derivative = torch.autograd.grad(
+        (expected**2).sum(), leaves, retain_graph=True, materialize_grads=True
+    )
+    for _ in range(2):
+        backward(outputs(), inputs, A=A, parallel_chunk_size=chunk, create_graph=True)
+    if A is None:
+        jac_to_grad(inputs, UPGrad())
+    grads = [i.grad for i in inputs]
+    torch.testing.assert_close(torch.cat([g.reshape(-1) for g in grads]), expected)
+    penalty = sum((g**2).sum() for g in grads)
+    derivative = torch.autograd.grad(penalty, leaves, materialize_grads=True)
+    torch.testing.assert_close(derivative, penalty_derivative)
+
+
+def test_create_graph_grad_clipped_in_place_keeps_the_graphs() -> None:
+    """``a.grad`` was the cotangent that ``b.grad``'s graph saves: clipping it in place broke
+    that graph."""
+    a, b = (torch.tensor([0.5, -1.0], dtype=torch.float64, requires_grad=True) for _ in "ab")
+    backward(a + b.sin(), [a, b], A=Sum(), create_graph=True)
+    assert a.grad is not None and b.grad is not None
+    a.grad.mul_(0.5)
+    (derivative,) = torch.autograd.grad((b.grad**2).sum(), b)
+    torch.testing.assert_close(derivative, -(2 * b).sin().detach())
+
+
 def test_grad_has_no_graph_without_create_graph() -> None:
     """As after torch's ``backward``: a preference that requires grad leaves ``.grad``
     without a graph, and the next accumulation is in place."""

@@ -62,10 +62,14 @@ def check_jac_accumulable(tensors: Sequence[Tensor], rows: int, name: str) -> No
 
 
 def accumulate_jacs(
-    tensors: Sequence[Tensor], jacobians: Sequence[Tensor], held: Sequence[Tensor] = ()
+    tensors: Sequence[Tensor],
+    jacobians: Sequence[Tensor],
+    held: Sequence[Tensor] = (),
+    create_graph: bool = False,
 ) -> None:
     """Add ``jacobians[i]`` to ``tensors[i].jac`` (or set it), each a dense tensor of its own
-    (see :func:`owned`; ``held``: the caller's tensors, which no ``.jac`` may share).
+    (see :func:`owned`; ``held``: the caller's tensors, which no ``.jac`` may share;
+    ``create_graph``: the Jacobians of a differentiation that built a graph, all copied).
 
     An existing ``.jac`` is added to in place (``+=``, as TorchJD does: references to it see
     the sum) where :func:`_adds_in_place` allows it and it shares no memory with ``held`` or
@@ -74,7 +78,9 @@ def accumulate_jacs(
     """
     existing = [getattr(t, "jac", None) for t in tensors]
     with recording(jacobians):
-        jacs = owned(jacobians, [*held, *(e for e in existing if e is not None)])
+        jacs = owned(
+            jacobians, [*held, *(e for e in existing if e is not None)], None, create_graph
+        )
         in_place = _jacs_added_in_place(existing, jacs, held)
         new = [j if e is None or add else e + j for e, j, add in zip(existing, jacs, in_place)]
     with torch.no_grad():
@@ -154,11 +160,15 @@ def _adds_in_place(existing: Tensor, update: Tensor) -> bool:
 
 
 def accumulate_grads(
-    tensors: Sequence[Tensor], updates: Sequence[Tensor], held: Sequence[Tensor] = ()
+    tensors: Sequence[Tensor],
+    updates: Sequence[Tensor],
+    held: Sequence[Tensor] = (),
+    create_graph: bool = False,
 ) -> None:
     """Add ``updates[i]`` to ``tensors[i].grad`` (or set it when it is ``None``), each new
     ``.grad`` a tensor of its own in its tensor's layout (see :func:`owned`; ``held``: the
-    caller's tensors).
+    caller's tensors; ``create_graph``: gradients of a differentiation that built a graph, all
+    copied).
 
     Every update is converted to the dtype of torch's gradient (:func:`grad_dtype`: a
     parameter's ``grad_dtype`` where set) and every existing ``.grad`` read and every
@@ -171,7 +181,9 @@ def accumulate_grads(
         current = [_current_grad(tensor) for tensor in tensors]
         # (only what is stored as it is must be a tensor of its own, laid out as its tensor)
         fresh = [k for k, existing in enumerate(current) if existing is None]
-        stored = owned([converted[k] for k in fresh], held, [tensors[k] for k in fresh])
+        stored = owned(
+            [converted[k] for k in fresh], held, [tensors[k] for k in fresh], create_graph
+        )
         for k, update in zip(fresh, stored):
             converted[k] = update
         in_place = [e is not None and _adds_in_place(e, u) for e, u in zip(current, converted)]

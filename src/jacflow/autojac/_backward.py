@@ -37,14 +37,16 @@ def store(
     jacobians: Sequence[Tensor],
     aggregator: Aggregator | None,
     held: Sequence[Tensor] = (),
+    create_graph: bool = False,
 ) -> None:
     """Aggregate into ``.grad`` (with an aggregator) or accumulate into ``.jac``; write last.
-    No result shares memory with another or with ``held`` (the caller's tensors)."""
+    No result shares memory with another or with ``held`` (the caller's tensors), nor, with
+    ``create_graph``, with autograd's gradients (which another's graph may save)."""
     if aggregator is None:
-        accumulate_jacs(inputs, jacobians, held)
+        accumulate_jacs(inputs, jacobians, held, create_graph)
         return
     updates, _ = aggregate_blocks(aggregator, jacobians)
-    accumulate_grads(inputs, updates, held)
+    accumulate_grads(inputs, updates, held, create_graph)
 
 
 def _fixed_weight_update(
@@ -212,7 +214,7 @@ def backward(
             aggregator, outs, ins, cotangents, rows, retain, create_graph
         )
         if updates is not None:
-            accumulate_grads(ins, updates, cotangents or ())
+            accumulate_grads(ins, updates, cotangents or (), create_graph)
             return
     jacobians = compute_jacobians(outs, ins, cotangents, rows, retain, create_graph, chunk_size)
-    store(ins, jacobians, aggregator, cotangents or ())
+    store(ins, jacobians, aggregator, cotangents or (), create_graph)
