@@ -310,6 +310,19 @@ def test_jacrev_refuses_integer_inputs(dtype: torch.dtype) -> None:
         jacrev(lambda y, p: y * p["b"], argnums=(0, 1))(_X, {"b": torch.ones(3, dtype=dtype)})
 
 
+@pytest.mark.parametrize("dtype", [torch.int64, torch.bool])
+@pytest.mark.parametrize("chunk", [None, 1])
+def test_jacrev_refuses_integer_outputs(dtype: torch.dtype, chunk: int | None) -> None:
+    """Refused as by torch.func.jacrev, but with torch.func.vjp's message, which named ``vjp``
+    and no output."""
+    with pytest.raises(RuntimeError, match="floating-point"):
+        torch.func.jacrev(lambda x: (x * 2, x.to(dtype)))(_X)
+    with pytest.raises(TypeError, match=rf"jacrev: output 1 \(flattened\) .* is {dtype}"):
+        jacrev(lambda x: (x * 2, x.to(dtype)), chunk_size=chunk)(_X)
+    jacobian, aux = jacrev(lambda x: (x * 2, x.to(dtype)), has_aux=True, chunk_size=chunk)(_X)
+    assert torch.equal(jacobian, 2 * torch.eye(3)) and aux.dtype == dtype
+
+
 @pytest.mark.parametrize("has_aux", [1, 0, "yes", None])
 def test_jacrev_refuses_a_has_aux_that_is_not_a_bool(has_aux: object) -> None:
     with pytest.raises(TypeError, match="`has_aux` must be a bool"):

@@ -96,6 +96,14 @@ def _check_result(result: Any, has_aux: bool) -> Any:
         raise TypeError(
             f"jacrev: `func` must return a Tensor or a (nested) tuple of Tensors, received {bad}."
         )
+    # (torch.func.vjp's own refusal names vjp, not the transform that the caller used)
+    for k, out in enumerate(tree_flatten(output)[0]):
+        if not (out.is_floating_point() or out.is_complex()):
+            raise TypeError(
+                f"jacrev: output {k} (flattened) of `func` is {out.dtype}; like "
+                "torch.func.jacrev, jacrev differentiates floating-point outputs only. Return "
+                "it as a float (`.float()`), or as aux (`has_aux=True`) to keep it apart."
+            )
     return result
 
 
