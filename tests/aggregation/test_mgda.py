@@ -246,3 +246,18 @@ def test_exact_and_non_conflicting_for_row_norms_spread_over_decades() -> None:
             worst_ratio = max(worst_ratio, float(ratio))
     assert worst_cosine >= -1e-9
     assert worst_ratio <= 1 + 1e-3
+
+
+@given(st.integers(0, 2**31 - 1), st.integers(4, 13))
+def test_two_rows_of_norms_far_apart_in_any_order(seed: int, decades: int) -> None:
+    """m = 2, float32 rows 1e4 to 1e13 apart: the long row's weight, below eps, was computed as
+    1 - (1 - it) = 0 in one order of the rows (the update was the short row alone, up to
+    50% off), and exactly in the other; each weight now has its own closed form."""
+    gen = torch.Generator().manual_seed(seed)
+    J = torch.randn(2, 3, generator=gen, dtype=torch.float64)
+    J[1] *= 10.0**decades
+    expected = MGDA()(J)
+    for perm in ([0, 1], [1, 0]):
+        got = MGDA()(J[perm].float()).double()
+        scale = float(expected.norm()) + 1e-6 * float(J[0].norm())
+        assert float((got - expected).norm()) <= 1e-3 * scale

@@ -57,8 +57,8 @@ def frank_wolfe_min_norm(gramian: Tensor, epsilon: float, max_iters: int) -> Ten
 
 def two_row_min_norm(gramian: Tensor) -> Tensor:
     r"""Closed form for ``m = 2``: :math:`\lambda_1 = \mathrm{clip}((G_{22} - G_{12}) /
-    (G_{11} + G_{22} - 2G_{12}), 0, 1)`, :math:`\lambda_2 = 1 - \lambda_1` (1/2 each when the
-    rows are equal).
+    (G_{11} + G_{22} - 2G_{12}), 0, 1)` and :math:`\lambda_2 = \mathrm{clip}((G_{11} - G_{12})
+    / (G_{11} + G_{22} - 2G_{12}), 0, 1)` (their sum is 1; 1/2 each when the rows are equal).
 
     Example:
         >>> import torch
@@ -69,8 +69,10 @@ def two_row_min_norm(gramian: Tensor) -> Tensor:
     g11, g12, g22 = gramian[0, 0], gramian[0, 1], gramian[1, 1]
     denominator = g11 + g22 - 2 * g12
     safe = torch.where(denominator > 0, denominator, torch.ones_like(denominator))
-    first = torch.where(denominator > 0, ((g22 - g12) / safe).clamp(0.0, 1.0), 0.5)
-    return torch.stack([first, 1 - first])
+    # Each weight from its own numerator, not 1 - the other: with rows of norms 1e6 apart, the
+    # weight of the long row is below eps, and 1 - (1 - it) is 0 (the update was the short row).
+    numerators = torch.stack([g22 - g12, g11 - g12])
+    return torch.where(denominator > 0, (numerators / safe).clamp(0.0, 1.0), 0.5)
 
 
 def refine_min_norm(gramian: Tensor, lam: Tensor, max_steps: int) -> Tensor:
