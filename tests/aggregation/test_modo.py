@@ -89,3 +89,11 @@ def test_errors_and_repr() -> None:
         MoDoWeighting()(torch.ones(2, 3))
     assert repr(MoDo()) == "MoDo(gamma=0.1, rho=0.1)"
     assert str(MoDo()) == "MoDo"
+
+
+def test_weights_stay_on_the_simplex_for_large_gramians() -> None:
+    """Rows of norm 3e4 in float32 (Gramian 1e9: a step of 1e8) gave weights [0, 0] and a zero
+    update; the simplex projection lost its sum to rounding."""
+    J = torch.tensor([[3e4, 0.0], [0.0, 3e4]])
+    for dtype in (torch.float32, torch.float64):
+        torch.testing.assert_close(MoDo()(J.to(dtype)), torch.tensor([1.5e4, 1.5e4], dtype=dtype))

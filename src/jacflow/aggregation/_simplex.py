@@ -29,6 +29,10 @@ def project_onto_simplex(y: Tensor) -> Tensor:
     m = y.shape[-1]
     if m == 0:
         return y.clone()
+    # The projection ignores a common shift: the largest entry moved to 0 keeps the 1 that the
+    # weights sum to. Entries of 1e8 (a float32 step of 0.1 on a Gramian of 1e9) swallowed it,
+    # and y - theta rounded to 0 everywhere: weights of sum 0, a zero update.
+    y = y - y.amax(dim=-1, keepdim=True)
     ordered = torch.sort(y, dim=-1, descending=True).values
     shifted_sums = ordered.cumsum(dim=-1) - 1
     ranks = torch.arange(1, m + 1, device=y.device, dtype=y.dtype)
