@@ -93,3 +93,13 @@ def test_a_skipped_first_call_does_not_fix_the_shape() -> None:
     assert bool(A(torch.tensor([[float("nan"), 1.0, 2.0], [0.0, 1.0, 1.0]])).isnan().all())
     J = torch.tensor([[1.0, 0.0], [0.0, 1.0]])
     assert torch.equal(A(J), MoCo()(J))
+
+
+def test_a_large_finite_jacobian_leaves_a_finite_state() -> None:
+    """Y Y^T lambda overflowed float32 (rows of norm 1e20): a NaN lambda, kept as state, made
+    every later update NaN. The weights' step is taken in float64."""
+    A = MoCo()
+    torch.testing.assert_close(A(torch.tensor([[1e20]])), torch.tensor([5e19]))
+    assert bool(torch.isfinite(A(torch.ones(1, 1))).all())
+    J = torch.tensor([[1e25, 0.0], [0.0, 1.0]])
+    torch.testing.assert_close(MoCo()(J), MoCo()(J.double()).float())

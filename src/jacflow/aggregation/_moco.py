@@ -22,8 +22,12 @@ def moco_step(
     :math:`d = Y^\top \lambda`.
     """
     tracked = tracked - beta_k * (tracked - matrix)
-    gradient = tracked @ (tracked.T @ lambdas) + rho * lambdas
-    lambdas = project_onto_simplex(lambdas - gamma_k * gradient)
+    # The weights' step in float64: Y Y^T lambda has the square of Y's scale, which overflows
+    # float32 from rows of norm 1e19 (a NaN lambda, kept as state, made every later update NaN).
+    wide = tracked.to(torch.float64)
+    old = lambdas.to(torch.float64)
+    gradient = wide @ (wide.T @ old) + rho * old
+    lambdas = project_onto_simplex(old - gamma_k * gradient).to(lambdas.dtype)
     return tracked, lambdas, lambdas @ tracked
 
 
