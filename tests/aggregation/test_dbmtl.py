@@ -126,3 +126,14 @@ def test_a_skipped_first_call_does_not_fix_the_shape() -> None:
     fresh.set_losses(torch.ones(2))
     A.set_losses(torch.ones(2))
     assert torch.equal(A(J), fresh(J))
+
+
+def test_rows_whose_squared_norm_overflows_give_a_finite_update() -> None:
+    """float32 rows of norm 2e30: their squared norms overflowed, inf / inf gave a NaN update."""
+    J = torch.tensor([[2e30, 0.0, 1e30], [0.0, 1e30, 0.0]])
+    updates = []
+    for dtype in (torch.float32, torch.float64):
+        A = DBMTL()
+        A.set_losses(torch.tensor([1.0, 2.0]))
+        updates.append(A(J.to(dtype)))
+    torch.testing.assert_close(updates[0], updates[1].float())

@@ -6,7 +6,7 @@ import torch
 from torch import Tensor
 
 from jacflow._stateful import SavesState, Stateful
-from jacflow.aggregation._bases import Aggregator
+from jacflow.aggregation._bases import Aggregator, unit_peak_factor
 from jacflow.aggregation._hyperparameters import Hyperparameter, floats
 from jacflow.aggregation._loss_aware import LossAware
 from jacflow.aggregation._nonfinite import has_nonfinite
@@ -25,8 +25,11 @@ def dbmtl_step(
     """
     log_jacobian = matrix / (losses + _EPS)[:, None]
     buffer = beta_t * buffer + (1 - beta_t) * log_jacobian
-    norms = buffer.norm(dim=1)
-    scales = norms.max() / (norms + _EPS)
+    # The norms of the buffer scaled by a power of two c (exact), and the ratios from them:
+    # squared, float32 rows of norm 2e19 overflowed to inf, and inf / inf gave a NaN update.
+    c = unit_peak_factor([buffer])
+    norms = (c * buffer).norm(dim=1)
+    scales = norms.max() / (norms + c * _EPS)
     return buffer, scales @ buffer
 
 
