@@ -357,7 +357,7 @@ class MGDA(GramianWeightedAggregator, LossAware):
         >>> from jacflow.aggregation import MGDA
         >>> J = torch.tensor([[-4., 1., 1.], [6., 1., 1.]])
         >>> MGDA()(J)
-        tensor([-2.3842e-07,  1.0000e+00,  1.0000e+00])
+        tensor([0., 1., 1.])
         >>> agg = MGDA(normalization="loss")
         >>> agg.set_losses(torch.tensor([1.0, 2.0]))
         >>> agg(J)
