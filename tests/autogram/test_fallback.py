@@ -498,3 +498,27 @@ def test_an_output_changed_in_place_is_compared_with_a_re_run(
     _assert_refused(_Then(_BatchStatNorm(), True), _squares, 0, ReplayMismatchError, "other outp")
     _assert_exact(_Then(_Gated(), True), _squares, 0)
     assert not runs
+
+
+def test_per_sample_a_sparse_product_inside_is_refused_clearly() -> None:
+    """Per sample, a module of the generic rule that multiplies by a sparse adjacency matrix
+    over the samples (the nodes) cannot be re-run sample by sample: a ValueError naming the
+    sparse product and the ways out, not torch's wrapped "addmm: ... Expected dim 0 size 6",
+    and no ``.grad`` written."""
+
+    class Propagate(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(3, 4))
+
+        def forward(self, x: Tensor) -> Tensor:
+            return torch.sparse.mm(adjacency, x @ self.weight)
+
+    edges = torch.tensor([[0, 1, 2, 3, 4, 5], [1, 2, 3, 4, 5, 0]])
+    adjacency = torch.sparse_coo_tensor(edges, torch.ones(6), (6, 6), check_invariants=True)
+    layer = Propagate()
+    with Engine(layer, batch_dim=0) as engine:
+        losses = layer(torch.randn(6, 3)).pow(2).sum(1)
+        with pytest.raises(ValueError, match=r"(?s)multiplies by a sparse tensor.*batch_dim=None"):
+            engine.backward(losses, UPGradWeighting())
+    assert layer.weight.grad is None

@@ -543,3 +543,30 @@ def test_a_sparse_input_is_differentiated_row_by_row(chunk: int | None) -> None:
     expected = torch.autograd.grad(model(dense).pow(2).sum(), params)
     for p, e in zip(params, expected):
         torch.testing.assert_close(p.grad, e, rtol=1e-12, atol=1e-12)
+
+
+def test_a_checkpointed_block_is_recomputed_once() -> None:
+    """The walk that looks for sparse products read every product's saved operands, which a
+    non-reentrant checkpoint recomputes its forward to unpack: an 8-layer checkpointed block ran
+    17 times in one call (and kept the recomputed activations). Operands are read as stored:
+    the forward and the one recomputation of the batched backward."""
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(4, 4).double()
+    runs = [0]
+
+    def block(x: Tensor) -> Tensor:
+        runs[0] += 1
+        for _ in range(8):
+            x = torch.tanh(layer(x))
+        return x
+
+    x = torch.randn(5, 4, dtype=torch.float64)
+    out = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+    losses = [out[:, :2].pow(2).mean(), out[:, 2:].abs().mean()]
+    params = list(layer.parameters())
+    rows = [torch.autograd.grad(loss, params, retain_graph=True) for loss in losses]
+    jacobian = torch.stack([torch.cat([g.reshape(-1) for g in row]) for row in rows])
+    runs[0] = 1
+    backward(losses, A=UPGrad())
+    assert runs[0] == 2
+    torch.testing.assert_close(torch.cat([p.grad.reshape(-1) for p in params]), UPGrad()(jacobian))

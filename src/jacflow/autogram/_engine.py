@@ -75,7 +75,7 @@ from jacflow.autogram._rules import (
 )
 from jacflow.autogram._separable import leaks, probe_cotangents, probe_sets
 from jacflow.autojac._checks import check_real_tensor
-from jacflow.autojac._graph import COMPILED_NODE, sparse_gradients
+from jacflow.autojac._graph import COMPILED_NODE, sparse_gradients, sparse_on_paths
 from jacflow.linalg._products import row_gramian
 
 # A pattern of recorded calls: their units, in order, and the losses' graph outside them (see
@@ -1245,11 +1245,14 @@ class Engine:
         compiled = _holds_compiled(pattern[1], edges)
         # (vmap cannot batch a sparse backward, that of an nn.Embedding(sparse=True) below or
         # of a product with a sparse adjacency matrix, between the modules or inside a module
-        # of the generic rule, whose graph the walk of outside_calls steps over)
+        # of the generic rule, whose graph the walk of outside_calls steps over; where there
+        # is one, a walk tells whether the capture's backward runs it)
+        sparse = SPARSE_OPERATION in pattern[1] or any(
+            self._reruns(index) and sparse_inside(call) for index, call in calls
+        )
         row_by_row = (
             row_by_row
-            or SPARSE_OPERATION in pattern[1]
-            or any(self._reruns(index) and sparse_inside(call) for index, call in calls)
+            or (sparse and _runs_sparse(losses, calls, extra_inputs))
             or _sparse_rows(pattern[1], losses, extra_inputs, selections)
         )
         # (per sample, a new pattern's losses are probed after the checks below: the graph stays)
@@ -1559,11 +1562,13 @@ def _check_strided_inputs(calls: list[tuple[Unit, Call]], batch_dim: int | None)
                 continue
             kind = "a nested (jagged) tensor" if nested else f"a sparse tensor ({leaf.layout})"
             dense = "pad the batch into a dense tensor" if nested else "pass x.to_dense()"
+            # (jacflow.backward takes a sparse input's rows one by one by itself)
+            chunks = ", parallel_chunk_size=1" if nested else ""
             raise ValueError(
                 f"{unit.name} ({type(unit.module).__name__}) was given {kind} as input, which "
                 f"the Engine (batch_dim={batch_dim}) cannot take apart by sample or task. "
-                f"Give it a dense strided tensor ({dense}), or use jacflow.backward(..., "
-                "parallel_chunk_size=1), which differentiates the losses row by row."
+                f"Give it a dense strided tensor ({dense}), or use jacflow.backward(...{chunks}), "
+                "which differentiates the losses row by row."
             )
 
 
@@ -1776,6 +1781,16 @@ def _sparse_rows(
         return False
     each = [t for t, rows in zip(extra_inputs, selections, strict=True) if rows == EACH]
     return bool(each) and sparse_gradients([losses], each)
+
+
+def _runs_sparse(
+    losses: Tensor, calls: Sequence[tuple[int, Call]], extra_inputs: Sequence[Tensor]
+) -> bool:
+    """Whether the backward from ``losses`` to the recorded calls' outputs and the
+    ``extra_inputs`` runs an operation on sparse tensors (see ``sparse_on_paths``)."""
+    targets = [edge.node for _, call in calls for edge in call.edges]
+    targets += [get_gradient_edge(t).node for t in extra_inputs if t.requires_grad]
+    return sparse_on_paths([losses.grad_fn], targets)
 
 
 def _holds_compiled(outside: tuple[object, ...], edges: Sequence[Any]) -> bool:

@@ -28,6 +28,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from jacflow.autogram._embedding import frequency_refusal
 from jacflow.autogram._flatten import leaves
+from jacflow.autogram._outside import sparse_inside
 from jacflow.autogram._precision import replay_autocast
 from jacflow.autogram._rules import (
     Call,
@@ -929,6 +930,16 @@ class FallbackRule(Rule):
                             "on packed sequences. Pad the sequences, or let the closed form "
                             "cover the recurrent layer: a plain nn.RNN/LSTM/GRU, with no "
                             "parameters of its own around it."
+                        ) from error
+                    if not rows.per_task and sparse_inside(call):
+                        raise ValueError(
+                            f"{_no_closed_form(module)} and multiplies by a sparse tensor (a "
+                            "graph's adjacency matrix?), so the engine re-runs it sample by "
+                            "sample under torch.func's vmap, which failed on the sparse product: "
+                            f"{error}. Per sample (batch_dim=0), a product with a sparse matrix "
+                            "over the samples (the nodes of a graph) mixes them. Use "
+                            "batch_dim=None (per task), or jacflow.backward, which takes such "
+                            "products row by row."
                         ) from error
                     if not rows.per_task:
                         raise RuntimeError(

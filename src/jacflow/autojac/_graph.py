@@ -173,7 +173,9 @@ _SPARSE_OPERATIONS = frozenset({"ToDenseBackward0", "ValuesBackward0", "Coalesce
 
 def sparse_operation(node: Any) -> bool:
     """Whether ``node`` is the backward of an operation on a sparse tensor, or of a matrix
-    product one of whose saved operands is sparse (see ``_PRODUCT_OPERANDS``).
+    product one of whose saved operands is sparse (see ``_PRODUCT_OPERANDS``). The operands are
+    read as stored, never unpacked: under saved-tensor hooks (a non-reentrant checkpoint
+    recomputes its forward to unpack them, ``save_on_cpu`` copies back) they are not inspected.
 
     Example:
         >>> import torch
@@ -190,20 +192,64 @@ def sparse_operation(node: Any) -> bool:
         return True
     for attribute in _PRODUCT_OPERANDS.get(name, ()):
         try:
-            operand = getattr(node, attribute)
-        except RuntimeError:  # (freed by an earlier backward: the next one fails on its own)
+            operand = getattr(node, "_raw" + attribute).data  # (what autograd stored)
+        except (AttributeError, RuntimeError):  # (freed by an earlier backward, or no such)
             continue
         if isinstance(operand, Tensor) and operand.layout != torch.strided:
             return True
     return False
 
 
+def sparse_on_paths(roots: Sequence[Any], targets: Sequence[Any]) -> bool:
+    """Whether a backward from the nodes ``roots`` to the nodes ``targets`` runs a node that
+    vmap cannot batch because of sparse tensors: a :func:`sparse_operation`, or a node whose
+    saved flags say that it returns a sparse gradient (``nn.Embedding(sparse=True)``,
+    ``gather(..., sparse_grad=True)``). Autograd runs the nodes with a path to a target (a
+    target itself where another lies below it), not the others: a sparse product that feeds only
+    parameters left out of the backward does not count.
+
+    Example:
+        >>> import torch
+        >>> from torch.autograd.graph import get_gradient_edge
+        >>> from jacflow.autojac._graph import sparse_on_paths
+        >>> table = torch.nn.Embedding(4, 2, sparse=True)
+        >>> head = torch.ones(2, requires_grad=True)
+        >>> out = (table(torch.tensor([1, 3])) @ head).sum()
+        >>> def node(t):
+        ...     return get_gradient_edge(t).node
+        >>> sparse_on_paths([out.grad_fn], [node(table.weight)])
+        True
+        >>> sparse_on_paths([out.grad_fn], [node(head)])
+        False
+    """
+    wanted = {id(target) for target in targets}
+    runs: dict[int, bool] = {}  # a node -> whether autograd runs it
+    entered: set[int] = set()
+    # (node, None) on the first visit, (node, its children) once they are pushed before it
+    stack: list[tuple[Any, list[Any] | None]] = [(root, None) for root in roots if root]
+    while stack:
+        node, children = stack.pop()
+        if children is None:
+            if id(node) in entered:
+                continue
+            entered.add(id(node))
+            children = [child for child, _ in node.next_functions if child is not None]
+            stack.append((node, children))
+            stack.extend((child, None) for child in children if id(child) not in entered)
+            continue
+        runs[id(node)] = any(id(c) in wanted or runs.get(id(c), False) for c in children)
+        if runs[id(node)] and (
+            sparse_operation(node)
+            or any(getattr(node, flag, False) is True for flag in _SPARSE_FLAGS)
+        ):
+            return True
+    return False
+
+
 def sparse_gradients(outputs: Sequence[Tensor], inputs: Sequence[Tensor]) -> bool:
     """Whether differentiating ``outputs`` with respect to ``inputs`` runs a backward that
-    torch cannot batch with vmap because of sparse tensors: a sparse input, a node of the graph
-    behind ``outputs`` with a sparse flag set whose gradient goes to one of ``inputs`` or to a
-    tensor computed from others (not only to leaves that are not among ``inputs``, where
-    autograd does not run it), or a :func:`sparse_operation` (a sparse adjacency matrix).
+    torch cannot batch with vmap because of sparse tensors: a sparse input, or a node that
+    :func:`sparse_on_paths` finds (a sparse gradient, a sparse adjacency matrix) between them.
 
     Example:
         >>> import torch
@@ -215,16 +261,5 @@ def sparse_gradients(outputs: Sequence[Tensor], inputs: Sequence[Tensor]) -> boo
     """
     if any(t.layout != torch.strided for t in inputs):  # (a sparse leaf: sparse gradients)
         return True
-    wanted = {id(t) for t in inputs if t.grad_fn is None}
-    for node in _nodes_behind(outputs):
-        if sparse_operation(node):
-            return True
-        if not any(getattr(node, flag, False) is True for flag in _SPARSE_FLAGS):
-            continue
-        children = [child for child, _ in node.next_functions if child is not None]
-        if any(
-            id(getattr(child, "variable", None)) in wanted or not hasattr(child, "variable")
-            for child in children
-        ):
-            return True
-    return False
+    targets = [get_gradient_edge(t).node for t in inputs if t.requires_grad]
+    return sparse_on_paths([o.grad_fn for o in outputs], targets)

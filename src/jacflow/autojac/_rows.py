@@ -119,7 +119,9 @@ def stacked_vjps(
         sparse_retry: a chunk that vmap fails to batch because of sparse tensors (a product
             with a sparse adjacency matrix) is differentiated again row by row: only for a
             ``vjp`` that may be called again (a functional pullback; autograd's runs hooks and
-            may free the graph, so its callers choose rows by a walk of the graph instead).
+            may free the graph, so its callers choose rows by a walk of the graph instead). The
+            pullback's backward code then runs again (a custom ``autograd.Function``'s backward
+            with side effects runs once more per row).
     """
     if rows == 0:
         return tuple(torch.zeros((0, *i.shape), dtype=i.dtype, device=i.device) for i in inputs)
@@ -148,7 +150,7 @@ def stacked_vjps(
             try:
                 grads = list(vjp(chunk, batched=True, last=last))
             except RuntimeError as error:
-                if sparse_retry and "sparse" in str(error).lower():
+                if sparse_retry and _sparse_refusal(error):
                     grads = _row_by_row(vjp, chunk, last)
                 elif not vmap_related(error):
                     raise
@@ -171,6 +173,21 @@ def stacked_vjps(
     if buffers is not None:
         return tuple(buffers)
     return tuple(_joined(r) for r in results)
+
+
+def _sparse_refusal(error: RuntimeError) -> bool:
+    """Whether ``error`` is vmap's failure to batch an operation on sparse tensors: a sparse
+    operand it cannot expand to the chunk, or an operation missing for sparse tensors that
+    batching needs (``view``).
+
+    Example:
+        >>> from jacflow.autojac._rows import _sparse_refusal
+        >>> error = "Could not run 'aten::view' with arguments from the 'SparseCPU' backend."
+        >>> _sparse_refusal(RuntimeError(error)), _sparse_refusal(RuntimeError("sparse_dim < 0"))
+        (True, False)
+    """
+    message = str(error).lower()
+    return "sparse" in message and (vmap_related(error) or "could not run 'aten::" in message)
 
 
 def _row_by_row(vjp: VJP, chunk: tuple[Tensor, ...], last: bool) -> list[Tensor | None]:
