@@ -183,3 +183,22 @@ def test_a_state_dict_kept_in_memory_stays_a_snapshot() -> None:
     for key, value in truth.items():
         if isinstance(value, torch.Tensor):
             torch.testing.assert_close(kept[key], value, rtol=0, atol=0)
+
+
+def test_an_update_after_a_call_in_a_wider_dtype_steps_the_state_in_its_own() -> None:
+    """Losses in float64 after float32 steps (the value computed in float64) made ``update``
+    fail with a raw dtype error from the softmax's Jacobian product, and the losses of the call
+    it had to compare with were lost."""
+    wide, same = FAMO(2), FAMO(2)
+    for famo in (wide, same):
+        famo(torch.tensor([1.0, 2.0]))  # (settles the state in float32)
+        famo.update(torch.tensor([0.5, 2.0]))
+    value = wide(torch.tensor([1.0, 2.0], dtype=torch.float64))
+    assert value.dtype == torch.float64
+    wide.update(torch.tensor([0.8, 1.0], dtype=torch.float64))
+    same(torch.tensor([1.0, 2.0]))
+    same.update(torch.tensor([0.8, 1.0]))
+    assert wide._steps == 2
+    for name in ("logits", "_exp_avg", "_exp_avg_sq"):
+        assert getattr(wide, name).dtype == torch.float32
+    torch.testing.assert_close(wide.logits, same.logits)

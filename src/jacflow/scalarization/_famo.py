@@ -69,7 +69,8 @@ class FAMO(SavesState, Scalarizer, Stateful):
     first call in training mode or a loaded ``state_dict`` (see :class:`Scalarizer`); after
     that, and for float16 or bfloat16 losses, they keep theirs (half precision would round
     Adam's small steps away), and the value is computed in the wider of the two dtypes.
-    :meth:`update` converts its losses to the device and dtype of the call's (the wider one). A
+    :meth:`update` converts its losses to the device and dtype of the call's (the wider one), and
+    steps the logits and Adam's moments in their own dtype. A
     call in evaluation mode (``famo.eval()``) computes the value and keeps nothing for
     :meth:`update`, which then uses the last training call's losses. A NaN or infinite loss
     gives a non-finite value, and an :meth:`update` with a NaN or an infinity in either call's
@@ -187,6 +188,9 @@ class FAMO(SavesState, Scalarizer, Stateful):
         delta = torch.log(before - self.min_losses + _EPS) - torch.log(
             after - self.min_losses + _EPS
         )
+        # (in the logits' dtype: losses of a wider dtype than the settled state compute the
+        # change in theirs, but the state keeps its own, which the next calls read)
+        delta = delta.to(self.logits.dtype)
         grad = famo_logit_gradient(self.logits, delta) + self.weight_decay * self.logits
         beta1, beta2 = _BETAS
         self._steps += 1
