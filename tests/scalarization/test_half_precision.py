@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import Tensor
 
-from jacflow.scalarization import COSMOS, STCH, AdaLoss, LogSTCH, ReLoBRaLo, Scalarizer
+from jacflow.scalarization import COSMOS, LBTW, STCH, AdaLoss, LogSTCH, ReLoBRaLo, Scalarizer
 
 HALF = [torch.float16, torch.bfloat16]
 
@@ -167,3 +167,14 @@ def test_cosmos_with_small_losses_gives_the_float32_gradient(dtype: torch.dtype)
     gradient was NaN."""
     rows = [[0.0, 1e-5], [1e-4, 2e-4], [0.5, 0.25]]
     _compare(lambda: COSMOS(1.0, torch.tensor([1.0, 2.0])), rows, dtype)
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("alpha", [0.5, 0.1])
+def test_lbtw_with_a_large_loss_ratio_gives_the_float32_value_and_gradient(
+    dtype: torch.dtype, alpha: float
+) -> None:
+    """The ratio 100 / 1e-3 overflowed float16 (inf weight, inf value) although the weight
+    (1e5) ** alpha and the value fit; bfloat16 rounded the ratio to 3 significant digits."""
+    rows = [[1e-3, 1.0], [100.0, 0.5], [30.0, 0.25]]
+    _compare(lambda: LBTW(alpha), rows, dtype)

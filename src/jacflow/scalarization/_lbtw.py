@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from jacflow._stateful import SavesState, Stateful
+from jacflow.aggregation._bases import compute_dtype
 from jacflow.aggregation._nonfinite import has_nonfinite
 from jacflow.scalarization._base import (
     Hyperparameter,
@@ -47,6 +48,10 @@ class LBTW(SavesState, Scalarizer, Stateful):
     new reference). A NaN or infinite loss gives a non-finite value and is not taken as
     :math:`L^{(0)}` (so a step that an AMP ``GradScaler`` skips does not poison the state).
 
+    The weights are computed, and :math:`L^{(0)}` kept, in float32 for float16 or bfloat16
+    losses (a float16 ratio above 65504 is infinite), in their dtype otherwise; the value is
+    then rounded to the losses' dtype.
+
     Args:
         alpha: the exponent :math:`\alpha \ge 0` (the paper uses 0.1 and 0.5; 0 is the sum).
 
@@ -74,7 +79,10 @@ class LBTW(SavesState, Scalarizer, Stateful):
     def forward(self, losses: Tensor, /) -> Tensor:
         # (a negative ratio's power is NaN)
         check_non_negative(losses, "LBTW", "Shift the losses, e.g. by a lower bound.")
-        detached = losses.detach()
+        # (float32 at least: a float16 ratio L / L(0) above 65504 is inf, e.g. 100 / 1e-3, whose
+        # power is then an infinite weight, and a bfloat16 ratio keeps 3 significant digits)
+        wide = losses.to(compute_dtype(losses.dtype))
+        detached = wide.detach()
         if self._initial is None:
             # (else: an evaluation call or a skipped step, no reference taken)
             if self.training and not has_nonfinite(detached):
@@ -82,8 +90,8 @@ class LBTW(SavesState, Scalarizer, Stateful):
             weights = torch.ones_like(detached)  # L = L(0): weights 1 by definition
         else:
             check_same_shape(self._initial, losses, "LBTW")
-            weights = lbtw_weights(detached, on_losses(self._initial, losses), self.alpha)
-        return (weights * losses).sum()
+            weights = lbtw_weights(detached, on_losses(self._initial, wide), self.alpha)
+        return (weights * wide).sum().to(losses.dtype)
 
     def step(self) -> None:
         """End the epoch: the next call's losses become the new :math:`L^{(0)}`."""
