@@ -118,3 +118,16 @@ def test_an_evaluation_call_takes_its_slopes_from_the_last_training_call() -> No
     assert sa(torch.tensor([5.0, 5.0])).item() == pytest.approx(5.0, rel=1e-6)  # slopes [3, 3]
     sa.train()
     assert sa(torch.tensor([1.0, 2.0])).item() == pytest.approx(expected, rel=1e-6)
+
+
+@pytest.mark.parametrize("beta", [100.0, -100.0])
+def test_slopes_whose_product_with_beta_overflows_give_the_softmax_limit(beta: float) -> None:
+    """``beta * s`` above float32's range (finite losses and slopes) made the softmax inf - inf:
+    the value was NaN, a step that an AMP ``GradScaler`` skips, from finite losses."""
+    rows = [[0.0, 1.0, 2.0], [1e37, 1.0, 2.0]]
+    single, double = SoftAdapt(beta=beta), SoftAdapt(beta=beta)
+    for row in rows:
+        value = single(torch.tensor(row))
+        expected = double(torch.tensor(row, dtype=torch.float64))  # (beta * s fits float64)
+    assert bool(torch.isfinite(value))
+    torch.testing.assert_close(value, expected.float())

@@ -30,7 +30,11 @@ def softadapt_weights(
     s = slopes.flatten()
     if normalized:
         s = s / s.abs().sum().clamp_min(_SLOPE_FLOOR)
-    weights = torch.softmax(beta * s, dim=0)
+    logits = beta * s
+    # (shifted by their largest, which the softmax does not see, so that finite slopes whose
+    # beta * s overflows to inf give the softmax's limit, the largest sharing 1, not inf - inf)
+    top = logits.amax()
+    weights = torch.softmax(torch.where(logits == top, 0.0, logits - top), dim=0)
     if loss_weighted:
         scaled = losses.flatten() * weights
         total = scaled.sum()
