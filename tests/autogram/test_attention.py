@@ -371,3 +371,45 @@ def test_per_sample_3d_mask_on_the_generic_rule_with_rows_per_sample(option: str
         [(p.grad - g).flatten() for p, g in zip(attn.parameters(), previous, strict=True)]  # type: ignore[operator]
     )
     torch.testing.assert_close(update, weights @ jacobian)
+
+
+@pytest.mark.parametrize("scale", [300.0, 1e-3])
+@pytest.mark.parametrize("inputs", [_self, _cross], ids=["self", "cross"])
+@pytest.mark.parametrize("batch_dim", [0, None])
+def test_float16_projections_run_in_float32(
+    batch_dim: int | None, inputs: Inputs, scale: float
+) -> None:
+    """A float16 attention layer without autocast: its closed form ran in float16, as the
+    engine's float32 upcast of a layer's tensors skipped it (a rule that covers its children's
+    parameters), so output gradients of about 300 overflowed the Gramian to ``inf`` (a float32
+    Gramian of about 1e6) and small ones lost digits to float16's subnormals (15% off at 1e-3).
+    Against the float64 brute force from the same float16 weights, to float16's precision."""
+    torch.manual_seed(0)
+    attn = nn.MultiheadAttention(E, H, batch_first=True).half()
+    reference = copy.deepcopy(attn).double()
+    x, memory = torch.randn(B, T, E).half(), torch.randn(B, S, E).half()
+    params = [*reference.parameters()]
+
+    def losses(module: nn.MultiheadAttention, dtype: torch.dtype) -> Tensor:
+        out, weights = module(*inputs(x.to(dtype), memory.to(dtype)))
+        per_sample = (out.to(torch.float64).pow(2) + weights.to(torch.float64)[..., :1]).sum((1, 2))
+        return scale * (per_sample if batch_dim == 0 else per_sample[:2])
+
+    jacobian = torch.stack(
+        [
+            torch.cat([g.flatten() for g in torch.autograd.grad(loss, params, retain_graph=True)])
+            for loss in losses(reference, torch.float64)
+        ]
+    )
+    expected = jacobian @ jacobian.T
+    engine = Engine(attn, batch_dim=batch_dim)
+    gramian = engine.compute_gramian(losses(attn, torch.float16))
+    assert gramian.dtype == torch.float32
+    peak = float(expected.abs().max())
+    torch.testing.assert_close(gramian.double() / peak, expected / peak, rtol=0, atol=1e-2)
+    weights = torch.linspace(0.5, 1.5, gramian.shape[0], dtype=torch.float32)
+    engine.backward(losses(attn, torch.float16), ConstantWeighting(weights))
+    update = torch.cat([p.grad.double().flatten() for p in attn.parameters()])  # type: ignore[union-attr]
+    target = weights.double() @ jacobian
+    top = float(target.abs().max())
+    torch.testing.assert_close(update / top, target / top, rtol=0, atol=1e-2)

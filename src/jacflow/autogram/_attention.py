@@ -39,6 +39,7 @@ from torch import Tensor, nn
 
 from jacflow.autogram._fallback import FallbackRule
 from jacflow.autogram._linear import JoinedLinear, linear_part
+from jacflow.autogram._precision import working_dtype
 from jacflow.autogram._rules import (
     Call,
     Contribution,
@@ -178,12 +179,21 @@ def _projection_terms(
     """``(x, d_in, o, g)`` of one call (``args``: its arguments by name), batch first: the
     in-projection's input and its rows' output gradients ``[dq, dk, dv]`` (positions of the
     query, then of the other inputs), the out-projection's input ``o`` and its rows' output
-    gradients ``g``."""
+    gradients ``g``, in the :func:`working_dtype` of the parameters (float32 for float16
+    ones: the engine's upcast of a layer's tensors does not reach this rule, which covers
+    ``out_proj``'s parameters as a child's, and the Gramian's products overflowed float16 from
+    output gradients of about 300)."""
     heads = module.num_heads
-    query, key, value = (_batch_first(args[n], module) for n in ("query", "key", "value"))
-    w_in = module.in_proj_weight.detach()
-    b_in = None if module.in_proj_bias is None else module.in_proj_bias.detach()
+    assert module.in_proj_weight is not None
+    dtype = working_dtype(module.in_proj_weight.dtype)
+
+    def work(t: Tensor) -> Tensor:
+        return t.to(dtype)
+
     self_attention = args["query"] is args["key"] and args["key"] is args["value"]
+    query, key, value = (work(_batch_first(args[n], module)) for n in ("query", "key", "value"))
+    w_in = work(module.in_proj_weight.detach())
+    b_in = None if module.in_proj_bias is None else work(module.in_proj_bias.detach())
     if self_attention:  # one product for the three projections
         projected = F.linear(query, w_in, b_in).chunk(3, -1)
     else:
@@ -208,16 +218,18 @@ def _projection_terms(
     g = grads[0]
     if g is None:
         raise RuntimeError("internal: the output of a reached attention call has no gradient")
+    g = work(g)
     if rows.per_task and not module.batch_first:  # [R, T, N, E] -> [R, N, T, E]
         g = g.transpose(1, 2)
     # rows' view of the per-sample tensors: per sample, gathered; per task, broadcast
     gather: Callable[[Tensor], Tensor] = (lambda t: t) if rows.per_task else rows.gather
     p_rows, q_rows, k_rows, v_rows = (gather(t) for t in (p, q, k, v))
-    d_o = _heads(g @ module.out_proj.weight.detach(), heads)
+    d_o = _heads(g @ work(module.out_proj.weight.detach()), heads)
     dv = p_rows.mT @ d_o
     dp = d_o @ v_rows.mT
     g_weights = grads.get(1)
     if g_weights is not None:  # the returned weights: P, or its mean over the heads
+        g_weights = work(g_weights)
         dp = dp + (g_weights.unsqueeze(-3) / heads if args["average_attn_weights"] else g_weights)
     ds = p_rows * (dp - (dp * p_rows).sum(-1, keepdim=True))
     dq = _merged(ds @ k_rows) * scale
