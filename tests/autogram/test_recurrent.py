@@ -444,6 +444,35 @@ def test_lstm_initial_state_under_autocast(packed: bool) -> None:
     assert ((gramian - reference).abs().max() / reference.abs().max()) < 0.05
 
 
+@pytest.mark.parametrize("kind", ["GRU", "LSTM"])
+@pytest.mark.parametrize("batch_dim", [0, None])
+def test_float16_packed_sequences_run_in_float32(kind: str, batch_dim: int | None) -> None:
+    """A float16 recurrent layer on a packed sequence, without autocast: the replay took the
+    padded data in float16 (the weights' dtype), while every other float16 layer runs in
+    float32, so the Gramian came in float16 and overflowed to ``inf`` from output gradients of
+    about 300 (a float32 Gramian of about 1e7). Against the float64 brute force from the same
+    float16 weights and inputs, to float16's precision."""
+    torch.manual_seed(0)
+    rnn = getattr(nn, kind)(D, H, batch_first=True).half()
+    reference = getattr(nn, kind)(D, H, batch_first=True).double()
+    reference.load_state_dict(rnn.state_dict())
+    x, lengths = torch.randn(B, T, D).half(), torch.tensor([2, 5, 3])
+
+    def losses(module: nn.RNNBase, dtype: torch.dtype) -> Tensor:
+        data = pack_padded_sequence(x.to(dtype), lengths, True, False)
+        out = pad_packed_sequence(module(data)[0], batch_first=True)[0]
+        per_sample = 300 * out.to(torch.float64).pow(2).sum((1, 2))
+        return per_sample if batch_dim == 0 else per_sample[:2]
+
+    jacobian = reference_jacobian(losses(reference, torch.float64), [*reference.parameters()])
+    expected = jacobian @ jacobian.T
+    engine = Engine(rnn, batch_dim=batch_dim)
+    gramian = engine.compute_gramian(losses(rnn, torch.float16))
+    assert gramian.dtype == torch.float32
+    peak = float(expected.abs().max())
+    torch.testing.assert_close(gramian.double() / peak, expected / peak, rtol=0, atol=1e-2)
+
+
 BATCHED = [c for c in CASES if c.batch_dim is None or c.name == "lstm_rows_per_output"]
 
 

@@ -35,6 +35,7 @@ from torch.nn.utils.rnn import PackedSequence, pad_packed_sequence
 
 from jacflow.autogram._fallback import FallbackRule
 from jacflow.autogram._linear import JoinedLinear, UnfoldedContribution, linear_part
+from jacflow.autogram._precision import working_dtype
 from jacflow.autogram._rules import (
     Call,
     Contribution,
@@ -390,10 +391,11 @@ class RecurrentRule(Rule):
         packed = x if isinstance(x, PackedSequence) else None
         lengths: Tensor | None = None
         unbatched = _unbatched(call)  # (per task: one sequence, replayed as a batch of one)
-        if packed is not None:  # replayed padded, batch first (in the weights' dtype: the
-            # upcast of a call made under autocast does not reach into the packed sequence)
+        if packed is not None:  # replayed padded, batch first (in the weights' working dtype:
+            # the engine's upcast, of a call made under autocast or of float16 weights, does not
+            # reach into the packed sequence; float16 replayed, the Gramian overflowed)
             x, lengths = pad_packed_sequence(packed, batch_first=True)
-            x = x.to(module.all_weights[0][0].dtype)
+            x = x.to(working_dtype(module.all_weights[0][0].dtype))
         elif unbatched:  # [T, D] -> [1, T, D]; the states [L D, H] -> [L D, 1, H]
             x = x.unsqueeze(0)
             if hx is not None:
