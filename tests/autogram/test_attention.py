@@ -15,7 +15,7 @@ from torch import Tensor, nn
 from jacflow.aggregation import ConstantWeighting, MeanWeighting
 from jacflow.autogram import Call, Engine, Rows, _attention
 from tests.autogram._zoo import Built, Case
-from tests.autogram.test_engine import check_case
+from tests.autogram.test_engine import assert_float32_gramian, check_case
 
 B, T, S, E, H = 3, 4, 5, 6, 2
 
@@ -401,12 +401,8 @@ def test_float16_projections_run_in_float32(
             for loss in losses(reference, torch.float64)
         ]
     )
-    expected = jacobian @ jacobian.T
     engine = Engine(attn, batch_dim=batch_dim)
-    gramian = engine.compute_gramian(losses(attn, torch.float16))
-    assert gramian.dtype == torch.float32
-    peak = float(expected.abs().max())
-    torch.testing.assert_close(gramian.double() / peak, expected / peak, rtol=0, atol=1e-2)
+    gramian = assert_float32_gramian(engine, losses(attn, torch.float16), jacobian)
     weights = torch.linspace(0.5, 1.5, gramian.shape[0], dtype=torch.float32)
     engine.backward(losses(attn, torch.float16), ConstantWeighting(weights))
     update = torch.cat([p.grad.double().flatten() for p in attn.parameters()])  # type: ignore[union-attr]

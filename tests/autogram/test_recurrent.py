@@ -14,7 +14,12 @@ from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 from jacflow.aggregation import MeanWeighting
 from jacflow.autogram import Engine, _capture, _hooks, _recurrent
 from tests.autogram._zoo import Built, Case
-from tests.autogram.test_engine import assert_exact_gramian, check_case, reference_jacobian
+from tests.autogram.test_engine import (
+    assert_exact_gramian,
+    assert_float32_gramian,
+    check_case,
+    reference_jacobian,
+)
 
 B, T, D, H = 3, 5, 3, 4
 
@@ -465,12 +470,7 @@ def test_float16_packed_sequences_run_in_float32(kind: str, batch_dim: int | Non
         return per_sample if batch_dim == 0 else per_sample[:2]
 
     jacobian = reference_jacobian(losses(reference, torch.float64), [*reference.parameters()])
-    expected = jacobian @ jacobian.T
-    engine = Engine(rnn, batch_dim=batch_dim)
-    gramian = engine.compute_gramian(losses(rnn, torch.float16))
-    assert gramian.dtype == torch.float32
-    peak = float(expected.abs().max())
-    torch.testing.assert_close(gramian.double() / peak, expected / peak, rtol=0, atol=1e-2)
+    assert_float32_gramian(Engine(rnn, batch_dim=batch_dim), losses(rnn, torch.float16), jacobian)
 
 
 BATCHED = [c for c in CASES if c.batch_dim is None or c.name == "lstm_rows_per_output"]
