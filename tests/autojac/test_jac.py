@@ -10,6 +10,7 @@ from torch import Tensor, nn
 from jacflow import backward, jac, mtl_backward
 from jacflow.aggregation import UPGrad
 from jacflow.autojac._graph import sparse_gradients
+from jacflow.autojac._rows import row_chunks
 from tests.autojac import _zoo
 from tests.autojac._zoo import ZOO, Case, reference_jacobians
 
@@ -310,3 +311,58 @@ def test_a_sparse_product_off_the_inputs_paths_keeps_vmap() -> None:
     expected = _zoo.rows_by_autograd(list(out), head_params)
     got = jac([out], head_params)
     torch.testing.assert_close(torch.cat([g.reshape(16, -1) for g in got], 1), expected)
+
+
+def _checkpointed_case() -> tuple[nn.Module, nn.Module, Tensor]:
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 4)).double()
+    head = nn.Linear(4, 3).double()
+    return block, head, torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
+
+
+@pytest.mark.parametrize("call", ["jac", "backward", "mtl_backward", "mtl_backward_default"])
+def test_a_reentrant_checkpoint_is_refused_with_the_way_out(call: str) -> None:
+    """A reentrant checkpoint runs its function under ``no_grad`` and its backward only in
+    ``.backward()`` without ``inputs``: the block's parameters got zero Jacobians, silently,
+    when listed (the checkpoint's backward is pruned), and torch's own error when a leaf below
+    it is an input (``x``, by default). Refused, ``.grad`` untouched."""
+    from torch.utils.checkpoint import checkpoint
+
+    block, head, x = _checkpointed_case()
+    params = [*block.parameters(), *head.parameters()]
+    features = checkpoint(block, x, use_reentrant=True)
+    outputs = head(features).sum(0)
+    with pytest.raises(ValueError, match=r"reentrant activation checkpoint.*use_reentrant=False"):
+        if call == "jac":
+            jac(outputs, params)
+        elif call == "backward":
+            backward(outputs, params, A=UPGrad())
+        else:
+            explicit = call == "mtl_backward"
+            losses = list(outputs)
+            shared = [*block.parameters()] if explicit else None
+            mtl_backward(losses, features, A=UPGrad(), shared_params=shared)
+    assert all(p.grad is None for p in [*params, x])
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+@pytest.mark.parametrize("chunk", [None, 1, 2])
+def test_a_checkpointed_block_is_exact_and_recomputed_once_per_backward(
+    reentrant: bool, chunk: int | None
+) -> None:
+    """A non-reentrant checkpoint gives the Jacobian without it, its forward recomputed once per
+    chunk of rows (as torch's backward of those rows would); a reentrant one of a frozen block
+    below the inputs is not differentiated through, and is left alone."""
+    from torch.utils.checkpoint import checkpoint
+
+    block, head, x = _checkpointed_case()
+    calls = []
+    block.register_forward_pre_hook(lambda *_: calls.append(None))
+    params = [*head.parameters()] if reentrant else [*block.parameters(), *head.parameters()]
+    expected = jac(head(block(x)).sum(0), params)
+    calls.clear()
+    outputs = head(checkpoint(block, x, use_reentrant=reentrant)).sum(0)
+    got = jac(outputs, params, parallel_chunk_size=chunk)
+    for g, e in zip(got, expected, strict=True):
+        torch.testing.assert_close(g, e, rtol=1e-12, atol=1e-12)
+    assert len(calls) == 1 + (0 if reentrant else len(row_chunks(3, chunk)))

@@ -44,10 +44,8 @@ from jacflow.autogram._hooks import (
     same_parameters,
 )
 from jacflow.autogram._outside import (
-    REENTRANT_CHECKPOINT,
     SPARSE_OPERATION,
     checkpoint_above_calls,
-    checkpointed_module,
     first_reached,
     graph_nodes,
     outside_calls,
@@ -75,7 +73,13 @@ from jacflow.autogram._rules import (
 )
 from jacflow.autogram._separable import leaks, probe_cotangents, probe_sets
 from jacflow.autojac._checks import check_real_tensor
-from jacflow.autojac._graph import COMPILED_NODE, sparse_gradients, sparse_on_paths
+from jacflow.autojac._graph import (
+    COMPILED_NODE,
+    REENTRANT_CHECKPOINT,
+    checkpointed_module,
+    sparse_gradients,
+    sparse_on_paths,
+)
 from jacflow.linalg._products import row_gramian
 
 # A pattern of recorded calls: their units, in order, and the losses' graph outside them (see

@@ -16,16 +16,15 @@ forward did) takes a walk too, made only when some view was changed so.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from torch import Tensor, nn
+from torch import Tensor
 from torch.autograd.graph import get_gradient_edge
 
 from jacflow.autogram._rules import Call
-from jacflow.autojac._graph import sparse_operation
+from jacflow.autojac._graph import REENTRANT_CHECKPOINT, sparse_operation
 
 _Target = TypeVar("_Target")
 
@@ -238,7 +237,6 @@ def outside_calls(losses: Tensor, calls: Sequence[Call]) -> tuple[object, ...]:
     return tuple(key)
 
 
-# the node of a reentrant activation checkpoint (torch.utils.checkpoint, use_reentrant=True)
 def sparse_inside(call: Call) -> bool:
     """Whether the graph of ``call``, from its outputs' nodes down to its inputs', holds a
     :func:`~jacflow.autojac._graph.sparse_operation` (a module of the user's own that
@@ -275,7 +273,6 @@ def sparse_inside(call: Call) -> bool:
     return False
 
 
-REENTRANT_CHECKPOINT = "CheckpointFunctionBackward"
 # (in the key of outside_calls: the node before it is an operation on sparse tensors)
 SPARSE_OPERATION = "sparse operation"
 
@@ -305,17 +302,6 @@ def checkpoint_above_calls(checkpoints: Sequence[Any], calls: Sequence[Call]) ->
     """
     ends = {id(edge.node) for call in calls for edge in call.edges}
     return any(id(node) in ends for node in _walk(checkpoints, _inputs))
-
-
-def checkpointed_module(node: Any) -> nn.Module | None:
-    """The module that a reentrant checkpoint's node ran (given as the module, one of its
-    bound methods, or a ``functools.partial`` of either), else ``None`` (another function,
-    whose inside cannot be seen)."""
-    function = getattr(node, "run_function", None)
-    while isinstance(function, functools.partial):
-        function = function.func
-    owner = getattr(function, "__self__", function)
-    return owner if isinstance(owner, nn.Module) else None
 
 
 def first_reached(losses: Tensor, targets: dict[int, tuple[_Target, object]]) -> _Target | None:

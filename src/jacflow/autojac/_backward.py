@@ -28,6 +28,7 @@ from jacflow.autojac._checks import (
     check_unique,
     without_repeats,
 )
+from jacflow.autojac._graph import check_reentrant_checkpoints
 from jacflow.autojac._jac import compute_jacobians, resolve_inputs
 from jacflow.autojac._rows import autograd_vjp
 
@@ -194,6 +195,7 @@ def backward(
     check_inputs_not_aggregator(inputs)
     ins = without_repeats(resolve_inputs(outs, inputs, "tensors", "inputs"))
     check_non_empty(ins, "inputs")
+    check_reentrant_checkpoints(outs, ins, "tensors")
     if aggregator is not None:
         check_real_inputs(ins, "inputs")
     if jac_tensors is None:

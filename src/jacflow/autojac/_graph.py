@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from torch.autograd.graph import get_gradient_edge
 
 
@@ -82,6 +83,76 @@ def holds_compiled(outputs: Sequence[Tensor], exclude: Sequence[Tensor] = ()) ->
         False
     """
     return any(type(node).__name__ == COMPILED_NODE for node in nodes_until(outputs, exclude))
+
+
+# the node of a reentrant activation checkpoint (torch.utils.checkpoint, use_reentrant=True)
+REENTRANT_CHECKPOINT = "CheckpointFunctionBackward"
+
+
+def checkpointed_module(node: Any) -> nn.Module | None:
+    """The module that a reentrant checkpoint's node ran (given as the module, one of its
+    bound methods, or a ``functools.partial`` of either), else ``None`` (another function,
+    whose inside cannot be seen)."""
+    function = getattr(node, "run_function", None)
+    while isinstance(function, functools.partial):
+        function = function.func
+    owner = getattr(function, "__self__", function)
+    return owner if isinstance(owner, nn.Module) else None
+
+
+def check_reentrant_checkpoints(
+    outputs: Sequence[Tensor], inputs: Sequence[Tensor], name: str
+) -> None:
+    """Refuse a reentrant activation checkpoint behind ``outputs`` whose backward a
+    differentiation with respect to ``inputs`` would run (torch refuses it in
+    ``torch.autograd.grad``, with an error of its own) or that runs one of ``inputs`` out of
+    the graph's sight (a parameter of its module, or any function that is not a module's): its
+    forward ran under ``no_grad``, so those inputs would get zero Jacobians, silently. One below
+    the outputs that runs neither (a frozen stem under the inputs' layers) is left alone.
+
+    Example:
+        >>> import torch
+        >>> from torch.utils.checkpoint import checkpoint
+        >>> from jacflow.autojac._graph import check_reentrant_checkpoints
+        >>> layer, x = torch.nn.Linear(2, 2), torch.ones(3, 2, requires_grad=True)
+        >>> out = checkpoint(layer, x, use_reentrant=True).sum()
+        >>> check_reentrant_checkpoints([out], [*layer.parameters()], "outputs")
+        Traceback (most recent call last):
+        ...
+        ValueError: `outputs` depend on a reentrant activation checkpoint ...
+    """
+    found = [n for n in nodes_until(outputs) if type(n).__name__ == REENTRANT_CHECKPOINT]
+    if not found:
+        return
+    wanted = {id(t) for t in inputs}
+    targets = [get_gradient_edge(t).node for t in inputs if t.requires_grad]
+    for node in found:
+        module = checkpointed_module(node)
+        hidden = module is None or any(id(p) in wanted for p in module.parameters())
+        if hidden or _reaches([child for child, _ in node.next_functions], targets):
+            raise ValueError(
+                f"`{name}` depend on a reentrant activation checkpoint "
+                "(torch.utils.checkpoint with use_reentrant=True): its backward runs only in "
+                "`.backward()` without `inputs` (torch refuses it in `torch.autograd.grad`, "
+                "which jacflow differentiates with), and the parameters that it runs are out "
+                "of the graph's sight (their Jacobian would be zero, silently). Use "
+                "checkpoint(..., use_reentrant=False), which jacflow differentiates exactly."
+            )
+
+
+def _reaches(roots: Sequence[Any], targets: Sequence[Any]) -> bool:
+    """Whether one of the nodes ``targets`` is one of ``roots`` or lies below one."""
+    wanted = {id(target) for target in targets}
+    seen: set[int] = set()
+    stack = [root for root in roots if root is not None]
+    while stack:
+        node = stack.pop()
+        if id(node) in wanted:
+            return True
+        if id(node) not in seen:
+            seen.add(id(node))
+            stack.extend(child for child, _ in node.next_functions if child is not None)
+    return False
 
 
 # Autograd nodes whose output ``k`` is their input ``k`` (an identity per output): DDP's

@@ -16,7 +16,7 @@ from jacflow.autojac._checks import (
     check_real,
     check_unique,
 )
-from jacflow.autojac._graph import leaf_tensors, sparse_gradients
+from jacflow.autojac._graph import check_reentrant_checkpoints, leaf_tensors, sparse_gradients
 from jacflow.autojac._rows import autograd_vjp, stacked_vjps
 
 
@@ -116,6 +116,14 @@ def jac(
     ``inputs`` that called ``retain_grad()`` is left to that hook, as in :func:`backward`: the sum
     of the rows with ``parallel_chunk_size=1``, an unusable batched tensor with vmapped rows.
 
+    A non-reentrant activation checkpoint (``torch.utils.checkpoint(..., use_reentrant=False)``)
+    is differentiated exactly, its forward recomputed once per chunk of rows. A reentrant one
+    (``use_reentrant=True``) whose backward the rows would run, or that runs one of ``inputs``
+    (a parameter of its module, or any function that is not a module's), is refused with a
+    ``ValueError``: torch runs its backward only in ``.backward()`` without ``inputs``, and the
+    parameters inside it are out of the graph's sight (so in :func:`backward` and
+    :func:`mtl_backward` too).
+
     Each row is the gradient of all of ``outputs`` with a cotangent that is zero off its own
     entries, as in :func:`torch.func.jacrev`: where the derivative of one output is infinite,
     that zero times infinity makes NaN the other rows that reach the same operation, for every
@@ -144,6 +152,7 @@ def jac(
     check_flag(create_graph, "create_graph")
     chunk_size = check_chunk_size(parallel_chunk_size, "parallel_chunk_size")
     ins = resolve_inputs(outs, inputs, "outputs", "inputs")
+    check_reentrant_checkpoints(outs, ins, "outputs")
     if jac_outputs is None:
         cotangents = None
         rows = sum(o.numel() for o in outs)

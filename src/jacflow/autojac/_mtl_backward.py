@@ -31,6 +31,7 @@ from jacflow.autojac._checks import (
     without_repeats,
 )
 from jacflow.autojac._graph import (
+    check_reentrant_checkpoints,
     holds_compiled,
     leaf_tensors,
     nested_features,
@@ -311,6 +312,7 @@ def mtl_backward(
     )
     heads, shared = _resolve_params(loss_tuple, feature_tuple, tasks_params, shared_params)
     check_non_empty(shared, "shared_params")
+    check_reentrant_checkpoints(loss_tuple, [*(p for ps in heads for p in ps), *shared], "losses")
     if aggregator is None:
         check_jac_accumulable(shared, len(loss_tuple), "shared_params")
     else:
