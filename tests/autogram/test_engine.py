@@ -749,3 +749,31 @@ def test_a_sparse_or_nested_input_of_a_closed_form_rule_is_refused(
     ):
         engine.backward(losses, ConstantWeighting(torch.ones(losses.numel())))
     assert all(torch.equal(p.grad, torch.ones_like(p)) for p in model.parameters())
+
+
+def test_selective_checkpointing_per_sample_is_refused_with_the_way_out() -> None:
+    """Selective activation checkpointing lets a region be pulled back once only, and the first
+    per-sample step probes the losses with more backwards through it (here to the first
+    layer's output): torch's raw refusal came back from the probe, without the way out. Named
+    now, ``.grad`` untouched; per task (one batched backward) the step is exact."""
+    from tests.autojac.test_jac import _selectively_checkpointed, _Tanh
+
+    torch.manual_seed(0)
+    first, block, head = nn.Linear(3, 4).double(), _Tanh().requires_grad_(False), nn.Linear(4, 2)
+    head = head.double()
+    x = torch.randn(6, 3, dtype=torch.float64)
+    params = [*first.parameters(), *head.parameters()]
+    with Engine(first, head, batch_dim=0) as engine:
+        losses = head(_selectively_checkpointed(block, first(x))).pow(2).sum(1)
+        with pytest.raises(RuntimeError, match=r"selective activation.*without `context_fn`"):
+            engine.backward(losses, UPGradWeighting())
+    assert all(p.grad is None for p in params)
+    with Engine(first, head, batch_dim=None) as engine:
+        losses = head(_selectively_checkpointed(block, first(x))).pow(2).sum(0)
+        gramian = engine.compute_gramian(losses)
+    rows = []
+    for loss in head(block(first(x))).pow(2).sum(0):
+        grads = torch.autograd.grad(loss, params, retain_graph=True)
+        rows.append(torch.cat([g.reshape(-1) for g in grads]))
+    jacobian = torch.stack(rows)
+    torch.testing.assert_close(gramian, jacobian @ jacobian.T, rtol=1e-10, atol=1e-12)

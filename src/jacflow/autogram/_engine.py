@@ -80,6 +80,7 @@ from jacflow.autojac._graph import (
     sparse_gradients,
     sparse_on_paths,
 )
+from jacflow.autojac._rows import SELECTIVE_CHECKPOINT_ERROR
 from jacflow.linalg._products import row_gramian
 
 # A pattern of recorded calls: their units, in order, and the losses' graph outside them (see
@@ -1277,6 +1278,7 @@ class Engine:
         with (
             replaying(),  # (a checkpointed forward recomputed by it is not a forward call)
             _compiled_backward_hint(),
+            _selective_checkpoint_hint(),
             without_tensor_hooks(inputs[len(extra_inputs) :]),
         ):
             grads, extra_grads = capture(
@@ -1823,6 +1825,28 @@ def _compiled_backward_hint() -> Iterator[None]:
         ) from error
 
 
+@contextlib.contextmanager
+def _selective_checkpoint_hint() -> Iterator[None]:
+    """Name the way out of torch's refusal of a second backward through a region of selective
+    activation checkpointing."""
+    try:
+        yield
+    except RuntimeError as error:
+        if SELECTIVE_CHECKPOINT_ERROR not in str(error):
+            raise
+        raise RuntimeError(
+            "The losses' graph holds a region under selective activation checkpointing "
+            "(torch.utils.checkpoint with context_fn=create_selective_checkpoint_contexts), "
+            "whose backward torch runs once only, and this step pulls the losses back more "
+            "than once: per sample, the first step of each pattern of calls and batch size "
+            "checks the losses with 2 ceil(log2 B) more backwards; several rows per sample or "
+            "several tasks pulled back one by one, and a graph kept (retain_graph=True, "
+            "compute_gramian's default) and pulled back again, take one backward each. "
+            "Checkpoint without `context_fn` (a plain checkpoint(..., use_reentrant=False) is "
+            "exact), or, per task, pull the rows back in one backward batched with vmap."
+        ) from error
+
+
 def _at_outputs(call: Call, grads: Sequence[Tensor | None]) -> list[Tensor | None]:
     """The gradients of ``call``'s edges in its outputs' shapes and layouts (an edge at an
     output's base has the base's), with any leading dimensions of rows kept."""
@@ -1848,7 +1872,7 @@ def _check_separable(
     if not probes:  # (one sample: nothing to mix)
         return
     edges = [edge for _, call, _ in calls for edge in call.edges]
-    with replaying():
+    with replaying(), _selective_checkpoint_hint():
         cotangents = probe_cotangents(losses, probes)
         grads = pull_back([losses], edges, cotangents, True, retain_graph, row_by_row=True)
     cursor = 0

@@ -43,6 +43,20 @@ _DONATED_HINT = (
     "buffers are donated after a recompilation, e.g. at a smaller last batch)."
 )
 
+_SELECTIVE_HINT = (
+    "\n\njacflow: the graph holds a region under selective activation checkpointing "
+    "(torch.utils.checkpoint with context_fn=create_selective_checkpoint_contexts), whose "
+    "backward torch runs once only, and the rows are pulled back in several backwards (one "
+    "per row with `parallel_chunk_size=1`, one per chunk otherwise). Pass "
+    "`parallel_chunk_size=None` to pull them back in one backward batched with vmap, or "
+    "checkpoint without `context_fn` (a plain non-reentrant checkpoint can be pulled back "
+    "several times)."
+)
+
+# (torch's refusal of a second backward through a region of selective activation checkpointing)
+SELECTIVE_CHECKPOINT_ERROR = "selective activation checkpoint"
+
+
 # Pieces (lower case) of the errors that differentiating rows under vmap causes: an op without
 # a batching rule, an in-place op on an unbatched tensor, an autograd.Function without vmap
 # support, a kernel that reads a batched tensor's storage (torch.compile'd graphs do), an op
@@ -142,6 +156,8 @@ def stacked_vjps(
             try:
                 grads = vjp(tuple(c[0] for c in chunk), batched=False, last=last)
             except RuntimeError as error:
+                if SELECTIVE_CHECKPOINT_ERROR in str(error):
+                    raise RuntimeError(f"{error}{_SELECTIVE_HINT}") from error
                 if "donated buffer" not in str(error):
                     raise
                 raise RuntimeError(f"{error}{_DONATED_HINT}") from error
@@ -152,6 +168,8 @@ def stacked_vjps(
             except RuntimeError as error:
                 if sparse_retry and _sparse_refusal(error):
                     grads = _row_by_row(vjp, chunk, last)
+                elif SELECTIVE_CHECKPOINT_ERROR in str(error):
+                    raise RuntimeError(f"{error}{_SELECTIVE_HINT}") from error
                 elif not vmap_related(error):
                     raise
                 else:
