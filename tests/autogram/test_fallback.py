@@ -522,3 +522,34 @@ def test_per_sample_a_sparse_product_inside_is_refused_clearly() -> None:
         with pytest.raises(ValueError, match=r"(?s)multiplies by a sparse tensor.*batch_dim=None"):
             engine.backward(losses, UPGradWeighting())
     assert layer.weight.grad is None
+
+
+class _TanhProduct(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(8, 8) / 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.tanh(x @ self.weight)
+
+
+def test_a_lossy_saved_tensor_hook_is_named_in_the_mismatch() -> None:
+    """A pack hook that casts the saved tensors to bfloat16 puts its rounding in the forward's
+    backward, which the per-sample re-run (without the hook) does not have: refused, and the
+    message blamed a mixing of the samples only, which the module does not do. It names the
+    hook now."""
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(3, 8), _TanhProduct()).double()
+    x = torch.randn(4, 3, dtype=torch.float64)
+
+    def pack(t: Tensor) -> Tensor:
+        return t.to(torch.bfloat16) if t.is_floating_point() else t
+
+    def unpack(t: Tensor) -> Tensor:
+        return t.double() if t.is_floating_point() else t
+
+    with Engine(module, batch_dim=0) as engine:
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            losses = module(x).pow(2).sum(1)
+        with pytest.raises(ReplayMismatchError, match=r"saved-tensor hooks.*bfloat16"):
+            engine.backward(losses, UPGradWeighting())

@@ -426,8 +426,11 @@ def _check_same_gradients(
                 f"({_difference_text(error, scale)}): its forward mixes the samples (a "
                 "statistic over the batch, as a mean over dimension 0), though its outputs do "
                 "not show it here (a branch behind a gate at 0, as ReZero's or adaLN-Zero's "
-                "at initialisation). Use batch_dim=None, make the forward a function of each "
-                "sample, or register a closed form for it (jacflow.autogram.register_rule)."
+                "at initialisation), or saved-tensor hooks around the forward change what its "
+                "backward reads (a pack hook that casts to bfloat16: the forward's backward is "
+                "off by that rounding, the re-run is not). Use batch_dim=None, make the "
+                "forward a function of each sample, take such hooks off the module's forward, "
+                "or register a closed form for it (jacflow.autogram.register_rule)."
             )
 
 
