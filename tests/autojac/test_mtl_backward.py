@@ -338,6 +338,54 @@ def test_engine_losses_that_read_no_feature() -> None:
     assert all(p.grad is None for p in [*shared, *(q for h in heads for q in h.parameters())])
 
 
+def test_engine_losses_that_read_only_a_parameter_feature() -> None:
+    """Losses that read, of the features, only a trunk parameter that the engine does not
+    hook (given as a feature): that parameter's rows, and zeros for the engine's, as without
+    the engine (it was refused: no hooked call in the losses' graph)."""
+    from jacflow.autogram import Engine
+
+    torch.manual_seed(3)
+    trunk, heads = nn.Linear(3, 4).double(), [nn.Linear(4, 1).double() for _ in range(2)]
+    scale, x = nn.Parameter(torch.randn(4, dtype=torch.float64)), torch.randn(5, 3).double()
+
+    def forward() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        features = [trunk(x), scale]
+        return [heads[0].bias.pow(2).sum(), (heads[1].weight * scale).sum().pow(2)], features
+
+    shared, tasks_params = [*trunk.parameters(), scale], [[heads[0].bias], [heads[1].weight]]
+    expected = _expected_grads(forward, shared, tasks_params, UPGrad())
+    assert all(expected[id(p)].abs().max() == 0 for p in trunk.parameters())
+    assert expected[id(scale)].abs().max() > 0
+    for engine in [None, Engine(trunk, batch_dim=None)]:
+        for p in [*shared, *(q for h in heads for q in h.parameters())]:
+            p.grad = None
+        losses, features = forward()
+        mtl_backward(losses, features, A=UPGrad(), engine=engine)
+        _assert_grads([*shared, *(p for params in tasks_params for p in params)], expected)
+
+
+@pytest.mark.parametrize("tasks", ["default", "given"])
+def test_engine_refuses_a_penalty_of_losses_that_read_no_feature(tasks: str) -> None:
+    """A loss that reads no feature but a hooked trunk parameter directly (a penalty on it):
+    refused with the engine, as without it (its gradient was dropped, silently), and no
+    ``.grad`` written."""
+    from jacflow.autogram import Engine
+
+    torch.manual_seed(4)
+    trunk, head = nn.Linear(3, 4).double(), nn.Linear(4, 1).double()
+    features = trunk(torch.randn(5, 3).double())
+    loss = head.bias.pow(2).sum() + trunk.weight.pow(2).sum()
+    tasks_params = None if tasks == "default" else [head.parameters()]
+    with pytest.raises(ValueError, match="outside `features`"):
+        mtl_backward([loss], features, A=Mean(), tasks_params=tasks_params, retain_graph=True)
+    engine = Engine(trunk, batch_dim=None)
+    features = trunk(torch.randn(5, 3).double())
+    loss = head.bias.pow(2).sum() + trunk.weight.pow(2).sum()
+    with pytest.raises(ValueError, match=r"Linear\.weight"):
+        mtl_backward([loss], features, A=Mean(), tasks_params=tasks_params, engine=engine)
+    assert all(p.grad is None for p in [*trunk.parameters(), *head.parameters()])
+
+
 def test_shared_parameter_used_directly_as_a_feature() -> None:
     """The way out that the refusal of a loss reading a trunk parameter directly gives: that
     parameter as one more feature, whose use by each task then counts in its row (exact)."""

@@ -1162,8 +1162,9 @@ class Engine:
         Returns the contributions, the row layout, the row<->loss permutations (``None`` when
         they are the identity), the gradients of the rows' sum (or those ``selections`` ask
         for) w.r.t. ``extra_inputs`` and the bytes of all captured gradients. With
-        ``features``, losses that read none of them reach no hooked call and make a step
-        without contributions instead of an error.
+        ``features``, losses that read none of those computed by the hooked modules reach no
+        hooked call and make a step without contributions instead of an error (one that reads
+        a hooked parameter directly is refused).
         """
         coupled, outside = self._recorder.coupled, self._recorder.outside
         returned = self._recorder.returned
@@ -1343,8 +1344,25 @@ class Engine:
             )
         if not reached and not self._units:  # (every parameter frozen: a zero Gramian)
             return [], rows, order, extra_grads, captured_bytes
-        if not reached and features is not None and not _reaches(losses, features):
-            return [], rows, order, extra_grads, captured_bytes  # (zero Jacobians)
+        if (
+            not reached
+            and features is not None
+            and not self._reaches_hooked_features(losses, features)
+        ):
+            # (a hooked parameter that the losses read without a recorded call: a penalty on
+            # it, or a feature that is one; its share would be missed)
+            read = _hooked_param_reached(losses, self._hooked_names())
+            if read is not None:
+                raise ValueError(
+                    f"The parameter {read} of the engine's modules is read by the losses "
+                    "outside the modules' calls (directly, as a penalty on it or as a feature), "
+                    "and they read none of the features computed by the modules: the Gramian "
+                    "would miss that use. Use it through its module only, or step without "
+                    "the engine."
+                )
+            # (the losses read only features outside the hooked modules, or none: the hooked
+            # parameters' Jacobians are zero, the others' rows came from the capture)
+            return [], rows, order, extra_grads, captured_bytes
         names = self._hooked_names() if not reached and returned else {}
         for key, index in returned.items():  # (the cause, where a unit returned one)
             if key in names:
@@ -1469,6 +1487,15 @@ class Engine:
                 "them: use jacflow.backward or jacflow.mtl_backward for such losses."
                 + (f" {_COMPILED_BEFORE_HINT}" if _holds_compiled(pattern[1], ()) else "")
             )
+
+    def _reaches_hooked_features(self, losses: Tensor, features: Sequence[Tensor]) -> bool:
+        """Whether ``losses`` read one of the ``features`` computed from a hooked parameter:
+        those that they cannot read without a recorded call of the hooked modules."""
+        params = self._hooked_names()
+        computed = [
+            f for f in features if f.grad_fn is not None and _reaches_hooked(f.grad_fn, (), params)
+        ]
+        return _reaches(losses, computed)
 
     def _hooked_names(self) -> dict[int, str]:
         """The trainable hooked parameters' names, keyed by ``id`` (a tie: its first name);
@@ -2075,6 +2102,24 @@ def _reaches(losses: Tensor, tensors: Sequence[Tensor]) -> bool:
     """Whether ``losses`` depend on any of ``tensors`` (a walk of their graph)."""
     nodes = (get_gradient_edge(t).node for t in tensors)
     return first_reached(losses, {id(node): (True, node) for node in nodes}) is not None
+
+
+def _hooked_param_reached(losses: Tensor, params: dict[int, str]) -> str | None:
+    """The name of a hooked parameter (``params``: by ``id``) that ``losses`` depend on, if
+    any (a walk of their graph)."""
+    if losses.grad_fn is None:
+        return None
+    pending, seen = [losses.grad_fn], {id(losses.grad_fn): losses.grad_fn}
+    while pending:
+        node = pending.pop()
+        variable = getattr(node, "variable", None)
+        if variable is not None and id(variable) in params:
+            return params[id(variable)]
+        for parent, _ in node.next_functions:
+            if parent is not None and id(parent) not in seen:
+                seen[id(parent)] = parent
+                pending.append(parent)
+    return None
 
 
 def _with_rows(gramian: Tensor, rows: Sequence[Tensor | None]) -> Tensor:

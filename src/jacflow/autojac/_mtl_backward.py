@@ -251,8 +251,11 @@ def mtl_backward(
             the engine), and given ``shared_params`` must
             hold the engine's parameters behind ``features``. A head parameter with a gradient
             hook gets its gradient from a backward of its own: the hook sees the sum of its
-            tasks' gradients, not each task's part. Losses that read no feature give zeros to
-            the trunk, as without the engine. ``A`` is not called on a Jacobian there: its
+            tasks' gradients, not each task's part. Losses that read no feature (or only
+            features outside the engine's modules, as a trunk parameter given as one) give
+            zeros to the engine's parameters, as without the engine; a loss that also reads one
+            of them directly (a penalty on it) is refused, as without the engine. ``A`` is not
+            called on a Jacobian there: its
             ``gramian_weighting`` is called on the Gramian, so forward hooks on that weighting
             run (``monitor.AggregatorWatch`` works), and hooks on ``A`` or ``A.weighting`` do
             not; a subclass of ``A`` that overrides ``forward`` or ``weights`` is refused.
