@@ -386,6 +386,21 @@ def test_engine_refuses_a_penalty_of_losses_that_read_no_feature(tasks: str) -> 
     assert all(p.grad is None for p in [*trunk.parameters(), *head.parameters()])
 
 
+def test_engine_names_a_feature_sliced_from_a_hooked_parameter() -> None:
+    """Losses that read only a slice of a hooked parameter given as a feature: refused with a
+    message that names that cause (it said only to create the engine before the forward)."""
+    from jacflow.autogram import Engine
+
+    torch.manual_seed(5)
+    trunk, head = nn.Linear(3, 4).double(), nn.Linear(2, 1).double()
+    engine = Engine(trunk, batch_dim=None)
+    features = [trunk(torch.randn(5, 3).double()), trunk.weight[0, :2]]
+    loss = head(features[1]).pow(2).sum()
+    with pytest.raises(RuntimeError, match="computed from a parameter of the hooked modules"):
+        mtl_backward([loss], features, A=Mean(), engine=engine)
+    assert all(p.grad is None for p in [*trunk.parameters(), *head.parameters()])
+
+
 def test_shared_parameter_used_directly_as_a_feature() -> None:
     """The way out that the refusal of a loss reading a trunk parameter directly gives: that
     parameter as one more feature, whose use by each task then counts in its row (exact)."""

@@ -1375,7 +1375,9 @@ class Engine:
                 "recorded since the previous one: a second step on the same forward "
                 "(compute_gramian then backward, a retry after a failed step, or a step for "
                 "each of two forwards run before either) finds none; run the forward before "
-                "each step." + (f" {_COMPILED_BEFORE_HINT}" if compiled else "")
+                "each step."
+                + (f" {_COMPILED_BEFORE_HINT}" if compiled else "")
+                + (f" {_PARAMETER_FEATURE_HINT}" if features is not None else "")
             )
         for index, unit_calls in recorded.items():
             if index in reached:  # from its first reached call on (calls nested in another
@@ -2102,6 +2104,15 @@ def _reaches(losses: Tensor, tensors: Sequence[Tensor]) -> bool:
     """Whether ``losses`` depend on any of ``tensors`` (a walk of their graph)."""
     nodes = (get_gradient_edge(t).node for t in tensors)
     return first_reached(losses, {id(node): (True, node) for node in nodes}) is not None
+
+
+# (mtl_backward's features: one computed from a hooked parameter outside the modules' calls)
+_PARAMETER_FEATURE_HINT = (
+    "If a feature is computed from a parameter of the hooked modules outside their calls "
+    "(a slice of a weight, `features=[h, layer.weight[0]]`), the losses read that parameter "
+    "where the engine cannot see it: pass the modules' outputs as features, or step without "
+    "the engine."
+)
 
 
 def _hooked_param_reached(losses: Tensor, params: dict[int, str]) -> str | None:
