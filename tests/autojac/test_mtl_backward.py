@@ -210,6 +210,22 @@ def _expected_grads(
     return expected
 
 
+def _step_and_check(
+    forward: Callable[[], tuple[list[torch.Tensor], list[torch.Tensor]]],
+    engine: object,
+    cleared: list[torch.Tensor],
+    checked: list[torch.Tensor],
+    expected: dict[int, torch.Tensor],
+) -> None:
+    """One ``mtl_backward`` step with UPGrad (and ``engine``, or none) from cleared ``.grad``,
+    then the ``checked`` parameters' ``.grad`` against ``expected``."""
+    for p in cleared:
+        p.grad = None
+    losses, features = forward()
+    mtl_backward(losses, features, A=UPGrad(), engine=engine)  # type: ignore[arg-type]
+    _assert_grads(checked, expected)
+
+
 def _assert_grads(params: list[torch.Tensor], expected: dict[int, torch.Tensor]) -> None:
     for p in params:
         torch.testing.assert_close(p.grad, expected[id(p)], rtol=1e-7, atol=1e-10)
@@ -322,12 +338,10 @@ def test_engine_losses_that_read_no_feature() -> None:
     shared, tasks_params = list(trunk.parameters()), [list(h.parameters())[:1] for h in heads]
     expected = _expected_grads(forward, shared, tasks_params, UPGrad())
     assert all(expected[id(p)].abs().max() == 0 for p in shared)
+    everything = [*shared, *(q for h in heads for q in h.parameters())]
+    checked = [*shared, *(p for params in tasks_params for p in params)]
     for engine in [None, Engine(trunk, batch_dim=None)]:
-        for p in [*shared, *(q for h in heads for q in h.parameters())]:
-            p.grad = None
-        losses, features = forward()
-        mtl_backward(losses, features, A=UPGrad(), engine=engine)
-        _assert_grads([*shared, *(p for params in tasks_params for p in params)], expected)
+        _step_and_check(forward, engine, everything, checked, expected)
         assert all(h.bias.grad is None for h in heads)
     # (losses that read the features, computed before the engine existed: still refused)
     for p in [*shared, *(q for h in heads for q in h.parameters())]:
@@ -356,12 +370,10 @@ def test_engine_losses_that_read_only_a_parameter_feature() -> None:
     expected = _expected_grads(forward, shared, tasks_params, UPGrad())
     assert all(expected[id(p)].abs().max() == 0 for p in trunk.parameters())
     assert expected[id(scale)].abs().max() > 0
+    everything = [*shared, *(q for h in heads for q in h.parameters())]
+    checked = [*shared, *(p for params in tasks_params for p in params)]
     for engine in [None, Engine(trunk, batch_dim=None)]:
-        for p in [*shared, *(q for h in heads for q in h.parameters())]:
-            p.grad = None
-        losses, features = forward()
-        mtl_backward(losses, features, A=UPGrad(), engine=engine)
-        _assert_grads([*shared, *(p for params in tasks_params for p in params)], expected)
+        _step_and_check(forward, engine, everything, checked, expected)
 
 
 @pytest.mark.parametrize("tasks", ["default", "given"])
