@@ -261,3 +261,16 @@ def test_two_rows_of_norms_far_apart_in_any_order(seed: int, decades: int) -> No
         got = MGDA()(J[perm].float()).double()
         scale = float(expected.norm()) + 1e-6 * float(J[0].norm())
         assert float((got - expected).norm()) <= 1e-3 * scale
+
+
+@given(st.integers(0, 2**31 - 1), st.integers(5, 9))
+def test_two_nearly_equal_rows_give_their_common_gradient(seed: int, decades: int) -> None:
+    """m = 2, float32 rows equal to 1e-5..1e-9 relative: their weights sum to 1 and the update
+    is their common gradient. With each weight from its own numerator, the rounding of the
+    denominator gave weights summing to 0.5 or 1.5 (15% of random draws)."""
+    gen = torch.Generator().manual_seed(seed)
+    a = torch.randn(50, generator=gen, dtype=torch.float64)
+    J = torch.stack([a, a + 10.0**-decades * torch.randn(50, generator=gen, dtype=torch.float64)])
+    weights = MGDAWeighting()(J.float() @ J.float().T)
+    assert abs(float(weights.sum()) - 1) <= 1e-6
+    torch.testing.assert_close(MGDA()(J.float()).double(), J[0], rtol=1e-4, atol=1e-4)

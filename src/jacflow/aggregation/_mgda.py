@@ -58,7 +58,8 @@ def frank_wolfe_min_norm(gramian: Tensor, epsilon: float, max_iters: int) -> Ten
 def two_row_min_norm(gramian: Tensor) -> Tensor:
     r"""Closed form for ``m = 2``: :math:`\lambda_1 = \mathrm{clip}((G_{22} - G_{12}) /
     (G_{11} + G_{22} - 2G_{12}), 0, 1)` and :math:`\lambda_2 = \mathrm{clip}((G_{11} - G_{12})
-    / (G_{11} + G_{22} - 2G_{12}), 0, 1)` (their sum is 1; 1/2 each when the rows are equal).
+    / (G_{11} + G_{22} - 2G_{12}), 0, 1)` (1/2 each when the rows are equal). The smaller is
+    computed from its own numerator and the larger is 1 minus it: their sum is 1.
 
     Example:
         >>> import torch
@@ -69,10 +70,16 @@ def two_row_min_norm(gramian: Tensor) -> Tensor:
     g11, g12, g22 = gramian[0, 0], gramian[0, 1], gramian[1, 1]
     denominator = g11 + g22 - 2 * g12
     safe = torch.where(denominator > 0, denominator, torch.ones_like(denominator))
-    # Each weight from its own numerator, not 1 - the other: with rows of norms 1e6 apart, the
-    # weight of the long row is below eps, and 1 - (1 - it) is 0 (the update was the short row).
+    # The smaller weight from its own numerator, the larger as 1 minus it: with rows of norms
+    # 1e6 apart, the long row's weight is below eps, and 1 - (1 - it) is 0 (the update was the
+    # short row); both from their numerators, nearly equal rows' rounding in the denominator
+    # gave weights summing to 0.5 or 1.5.
     numerators = torch.stack([g22 - g12, g11 - g12])
-    return torch.where(denominator > 0, (numerators / safe).clamp(0.0, 1.0), 0.5)
+    ratios = (numerators / safe).clamp(0.0, 1.0)
+    first_smaller = numerators[0] <= numerators[1]
+    first = torch.where(first_smaller, ratios[0], 1 - ratios[1])
+    weights = torch.stack([first, torch.where(first_smaller, 1 - ratios[0], ratios[1])])
+    return torch.where(denominator > 0, weights, 0.5)
 
 
 def refine_min_norm(gramian: Tensor, lam: Tensor, max_steps: int) -> Tensor:
