@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -416,3 +417,31 @@ def test_selective_checkpointing_in_several_backwards_names_the_way_out(chunk: i
     with pytest.raises(RuntimeError, match=r"selective activation.*parallel_chunk_size=None"):
         backward(outputs, [block.weight], A=UPGrad(), parallel_chunk_size=chunk)
     assert block.weight.grad is None
+
+
+@pytest.mark.parametrize("wrapped", ["closure", "lambda"])
+def test_a_reentrant_checkpoint_of_a_closure_that_the_call_does_not_run(wrapped: str) -> None:
+    """A reentrant checkpoint of a closure over a module (``create_custom_forward(module)``, as
+    Hugging Face code writes it) or a lambda cannot be looked into, but the inputs that the
+    graph reaches (its own output, a head's parameters) are not hidden in it: the Jacobians are
+    autograd's (the refusal refused them); a block parameter, which the graph does not reach,
+    is refused."""
+    from torch.utils.checkpoint import checkpoint
+
+    block, head, x = _checkpointed_case()
+
+    def create_custom_forward(module: nn.Module) -> Callable[[Tensor], Tensor]:
+        def custom_forward(inputs: Tensor) -> Tensor:
+            return module(inputs)
+
+        return custom_forward
+
+    function = create_custom_forward(block) if wrapped == "closure" else (lambda t: block(t))
+    features = checkpoint(function, x, use_reentrant=True)
+    outputs = head(features).sum(0)
+    head_params = [*head.parameters()]
+    expected = _zoo.rows_by_autograd(list(outputs), [features, *head_params])
+    got = jac(outputs, [features, *head_params], retain_graph=True)
+    torch.testing.assert_close(torch.cat([g.reshape(3, -1) for g in got], 1), expected)
+    with pytest.raises(ValueError, match="reentrant activation checkpoint"):
+        jac(outputs, [*block.parameters()])

@@ -22,11 +22,15 @@ def moco_step(
     :math:`d = Y^\top \lambda`.
     """
     tracked = tracked - beta_k * (tracked - matrix)
-    # The weights' step in float64: Y Y^T lambda has the square of Y's scale, which overflows
-    # float32 from rows of norm 1e19 (a NaN lambda, kept as state, made every later update NaN).
-    wide = tracked.to(torch.float64)
+    # Y Y^T lambda has the square of Y's scale, which overflows float32 from rows of norm 1e19
+    # (a NaN lambda, kept as state, made every later update NaN): it is formed as
+    # s (Y (Y^T lambda / s)) with s a power of two near Y's largest entry, the last product and
+    # the step in float64 (m numbers; Y itself is not widened: it may be m x 1e8).
+    largest = tracked.abs().amax() if tracked.numel() else tracked.new_zeros(())
+    scale = torch.where(largest > 0, torch.exp2(torch.floor(torch.log2(largest))), 1.0)
+    product = (tracked @ ((tracked.T @ lambdas) / scale)).to(torch.float64)
     old = lambdas.to(torch.float64)
-    gradient = wide @ (wide.T @ old) + rho * old
+    gradient = product * scale.to(torch.float64) + rho * old
     lambdas = project_onto_simplex(old - gamma_k * gradient).to(lambdas.dtype)
     return tracked, lambdas, lambdas @ tracked
 

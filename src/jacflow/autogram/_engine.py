@@ -76,6 +76,7 @@ from jacflow.autojac._checks import check_real_tensor
 from jacflow.autojac._graph import (
     COMPILED_NODE,
     REENTRANT_CHECKPOINT,
+    SPARSE_GRADIENT_NODES,
     checkpointed_module,
     sparse_gradients,
     sparse_on_paths,
@@ -1797,10 +1798,6 @@ def _check_versions(call: Call) -> None:
             )
 
 
-# the nodes whose backward may return a sparse gradient (see autojac's ``sparse_gradients``)
-_SPARSE_NODES = frozenset({"EmbeddingBackward0", "EmbeddingBagBackward0", "GatherBackward0"})
-
-
 def _sparse_rows(
     outside: tuple[object, ...],
     losses: Tensor,
@@ -1812,7 +1809,7 @@ def _sparse_rows(
     which the backward batched with vmap cannot form: the key ``outside`` (from
     :func:`outside_calls`) names such a node, and a walk of the losses' graph finds its sparse
     flag set."""
-    if selections is None or _SPARSE_NODES.isdisjoint(outside):
+    if selections is None or SPARSE_GRADIENT_NODES.isdisjoint(outside):
         return False
     each = [t for t, rows in zip(extra_inputs, selections, strict=True) if rows == EACH]
     return bool(each) and sparse_gradients([losses], each)

@@ -106,9 +106,10 @@ def check_reentrant_checkpoints(
     """Refuse a reentrant activation checkpoint behind ``outputs`` whose backward a
     differentiation with respect to ``inputs`` would run (torch refuses it in
     ``torch.autograd.grad``, with an error of its own) or that runs one of ``inputs`` out of
-    the graph's sight (a parameter of its module, or any function that is not a module's): its
-    forward ran under ``no_grad``, so those inputs would get zero Jacobians, silently. One below
-    the outputs that runs neither (a frozen stem under the inputs' layers) is left alone.
+    the graph's sight (a parameter of its module; for a function that is not a module's, any
+    input that the graph does not reach): its forward ran under ``no_grad``, so those inputs
+    would get zero Jacobians, silently. One that runs neither (a frozen stem under the inputs'
+    layers, a closure whose output is an input) is left alone.
 
     Example:
         >>> import torch
@@ -121,14 +122,18 @@ def check_reentrant_checkpoints(
         ...
         ValueError: `outputs` depend on a reentrant activation checkpoint ...
     """
-    found = [n for n in nodes_until(outputs) if type(n).__name__ == REENTRANT_CHECKPOINT]
+    walked = _all_nodes([o.grad_fn for o in outputs])
+    found = [n for n in walked.values() if type(n).__name__ == REENTRANT_CHECKPOINT]
     if not found:
         return
     wanted = {id(t) for t in inputs}
     targets = [get_gradient_edge(t).node for t in inputs if t.requires_grad]
+    # (a function that is not a module's, a closure or a lambda, may run any input that the
+    # graph does not reach; the inputs it reaches are not hidden in it)
+    unreached = any(id(target) not in walked for target in targets)
     for node in found:
         module = checkpointed_module(node)
-        hidden = module is None or any(id(p) in wanted for p in module.parameters())
+        hidden = unreached if module is None else any(id(p) in wanted for p in module.parameters())
         if hidden or _reaches([child for child, _ in node.next_functions], targets):
             raise ValueError(
                 f"`{name}` depend on a reentrant activation checkpoint "
@@ -143,14 +148,14 @@ def check_reentrant_checkpoints(
 def _reaches(roots: Sequence[Any], targets: Sequence[Any]) -> bool:
     """Whether one of the nodes ``targets`` is one of ``roots`` or lies below one."""
     wanted = {id(target) for target in targets}
-    seen: set[int] = set()
+    seen: dict[int, Any] = {}  # (holding the nodes: their ids stay theirs)
     stack = [root for root in roots if root is not None]
     while stack:
         node = stack.pop()
         if id(node) in wanted:
             return True
         if id(node) not in seen:
-            seen.add(id(node))
+            seen[id(node)] = node
             stack.extend(child for child, _ in node.next_functions if child is not None)
     return False
 
@@ -200,28 +205,18 @@ def nested_features(features: Sequence[Tensor]) -> list[int]:
         edge = get_gradient_edge(feature)
         edges.setdefault((edge.node, edge.output_nr), []).append(position)
     found: set[int] = set()
-    for node in _nodes_behind(features):
+    for node in _all_nodes([f.grad_fn for f in features]).values():
         for child, output_nr in node.next_functions:
             if child is not None:
                 found.update(edges.get((child, output_nr), ()))
     return sorted(found)
 
 
-def _nodes_behind(tensors: Sequence[Tensor]) -> Iterator[Any]:
-    """Each node of the graph behind ``tensors`` once, depth first from their ``grad_fn``."""
-    stack = [t.grad_fn for t in tensors if t.grad_fn is not None]
-    seen: dict[int, object] = {}  # (holding the nodes: their ids stay theirs)
-    while stack:
-        node = stack.pop()
-        if id(node) in seen:
-            continue
-        seen[id(node)] = node
-        yield node
-        stack.extend(child for child, _ in node.next_functions if child is not None)
-
-
-# The saved flags of the autograd nodes whose backward may return a sparse gradient:
-# ``nn.Embedding(sparse=True)``, ``nn.EmbeddingBag(sparse=True)``, ``gather(sparse_grad=True)``.
+# The autograd nodes whose backward may return a sparse gradient (``nn.Embedding(sparse=True)``,
+# ``nn.EmbeddingBag(sparse=True)``, ``gather(sparse_grad=True)``), and their saved flags.
+SPARSE_GRADIENT_NODES = frozenset(
+    {"EmbeddingBackward0", "EmbeddingBagBackward0", "GatherBackward0"}
+)
 _SPARSE_FLAGS = ("_saved_sparse", "_saved_sparse_grad")
 
 # The operands that autograd saves for the backward of a matrix product: vmap cannot expand a
@@ -293,28 +288,41 @@ def sparse_on_paths(roots: Sequence[Any], targets: Sequence[Any]) -> bool:
         >>> sparse_on_paths([out.grad_fn], [node(head)])
         False
     """
-    wanted = {id(target) for target in targets}
-    runs: dict[int, bool] = {}  # a node -> whether autograd runs it
-    entered: set[int] = set()
-    # (node, None) on the first visit, (node, its children) once they are pushed before it
-    stack: list[tuple[Any, list[Any] | None]] = [(root, None) for root in roots if root]
+    candidates = sparse_candidates(roots)
+    return bool(candidates) and runs_one(candidates, targets)
+
+
+def sparse_candidates(roots: Sequence[Any]) -> list[Any]:
+    """The nodes behind ``roots`` that vmap cannot batch because of sparse tensors (see
+    :func:`sparse_on_paths`), whether autograd would run them or not."""
+    return [
+        node
+        for node in _all_nodes(roots).values()
+        if sparse_operation(node)
+        or (
+            type(node).__name__ in SPARSE_GRADIENT_NODES
+            and any(getattr(node, flag, False) is True for flag in _SPARSE_FLAGS)
+        )
+    ]
+
+
+def _all_nodes(roots: Sequence[Any]) -> dict[int, Any]:
+    """Every node behind the nodes ``roots`` (themselves included), by ``id``; the dictionary
+    holds them, so that their ids stay theirs while it lives."""
+    nodes: dict[int, Any] = {}
+    stack = [root for root in roots if root is not None]
     while stack:
-        node, children = stack.pop()
-        if children is None:
-            if id(node) in entered:
-                continue
-            entered.add(id(node))
-            children = [child for child, _ in node.next_functions if child is not None]
-            stack.append((node, children))
-            stack.extend((child, None) for child in children if id(child) not in entered)
-            continue
-        runs[id(node)] = any(id(c) in wanted or runs.get(id(c), False) for c in children)
-        if runs[id(node)] and (
-            sparse_operation(node)
-            or any(getattr(node, flag, False) is True for flag in _SPARSE_FLAGS)
-        ):
-            return True
-    return False
+        node = stack.pop()
+        if id(node) not in nodes:
+            nodes[id(node)] = node
+            stack.extend(child for child, _ in node.next_functions if child is not None)
+    return nodes
+
+
+def runs_one(nodes: Sequence[Any], targets: Sequence[Any]) -> bool:
+    """Whether a backward to the nodes ``targets`` runs one of ``nodes``: autograd runs a node
+    when a target is one of its children or lies below one."""
+    return any(_reaches([child for child, _ in node.next_functions], targets) for node in nodes)
 
 
 def sparse_gradients(outputs: Sequence[Tensor], inputs: Sequence[Tensor]) -> bool:
@@ -332,5 +340,8 @@ def sparse_gradients(outputs: Sequence[Tensor], inputs: Sequence[Tensor]) -> boo
     """
     if any(t.layout != torch.strided for t in inputs):  # (a sparse leaf: sparse gradients)
         return True
-    targets = [get_gradient_edge(t).node for t in inputs if t.requires_grad]
-    return sparse_on_paths([o.grad_fn for o in outputs], targets)
+    candidates = sparse_candidates([o.grad_fn for o in outputs])
+    # (the inputs' nodes only when needed: a leaf's costs a view of it)
+    return bool(candidates) and runs_one(
+        candidates, [get_gradient_edge(t).node for t in inputs if t.requires_grad]
+    )

@@ -75,6 +75,11 @@ def _non_tensors(tree: Any) -> str:
     return ", ".join(sorted(names))
 
 
+class _OutputDtypeError(TypeError, RuntimeError):
+    """A ``TypeError`` that code written for ``torch.func.jacrev``, which raises a
+    ``RuntimeError`` for an integer output, still catches."""
+
+
 def _check_result(result: Any, has_aux: bool) -> Any:
     """``func``'s result, checked before ``torch.func.vjp`` sees it (its errors are
     ``RuntimeError``s that do not say what was received)."""
@@ -99,7 +104,7 @@ def _check_result(result: Any, has_aux: bool) -> Any:
     # (torch.func.vjp's own refusal names vjp, not the transform that the caller used)
     for k, out in enumerate(tree_flatten(output)[0]):
         if not (out.is_floating_point() or out.is_complex()):
-            raise TypeError(
+            raise _OutputDtypeError(
                 f"jacrev: output {k} (flattened) of `func` is {out.dtype}; like "
                 "torch.func.jacrev, jacrev differentiates floating-point outputs only. Return "
                 "it as a float (`.float()`), or as aux (`has_aux=True`) to keep it apart."
