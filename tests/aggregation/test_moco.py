@@ -103,3 +103,16 @@ def test_a_large_finite_jacobian_leaves_a_finite_state() -> None:
     assert bool(torch.isfinite(A(torch.ones(1, 1))).all())
     J = torch.tensor([[1e25, 0.0], [0.0, 1.0]])
     torch.testing.assert_close(MoCo()(J), MoCo()(J.double()).float())
+
+
+def test_many_large_columns_leave_a_finite_state() -> None:
+    """Y (Y^T lambda) sums n products of Y's scale: with entries of 1e37 over 1000 columns it
+    overflowed float32 after the first fix (which scaled by Y's largest entry only), and the
+    NaN weights stayed as state. The weights equal those of the float64 Jacobian."""
+    J = torch.full((2, 1000), 1e37) * torch.tensor([[1.0], [0.5]])
+    A, reference = MoCo(), MoCo()
+    for _ in range(2):
+        update = A(J)
+        expected = reference(J.double())
+        assert bool(torch.isfinite(update).all())
+        torch.testing.assert_close(update.double(), expected, rtol=1e-5, atol=0.0)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -24,13 +26,15 @@ def moco_step(
     tracked = tracked - beta_k * (tracked - matrix)
     # Y Y^T lambda has the square of Y's scale, which overflows float32 from rows of norm 1e19
     # (a NaN lambda, kept as state, made every later update NaN): it is formed as
-    # s (Y (Y^T lambda / s)) with s a power of two near Y's largest entry, the last product and
-    # the step in float64 (m numbers; Y itself is not widened: it may be m x 1e8).
+    # s (Y (Y^T lambda / s)) with s a power of two near Y's largest entry times one at least n
+    # (Y's rows sum n terms of up to its largest entry), the last product and the step in
+    # float64 (m numbers; Y itself is not widened: it may be m x 1e8).
     largest = tracked.abs().amax() if tracked.numel() else tracked.new_zeros(())
     scale = torch.where(largest > 0, torch.exp2(torch.floor(torch.log2(largest))), 1.0)
-    product = (tracked @ ((tracked.T @ lambdas) / scale)).to(torch.float64)
+    terms = 2.0 ** math.ceil(math.log2(max(tracked.shape[-1], 1)))  # (apart: s n may overflow)
+    product = (tracked @ ((tracked.T @ lambdas) / scale / terms)).to(torch.float64)
     old = lambdas.to(torch.float64)
-    gradient = product * scale.to(torch.float64) + rho * old
+    gradient = product * (scale.to(torch.float64) * terms) + rho * old
     lambdas = project_onto_simplex(old - gamma_k * gradient).to(lambdas.dtype)
     return tracked, lambdas, lambdas @ tracked
 

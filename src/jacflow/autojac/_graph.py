@@ -100,16 +100,51 @@ def checkpointed_module(node: Any) -> nn.Module | None:
     return owner if isinstance(owner, nn.Module) else None
 
 
+def _seen_tensors(function: Any) -> list[Tensor] | None:
+    """The parameters and tensors that a reentrant checkpoint's ``function`` can be seen to
+    use: those of a module (the function is one, or one of its bound methods) and, through
+    ``functools.partial`` arguments, closure cells and defaults (``create_custom_forward(m)``,
+    a lambda over a local module), of the modules and tensors it captures, nested functions
+    included; ``None`` when it captures none (it reads globals, or is not Python code)."""
+    captured: list[Any] = []
+    pending, visited = [function], set()
+    while pending:
+        current = pending.pop()
+        if id(current) in visited:
+            continue
+        visited.add(id(current))
+        if isinstance(current, nn.Module):
+            captured.append(current)
+            continue
+        if isinstance(current, functools.partial):
+            pending += [current.func, *current.args, *current.keywords.values()]
+            continue
+        owner = getattr(current, "__self__", None)
+        if owner is not None:  # (a bound method: its object)
+            pending.append(owner)
+        for cell in getattr(current, "__closure__", None) or ():
+            try:
+                pending.append(cell.cell_contents)
+            except ValueError:  # (an empty cell)
+                continue
+        pending += list(getattr(current, "__defaults__", None) or ())
+        pending += list((getattr(current, "__kwdefaults__", None) or {}).values())
+        if isinstance(current, Tensor):
+            captured.append(current)
+    tensors = [t for c in captured for t in (c.parameters() if isinstance(c, nn.Module) else [c])]
+    return tensors or None
+
+
 def check_reentrant_checkpoints(
     outputs: Sequence[Tensor], inputs: Sequence[Tensor], name: str
 ) -> None:
     """Refuse a reentrant activation checkpoint behind ``outputs`` whose backward a
     differentiation with respect to ``inputs`` would run (torch refuses it in
     ``torch.autograd.grad``, with an error of its own) or that runs one of ``inputs`` out of
-    the graph's sight (a parameter of its module; for a function that is not a module's, any
-    input that the graph does not reach): its forward ran under ``no_grad``, so those inputs
-    would get zero Jacobians, silently. One that runs neither (a frozen stem under the inputs'
-    layers, a closure whose output is an input) is left alone.
+    the graph's sight (a parameter or tensor that its function captures, see
+    :func:`_seen_tensors`; any leaf input where it captures none): its forward ran under
+    ``no_grad``, so those inputs would get zero Jacobians, silently. One that runs neither (a
+    frozen stem under the inputs' layers, a closure whose output is an input) is left alone.
 
     Example:
         >>> import torch
@@ -128,12 +163,15 @@ def check_reentrant_checkpoints(
         return
     wanted = {id(t) for t in inputs}
     targets = [get_gradient_edge(t).node for t in inputs if t.requires_grad]
-    # (a function that is not a module's, a closure or a lambda, may run any input that the
-    # graph does not reach; the inputs it reaches are not hidden in it)
-    unreached = any(id(target) not in walked for target in targets)
     for node in found:
-        module = checkpointed_module(node)
-        hidden = unreached if module is None else any(id(p) in wanted for p in module.parameters())
+        seen = _seen_tensors(getattr(node, "run_function", None))
+        # (a function whose inside cannot be seen may run any leaf input; the inputs computed
+        # by the graph, its output or the features, are not in it)
+        hidden = (
+            any(t.grad_fn is None for t in inputs)
+            if seen is None
+            else any(id(t) in wanted for t in seen)
+        )
         if hidden or _reaches([child for child, _ in node.next_functions], targets):
             raise ValueError(
                 f"`{name}` depend on a reentrant activation checkpoint "
@@ -321,8 +359,30 @@ def _all_nodes(roots: Sequence[Any]) -> dict[int, Any]:
 
 def runs_one(nodes: Sequence[Any], targets: Sequence[Any]) -> bool:
     """Whether a backward to the nodes ``targets`` runs one of ``nodes``: autograd runs a node
-    when a target is one of its children or lies below one."""
-    return any(_reaches([child for child, _ in node.next_functions], targets) for node in nodes)
+    when a target is one of its children or lies below one. One walk for all of ``nodes``,
+    each node's answer kept (a stem of many sparse layers is walked once, not once each)."""
+    wanted = {id(target) for target in targets}
+    reaches: dict[int, bool] = {}  # a node -> whether a target is it or lies below it
+    held: dict[int, Any] = {}  # (holding the nodes: their ids stay theirs)
+    stack: list[tuple[Any, list[Any] | None]] = [
+        (child, None) for node in nodes for child, _ in node.next_functions if child is not None
+    ]
+    starts = [entry[0] for entry in stack]
+    while stack:
+        node, children = stack.pop()
+        if children is None:  # (first visit: its children before it; the graph has no cycle)
+            if id(node) in reaches:
+                continue
+            held[id(node)] = node
+            reaches[id(node)] = id(node) in wanted
+            if reaches[id(node)]:
+                continue
+            children = [child for child, _ in node.next_functions if child is not None]
+            stack.append((node, children))
+            stack.extend((child, None) for child in children if id(child) not in reaches)
+            continue
+        reaches[id(node)] = any(reaches[id(child)] for child in children)
+    return any(reaches[id(start)] for start in starts)
 
 
 def sparse_gradients(outputs: Sequence[Tensor], inputs: Sequence[Tensor]) -> bool:
