@@ -472,3 +472,21 @@ def test_a_reentrant_checkpoint_of_a_closure_over_a_block_also_used_outside_it()
     with pytest.raises(ValueError, match="reentrant activation checkpoint"):
         mtl_backward(list(outputs), features, A=UPGrad(), shared_params=params)
     assert all(p.grad is None for p in [*params, *head.parameters()])
+
+
+_GLOBAL_BLOCK = torch.nn.Linear(4, 4).double()
+
+
+def test_a_reentrant_checkpoint_of_a_lambda_over_a_global_is_refused_with_the_way_out() -> None:
+    """A lambda over a global module captures nothing that jacflow can see: any listed
+    parameter may run in it, so leaf inputs are refused, with a message naming the ways to let
+    jacflow see (the module itself, or functools.partial); a non-leaf input is accepted."""
+    from torch.utils.checkpoint import checkpoint
+
+    _, head, x = _checkpointed_case()
+    features = checkpoint(lambda t: _GLOBAL_BLOCK(t), x, use_reentrant=True)
+    outputs = head(features).sum(0)
+    with pytest.raises(ValueError, match=r"(?s)captures no module.*functools\.partial"):
+        jac(outputs, [*head.parameters()], retain_graph=True)
+    expected = _zoo.rows_by_autograd(list(outputs), [features])
+    torch.testing.assert_close(jac(outputs, [features])[0].reshape(3, -1), expected)

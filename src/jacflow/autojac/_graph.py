@@ -180,6 +180,14 @@ def check_reentrant_checkpoints(
                 "which jacflow differentiates with), and the parameters that it runs are out "
                 "of the graph's sight (their Jacobian would be zero, silently). Use "
                 "checkpoint(..., use_reentrant=False), which jacflow differentiates exactly."
+                + (
+                    " (Its function captures no module or tensor that jacflow can see, e.g. a "
+                    "lambda over a global module: any parameter among the inputs may run in it. "
+                    "Checkpointing the module itself, or functools.partial(module), lets "
+                    "jacflow see which do.)"
+                    if seen is None
+                    else ""
+                )
             )
 
 
