@@ -1015,3 +1015,22 @@ def test_gramians_near_the_largest_float_are_projected_as_at_scale_one(m: int) -
     torch.testing.assert_close(
         project_diagonal(pref, huge), project_diagonal(pref, G), rtol=0, atol=1e-9
     )
+
+
+@pytest.mark.parametrize(("dtype", "scale"), [(torch.float32, 1e-12), (torch.float64, 1e-22)])
+@pytest.mark.parametrize("method", METHODS)
+def test_zero_rows_of_a_small_gramian_do_not_set_the_residuals_unit(
+    dtype: torch.dtype, scale: float, method: str
+) -> None:
+    """A zero gradient's diagonal entry was rescaled by 1 (the others by their gradients'
+    norms), so its ``u_i`` set the unit of the residual: on a Gramian of small scale the
+    conflict of the two other objectives was below the tolerance and ``v = u`` came back
+    (an update at an angle of 117 degrees to the third gradient), silently. The projection
+    ignores a global scale of ``G``."""
+    J = torch.tensor([[0.0, 0.0], [1.0, 0.0], [-0.5, 1.0]], dtype=torch.float64)
+    gramian = (scale * (J @ J.T)).to(dtype)
+    u = torch.tensor([1.0, 1.0, 0.0], dtype=dtype)
+    expected = torch.tensor([1.0, 1.0, 0.4], dtype=dtype)
+    torch.testing.assert_close(project_weights(u, gramian, method=method), expected)
+    torch.testing.assert_close(project_weights(u, gramian / scale, method=method), expected)
+

@@ -771,16 +771,24 @@ def _rescaling(gramian: Tensor, norm_eps: float, reg_eps: float) -> Tensor | Non
 
 
 def _unit_diagonal_scale(gramian: Tensor) -> Tensor:
-    """``d = sqrt(diag(G))`` (``[..., m]``; 1 where the diagonal is not positive and finite): with
-    ``G' = G / (d d^T)``, of unit diagonal, ``v`` solves ``min v^T G v s.t. v >= u`` exactly
-    when ``d v`` solves ``min w^T G' w s.t. w >= d u``. The solvers' residuals then weigh every
-    objective by its own gradient's norm, not by the largest: on ``G`` itself, a conflict
-    with an objective whose gradient is ``1e3`` times smaller than another's (float32) or
-    ``1e4`` to ``1e7`` times (float64) was below their tolerance, and the update conflicted
-    with it."""
+    """``d = sqrt(diag(G))`` (``[..., m]``): with ``G' = G / (d d^T)``, of unit diagonal, ``v``
+    solves ``min v^T G v s.t. v >= u`` exactly when ``d v`` solves ``min w^T G' w s.t.
+    w >= d u``. The solvers' residuals then weigh every objective by its own gradient's norm,
+    not by the largest: on ``G`` itself, a conflict with an objective whose gradient is ``1e3``
+    times smaller than another's (float32) or ``1e4`` to ``1e7`` times (float64) was below their
+    tolerance, and the update conflicted with it.
+
+    Where the diagonal is zero or negative (a zero gradient, or rounding), ``d`` is the
+    smallest positive one of its Gramian (1 if none is): a fixed 1 made the result depend on
+    ``G``'s scale, as a zero gradient's ``u_i`` then dominated the rows' max-norm, the unit
+    of the residual (a Gramian of scale ``1e-11`` with zero rows, float32: conflicts of 4% of
+    an objective's gradient left, without a warning). Where it is not finite, ``d`` is 1."""
     diagonal = gramian.diagonal(dim1=-2, dim2=-1)
     usable = (diagonal > 0) & (diagonal < math.inf)  # (an infinite d gave u NaN gradients)
-    return torch.where(usable, diagonal, torch.ones_like(diagonal)).sqrt()
+    smallest = torch.where(usable, diagonal, math.inf).amin(-1, keepdim=True)
+    fallback = torch.where(smallest < math.inf, smallest, 1.0).expand_as(diagonal)
+    unusable = torch.where(diagonal <= 0, fallback, torch.ones_like(diagonal))
+    return torch.where(usable, diagonal, unusable).sqrt()
 
 
 def _nonfinite_rows_under_autograd(rows: Tensor, gramian: Tensor) -> Tensor | None:
