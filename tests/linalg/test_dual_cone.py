@@ -1034,3 +1034,20 @@ def test_zero_rows_of_a_small_gramian_do_not_set_the_residuals_unit(
     torch.testing.assert_close(project_weights(u, gramian, method=method), expected)
     torch.testing.assert_close(project_weights(u, gramian / scale, method=method), expected)
 
+
+def test_reference_solver_is_optimal_on_nearly_parallel_rows() -> None:
+    """The oracle of these tests solved its free systems by pseudo-inverse alone, whose
+    gradients were left at ``eps * cond`` (1e-8 on rows within 1e-4 of one direction or its
+    opposite): it stopped on the wrong active set, J^T v 59% off the projection."""
+    gen = torch.Generator().manual_seed(36)
+    m, n = 6, 8
+    base = torch.randn(n, generator=gen, dtype=torch.float64)
+    J = base + 1e-4 * torch.randn(m, n, generator=gen, dtype=torch.float64)
+    J[torch.rand(m, generator=gen) < 0.3] *= -1
+    gramian, u = J @ J.T, torch.eye(m, dtype=torch.float64)
+    v = project_weights_reference(u, gramian)
+    fast = project_weights(u, gramian)
+    gap = v - fast
+    objective = torch.einsum("ki,ij,kj->k", fast, gramian, fast)
+    assert bool((torch.einsum("ki,ij,kj->k", gap, gramian, gap) <= 1e-12 * objective).all())
+    assert_kkt(v, u, gramian)

@@ -77,7 +77,10 @@ def _solve_nonnegative_qp(q: Tensor, c: Tensor, max_iter: int) -> Tensor:
         for _ in range(max_iter):
             idx = free.nonzero().flatten()
             z = torch.zeros_like(x)
-            z[idx] = torch.linalg.pinv(q[idx][:, idx], hermitian=True) @ -c[idx]
+            block, inverse = q[idx][:, idx], torch.linalg.pinv(q[idx][:, idx], hermitian=True)
+            z[idx] = inverse @ -c[idx]
+            for _ in range(2):  # (refined: pinv's solve leaves gradients of eps * cond(q_FF))
+                z[idx] -= inverse @ (block @ z[idx] + c[idx])
             if bool((z[idx] > 0).all()):
                 x = z
                 break
