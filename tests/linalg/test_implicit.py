@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.autograd import gradcheck, gradgradcheck
 
-from jacflow.aggregation import UPGrad
+from jacflow.aggregation import DualProj, UPGrad
 from jacflow.linalg import project_weights
 from jacflow.linalg._dual_cone import project_diagonal
 
@@ -134,3 +134,30 @@ def test_non_finite_rows_leave_second_derivatives_finite(diagonal: bool) -> None
     for bad in (float("nan"), float("inf")):
         for got, want in zip(second(bad), expected, strict=True):
             torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("rows", ["three", "four", "four rescaled"])
+def test_a_trivial_dual_cone_gives_a_zero_gradient(rows: str) -> None:
+    """Rows that positively span the space (the dual cone ``{x : J x >= 0}`` is ``{0}`` for J
+    and every J near it): the update ``J^T v`` is 0 around J, so its gradient is 0. The
+    constraints held at ``v_i = u_i`` there have zero multipliers (weakly active); held with
+    ``dv_i = du_i`` they gave gradients of 0.3 (UPGrad, DualProj) and 1.2 (the projections).
+    Rescaled (a diagonal spread of 1e4), ``v_i = u_i`` also took ``u_i``'s gradient."""
+    if rows == "three":
+        j = torch.tensor([[1.0, 0.0], [0.0, 1.0], [-1.0, -1.0]], dtype=torch.float64)
+    else:
+        j = torch.tensor([[2.0, 1.0], [-1.0, -0.5], [0.0, 1.0], [-1.0, -1.0]], dtype=torch.float64)
+    if rows == "four rescaled":
+        j = j * torch.tensor([[1.0], [10.0], [1.0], [0.1]], dtype=torch.float64)
+    m = j.shape[0]
+    w = torch.tensor([1.0, -2.0], dtype=torch.float64)
+    j = j.requires_grad_()
+    updates = {
+        "upgrad": UPGrad()(j),
+        "dualproj": DualProj()(j),
+        "projections": project_weights(torch.eye(m, dtype=torch.float64), j @ j.T) @ j,
+    }
+    for name, update in updates.items():
+        assert float(update.detach().abs().max()) < 1e-12, name
+        (grad,) = torch.autograd.grad((update @ w).sum(), j)
+        torch.testing.assert_close(grad, torch.zeros_like(grad), atol=1e-12, rtol=0, msg=name)

@@ -814,16 +814,28 @@ def _unscaled_diagonal(scaled: Tensor, first: Tensor, d: Tensor, pref: Tensor) -
     ``0 / d`` is exact, and only the diagonal needs the exact ``u``."""
     v = scaled / d
     diagonal = torch.where(scaled.diagonal() == first, pref, v.diagonal())
-    v.diagonal().copy_(torch.maximum(diagonal, pref))
+    diagonal = _with_gradient_of(torch.maximum(diagonal, pref), v.diagonal())
+    v.diagonal().copy_(diagonal)
     return v
 
 
 def _unscaled(scaled: Tensor, first: Tensor, d: Tensor, u: Tensor) -> Tensor:
     """``v = scaled / d``, with ``v_i = u_i`` exactly where the scaled problem's constraint is
     active (``scaled_i = first_i``: ``(u d) / d`` may round off ``u``), and feasible elsewhere
-    (``max(v, u)`` in value, a rounding error, with ``v``'s gradient)."""
-    v = torch.where(scaled == first.to(scaled.dtype), u, scaled / d.to(scaled.dtype))
-    return _feasible(v, u)
+    (``max(v, u)`` in value, a rounding error, with ``v``'s gradient). The gradient is that of
+    ``scaled / d`` also where ``v_i = u_i`` (see :func:`_with_gradient_of`)."""
+    v = scaled / d.to(scaled.dtype)
+    exact = torch.where(scaled == first.to(scaled.dtype), u, v)
+    return _feasible(_with_gradient_of(exact, v), u)
+
+
+def _with_gradient_of(value: Tensor, v: Tensor) -> Tensor:
+    """``value`` (``v`` up to rounding), with ``v``'s gradient where ``v`` has one: an active
+    constraint's ``v_i = u_i`` taken from ``u`` would give ``u``'s gradient, where the implicit
+    one of a weakly active constraint (see ``jacflow.linalg._implicit``) is that of ``v``."""
+    if v.requires_grad:
+        return v + (value - v).detach()
+    return value
 
 
 def _feasible(v: Tensor, u: Tensor) -> Tensor:

@@ -11,6 +11,10 @@ pseudo-inverse when ``G_FF`` is singular):
 
     grad_u = 1_A * (gv - G y),    grad_G = -y v^T   (symmetrised: the solver reads sym(G)).
 
+A weakly active constraint (``v_i = u_i`` with the multiplier ``(G v)_i = 0``) belongs to ``F``:
+where the projection is differentiable there, its derivative keeps ``(G v)_i = 0`` (e.g. a
+dual cone ``{0}``, whose update ``J^T v = 0`` does not move), not ``v_i = u_i``.
+
 The backward pass is made of differentiable torch operations, so second derivatives
 (``create_graph=True``) work too, with the active set held fixed.
 """
@@ -52,7 +56,15 @@ def _finite_backward(
 ) -> tuple[Tensor, Tensor]:
     """:func:`_backward` on finite inputs."""
     scale = torch.maximum(v.abs().amax(-1, keepdim=True), u.abs().amax(-1, keepdim=True))
-    free = (v - u > active_rtol * scale).to(g.dtype)
+    free = v - u > active_rtol * scale
+    # A weakly active constraint (v_i = u_i and (G v)_i = 0, of a nonzero objective, on a
+    # nonzero row) is held as (G dv)_i = -(dG v)_i, not dv_i = du_i: where the map is
+    # differentiable (its critical cone a subspace) that is its derivative. Held at v_i = u_i, a
+    # trivial dual cone's update, J^T v = 0 for every nearby J, got a gradient as large as J's.
+    diagonal = g.diagonal(dim1=-2, dim2=-1)[:, None]
+    lam_scale = diagonal.amax(-1, keepdim=True) * scale
+    weak = (torch.bmm(v, g).abs() <= active_rtol * lam_scale) & (diagonal > 0) & (scale > 0)
+    free = (free | weak).to(g.dtype)
     pair = free[..., :, None] * free[..., None, :]
     system = g[:, None] * pair + torch.diag_embed(1 - free)
     y = (torch.linalg.pinv(system, hermitian=True) @ (grad_v * free)[..., None]).squeeze(-1)
