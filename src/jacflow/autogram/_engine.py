@@ -1905,10 +1905,16 @@ def _check_separable(
     for unit, call, dims in calls:
         call_grads = _at_outputs(call, grads[cursor : cursor + len(call.edges)])
         cursor += len(call.edges)
-        for rows, dim in zip(call_grads, dims, strict=True):
-            if rows is None or dim is None:
+        for rows, dim, position in zip(call_grads, dims, call.output_positions, strict=True):
+            samples = None
+            if dim is None:  # (a packed sequence's data: its rows' samples, where known)
+                samples = unit.rule.output_samples(unit.module, call, position)
+            if rows is None or (dim is None and samples is None):
                 continue
-            if any(leaks(grad, dim, probe) for grad, probe in zip(rows, probes, strict=True)):
+            if any(
+                leaks(grad, 0 if dim is None else dim, probe, samples)
+                for grad, probe in zip(rows, probes, strict=True)
+            ):
                 raise ValueError(
                     f"Per sample (batch_dim=0), the losses read the output of {unit.name} "
                     f"({type(unit.module).__name__}) at other samples than their own, so its "

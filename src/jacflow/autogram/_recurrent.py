@@ -352,6 +352,16 @@ class RecurrentRule(Rule):
             return None if packed else (0 if module.batch_first else 1)
         return 1  # h_n, c_n: [L D, N, H]
 
+    def output_samples(self, module: nn.Module, call: Call, position: int) -> Tensor | None:
+        packed = _input(call)
+        if position != 0 or not isinstance(packed, PackedSequence):
+            return None
+        # (the packed data's rows: at each step, the first batch_sizes[t] sorted samples)
+        order = packed.sorted_indices
+        if order is None:
+            order = torch.arange(int(packed.batch_sizes[0]), device=packed.data.device)
+        return torch.cat([order[: int(size)] for size in packed.batch_sizes])
+
     def validate(self, module: nn.Module, call: Call, rows: Rows) -> None:
         x = _input(call)
         if not isinstance(x, (Tensor, PackedSequence)):

@@ -658,6 +658,23 @@ class Rule(ABC):
         """
         return 0
 
+    def output_samples(self, module: nn.Module, call: Call, position: int) -> Tensor | None:
+        """For an output leaf without a batch dimension (:meth:`output_batch_dim` ``None``):
+        the sample of each of its rows along dimension 0 where the rule knows it (a packed
+        sequence's data), with which the per-sample engine checks that each loss reads that
+        output at its own sample only; ``None`` (the default): not known, not checked.
+
+        Example:
+            >>> from torch import nn
+            >>> from jacflow.autogram import Rule
+            >>> class Plain(Rule):
+            ...     def prepare(self, module, params, calls, rows):
+            ...         raise NotImplementedError
+            >>> print(Plain().output_samples(nn.Identity(), None, 0))
+            None
+        """
+        return None
+
 
 _RULES: dict[type[nn.Module], Rule] = {}
 # the methods some rule's module type must keep (``forward`` and the rules' delegates)

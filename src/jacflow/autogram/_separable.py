@@ -64,10 +64,11 @@ def probe_cotangents(losses: Tensor, sets: list[list[int]]) -> Tensor:
     return cotangents
 
 
-def leaks(grad: Tensor, dim: int, samples: list[int]) -> bool:
+def leaks(grad: Tensor, dim: int, samples: list[int], row_samples: Tensor | None = None) -> bool:
     """Whether ``grad``, the probing losses' gradient w.r.t. an output whose batch is on
     ``dim``, is nonzero at a sample outside ``samples`` (not judged where it is not finite:
-    the step propagates NaN as it is).
+    the step propagates NaN as it is). ``row_samples``: for an output without a batch
+    dimension (a packed sequence's data), the sample of each of its entries along ``dim``.
 
     Example:
         >>> import torch
@@ -76,9 +77,15 @@ def leaks(grad: Tensor, dim: int, samples: list[int]) -> bool:
         False
         >>> leaks(torch.tensor([[1.0, 2.0], [0.0, 1e-30], [3.0, 0.0]]), 0, [0, 2])
         True
+        >>> leaks(torch.tensor([[1.0], [2.0], [0.0]]), 0, [1], torch.tensor([1, 1, 0]))
+        False
     """
-    others = torch.ones(grad.shape[dim], dtype=torch.bool, device=grad.device)
-    others[samples] = False
+    if row_samples is None:
+        others = torch.ones(grad.shape[dim], dtype=torch.bool, device=grad.device)
+        others[samples] = False
+    else:
+        chosen = torch.tensor(samples, dtype=row_samples.dtype, device=row_samples.device)
+        others = ~torch.isin(row_samples, chosen).to(grad.device)
     rest = grad.movedim(dim, 0)[others]
     nonzero, finite = bool(rest.count_nonzero()), bool(torch.isfinite(rest).all())
     return nonzero and finite
