@@ -1051,3 +1051,29 @@ def test_reference_solver_is_optimal_on_nearly_parallel_rows() -> None:
     objective = torch.einsum("ki,ij,kj->k", fast, gramian, fast)
     assert bool((torch.einsum("ki,ij,kj->k", gap, gramian, gap) <= 1e-12 * objective).all())
     assert_kkt(v, u, gramian)
+
+
+@pytest.mark.parametrize("route", ["pdas", "auto under autograd"])
+def test_pdas_drifting_on_a_rounded_rank_deficient_gramian_goes_to_the_exact_fallback(
+    route: str,
+) -> None:
+    """On this rank-2 float32 Gramian (rows 0 and 1 opposite, their norms 5x apart), PDAS
+    drifted along a nearly null direction: weights of 3e4, an update of 0.5% of ``|J^T u|``
+    conflicting with an objective (cosine -0.99), no warning, its residual relative to
+    ``|v|`` passing; under autograd "auto" takes PDAS, and DualProj's gradients reached 1.2e5.
+    Problems with such weights go to the exact Lawson-Hanson fallback (review 57)."""
+    J = torch.tensor([[2.0, 1.0], [-10.0, -5.0], [0.0, 1.0], [-0.1, -0.1]])
+    u = torch.full((4,), 0.25)
+    reference = project_weights_reference(u.double(), (J @ J.T).double())
+    if route == "pdas":
+        v = project_weights(u, J @ J.T, method="pdas")
+    else:
+        leaf = J.clone().requires_grad_()
+        v = project_weights(u, leaf @ leaf.T)
+        (v @ leaf).sum().backward()
+        assert leaf.grad is not None and float(leaf.grad.abs().max()) < 1.0
+        v = v.detach()
+    assert float(v.abs().max()) < 10
+    scale = float((u @ J).norm())
+    assert float((v.double() @ J.double()).norm()) <= 1e-5 * scale
+    assert float((reference @ J.double()).norm()) <= 1e-5 * scale

@@ -147,6 +147,9 @@ _SINGLE_MIN_TOL = 1e-6
 # float32 steps left problems for float64 ones, a wasted attempt)
 _SINGLE_MIN_PIVOT = 1e-2
 _FIRST_ORDER_MAX_ITER = 20_000
+# PDAS's problems (rows of max-norm 1) whose weights exceed this go to the exact fallback: see
+# _solve (a drift along a nearly null direction of a rounded rank-deficient Gramian).
+_DRIFTED_WEIGHTS = 1e3
 _POLISH_ITER = 10
 # Polish only when its batched Cholesky (k * s^3 for free sets of size s) is cheap.
 _POLISH_MAX_FLOP = 3e7
@@ -426,6 +429,11 @@ def _solve(
         v, residual = chosen(u, (lam, residual))
     else:
         v, residual = _unsolved_by(lambda rows: chosen(u[:, rows]), *dual, tol)
+    if max_iter is None and method == "pdas":
+        # (PDAS on a rank-deficient, rounded Gramian can drift along a nearly null direction:
+        # weights of 3e4 for rows of max-norm 1, whose residual, relative to |v|, passes while
+        # the update conflicts with an objective; Lawson-Hanson's are exact and moderate)
+        residual = torch.where(v.abs().amax(-1) > _DRIFTED_WEIGHTS, torch.inf, residual)
     worst = float(residual.amax())
     # PDAS's problems (m <= 32, where Lawson-Hanson is cheap) above ``tol``, not only above
     # ``accept``: a float32 problem rescaled to a unit diagonal (accept 100 m eps) that PDAS
