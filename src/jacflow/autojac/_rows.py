@@ -154,14 +154,13 @@ def stacked_vjps(
         chunk = cotangents_of(start, stop)
         if sequential:
             try:
-                grads = vjp(tuple(c[0] for c in chunk), batched=False, last=last)
+                grads = _row_by_row(vjp, chunk, last)
             except RuntimeError as error:
                 if SELECTIVE_CHECKPOINT_ERROR in str(error):
                     raise RuntimeError(f"{error}{_SELECTIVE_HINT}") from error
                 if "donated buffer" not in str(error):
                     raise
                 raise RuntimeError(f"{error}{_DONATED_HINT}") from error
-            grads = _unsqueezed(grads)
         else:
             try:
                 grads = list(vjp(chunk, batched=True, last=last))
