@@ -2123,16 +2123,10 @@ def _hooked_param_reached(losses: Tensor, params: dict[int, str]) -> str | None:
     any (a walk of their graph)."""
     if losses.grad_fn is None:
         return None
-    pending, seen = [losses.grad_fn], {id(losses.grad_fn): losses.grad_fn}
-    while pending:
-        node = pending.pop()
+    for node in graph_nodes(losses):
         variable = getattr(node, "variable", None)
         if variable is not None and id(variable) in params:
             return params[id(variable)]
-        for parent, _ in node.next_functions:
-            if parent is not None and id(parent) not in seen:
-                seen[id(parent)] = parent
-                pending.append(parent)
     return None
 
 

@@ -16,7 +16,7 @@ forward did) takes a walk too, made only when some view was changed so.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -24,27 +24,9 @@ from torch import Tensor
 from torch.autograd.graph import get_gradient_edge
 
 from jacflow.autogram._rules import Call
-from jacflow.autojac._graph import REENTRANT_CHECKPOINT, sparse_operation
+from jacflow.autojac._graph import REENTRANT_CHECKPOINT, children, sparse_operation, walk_nodes
 
 _Target = TypeVar("_Target")
-
-
-def _walk(starts: Iterable[Any], following: Callable[[Any], Iterable[Any]]) -> Iterator[Any]:
-    """Each node reachable from the nodes ``starts`` once, depth first; ``following(node)``
-    gives the nodes to visit after it."""
-    stack: list[Any] = list(starts)
-    seen: dict[int, object] = {}  # (holding the nodes' Python objects: their ids stay theirs)
-    while stack:
-        node = stack.pop()
-        if node is None or id(node) in seen:
-            continue
-        seen[id(node)] = node
-        yield node
-        stack.extend(following(node))
-
-
-def _inputs(node: Any) -> Iterator[Any]:
-    return (following for following, _ in node.next_functions)
 
 
 def _input_nodes(call: Call) -> list[Any]:
@@ -183,7 +165,7 @@ def used_outside(
             met = True
             following = [(m, within(chain, m)) for m in jumps[id(node)]]
         else:
-            following = [(m, within(chain, m)) for m in _inputs(node) if m is not None]
+            following = [(m, within(chain, m)) for m in children(node) if m is not None]
         for m, next_chain in following:
             variable = getattr(m, "variable", None)  # (a gradient accumulator's parameter)
             if variable is not None and id(variable) in params and id(variable) not in allowed:
@@ -232,7 +214,7 @@ def outside_calls(losses: Tensor, calls: Sequence[Call]) -> tuple[object, ...]:
             key.append(SPARSE_OPERATION)
         return [node for node, _ in node.next_functions]
 
-    for _ in _walk([losses.grad_fn], following):
+    for _ in walk_nodes([losses.grad_fn], following):
         pass
     return tuple(key)
 
@@ -259,18 +241,12 @@ def sparse_inside(call: Call) -> bool:
         >>> [sparse_inside(call) for _, call in engine._recorder.take()]
         [True]
     """
-    inputs = {id(t.grad_fn) for t, _ in call.versions if t.grad_fn is not None}
-    stack = [edge.node for edge in call.edges]
-    seen: set[int] = set()
-    while stack:
-        node = stack.pop()
-        if node is None or id(node) in seen or id(node) in inputs:
-            continue
-        seen.add(id(node))
-        if sparse_operation(node):
-            return True
-        stack.extend(child for child, _ in node.next_functions)
-    return False
+    inputs = _input_nodes(call)  # (held: their ids stay theirs)
+    stops = {id(node) for node in inputs}
+    nodes = walk_nodes(
+        [edge.node for edge in call.edges], lambda node: () if id(node) in stops else children(node)
+    )
+    return any(sparse_operation(node) for node in nodes if id(node) not in stops)
 
 
 # (in the key of outside_calls: the node before it is an operation on sparse tensors)
@@ -279,7 +255,11 @@ SPARSE_OPERATION = "sparse operation"
 
 def reentrant_checkpoints(losses: Tensor) -> list[Any]:
     """The nodes of the reentrant checkpoints in the graph of ``losses``."""
-    return [n for n in _walk([losses.grad_fn], _inputs) if type(n).__name__ == REENTRANT_CHECKPOINT]
+    return [
+        n
+        for n in walk_nodes([losses.grad_fn], children)
+        if type(n).__name__ == REENTRANT_CHECKPOINT
+    ]
 
 
 def checkpoint_above_calls(checkpoints: Sequence[Any], calls: Sequence[Call]) -> bool:
@@ -301,7 +281,7 @@ def checkpoint_above_calls(checkpoints: Sequence[Any], calls: Sequence[Call]) ->
         True
     """
     ends = {id(edge.node) for call in calls for edge in call.edges}
-    return any(id(node) in ends for node in _walk(checkpoints, _inputs))
+    return any(id(node) in ends for node in walk_nodes(checkpoints, children))
 
 
 def first_reached(losses: Tensor, targets: dict[int, tuple[_Target, object]]) -> _Target | None:
@@ -330,7 +310,7 @@ def graph_nodes(losses: Tensor) -> Iterator[Any]:
         >>> [type(node).__name__ for node in graph_nodes((x * 2).sum())]
         ['SumBackward0', 'MulBackward0', 'AccumulateGrad']
     """
-    return _walk([losses.grad_fn], _inputs)
+    return walk_nodes([losses.grad_fn], children)
 
 
 def unreached(
@@ -353,9 +333,9 @@ def unreached(
     left = dict(params)
 
     def following(node: Any) -> Iterable[Any]:
-        return () if id(node) in stops else _inputs(node)
+        return () if id(node) in stops else children(node)
 
-    for node in _walk(starts, following):
+    for node in walk_nodes(starts, following):
         variable = getattr(node, "variable", None)  # (a gradient accumulator's parameter)
         if variable is not None and left.pop(id(variable), None) is not None and not left:
             break

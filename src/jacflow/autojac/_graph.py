@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 from collections import deque
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -172,7 +172,7 @@ def check_reentrant_checkpoints(
             if seen is None
             else any(id(t) in wanted for t in seen)
         )
-        if hidden or _reaches([child for child, _ in node.next_functions], targets):
+        if hidden or runs_one([node], targets):
             raise ValueError(
                 f"`{name}` depend on a reentrant activation checkpoint "
                 "(torch.utils.checkpoint with use_reentrant=True): its backward runs only in "
@@ -189,21 +189,6 @@ def check_reentrant_checkpoints(
                     else ""
                 )
             )
-
-
-def _reaches(roots: Sequence[Any], targets: Sequence[Any]) -> bool:
-    """Whether one of the nodes ``targets`` is one of ``roots`` or lies below one."""
-    wanted = {id(target) for target in targets}
-    seen: dict[int, Any] = {}  # (holding the nodes: their ids stay theirs)
-    stack = [root for root in roots if root is not None]
-    while stack:
-        node = stack.pop()
-        if id(node) in wanted:
-            return True
-        if id(node) not in seen:
-            seen[id(node)] = node
-            stack.extend(child for child, _ in node.next_functions if child is not None)
-    return False
 
 
 # Autograd nodes whose output ``k`` is their input ``k`` (an identity per output): DDP's
@@ -352,17 +337,29 @@ def sparse_candidates(roots: Sequence[Any]) -> list[Any]:
     ]
 
 
+def walk_nodes(starts: Iterable[Any], following: Callable[[Any], Iterable[Any]]) -> Iterator[Any]:
+    """Each node reachable from the nodes ``starts`` once, depth first; ``following(node)``
+    gives the nodes to visit after it (``None`` entries are skipped)."""
+    stack: list[Any] = list(starts)
+    seen: dict[int, object] = {}  # (holding the nodes' Python objects: their ids stay theirs)
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen[id(node)] = node
+        yield node
+        stack.extend(following(node))
+
+
+def children(node: Any) -> Iterator[Any]:
+    """The nodes that ``node``'s backward passes gradients to (``None`` where it passes none)."""
+    return (child for child, _ in node.next_functions)
+
+
 def _all_nodes(roots: Sequence[Any]) -> dict[int, Any]:
     """Every node behind the nodes ``roots`` (themselves included), by ``id``; the dictionary
     holds them, so that their ids stay theirs while it lives."""
-    nodes: dict[int, Any] = {}
-    stack = [root for root in roots if root is not None]
-    while stack:
-        node = stack.pop()
-        if id(node) not in nodes:
-            nodes[id(node)] = node
-            stack.extend(child for child, _ in node.next_functions if child is not None)
-    return nodes
+    return {id(node): node for node in walk_nodes(roots, children)}
 
 
 def runs_one(nodes: Sequence[Any], targets: Sequence[Any]) -> bool:
