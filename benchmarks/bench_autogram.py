@@ -369,7 +369,9 @@ def _run_child(spec: dict[str, object], keep: bool) -> dict[str, float]:
 def alone_ratio(spec: dict[str, object], rounds: int, keep: bool, processes: int) -> str:
     """jacflow / SGD, the two interleaved in a fresh process (see the module's docstring): the
     median over ``processes`` such processes, and their range when there are several (one
-    process's ratio moved by up to 10% from the next on a shared 2-core host)."""
+    process's ratio moved by up to 10% from the next on a shared 2-core host); "-" with none."""
+    if processes == 0:  # (on a GPU each fresh process spends seconds starting CUDA)
+        return "-"
     runs = []
     for _ in range(processes):
         times = _run_child({**spec, "task": "pair", "rounds": rounds}, keep)
@@ -461,7 +463,7 @@ def main() -> None:
         "--processes",
         type=int,
         default=5,
-        help="fresh processes of the 'SGD alone' column (its median and range; 1 with --quick)",
+        help="fresh processes of the 'SGD alone' column (median, range; 1 with --quick; 0: none)",
     )
     parser.add_argument("--child")
     args = parser.parse_args()
@@ -475,7 +477,7 @@ def main() -> None:
     device = args.device
     rounds = 5 if args.quick else (9 if device == "cpu" else 21)
     alone_rounds = 2 * rounds + 1  # (two cheap methods: more rounds for the same time)
-    processes = 1 if args.quick else args.processes
+    processes = min(1, args.processes) if args.quick else args.processes
     name = torch.cuda.get_device_name() if device == "cuda" else "CPU"
     name += ", glibc keeps freed memory" if args.keep_heap else ""
     print(f"torch {torch.__version__}, torchjd {getattr(torchjd, '__version__', '0.18')}, {name}")

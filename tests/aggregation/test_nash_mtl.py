@@ -126,6 +126,8 @@ def test_equals_torchjd_unclipped() -> None:
     """TorchJD 0.18's NashMTL (the official code's sequence of cvxpy problems) without
     clipping: the same weights to its solver's tolerance."""
     tj = pytest.importorskip("torchjd.aggregation")
+    for solver in ("cvxpy", "ecos"):  # (TorchJD's extra "nash_mtl", which it imports on use)
+        pytest.importorskip(solver)
     gen = torch.Generator().manual_seed(0)
     for J in (
         torch.tensor([[0.1, 0.0, 0.02], [0.0, 0.05, 0.01]], dtype=torch.float64),

@@ -362,13 +362,13 @@ class MGDA(GramianWeightedAggregator, LossAware):
     Example:
         >>> import torch
         >>> from jacflow.aggregation import MGDA
-        >>> J = torch.tensor([[-4., 1., 1.], [6., 1., 1.]])
+        >>> J = torch.tensor([[-1., 1., 1.], [1., 1., 1.]])
         >>> MGDA()(J)
         tensor([0., 1., 1.])
         >>> agg = MGDA(normalization="loss")
         >>> agg.set_losses(torch.tensor([1.0, 2.0]))
         >>> agg(J)
-        tensor([0.1010, 0.7071, 0.7071])
+        tensor([0.3636, 0.5455, 0.5455])
     """
 
     properties: ClassVar[frozenset[Property]] = frozenset(
