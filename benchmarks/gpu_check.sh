@@ -6,7 +6,8 @@
 # from src/. TorchJD, for the benchmarks' comparisons, must be importable (on a machine without
 # an index: wheels in .whl/, installed with --target and put on PYTHONPATH by the caller).
 #
-#   bash benchmarks/gpu_check.sh [tests|cli|autogram|solver]...   (default: all four, in order)
+#   bash benchmarks/gpu_check.sh [tests|cli|autogram|solver|large|profile]...
+# (default: the first four, in order; TEST_ARGS replaces the tests step's "tests src").
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu-out}
@@ -22,7 +23,7 @@ for step in "${steps[@]}"; do
     start=$SECONDS
     case $step in
     tests) # every test, in parallel workers (the benchmarks run after, on a quiet machine)
-        timeout 150 "$PY" -m pytest -q -p no:benchmark -n "$WORKERS" -rfE tests src \
+        timeout 150 "$PY" -m pytest -q -p no:benchmark -n "$WORKERS" -rfE ${TEST_ARGS:-tests src} \
             >"$OUT/tests.log" 2>&1
         echo "tests: exit $?"
         grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | cut -c1-160 | head -40
@@ -47,8 +48,19 @@ for step in "${steps[@]}"; do
         echo "solver: exit $?"
         cat "$OUT/solver.log"
         ;;
+    large) # a width at which the GPU's arithmetic starts to count
+        timeout 200 "$PY" benchmarks/bench_autogram.py --device cuda --processes 0 \
+            --only iwrm --models mlp4096 >"$OUT/large.log" 2>&1
+        echo "large: exit $?"
+        sed -n '/^Per-sample/,$p' "$OUT/large.log"
+        ;;
+    profile)
+        timeout 120 "$PY" benchmarks/profile_gpu_step.py --table >"$OUT/profile.log" 2>&1
+        echo "profile: exit $?"
+        grep -v "^[-A-Za-z_ ]*  " "$OUT/profile.log" | grep -v "^-" | head -40
+        ;;
     *)
-        echo "unknown step $step: use tests, cli, autogram or solver" >&2
+        echo "unknown step $step: use tests, cli, autogram, solver, large or profile" >&2
         exit 2
         ;;
     esac

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor
 
-from jacflow.aggregation import UPGrad, UPGradWeighting
+from jacflow.aggregation import DualProjWeighting, UPGrad, UPGradWeighting
 from jacflow.linalg import (
     DualConeProjector,
     QuadprogProjector,
@@ -19,6 +19,7 @@ from jacflow.linalg import (
     project_weights,
 )
 from jacflow.linalg._dual_cone import project_weights_reference
+from jacflow.linalg._projectors import solves_on_host
 from tests.conftest import DEVICES
 from tests.linalg.test_dual_cone import full_route, make_gramian
 
@@ -299,3 +300,49 @@ def test_quadprog_projector_refuses_bad_inputs(
 ) -> None:
     with pytest.raises(error, match=words):
         QuadprogProjector()(u, gramian)  # type: ignore[arg-type]
+
+
+def test_weightings_solve_on_the_host_where_the_projector_would() -> None:
+    """``solves_on_host``: a default-method ``TorchProjector``'s problem on one accelerator
+    Gramian of at most 128 objectives, outside autograd (checked on the ``meta`` device, which
+    stands for any accelerator: the decision reads only the device type, shape and flags)."""
+    meta = torch.empty(128, 128, device="meta")
+    assert solves_on_host(TorchProjector(), meta)
+    assert solves_on_host(TorchProjector(), meta, None, torch.empty(128, device="meta"))
+    assert not solves_on_host(TorchProjector(), torch.empty(129, 129, device="meta"))
+    assert not solves_on_host(TorchProjector(), torch.empty(2, 8, 8, device="meta"))  # a batch
+    assert not solves_on_host(TorchProjector(), torch.eye(8))  # (already there)
+    assert not solves_on_host(TorchProjector(method="pdas"), meta)
+    assert not solves_on_host(QuadprogProjector(), meta)
+    tracked = torch.empty(8, 8, device="meta", requires_grad=True)
+    pref = torch.empty(8, device="meta", requires_grad=True)
+    assert not solves_on_host(TorchProjector(), tracked)  # (its graph: on the device)
+    assert not solves_on_host(TorchProjector(), tracked.detach(), pref)
+    with torch.no_grad():
+        assert solves_on_host(TorchProjector(), tracked, pref)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("weighting", ["upgrad", "dualproj"])
+@pytest.mark.parametrize("m", [2, 9, 128, 129])
+def test_weightings_of_a_gpu_gramian_equal_the_hosts(weighting: str, m: int) -> None:
+    """On a GPU, the weights (computed on the host up to 128 objectives, on the GPU above) are
+    the CPU's, on the GPU, with a preference vector on the GPU too; under autograd (the GPU
+    route) their gradient is the CPU's."""
+    gen = torch.Generator().manual_seed(m)
+    j = torch.randn(m, 2 * m, generator=gen, dtype=torch.float64)
+    j[: m // 2] *= -1  # (conflicting rows)
+    gramian = j @ j.T
+    pref = torch.rand(m, generator=gen, dtype=torch.float64) + 0.1
+    make = {"upgrad": UPGradWeighting, "dualproj": DualProjWeighting}[weighting]
+    for preference in (None, pref):
+        on_gpu = make(None if preference is None else preference.cuda())(gramian.cuda())
+        assert on_gpu.device.type == "cuda"
+        expected = make(preference)(gramian)
+        torch.testing.assert_close(on_gpu.cpu(), expected, rtol=1e-6, atol=1e-9)
+    tracked = gramian.cuda().requires_grad_()
+    make()(tracked).sum().backward()
+    host = gramian.clone().requires_grad_()
+    make()(host).sum().backward()
+    assert tracked.grad is not None and host.grad is not None
+    torch.testing.assert_close(tracked.grad.cpu(), host.grad, rtol=1e-5, atol=1e-8)

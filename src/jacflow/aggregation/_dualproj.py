@@ -14,6 +14,7 @@ from jacflow.aggregation._pref_vector import (
 from jacflow.aggregation._properties import Property
 from jacflow.aggregation._upgrad import check_projector, is_scale_free, projector_grad_mode
 from jacflow.linalg import DualConeProjector
+from jacflow.linalg._projectors import solves_on_host
 
 
 def dualproj_weights(gramian: Tensor, pref: Tensor, projector: DualConeProjector) -> Tensor:
@@ -70,8 +71,10 @@ class DualProjWeighting(GramianWeighting):
 
     def forward(self, stat: Tensor) -> Tensor:
         with projector_grad_mode(self.projector):
-            pref = resolve_pref_vector(self.pref_vector, stat.shape[0], stat)
-            return dualproj_weights(stat, pref, self.projector)
+            host = solves_on_host(self.projector, stat, self.pref_vector)
+            work = stat.cpu() if host else stat
+            pref = resolve_pref_vector(self.pref_vector, stat.shape[0], work)
+            return dualproj_weights(work, pref, self.projector).to(stat.device, non_blocking=True)
 
     def extra_repr(self) -> str:
         return f"pref_vector={self.pref_vector}, projector={self.projector}"

@@ -18,7 +18,12 @@ from jacflow.aggregation._pref_vector import (
     resolve_pref_vector,
 )
 from jacflow.aggregation._properties import Property
-from jacflow.linalg._projectors import DualConeProjector, QuadprogProjector, TorchProjector
+from jacflow.linalg._projectors import (
+    DualConeProjector,
+    QuadprogProjector,
+    TorchProjector,
+    solves_on_host,
+)
 
 
 def _ratio(numerator: Tensor, denominator: Tensor) -> Tensor:
@@ -185,7 +190,9 @@ class UPGradWeighting(GramianWeighting):
 
     def forward(self, stat: Tensor) -> Tensor:
         with projector_grad_mode(self.projector):
-            return upgrad_weights(stat, self.pref_vector, self.projector)
+            host = solves_on_host(self.projector, stat, self.pref_vector)
+            weights = upgrad_weights(stat.cpu() if host else stat, self.pref_vector, self.projector)
+            return weights.to(stat.device, non_blocking=True)
 
     def extra_repr(self) -> str:
         return f"pref_vector={self.pref_vector}, projector={self.projector}"

@@ -13,7 +13,12 @@ from typing import Any, ClassVar, final
 import torch
 from torch import Tensor
 
-from jacflow.linalg._dual_cone import check_solver_settings, project_diagonal, project_weights
+from jacflow.linalg._dual_cone import (
+    _offloads,
+    check_solver_settings,
+    project_diagonal,
+    project_weights,
+)
 from jacflow.linalg._gramian import _normalize_gramian, _regularize_gramian, check_float_tensor
 
 
@@ -225,3 +230,24 @@ class QuadprogProjector(DualConeProjector):
 
     def _repr_args(self) -> str:
         return f"norm_eps={self.norm_eps}, reg_eps={self.reg_eps}"
+
+
+def solves_on_host(projector: DualConeProjector, gramian: Tensor, *others: Tensor | None) -> bool:
+    """Whether a weighting should compute its weights from host copies of ``gramian`` (and of
+    ``others``, its other inputs): where ``projector`` would copy its problems to the host
+    anyway (a default-method :class:`TorchProjector`, see :func:`project_weights`'s Solvers).
+    The weighting's own steps around the projection (checks, rescaling, sums) then run there
+    too, instead of as small kernels and synchronisations on the accelerator.
+
+    Example:
+        >>> import torch
+        >>> from jacflow.linalg import QuadprogProjector, TorchProjector
+        >>> from jacflow.linalg._projectors import solves_on_host
+        >>> G = torch.eye(3)  # (on the CPU: nothing to copy)
+        >>> solves_on_host(TorchProjector(), G), solves_on_host(QuadprogProjector(), G)
+        (False, False)
+    """
+    if not isinstance(projector, TorchProjector):
+        return False
+    tracked = any(t is not None and t.requires_grad for t in (gramian, *others))
+    return _offloads(gramian, torch.is_grad_enabled() and tracked, projector.method)
