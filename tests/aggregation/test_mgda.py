@@ -189,6 +189,24 @@ def test_weights_are_differentiable(normalization: str) -> None:
     assert bool(torch.isfinite(grad).all())
 
 
+@pytest.mark.parametrize("normalization", ["none", "l2"])
+def test_update_is_differentiable_with_the_origin_inside_the_hull(normalization: str) -> None:
+    """Five rows in the plane around the origin: the update is 0 on a neighbourhood of J (its
+    derivatives are 0) while the minimisers form a polytope. The least-norm solution of the
+    KKT system gave the derivative of another minimiser than the weights: a non-zero
+    derivative of the update. Checked with torch's gradcheck and gradgradcheck."""
+    angles = torch.tensor([0.3, 1.4, 2.6, 3.9, 5.1], dtype=torch.float64)
+    radii = torch.tensor([1.0, 0.7, 1.3, 0.9, 1.1], dtype=torch.float64)
+    J = torch.stack([radii * angles.cos(), radii * angles.sin()], dim=1)
+    aggregator = MGDA(normalization=normalization)  # type: ignore[arg-type]
+    assert aggregator(J).abs().max() < 1e-12
+    tracked = J.clone().requires_grad_()
+    (derivative,) = torch.autograd.grad(aggregator(tracked).sum(), tracked)
+    torch.testing.assert_close(derivative, torch.zeros_like(J), rtol=0, atol=1e-12)
+    assert torch.autograd.gradcheck(aggregator, (tracked,), eps=1e-6, atol=1e-6)
+    assert torch.autograd.gradgradcheck(aggregator, (tracked,), eps=1e-6, atol=1e-5)
+
+
 def test_loss_modes_are_not_differentiable() -> None:
     """Their weights depend on the losses, which ``set_losses`` detaches: a derivative would
     hold them constant (0.615 where the truth is -0.237 on a one-loss example), so the update

@@ -230,9 +230,13 @@ def normalized_mgda_weights(
 def on_support(gramian: Tensor, lam: Tensor) -> Tensor:
     r"""The minimiser of :math:`\lambda^\top G \lambda` on the face of the simplex that is the
     support of ``lam`` (the minimiser found), as a differentiable function of ``G``: the KKT
-    system :math:`G_{SS} \lambda_S = \mu 1, 1^\top \lambda_S = 1` solved by pseudo-inverse
-    (least norm where it is singular), zero off the support. Its value is ``lam``'s where the
-    solution is unique; its derivative is the minimiser's where the support does not change.
+    system :math:`K x = r` (:math:`G_{SS} \lambda_S = \mu 1, 1^\top \lambda_S = 1`) solved
+    as :math:`x_0 + K^+ (r - K x_0)` from the found :math:`x_0 = (\lambda_S, \mu)`, zero off
+    the support. Its value is ``lam``'s; its derivative is the minimiser's where the support
+    does not change. Where :math:`K` is singular (more rows than the dimension of their span
+    plus one, e.g. the origin inside the hull of ``m > n + 1`` rows: the update is 0 and the
+    minimisers a polytope), this is the path of minimisers through ``lam``; the least-norm
+    :math:`K^+ r` alone had another minimiser's derivative, and the update's was not 0.
 
     Example:
         >>> import torch
@@ -248,7 +252,10 @@ def on_support(gramian: Tensor, lam: Tensor) -> Tensor:
     system = torch.cat([torch.cat([block, -ones], 1), torch.cat([ones.T, corner], 1)], 0)
     rhs = torch.zeros(s + 1, dtype=gramian.dtype, device=gramian.device)
     rhs[-1] = 1.0
-    solution = torch.linalg.pinv(system) @ rhs
+    found = lam[support].detach()
+    start = torch.cat([found, (found @ block.detach() @ found).reshape(1)])  # (mu = lam^T G lam)
+    # (x_0 + K^+ (r - K x_0) is K^+ r where K is invertible, to all orders)
+    solution = start + torch.linalg.pinv(system) @ (rhs - system @ start)
     return torch.zeros_like(lam).index_put((support,), solution[:s])
 
 
