@@ -777,3 +777,30 @@ def test_selective_checkpointing_per_sample_is_refused_with_the_way_out() -> Non
         rows.append(torch.cat([g.reshape(-1) for g in grads]))
     jacobian = torch.stack(rows)
     torch.testing.assert_close(gramian, jacobian @ jacobian.T, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("call", ["compute_gramian", "backward", "mtl_gramian_step"])
+@pytest.mark.parametrize("flag", ["yes", 1, torch.tensor(True)])
+def test_a_non_bool_retain_graph_is_refused_before_the_step(call: str, flag: object) -> None:
+    """``retain_graph`` other than a bool (or ``None``) got autograd's raw error from inside the
+    step, after the step had taken the forward's recorded calls. Named now, ``.grad``
+    untouched, and the same losses then step exactly."""
+    from jacflow.autogram import mtl_gramian_step
+
+    torch.manual_seed(0)
+    trunk = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 3)).double()
+    params = list(trunk.parameters())
+    with Engine(trunk, batch_dim=None) as engine:
+        losses = trunk(torch.randn(5, 3, dtype=torch.float64)).pow(2).mean(0)
+        jacobian = reference_jacobian(losses, params)
+        with pytest.raises(TypeError, match=r"`retain_graph` must be a bool or None"):
+            if call == "compute_gramian":
+                engine.compute_gramian(losses, retain_graph=flag)  # type: ignore[arg-type]
+            elif call == "backward":
+                engine.backward(losses, MeanWeighting(), retain_graph=flag)  # type: ignore[arg-type]
+            else:
+                mtl_gramian_step(losses, engine, MeanWeighting(), retain_graph=flag)  # type: ignore[arg-type]
+        assert all(p.grad is None for p in params)
+        weights = engine.backward(losses, MeanWeighting())
+    update = torch.cat([p.grad.reshape(-1) for p in params])  # type: ignore[union-attr]
+    torch.testing.assert_close(update, weights @ jacobian, rtol=1e-10, atol=1e-12)

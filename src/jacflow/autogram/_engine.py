@@ -72,7 +72,7 @@ from jacflow.autogram._rules import (
     unread_parameters,
 )
 from jacflow.autogram._separable import leaks, probe_cotangents, probe_sets
-from jacflow.autojac._checks import check_real_tensor
+from jacflow.autojac._checks import check_flag, check_real_tensor
 from jacflow.autojac._graph import (
     COMPILED_NODE,
     REENTRANT_CHECKPOINT,
@@ -949,6 +949,9 @@ class Engine:
             tensor([[1., 0.],
                     [0., 4.]])
         """
+        # (checked before the step takes the recorded calls: autograd's error on another value
+        # is a raw one, and the failed step would have used up the forward)
+        check_flag(retain_graph, "retain_graph", none_ok=True)
         losses = self._checked_losses(losses)
         # (autograd.grad needs no grad mode: no graph of the grads)
         with torch.no_grad(), without_autocast(losses.device.type):
@@ -1026,6 +1029,7 @@ class Engine:
                     "`weighting` must be a jacflow.aggregation.GramianWeighting (e.g. "
                     f"UPGradWeighting()), received {type(weighting)}."
                 )
+            check_flag(retain_graph, "retain_graph", none_ok=True)  # (see compute_gramian)
             losses = self._checked_losses(losses)
             others, tasks = self._checked_params(other_params, tasks_params)
             unhooked, selections = self._task_inputs(tasks, layout)
