@@ -504,6 +504,37 @@ def test_a_penalty_added_at_a_later_step_is_refused() -> None:
         torch.testing.assert_close(p.grad, grad)
 
 
+@pytest.mark.parametrize("batch_dim", [0, None])
+def test_a_penalty_moved_onto_a_hooked_weight_is_refused(batch_dim: int | None) -> None:
+    """A penalty on another parameter of the hooked weight's shape at the first step, on the
+    hooked weight at the second: the graph around the calls had the same node types, so the
+    check of outside uses was skipped and the penalty's share was missing from the update,
+    silently. The hooked parameter that a node accumulates into is part of the graph's key."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+    other = nn.Parameter(torch.randn(3, 8, dtype=torch.float64))
+    x = torch.randn(6, 5, dtype=torch.float64)
+
+    def losses(penalised: Tensor) -> Tensor:
+        out = model(x).pow(2)
+        out = out.sum(1) if batch_dim == 0 else out.sum(0)
+        return out + penalised.pow(2).sum()
+
+    engine = Engine(model, batch_dim=batch_dim)
+    first = losses(other)
+    params = list(model.parameters())
+    rows = [torch.autograd.grad(loss, params, retain_graph=True) for loss in first]
+    jacobian = torch.stack([torch.cat([g.reshape(-1) for g in row]) for row in rows])
+    weights = engine.backward(first, UPGradWeighting())
+    before = [p.grad.clone() for p in params]  # type: ignore[union-attr]
+    update = torch.cat([g.reshape(-1) for g in before])
+    torch.testing.assert_close(update, weights @ jacobian, rtol=1e-10, atol=1e-12)
+    with pytest.raises(ValueError, match=r"2\.weight is used outside the forward calls"):
+        engine.backward(losses(model[2].weight), UPGradWeighting())
+    for p, grad in zip(params, before, strict=True):
+        torch.testing.assert_close(p.grad, grad)
+
+
 @pytest.mark.parametrize("hooked", ["model", "block"])
 def test_reentrant_checkpoints_are_refused(hooked: str) -> None:
     """A reentrant activation checkpoint hides its calls from the engine and writes ``.grad``

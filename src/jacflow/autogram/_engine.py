@@ -1239,7 +1239,8 @@ class Engine:
         _check_hooks_under_view_ops(losses, with_units)
         _check_output_views(losses, with_units)
         # (the checks below hold for a pattern of calls and the graph around them)
-        pattern = (tuple(i for i, _ in calls), outside_calls(losses, [c for _, c in calls]))
+        outside_key = outside_calls(losses, [c for _, c in calls], self._hooked_names())
+        pattern = (tuple(i for i, _ in calls), outside_key)
         if REENTRANT_CHECKPOINT in pattern[1]:
             self._check_reentrant_checkpoints(losses, calls)
         if pattern not in self._outside_checked:

@@ -16,7 +16,7 @@ forward did) takes a walk too, made only when some view was changed so.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -174,13 +174,17 @@ def used_outside(
     return met, found
 
 
-def outside_calls(losses: Tensor, calls: Sequence[Call]) -> tuple[object, ...]:
+def outside_calls(
+    losses: Tensor, calls: Sequence[Call], params: Mapping[int, str] | None = None
+) -> tuple[object, ...]:
     """The losses' graph outside the recorded ``calls``, as a key: the type of each node in a
     walk that steps over each call (from its outputs' nodes to its inputs', as
-    :func:`used_outside` does), a call as its position in ``calls``. Equal keys, with equal
-    calls, have the same uses of the hooked parameters outside the calls and the same ways
-    for one sample's loss to read another's outputs: an L2 penalty added to the losses, a
-    mixing of the samples or a functional use of a weight changes it. A
+    :func:`used_outside` does), a call as its position in ``calls``, and after the node that
+    accumulates into one of the hooked ``params`` (names by ``id``), its name. Equal keys,
+    with equal calls, have the same uses of the hooked parameters outside the calls and the
+    same ways for one sample's loss to read another's outputs: an L2 penalty added to the
+    losses, a mixing of the samples or a functional use of a weight changes it (also one on
+    a hooked parameter in place of another leaf of the same shape of graph). A
     :data:`SPARSE_OPERATION` follows each node of an operation on sparse tensors (a product
     with a sparse adjacency matrix), whose backward vmap cannot batch.
 
@@ -210,6 +214,8 @@ def outside_calls(losses: Tensor, calls: Sequence[Call]) -> tuple[object, ...]:
                 key.append(end)
                 return inputs
         key.append(type(node).__name__)
+        if params and id(getattr(node, "variable", None)) in params:
+            key.append(params[id(node.variable)])
         if sparse_operation(node):  # (an operand's layout, which the node's name may not say)
             key.append(SPARSE_OPERATION)
         return [node for node, _ in node.next_functions]
