@@ -570,3 +570,19 @@ def test_a_checkpointed_block_is_recomputed_once() -> None:
     backward(losses, A=UPGrad())
     assert runs[0] == 2
     torch.testing.assert_close(torch.cat([p.grad.reshape(-1) for p in params]), UPGrad()(jacobian))
+
+
+@pytest.mark.parametrize("A", [Mean(), Sum()], ids=str)
+def test_mean_and_sum_of_float16_jac_tensors_whose_sum_overflows_float16(A: Aggregator) -> None:
+    """The single differentiation of Mean and Sum summed the m rows of float16 ``jac_tensors``
+    in float16: 100 rows of about 1000 overflowed to an infinite ``.grad``, where each row of
+    the Jacobian, their mean and their sum (at the parameter) fit."""
+    m = 100
+    p = torch.tensor([1.0, -2.0], requires_grad=True)
+    y = (p * 2**-10).half()  # a float16 output, its Jacobian diag(2^-10)
+    cotangents = (1000 + torch.arange(2 * m).reshape(m, 2)).half()
+    backward(y, [p], A=A, jac_tensors=cotangents)
+    rows = cotangents.double() * 2**-10  # (exact: a power of two times float16 values)
+    expected = rows.mean(0) if isinstance(A, Mean) else rows.sum(0)
+    assert p.grad is not None and p.grad.dtype == torch.float32
+    torch.testing.assert_close(p.grad.double(), expected, rtol=1e-6, atol=0.0)

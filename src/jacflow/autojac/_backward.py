@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from jacflow.aggregation import Aggregator, Mean, Sum
+from jacflow.aggregation._bases import compute_dtype
 from jacflow.autojac._accumulate import (
     accumulate_grads,
     accumulate_jacs,
@@ -64,7 +65,8 @@ def _fixed_weight_update(
     ``w^T (C J) = (C^T w)^T J``, so the weighted cotangent is differentiated once instead of
     forming the m rows. Returns ``None`` for every other aggregator, where forward hooks
     must see the aggregator's call on ``J``, and where an input has gradient hooks, which must
-    see each row (as with any other aggregator) rather than their weighted sum.
+    see each row (as with any other aggregator) rather than their weighted sum, and where the
+    weighted half-precision cotangents overflow their dtype (see :func:`_weighted_sum`).
     """
     if type(aggregator) not in (Mean, Sum) or rows == 0 or has_forward_hooks(aggregator):
         return None
@@ -74,11 +76,33 @@ def _fixed_weight_update(
     if cotangents is None:
         combined = tuple(torch.full_like(o, weight) for o in outputs)
     else:
-        combined = tuple(weight * c.to(o.dtype).sum(0) for c, o in zip(cotangents, outputs))
+        sums = []
+        for c, o in zip(cotangents, outputs):
+            total = _weighted_sum(weight, c, o)
+            if total is None:
+                return None
+            sums.append(total)
+        combined = tuple(sums)
     grads = autograd_vjp(outputs, inputs, retain_graph, create_graph)(
         combined, batched=False, last=True
     )
     return [torch.zeros_like(i) if g is None else g for g, i in zip(grads, inputs)]
+
+
+def _weighted_sum(weight: float, cotangents: Tensor, output: Tensor) -> Tensor | None:
+    """``weight`` times the sum of the rows of ``cotangents``, in ``output``'s dtype (as each row
+    is differentiated), summed in its compute dtype: the m rows of a float16 cotangent may
+    overflow float16 where each row and their mean fit. ``None`` where the result still does not
+    fit (a ``Sum``'s): the Jacobian's rows are then formed and combined in float32."""
+    rows = cotangents.to(output.dtype)
+    work = compute_dtype(output.dtype)
+    if work == output.dtype:
+        return weight * rows.sum(0)
+    total = weight * rows.sum(0, dtype=work)
+    combined = total.to(output.dtype)
+    if bool((combined.isinf() & total.isfinite()).any()):  # (half precision only: one sync)
+        return None
+    return combined
 
 
 def backward(
@@ -140,8 +164,8 @@ def backward(
 
     With ``A`` a ``Mean()`` or a ``Sum()`` (not a subclass) that has no forward hook, and no
     gradient hook (``register_hook``) on ``inputs``, the weighted tensors are differentiated
-    once, without forming the Jacobian. In every other case each row of the Jacobian is
-    differentiated.
+    once, without forming the Jacobian (unless the sum of float16 ``jac_tensors`` overflows
+    float16). In every other case each row of the Jacobian is differentiated.
 
     A sparse gradient (``nn.Embedding(sparse=True)``) is densified, as in :func:`jac`: ``.jac``
     and an aggregated ``.grad`` are dense, as :func:`jac_to_grad` writes from that ``.jac``
