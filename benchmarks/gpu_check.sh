@@ -23,7 +23,7 @@ for step in "${steps[@]}"; do
     start=$SECONDS
     case $step in
     tests) # every test, in parallel workers (the benchmarks run after, on a quiet machine)
-        timeout 150 "$PY" -m pytest -q -p no:benchmark -n "$WORKERS" -rfE ${TEST_ARGS:-tests src} \
+        timeout 240 "$PY" -m pytest -q -p no:benchmark -n "$WORKERS" -rfE ${TEST_ARGS:-tests src} \
             >"$OUT/tests.log" 2>&1
         echo "tests: exit $?"
         grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | cut -c1-160 | head -40
