@@ -170,6 +170,40 @@ def test_a_gate_at_zero_without_mixing_stays_exact() -> None:
     _assert_exact(_Gated(), lambda m: m(X).pow(2)[:, :2], 0)  # (two rows per sample)
 
 
+class _Float32Norm(nn.Module):
+    """An RMS norm computed in float32 whatever the input's dtype, as Gemma's (its gain cast
+    too); ``mix``: plus a straight-through ``m - m.detach()`` of the batch mean, in float32."""
+
+    def __init__(self, mix: bool = False) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.linspace(-0.5, 0.5, 16, dtype=torch.float64))
+        self.mix = mix
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * (1.0 + self.weight.float())
+        if self.mix:
+            mean = (h * self.weight.float()).mean(0)
+            h = h + (mean - mean.detach())
+        return h.type_as(x)
+
+
+def test_a_forward_in_a_lower_precision_is_checked_at_that_precision() -> None:
+    """A float64 model whose module computes in float32 (the RMSNorm of Gemma in a float64
+    model): the sum of the re-run's per-sample gradients differed from the forward's backward
+    by float32 roundoff, far beyond float64's, and the exact step was refused as mixing the
+    samples. The check now allows the lowest precision in the module's forward graph; a module
+    that does mix the samples so is still refused."""
+    x = torch.linspace(-2, 2, 6 * 5 * 16, dtype=torch.float64).reshape(6, 5, 16).sin()
+
+    def squares(model: nn.Module) -> Tensor:
+        return model(x).pow(2).mean((1, 2))
+
+    torch.manual_seed(0)
+    _assert_exact(nn.Sequential(nn.Linear(16, 16, dtype=torch.float64), _Float32Norm()), squares, 0)
+    _assert_refused(_Float32Norm(mix=True), squares, 0, ReplayMismatchError, "mixes the samples")
+
+
 class _OwnGeneratorDropout(nn.Module):
     """A dropout drawing its mask from the module's own generator."""
 
