@@ -405,6 +405,35 @@ def test_batch_size_mismatch_names_the_losses_shape_and_common_causes(case: str)
     _assert_refused(engine, losses, list(model.parameters()), match)
 
 
+class _PositionsLM(nn.Module):
+    """Token plus position embeddings, the positions ``[1, T]`` by default and broadcast over
+    the batch (as Hugging Face's BERT and GPT-2 build them without ``position_ids``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tokens, self.positions = nn.Embedding(7, 3).double(), nn.Embedding(5, 3).double()
+        self.head = nn.Linear(3, 7).double()
+
+    def forward(self, ids: Tensor, position_ids: Tensor | None = None) -> Tensor:
+        if position_ids is None:
+            position_ids = torch.arange(ids.shape[1])[None]
+        logits = self.head(torch.tanh(self.tokens(ids) + self.positions(position_ids)))
+        return nn.functional.cross_entropy(logits.transpose(1, 2), ids, reduction="none").sum(1)
+
+
+def test_positions_broadcast_over_the_batch_name_the_position_ids() -> None:
+    """A position embedding called on ``[1, T]`` positions (BERT's, GPT-2's, ALBERT's and
+    DistilBERT's of Hugging Face by default) was refused with no word of its size-1 output
+    nor of the ``position_ids`` that make it exact; the refusal now names both."""
+    torch.manual_seed(0)
+    ids = torch.randint(0, 7, (4, 5))
+    model = _PositionsLM()
+    engine = Engine(model, batch_dim=0)
+    match = r"received shape \(1, 5, 3\)\..*size 1 there, broadcast.*position_ids=torch\.arange"
+    _assert_refused(engine, model(ids), list(model.parameters()), match)
+    assert_exact_gramian(engine, model(ids, torch.arange(5).expand(4, 5)), list(model.parameters()))
+
+
 def test_bad_weighting() -> None:
     model = _mlp()
     engine = Engine(model, batch_dim=0)

@@ -1952,6 +1952,13 @@ def _check_batch(
                 "language model's head often is), call it on the unflattened input "
                 "([B, T, d]), which is exact. "
             )
+        if size == 1:
+            hints += (
+                "Its output has size 1 there, broadcast over the batch later (position "
+                "embeddings of positions shaped [1, T], as Hugging Face models such as BERT and "
+                "GPT-2 build when no position_ids are given): pass the positions expanded to "
+                "the batch (position_ids=torch.arange(T).expand(B, T)), which is exact. "
+            )
         # (the generic rule reads the batch on dimension 0 of any module's outputs)
         elsewhere = [k for k, n in enumerate(shape) if n == batch and k != dim]
         if elsewhere and isinstance(unit.rule, FallbackRule):
