@@ -5,7 +5,8 @@ on ``--models`` (default ``mlp256,mlp1024,cnn``; also ``transformer``, one encod
 ``lstm`` and ``gru``, a recurrent layer and a head, which TorchJD's autogram refuses, and
 ``custom``, a layer of the user's own between two Linear layers: an ``einsum`` over the
 sequence, a ``tanh`` and a learned scale, which no closed form covers, so the engine takes its
-generic rule, a ``vmap`` per sample with the checks it documents).
+generic rule, a ``vmap`` per sample with the checks it documents; ``gpt2``, a 2-layer Hugging
+Face GPT-2 of width 64 on 16 tokens with a linear head, which needs ``transformers``).
 
 * ``sgd``: ``cross_entropy(reduction="mean").backward()``;
 * ``jacflow``: ``jacflow.autogram.Engine(model, batch_dim=0).backward(losses, UPGradWeighting())``
@@ -47,7 +48,7 @@ minus the memory allocated before them.
 end fault in fresh pages at the next one, which the process CPU time counts.
 
 Run: ``.venv/bin/python benchmarks/bench_autogram.py [--quick] [--no-memory] [--only iwrm|mtl]
-[--models mlp256,cnn,transformer,custom] [--widths 256] [--device cuda] [--keep-heap]
+[--models mlp256,cnn,transformer,custom,gpt2] [--widths 256] [--device cuda] [--keep-heap]
 [--processes 5]``.
 """
 
@@ -141,6 +142,33 @@ class Recurrent(nn.Module):
         return self.head(self.rnn(x)[0][:, -1])
 
 
+class GPT2Classifier(nn.Module):
+    """A 2-layer GPT-2 (width 64, 2 heads, vocabulary 50, 16 positions, no dropout; Hugging
+    Face's, whose attention and MLP layers are its ``Conv1D``) and a linear head on the mean of
+    its last hidden states; the positions expanded to the batch (see docs/getting-started.md)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import GPT2Config, GPT2Model
+
+        config = GPT2Config(
+            n_embd=64,
+            n_layer=2,
+            n_head=2,
+            vocab_size=50,
+            n_positions=16,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+        )
+        self.trunk, self.head = GPT2Model(config), nn.Linear(64, 10)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+        hidden = self.trunk(input_ids=ids, position_ids=positions).last_hidden_state
+        return self.head(hidden.mean(1))
+
+
 # per-sample models that TorchJD 0.18's autogram refuses (its engine rejects RNNBase modules)
 RECURRENT = ("lstm", "gru")
 
@@ -158,6 +186,8 @@ def iwrm_problem(
         model, x = Recurrent(model_name), torch.randn(batch, 16, 64)
     elif model_name == "custom":
         model, x = custom(), torch.randn(batch, 16, 32)
+    elif model_name == "gpt2":
+        model, x = GPT2Classifier(), torch.randint(0, 50, (batch, 16))
     else:
         width = int(model_name.removeprefix("mlp"))
         model, x = mlp(width), torch.randn(batch, width)

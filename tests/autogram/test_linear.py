@@ -10,8 +10,9 @@ import torch
 from torch import Tensor, nn
 
 from jacflow.aggregation import ConstantWeighting
-from jacflow.autogram import Engine
-from jacflow.autogram._linear import UnfoldedContribution
+from jacflow.autogram import Call, Engine, Rows, _linear
+from jacflow.autogram._linear import TransposedLinearRule, UnfoldedContribution
+from jacflow.autogram._rules import find_rule
 from tests.autogram.test_engine import force_route, reference_jacobian
 
 
@@ -153,3 +154,55 @@ def test_route_of_sequence_linear_with_several_losses_per_sample(
         contribution = engine._prepare(losses, False, ())[0][0][1]
     assert isinstance(contribution, UnfoldedContribution)
     assert contribution._ghost_cheaper() == ghost
+
+
+def _hf_conv1d() -> type[nn.Module]:
+    """Hugging Face's ``Conv1D`` (GPT-2's layers: a Linear of weight ``[in, out]``)."""
+    pytest.importorskip("transformers", reason='pip install "jacflow[integrations]"')
+    from transformers.pytorch_utils import Conv1D
+
+    return Conv1D  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("route", ["ghost", "materialised", "kept"])
+@pytest.mark.parametrize("batch_dim", [0, None])
+def test_hugging_face_conv1d_has_a_closed_form(
+    route: str, batch_dim: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``Conv1D`` (weight ``[in, out]``) takes the transposed Linear rule, found by its name
+    without importing transformers: its Gramian and ``.grad`` (a weight called twice, on
+    sequences and on vectors; a per-sample and a per-task step) equal autograd's row by row,
+    on every route of the Gramian and of the update."""
+    conv1d = _hf_conv1d()
+    assert isinstance(find_rule(conv1d(5, 3)), TransposedLinearRule)
+    monkeypatch.setattr(UnfoldedContribution, "_ghost_cheaper", lambda self: route == "ghost")
+    monkeypatch.setattr(_linear, "worth_keeping", lambda *tensors: route == "kept")
+    torch.manual_seed(0)
+    first, second = conv1d(5, 3).double(), conv1d(2, 5).double()
+    x, v = torch.randn(4, 6, 3, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64)
+
+    def losses_of() -> Tensor:
+        hidden = torch.tanh(first(x)).mean(1) + torch.tanh(first(v))  # (first: called twice)
+        out = second(hidden)
+        return out.pow(2).sum(1) if batch_dim == 0 else out.pow(2).sum(0)
+
+    params = [*first.parameters(), *second.parameters()]
+    reference = reference_jacobian(losses_of(), params)
+    weights = torch.rand(reference.shape[0], dtype=torch.float64)
+    with Engine(first, second, batch_dim=batch_dim) as engine:
+        gramian = engine.compute_gramian(losses_of())
+        torch.testing.assert_close(gramian, reference @ reference.T, rtol=1e-10, atol=1e-12)
+        engine.backward(losses_of(), ConstantWeighting(weights))
+    grads = torch.cat([p.grad.flatten() for p in params])  # type: ignore[union-attr]
+    torch.testing.assert_close(grads, weights @ reference, rtol=1e-10, atol=1e-12)
+
+
+def test_a_conv1d_whose_weight_is_not_in_by_out_is_refused() -> None:
+    """The closed form reads the weight as ``[in, out]``: a module of that name computing
+    otherwise (another version's ``forward``) is refused by name, not given a wrong Gramian."""
+    rule = TransposedLinearRule()
+    layer = nn.Linear(3, 5)  # (weight [5, 3]: [out, in])
+    call = Call((torch.ones(4, 3),), {}, [0], [torch.Size([4, 5])], [None], [])
+    with pytest.raises(ValueError, match=r"weight as \[in, out\] = \(5, 3\)"):
+        rule.validate(layer, call, Rows(4, 4, None, per_task=False))
+    rule.validate(nn.Linear(5, 3), call, Rows(4, 4, None, per_task=False))  # ([3, 5]: accepted)

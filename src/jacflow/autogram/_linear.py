@@ -30,6 +30,7 @@ from jacflow.autogram._rules import (
     Rule,
     kept_weighted_grads,
     kernel_gram,
+    register_named_rule,
     register_rule,
     unbatched_refusal,
     weighted_sum,
@@ -335,4 +336,77 @@ class LinearRule(Rule):
         return unfolded_contribution(us, bps, rows, module, params)
 
 
+class TransposedWeight(Contribution):
+    """A Linear contribution whose weight is stored transposed (``[in, out]``, ``y = x W + b``):
+    the same Gramian (the rows' inner products do not see the layout), and the weight's
+    gradients transposed."""
+
+    def __init__(self, inner: UnfoldedContribution) -> None:
+        self.inner = inner
+
+    def gramian(self, names: set[str]) -> Tensor | None:
+        return self.inner.gramian(names)
+
+    def per_row_grads(self, name: str) -> Tensor:
+        grads = self.inner.per_row_grads(name)
+        return grads.transpose(-2, -1) if name == self.inner.weight_name else grads
+
+    def weighted_grads(self, weights: Tensor) -> dict[str, Tensor]:
+        return self.weighted_grads_into(weights, lambda name, dtype: None)
+
+    def weighted_grads_into(
+        self, weights: Tensor, buffer_for: Callable[[str, torch.dtype], Tensor | None]
+    ) -> dict[str, Tensor]:
+        weight = self.inner.weight_name
+
+        def untransposed_only(name: str, dtype: torch.dtype) -> Tensor | None:
+            # (the weight's buffer has the stored layout, not the product's [out, in])
+            return None if name == weight else buffer_for(name, dtype)
+
+        out = self.inner.weighted_grads_into(weights, untransposed_only)
+        if weight is not None and weight in out:
+            out[weight] = out[weight].T.contiguous()
+        return out
+
+
+class TransposedLinearRule(Rule):
+    """Hugging Face's ``Conv1D`` (GPT-2, GPT, ...): ``y = x @ weight + bias`` with ``weight``
+    ``[in, out]`` (a Linear's transposed) and any number of leading dimensions."""
+
+    def parameter_names(self, module: nn.Module) -> frozenset[str]:
+        return WEIGHT_AND_BIAS
+
+    def validate(self, module: nn.Module, call: Call, rows: Rows) -> None:
+        x = call.input()
+        if not rows.per_task and x.dim() < 2:
+            raise unbatched_refusal(module, x)
+        weight = getattr(module, "weight")  # noqa: B009
+        if weight.dim() != 2 or x.shape[-1] != weight.shape[0]:
+            raise ValueError(
+                f"{type(module).__name__}'s closed form reads its weight as [in, out] = "
+                f"{tuple(weight.shape)} applied to the last dimension of its input, of shape "
+                f"{tuple(x.shape)}: this version's forward computes otherwise. Register "
+                "another rule for it (jacflow.autogram.register_rule) or wrap it in a module "
+                "of your own, which the generic rule takes."
+            )
+
+    def prepare(
+        self, module: nn.Module, params: dict[str, Tensor], calls: list[Call], rows: Rows
+    ) -> Contribution:
+        weight: Tensor = getattr(module, "weight")  # noqa: B009
+        d, p = weight.shape
+        us = [by_position(call.input(), rows.num_samples, d) for call in calls]
+        bps = [by_position(call.grad(), rows.num_rows, p) for call in calls]
+        part = UnfoldedContribution(
+            us[0] if len(us) == 1 else torch.cat(us, dim=1),
+            bps[0] if len(bps) == 1 else torch.cat(bps, dim=1),
+            rows,
+            torch.Size((p, d)),
+            "weight" if "weight" in params else None,
+            "bias" if "bias" in params else None,
+        )
+        return TransposedWeight(part)
+
+
 register_rule(nn.Linear, LinearRule())
+register_named_rule("transformers.pytorch_utils.Conv1D", TransposedLinearRule())

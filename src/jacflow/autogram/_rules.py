@@ -677,6 +677,9 @@ class Rule(ABC):
 
 
 _RULES: dict[type[nn.Module], Rule] = {}
+# rules of types of other libraries, by their qualified names (``module.QualName``): found
+# without importing those libraries
+_NAMED_RULES: dict[str, Rule] = {}
 # the methods some rule's module type must keep (``forward`` and the rules' delegates)
 _KEPT_METHODS: dict[str, None] = {"forward": None}
 WEIGHT_AND_BIAS = frozenset({"weight", "bias"})
@@ -754,6 +757,19 @@ def register_rule(module_type: type[nn.Module], rule: Rule) -> None:
     _KEPT_METHODS.update(dict.fromkeys(rule.delegates()))
 
 
+def register_named_rule(qualified_name: str, rule: Rule) -> None:
+    """Use ``rule`` for the module type of ``qualified_name`` (``"package.module.QualName"``),
+    a type of a library that jacflow does not import, as :func:`register_rule` does.
+
+    Example:
+        >>> from jacflow.autogram._rules import _NAMED_RULES
+        >>> "transformers.pytorch_utils.Conv1D" in _NAMED_RULES
+        True
+    """
+    _NAMED_RULES[qualified_name] = rule
+    _KEPT_METHODS.update(dict.fromkeys(rule.delegates()))
+
+
 def methods_set_on(module: nn.Module) -> tuple[str, ...]:
     """Which methods that a rule relies on (``forward``, :meth:`Rule.delegates`) are set on
     ``module``'s instance (which the engine watches: setting one changes its rule).
@@ -785,7 +801,7 @@ def find_rule(module: nn.Module) -> Rule | None:
         (False, True)
     """
     for klass in type(module).__mro__:
-        rule = _RULES.get(klass)
+        rule = _RULES.get(klass) or _NAMED_RULES.get(f"{klass.__module__}.{klass.__qualname__}")
         if rule is not None:
             names = ("forward", *rule.delegates())
             return rule if _keeps_methods(module, klass, names) else None
