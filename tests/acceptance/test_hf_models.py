@@ -62,3 +62,41 @@ def test_gpt2_per_sample_is_exact_in_closed_forms() -> None:
     assert generic == []
     grads = torch.cat([p.grad.flatten() for p in params])  # type: ignore[union-attr]
     torch.testing.assert_close(grads, weights @ reference, rtol=1e-9, atol=1e-12)
+
+
+def test_opt_per_sample_is_exact_with_its_flattened_tokens() -> None:
+    """OPT calls its MLP and last LayerNorm of each layer on the tokens flattened batch first
+    (``[B T, d]``): read as ``[B, T, d]``, its Gramian and ``.grad`` equal autograd's."""
+    config = transformers.OPTConfig(
+        hidden_size=16,
+        num_hidden_layers=2,
+        ffn_dim=32,
+        num_attention_heads=2,
+        vocab_size=VOCAB,
+        max_position_embeddings=T + 2,
+        word_embed_proj_dim=16,
+        dropout=0.0,
+        attention_dropout=0.0,
+        activation_dropout=0.0,
+        layerdrop=0.0,
+    )
+    torch.manual_seed(0)
+    model = transformers.OPTForCausalLM(config).double()
+    ids = torch.randint(0, VOCAB, (B, T), generator=torch.Generator().manual_seed(2))
+
+    def losses() -> Tensor:
+        logits = model(input_ids=ids).logits[:, :-1]
+        tokens = F.cross_entropy(
+            logits.reshape(-1, VOCAB), ids[:, 1:].reshape(-1), reduction="none"
+        )
+        return tokens.view(B, -1).mean(1)
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    reference = reference_jacobian(losses(), params)
+    weights = torch.rand(B, dtype=torch.float64)
+    with Engine(model, batch_dim=0) as engine:
+        gramian = engine.compute_gramian(losses())
+        torch.testing.assert_close(gramian, reference @ reference.T, rtol=1e-9, atol=1e-12)
+        engine.backward(losses(), ConstantWeighting(weights))
+    grads = torch.cat([p.grad.flatten() for p in params])  # type: ignore[union-attr]
+    torch.testing.assert_close(grads, weights @ reference, rtol=1e-9, atol=1e-12)

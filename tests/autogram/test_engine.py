@@ -804,3 +804,67 @@ def test_a_non_bool_retain_graph_is_refused_before_the_step(call: str, flag: obj
         weights = engine.backward(losses, MeanWeighting())
     update = torch.cat([p.grad.reshape(-1) for p in params])  # type: ignore[union-attr]
     torch.testing.assert_close(update, weights @ jacobian, rtol=1e-10, atol=1e-12)
+
+
+def _flattened_model(norm: str) -> tuple[nn.Module, nn.Module, nn.Module]:
+    torch.manual_seed(0)
+    norms = {"layer": nn.LayerNorm(6), "rms": nn.RMSNorm(6), "group": nn.GroupNorm(2, 6)}
+    return nn.Linear(3, 6).double(), norms[norm].double(), nn.Linear(6, 7).double()
+
+
+def _flattened_losses(
+    layers: tuple[nn.Module, nn.Module, nn.Module], x: Tensor, order: str = "batch", k: int = 1
+) -> Tensor:
+    """A per-position layer, then a norm and a head called on the tokens flattened (``[B T,
+    d]``, as language models' heads and OPT's layers are called; ``order="positions"``:
+    ``[T B, d]``), one loss per sample (``k`` per sample)."""
+    first, norm, head = layers
+    hidden = torch.tanh(first(x))
+    batch, positions, width = hidden.shape
+    if order == "batch":
+        out = head(norm(hidden.reshape(-1, width))).view(batch, positions, -1)
+    else:
+        flat = hidden.transpose(0, 1).reshape(-1, width)
+        out = head(norm(flat)).view(positions, batch, -1).transpose(0, 1)
+    squares = out.pow(2)
+    return squares.mean((1, 2)) if k == 1 else squares.mean(1)[:, :k]
+
+
+@pytest.mark.parametrize("norm", ["layer", "rms"])
+@pytest.mark.parametrize("batch", [1, 4])
+def test_modules_of_rows_on_flattened_tokens_are_exact(norm: str, batch: int) -> None:
+    """Per sample, a Linear and a LayerNorm or RMSNorm called on the batch flattened with the
+    positions (``[B T, d]``) are read as called on ``[B, T, d]``: the Gramian and ``.grad``
+    equal autograd's row by row."""
+    layers = _flattened_model(norm)
+    x = torch.randn(batch, 5, 3, dtype=torch.float64)
+    params = [p for layer in layers for p in layer.parameters()]
+    reference = reference_jacobian(_flattened_losses(layers, x), params)
+    weights = torch.rand(batch, dtype=torch.float64)
+    with Engine(*layers, batch_dim=0) as engine:
+        gramian = engine.compute_gramian(_flattened_losses(layers, x))
+        torch.testing.assert_close(gramian, reference @ reference.T, rtol=1e-10, atol=1e-13)
+        engine.backward(_flattened_losses(layers, x), ConstantWeighting(weights))
+    grads = torch.cat([p.grad.flatten() for p in params])  # type: ignore[union-attr]
+    torch.testing.assert_close(grads, weights @ reference, rtol=1e-10, atol=1e-13)
+
+
+@pytest.mark.parametrize(
+    ("norm", "order", "k", "message"),
+    [
+        ("layer", "positions", 1, "flatten it batch first"),  # (the samples interleaved)
+        ("layer", "batch", 2, r"merges the batch with other dimensions \(20 = 4 x 5"),
+        ("group", "batch", 1, r"merges the batch with other dimensions \(20 = 4 x 5"),
+    ],
+)
+def test_flattened_tokens_that_are_not_read_so_are_refused(
+    norm: str, order: str, k: int, message: str
+) -> None:
+    """Refused, with ``.grad`` untouched: tokens flattened positions first (the probe sees the
+    samples interleaved), several losses per sample (rows of the flattened output are not one
+    sample's), and a GroupNorm (its channels are dimension 1: it does not map rows alone)."""
+    layers = _flattened_model(norm)
+    x = torch.randn(4, 5, 3, dtype=torch.float64)
+    with Engine(*layers, batch_dim=0) as engine, pytest.raises(ValueError, match=message):
+        engine.backward(_flattened_losses(layers, x, order, k), UPGradWeighting())
+    assert all(p.grad is None for layer in layers for p in layer.parameters())

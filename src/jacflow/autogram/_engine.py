@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import warnings
 import weakref
@@ -1330,6 +1331,9 @@ class Engine:
                 _check_no_legacy_backward_hooks(unit)
             unit.rule.validate(unit.module, call, rows)
             dims = [unit.rule.output_batch_dim(unit.module, call, j) for j in call.output_positions]
+            call.merged = _merged_positions(unit, call, rows, dims, checked=not compiled)
+            if call.merged > 1:  # (laid out by _unmerged; the probe checks the order)
+                dims = [None] * len(dims)
             _check_batch(unit, call, rows, dims, losses.shape)
             _check_versions(call)
             _check_same_parameters(unit, call)
@@ -1409,6 +1413,7 @@ class Engine:
                     if call.autocast is not None or work != dtype:
                         upcast(call, work)
             rule = unit.rule
+            unit_calls = [_unmerged(call, rows) if call.merged > 1 else call for call in unit_calls]
             if isinstance(rule, FallbackRule) and index in references:
                 reference = {name: references[index][name] for name in params}
                 contribution = rule.prepare(unit.module, params, unit_calls, rows, reference)
@@ -1912,7 +1917,9 @@ def _check_separable(
         cursor += len(call.edges)
         for rows, dim, position in zip(call_grads, dims, call.output_positions, strict=True):
             samples = None
-            if dim is None:  # (a packed sequence's data: its rows' samples, where known)
+            if call.merged > 1:  # (the batch merged with positions: sample-major rows)
+                samples = torch.arange(num_samples).repeat_interleave(call.merged)
+            elif dim is None:  # (a packed sequence's data: its rows' samples, where known)
                 samples = unit.rule.output_samples(unit.module, call, position)
             if rows is None or (dim is None and samples is None):
                 continue
@@ -1920,6 +1927,18 @@ def _check_separable(
                 leaks(grad, 0 if dim is None else dim, probe, samples)
                 for grad, probe in zip(rows, probes, strict=True)
             ):
+                if call.merged > 1:
+                    raise _batch_mismatch(
+                        unit,
+                        num_samples,
+                        call.output_shapes[call.output_positions.index(position)],
+                        0,
+                        losses.shape,
+                        f"Read as the batch merged with {call.merged} positions, batch first "
+                        "([B, k, ...] flattened), its rows are read by the losses at other "
+                        "samples than their own: if it was flattened in another order ([k, B, "
+                        "...]), flatten it batch first. ",
+                    )
                 raise ValueError(
                     f"Per sample (batch_dim=0), the losses read the output of {unit.name} "
                     f"({type(unit.module).__name__}) at other samples than their own, so its "
@@ -1933,6 +1952,42 @@ def _check_separable(
                 )
 
 
+def _merged_positions(
+    unit: Unit, call: Call, rows: Rows, batch_dims: list[int | None], checked: bool
+) -> int:
+    """``k`` where, per sample with one loss per sample, a module that maps rows one by one
+    (:meth:`Rule.maps_rows`) was called on the batch merged with ``k > 1`` positions on
+    dimension 0 (its input and every output ``[B k, ...]``, from ``x.view(-1, d)``), else 1.
+    Such a call is read as one on ``[B, k, ...]``, batch first: the probe of the pattern's
+    first step (``checked``: not for compiled code, which is not probed) refuses another order
+    (:func:`_check_separable`)."""
+    batch = rows.num_samples
+    if rows.per_task or rows.index is not None or rows.num_rows != batch or not checked:
+        return 1
+    if any(d != 0 for d in batch_dims) or not unit.rule.maps_rows(unit.module):
+        return 1
+    firsts = {shape[0] if len(shape) > 1 else 0 for shape in call.output_shapes}
+    if len(firsts) != 1:
+        return 1
+    size = firsts.pop()
+    if size <= batch or size % batch or not isinstance(call.args[0] if call.args else None, Tensor):
+        return 1
+    x = call.args[0]
+    return size // batch if x.dim() > 1 and x.shape[0] == size else 1
+
+
+def _unmerged(call: Call, rows: Rows) -> Call:
+    """A merged call (:func:`_merged_positions`) as the rule reads one on ``[B, k, ...]``: its
+    input and its rows' output gradients (``[B k, ...]``, one row per sample) with the batch
+    taken apart from the positions."""
+    batch, k = rows.num_samples, call.merged
+    x = call.args[0]
+    grads = [None if g is None else g.reshape(batch, k, *g.shape[1:]) for g in call.grads]
+    return dataclasses.replace(
+        call, args=(x.reshape(batch, k, *x.shape[1:]), *call.args[1:]), grads=grads, merged=1
+    )
+
+
 def _check_batch(
     unit: Unit, call: Call, rows: Rows, batch_dims: list[int | None], losses_shape: torch.Size
 ) -> None:
@@ -1942,47 +1997,56 @@ def _check_batch(
     for shape, dim in zip(call.output_shapes, batch_dims, strict=True):
         if dim is None or (len(shape) > dim and shape[dim] == batch):
             continue
-        # (the common causes that the shapes point at, as conditions: they may coincide)
-        hints = ""
-        size = shape[dim] if len(shape) > dim else 0
-        if size > batch and size % batch == 0:
-            hints += (
-                f"If its input merges the batch with other dimensions ({size} = {batch} x "
-                f"{size // batch}: a layer called on flattened tokens, x.view(-1, d), as a "
-                "language model's head often is), call it on the unflattened input "
-                "([B, T, d]), which is exact. "
-            )
-        if size == 1:
-            hints += (
-                "Its output has size 1 there, broadcast over the batch later (position "
-                "embeddings of positions shaped [1, T], as Hugging Face models such as BERT and "
-                "GPT-2 build when no position_ids are given): pass the positions expanded to "
-                "the batch (position_ids=torch.arange(T).expand(B, T)), which is exact. "
-            )
-        # (the generic rule reads the batch on dimension 0 of any module's outputs)
-        elsewhere = [k for k, n in enumerate(shape) if n == batch and k != dim]
-        if elsewhere and isinstance(unit.rule, FallbackRule):
-            hints += (
-                f"If the batch is on dimension {elsewhere[0]} of that output, the generic rule "
-                f"reads it on dimension {dim} of the module's outputs: return it batch first and "
-                "transpose it after the call (e.g. a recurrent layer's learned initial state "
-                "returned as [B, num_layers, H] and transposed by the caller). "
-            )
-        raise ValueError(
-            f"With batch_dim=0, dimension 0 of `losses` is the batch: the outputs of "
-            f"{unit.name} ({type(unit.module).__name__}) must have the batch size {batch} of "
-            f"`losses` (shape {tuple(losses_shape)}) on dimension {dim}, received shape "
-            f"{tuple(shape)}. If `losses` are not per sample along their dimension 0 (sliced, "
-            "as losses[:3]; reduced over the batch, as out.mean(0); or laid out [k, B]), pass "
-            "the per-sample losses, batch first, and select or weight them in the weighting (a "
-            f"GramianWeighting of your own). {hints}Expand a tensor without the batch "
-            "dimension to the batch before the call (e.g. positions.expand(B, T)), or use "
-            "batch_dim=None for modules that do not batch there. If the module was called on "
-            "several batches whose losses are concatenated, call it once on the concatenated "
-            "inputs (or use batch_dim=None). If it was called on a subset of the batch's rows "
-            "(routing to experts or clusters, x[mask], AdaptiveLogSoftmaxWithLoss), the "
-            "per-sample engine cannot tell the rows' samples: use batch_dim=None."
+        raise _batch_mismatch(unit, batch, shape, dim, losses_shape)
+
+
+def _batch_mismatch(
+    unit: Unit, batch: int, shape: torch.Size, dim: int, losses_shape: torch.Size, read: str = ""
+) -> ValueError:
+    """The refusal of an output of ``unit`` whose dimension ``dim`` is not the losses' batch
+    (``read``: how the engine read it, where it tried)."""
+    # (the common causes that the shapes point at, as conditions: they may coincide)
+    hints = ""
+    size = shape[dim] if len(shape) > dim else 0
+    if size > batch and size % batch == 0:
+        hints += (
+            f"If its input merges the batch with other dimensions ({size} = {batch} x "
+            f"{size // batch}: a layer called on flattened tokens, x.view(-1, d), as a "
+            "language model's head often is), call it on the unflattened input "
+            "([B, T, d]), which is exact. (A Linear, a LayerNorm or an RMSNorm on tokens "
+            "flattened batch first is read so by itself, with one loss per sample.) "
         )
+    if size == 1:
+        hints += (
+            "Its output has size 1 there, broadcast over the batch later (position "
+            "embeddings of positions shaped [1, T], as Hugging Face models such as BERT and "
+            "GPT-2 build when no position_ids are given): pass the positions expanded to "
+            "the batch (position_ids=torch.arange(T).expand(B, T)), which is exact. "
+        )
+    # (the generic rule reads the batch on dimension 0 of any module's outputs)
+    elsewhere = [k for k, n in enumerate(shape) if n == batch and k != dim]
+    if elsewhere and isinstance(unit.rule, FallbackRule):
+        hints += (
+            f"If the batch is on dimension {elsewhere[0]} of that output, the generic rule "
+            f"reads it on dimension {dim} of the module's outputs: return it batch first and "
+            "transpose it after the call (e.g. a recurrent layer's learned initial state "
+            "returned as [B, num_layers, H] and transposed by the caller). "
+        )
+    return ValueError(
+        f"With batch_dim=0, dimension 0 of `losses` is the batch: the outputs of "
+        f"{unit.name} ({type(unit.module).__name__}) must have the batch size {batch} of "
+        f"`losses` (shape {tuple(losses_shape)}) on dimension {dim}, received shape "
+        f"{tuple(shape)}. {read}If `losses` are not per sample along their dimension 0 "
+        "(sliced, as losses[:3]; reduced over the batch, as out.mean(0); or laid out [k, B]), "
+        "pass the per-sample losses, batch first, and select or weight them in the weighting "
+        f"(a GramianWeighting of your own). {hints}Expand a tensor without the batch "
+        "dimension to the batch before the call (e.g. positions.expand(B, T)), or use "
+        "batch_dim=None for modules that do not batch there. If the module was called on "
+        "several batches whose losses are concatenated, call it once on the concatenated "
+        "inputs (or use batch_dim=None). If it was called on a subset of the batch's rows "
+        "(routing to experts or clusters, x[mask], AdaptiveLogSoftmaxWithLoss), the "
+        "per-sample engine cannot tell the rows' samples: use batch_dim=None."
+    )
 
 
 def _assemble(

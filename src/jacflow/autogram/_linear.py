@@ -318,6 +318,9 @@ class LinearRule(Rule):
     def parameter_names(self, module: nn.Module) -> frozenset[str]:
         return WEIGHT_AND_BIAS
 
+    def maps_rows(self, module: nn.Module) -> bool:
+        return True
+
     def validate(self, module: nn.Module, call: Call, rows: Rows) -> None:
         x = call.input()
         if not rows.per_task and x.dim() < 2:  # (an output [p] whose p happens to be B)
@@ -375,6 +378,9 @@ class TransposedLinearRule(Rule):
 
     def parameter_names(self, module: nn.Module) -> frozenset[str]:
         return WEIGHT_AND_BIAS
+
+    def maps_rows(self, module: nn.Module) -> bool:
+        return True
 
     def validate(self, module: nn.Module, call: Call, rows: Rows) -> None:
         x = call.input()

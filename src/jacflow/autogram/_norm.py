@@ -62,6 +62,10 @@ class NormRule(Rule):
     def parameter_names(self, module: nn.Module) -> frozenset[str]:
         return WEIGHT_AND_BIAS
 
+    def maps_rows(self, module: nn.Module) -> bool:
+        # (over the last dimensions; GroupNorm's and BatchNorm's channels are dimension 1)
+        return isinstance(module, (nn.LayerNorm, nn.RMSNorm))
+
     def prepare(
         self, module: nn.Module, params: dict[str, Tensor], calls: list[Call], rows: Rows
     ) -> Contribution:

@@ -231,6 +231,10 @@ class Call:
     parent: Call | None = None
     # which recorded outputs the losses reach (set with ``grads``)
     reached: list[bool] = field(default_factory=list)
+    # per sample: the positions merged with the batch on dimension 0 of a call of a module
+    # that maps rows one by one (``Rule.maps_rows``), given its batch flattened with them
+    # (``x.view(-1, d)``, batch first); 1: none
+    merged: int = 1
     # each recorded output's dict of gradient hooks, opened by the engine with a no-op hook of
     # its own (``no_hook``: a user's hooks registered later land in it), else ``None``
     output_hooks: list[dict[Any, Any]] | None = None
@@ -657,6 +661,26 @@ class Rule(ABC):
             1
         """
         return 0
+
+    def maps_rows(self, module: nn.Module) -> bool:
+        """Whether ``module`` maps the rows of its input along dimension 0 one by one, each
+        row of its outputs from the same row of its input (a Linear, a LayerNorm over the last
+        dimensions). Per sample, with one loss per sample, a call on the batch merged with
+        other dimensions (``x.view(-1, d)``, ``[B k, d]``, as language models' heads and OPT's
+        layers are called) is then read as one on ``[B, k, d]``, batch first; the engine's
+        check of the first step of each pattern of calls refuses another order (``[k B, d]``,
+        the samples interleaved). Default ``False``: such a call is refused.
+
+        Example:
+            >>> from torch import nn
+            >>> from jacflow.autogram import Rule
+            >>> class Plain(Rule):
+            ...     def prepare(self, module, params, calls, rows):
+            ...         raise NotImplementedError
+            >>> Plain().maps_rows(nn.Linear(2, 2))
+            False
+        """
+        return False
 
     def output_samples(self, module: nn.Module, call: Call, position: int) -> Tensor | None:
         """For an output leaf without a batch dimension (:meth:`output_batch_dim` ``None``):
