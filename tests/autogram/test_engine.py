@@ -868,3 +868,23 @@ def test_flattened_tokens_that_are_not_read_so_are_refused(
     with Engine(*layers, batch_dim=0) as engine, pytest.raises(ValueError, match=message):
         engine.backward(_flattened_losses(layers, x, order, k), UPGradWeighting())
     assert all(p.grad is None for layer in layers for p in layer.parameters())
+
+
+def test_tokens_flattened_positions_first_after_a_step_at_one_position_are_refused() -> None:
+    """A head called on tokens flattened positions first (``torch.stack`` over the positions,
+    the same graph at any length): at one position the first step is exact (the batch is not
+    merged), and a later step of the same batch size at three positions, whose rows interleave
+    the samples, is probed and refused, with ``.grad`` untouched, not read batch first."""
+    torch.manual_seed(0)
+    head = nn.Linear(3, 2).double()
+
+    def losses(positions: int) -> Tensor:
+        hidden = torch.randn(4, positions, 3, dtype=torch.float64)
+        flat = torch.stack(hidden.unbind(1)).view(-1, 3)  # ([T B, 3]: positions first)
+        return head(flat).view(positions, 4, 2).transpose(0, 1).pow(2).mean((1, 2))
+
+    with Engine(head, batch_dim=0) as engine:
+        engine.compute_gramian(losses(1))
+        with pytest.raises(ValueError, match="flatten it batch first"):
+            engine.backward(losses(3), UPGradWeighting())
+    assert head.weight.grad is None and head.bias.grad is None

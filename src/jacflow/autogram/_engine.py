@@ -696,7 +696,7 @@ class Engine:
         # losses' graph is walked again only for a new pattern
         self._outside_checked: set[Pattern] = set()
         # (and, per sample, those whose losses read each output at its own sample only)
-        self._separable_checked: set[tuple[Pattern, int]] = set()
+        self._separable_checked: set[tuple[Pattern, int, tuple[bool, ...]]] = set()
         self._hook_error: Exception | None = None  # (of hooking them again at a forward)
         # (a step's forward ran with parameters frozen since: hooked again after the step)
         self._frozen_since_hooked = False
@@ -1270,8 +1270,15 @@ class Engine:
         )
         # (per sample, a new pattern's losses are probed after the checks below: the graph stays)
         probing = not rows.per_task and rows.num_samples > 1 and not compiled
-        # (a pattern is probed again for another batch size: other pairs of samples)
-        probed = (pattern, int(losses.shape[0]) if losses.dim() else 1)
+        # (a pattern is probed again for another batch size: other pairs of samples; and where
+        # a call's outputs start merging the batch with positions (see _merged_positions): at
+        # one position, positions first ([T B], torch.stack over T) reads as batch first)
+        batch = max(rows.num_samples, 1)
+        merging = tuple(
+            any(len(s) > 1 and s[0] > batch and s[0] % batch == 0 for s in c.output_shapes)
+            for _, c in calls
+        )
+        probed = (pattern, int(losses.shape[0]) if losses.dim() else 1, merging)
         probing = probing and probed not in self._separable_checked
         # (per sample, one row per sample, the backward also takes the gradient of the
         # generic-rule units' own parameters: the reference of the rule's check of their rows,
