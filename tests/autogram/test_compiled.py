@@ -202,3 +202,19 @@ def test_code_compiled_for_another_instance_is_named() -> None:
         torch.testing.assert_close(gramian, jacobian @ jacobian.T)
     finally:
         torch._dynamo.reset()
+
+
+def test_flattened_tokens_read_through_compiled_code_are_refused_by_name() -> None:
+    """A Linear on tokens flattened batch first is read as called on ``[B, T, d]`` only where
+    the engine can probe the order: through compiled code, it is refused with ``.grad``
+    untouched, and the message says why the flattening batch first was not enough."""
+    torch.manual_seed(0)
+    head = nn.Linear(3, 2).double()
+    squash = torch.compile(lambda out: torch.tanh(out).pow(2), backend="aot_eager")
+    hidden = torch.randn(4, 5, 3, dtype=torch.float64)
+    with Engine(head, batch_dim=0) as engine:
+        losses = squash(head(hidden.reshape(-1, 3))).view(4, -1).mean(1)
+        with pytest.raises(ValueError, match="compile'd code lies between it and the losses"):
+            engine.backward(losses, UPGradWeighting())
+    assert head.weight.grad is None and head.bias.grad is None
+    torch._dynamo.reset()
