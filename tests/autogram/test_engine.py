@@ -879,7 +879,8 @@ def test_tokens_flattened_positions_first_after_a_step_at_one_position_are_refus
     head = nn.Linear(3, 2).double()
 
     def losses(positions: int) -> Tensor:
-        hidden = torch.randn(4, positions, 3, dtype=torch.float64)
+        data = torch.randn(4, positions, 3, dtype=torch.float64, requires_grad=True)
+        hidden = torch.tanh(data)  # (computed: the data itself, flattened, is not read merged)
         flat = torch.stack(hidden.unbind(1)).view(-1, 3)  # ([T B, 3]: positions first)
         return head(flat).view(positions, 4, 2).transpose(0, 1).pow(2).mean((1, 2))
 
@@ -888,3 +889,23 @@ def test_tokens_flattened_positions_first_after_a_step_at_one_position_are_refus
         with pytest.raises(ValueError, match="flatten it batch first"):
             engine.backward(losses(3), UPGradWeighting())
     assert head.weight.grad is None and head.bias.grad is None
+
+
+@pytest.mark.parametrize("kind", ["parameter", "buffer"])
+def test_a_table_of_a_multiple_of_the_batch_rows_picked_by_labels_is_refused(kind: str) -> None:
+    """A Linear on a table of ``2 B`` rows (a parameter or a plain tensor) whose rows the losses
+    pick by labels is not read as the batch merged with 2 positions: a first step whose labels
+    fall in each sample's own block would pass the probe, and a later one be wrong. Refused,
+    ``.grad`` untouched, as before flattened tokens were read."""
+    torch.manual_seed(0)
+    batch, width = 3, 4
+    table = torch.randn(2 * batch, width, dtype=torch.float64)
+    if kind == "parameter":
+        table = nn.Parameter(table)
+    layer = nn.Linear(width, 2).double()
+    labels = torch.tensor([0, 3, 4])  # (sample i's label in rows 2i, 2i + 1)
+    x = torch.randn(batch, 2, dtype=torch.float64)
+    with Engine(layer, batch_dim=0) as engine, pytest.raises(ValueError, match="batch size 3"):
+        losses = (layer(table)[labels] * x).sum(1).pow(2)
+        engine.backward(losses, UPGradWeighting())
+    assert layer.weight.grad is None and layer.bias.grad is None

@@ -1964,7 +1964,8 @@ def _merged_positions(
 ) -> int:
     """``k`` where, per sample with one loss per sample, a module that maps rows one by one
     (:meth:`Rule.maps_rows`) was called on the batch merged with ``k > 1`` positions on
-    dimension 0 (its input and every output ``[B k, ...]``, from ``x.view(-1, d)``), else 1.
+    dimension 0 (its input, computed by autograd, and every output ``[B k, ...]``, from
+    ``x.view(-1, d)``), else 1.
     Such a call is read as one on ``[B, k, ...]``, batch first: the probe of the pattern's
     first step (``checked``: not for compiled code, which is not probed) refuses another order
     (:func:`_check_separable`)."""
@@ -1980,7 +1981,11 @@ def _merged_positions(
     if size <= batch or size % batch or not isinstance(call.args[0] if call.args else None, Tensor):
         return 1
     x = call.args[0]
-    return size // batch if x.dim() > 1 and x.shape[0] == size else 1
+    # (not a leaf: a table kept as a parameter or a buffer, whose rows the losses may pick by
+    # labels, which the probe of one step cannot rule out; nor the data itself, flattened)
+    if x.grad_fn is None or x.dim() < 2 or x.shape[0] != size:
+        return 1
+    return size // batch
 
 
 def _unmerged(call: Call, rows: Rows) -> Call:
