@@ -165,7 +165,9 @@ def backward(
     With ``A`` a ``Mean()`` or a ``Sum()`` (not a subclass) that has no forward hook, and no
     gradient hook (``register_hook``) on ``inputs``, the weighted tensors are differentiated
     once, without forming the Jacobian (unless the sum of float16 ``jac_tensors`` overflows
-    float16). In every other case each row of the Jacobian is differentiated.
+    float16), as ``tensors.backward(weights)`` would: in a graph with float16 steps, the
+    weighted cotangent may overflow there where each row would not (``Constant(w)`` takes the
+    rows one by one). In every other case each row of the Jacobian is differentiated.
 
     A sparse gradient (``nn.Embedding(sparse=True)``) is densified, as in :func:`jac`: ``.jac``
     and an aggregated ``.grad`` are dense, as :func:`jac_to_grad` writes from that ``.jac``
