@@ -849,6 +849,29 @@ def test_modules_of_rows_on_flattened_tokens_are_exact(norm: str, batch: int) ->
     torch.testing.assert_close(grads, weights @ reference, rtol=1e-10, atol=1e-13)
 
 
+def test_a_module_of_rows_given_flattened_tokens_by_keyword_is_exact() -> None:
+    """Per sample, a Linear and a LayerNorm given the tokens flattened batch first by keyword
+    (``layer(input=h)``, which the rules read as their input) are read as called on
+    ``[B, T, d]``, as when given positionally: exact, not refused."""
+    torch.manual_seed(0)
+    first, norm, head = nn.Linear(3, 4).double(), nn.LayerNorm(4).double(), nn.Linear(4, 2).double()
+    x = torch.randn(3, 5, 3, dtype=torch.float64)
+    params = [p for layer in (first, norm, head) for p in layer.parameters()]
+
+    def losses() -> Tensor:
+        flat = torch.tanh(first(x)).reshape(-1, 4)
+        return head(input=norm(input=flat)).view(3, 5, 2).pow(2).mean((1, 2))
+
+    reference = reference_jacobian(losses(), params)
+    weights = torch.rand(3, dtype=torch.float64)
+    with Engine(first, norm, head, batch_dim=0) as engine:
+        gramian = engine.compute_gramian(losses())
+        torch.testing.assert_close(gramian, reference @ reference.T, rtol=1e-10, atol=1e-13)
+        engine.backward(losses(), ConstantWeighting(weights))
+    grads = torch.cat([p.grad.flatten() for p in params])  # type: ignore[union-attr]
+    torch.testing.assert_close(grads, weights @ reference, rtol=1e-10, atol=1e-13)
+
+
 @pytest.mark.parametrize(
     ("norm", "order", "k", "message"),
     [

@@ -1978,9 +1978,10 @@ def _merged_positions(
     if len(firsts) != 1:
         return 1
     size = firsts.pop()
-    if size <= batch or size % batch or not isinstance(call.args[0] if call.args else None, Tensor):
+    # (the input as the rules read it, Call.input: passed by keyword too, layer(input=h))
+    x = call.args[0] if call.args else next(iter(call.kwargs.values()), None)
+    if size <= batch or size % batch or not isinstance(x, Tensor):
         return 1
-    x = call.args[0]
     # (not a leaf: a table kept as a parameter or a buffer, whose rows the losses may pick by
     # labels, which the probe of one step cannot rule out; nor the data itself, flattened)
     if x.grad_fn is None or x.dim() < 2 or x.shape[0] != size:
@@ -1993,11 +1994,14 @@ def _unmerged(call: Call, rows: Rows) -> Call:
     input and its rows' output gradients (``[B k, ...]``, one row per sample) with the batch
     taken apart from the positions."""
     batch, k = rows.num_samples, call.merged
-    x = call.args[0]
+    x = call.input()
+    x = x.reshape(batch, k, *x.shape[1:])
     grads = [None if g is None else g.reshape(batch, k, *g.shape[1:]) for g in call.grads]
-    return dataclasses.replace(
-        call, args=(x.reshape(batch, k, *x.shape[1:]), *call.args[1:]), grads=grads, merged=1
-    )
+    if call.args:
+        args, kwargs = (x, *call.args[1:]), call.kwargs
+    else:  # (passed by keyword: Call.input reads the first)
+        args, kwargs = call.args, {**call.kwargs, next(iter(call.kwargs)): x}
+    return dataclasses.replace(call, args=args, kwargs=kwargs, grads=grads, merged=1)
 
 
 def _check_batch(
