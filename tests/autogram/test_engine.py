@@ -893,6 +893,21 @@ def test_flattened_tokens_that_are_not_read_so_are_refused(
     assert all(p.grad is None for layer in layers for p in layer.parameters())
 
 
+@pytest.mark.parametrize("norm", [nn.LayerNorm, nn.RMSNorm])
+def test_a_norm_over_the_flattened_batch_is_refused(norm: type[nn.Module]) -> None:
+    """A LayerNorm or RMSNorm whose normalized shape covers dimension 0 of tokens flattened
+    batch first (``[B T, d]`` normalised as a whole) does not map rows one by one: refused with
+    the batch-mismatch error, ``.grad`` untouched, not a raw error of the norm read on
+    ``[B, T, d]``."""
+    torch.manual_seed(0)
+    layer = norm((6, 3)).double()
+    data = torch.randn(3, 2, 3, dtype=torch.float64, requires_grad=True)
+    with Engine(layer, batch_dim=0) as engine, pytest.raises(ValueError, match="batch size 3"):
+        flat = torch.tanh(data).reshape(6, 3)  # (computed, as the data itself is not)
+        engine.backward(layer(flat).view(3, 2, 3).pow(3).sum((1, 2)), UPGradWeighting())
+    assert all(p.grad is None for p in layer.parameters())
+
+
 def test_tokens_flattened_positions_first_after_a_step_at_one_position_are_refused() -> None:
     """A head called on tokens flattened positions first (``torch.stack`` over the positions,
     the same graph at any length): at one position the first step is exact (the batch is not

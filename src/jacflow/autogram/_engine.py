@@ -1986,6 +1986,10 @@ def _merged_positions(
     # labels, which the probe of one step cannot rule out; nor the data itself, flattened)
     if x.grad_fn is None or x.dim() < 2 or x.shape[0] != size:
         return 1
+    # (a norm over every dimension, dimension 0 included, normalises across the rows)
+    normalized = getattr(unit.module, "normalized_shape", None)
+    if isinstance(unit.module, (nn.LayerNorm, nn.RMSNorm)) and len(normalized or ()) >= x.dim():
+        return 1
     return size // batch
 
 
