@@ -929,6 +929,20 @@ def test_tokens_flattened_positions_first_after_a_step_at_one_position_are_refus
     assert head.weight.grad is None and head.bias.grad is None
 
 
+def test_the_data_itself_flattened_is_refused_with_the_condition_in_the_hint() -> None:
+    """A head called on the data itself flattened (no module, no autograd op before it) is not
+    read merged: the refusal's hint says that the input must be computed by autograd, rather
+    than only that a Linear with one loss per sample is read so (which the user has)."""
+    head = nn.Linear(3, 2).double()
+    x = torch.randn(3, 4, 3, dtype=torch.float64)
+    with (
+        Engine(head, batch_dim=0) as engine,
+        pytest.raises(ValueError, match="where autograd computed its input, not the data itself"),
+    ):
+        engine.backward(head(x.reshape(-1, 3)).view(3, 4, 2).pow(2).mean((1, 2)), UPGradWeighting())
+    assert head.weight.grad is None and head.bias.grad is None
+
+
 @pytest.mark.parametrize("kind", ["parameter", "buffer"])
 def test_a_table_of_a_multiple_of_the_batch_rows_picked_by_labels_is_refused(kind: str) -> None:
     """A Linear on a table of ``2 B`` rows (a parameter or a plain tensor) whose rows the losses

@@ -2033,10 +2033,11 @@ def _batch_mismatch(
             f"If its input merges the batch with other dimensions ({size} = {batch} x "
             f"{size // batch}: a layer called on flattened tokens, x.view(-1, d), as a "
             "language model's head often is), call it on the unflattened input "
-            "([B, T, d]), which is exact. (A Linear, a LayerNorm or an RMSNorm on tokens "
-            "flattened batch first is read so by itself, with one loss per sample, where no "
-            "torch.compile'd code lies between it and the losses: the engine cannot probe "
-            "that code's backward for the order.) "
+            "([B, T, d]), which is exact. (A Linear, a Conv1D, a LayerNorm or an RMSNorm on "
+            "tokens flattened batch first is read so by itself, with one loss per sample, "
+            "where autograd computed its input, not the data itself, a parameter or a "
+            "buffer, and no torch.compile'd code lies between it and the losses, whose "
+            "backward the engine cannot probe for the order.) "
         )
     if size == 1:
         hints += (
