@@ -943,6 +943,46 @@ def test_the_data_itself_flattened_is_refused_with_the_condition_in_the_hint() -
     assert head.weight.grad is None and head.bias.grad is None
 
 
+def test_tokens_unpadded_by_a_mask_are_not_read_merged() -> None:
+    """Tokens unpadded by the attention mask (``h[mask]``, ``[sum(lengths), d]``, as for
+    variable-length attention) and padded back after a head: a sample's rows are as many as
+    its length, which changes with the data. A first step of equal lengths would pass the
+    probe read batch first, and a later one of other lengths with the same number of tokens
+    be wrong: refused at every step, ``.grad`` untouched, as before flattened tokens were
+    read."""
+    torch.manual_seed(0)
+    first, head = nn.Linear(3, 4).double(), nn.Linear(4, 2).double()
+
+    def losses(lengths: list[int], positions: int) -> Tensor:
+        x = torch.randn(len(lengths), positions, 3, dtype=torch.float64)
+        mask = torch.arange(positions) < torch.tensor(lengths)[:, None]
+        out = head(torch.tanh(first(x))[mask])  # ([sum(lengths), 2])
+        padded = torch.zeros(len(lengths), positions, 2, dtype=torch.float64)
+        return padded.masked_scatter(mask[..., None], out).pow(2).sum((1, 2))
+
+    with Engine(first, head, batch_dim=0) as engine:
+        for lengths, positions in [([2, 2], 2), ([1, 3], 3)]:
+            with pytest.raises(ValueError, match="batch size 2"):
+                engine.compute_gramian(losses(lengths, positions))
+    assert all(p.grad is None for p in [*first.parameters(), *head.parameters()])
+
+
+def test_a_computed_table_of_a_multiple_of_the_batch_rows_picked_by_labels_is_refused() -> None:
+    """A Linear on a table of ``2 B`` rows computed from a parameter (``tanh(table)``, not a
+    leaf) whose rows the losses pick by labels: no flatten of the batch lies behind its rows,
+    so it is not read merged, at a first step whose labels fall in each sample's own block
+    and at a later one whose labels do not (which the probe of the first would miss)."""
+    torch.manual_seed(0)
+    table = nn.Parameter(torch.randn(6, 4, dtype=torch.float64))
+    layer = nn.Linear(4, 2).double()
+    x = torch.randn(3, 2, dtype=torch.float64)
+    with Engine(layer, batch_dim=0) as engine:
+        for labels in ([0, 3, 4], [5, 0, 1]):
+            losses = (layer(torch.tanh(table))[torch.tensor(labels)] * x).sum(1).pow(2)
+            with pytest.raises(ValueError, match="batch size 3"):
+                engine.compute_gramian(losses)
+
+
 @pytest.mark.parametrize("kind", ["parameter", "buffer"])
 def test_a_table_of_a_multiple_of_the_batch_rows_picked_by_labels_is_refused(kind: str) -> None:
     """A Linear on a table of ``2 B`` rows (a parameter or a plain tensor) whose rows the losses

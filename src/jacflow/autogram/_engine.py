@@ -1986,11 +1986,72 @@ def _merged_positions(
     # labels, which the probe of one step cannot rule out; nor the data itself, flattened)
     if x.grad_fn is None or x.dim() < 2 or x.shape[0] != size:
         return 1
+    # (rows of tokens selected by a mask or index, unpadded as for variable-length attention,
+    # are a sample's in numbers that change with the data: a first step of equal lengths
+    # passes the probe and later steps would be wrong; only a flatten is read so. One
+    # sample's rows are all its own)
+    if batch > 1 and not _flattened_rows(x, size):
+        return 1
     # (a norm over every dimension, dimension 0 included, normalises across the rows)
     normalized = getattr(unit.module, "normalized_shape", None)
     if isinstance(unit.module, (nn.LayerNorm, nn.RMSNorm)) and len(normalized or ()) >= x.dim():
         return 1
     return size // batch
+
+
+# (autograd nodes of a view or reshape: a flatten of [B, k, ...] into [B k, ...])
+_FLATTEN_NODES = frozenset({"ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0"})
+# (autograd nodes that select rows of another tensor by a mask or an index)
+_ROW_SELECT_NODES = frozenset(
+    {
+        "IndexBackward0",
+        "IndexSelectBackward0",
+        "MaskedSelectBackward0",
+        "GatherBackward0",
+        "TakeBackward0",
+        "PackPaddedSequenceBackward0",
+    }
+)
+_MAX_ROWS_WALK = 4096
+
+
+def _flattened_rows(x: Tensor, size: int) -> bool:
+    """Whether the ``size`` rows of ``x`` come, through operations that keep them (each
+    operation's input of as many rows followed back; a view that splits them, as a Linear's
+    on ``[B k, S, d]`` does, followed on the finer rows), from a view or reshape of a tensor
+    of fewer rows that divide ``size`` (``h.view(-1, d)`` of ``[B, T, d]``, or another order,
+    which the probe checks), met before any selection of rows of a tensor of another number
+    of rows (``h[mask]``: tokens unpadded, a sample's in numbers that change with the data)."""
+    todo: list[tuple[Any, int]] = [(x.grad_fn, size)]
+    seen: set[tuple[Any, int]] = set()
+    while todo:
+        node, rows = todo.pop()
+        if node is None or (node, rows) in seen:
+            continue
+        seen.add((node, rows))
+        if len(seen) > _MAX_ROWS_WALK:
+            break
+        name = type(node).__name__
+        for following, index in node.next_functions:
+            if following is None:
+                continue
+            try:
+                shape = following._input_metadata[index].shape
+            except (AttributeError, IndexError, RuntimeError):
+                continue
+            if len(shape) == 0:
+                continue
+            if shape[0] == rows:
+                todo.append((following, rows))
+            elif name in _ROW_SELECT_NODES:
+                return False
+            elif name in _FLATTEN_NODES and shape[0] < size and size % shape[0] == 0:
+                return True  # (the nearest flatten, depth first: the walk stays short)
+            elif name in _FLATTEN_NODES and shape[0] > rows and shape[0] % rows == 0:
+                todo.append((following, shape[0]))
+            elif name in _FLATTEN_NODES and rows > size and shape[0] == size:
+                todo.append((following, size))
+    return False
 
 
 def _unmerged(call: Call, rows: Rows) -> Call:
