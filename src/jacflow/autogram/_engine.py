@@ -1314,6 +1314,7 @@ class Engine:
         reached: dict[int, list[Call]] = {}
         recorded: dict[int, list[Call]] = {}  # (the replayed units' calls, reached or not)
         batch_dims: list[tuple[Unit, Call, list[int | None]]] = []  # (of the reached calls)
+        flattened: set[tuple[Any, int]] = set()  # (see _flattened_rows)
         cursor = 0
         for index, call in calls:
             if call.modes is not None:
@@ -1338,7 +1339,7 @@ class Engine:
                 _check_no_legacy_backward_hooks(unit)
             unit.rule.validate(unit.module, call, rows)
             dims = [unit.rule.output_batch_dim(unit.module, call, j) for j in call.output_positions]
-            call.merged = _merged_positions(unit, call, rows, dims, checked=not compiled)
+            call.merged = _merged_positions(unit, call, rows, dims, not compiled, flattened)
             if call.merged > 1:  # (laid out by _unmerged; the probe checks the order)
                 dims = [None] * len(dims)
             _check_batch(unit, call, rows, dims, losses.shape)
@@ -1960,7 +1961,12 @@ def _check_separable(
 
 
 def _merged_positions(
-    unit: Unit, call: Call, rows: Rows, batch_dims: list[int | None], checked: bool
+    unit: Unit,
+    call: Call,
+    rows: Rows,
+    batch_dims: list[int | None],
+    checked: bool,
+    flattened: set[tuple[Any, int]],
 ) -> int:
     """``k`` where, per sample with one loss per sample, a module that maps rows one by one
     (:meth:`Rule.maps_rows`) was called on the batch merged with ``k > 1`` positions on
@@ -1990,7 +1996,7 @@ def _merged_positions(
     # are a sample's in numbers that change with the data: a first step of equal lengths
     # passes the probe and later steps would be wrong; only a flatten is read so. One
     # sample's rows are all its own)
-    if batch > 1 and not _flattened_rows(x, size):
+    if batch > 1 and not _flattened_rows(x, size, flattened):
         return 1
     # (a norm over every dimension, dimension 0 included, normalises across the rows)
     normalized = getattr(unit.module, "normalized_shape", None)
@@ -2015,19 +2021,24 @@ _ROW_SELECT_NODES = frozenset(
 _MAX_ROWS_WALK = 4096
 
 
-def _flattened_rows(x: Tensor, size: int) -> bool:
+def _flattened_rows(x: Tensor, size: int, flattened: set[tuple[Any, int]]) -> bool:
     """Whether the ``size`` rows of ``x`` come, through operations that keep them (each
     operation's input of as many rows followed back; a view that splits them, as a Linear's
     on ``[B k, S, d]`` does, followed on the finer rows), from a view or reshape of a tensor
     of fewer rows that divide ``size`` (``h.view(-1, d)`` of ``[B, T, d]``, or another order,
     which the probe checks), met before any selection of rows of a tensor of another number
-    of rows (``h[mask]``: tokens unpadded, a sample's in numbers that change with the data)."""
+    of rows (``h[mask]``: tokens unpadded, a sample's in numbers that change with the data).
+    ``flattened``: the step's inputs found so, where a walk from a later call's stops (calls
+    chained on the flattened tokens: each walk short)."""
     todo: list[tuple[Any, int]] = [(x.grad_fn, size)]
     seen: set[tuple[Any, int]] = set()
     while todo:
         node, rows = todo.pop()
         if node is None or (node, rows) in seen:
             continue
+        if (node, rows) in flattened:
+            flattened.add((x.grad_fn, size))
+            return True
         seen.add((node, rows))
         if len(seen) > _MAX_ROWS_WALK:
             break
@@ -2046,7 +2057,8 @@ def _flattened_rows(x: Tensor, size: int) -> bool:
             elif name in _ROW_SELECT_NODES:
                 return False
             elif name in _FLATTEN_NODES and shape[0] < size and size % shape[0] == 0:
-                return True  # (the nearest flatten, depth first: the walk stays short)
+                flattened.add((x.grad_fn, size))  # (the nearest flatten, depth first)
+                return True
             elif name in _FLATTEN_NODES and shape[0] > rows and shape[0] % rows == 0:
                 todo.append((following, shape[0]))
             elif name in _FLATTEN_NODES and rows > size and shape[0] == size:
