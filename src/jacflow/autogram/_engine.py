@@ -2109,7 +2109,8 @@ def _batch_mismatch(
             "([B, T, d]), which is exact. (A Linear, a Conv1D, a LayerNorm or an RMSNorm on "
             "tokens flattened batch first is read so by itself, with one loss per sample, "
             "where autograd computed its input, not the data itself, a parameter or a "
-            "buffer, and no torch.compile'd code lies between it and the losses, whose "
+            "buffer, from a flatten, not from rows selected by a mask or an index (tokens "
+            "unpadded), and no torch.compile'd code lies between it and the losses, whose "
             "backward the engine cannot probe for the order.) "
         )
     if size == 1:
