@@ -312,6 +312,15 @@ def linear_part(
     return {n for n in names if n in params}, part
 
 
+def _batched_input(module: nn.Module, call: Call, rows: Rows) -> Tensor:
+    """The call's input, refused per sample without a batch dimension (an input ``[d]``, whose
+    output ``[p]`` may happen to have ``p = B``)."""
+    x = call.input()
+    if not rows.per_task and x.dim() < 2:
+        raise unbatched_refusal(module, x)
+    return x
+
+
 class LinearRule(Rule):
     """``nn.Linear`` with any number of leading dimensions (sequence, heads, ...)."""
 
@@ -322,9 +331,7 @@ class LinearRule(Rule):
         return True
 
     def validate(self, module: nn.Module, call: Call, rows: Rows) -> None:
-        x = call.input()
-        if not rows.per_task and x.dim() < 2:  # (an output [p] whose p happens to be B)
-            raise unbatched_refusal(module, x)
+        _batched_input(module, call, rows)
 
     def prepare(
         self, module: nn.Module, params: dict[str, Tensor], calls: list[Call], rows: Rows
@@ -383,9 +390,7 @@ class TransposedLinearRule(Rule):
         return True
 
     def validate(self, module: nn.Module, call: Call, rows: Rows) -> None:
-        x = call.input()
-        if not rows.per_task and x.dim() < 2:
-            raise unbatched_refusal(module, x)
+        x = _batched_input(module, call, rows)
         weight = getattr(module, "weight")  # noqa: B009
         if weight.dim() != 2 or x.shape[-1] != weight.shape[0]:
             raise ValueError(
