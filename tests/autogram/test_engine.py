@@ -1001,3 +1001,34 @@ def test_a_table_of_a_multiple_of_the_batch_rows_picked_by_labels_is_refused(kin
         losses = (layer(table)[labels] * x).sum(1).pow(2)
         engine.backward(losses, UPGradWeighting())
     assert layer.weight.grad is None and layer.bias.grad is None
+
+
+@pytest.mark.parametrize("reorder", ["index", "roll", "index_copy", "sum_of_paths"])
+def test_flattened_tokens_reordered_by_the_data_are_not_read_merged(reorder: str) -> None:
+    """Tokens flattened batch first, then reordered along the rows by the data (an index, a
+    roll, an index_copy, or one path of several) before a head, and put back after it: a
+    first step whose reordering keeps each sample's rows would pass the probe, and a later one
+    of the same pattern that moves rows across samples be wrong. Refused at every step,
+    ``.grad`` untouched, as when rows are selected by a mask."""
+    torch.manual_seed(0)
+    first, head = nn.Linear(3, 4).double(), nn.Linear(4, 2).double()
+
+    def losses(shift: int) -> Tensor:
+        flat = torch.tanh(first(torch.randn(3, 2, 3, dtype=torch.float64))).reshape(-1, 4)
+        order = torch.arange(6).roll(shift)
+        back = order.argsort()
+        if reorder == "index":
+            out = head(flat[order])[back]
+        elif reorder == "roll":
+            out = head(flat.roll(shift, 0)).roll(-shift, 0)
+        elif reorder == "index_copy":
+            out = head(torch.zeros_like(flat).index_copy(0, order, flat))[order]
+        else:
+            out = head(flat + flat[order])
+        return out.view(3, 2, 2).pow(2).mean((1, 2))
+
+    with Engine(first, head, batch_dim=0) as engine:
+        for shift in (0, 1):
+            with pytest.raises(ValueError, match="batch size 3"):
+                engine.backward(losses(shift), UPGradWeighting())
+    assert all(p.grad is None for p in [*first.parameters(), *head.parameters()])

@@ -2018,7 +2018,46 @@ _ROW_SELECT_NODES = frozenset(
         "PackPaddedSequenceBackward0",
     }
 )
+# (autograd nodes that may move rows along dimension 0 by an index, a mask, a shift or a
+# stride, as many in as out: a reordering decided by the data, which the probe of one step
+# cannot rule out; followed only where they act on another dimension, see _moves_rows)
+_ROW_MOVE_NODES = frozenset(
+    {
+        *_ROW_SELECT_NODES,
+        "SortBackward0",
+        "RollBackward0",
+        "FlipBackward0",
+        "ScatterBackward0",
+        "ScatterAddBackward0",
+        "ScatterReduceBackward0",
+        "IndexCopyBackward0",
+        "IndexAddBackward0",
+        "IndexPutBackward0",
+        "IndexFillBackward0",
+        "MaskedScatterBackward0",
+        "AsStridedBackward0",
+        "CopySlices",
+        "CummaxBackward0",
+        "CumminBackward0",
+    }
+)
 _MAX_ROWS_WALK = 4096
+
+
+def _moves_rows(node: Any, name: str, dims: int) -> bool:
+    """Whether autograd's ``node`` (a ``name`` of :data:`_ROW_MOVE_NODES`, on inputs of
+    ``dims`` dimensions) may move entries along dimension 0 (other than by its dimension
+    saved: ``h[:, i]``, ``h.flip(-1)``, ``h.sort(-1)`` keep each row's)."""
+    if name in ("IndexBackward0", "IndexPutBackward0"):
+        indices = getattr(node, "_saved_indices", None)
+        return not indices or indices[0] is not None
+    saved = getattr(node, "_saved_dims", None)
+    if saved is None:
+        saved = getattr(node, "_saved_dim", None)
+        saved = None if saved is None else (saved,)
+    if not saved or dims == 0:  # (none saved, or a roll over the flattened entries)
+        return True
+    return any(_signed(dim) % dims == 0 for dim in saved)
 
 
 def _flattened_rows(x: Tensor, size: int, flattened: set[tuple[Any, int]]) -> bool:
@@ -2032,16 +2071,17 @@ def _flattened_rows(x: Tensor, size: int, flattened: set[tuple[Any, int]]) -> bo
     chained on the flattened tokens: each walk short)."""
     todo: list[tuple[Any, int]] = [(x.grad_fn, size)]
     seen: set[tuple[Any, int]] = set()
+    found = False  # (every path walked: a selection or a reordering on any refuses)
     while todo:
         node, rows = todo.pop()
         if node is None or (node, rows) in seen:
             continue
         if (node, rows) in flattened:
-            flattened.add((x.grad_fn, size))
-            return True
+            found = True
+            continue
         seen.add((node, rows))
         if len(seen) > _MAX_ROWS_WALK:
-            break
+            return False
         name = type(node).__name__
         for following, index in node.next_functions:
             if following is None:
@@ -2052,18 +2092,19 @@ def _flattened_rows(x: Tensor, size: int, flattened: set[tuple[Any, int]]) -> bo
                 continue
             if len(shape) == 0:
                 continue
+            if name in _ROW_MOVE_NODES and _moves_rows(node, name, len(shape)):
+                return False
             if shape[0] == rows:
                 todo.append((following, rows))
-            elif name in _ROW_SELECT_NODES:
-                return False
             elif name in _FLATTEN_NODES and shape[0] < size and size % shape[0] == 0:
-                flattened.add((x.grad_fn, size))  # (the nearest flatten, depth first)
-                return True
+                found = True  # (a flatten, not followed further)
             elif name in _FLATTEN_NODES and shape[0] > rows and shape[0] % rows == 0:
                 todo.append((following, shape[0]))
             elif name in _FLATTEN_NODES and rows > size and shape[0] == size:
                 todo.append((following, size))
-    return False
+    if found:
+        flattened.add((x.grad_fn, size))
+    return found
 
 
 def _unmerged(call: Call, rows: Rows) -> Call:
