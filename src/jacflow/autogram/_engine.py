@@ -1275,7 +1275,7 @@ class Engine:
         # one position, positions first ([T B], torch.stack over T) reads as batch first)
         batch = max(rows.num_samples, 1)
         merging = tuple(
-            any(len(s) > 1 and s[0] > batch and s[0] % batch == 0 for s in c.output_shapes)
+            any(len(s) > 1 and _merges_batch(s[0], batch) for s in c.output_shapes)
             for _, c in calls
         )
         probed = (pattern, int(losses.shape[0]) if losses.dim() else 1, merging)
@@ -1960,6 +1960,12 @@ def _check_separable(
                 )
 
 
+def _merges_batch(size: int, batch: int) -> bool:
+    """Whether a first size ``size`` may be the ``batch`` merged with positions (``k B``,
+    ``k > 1``): the calls :func:`_merged_positions` may read so, and the probe's key flags."""
+    return size > batch and size % batch == 0
+
+
 def _merged_positions(
     unit: Unit,
     call: Call,
@@ -1985,8 +1991,8 @@ def _merged_positions(
         return 1
     size = firsts.pop()
     # (the input as the rules read it, Call.input: passed by keyword too, layer(input=h))
-    x = call.args[0] if call.args else next(iter(call.kwargs.values()), None)
-    if size <= batch or size % batch or not isinstance(x, Tensor):
+    x = call.first_argument()
+    if not _merges_batch(size, batch) or not isinstance(x, Tensor):
         return 1
     # (not a leaf: a table kept as a parameter or a buffer, whose rows the losses may pick by
     # labels, which the probe of one step cannot rule out; nor the data itself, flattened)
@@ -2142,7 +2148,7 @@ def _batch_mismatch(
     # (the common causes that the shapes point at, as conditions: they may coincide)
     hints = ""
     size = shape[dim] if len(shape) > dim else 0
-    if size > batch and size % batch == 0:
+    if _merges_batch(size, batch):
         hints += (
             f"If its input merges the batch with other dimensions ({size} = {batch} x "
             f"{size // batch}: a layer called on flattened tokens, x.view(-1, d), as a "

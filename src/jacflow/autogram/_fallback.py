@@ -12,10 +12,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import itertools
 import threading
 import warnings
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -42,6 +43,7 @@ from jacflow.autogram._rules import (
     quiet_vmap_fallback,
     replaying,
 )
+from jacflow.autojac._graph import children, walk_nodes
 
 # a re-run's outputs may differ from the forward's by this many units of roundoff, relative
 # to the largest output (a batch of one and the batch take other kernels, whose roundoff a
@@ -399,18 +401,17 @@ def _inner_eps(call: Call) -> float:
     """The roundoff of the lowest floating precision in the autograd graph of ``call``'s
     forward, between its outputs and its inputs (0 where none is seen)."""
     stops = {get_gradient_edge(t).node for t, _ in call.versions if t.requires_grad}
-    todo = [edge.node for edge in call.edges]
-    seen: set[object] = set()
+
+    def inward(node: Any) -> Iterable[Any]:
+        return () if node in stops else children(node)  # (a stop: not walked past)
+
+    walked = walk_nodes((edge.node for edge in call.edges), inward)
+    inside = (node for node in walked if node not in stops)
     eps = 0.0
-    while todo and len(seen) < _INNER_NODES:
-        node = todo.pop()
-        if node is None or node in seen or node in stops:
-            continue
-        seen.add(node)
+    for node in itertools.islice(inside, _INNER_NODES):
         for meta in getattr(node, "_input_metadata", ()):
             if meta.dtype.is_floating_point:
                 eps = max(eps, torch.finfo(meta.dtype).eps)
-        todo.extend(next_node for next_node, _ in node.next_functions)
     return eps
 
 

@@ -232,18 +232,26 @@ class UnfoldedContribution(Contribution):
 
 
 def unfolded_contribution(
-    us: list[Tensor], bps: list[Tensor], rows: Rows, module: nn.Module, params: dict[str, Tensor]
+    us: list[Tensor],
+    bps: list[Tensor],
+    rows: Rows,
+    module: nn.Module,
+    params: dict[str, Tensor],
+    weight_shape: torch.Size | None = None,
 ) -> UnfoldedContribution:
     """Join the calls of one module along the position axis (exact for repeated calls: their
-    per-row gradients add up) and wrap them with the module's ``weight`` and ``bias``."""
+    per-row gradients add up) and wrap them with the module's ``weight`` and ``bias``
+    (``weight_shape``: the ``[out, in]`` of the products, where it is not the weight's own)."""
     u = us[0] if len(us) == 1 else torch.cat(us, dim=1)
     bp = bps[0] if len(bps) == 1 else torch.cat(bps, dim=1)
-    weight: Tensor = getattr(module, "weight")  # noqa: B009 (get_parameter parses a path per step)
+    if weight_shape is None:
+        weight: Tensor = getattr(module, "weight")  # noqa: B009 (get_parameter parses a path)
+        weight_shape = weight.shape
     return UnfoldedContribution(
         u,
         bp,
         rows,
-        weight.shape,
+        weight_shape,
         "weight" if "weight" in params else None,
         "bias" if "bias" in params else None,
     )
@@ -408,15 +416,8 @@ class TransposedLinearRule(Rule):
         d, p = weight.shape
         us = [by_position(call.input(), rows.num_samples, d) for call in calls]
         bps = [by_position(call.grad(), rows.num_rows, p) for call in calls]
-        part = UnfoldedContribution(
-            us[0] if len(us) == 1 else torch.cat(us, dim=1),
-            bps[0] if len(bps) == 1 else torch.cat(bps, dim=1),
-            rows,
-            torch.Size((p, d)),
-            "weight" if "weight" in params else None,
-            "bias" if "bias" in params else None,
-        )
-        return TransposedWeight(part)
+        shape = torch.Size((p, d))  # (the products' [out, in])
+        return TransposedWeight(unfolded_contribution(us, bps, rows, module, params, shape))
 
 
 register_rule(nn.Linear, LinearRule())

@@ -395,9 +395,13 @@ class Call:
             raise RuntimeError("internal: `grad` called on a call whose output was not reached")
         return grad
 
+    def first_argument(self) -> Any:
+        """The first positional argument, else the first keyword one (``None``: none)."""
+        return self.args[0] if self.args else next(iter(self.kwargs.values()), None)
+
     def input(self) -> Tensor:
         """The first positional argument (the layer input of Linear, Conv, norms, ...)."""
-        value = self.args[0] if self.args else next(iter(self.kwargs.values()), None)
+        value = self.first_argument()
         if not isinstance(value, Tensor):
             raise TypeError(f"expected the module's input to be a Tensor, received {type(value)}")
         return value
