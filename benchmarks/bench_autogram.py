@@ -5,8 +5,9 @@ on ``--models`` (default ``mlp256,mlp1024,cnn``; also ``transformer``, one encod
 ``lstm`` and ``gru``, a recurrent layer and a head, which TorchJD's autogram refuses, and
 ``custom``, a layer of the user's own between two Linear layers: an ``einsum`` over the
 sequence, a ``tanh`` and a learned scale, which no closed form covers, so the engine takes its
-generic rule, a ``vmap`` per sample with the checks it documents; ``gpt2``, a 2-layer Hugging
-Face GPT-2 of width 64 on 16 tokens with a linear head, which needs ``transformers``).
+generic rule, a ``vmap`` per sample with the checks it documents; ``gpt2`` and ``opt``,
+2-layer Hugging Face GPT-2 and OPT of width 64 on 16 tokens with a linear head, which need
+``transformers``).
 
 * ``sgd``: ``cross_entropy(reduction="mean").backward()``;
 * ``jacflow``: ``jacflow.autogram.Engine(model, batch_dim=0).backward(losses, UPGradWeighting())``
@@ -48,7 +49,7 @@ minus the memory allocated before them.
 end fault in fresh pages at the next one, which the process CPU time counts.
 
 Run: ``.venv/bin/python benchmarks/bench_autogram.py [--quick] [--no-memory] [--only iwrm|mtl]
-[--models mlp256,cnn,transformer,custom,gpt2] [--widths 256] [--device cuda] [--keep-heap]
+[--models mlp256,cnn,transformer,custom,gpt2,opt] [--widths 256] [--device cuda] [--keep-heap]
 [--processes 5]``.
 """
 
@@ -169,6 +170,34 @@ class GPT2Classifier(nn.Module):
         return self.head(hidden.mean(1))
 
 
+class OPTClassifier(nn.Module):
+    """A 2-layer OPT (Hugging Face's, width 64, 2 heads, MLP width 128, vocabulary 50, 16
+    positions, no dropout; its MLP and last LayerNorm of each layer run on the tokens flattened
+    batch first, ``[B T, d]``) and a linear head on the mean of its last hidden states."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import OPTConfig, OPTModel
+
+        config = OPTConfig(
+            hidden_size=64,
+            num_hidden_layers=2,
+            ffn_dim=128,
+            num_attention_heads=2,
+            vocab_size=50,
+            max_position_embeddings=18,
+            word_embed_proj_dim=64,
+            dropout=0.0,
+            attention_dropout=0.0,
+            activation_dropout=0.0,
+            layerdrop=0.0,
+        )
+        self.trunk, self.head = OPTModel(config), nn.Linear(64, 10)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.trunk(input_ids=ids).last_hidden_state.mean(1))
+
+
 # per-sample models that TorchJD 0.18's autogram refuses (its engine rejects RNNBase modules)
 RECURRENT = ("lstm", "gru")
 
@@ -186,8 +215,9 @@ def iwrm_problem(
         model, x = Recurrent(model_name), torch.randn(batch, 16, 64)
     elif model_name == "custom":
         model, x = custom(), torch.randn(batch, 16, 32)
-    elif model_name == "gpt2":
-        model, x = GPT2Classifier(), torch.randint(0, 50, (batch, 16))
+    elif model_name in ("gpt2", "opt"):
+        model = GPT2Classifier() if model_name == "gpt2" else OPTClassifier()
+        x = torch.randint(0, 50, (batch, 16))
     else:
         width = int(model_name.removeprefix("mlp"))
         model, x = mlp(width), torch.randn(batch, width)
