@@ -22,6 +22,7 @@ from jacflow.linalg import _dual_cone as dual_cone
 from jacflow.linalg import _first_order as first_order
 from jacflow.linalg._dual_cone import _normalized, project_diagonal, project_weights_reference
 from jacflow.linalg._first_order import admm_solve
+from jacflow.linalg._lawson_hanson import least_combination
 from tests.aggregation._properties import make_jacobian
 
 KINDS = ("psd", "rank_deficient", "duplicated", "zero_rows", "conflicting", "more_rows")
@@ -1077,3 +1078,143 @@ def test_pdas_drifting_on_a_rounded_rank_deficient_gramian_goes_to_the_exact_fal
     scale = float((u @ J).norm())
     assert float((v.double() @ J.double()).norm()) <= 1e-5 * scale
     assert float((reference @ J.double()).norm()) <= 1e-5 * scale
+
+
+def zero_cone_jacobian(m: int, n: int, kind: str, seed: int) -> Tensor:
+    """A Jacobian ``[m, n]`` (``m >= n + 1``) whose rows have a positive combination equal to
+    0, so that the dual cone ``{x : J x >= 0}`` is ``{0}`` (Gordan), with rows ``duplicated``,
+    ``opposite`` (a row and its negative), or ``near`` (a perturbation of ``1e-7`` that leaves
+    ``G`` nonsingular, eigenvalues down to about ``1e-14`` of the largest)."""
+    gen = torch.Generator().manual_seed(seed)
+    j = torch.randn(m - 1, n, generator=gen, dtype=torch.float64)
+    if kind == "duplicated":
+        j[: (m - 1) // 2] = j[(m - 1) // 2 : 2 * ((m - 1) // 2)]
+    if kind == "opposite":
+        j[: (m - 1) // 2] = -j[(m - 1) // 2 : 2 * ((m - 1) // 2)]
+    weights = torch.rand(1, m - 1, generator=gen, dtype=torch.float64) + 0.1
+    j = torch.cat([j, -weights @ j])
+    if kind == "near":
+        j = torch.cat([j, 1e-7 * torch.randn(m, m, generator=gen, dtype=torch.float64)], 1)
+    return j
+
+
+def _update_reference(u: Tensor, gramian: Tensor) -> Tensor:
+    """``R^T v`` (``G = R R^T``), the update in an orthonormal basis, of the exact projection:
+    scipy's NNLS on ``min_{x >= 0} |R^T (u + x)|``, row by row."""
+    np = pytest.importorskip("numpy")
+    nnls = pytest.importorskip("scipy.optimize").nnls
+    eigenvalues, q = np.linalg.eigh(gramian.numpy())
+    r = q * np.sqrt(np.clip(eigenvalues, 0.0, None))
+    rows = []
+    for row in u.numpy():
+        x, _ = nnls(r.T, -r.T @ row, maxiter=50 * len(row))
+        rows.append(r.T @ (row + x))
+    return torch.tensor(np.array(rows))
+
+
+ZERO_CONE_KINDS = ("plain", "duplicated", "opposite", "near")
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    m=st.integers(3, 40),
+    kind=st.sampled_from(ZERO_CONE_KINDS),
+    general=st.booleans(),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_trivial_dual_cone(m: int, kind: str, general: bool, seed: int) -> None:
+    """Degenerate Gramians whose dual cone is ``{0}``: the KKT conditions, and the update
+    ``J^T v`` of scipy's NNLS (unique, unlike ``v``), for UPGrad's rows or general ones."""
+    gen = torch.Generator().manual_seed(seed)
+    j = zero_cone_jacobian(m, int(torch.randint(1, m, (1,), generator=gen)), kind, seed)
+    gramian = j @ j.T
+    u = upgrad_rows(m) if not general else torch.randn(3, m, generator=gen, dtype=torch.float64)
+    v = project_weights(u, gramian)
+    assert_kkt(v, u, gramian, rtol=1e-8)
+    expected = _update_reference(u, gramian)  # (in another basis: compare the norms)
+    size = float(j.norm()) * float(torch.maximum(v.abs().amax(), u.abs().amax()))
+    # (scipy's NNLS stops about 1e-8 off; "near": eigenvalues of 1e-14 of the largest, the
+    # update of their directions (1e-7) is at the precision that a float64 Gramian determines)
+    atol = (1e-6 if kind == "near" else 1e-7) * size
+    torch.testing.assert_close((v @ j).norm(dim=-1), expected.norm(dim=-1), rtol=0, atol=atol)
+    if kind != "near":  # (its cone is not exactly {0})
+        assert float((v @ j).norm(dim=-1).amax()) <= 1e-8 * size
+
+
+def _spy_zero_cone(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    taken: list[bool] = []
+    original = dual_cone._zero_cone
+
+    def spy(*args: Any) -> Tensor | None:
+        result = original(*args)
+        taken.append(result is not None)
+        return result
+
+    monkeypatch.setattr(dual_cone, "_zero_cone", spy)
+    return taken
+
+
+@pytest.mark.parametrize("m", [8, 30, 64])
+@pytest.mark.parametrize("kind", ZERO_CONE_KINDS[:3])
+def test_trivial_dual_cone_is_solved_by_one_problem(
+    m: int, kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """UPGrad's problems on a Gramian of dual cone ``{0}``: one Lawson-Hanson problem solves them
+    all (PDAS cycled there and ADMM crawled, 0.2-0.4 s at m = 128), with moderate weights (at
+    most 50 times the rows' max-norm on these Gramians, along the null space)."""
+    taken = _spy_zero_cone(monkeypatch)
+    j = zero_cone_jacobian(m, m // 2, kind, seed=m)
+    u = torch.diag(torch.linspace(1.0, 2.0, m, dtype=torch.float64))
+    v = project_diagonal(u.diagonal(), j @ j.T)
+    assert taken == [True]
+    assert_kkt(v, u, j @ j.T, rtol=1e-9)
+    assert float(v.abs().amax()) <= 50 * 2.0
+
+
+def test_trivial_dual_cone_candidates_are_optimal() -> None:
+    """Both candidates of ``null_rows`` are ``>= u`` with ``G v = 0``, for general rows; the
+    second is the smaller here."""
+    j = zero_cone_jacobian(24, 10, "plain", seed=5)
+    g = _normalized((j @ j.T)[None], 0.0, 0.0, one_sync=True)[0]
+    u = torch.randn(6, 24, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    y, passive, factor = least_combination(g, tol=1e-12)
+    candidates = dual_cone.null_rows(u, g, y, passive, factor)
+    for v in candidates:
+        assert float((u - v).amax()) <= 1e-15 * float(v.abs().amax())  # (>= u up to rounding)
+        size = float(v.abs().amax()) * float(g.diagonal().amax())
+        assert float((v @ g).abs().amax()) <= 1e-12 * size
+    assert float(candidates[1].abs().sum()) < float(candidates[0].abs().sum())
+
+
+@pytest.mark.parametrize("other", ["zero cone", "psd", "more_rows"])
+def test_trivial_dual_cone_in_a_batch(other: str) -> None:
+    """A batch of Gramians ``[2, m, m]``, the first of dual cone ``{0}``: the shortcut serves the
+    batch only when every Gramian's cone is ``{0}``; the KKT conditions either way."""
+    m = 20
+    first = zero_cone_jacobian(m, 7, "plain", seed=2)
+    if other == "zero cone":
+        second = (
+            zero_cone_jacobian(m, 9, "duplicated", seed=3)
+            @ zero_cone_jacobian(m, 9, "duplicated", seed=3).T
+        )
+    else:
+        second = make_gramian(m, other, 1.0, seed=4)
+    gramians = torch.stack([first @ first.T, second])
+    u = torch.eye(m, dtype=torch.float64).expand(2, m, m)
+    v = project_weights(u, gramians)
+    for i in range(2):
+        assert_kkt(v[i], u[i], gramians[i], rtol=1e-9)
+
+
+def test_trivial_dual_cone_in_float32_and_under_autograd() -> None:
+    """A float32 Gramian (rounded: no longer exactly singular) and a differentiable call."""
+    j = zero_cone_jacobian(40, 12, "plain", seed=6)
+    gramian = j @ j.T
+    u = upgrad_rows(40)
+    v = project_weights(u.float(), gramian.float())
+    assert_kkt(v.double(), u, gramian, rtol=1e-4)
+    leaf = gramian.clone().requires_grad_()
+    v = project_weights(u, leaf)
+    assert_kkt(v.detach(), u, gramian, rtol=1e-8)
+    (grad,) = torch.autograd.grad(v.sum(), leaf)
+    assert bool(torch.isfinite(grad).all())

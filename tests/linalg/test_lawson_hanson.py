@@ -11,7 +11,7 @@ from torch import Tensor
 from jacflow.linalg import project_weights
 from jacflow.linalg._dual_cone import project_weights_reference
 from jacflow.linalg._gramian import normalize_gramian
-from jacflow.linalg._lawson_hanson import lawson_hanson_solve
+from jacflow.linalg._lawson_hanson import lawson_hanson_solve, least_combination
 from tests.linalg.test_dual_cone import assert_kkt, make_gramian, problems, upgrad_rows
 
 
@@ -85,3 +85,56 @@ def test_columns_close_to_the_span_are_taken_where_needed(seed: int) -> None:
     j = left * singular @ right.T
     v = project_weights(torch.eye(m, dtype=torch.float64), j @ j.T)
     assert_kkt(v, torch.eye(m, dtype=torch.float64), j @ j.T, rtol=1e-9)
+
+
+def nnls_least_combination(g: Tensor) -> float:
+    """``min_{y >= 1} y^T G y`` by scipy's NNLS on ``min_{x >= 0} |R^T (1 + x)|`` with
+    ``G = R R^T`` from an eigendecomposition: an independent reference. (Zero columns, which
+    do not change the value, are left out: scipy 1.x's NNLS gave one a coefficient of 1.7e15
+    and a residual norm that its own solution does not have.)"""
+    np = pytest.importorskip("numpy")
+    nnls = pytest.importorskip("scipy.optimize").nnls
+    kept = g.diagonal() > 0
+    if not bool(kept.any()):  # (G = 0; scipy's NNLS aborts the process on an empty matrix)
+        return 0.0
+    eigenvalues, q = np.linalg.eigh(g[kept][:, kept].numpy())
+    r = q * np.sqrt(np.clip(eigenvalues, 0.0, None))
+    ones = np.ones(r.shape[0])
+    x, _ = nnls(r.T, -r.T @ ones, maxiter=50 * g.shape[0])
+    return float(np.sum((r.T @ (ones + x)) ** 2))
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    m=st.integers(1, 40),
+    kind=st.sampled_from(["more_rows", "rank_deficient", "duplicated", "zero_rows", "psd"]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_least_combination_is_optimal(m: int, kind: str, seed: int) -> None:
+    """``y >= 1``, its KKT conditions (``G y >= 0``, ``0`` off the bound), the factor of its
+    passive block, and the optimal value of scipy's NNLS."""
+    _, g = normalised(upgrad_rows(m), make_gramian(m, kind, 1.0, seed))
+    g = g[0]
+    y, passive, factor = least_combination(g, tol=1e-12)
+    assert bool((y >= 1).all())
+    top = float(g.diagonal().amax())
+    scale = float(y.abs().amax()) * top
+    gy = g @ y
+    assert float(gy.amin()) >= -1e-9 * scale  # no descent direction within y >= 1
+    assert float((gy * (y - 1)).abs().amax()) <= 1e-9 * scale * float(y.amax())
+    assert bool((y[passive] > 1).all()) and passive.unique().numel() == passive.numel()
+    block = g[passive][:, passive]
+    torch.testing.assert_close(factor @ factor.T, block, rtol=0, atol=1e-12 * top)
+    value = float(y @ gy)
+    assert abs(value - nnls_least_combination(g)) <= 1e-9 * (1 + value) * float(y.amax())
+
+
+def test_least_combination_reaches_zero_on_a_trivial_dual_cone() -> None:
+    """Rows with a positive combination equal to 0: ``y^T G y = 0`` to rounding."""
+    gen = torch.Generator().manual_seed(3)
+    j = torch.randn(9, 4, generator=gen, dtype=torch.float64)
+    j = torch.cat([j, -(torch.rand(1, 9, generator=gen, dtype=torch.float64) + 0.5) @ j])
+    g = normalize_gramian(j @ j.T, 0.0)
+    y, passive, _ = least_combination(g, tol=1e-12)
+    assert float(y @ g @ y) <= 1e-13 * float(y.amax()) ** 2
+    assert passive.numel() == 4  # a basis of J's row space

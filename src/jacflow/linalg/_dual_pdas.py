@@ -54,9 +54,12 @@ _GROUP_COST = 1.5e6
 _GROUP_MIN_SIZE = 32
 
 
-def safe_inverse(g: Tensor, min_pivot: float = _INVERSE_MIN_PIVOT) -> Tensor | None:
+def safe_inverse(
+    g: Tensor, min_pivot: float = _INVERSE_MIN_PIVOT, factored: tuple[Tensor, Tensor] | None = None
+) -> Tensor | None:
     """``G^-1`` when every ``G`` is positive definite with squared Cholesky pivots above
-    ``min_pivot`` times its largest diagonal entry, else ``None``.
+    ``min_pivot`` times its largest diagonal entry, else ``None`` (``factored``: ``cholesky_ex``
+    of ``g`` when the caller has it).
 
     Example:
         >>> import torch
@@ -67,7 +70,7 @@ def safe_inverse(g: Tensor, min_pivot: float = _INVERSE_MIN_PIVOT) -> Tensor | N
         >>> safe_inverse(torch.ones(1, 2, 2, dtype=torch.float64)) is None
         True
     """
-    factor, info = cholesky_ex(g)
+    factor, info = cholesky_ex(g) if factored is None else factored
     pivots = factor.diagonal(dim1=-2, dim2=-1).square().amin(-1)
     bound = min_pivot * g.diagonal(dim1=-2, dim2=-1).amax(-1)
     if not bool(((info == 0) & (pivots >= bound)).all()):  # one host sync for both tests

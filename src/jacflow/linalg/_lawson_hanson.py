@@ -28,6 +28,8 @@ symmetric, trace 1 (or 0).
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -210,3 +212,100 @@ def lawson_hanson_solve(
         x_out[problem] = x
     v = (uu + x_out).reshape(b, k, m)
     return v, kkt_residual(v, u, 2 * torch.bmm(v, g), multiplier_scale(g))
+
+
+def least_combination(
+    g: Tensor, tol: float, reject_below: float = DEPENDENT
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``y >= 1`` minimising ``y^T G y`` for one Gramian ``g`` ``[m, m]`` (``[m]``), with the
+    final passive set ``P`` (indices, ``[s]``) and the lower Cholesky factor of ``G_PP``.
+
+    Lawson-Hanson on ``y = 1 + x``, ``x >= 0`` (Lawson & Hanson, 1974, ch. 23), as
+    :func:`lawson_hanson_solve` (same candidate rule, independence test and stopping rule) but
+    for one problem in the fewest tensor operations: the passive set is a Python list, its
+    Cholesky factor is extended by one row per added index (a triangular solve), and the
+    free system is refined once, at the end. ``y^T G y = 0`` is reached exactly when the dual
+    cone ``{x : J x >= 0}`` is ``{0}`` (``J^T y = 0`` with ``y > 0``); see ``_dual_cone``.
+    Conventions as :func:`lawson_hanson_solve` (float64, symmetric ``g`` of trace 1 or 0).
+
+    Example:
+        >>> import torch
+        >>> from jacflow.linalg._lawson_hanson import least_combination
+        >>> j = torch.tensor([[1.0, 0.0], [-1.0, 1.0], [0.0, -2.0]], dtype=torch.float64)
+        >>> y, passive, factor = least_combination(j @ j.T / 7, tol=1e-12)
+        >>> y, passive  # (2, 2, 1) J = 0
+        (tensor([2., 2., 1.], dtype=torch.float64), tensor([1, 0]))
+    """
+    m = g.shape[-1]
+    ones = g.new_ones(m)
+    diagonal = g.diagonal().tolist()
+    half_c = max(max(diagonal, default=0.0), 0.0) or 1.0  # c / 2 of multiplier_scale
+    inverse_norm = g.diagonal().clamp_min(1e-300).rsqrt()
+    g_ones = g.sum(0)  # G 1 (symmetric)
+    x, lower = torch.zeros_like(ones), torch.zeros_like(g)  # factor of G_PP, in insertion order
+    passive: list[int] = []
+    closed = torch.zeros_like(ones)  # inf on the passive and rejected indices, else 0
+    stepping, top, grad = False, 0.0, None  # top: max(x), for the scale of the residual
+    for _ in range(6 * m + 50):
+        size = len(passive)
+        if not stepping:
+            grad = torch.addmv(g_ones, g, x) if grad is None else grad
+            # (the most negative gradient per unit column norm among the open indices: when its
+            # gradient is above the threshold, so is every other's, or it is closed below)
+            best, pick = torch.addcmul(closed, grad, inverse_norm).min(0)
+            j, score = int(pick), float(best)
+            if not score < 0:
+                break
+            closed[j] = math.inf
+            if score * math.sqrt(diagonal[j]) >= -_ADD_TOL_FACTOR * tol * (1.0 + top) * half_c:
+                continue
+            index = g.new_tensor(passive, dtype=torch.long)
+            column = g[j].index_select(0, index)[:, None]
+            row = torch.linalg.solve_triangular(lower[:size, :size], column, upper=False)[:, 0]
+            pivot = diagonal[j] - float(row @ row)
+            if not pivot > reject_below * diagonal[j]:  # in the span of P: rejected until P changes
+                continue
+            lower[size, :size], lower[size, size] = row, math.sqrt(pivot)
+            passive.append(j)
+            size += 1
+        index = g.new_tensor(passive, dtype=torch.long)
+        z = torch.cholesky_solve(-g_ones.index_select(0, index)[:, None], lower[:size, :size])[:, 0]
+        low_z, top_z, last = torch.stack([*z.aminmax(), z[-1]]).tolist()
+        if not stepping and not last > 0:  # (rounding: exact arithmetic excludes it)
+            passive.pop()
+            continue
+        if low_z > 0:
+            x, top, grad = torch.zeros_like(ones).index_put_((index,), z), top_z, None
+            closed = torch.zeros_like(ones).index_fill_(0, index, math.inf)
+            stepping = False
+            continue
+        # Step from x towards z until the first passive coefficient reaches zero.
+        now = x.index_select(0, index)
+        blocking = z <= 0
+        ratio = torch.where(blocking, now / (now - z).clamp_min(1e-300), 1.0)
+        alpha = ratio.amin().clamp(0.0, 1.0)
+        stepped = now + alpha * (z - now)
+        kept = (stepped > 0) & ~(blocking & (ratio <= alpha))
+        passive = [i for i, k in zip(passive, kept.tolist()) if k]
+        index = g.new_tensor(passive, dtype=torch.long)
+        x, grad = torch.zeros_like(ones).index_put_((index,), stepped[kept]), None
+        top = float(x.amax())
+        closed = torch.zeros_like(ones).index_fill_(0, index, math.inf)
+        size = len(passive)
+        factor, info = cholesky_ex(g.index_select(0, index).index_select(1, index))
+        if int(info):  # (a subset of an independent set: cannot happen)
+            break
+        lower[:size, :size] = factor
+        stepping = size > 0
+    index, factor = g.new_tensor(passive, dtype=torch.long), lower[: len(passive), : len(passive)]
+    return ones + _refined(g, g_ones, x, index, factor), index, factor
+
+
+def _refined(g: Tensor, g_ones: Tensor, x: Tensor, passive: Tensor, factor: Tensor) -> Tensor:
+    """``x`` after one step of iterative refinement of its passive system ``G_PP x_P = -(G 1)_P``
+    (``factor``: of ``G_PP``): the residual through the full Gramian."""
+    if not passive.numel():
+        return x
+    residual = -torch.addmv(g_ones, g, x).index_select(0, passive)
+    step = torch.cholesky_solve(residual[:, None], factor)[:, 0]
+    return x.index_add(0, passive, step).clamp_min(0.0)
