@@ -5,11 +5,10 @@ default exact ``TorchProjector``) and ``torchjd.aggregation.UPGradWeighting()(G)
 row, regularised by 1e-4) with interleaved repeats (median of the process CPU time, robust to
 other processes on a shared machine; with one torch thread all the work runs in the calling
 thread), and reports the error of the update ``|J^T (w - w_exact)|`` relative to the root mean
-square gradient norm ``sqrt(trace(G) / m)`` (from the Gramian: ``sqrt(d^T G d / (trace G / m))``;
-unlike the weights, the update is unique on singular Gramians, and unlike ``|J^T w_exact|`` this
-scale does not vanish when the projection is 0), of both against
-an exact solution (PDAS, exact to rounding once its active set is right, certified by its KKT
-residual).
+square gradient norm ``sqrt(trace(G) / m)``, computed from ``J`` (see ``update_error``; unlike the
+weights, the update is unique on singular Gramians, and unlike ``|J^T w_exact|`` this scale does
+not vanish when the projection is 0), of both against an exact solution (PDAS, exact to
+rounding once its active set is right, certified by its KKT residual).
 
 Gramians: ``gauss`` = J J^T with J Gaussian m x 4m; ``mlp`` = per-sample Gramian of a small MLP
 classifier (20-64-64-10, 6 154 parameters) at initialisation; ``lowrank`` = J J^T with J
@@ -59,19 +58,17 @@ from jacflow.linalg._pdas import kkt_residual, multiplier_scale, pdas_solve
 torch.set_num_threads(1)
 
 
-def gauss_gramian(m: int, seed: int = 0) -> Tensor:
+def gauss_jacobian(m: int, seed: int = 0) -> Tensor:
     gen = torch.Generator().manual_seed(seed)
-    j = torch.randn(m, 4 * m, generator=gen, dtype=torch.float64)
-    return j @ j.T
+    return torch.randn(m, 4 * m, generator=gen, dtype=torch.float64)
 
 
-def lowrank_gramian(m: int, seed: int = 0) -> Tensor:
+def lowrank_jacobian(m: int, seed: int = 0) -> Tensor:
     gen = torch.Generator().manual_seed(seed)
-    j = torch.randn(m, max(1, m // 2), generator=gen, dtype=torch.float64)
-    return j @ j.T
+    return torch.randn(m, max(1, m // 2), generator=gen, dtype=torch.float64)
 
 
-def mlp_gramian(m: int, seed: int = 0) -> Tensor:
+def mlp_jacobian(m: int, seed: int = 0) -> Tensor:
     torch.manual_seed(seed)
     model = nn.Sequential(
         nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10)
@@ -85,14 +82,13 @@ def mlp_gramian(m: int, seed: int = 0) -> Tensor:
         return nn.functional.cross_entropy(functional_call(model, p, (xi[None],)), yi[None])
 
     grads = vmap(grad(loss), in_dims=(None, 0, 0))(params, x, y)
-    j = torch.cat([g.reshape(m, -1) for g in grads.values()], dim=1)
-    return j @ j.T
+    return torch.cat([g.reshape(m, -1) for g in grads.values()], dim=1)
 
 
-def digits_gramian(m: int, seed: int = 0) -> Tensor:
-    """The per-sample Gramian of the ``jacflow`` command's iwrm classifier at its initialisation
-    on ``m`` of its bundled digits (m <= 1797): real images, an ill-conditioned Gramian
-    (condition about 1e5 at m = 512, most pairs conflicting)."""
+def digits_jacobian(m: int, seed: int = 0) -> Tensor:
+    """The per-sample Jacobian of the ``jacflow`` command's iwrm classifier at its
+    initialisation on ``m`` of its bundled digits (m <= 1797): real images, an ill-conditioned
+    Gramian (condition about 1e5 at m = 512, most pairs conflicting)."""
     from jacflow.cli._data import load_digits
     from jacflow.cli._model import mlp_classifier
 
@@ -106,8 +102,7 @@ def digits_gramian(m: int, seed: int = 0) -> Tensor:
 
     x, y = images[:m].double(), labels[:m]
     grads = vmap(grad(loss), in_dims=(None, 0, 0))(params, x, y)
-    j = torch.cat([g.reshape(m, -1) for g in grads.values()], dim=1)
-    return j @ j.T
+    return torch.cat([g.reshape(m, -1) for g in grads.values()], dim=1)
 
 
 def exact_weights(gramian: Tensor) -> tuple[Tensor, float]:
@@ -124,10 +119,12 @@ def exact_weights(gramian: Tensor) -> tuple[Tensor, float]:
     return v[0].sum(0) / m, float(residual.max())
 
 
-def update_error(weights: Tensor, exact: Tensor, gramian: Tensor) -> float:
-    """``|J^T (w - w_exact)| / sqrt(trace(G) / m)`` computed from the Gramian."""
-    d, gramian = weights.double().cpu() - exact, gramian.cpu()
-    return float((d @ gramian @ d).clamp_min(0).sqrt() / (gramian.trace() / len(d)).sqrt())
+def update_error(weights: Tensor, exact: Tensor, jacobian: Tensor) -> float:
+    """``|J^T (w - w_exact)| / sqrt(trace(G) / m)``, from the Jacobian: from the Gramian,
+    ``sqrt(d^T G d)`` cannot read below about ``1e-8 |d|`` (the rounding of ``d^T G d``), which
+    large weights of a singular Gramian (not unique, all optimal) reach."""
+    d = weights.double().cpu() - exact
+    return float((d @ jacobian).norm() / (jacobian.square().sum() / len(d)).sqrt())
 
 
 def median_times(
@@ -166,10 +163,10 @@ def main() -> None:
 
     ours, theirs = UPGradWeighting(), TorchJDUPGradWeighting()
     makers = {
-        "gauss": gauss_gramian,
-        "mlp": mlp_gramian,
-        "lowrank": lowrank_gramian,
-        "digits": digits_gramian,
+        "gauss": gauss_jacobian,
+        "mlp": mlp_jacobian,
+        "lowrank": lowrank_jacobian,
+        "digits": digits_jacobian,
     }
     header = (
         "| m | Gramian | jacflow (ms) | TorchJD 0.18 (ms) | speed-up | jacflow err | TorchJD err |"
@@ -178,10 +175,11 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|")
     for m in args.sizes:
         for kind, seed in [(k, seed) for k in args.gramians for seed in args.seeds]:
-            gramian = makers[kind](m, seed)
+            jacobian = makers[kind](m, seed)
+            gramian = jacobian @ jacobian.T
             name = kind if args.seeds == [0] else f"{kind}/{seed}"
             exact, residual = exact_weights(gramian)
-            reference = gramian  # (float64, on the CPU: the errors are measured on it)
+            reference = jacobian  # (float64, on the CPU: the errors are measured on it)
             assert residual < 1e-11, f"reference not converged: {residual}"
             gramian = gramian.to(args.device, dtype)
             fns: dict[str, Callable[[], Tensor]] = {"ours": lambda g=gramian: ours(g)}
