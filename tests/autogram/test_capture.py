@@ -861,20 +861,23 @@ def test_in_place_ops_on_a_sequence_linear_output(batch_dim: int | None, op: str
     assert_exact_step(engine, forward, [*first.parameters(), *second.parameters()])
 
 
+@pytest.mark.parametrize("size", [5, 1], ids=["strided", "contiguous_1x1"])
 @pytest.mark.parametrize("affine", [True, False])
 @pytest.mark.parametrize("batch_dim", [0, None])
 def test_group_norm_on_channels_last_is_pulled_back_row_by_row(
-    affine: bool, batch_dim: int | None
+    affine: bool, batch_dim: int | None, size: int
 ) -> None:
     """A GroupNorm's backward on a channels_last tensor cannot run under vmap ("NYI: querying
     is_contiguous inside of vmap"): with rows to pull back ([B, k] losses, or tasks), the
-    engine takes them one by one, whether the GroupNorm is hooked or has no parameters."""
+    engine takes them one by one, whether the GroupNorm is hooked or has no parameters. On
+    1 x 1 maps the channels_last tensor is also contiguous (its strides still read as
+    channels_last to the backward): it was missed, and the step failed."""
     torch.manual_seed(0)
     model = nn.Sequential(
         nn.Conv2d(4, 4, 3, padding=1), nn.GroupNorm(2, 4, affine=affine), nn.Conv2d(4, 2, 1)
     ).double()
     model = model.to(memory_format=torch.channels_last)
-    x = torch.randn(3, 4, 5, 5, dtype=torch.float64).to(memory_format=torch.channels_last)
+    x = torch.randn(3, 4, size, size, dtype=torch.float64).to(memory_format=torch.channels_last)
     params = list(model.parameters())
 
     def forward() -> Tensor:

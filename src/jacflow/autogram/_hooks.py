@@ -275,12 +275,34 @@ def _leave(depth: list[int], module: nn.Module, args: Any, output: Any) -> None:
         depth[0] -= 1
 
 
-def _channels_last(x: Tensor) -> bool:
-    """Whether ``x`` is in a channels-last layout (the one whose GroupNorm backward vmap
-    cannot run; other strided inputs it runs)."""
-    if x.ndim == 4:
-        return x.is_contiguous(memory_format=torch.channels_last)
-    return x.ndim == 5 and x.is_contiguous(memory_format=torch.channels_last_3d)
+def strides_like_channels_last(shape: Sequence[int], strides: Sequence[int]) -> bool:
+    """Whether a 4-d or 5-d tensor's strides read as channels-last to torch's
+    ``Tensor.suggest_memory_format()`` (a mirror of ``is_channels_last_strides_2d/3d``): the
+    layout whose GroupNorm backward queries the memory format, which vmap cannot run. A
+    contiguous tensor may read so too (``[N, C, 1, 1]`` with the channel stride 1 after
+    ``.to(memory_format=torch.channels_last)``); ambiguous strides read as contiguous.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> from jacflow.autogram._hooks import strides_like_channels_last
+        >>> conv = nn.Conv2d(3, 3, 1).to(memory_format=torch.channels_last)
+        >>> y = conv(torch.randn(2, 3, 1, 1))
+        >>> y.stride(), y.is_contiguous(), strides_like_channels_last(y.shape, y.stride())
+        ((3, 1, 3, 3), True, True)
+        >>> strides_like_channels_last((2, 3, 1, 1), (3, 1, 1, 1))
+        False
+    """
+    if len(shape) not in (4, 5) or strides[1] == 0:
+        return False
+    low = 0
+    for d in (1, *range(len(shape) - 1, 1, -1), 0):  # channels, spatial from last, batch
+        if shape[d] == 0 or strides[d] < low:
+            return False
+        if d == 0 and low == strides[1]:  # (an ambiguous N111 reads as contiguous)
+            return False
+        low = strides[d] * (shape[d] if shape[d] > 1 else 1)
+    return True
 
 
 def _tracks(hook: Callable[..., Any]) -> bool:
@@ -430,7 +452,8 @@ class Recorder:
         if self.idle or not torch.is_grad_enabled() or is_replaying():
             return
         first = next((x for x in leaves(args) if isinstance(x, Tensor)), None)
-        if first is not None and not first.is_contiguous() and _channels_last(first):
+        # (a contiguous tensor may read as channels_last too: [N, C, 1, 1], see the function)
+        if first is not None and strides_like_channels_last(first.shape, first.stride()):
             self.strided_norm = True
 
     def _start(self, module: nn.Module, args: Any) -> None:
