@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 
+from jacflow.aggregation import ConstantWeighting
 from jacflow.autogram import Engine
 from jacflow.autogram._conv import ConvContribution
 from tests.autogram.test_linear import assert_exact_backward, assert_refused_per_sample
@@ -74,3 +75,33 @@ def test_depthwise_convolution_takes_the_grouped_route(
         contribution = engine._prepare(losses, False, ())[0][0][1]
     assert isinstance(contribution, ConvContribution)
     assert contribution._route() == "conv"
+
+
+# an attribute of a Conv2d(2, 3, 3, padding=1) set between its forward and the step
+CHANGES: list[tuple[str, object]] = [
+    ("stride", (2, 2)),
+    ("dilation", (2, 2)),
+    ("padding", (0, 0)),
+    ("padding_mode", "circular"),
+]
+
+
+@pytest.mark.parametrize(("name", "value"), CHANGES, ids=[name for name, _ in CHANGES])
+def test_attributes_changed_after_the_forward_are_refused(name: str, value: object) -> None:
+    """The closed form reads the convolution's geometry at the step: one changed since the
+    forward is refused, naming it, before anything is written (a raw shape error, or for the
+    padding mode, whose shapes stay, a wrong step, silently); a forward after the change is
+    differentiated exactly."""
+    conv = nn.Conv2d(2, 3, 3, padding=1).double()
+    x = torch.randn(3, 2, 5, 6, dtype=torch.float64)
+    for p in conv.parameters():
+        p.grad = torch.ones_like(p)
+    with Engine(conv, batch_dim=0) as engine:
+        losses = conv(x).pow(2).sum((1, 2, 3))
+        setattr(conv, name, value)
+        if name == "padding":  # (what the forward reads of it)
+            conv._reversed_padding_repeated_twice = [0, 0, 0, 0]
+        with pytest.raises(ValueError, match=rf"changed between its forward and the step \({name}"):
+            engine.backward(losses, ConstantWeighting(torch.ones(3, dtype=torch.float64)))
+    assert all(bool((p.grad == 1).all()) for p in conv.parameters())
+    assert_exact_backward(conv, lambda m: m(x).pow(2).sum((1, 2, 3)), 0)

@@ -16,6 +16,7 @@ the layer's recorded inputs and output gradients; otherwise the update is one or
 from __future__ import annotations
 
 import math
+from collections.abc import Hashable
 
 import torch
 import torch.nn.functional as F
@@ -361,6 +362,23 @@ def stale_sizes(module: _ConvNd) -> ValueError | None:
     )
 
 
+def conv_settings(module: _ConvNd) -> tuple[tuple[str, object], ...]:
+    """What the closed form reads of a convolution besides its tensors, by name: its kernel's
+    size and the geometry of its windows (stride, padding and its mode, dilation, groups).
+
+    Example:
+        >>> from torch import nn
+        >>> from jacflow.autogram._conv import conv_settings
+        >>> dict(conv_settings(nn.Conv1d(2, 4, 3, padding="same", groups=2)))["padding"]
+        'same'
+    """
+    names = ("kernel_size", "stride", "padding", "dilation", "groups", "padding_mode")
+    values = [getattr(module, name) for name in names]
+    padding = tuple(module._reversed_padding_repeated_twice)  # (what "same" gives, per side)
+    pairs = [(n, tuple(v) if isinstance(v, list) else v) for n, v in zip(names, values)]
+    return (*pairs, ("_reversed_padding_repeated_twice", padding))
+
+
 class ConvRule(Rule):
     """``nn.Conv1d``, ``nn.Conv2d`` and ``nn.Conv3d`` (any stride, padding, dilation, groups)."""
 
@@ -369,6 +387,10 @@ class ConvRule(Rule):
 
     def parameter_names(self, module: nn.Module) -> frozenset[str]:
         return WEIGHT_AND_BIAS
+
+    def settings(self, module: nn.Module) -> Hashable:
+        assert isinstance(module, _ConvNd)
+        return conv_settings(module)
 
     def validate(self, module: nn.Module, call: Call, rows: Rows) -> None:
         assert isinstance(module, _ConvNd)

@@ -1337,6 +1337,7 @@ class Engine:
                 _check_no_output_hooks(unit, call, call_grads)
             else:
                 _check_no_legacy_backward_hooks(unit)
+                _check_settings(unit, call)
             unit.rule.validate(unit.module, call, rows)
             dims = [unit.rule.output_batch_dim(unit.module, call, j) for j in call.output_positions]
             call.merged = _merged_positions(unit, call, rows, dims, not compiled, flattened)
@@ -1792,6 +1793,37 @@ def _check_no_output_hooks(unit: Unit, call: Call, grads: list[Tensor | None]) -
                 "Register the hook on a tensor computed from that output (e.g. "
                 "out = out.view_as(out) first), or on one inside the module."
             )
+
+
+def _check_settings(unit: Unit, call: Call) -> None:
+    """Refuse a call whose module's attributes that the closed form reads (``Rule.settings``:
+    a convolution's stride, padding, ...) were changed since its forward: the rule would
+    read the new ones, with the recorded tensors of the old (a shape error, or for a changed
+    padding mode a wrong result, silently)."""
+    now = unit.rule.settings(unit.module)
+    if now != call.settings:
+        raise ValueError(
+            f"{unit.name}'s attributes that its closed form reads changed between its forward "
+            f"and the step ({_changes(call.settings, now)}): the step would read the new ones "
+            "with the tensors that the old ones made. Change them before the forward, or run "
+            "the forward again after changing them."
+        )
+
+
+def _changes(before: object, after: object) -> str:
+    """``before -> after``; for settings given as ``(name, value)`` pairs (as a convolution's),
+    the changed ones only."""
+    old, new = _named_pairs(before), _named_pairs(after)
+    if old is None or new is None or [n for n, _ in old] != [n for n, _ in new]:
+        return f"{before!r} -> {after!r}"
+    return ", ".join(f"{n}: {v!r} -> {w!r}" for (n, v), (_, w) in zip(old, new) if v != w)
+
+
+def _named_pairs(settings: object) -> list[tuple[str, object]] | None:
+    if not isinstance(settings, tuple):
+        return None
+    pairs = [p for p in settings if isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str)]
+    return pairs if len(pairs) == len(settings) else None
 
 
 def _check_same_parameters(unit: Unit, call: Call) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import inspect
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -361,7 +361,7 @@ class Recorder:
         replays = unit.rule.replays()
         if replays:  # (first: before other pre-hooks, e.g. spectral_norm's, change the module)
             self._pre_hook(unit.module, self._start, prepend=True)
-        record = partial(self._record, index, replays)
+        record = partial(self._record, index, replays, unit.rule.settings)
         # (always: a call that raises still takes its start off the stack; first: the module's
         # own output, before a user's hook replaces it)
         handle = unit.module.register_forward_hook(
@@ -467,7 +467,14 @@ class Recorder:
             stack.append(_Start(weights, buffers, modes, bool(stack), [], next_sequence_nr()))
 
     def _record(
-        self, index: int, replays: bool, module: nn.Module, args: Any, kwargs: Any, output: Any
+        self,
+        index: int,
+        replays: bool,
+        settings: Callable[[nn.Module], Hashable],
+        module: nn.Module,
+        args: Any,
+        kwargs: Any,
+        output: Any,
     ) -> None:
         if self.idle or not torch.is_grad_enabled() or is_replaying():
             return
@@ -530,6 +537,7 @@ class Recorder:
                 call.output_views.append(view)
         if not replays:  # (a closed form: which tensors the forward read as its parameters)
             call.params_read = parameters_read(module)
+            call.settings = settings(module)  # (and the attributes it read: stride, padding)
         else:  # (what a replay of the module needs: the weights, buffers and modes)
             call.weight_versions = [(p, p._version) for p in module.parameters()]
             call.outputs = [(flat[j], flat[j]._version) for j in positions]

@@ -16,7 +16,7 @@ import itertools
 import warnings
 import weakref
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -261,6 +261,9 @@ class Call:
     # a forward hook that is not a recorder's ran before the recording one (it may have
     # replaced the output the engine reads)
     preceded: bool = False
+    # for the rules that do not replay: the module's attributes that the closed form reads
+    # (``Rule.settings``) at the forward
+    settings: Hashable = None
 
     def user_hooks(self) -> list[list[Callable[[Tensor], Tensor | None]]]:
         """The gradient hooks on each recorded output other than the engine's own (none when
@@ -623,6 +626,28 @@ class Rule(ABC):
             False
         """
         return False
+
+    def settings(self, module: nn.Module) -> Hashable:
+        """The module's attributes that the closed form reads at the step besides its
+        parameters and the recorded tensors (a convolution's stride, padding, ...), taken at
+        each forward call of a rule that does not replay: a step whose module has others (set
+        between the forward and the step) refuses the call, whose graph they did not make
+        (default: ``None``, none).
+
+        Example:
+            >>> from torch import nn
+            >>> from jacflow.autogram import Rule
+            >>> class Scaled(Rule):
+            ...     def prepare(self, module, params, calls, rows):
+            ...         raise NotImplementedError
+            ...     def settings(self, module):
+            ...         return module.scale
+            >>> module = nn.Identity()
+            >>> module.scale = 2.0
+            >>> Scaled().settings(module), Rule.settings(Scaled(), module)
+            (2.0, None)
+        """
+        return None
 
     def validate(self, module: nn.Module, call: Call, rows: Rows) -> None:
         """Refuse a reached call that the rule cannot handle, with its own message, before
