@@ -105,3 +105,30 @@ def test_attributes_changed_after_the_forward_are_refused(name: str, value: obje
             engine.backward(losses, ConstantWeighting(torch.ones(3, dtype=torch.float64)))
     assert all(bool((p.grad == 1).all()) for p in conv.parameters())
     assert_exact_backward(conv, lambda m: m(x).pow(2).sum((1, 2, 3)), 0)
+
+
+class _FunctionalConv(nn.Module):
+    """A convolution run as ``F.conv2d`` on its child's parameters: the child is never called."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(2, 3, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return nn.functional.conv2d(x, self.conv.weight, self.conv.bias)
+
+
+def test_functional_use_of_a_hooked_weight_is_named() -> None:
+    """A parent that convolves with its child's weight functionally has no call recorded: the
+    refusal names the parameter that the losses read and the functional use as a cause (it
+    gave only the causes of a missing forward), and writes nothing."""
+    model = _FunctionalConv().double()
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    with Engine(model, batch_dim=0) as engine:
+        losses = model(torch.randn(2, 2, 5, 5, dtype=torch.float64)).pow(2).sum((1, 2, 3))
+        with pytest.raises(
+            RuntimeError, match=r"reads? the hooked parameter .*conv\.(weight|bias)"
+        ):
+            engine.backward(losses, ConstantWeighting(torch.ones(2, dtype=torch.float64)))
+    assert all(bool((p.grad == 1).all()) for p in model.parameters())

@@ -1387,6 +1387,8 @@ class Engine:
             if key in names:
                 raise _returned_as_is(self._units[index], names[key], self.batch_dim)
         if not reached:
+            # (the losses may read a hooked parameter through a functional call instead)
+            read = _hooked_param_reached(losses, self._hooked_names())
             raise RuntimeError(
                 "No forward call of the hooked modules is in the graph of `losses`. Create the "
                 "Engine before the forward, run the forward with grad enabled, and make the "
@@ -1397,6 +1399,7 @@ class Engine:
                 "each step."
                 + (f" {_COMPILED_BEFORE_HINT}" if compiled else "")
                 + (f" {_PARAMETER_FEATURE_HINT}" if features is not None else "")
+                + (f" {_functional_use_hint(read)}" if read is not None else "")
             )
         for index, unit_calls in recorded.items():
             if index in reached:  # from its first reached call on (calls nested in another
@@ -2368,6 +2371,18 @@ _PARAMETER_FEATURE_HINT = (
     "where the engine cannot see it: pass the modules' outputs as features, or step without "
     "the engine."
 )
+
+
+def _functional_use_hint(name: str) -> str:
+    """The hint of a step whose losses read the hooked parameter ``name`` but no hooked call:
+    a use that the engine cannot see, unless the forward was taken by an earlier step."""
+    return (
+        f"The losses read the hooked parameter {name}: if not through its module's forward "
+        "(a functional call on it in another module's forward, as F.conv2d(x, conv.weight) "
+        "or F.linear(x, layer.weight)), that use is not recorded: call the module itself "
+        "(conv(x)), or give the Engine a module with parameters of its own that makes the "
+        "call (its generic rule covers the uses inside its forward)."
+    )
 
 
 def _hooked_param_reached(losses: Tensor, params: dict[int, str]) -> str | None:
