@@ -182,7 +182,13 @@ def onednn_product(a: Tensor, b: Tensor) -> Tensor:
         >>> torch.allclose(onednn_product(a, b), a @ b, rtol=1e-5, atol=1e-4)
         True
     """
-    return torch.ops.mkldnn._linear_pointwise(a, b.T, None, "none", [], "")
+    weight = b.T
+    if not (weight.is_contiguous() or b.is_contiguous()):
+        # (oneDNN reorders a weight that is neither row- nor column-major by a slow generic
+        # path: a row-strided [512, 576] view, a group's slice of a ghost Gramian's inputs,
+        # took 3 s against 1.8 ms dense, 1 thread; the copy costs k p of the n k p)
+        weight = weight.contiguous()
+    return torch.ops.mkldnn._linear_pointwise(a, weight, None, "none", [], "")
 
 
 def product(a: Tensor, b: Tensor, out: Tensor | None = None) -> Tensor:
