@@ -1218,3 +1218,34 @@ def test_trivial_dual_cone_in_float32_and_under_autograd() -> None:
     assert_kkt(v.detach(), u, gramian, rtol=1e-8)
     (grad,) = torch.autograd.grad(v.sum(), leaf)
     assert bool(torch.isfinite(grad).all())
+
+
+def _thin_cone_jacobian(m: int, n: int, width: float, seed: int) -> Tensor:
+    """A Jacobian ``[m, n]`` (``m > n``: ``G`` singular) whose dual cone is thin but not ``{0}``:
+    every row's first entry is ``width`` times a positive number, so ``e_1`` is in the cone."""
+    gen = torch.Generator().manual_seed(seed)
+    first = width * (torch.rand(m, 1, generator=gen, dtype=torch.float64) + 0.1)
+    return torch.cat([first, torch.randn(m, n - 1, generator=gen, dtype=torch.float64)], 1)
+
+
+def _update_from_jacobian(u: Tensor, j: Tensor) -> Tensor:
+    """The projection ``J^T v`` of the exact problem, from scipy's NNLS on ``J`` itself (not on
+    a factor of the rounded ``G``, whose noise directions weigh ``sqrt(eps) |v|``)."""
+    np = pytest.importorskip("numpy")
+    nnls = pytest.importorskip("scipy.optimize").nnls
+    jn = j.numpy()
+    rows = [jn.T @ (row + nnls(jn.T, -jn.T @ row, maxiter=200 * len(row))[0]) for row in u.numpy()]
+    return torch.tensor(np.array(rows))
+
+
+@pytest.mark.parametrize(("m", "width", "seed"), [(64, 1e-5, 3), (64, 3e-6, 0), (64, 3e-6, 7)])
+def test_thin_dual_cone_is_not_taken_for_zero(m: int, width: float, seed: int) -> None:
+    """A singular Gramian whose cone is thin, not ``{0}``: ``y^T G y`` passes the screen of the
+    test of a cone ``{0}``, and its weights (10-30) had a KKT residual below ``tol`` relative to
+    ``|v|`` while the update was 5e-5 to 1e-4 of ``|J^T u|`` off the projection (the shortcut's
+    certificate is now in units of ``u``)."""
+    j = _thin_cone_jacobian(m, m // 3, width, seed)
+    u = torch.eye(m, dtype=torch.float64)
+    v = project_weights(u, j @ j.T)
+    error = (v @ j - _update_from_jacobian(u, j)).norm(dim=-1) / (u @ j).norm(dim=-1)
+    assert float(error.amax()) <= 2e-5
