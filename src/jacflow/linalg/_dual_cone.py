@@ -416,7 +416,8 @@ def _singular(g: Tensor, tol: float, factored: tuple[Tensor, Tensor]) -> bool:
 
 def _zero_cone(u: Tensor, g: Tensor, tol: float, factored: tuple[Tensor, Tensor]) -> Tensor | None:
     """``v`` of every problem when each Gramian's dual cone ``{x : J x >= 0}`` is ``{0}``, certified
-    by every problem's KKT residual at most ``tol``; else ``None``.
+    by every problem's KKT residual at most ``tol`` in units of ``u`` (:func:`_absolute`); else
+    ``None``.
 
     The cone is ``{0}`` exactly when some ``y > 0`` has ``G y = 0`` (Gordan's theorem of the
     alternative: ``J x >= 0`` has no solution but 0 iff ``J^T y = 0`` for some ``y > 0``), i.e.
@@ -783,7 +784,8 @@ def project_weights(
     Where ``G`` is singular and the dual cone is ``{0}`` (rows with a positive combination equal
     to 0, e.g. more objectives than the rank), ``"auto"`` (without ``max_iter``) solves every
     problem from one Lawson-Hanson problem, ``min y^T G y`` over ``y >= 1``, whose optimum 0
-    certifies it (``_dual_cone._zero_cone``; every result checked by its KKT residual); PDAS
+    certifies it (``_dual_cone._zero_cone``; every result checked by its KKT residual, not
+    relative to ``|v|``); PDAS
     cycles and ADMM crawls there. Problems with ``G u >= 0`` need no projection (``v = u``);
     when this holds for every problem (e.g. no negative entry in ``G`` and ``u >= 0``) nothing
     is solved. Small problems on one CPU Gramian outside autograd are first tried on shorter
