@@ -1249,3 +1249,15 @@ def test_thin_dual_cone_is_not_taken_for_zero(m: int, width: float, seed: int) -
     v = project_weights(u, j @ j.T)
     error = (v @ j - _update_from_jacobian(u, j)).norm(dim=-1) / (u @ j).norm(dim=-1)
     assert float(error.amax()) <= 2e-5
+
+
+def test_trivial_dual_cone_keeps_the_problems_solved_at_u() -> None:
+    """A batch of a Gramian of dual cone ``{0}`` and a Gramian 0: the shortcut serves the batch,
+    and the problems of ``G = 0`` keep ``v = u`` (as stated, and as alone), not ``max(u) 1``."""
+    m = 20
+    j = zero_cone_jacobian(m, 7, "plain", seed=0)
+    gramians = torch.stack([j @ j.T, torch.zeros(m, m, dtype=torch.float64)])
+    u = torch.eye(m, dtype=torch.float64).expand(2, m, m) / m
+    v = project_weights(u, gramians)
+    assert bool((v[1] == u[1]).all())
+    assert_kkt(v[0], u[0], gramians[0], rtol=1e-9)

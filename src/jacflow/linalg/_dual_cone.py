@@ -528,7 +528,9 @@ def _solve(
         if dual is None and factored is not None:  # (a dual route ran: G is invertible)
             zero = _zero_cone(u, g, tol, factored)
             if zero is not None:
-                return torch.maximum(zero, u)
+                # (the problems solved at v = u keep it, as they do on the other routes: a
+                # Gramian 0 in a batch with cones {0} got max(u) 1, not the v = u stated)
+                return torch.where((residual <= tol)[..., None], u, torch.maximum(zero, u))
     cap = max_iter or (_PDAS_MAX_ITER if method == "pdas" else _FIRST_ORDER_MAX_ITER)
     low_precision = tol >= _LOW_PRECISION_TOL or m >= _LOW_PRECISION_MIN_M
 
