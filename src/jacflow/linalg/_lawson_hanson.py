@@ -214,6 +214,124 @@ def lawson_hanson_solve(
     return v, kkt_residual(v, u, 2 * torch.bmm(v, g), multiplier_scale(g))
 
 
+def lean_lawson_hanson_solve(
+    u: Tensor, g: Tensor, tol: float, reject_below: float = DEPENDENT
+) -> tuple[Tensor, Tensor]:
+    """:func:`lawson_hanson_solve` in fewer tensor operations per step, for small ``m``.
+
+    Same candidate rule, independence test (the added column's squared distance from the span
+    of the passive ones, relative to its diagonal entry, above ``reject_below``), step back and
+    stopping rule, and the same conventions and returns; every returned row is checked by its
+    KKT residual as there. With a few dozen objectives a step of the compacted solver costs its
+    some sixty dispatched operations, not its arithmetic. Here no state is compacted: each
+    passive set is a mask, and each problem keeps ``(G_PP)^-1`` as an ``m x m`` matrix (zero
+    outside ``P``), updated by a rank-one bordering when an index is added (its pivot is the
+    independence test) and by a rank-one Schur complement per dropped index, so a step solves
+    by matrix-vector products (refined once through ``G``, as there), with no factorisation,
+    gathers of blocks or refactorisations. Its cost grows as ``k m^2`` per step against the
+    compacted solver's ``k s^2`` (``s``: the passive size): small ``m`` only. Problems that
+    have stopped stay in the batch (idle).
+
+    Example:
+        >>> import torch
+        >>> from jacflow.linalg._lawson_hanson import lean_lawson_hanson_solve
+        >>> j = torch.tensor([[2.0, 1.0], [2.0, 1.0], [-1.0, 0.0], [0.0, -1.0]]).double()
+        >>> g = (j @ j.T / 11)[None]  # rows 0 and 1 duplicated: a dual cone {0}
+        >>> v, residual = lean_lawson_hanson_solve(torch.eye(4).double()[None], g, tol=1e-12)
+        >>> v[0]
+        tensor([[1.0000, 0.0000, 2.0000, 1.0000],
+                [0.0000, 1.0000, 2.0000, 1.0000],
+                [0.5000, 0.0000, 1.0000, 0.5000],
+                [1.0000, 0.0000, 2.0000, 1.0000]], dtype=torch.float64)
+        >>> bool(residual.amax() <= 1e-12), bool((v[0] @ j).abs().amax() < 1e-15)  # J^T v = 0
+        (True, True)
+    """
+    b, k, m = u.shape
+    c = multiplier_scale(g)
+    diagonal = g.diagonal(dim1=-2, dim2=-1)[:, None]  # [B, 1, m]
+    inverse_norm = diagonal.clamp_min(1e-300).rsqrt()
+    threshold = -_ADD_TOL_FACTOR * tol * c / 2
+    positions = torch.arange(m, device=u.device)
+    zero = u.new_zeros(())
+    gu = torch.bmm(u, g)
+    x = torch.zeros_like(u)
+    inverse = u.new_zeros(b * k, m, m)  # (G_PP)^-1 on the passive rows and columns, else 0
+    passive = torch.zeros_like(u, dtype=torch.bool)
+    rejected, stepping = torch.zeros_like(passive), torch.zeros_like(passive[..., 0])
+    for _ in range(6 * m + 50):
+        grad = torch.baddbmm(gu, x, g)  # G (u + x): half of the multipliers
+        scale = (u + x).abs().amax(-1, keepdim=True).clamp_min(1.0)
+        open_ = ~(passive | rejected) & (grad < threshold * scale)
+        # Most negative gradient per unit column norm: invariant to rescaling the objectives.
+        best, pick = torch.where(open_, grad * inverse_norm, torch.inf).min(-1)
+        adding = ~stepping & (best < torch.inf)
+        if not bool((adding | stepping).any()):  # every problem optimal (up to rejected columns)
+            break
+        added = (positions == pick[..., None]) & adding[..., None]
+        trial = passive | added
+        # Bordering: with h = (G_PP)^-1 G_Pj and the pivot d = G_jj - G_jP h (the squared
+        # distance of column j from the span of P), (G_QQ)^-1 = (G_PP)^-1 + w w^T / d for
+        # Q = P + {j} and w = h - e_j.
+        column = torch.gather(g, 1, pick[..., None].expand(b, k, m))  # G_j (G is symmetric)
+        w = torch.bmm(inverse, column.reshape(b * k, m, 1)).reshape(b, k, m) - added.to(u.dtype)
+        pivot = -(column * w).sum(-1)
+        independent = adding & (pivot > reject_below * torch.gather(diagonal[:, 0], 1, pick))
+        weight = torch.where(independent, pivot.reciprocal(), zero)
+        inverse.baddbmm_((w * weight[..., None]).reshape(b * k, m, 1), w.reshape(b * k, 1, m))
+        z = -torch.bmm(inverse, gu.reshape(b * k, m, 1))
+        # One step of iterative refinement: the residual through the full Gramian (the inverse
+        # is zero outside the passive rows and columns: no mask).
+        residual = torch.baddbmm(gu, z.reshape(b, k, m), g).reshape(b * k, m, 1)
+        z = torch.baddbmm(z, inverse, residual, alpha=-1.0).reshape(b, k, m)
+        # A candidate in the span of P (or whose own coefficient is not positive, which exact
+        # arithmetic excludes) is rejected until P changes.
+        nonpositive = independent & (added & (z <= 0)).any(-1)
+        dependent = adding & ~independent | nonpositive
+        rejected |= added & dependent[..., None]
+        if bool(nonpositive.any()):  # restore their inverse
+            undo = torch.where(nonpositive, weight, zero)[..., None] * w
+            inverse.baddbmm_(undo.reshape(b * k, m, 1), w.reshape(b * k, 1, m), alpha=-1.0)
+        moving = stepping | (adding & ~dependent)
+        accept = moving & (~trial | (z > 0)).all(-1)
+        step = (moving & ~accept)[..., None]
+        # Step from x towards z until the first passive coefficient reaches zero.
+        blocking = trial & (z <= 0) & step
+        ratio = torch.where(blocking, x / (x - z).clamp_min(1e-300), 1.0)
+        alpha = ratio.amin(-1, keepdim=True).clamp(0.0, 1.0)
+        stepped = torch.lerp(x, z, alpha)
+        kept = trial & (stepped > 0) & ~(blocking & (ratio <= alpha))
+        new_passive = torch.where(accept[..., None], trial, torch.where(step, kept, passive))
+        x = torch.where(step, stepped, torch.where(accept[..., None], z, x))
+        x = torch.where(new_passive, x, zero)
+        passive = new_passive
+        rejected &= ~moving[..., None]
+        stepping = step[..., 0]
+        if bool(stepping.any()):
+            inverse = _without(inverse, (trial & ~passive).reshape(b * k, m))
+    v = u + x
+    return v, kkt_residual(v, u, 2 * torch.bmm(v, g), c)
+
+
+def _without(inverse: Tensor, dropped: Tensor) -> Tensor:
+    """``(G_KK)^-1`` from ``inverse`` = ``(G_SS)^-1`` (zero outside ``S``, ``[N, m, m]``) for
+    ``K = S - dropped`` (``dropped``: ``[N, m]``), one index at a time: the Schur complement
+    ``H_KK - H_Kd H_dK / H_dd`` of each dropped index ``d``, whose row and column are then
+    zeroed (the complement leaves rounding there)."""
+    positions = torch.arange(dropped.shape[-1], device=dropped.device)
+    while bool(dropped.any()):
+        some = dropped.any(-1, keepdim=True)
+        first = dropped.to(torch.int8).argmax(-1, keepdim=True)
+        spread = first[..., None].expand_as(inverse[:, :1])  # [N, 1, m]
+        row = torch.gather(inverse, 1, spread)[:, 0]
+        weight = torch.where(some, -torch.gather(row, 1, first).reciprocal(), 0.0)
+        inverse = torch.baddbmm(inverse, (row * weight)[..., None], row[:, None])
+        # (a problem without a dropped index writes back its row and column 0 unchanged)
+        inverse.scatter_(1, spread, torch.gather(inverse, 1, spread) * ~some[..., None])
+        inverse.scatter_(2, spread.mT, torch.gather(inverse, 2, spread.mT) * ~some[..., None])
+        dropped = dropped & (positions != first)
+    return inverse
+
+
 def least_combination(
     g: Tensor, tol: float, reject_below: float = DEPENDENT
 ) -> tuple[Tensor, Tensor, Tensor]:
