@@ -293,23 +293,33 @@ def lean_lawson_hanson_solve(
             inverse.baddbmm_(undo.reshape(b * k, m, 1), w.reshape(b * k, 1, m), alpha=-1.0)
         moving = stepping | (adding & ~dependent)
         accept = moving & (~trial | (z > 0)).all(-1)
-        step = (moving & ~accept)[..., None]
-        # Step from x towards z until the first passive coefficient reaches zero.
-        blocking = trial & (z <= 0) & step
-        ratio = torch.where(blocking, x / (x - z).clamp_min(1e-300), 1.0)
-        alpha = ratio.amin(-1, keepdim=True).clamp(0.0, 1.0)
-        stepped = torch.lerp(x, z, alpha)
-        kept = trial & (stepped > 0) & ~(blocking & (ratio <= alpha))
-        new_passive = torch.where(accept[..., None], trial, torch.where(step, kept, passive))
-        x = torch.where(step, stepped, torch.where(accept[..., None], z, x))
-        x = torch.where(new_passive, x, zero)
-        passive = new_passive
         rejected &= ~moving[..., None]
-        stepping = step[..., 0]
+        stepping = moving & ~accept
         if bool(stepping.any()):
+            x, passive = _stepped_back(x, z, trial, passive, accept, stepping)
             inverse = _without(inverse, (trial & ~passive).reshape(b * k, m))
+        else:  # (z is 0 outside P: so is the inverse)
+            passive = torch.where(accept[..., None], trial, passive)
+            x = torch.where(accept[..., None], z, x)
     v = u + x
     return v, kkt_residual(v, u, 2 * torch.bmm(v, g), c)
+
+
+def _stepped_back(
+    x: Tensor, z: Tensor, trial: Tensor, passive: Tensor, accept: Tensor, stepping: Tensor
+) -> tuple[Tensor, Tensor]:
+    """``x`` and the passive sets after a step of :func:`lean_lawson_hanson_solve`: ``z`` where
+    ``accept``, else where ``stepping`` the point from ``x`` towards ``z`` where the first
+    coefficient of the passive set ``trial`` reaches zero, without the indices that did."""
+    step = stepping[..., None]
+    blocking = trial & (z <= 0) & step
+    ratio = torch.where(blocking, x / (x - z).clamp_min(1e-300), 1.0)
+    alpha = ratio.amin(-1, keepdim=True).clamp(0.0, 1.0)
+    stepped = torch.lerp(x, z, alpha)
+    kept = trial & (stepped > 0) & ~(blocking & (ratio <= alpha))
+    passive = torch.where(accept[..., None], trial, torch.where(step, kept, passive))
+    x = torch.where(step, stepped, torch.where(accept[..., None], z, x))
+    return torch.where(passive, x, 0.0), passive
 
 
 def _without(inverse: Tensor, dropped: Tensor) -> Tensor:
