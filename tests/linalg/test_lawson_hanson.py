@@ -276,3 +276,24 @@ def test_lean_solver_rejects_dependent_columns(kind: str) -> None:
         v, residual = lean_lawson_hanson_solve(u, g, tol=0.0)
         assert float(residual.amax()) <= 1e-12, (seed, float(residual.amax()))
         assert_kkt(v[0], u[0], g[0], rtol=1e-9)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_fallback_on_a_batch_of_degenerate_gramians(
+    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``[B, m, m]`` lowrank Gramians (seeds where PDAS cycles): the lean solver runs on the
+    batch and every problem of every Gramian meets its KKT conditions."""
+    m = 8
+    # (J and G in float64: G = J J^T computed in float32 is indefinite at 1e-8, which no
+    # solver certifies to float64's tolerance)
+    gens = [torch.Generator().manual_seed(s) for s in (1, 3, 4)]
+    js = [torch.randn(m, m // 2, generator=gen, dtype=torch.float64) for gen in gens]
+    gramian = torch.stack([j @ j.T for j in js])
+    u = torch.eye(m, dtype=torch.float64).expand(3, m, m)
+    calls = _spy_fallback(monkeypatch)
+    v = project_weights(u.to(dtype), gramian.to(dtype)).double()
+    assert calls[0] == "lean_lawson_hanson_solve"
+    for i in range(3):
+        rtol = 1e-9 if dtype == torch.float64 else 1e-5
+        assert_kkt(v[i], u[i], gramian[i].to(dtype).double(), rtol=rtol)
