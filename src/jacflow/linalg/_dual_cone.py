@@ -396,13 +396,14 @@ def _dual_route(
     start: tuple[Tensor, Tensor, Tensor],
     tol: float,
     single: bool,
-    factored: tuple[Tensor, Tensor] | None = None,
+    factored: Callable[[], tuple[Tensor, Tensor]] | None = None,
 ) -> tuple[Tensor, Tensor] | None:
     """``(v, residual)`` of the dual PDAS on ``G^-1``, or ``None`` when ``G`` is not safely
     invertible. ``single``: its steps first in float32 (on a well-conditioned ``G``), checked
     against ``g``; the problems they leave above ``tol`` take float64 steps when the float32
     ones settled (not when they stopped for the cost of the active systems, which the float64
-    ones would meet too). ``factored``: ``cholesky_ex`` of ``g`` when the caller has it."""
+    ones would meet too). ``factored``: gives ``cholesky_ex`` of ``g``, made once by the caller
+    (the float32 steps factor ``g`` in float32 and do not call it)."""
     if single:
         inverse = safe_inverse(g.float(), _SINGLE_MIN_PIVOT)
         if inverse is not None:
@@ -413,10 +414,10 @@ def _dual_route(
 
             def again(rows: Tensor) -> tuple[Tensor, Tensor] | None:
                 rows_start = (guess[:, rows], first_residual[:, rows], c)
-                return _dual_route(u[:, rows], g, rows_start, tol, single=False)
+                return _dual_route(u[:, rows], g, rows_start, tol, False, factored)
 
             return _unsolved_by(again, v, residual, tol)
-    inverse = safe_inverse(g, factored=factored)
+    inverse = safe_inverse(g, factored=None if factored is None else factored())
     if inverse is None:
         return None
     v, residual, _ = dual_pdas_solve(u, g, inverse, start, _DUAL_MAX_ITER, tol)
@@ -534,9 +535,17 @@ def _solve(
     m = u.shape[-1]
     dual = None  # (v, residual) of the dual route
     if method == "auto":
-        # (G's Cholesky factorisation, read by the dual route and by the test of a dual cone
-        # {0}: 1-2% of the time where the dual route does not run)
-        factored = cholesky_ex(g) if max_iter is None else None
+        # (G's Cholesky factorisation, made once where first read: by the dual route's float64
+        # steps and by the test of a dual cone {0}; 1-2% of the time where the dual route does
+        # not run. Not where the dual route's float32 steps solve: 1.08-1.12x UPGrad's time on
+        # float32 per-sample Gramians at m = 128 when it was made up front)
+        made: list[tuple[Tensor, Tensor]] = []  # (not functools.cache: 3% at m = 32)
+
+        def factored() -> tuple[Tensor, Tensor]:
+            if not made:
+                made.append(cholesky_ex(g))
+            return made[0]
+
         method = "pdas" if m <= _AUTO_PDAS_MAX_M else "admm"
         # PDAS's first guess of the active sets (lam > 0 at v = u): small ones (e.g.
         # per-sample conflicts) are solved fastest on G^-1; the chosen method takes the rest.
@@ -544,8 +553,8 @@ def _solve(
         if active_systems_pay(guess.sum(-1), m):
             single = single and m >= _SINGLE_MIN_M
             dual = _dual_route(u, g, (guess, residual, c), tol, single, factored)
-        if dual is None and factored is not None:  # (a dual route ran: G is invertible)
-            zero = _zero_cone(u, g, tol, factored)
+        if dual is None and max_iter is None:  # (a dual route ran: G is invertible)
+            zero = _zero_cone(u, g, tol, factored())
             if zero is not None:
                 # (the problems solved at v = u keep it, as they do on the other routes: a
                 # Gramian 0 in a batch with cones {0} got max(u) 1, not the v = u stated)
