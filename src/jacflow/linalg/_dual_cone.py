@@ -39,7 +39,6 @@ from jacflow.linalg._lawson_hanson import (
     DEPENDENT,
     DEPENDENT_RETRY,
     lawson_hanson_solve,
-    lean_lawson_hanson_solve,
     least_combination,
 )
 from jacflow.linalg._pdas import (
@@ -174,12 +173,6 @@ _HOST_MAX_WORK = 5**4  # UPGrad: m <= 5
 # Other problems on one CPU Gramian of at most this many objectives, outside autograd, first try
 # ``_pdas.lean_pdas_solve`` (masked m x m systems: their cost grows as rows x m^3).
 _LEAN_MAX_M = 24
-# The exact fallback's first pass on CPU Gramians of at most this many objectives is
-# ``lean_lawson_hanson_solve`` (an m x m inverse per problem: its steps cost rows x m^2, against
-# the compacted solver's some sixty operations). On UPGrad's rows of the benchmark's lowrank
-# Gramians (seed 1, all in the fallback) it took 0.46x the time at m = 8, 0.53x at 16, 0.65x
-# at 32, and 1.8-2.2x at 64 (one-off, min of 5).
-_LEAN_LAWSON_HANSON_MAX_M = 32
 
 # Problems of at most this many objectives on an accelerator are copied to the host, solved
 # there and copied back: the batched solvers' hundreds of small kernels and their
@@ -343,31 +336,19 @@ def _exact_fallback(
     rank: non-unique ``v``, a dual cone that may be a single point); Lawson-Hanson cannot.
     Problems are gathered per Gramian row of the batch so that every Gramian is factorised once.
     Those it leaves above ``tol`` take a second pass that rejects fewer columns as dependent
-    (``DEPENDENT_RETRY``). Small CPU problems first take the lean solver
-    (``_LEAN_LAWSON_HANSON_MAX_M``); the compacted passes answer what it leaves above ``tol``.
+    (``DEPENDENT_RETRY``).
     """
-    passes: list[tuple[Callable[..., tuple[Tensor, Tensor]], float]] = [
-        (lawson_hanson_solve, DEPENDENT),
-        (lawson_hanson_solve, DEPENDENT_RETRY),
-    ]
-    if g.device.type == "cpu" and u.shape[-1] <= _LEAN_LAWSON_HANSON_MAX_M:
-        passes.insert(0, (lean_lawson_hanson_solve, DEPENDENT))
-    for solve, reject_below in passes:
-        solver = functools.partial(_lawson_hanson_rows, solve, u, g, tol, reject_below)
+    for reject_below in (DEPENDENT, DEPENDENT_RETRY):
+        solver = functools.partial(_lawson_hanson_rows, u, g, tol, reject_below)
         v, residual = _unsolved_by(solver, v, residual, tol)
     return v, residual
 
 
 def _lawson_hanson_rows(
-    solve: Callable[..., tuple[Tensor, Tensor]],
-    u: Tensor,
-    g: Tensor,
-    tol: float,
-    reject_below: float,
-    rows: Tensor,
+    u: Tensor, g: Tensor, tol: float, reject_below: float, rows: Tensor
 ) -> tuple[Tensor, Tensor]:
-    """``solve`` (a Lawson-Hanson solver) on the problem slots ``rows`` (indices into ``k``)."""
-    return solve(u[:, rows], g, tol, reject_below=reject_below)
+    """Lawson-Hanson on the problem slots ``rows`` (indices into ``k``)."""
+    return lawson_hanson_solve(u[:, rows], g, tol, reject_below=reject_below)
 
 
 def _fista_with_polish(u: Tensor, g: Tensor, cap: int, tol: float) -> tuple[Tensor, Tensor]:
