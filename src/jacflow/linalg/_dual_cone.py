@@ -42,9 +42,9 @@ from jacflow.linalg._lawson_hanson import (
     least_combination,
 )
 from jacflow.linalg._pdas import (
-    kkt_residual,
     lean_pdas_solve,
     multiplier_scale,
+    natural_residual,
     pdas_solve,
     start_residual,
 )
@@ -416,9 +416,9 @@ def _singular(g: Tensor, tol: float, factored: tuple[Tensor, Tensor]) -> bool:
 
 
 def _zero_cone(u: Tensor, g: Tensor, tol: float, factored: tuple[Tensor, Tensor]) -> Tensor | None:
-    """``v`` of every problem when each Gramian's dual cone ``{x : J x >= 0}`` is ``{0}``, certified
-    by every problem's KKT residual at most ``tol`` in units of ``u`` (:func:`_absolute`); else
-    ``None``.
+    """``v`` of every problem when each Gramian's dual cone ``{x : J x >= 0}`` is ``{0}``,
+    certified by every problem's KKT residual at most ``tol`` in units of ``u``
+    (:func:`natural_residual`); else ``None``.
 
     The cone is ``{0}`` exactly when some ``y > 0`` has ``G y = 0`` (Gordan's theorem of the
     alternative: ``J x >= 0`` has no solution but 0 iff ``J^T y = 0`` for some ``y > 0``), i.e.
@@ -440,21 +440,16 @@ def _zero_cone(u: Tensor, g: Tensor, tol: float, factored: tuple[Tensor, Tensor]
         candidates.append(null_rows(problems, gramian, y, passive, factor))
     v = torch.stack(candidates)  # [B, 2, k, m]
     lam = 2 * (v @ g[:, None])
-    residual = _absolute(kkt_residual(v, u[:, None], lam, multiplier_scale(g)[:, None]), v)
+    # (in units of u, not relative to |v|: the weights built from y reach 10-800 where the other
+    # routes' are about 1-5, and the update's error that a relative residual admits grows with
+    # |v|: on a singular Gramian whose cone is thin but not {0} (width 1e-5), the screen of
+    # y^T G y passed and the relative certificate accepted an update 3e-4 of |J^T u| off the
+    # projection, 30 times its size; the other routes: 3e-6)
+    residual = natural_residual(v, u[:, None], lam, multiplier_scale(g)[:, None])
     # (the smaller certified candidate: see null_rows)
     size = torch.where(residual <= tol, v.abs().sum(-1), torch.inf)
     v = torch.where((size[:, 1] < size[:, 0])[..., None], v[:, 1], v[:, 0])
     return v if bool((residual <= tol).any(1).all()) else None
-
-
-def _absolute(residual: Tensor, v: Tensor) -> Tensor:
-    """``kkt_residual`` of ``v`` times ``max(1, |v|_inf)``: the natural residual in units of the
-    rows ``u`` (of max-norm 1), not of ``v``. The weights built from ``y`` reach 10-800 where the
-    other routes' are about 1-5, and the update's error that a relative residual admits grows
-    with ``|v|``: on a singular Gramian whose cone is thin but not ``{0}`` (width 1e-5), the
-    screen of ``y^T G y`` passed and the relative certificate accepted an update 3e-4 of
-    ``|J^T u|`` off the projection (30 times its size; the other routes: 3e-6)."""
-    return residual * v.abs().amax(-1).clamp_min(1.0)
 
 
 def null_rows(u: Tensor, g: Tensor, y: Tensor, passive: Tensor, factor: Tensor) -> Tensor:

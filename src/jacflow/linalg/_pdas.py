@@ -61,15 +61,26 @@ def start_residual(lam: Tensor, c: Tensor) -> Tensor:
     return lam.neg().clamp_min(0).amax(-1) / c[..., 0]
 
 
-def kkt_residual(v: Tensor, u: Tensor, lam: Tensor, c: Tensor) -> Tensor:
-    """Relative natural residual ``max_i |min(v_i - u_i, lam_i / c)| / max(1, |v|_inf)``.
+def natural_residual(v: Tensor, u: Tensor, lam: Tensor, c: Tensor) -> Tensor:
+    """Natural residual ``max_i |min(v_i - u_i, lam_i / c)|``, in units of the rows ``u``.
 
     It is 0 exactly at the solution (it is the size of a projected-gradient step of length
     ``1/c``); shape ``[B, k]``.
+
+    Example:
+        >>> import torch
+        >>> from jacflow.linalg._pdas import natural_residual
+        >>> u, v = torch.tensor([[[1.0, 0.0]]]), torch.tensor([[[1.0, 3.0]]])
+        >>> natural_residual(v, u, torch.tensor([[[0.5, 0.25]]]), torch.ones(1, 1, 1))
+        tensor([[0.2500]])
     """
-    natural = torch.minimum(v - u, lam / c).abs().amax(-1)
-    scale = v.abs().amax(-1).clamp_min(1.0)
-    return natural / scale
+    return torch.minimum(v - u, lam / c).abs().amax(-1)
+
+
+def kkt_residual(v: Tensor, u: Tensor, lam: Tensor, c: Tensor) -> Tensor:
+    """Relative natural residual ``max_i |min(v_i - u_i, lam_i / c)| / max(1, |v|_inf)``
+    (:func:`natural_residual` relative to ``v``'s size); shape ``[B, k]``."""
+    return natural_residual(v, u, lam, c) / v.abs().amax(-1).clamp_min(1.0)
 
 
 def with_exact_bounds(low: Tensor, low_u: Tensor, u: Tensor) -> Tensor:
