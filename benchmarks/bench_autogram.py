@@ -51,9 +51,9 @@ minus the memory allocated before them.
 (``_timing.keep_heap``): without it, steps that free more than glibc's trim threshold at their
 end fault in fresh pages at the next one, which the process CPU time counts.
 
-Run: ``.venv/bin/python benchmarks/bench_autogram.py [--quick] [--no-memory] [--only iwrm|mtl]
-[--models mlp256,cnn,transformer,custom,gpt2,opt] [--widths 256] [--device cuda] [--keep-heap]
-[--processes 5]``.
+Run: ``.venv/bin/python benchmarks/bench_autogram.py [--quick] [--no-memory | --memory-only]
+[--only iwrm|mtl] [--models mlp256,cnn,transformer,custom,gpt2,opt] [--widths 256]
+[--device cuda] [--keep-heap] [--processes 5]``.
 """
 
 from __future__ import annotations
@@ -545,6 +545,36 @@ def cuda_memory(spec: dict[str, object]) -> float:
     return max(0, torch.cuda.max_memory_allocated() - before) / 2**20
 
 
+def iwrm_methods(model_name: str, batch: int) -> list[str]:
+    """The per-sample table's methods for this model and batch (TorchJD's autogram refuses
+    recurrent layers; its autojac Jacobian of the wide MLP at B = 128 is 128 rows of 3M+
+    parameters)."""
+    methods = ["sgd", "jacflow", "jacflow_route"]
+    methods += [] if model_name in RECURRENT else ["tjd_autogram"]
+    wide = model_name.startswith("mlp") and int(model_name[3:]) >= 1024
+    if not wide or batch <= 64:
+        methods.append("tjd_autojac")
+    return methods
+
+
+def iwrm_memory_row(model_name: str, batch: int, methods: list[str], device: str) -> list[str]:
+    """Peak memory of SGD, jacflow and TorchJD's two routes (``-`` where not run), MB."""
+    spec = {"kind": "iwrm", "model": model_name, "batch": batch, "device": device}
+    return [model_name, str(batch)] + [
+        memory_cell({**spec, "method": m}) if m in methods else "-"
+        for m in ("sgd", "jacflow", "tjd_autogram", "tjd_autojac")
+    ]
+
+
+def memory_cell(spec: dict[str, object]) -> str:
+    """:func:`memory` in MB, or "fails" where the method raises (with ``--memory-only`` the
+    methods are not tried first: TorchJD's autogram fails on OPT)."""
+    try:
+        return f"{memory(spec):.0f}"
+    except subprocess.CalledProcessError:
+        return "fails"
+
+
 def memory(spec: dict[str, object]) -> float:
     if spec["device"] != "cpu":
         return cuda_memory(spec)
@@ -579,6 +609,11 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="fewer rounds and configurations")
     parser.add_argument("--no-memory", action="store_true")
+    parser.add_argument(
+        "--memory-only",
+        action="store_true",
+        help="peak memory only, no timing (fresh processes: valid on a busy host)",
+    )
     parser.add_argument("--only", choices=["iwrm", "mtl"], help="run one of the two parts")
     parser.add_argument(
         "--models", default="mlp256,mlp1024,cnn", help="per-sample models, comma-separated"
@@ -616,11 +651,11 @@ def main() -> None:
     batches = [32, 64] if args.quick else [32, 64, 128]
     for model_name in models:
         for batch in batches:
-            methods = ["sgd", "jacflow", "jacflow_route"]
-            methods += [] if model_name in RECURRENT else ["tjd_autogram"]
-            wide = model_name.startswith("mlp") and int(model_name[3:]) >= 1024
-            if not wide or batch <= 64:  # (its Jacobian: 128 rows of 3M+ parameters)
-                methods.append("tjd_autojac")
+            methods = iwrm_methods(model_name, batch)
+            if args.memory_only:
+                iwrm_mem.append(iwrm_memory_row(model_name, batch, methods, device))
+                print(iwrm_mem[-1], flush=True)
+                continue
             steps = iwrm_steps(model_name, batch, methods, device)
             failed = drop_failing(steps)
             methods = [m for m in methods if m not in failed]
@@ -651,14 +686,7 @@ def main() -> None:
             )
             print(iwrm_rows[-1], flush=True)
             if not args.no_memory:
-                iwrm_mem.append(
-                    [model_name, str(batch)]
-                    + [f"{memory({**spec, 'method': m}):.0f}" for m in methods[:2]]
-                    + [
-                        f"{memory({**spec, 'method': m}):.0f}" if m in methods else "-"
-                        for m in ("tjd_autogram", "tjd_autojac")
-                    ]
-                )
+                iwrm_mem.append(iwrm_memory_row(model_name, batch, methods, device))
                 print(iwrm_mem[-1], flush=True)
 
     mtl_rows, mtl_mem = [], []
@@ -668,6 +696,14 @@ def main() -> None:
     for width, batch in configs:
         for m in ms:
             methods = ["sgd", "jacflow", "tjd_autogram", "tjd_mtl"]
+            spec = {"kind": "mtl", "width": width, "batch": batch, "m": m, "device": device}
+            if args.memory_only:
+                mtl_mem.append(
+                    [str(width), str(batch), str(m)]
+                    + [memory_cell({**spec, "method": k}) for k in methods]
+                )
+                print(mtl_mem[-1], flush=True)
+                continue
             times = interleaved_medians(
                 mtl_steps(width, batch, m, [*methods, "raw"], device),
                 rounds=rounds,
@@ -676,7 +712,6 @@ def main() -> None:
             )
             sgd = times["sgd"]
             qp = weighting_ms(mtl_gramian(width, batch, m, device), 3 * rounds)
-            spec = {"kind": "mtl", "width": width, "batch": batch, "m": m, "device": device}
             alone = alone_ratio(spec, alone_rounds, args.keep_heap, processes)
             mtl_rows.append(
                 [str(width), str(batch), str(m), f"{sgd:.1f}", f"{qp:.2f}"]
@@ -690,8 +725,9 @@ def main() -> None:
             if not args.no_memory:
                 mtl_mem.append(
                     [str(width), str(batch), str(m)]
-                    + [f"{memory({**spec, 'method': k}):.0f}" for k in methods]
+                    + [memory_cell({**spec, "method": k}) for k in methods]
                 )
+                print(mtl_mem[-1], flush=True)
 
     _table(
         f"Per-sample losses (m = B), {name} ms and ratios to the SGD step",

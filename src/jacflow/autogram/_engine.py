@@ -1946,53 +1946,69 @@ def _check_separable(
     """Refuse a per-sample step in which the losses read a reached call's output at other
     samples than their own (see ``_separable``), from probing backwards, one row by one (as
     the step's own, not under vmap), of the losses of the samples of each of
-    :func:`probe_sets`. They free the graph unless ``retain_graph``."""
+    :func:`probe_sets`. Each probe's gradients are checked and dropped before the next
+    backward: held together, they took 2 ceil(log2 B) copies of the step's output gradients
+    (the small CNN at B = 64: 190 MB at its first step against the step's 20). They free the
+    graph unless ``retain_graph``."""
     probes = probe_sets(num_samples)
     if not probes:  # (one sample: nothing to mix)
         return
     edges = [edge for _, call, _ in calls for edge in call.edges]
-    with replaying(), _selective_checkpoint_hint():
-        cotangents = probe_cotangents(losses, probes)
-        grads = pull_back([losses], edges, cotangents, True, retain_graph, row_by_row=True)
-    cursor = 0
-    for unit, call, dims in calls:
-        call_grads = _at_outputs(call, grads[cursor : cursor + len(call.edges)])
-        cursor += len(call.edges)
-        for rows, dim, position in zip(call_grads, dims, call.output_positions, strict=True):
-            samples = None
-            if call.merged > 1:  # (the batch merged with positions: sample-major rows)
-                samples = torch.arange(num_samples).repeat_interleave(call.merged)
-            elif dim is None:  # (a packed sequence's data: its rows' samples, where known)
-                samples = unit.rule.output_samples(unit.module, call, position)
-            if rows is None or (dim is None and samples is None):
-                continue
-            if any(
-                leaks(grad, 0 if dim is None else dim, probe, samples)
-                for grad, probe in zip(rows, probes, strict=True)
-            ):
-                if call.merged > 1:
-                    raise _batch_mismatch(
-                        unit,
-                        num_samples,
-                        call.output_shapes[call.output_positions.index(position)],
-                        0,
-                        losses.shape,
-                        f"Read as the batch merged with {call.merged} positions, batch first "
-                        "([B, k, ...] flattened), its rows are read by the losses at other "
-                        "samples than their own: if it was flattened in another order ([k, B, "
-                        "...]), flatten it batch first. ",
-                    )
-                raise ValueError(
-                    f"Per sample (batch_dim=0), the losses read the output of {unit.name} "
-                    f"({type(unit.module).__name__}) at other samples than their own, so its "
-                    "per-sample gradients are not those of one backward's rows. Either its input "
-                    "has no batch dimension and a first size equal to the batch size (position "
-                    "embeddings of torch.arange(T) with T == B, a table kept as a buffer or a "
-                    "parameter): expand it to the batch first (e.g. positions.expand(B, T)); or "
-                    "something after it mixes the samples (a loss over pairs of samples, a "
-                    "BatchNorm in training mode outside the Engine's modules, h - h.mean(0)). "
-                    "Use batch_dim=None for such models."
-                )
+    cotangents = probe_cotangents(losses, probes)
+    samples = [_row_samples(unit, call, num_samples) for unit, call, _ in calls]
+    for index, probe in enumerate(probes):
+        keep = retain_graph or index < len(probes) - 1
+        with replaying(), _selective_checkpoint_hint():
+            row = cotangents[index : index + 1]
+            grads = pull_back([losses], edges, row, True, keep, row_by_row=True)
+        cursor = 0
+        for (unit, call, dims), call_samples in zip(calls, samples, strict=True):
+            call_grads = _at_outputs(call, grads[cursor : cursor + len(call.edges)])
+            cursor += len(call.edges)
+            for rows, dim, position in zip(call_grads, dims, call.output_positions, strict=True):
+                known = call_samples(position) if dim is None or call.merged > 1 else None
+                if rows is None or (dim is None and known is None):
+                    continue
+                if leaks(rows[0], 0 if dim is None else dim, probe, known):
+                    raise _separation_error(unit, call, position, num_samples, losses)
+
+
+def _row_samples(unit: Unit, call: Call, num_samples: int) -> Callable[[int], Tensor | None]:
+    """The sample of each row of the call's output at a position, where its rows are not the
+    batch: the batch merged with positions (sample-major rows), or a packed sequence's data
+    (its rule knows them, else ``None``)."""
+    if call.merged > 1:
+        merged = torch.arange(num_samples).repeat_interleave(call.merged)
+        return lambda position: merged
+    return lambda position: unit.rule.output_samples(unit.module, call, position)
+
+
+def _separation_error(
+    unit: Unit, call: Call, position: int, num_samples: int, losses: Tensor
+) -> ValueError:
+    if call.merged > 1:
+        return _batch_mismatch(
+            unit,
+            num_samples,
+            call.output_shapes[call.output_positions.index(position)],
+            0,
+            losses.shape,
+            f"Read as the batch merged with {call.merged} positions, batch first "
+            "([B, k, ...] flattened), its rows are read by the losses at other "
+            "samples than their own: if it was flattened in another order ([k, B, "
+            "...]), flatten it batch first. ",
+        )
+    return ValueError(
+        f"Per sample (batch_dim=0), the losses read the output of {unit.name} "
+        f"({type(unit.module).__name__}) at other samples than their own, so its "
+        "per-sample gradients are not those of one backward's rows. Either its input "
+        "has no batch dimension and a first size equal to the batch size (position "
+        "embeddings of torch.arange(T) with T == B, a table kept as a buffer or a "
+        "parameter): expand it to the batch first (e.g. positions.expand(B, T)); or "
+        "something after it mixes the samples (a loss over pairs of samples, a "
+        "BatchNorm in training mode outside the Engine's modules, h - h.mean(0)). "
+        "Use batch_dim=None for such models."
+    )
 
 
 def _merges_batch(size: int, batch: int) -> bool:
