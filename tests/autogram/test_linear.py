@@ -206,3 +206,29 @@ def test_a_conv1d_whose_weight_is_not_in_by_out_is_refused() -> None:
     with pytest.raises(ValueError, match=r"weight as \[in, out\] = \(5, 3\)"):
         rule.validate(layer, call, Rows(4, 4, None, per_task=False))
     rule.validate(nn.Linear(5, 3), call, Rows(4, 4, None, per_task=False))  # ([3, 5]: accepted)
+
+
+@pytest.mark.parametrize(
+    ("batch_dim", "k", "shape"), [(0, 1, (32, 16, 64)), (0, 2, (32, 16, 64)), (None, 3, (2, 64))]
+)
+def test_per_row_gradients_larger_than_the_inputs_are_formed_by_blocks(
+    batch_dim: int | None, k: int, shape: tuple[int, ...], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The materialised route forms per-row gradients larger than the layer's inputs and
+    backprops by blocks of output features, each at most their size (here with no floor:
+    several blocks of the 96 features), and sums the blocks' Gramians: exact."""
+    monkeypatch.setattr(_linear, "PER_ROW_BLOCK_FLOOR", 1)
+    monkeypatch.setattr(UnfoldedContribution, "_ghost_cheaper", lambda self: False)
+    blocks: list[int] = []
+    per_row = _linear.per_row_weight_grads
+
+    def counted(u: Tensor, bp: Tensor, rows: Rows) -> Tensor:
+        blocks.append(bp.shape[-1])
+        return per_row(u, bp, rows)
+
+    monkeypatch.setattr(_linear, "per_row_weight_grads", counted)
+    torch.manual_seed(0)
+    layer = nn.Linear(64, 96).double()
+    x = torch.randn(*shape, dtype=torch.float64)
+    assert_exact_backward(layer, _losses_of(x, batch_dim, k), batch_dim)
+    assert len(blocks) >= 6 and max(blocks) < 96  # (two steps: the Gramian's and backward's)

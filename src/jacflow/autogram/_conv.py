@@ -307,7 +307,7 @@ class ConvContribution(Contribution):
                 return ghost_gramian(*self._unfolded(), self.rows, with_bias=bias)
             grads, self.bias_kept = self._row_grads(route, with_bias=bias)
             flat = grads.flatten(1)
-            if worth_keeping(flat, *self._held()):
+            if worth_keeping(flat.numel(), *self._held()):
                 self.kept = flat
             total = row_gramian(flat)
         if bias:

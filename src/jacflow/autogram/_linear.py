@@ -72,6 +72,11 @@ def ghost_cost(rows: Rows, positions: int, groups: int, d: int, p: int) -> int:
 PER_ROW_SLOWDOWN = 4
 
 
+# The fewest elements of a block of per-row weight gradients formed at once (16 MB in float32):
+# blocks of the size of small layers' inputs would cost a dispatch each, for no memory saved.
+PER_ROW_BLOCK_FLOOR = 2**22
+
+
 def materialized_cost(rows: Rows, positions: int, groups: int, d: int, p: int) -> int:
     """Multiply-adds of materialising the per-row gradients and their Gramian, the first
     weighted by :data:`PER_ROW_SLOWDOWN` per sample."""
@@ -182,13 +187,31 @@ class UnfoldedContribution(Contribution):
             return ghost_gramian(self.u, self.bp, self.rows, with_bias=bias)
         total: Tensor | None = None
         if weight:
-            flat = per_row_weight_grads(self.u, self.bp, self.rows).flatten(1)
-            if worth_keeping(flat, self.u, self.bp):
-                self.kept = flat
-            total = row_gramian(flat)
+            total = self._materialized_gramian()
         if bias:
             s = self._bias_rows()
             total = s @ s.T if total is None else total + s @ s.T
+        return total
+
+    def _materialized_gramian(self) -> Tensor:
+        """The weight's Gramian from its per-row gradients, kept for the update where
+        :func:`worth_keeping`; else formed by blocks of output features, each at most the size
+        of the inputs and backprops held (or :data:`PER_ROW_BLOCK_FLOOR` elements), so that
+        the step's memory stays within one more copy of them (a transformer's feed-forward
+        layer at B = 128 holds 1.3M elements and its per-row gradients have 8.4M)."""
+        u, bp, rows = self.u, self.bp, self.rows
+        per_feature = rows.num_rows * bp.shape[2] * u.shape[3]  # (elements per output feature)
+        p = bp.shape[3]
+        if worth_keeping(per_feature * p, u, bp):
+            self.kept = per_row_weight_grads(u, bp, rows).flatten(1)
+            return row_gramian(self.kept)
+        block = max(1, max(u.numel() + bp.numel(), PER_ROW_BLOCK_FLOOR) // per_feature)
+        total: Tensor | None = None
+        for start in range(0, p, block):
+            part = per_row_weight_grads(u, bp[..., start : start + block], rows).flatten(1)
+            term = row_gramian(part)
+            total = term if total is None else total.add_(term)
+        assert total is not None
         return total
 
     def per_row_grads(self, name: str) -> Tensor:

@@ -1014,11 +1014,12 @@ class MaterializedContribution(Contribution):
         return out
 
 
-def worth_keeping(per_row: Tensor, *held: Tensor) -> bool:
-    """Whether per-row gradients, once formed for the Gramian, should be kept until the update
-    (which is then ``weights @ per_row``): only when they are no larger than the tensors the
-    contribution holds anyway, so that keeping them at most doubles its memory."""
-    return per_row.numel() <= sum(t.numel() for t in held)
+def worth_keeping(per_row: int, *held: Tensor) -> bool:
+    """Whether per-row gradients of ``per_row`` elements, once formed for the Gramian, should
+    be kept until the update (which is then ``weights @ per_row``): only when they are no larger
+    than the tensors the contribution holds anyway, so that keeping them at most doubles its
+    memory."""
+    return per_row <= sum(t.numel() for t in held)
 
 
 def kept_weighted_grads(
