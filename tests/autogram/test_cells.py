@@ -18,6 +18,7 @@ from tests.autogram.test_engine import (
     assert_exact_step,
     reference_jacobian,
 )
+from tests.autogram.test_linear import assert_change_refused, row_losses
 
 D, H = 3, 4
 
@@ -209,3 +210,27 @@ def test_lstm_outputs_changed_in_place(change: str) -> None:
         state = (h, c)
     losses = head(state[0]).squeeze(1).pow(2) + state[1].sum(1)
     assert_exact_gramian(engine, losses, [*cell.parameters(), *head.parameters()])
+
+
+@pytest.mark.parametrize("batch_dim", [0, None])
+@pytest.mark.parametrize(
+    ("kind", "name", "value"), [("rnn", "nonlinearity", "relu"), ("gru", "hidden_size", 2)]
+)
+def test_attributes_changed_after_the_forward_are_refused(
+    kind: str, name: str, value: object, batch_dim: int | None
+) -> None:
+    """The replay of a step reads an RNN cell's nonlinearity and the width of the default
+    state at the step: one changed since the forward is refused, naming it, before anything
+    is written (a changed nonlinearity gave a step 109-185% off, silently; a changed width a
+    raw torch error)."""
+    cell = _cell(kind).double()
+    x = torch.randn(3, 5, D, dtype=torch.float64)
+
+    def losses_of(m: nn.Module) -> Tensor:
+        h = None
+        for step in x.unbind(1):
+            h = m(step, h)
+        assert h is not None
+        return row_losses(h, batch_dim)
+
+    assert_change_refused(cell, losses_of, lambda: setattr(cell, name, value), batch_dim, name)

@@ -39,6 +39,36 @@ def assert_exact_backward(
     torch.testing.assert_close(actual, expected)
 
 
+def row_losses(out: Tensor, batch_dim: int | None) -> Tensor:
+    """Per sample (``batch_dim=0``): one loss per sample of ``out`` (batch first); per task:
+    two losses of the whole of ``out``."""
+    if batch_dim is None:
+        return torch.stack([out.pow(2).sum(), out.sin().sum()])
+    return out.flatten(1).pow(2).sum(1)
+
+
+def assert_change_refused(
+    model: nn.Module,
+    losses_of: Callable[[nn.Module], Tensor],
+    change: Callable[[], object],
+    batch_dim: int | None,
+    changed: str,
+) -> None:
+    """The step on ``losses_of(model)`` after ``change()`` (an attribute of a hooked module
+    set between the forward and the step) raises a ``ValueError`` naming the attribute
+    ``changed`` with both values, and leaves every ``.grad`` as it was."""
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    refusal = rf"changed between its forward and the step \((.+, )?{changed}: .+ -> "
+    with Engine(model, batch_dim=batch_dim) as engine:
+        losses = losses_of(model)
+        change()
+        weights = torch.ones(losses.numel(), dtype=torch.float64)
+        with pytest.raises(ValueError, match=refusal):
+            engine.backward(losses, ConstantWeighting(weights))
+    assert all(bool((p.grad == 1).all()) for p in model.parameters())
+
+
 def assert_refused_per_sample(model: nn.Module, refusal: str) -> None:
     """A per-sample step on the squared outputs of ``model`` on a batch ``[3, 4]`` raises a
     ``ValueError`` matching ``refusal`` and leaves every ``.grad`` as it was."""

@@ -20,6 +20,7 @@ from tests.autogram.test_engine import (
     check_case,
     reference_jacobian,
 )
+from tests.autogram.test_linear import assert_change_refused, assert_exact_backward, row_losses
 
 B, T, D, H = 3, 5, 3, 4
 
@@ -560,3 +561,39 @@ def test_a_parameter_the_closed_form_does_not_read_is_not_left_out() -> None:
     check_case(Case("weight_drop", lambda dt: (rnn, (encode, rnn), forward), None), torch.float64)
     with pytest.raises(ValueError, match=r"does not read \(weight_hh_l0_raw;"):
         Engine(rnn, batch_dim=0)
+
+
+# a recurrent layer, an attribute set between its forward and the step, and whether a forward
+# after the change is one the layer can run
+CHANGES: list[tuple[Callable[[], nn.RNNBase], str, object, bool]] = [
+    (lambda: nn.RNN(D, H, batch_first=True), "mode", "RNN_RELU", True),
+    (lambda: nn.GRU(D, H, batch_first=True), "hidden_size", 2, False),
+    (lambda: nn.GRU(D, H, batch_first=True, num_layers=2), "num_layers", 1, False),
+    (lambda: nn.GRU(D, H, batch_first=True), "bias", False, False),
+    (lambda: nn.GRU(D, H, batch_first=True), "batch_first", False, True),
+    (lambda: nn.LSTM(D, H, batch_first=True, num_layers=2), "dropout", 0.5, False),
+    (lambda: nn.LSTM(D, H, batch_first=True, bidirectional=True), "bidirectional", False, False),
+    (lambda: nn.LSTM(D, H, batch_first=True, proj_size=2), "proj_size", 0, False),
+]
+
+
+@pytest.mark.parametrize("batch_dim", [0, None])
+@pytest.mark.parametrize(("make", "name", "value", "exact"), CHANGES, ids=[c[1] for c in CHANGES])
+def test_attributes_changed_after_the_forward_are_refused(
+    make: Callable[[], nn.RNNBase], name: str, value: object, exact: bool, batch_dim: int | None
+) -> None:
+    """The replay reads the layer's kernel, sizes, layers, biases, layout, dropout, directions
+    and projection at the step: one changed since the forward is refused, naming it, before
+    anything is written (a changed ``mode`` or ``bias`` gave a step 51-261% off, silently; the
+    others raw torch errors, or a dropout refusal for a forward that dropped nothing); a
+    forward after the change is differentiated exactly."""
+    layer = make().double()
+    x = torch.randn(B, T, D, dtype=torch.float64)
+
+    def losses_of(m: nn.Module) -> Tensor:
+        out = m(x)[0]
+        return row_losses(out if m.batch_first else out.transpose(0, 1), batch_dim)
+
+    assert_change_refused(layer, losses_of, lambda: setattr(layer, name, value), batch_dim, name)
+    if exact and not (batch_dim == 0 and name == "batch_first"):
+        assert_exact_backward(layer, losses_of, batch_dim)

@@ -30,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import torch
@@ -45,10 +45,23 @@ from jacflow.autogram._rules import (
     Contribution,
     Rows,
     Rule,
+    attribute_settings,
     register_rule,
     unbatched_refusal,
 )
 
+# what the closed form (and the generic rule, for the configurations it takes) reads of the
+# module besides its parameters
+_SETTINGS = (
+    "embed_dim",
+    "kdim",
+    "vdim",
+    "num_heads",
+    "batch_first",
+    "dropout",
+    "_qkv_same_embed_dim",
+    "add_zero_attn",
+)
 _SIGNATURE = inspect.signature(nn.MultiheadAttention.forward)
 _GENERIC = FallbackRule()
 
@@ -260,6 +273,9 @@ class AttentionRule(Rule):
 
     def covers_children(self) -> bool:
         return True  # out_proj's parameters: the module uses them without calling out_proj
+
+    def settings(self, module: nn.Module) -> Hashable:
+        return attribute_settings(module, _SETTINGS)
 
     def validate(self, module: nn.Module, call: Call, rows: Rows) -> None:
         assert isinstance(module, nn.MultiheadAttention)

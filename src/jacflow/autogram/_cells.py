@@ -20,6 +20,7 @@ gives an LSTM cell's ``s'`` its captured gradient: ``_fallback._own_gradients``.
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from typing import Any
 
 import torch
@@ -32,6 +33,7 @@ from jacflow.autogram._rules import (
     Contribution,
     Rows,
     Rule,
+    attribute_settings,
     register_rule,
     unbatched_refusal,
 )
@@ -83,6 +85,11 @@ class CellRule(Rule):
 
     def parameter_names(self, module: nn.Module) -> frozenset[str]:
         return _SLOTS
+
+    def settings(self, module: nn.Module) -> Hashable:
+        # (an RNNCell's forward reads its nonlinearity at each call; the default state is
+        # hidden_size wide)
+        return attribute_settings(module, ("nonlinearity", "hidden_size"))
 
     def output_batch_dim(self, module: nn.Module, call: Call, position: int) -> int | None:
         return 0

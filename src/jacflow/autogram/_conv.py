@@ -31,6 +31,7 @@ from jacflow.autogram._rules import (
     Rows,
     Rule,
     add_grads,
+    attribute_settings,
     kept_weighted_grads,
     register_rule,
     unbatched_refusal,
@@ -362,21 +363,17 @@ def stale_sizes(module: _ConvNd) -> ValueError | None:
     )
 
 
-def conv_settings(module: _ConvNd) -> tuple[tuple[str, object], ...]:
-    """What the closed form reads of a convolution besides its tensors, by name: its kernel's
-    size and the geometry of its windows (stride, padding and its mode, dilation, groups).
-
-    Example:
-        >>> from torch import nn
-        >>> from jacflow.autogram._conv import conv_settings
-        >>> dict(conv_settings(nn.Conv1d(2, 4, 3, padding="same", groups=2)))["padding"]
-        'same'
-    """
-    names = ("kernel_size", "stride", "padding", "dilation", "groups", "padding_mode")
-    values = [getattr(module, name) for name in names]
-    padding = tuple(module._reversed_padding_repeated_twice)  # (what "same" gives, per side)
-    pairs = [(n, tuple(v) if isinstance(v, list) else v) for n, v in zip(names, values)]
-    return (*pairs, ("_reversed_padding_repeated_twice", padding))
+# What the closed form reads of a convolution besides its tensors: its kernel's size and the
+# geometry of its windows (the last: what padding="same" gives, per side)
+_CONV_SETTINGS = (
+    "kernel_size",
+    "stride",
+    "padding",
+    "dilation",
+    "groups",
+    "padding_mode",
+    "_reversed_padding_repeated_twice",
+)
 
 
 class ConvRule(Rule):
@@ -389,8 +386,7 @@ class ConvRule(Rule):
         return WEIGHT_AND_BIAS
 
     def settings(self, module: nn.Module) -> Hashable:
-        assert isinstance(module, _ConvNd)
-        return conv_settings(module)
+        return attribute_settings(module, _CONV_SETTINGS)
 
     def validate(self, module: nn.Module, call: Call, rows: Rows) -> None:
         assert isinstance(module, _ConvNd)

@@ -12,10 +12,19 @@ summing the backprops of equal tokens within each row (``c_{r,v}``), the Gramian
 
 from __future__ import annotations
 
+from collections.abc import Hashable
+
 import torch
 from torch import Tensor, nn
 
-from jacflow.autogram._rules import Call, Contribution, Rows, Rule, register_rule
+from jacflow.autogram._rules import (
+    Call,
+    Contribution,
+    Rows,
+    Rule,
+    attribute_settings,
+    register_rule,
+)
 from jacflow.linalg._products import row_gramian
 
 _WEIGHT = frozenset({"weight"})
@@ -148,6 +157,10 @@ class EmbeddingRule(Rule):
 
     def parameter_names(self, module: nn.Module) -> frozenset[str]:
         return _WEIGHT
+
+    def settings(self, module: nn.Module) -> Hashable:
+        # (which token gets no gradient, the division by the counts, the gradient's layout)
+        return attribute_settings(module, ("padding_idx", "scale_grad_by_freq", "sparse"))
 
     def prepare(
         self, module: nn.Module, params: dict[str, Tensor], calls: list[Call], rows: Rows

@@ -535,9 +535,11 @@ class Recorder:
             if view is not None:  # (an in-place op on a view would bypass its node; kept until
                 # the step, so that one made after the view is freed is seen too)
                 call.output_views.append(view)
+        # (the attributes that the rule reads at the step: a convolution's stride, an attention's
+        # num_heads)
+        call.settings = settings(module)
         if not replays:  # (a closed form: which tensors the forward read as its parameters)
             call.params_read = parameters_read(module)
-            call.settings = settings(module)  # (and the attributes it read: stride, padding)
         else:  # (what a replay of the module needs: the weights, buffers and modes)
             call.weight_versions = [(p, p._version) for p in module.parameters()]
             call.outputs = [(flat[j], flat[j]._version) for j in positions]

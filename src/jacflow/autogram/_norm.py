@@ -11,6 +11,8 @@ forward did; the gradient flowing back through the batch's statistics is the cap
 
 from __future__ import annotations
 
+from collections.abc import Hashable
+
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
@@ -23,8 +25,12 @@ from jacflow.autogram._rules import (
     Rows,
     Rule,
     add_grads,
+    attribute_settings,
     register_rule,
 )
+
+# what ``_normalized`` reads of the module (each type has some of them)
+_SETTINGS = ("normalized_shape", "num_groups", "eps")
 
 
 def _normalized(module: nn.Module, x: Tensor, call: Call) -> tuple[Tensor, int]:
@@ -66,6 +72,9 @@ class NormRule(Rule):
         # (over the last dimensions; GroupNorm's and BatchNorm's channels are dimension 1)
         return isinstance(module, (nn.LayerNorm, nn.RMSNorm))
 
+    def settings(self, module: nn.Module) -> Hashable:
+        return attribute_settings(module, _SETTINGS)
+
     def prepare(
         self, module: nn.Module, params: dict[str, Tensor], calls: list[Call], rows: Rows
     ) -> Contribution:
@@ -96,6 +105,9 @@ class BatchNormRule(Rule):
 
     def parameter_names(self, module: nn.Module) -> frozenset[str]:
         return WEIGHT_AND_BIAS
+
+    def settings(self, module: nn.Module) -> Hashable:
+        return _NORM.settings(module)
 
     def prepare(
         self, module: nn.Module, params: dict[str, Tensor], calls: list[Call], rows: Rows

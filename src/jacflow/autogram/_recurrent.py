@@ -26,6 +26,7 @@ replayed as a batch of one.
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from typing import Any, NamedTuple
 
 import torch
@@ -41,12 +42,25 @@ from jacflow.autogram._rules import (
     Contribution,
     Rows,
     Rule,
+    attribute_settings,
     find_rule,
     register_rule,
     unbatched_refusal,
 )
 
 _TYPES = (nn.RNN, nn.LSTM, nn.GRU)
+# what the replay reads of the module besides its weights (an RNN's ``mode``, not its
+# ``nonlinearity``, picks its kernel)
+_SETTINGS = (
+    "mode",
+    "hidden_size",
+    "num_layers",
+    "bias",
+    "batch_first",
+    "dropout",
+    "bidirectional",
+    "proj_size",
+)
 _GENERIC = FallbackRule()
 
 
@@ -344,6 +358,9 @@ class RecurrentRule(Rule):
 
     def replays(self) -> bool:
         return True
+
+    def settings(self, module: nn.Module) -> Hashable:
+        return attribute_settings(module, _SETTINGS)
 
     def output_batch_dim(self, module: nn.Module, call: Call, position: int) -> int | None:
         assert isinstance(module, nn.RNNBase)

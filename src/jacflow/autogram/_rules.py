@@ -261,8 +261,8 @@ class Call:
     # a forward hook that is not a recorder's ran before the recording one (it may have
     # replaced the output the engine reads)
     preceded: bool = False
-    # for the rules that do not replay: the module's attributes that the closed form reads
-    # (``Rule.settings``) at the forward
+    # the module's attributes that its rule reads at the step (``Rule.settings``), at the
+    # forward
     settings: Hashable = None
 
     def user_hooks(self) -> list[list[Callable[[Tensor], Tensor | None]]]:
@@ -628,11 +628,12 @@ class Rule(ABC):
         return False
 
     def settings(self, module: nn.Module) -> Hashable:
-        """The module's attributes that the closed form reads at the step besides its
-        parameters and the recorded tensors (a convolution's stride, padding, ...), taken at
-        each forward call of a rule that does not replay: a step whose module has others (set
-        between the forward and the step) refuses the call, whose graph they did not make
-        (default: ``None``, none).
+        """The module's attributes that the rule reads at the step besides its parameters and
+        the recorded tensors (a convolution's stride, padding, ...; an attention's number of
+        heads), taken at each forward call: a step whose module has others (set between the
+        forward and the step) refuses the call, whose graph they did not make (default:
+        ``None``, none; the generic rule instead checks its re-run against the forward's
+        outputs and gradients).
 
         Example:
             >>> from torch import nn
@@ -758,6 +759,21 @@ def unbatched_refusal(module: nn.Module, x: Tensor) -> ValueError:
         "first, e.g. token.expand(B, -1)) or a batch statistic (x.mean(0), which mixes the "
         "samples: use batch_dim=None)."
     )
+
+
+def attribute_settings(module: nn.Module, names: tuple[str, ...]) -> tuple[tuple[str, Any], ...]:
+    """``(name, value)`` for each attribute of ``module`` in ``names`` that it has, lists as
+    tuples (compared by value, and hashable): the :meth:`Rule.settings` of a rule that reads
+    those attributes at the step, which the engine refuses naming the changed ones.
+
+    Example:
+        >>> from torch import nn
+        >>> from jacflow.autogram._rules import attribute_settings
+        >>> attribute_settings(nn.GroupNorm(2, 4), ("num_groups", "eps", "normalized_shape"))
+        (('num_groups', 2), ('eps', 1e-05))
+    """
+    pairs = ((name, getattr(module, name)) for name in names if hasattr(module, name))
+    return tuple((name, tuple(v) if isinstance(v, list) else v) for name, v in pairs)
 
 
 def register_rule(module_type: type[nn.Module], rule: Rule) -> None:
