@@ -374,6 +374,31 @@ def test_per_sample_3d_mask_on_the_generic_rule_with_rows_per_sample(option: str
     torch.testing.assert_close(update, weights @ jacobian)
 
 
+@pytest.mark.parametrize("heads", [1, H])
+@pytest.mark.parametrize("dtype", [torch.bool, torch.float64])
+@pytest.mark.parametrize("option", ["add_bias_kv", "add_zero_attn", "kdim"])
+def test_per_sample_2d_mask_as_long_as_the_batch_on_the_generic_rule(
+    option: str, dtype: torch.dtype, heads: int
+) -> None:
+    """A 2-D ``attn_mask`` ``[T, S]`` is shared by the samples: with ``T = B`` the generic rule
+    split it by its rows as a per-sample argument, and torch refused each sample's ``[1, S]``
+    (a raw error that blamed the missing closed form); each re-run now reads it whole."""
+    options: dict[str, Any] = {"kdim": 3, "vdim": 3} if option == "kdim" else {option: True}
+    attn = nn.MultiheadAttention(E, heads, batch_first=True, **options).double()
+    x = torch.randn(B, B, E, dtype=torch.float64)  # T = B
+    memory = torch.randn(B, S, 3 if option == "kdim" else E, dtype=torch.float64)
+    if dtype == torch.bool:
+        mask = torch.zeros(B, S, dtype=torch.bool)
+        mask[0, 1:] = mask[2, 0] = True
+    else:
+        mask = torch.randn(B, S, dtype=torch.float64)
+
+    def losses_of(m: nn.Module) -> Tensor:
+        return row_losses(m(x, memory, memory, attn_mask=mask, need_weights=False)[0], 0)
+
+    assert_exact_backward(attn, losses_of, 0)
+
+
 @pytest.mark.parametrize("scale", [300.0, 1e-3])
 @pytest.mark.parametrize("inputs", [_self, _cross], ids=["self", "cross"])
 @pytest.mark.parametrize("batch_dim", [0, None])

@@ -74,18 +74,22 @@ def _arguments(call: Call) -> dict[str, Any]:
 
 
 def _with_sample_masks(call: Call, heads: int, num_samples: int) -> Call:
-    """``call`` with its 3-D ``attn_mask`` (``[B * heads, T, S]``, each sample's heads in a
-    block) as ``[B, heads, T, S]``, which the generic rule splits by sample as it splits every
-    argument whose first size is the batch size; one sample's is flattened back by
-    :func:`_flattened_mask`. Given whole, the re-run of one sample read every sample's masks
-    and torch refused them."""
+    """``call`` with its ``attn_mask`` as ``[B, heads, T, S]``, which the generic rule splits
+    by sample as it splits every argument whose first size is the batch size; one sample's is
+    flattened back by :func:`_flattened_mask`. A 3-D mask (``[B * heads, T, S]``, each
+    sample's heads in a block) given whole, the re-run of one sample read every sample's masks
+    and torch refused them; a 2-D one (``[T, S]``, shared by the samples) with ``T = B`` was
+    split by its rows."""
     bound = _SIGNATURE.bind(None, *call.args, **call.kwargs)
     mask = bound.arguments.get("attn_mask")
-    if not isinstance(mask, Tensor) or mask.dim() != 3 or heads == 1:
+    if not isinstance(mask, Tensor):
         return call
-    if mask.shape[0] != num_samples * heads:
+    if mask.dim() == 2 and mask.shape[0] == num_samples:
+        bound.arguments["attn_mask"] = mask.expand(num_samples, heads, *mask.shape)
+    elif mask.dim() == 3 and heads > 1 and mask.shape[0] == num_samples * heads:
+        bound.arguments["attn_mask"] = mask.unflatten(0, (num_samples, heads))
+    else:
         return call
-    bound.arguments["attn_mask"] = mask.unflatten(0, (num_samples, heads))
     return dataclasses.replace(call, args=bound.args[1:], kwargs=bound.kwargs)
 
 
