@@ -37,3 +37,14 @@ def test_attributes_changed_after_the_forward_are_refused(
     )
     if exact:
         assert_exact_backward(embedding, losses_of, batch_dim)
+
+
+@pytest.mark.parametrize("batch_dim", [0, None])
+def test_a_negative_padding_index_counts_from_the_end(batch_dim: int | None) -> None:
+    """``padding_idx = -1`` set as an attribute (the constructor makes it positive) is the
+    table's last row for ``F.embedding``: the closed form compared the ids with -1, and the
+    Gramian counted that row's gradient, which is 0."""
+    embedding = nn.Embedding(7, 3).double()
+    embedding.padding_idx = -1
+    ids = torch.tensor([[6, 1, 6], [2, 6, 3]])
+    assert_exact_backward(embedding, lambda m: row_losses(m(ids).sin(), batch_dim), batch_dim)

@@ -38,7 +38,10 @@ class EmbeddingContribution(Contribution):
         # (the table's, as F.embedding reads it: num_embeddings is stale once the weight is
         # replaced by a larger table)
         self.num_embeddings = module.weight.shape[0]
-        self.padding_idx = module.padding_idx
+        padding = module.padding_idx
+        if padding is not None and padding < 0:  # (set as an attribute: read from the table's
+            padding += self.num_embeddings  # end, as F.embedding reads it)
+        self.padding_idx = padding
         self.sparse = module.sparse
 
     def _valid(self, ids: Tensor) -> Tensor:
