@@ -597,3 +597,21 @@ def test_attributes_changed_after_the_forward_are_refused(
     assert_change_refused(layer, losses_of, lambda: setattr(layer, name, value), batch_dim, name)
     if exact and not (batch_dim == 0 and name == "batch_first"):
         assert_exact_backward(layer, losses_of, batch_dim)
+
+
+def test_the_replay_reads_the_steps_of_the_input_projection_by_one_unbind() -> None:
+    """The replay read ``a = W_ih x + b_ih`` at each step as ``a[:, t]``, whose backward wrote
+    a zero ``[N, T, G H]`` per step (``T^2`` in all): 4.2 s of a 4.4 s per-task step of an
+    LSTM on 256 steps, against 14 ms for the SGD step. One ``unbind`` stacks the steps'
+    gradients once: no step is selected from a tensor of all the steps."""
+    layer = nn.LSTM(D, H, num_layers=2, bidirectional=True, batch_first=True)
+    with torch.enable_grad():
+        replay = _recurrent._Replay(layer, torch.randn(B, T, D), None)
+    nodes, seen = [o.grad_fn for o in replay.outputs], set()
+    while nodes:
+        node = nodes.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        nodes.extend(next_node for next_node, _ in node.next_functions)
+    assert "SelectBackward0" not in {node.name() for node in seen}
