@@ -7,9 +7,10 @@ import torch
 from torch import Tensor, nn
 
 from jacflow.aggregation import ConstantWeighting
-from jacflow.autogram import Engine
+from jacflow.autogram import Engine, _conv
 from jacflow.autogram._conv import ConvContribution
 from tests.autogram.test_linear import (
+    _losses_of,
     assert_change_refused,
     assert_exact_backward,
     assert_refused_per_sample,
@@ -133,3 +134,37 @@ def test_functional_use_of_a_hooked_weight_is_named() -> None:
         ):
             engine.backward(losses, ConstantWeighting(torch.ones(2, dtype=torch.float64)))
     assert all(bool((p.grad == 1).all()) for p in model.parameters())
+
+
+@pytest.mark.parametrize("route", ["conv", "unfold"])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize(("batch_dim", "k"), [(0, 1), (0, 2), (None, 3)])
+def test_per_row_gradients_larger_than_the_inputs_are_formed_by_blocks(
+    route: str, bias: bool, batch_dim: int | None, k: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A convolution's per-row gradients larger than its inputs and output gradients (a
+    kernel of 8 x 8 x 3 x 3 on 2 x 2 maps, called twice) are formed by blocks of output
+    channels, each at most their size (here with no floor), their Gramians summed and their
+    bias rows joined: exact."""
+    monkeypatch.setattr(_conv, "PER_ROW_BLOCK_FLOOR", 1)
+    monkeypatch.setattr(ConvContribution, "_route", lambda self: route)
+    blocks: list[int] = []
+    row_grads = ConvContribution._row_grads
+
+    def counted(
+        self: ConvContribution,
+        route: str | None = None,
+        with_bias: bool = False,
+        channels: slice = slice(None),
+    ) -> tuple[Tensor, Tensor | None]:
+        grads, bias_rows = row_grads(self, route, with_bias, channels)
+        blocks.append(grads.shape[1])
+        return grads, bias_rows
+
+    monkeypatch.setattr(ConvContribution, "_row_grads", counted)
+    torch.manual_seed(0)
+    conv = nn.Conv2d(8, 8, 3, padding=1, bias=bias)
+    model = nn.Sequential(conv, nn.Tanh(), conv, nn.Flatten()).double()
+    x = torch.randn(4, 8, 2, 2, dtype=torch.float64)
+    assert_exact_backward(model, _losses_of(x, batch_dim, k), batch_dim)
+    assert max(blocks) < 8 and len(blocks) >= 2

@@ -23,7 +23,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules.conv import _ConvNd
 
-from jacflow.autogram._linear import PER_ROW_SLOWDOWN, ghost_cost, ghost_gramian
+from jacflow.autogram._linear import (
+    PER_ROW_BLOCK_FLOOR,
+    PER_ROW_SLOWDOWN,
+    ghost_cost,
+    ghost_gramian,
+)
 from jacflow.autogram._rules import (
     WEIGHT_AND_BIAS,
     Call,
@@ -115,14 +120,21 @@ def _padded(module: _ConvNd, x: Tensor) -> tuple[Tensor, list[int]]:
 
 
 def _conv_weight_grad(
-    module: _ConvNd, grad: Tensor, x: Tensor, copies: int, with_bias: bool
+    module: _ConvNd,
+    grad: Tensor,
+    x: Tensor,
+    copies: int,
+    with_bias: bool,
+    out_channels: int | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Weight (and bias) gradient of ``copies`` side-by-side copies of the convolution (inputs
     and output gradients stacked along the channels): ``convolution_backward`` with
-    ``groups * copies`` groups, so every copy's gradient comes out separately."""
+    ``groups * copies`` groups, so every copy's gradient comes out separately. ``out_channels``:
+    of each copy's output gradient, where it holds a block of the module's (one group)."""
     nd = len(module.kernel_size)
     x, padding = _padded(module, x)
-    shape = (copies * module.out_channels, *module.weight.shape[1:])
+    channels = module.out_channels if out_channels is None else out_channels
+    shape = (copies * channels, *module.weight.shape[1:])
     result = torch.ops.aten.convolution_backward(
         grad,
         x,
@@ -194,17 +206,21 @@ class ConvContribution(Contribution):
         return flat, flat.shape[1]
 
     def _row_grads(
-        self, route: str | None = None, with_bias: bool = False
+        self,
+        route: str | None = None,
+        with_bias: bool = False,
+        channels: slice = slice(None),
     ) -> tuple[Tensor, Tensor | None]:
         """Per-row weight gradients ``[R, *weight.shape]`` by the cheaper materialising route,
         and with ``with_bias`` the per-row bias gradients ``[R, C_out]`` from the same pass
-        (``None`` without)."""
+        (``None`` without); with ``channels`` (one group only), those of a block of output
+        channels (``[R, c, ...]`` and ``[R, c]``)."""
         route = self._route() if route is None else route
         if route == "unfold":
-            return self._row_grads_unfolded(with_bias)
-        return self._row_grads_conv(with_bias)
+            return self._row_grads_unfolded(with_bias, channels)
+        return self._row_grads_conv(with_bias, channels)
 
-    def _row_grads_conv(self, with_bias: bool) -> tuple[Tensor, Tensor | None]:
+    def _row_grads_conv(self, with_bias: bool, channels: slice) -> tuple[Tensor, Tensor | None]:
         """Per-row weight (and bias) gradients from one grouped ``convolution_backward`` per
         call."""
         m, r = self.module, self.rows.num_rows
@@ -213,18 +229,20 @@ class ConvContribution(Contribution):
         for call in self.calls:
             x, n = self._split(self.rows.gather(self.rows.samples(call.input())), m.in_channels)
             g, _ = self._split(call.grad(), m.out_channels)
+            g = g[:, :, channels]
+            c = g.shape[2]
             x = x.transpose(0, 1).reshape(n, r * m.in_channels, *x.shape[3:])
-            g_stacked = g.transpose(0, 1).reshape(n, r * m.out_channels, *g.shape[3:])
-            weight, bias = _conv_weight_grad(m, g_stacked, x, r, with_bias)
-            weight = weight.reshape(r, *m.weight.shape)
+            g_stacked = g.transpose(0, 1).reshape(n, r * c, *g.shape[3:])
+            weight, bias = _conv_weight_grad(m, g_stacked, x, r, with_bias, c)
+            weight = weight.reshape(r, c, *m.weight.shape[1:])
             weight_total = weight if weight_total is None else weight_total + weight
             if with_bias and bias is not None:
-                bias = bias.reshape(r, m.out_channels)
+                bias = bias.reshape(r, c)
                 bias_total = bias if bias_total is None else bias_total + bias
         assert weight_total is not None
         return weight_total, bias_total
 
-    def _row_grads_unfolded(self, with_bias: bool) -> tuple[Tensor, Tensor | None]:
+    def _row_grads_unfolded(self, with_bias: bool, channels: slice) -> tuple[Tensor, Tensor | None]:
         """Per-row weight gradients from the unfolded inputs ``[S, g, d, T]`` and output
         gradients ``[R, g, p, T]`` (all calls joined along the positions ``T``); with
         ``with_bias``, a row of ones after each group's ``d`` gives the bias gradients too."""
@@ -242,19 +260,21 @@ class ConvContribution(Contribution):
                 u = patches.reshape(s, n, groups, -1, patches.shape[-1])
             us.append(u.permute(0, 2, 3, 1, 4).reshape(s, groups, u.shape[3], -1))
             g, _ = self._split(call.grad(), m.out_channels)
-            g = g.reshape(r, n, groups, p, -1)
-            gs.append(g.permute(0, 2, 3, 1, 4).reshape(r, groups, p, -1))
+            g = g.reshape(r, n, groups, p, -1)[:, :, :, channels]
+            gs.append(g.permute(0, 2, 3, 1, 4).reshape(r, groups, g.shape[3], -1))
         u = us[0] if len(us) == 1 else torch.cat(us, dim=-1)
         g = gs[0] if len(gs) == 1 else torch.cat(gs, dim=-1)
         if rows.per_task:  # one sample seen by every row: a single product per group
-            flat_g = g.transpose(0, 1).reshape(groups, r * p, -1)
-            grads = torch.matmul(flat_g, u[0].transpose(1, 2)).view(groups, r, p, -1)
+            c = g.shape[2]  # (the block's output channels)
+            flat_g = g.transpose(0, 1).reshape(groups, r * c, -1)
+            grads = torch.matmul(flat_g, u[0].transpose(1, 2)).view(groups, r, c, -1)
             grads = grads.transpose(0, 1)  # [R, g, p, d]
         else:
             grads = torch.matmul(rows.gather(u), g.transpose(2, 3)).transpose(2, 3)
+        shape = (r, grads.shape[1] * grads.shape[2], *m.weight.shape[1:])
         if not with_bias:
-            return grads.reshape(r, *m.weight.shape), None
-        return grads[..., :-1].reshape(r, *m.weight.shape), grads[..., -1].reshape(r, -1)
+            return grads.reshape(shape), None
+        return grads[..., :-1].reshape(shape), grads[..., -1].reshape(r, -1)
 
     def _bias_rows(self) -> Tensor:
         if self.bias_kept is not None:
@@ -306,14 +326,38 @@ class ConvContribution(Contribution):
             route = self._route()
             if route == "ghost":
                 return ghost_gramian(*self._unfolded(), self.rows, with_bias=bias)
-            grads, self.bias_kept = self._row_grads(route, with_bias=bias)
-            flat = grads.flatten(1)
-            if worth_keeping(flat.numel(), *self._held()):
-                self.kept = flat
-            total = row_gramian(flat)
+            total = self._materialized_gramian(route, bias)
         if bias:
             s = self.bias_kept = self._bias_rows()
             total = s @ s.T if total is None else total + s @ s.T
+        return total
+
+    def _materialized_gramian(self, route: str, with_bias: bool) -> Tensor:
+        """The weight's Gramian from its per-row gradients, kept for the update where
+        :func:`worth_keeping`; else, with one group, formed by blocks of output channels, each
+        at most the size of the inputs and output gradients held (or ``PER_ROW_BLOCK_FLOOR``
+        elements), so that the step's memory stays within one more copy of them (a 256 -> 256
+        3 x 3 convolution on 8 x 8 maps at B = 64 holds 2M elements; its per-row gradients
+        have 38M). The per-row bias gradients come from the same passes."""
+        m, held = self.module, self._held()
+        per_channel = self.rows.num_rows * m.weight[0].numel()
+        if m.groups > 1 or worth_keeping(per_channel * m.out_channels, *held):
+            grads, self.bias_kept = self._row_grads(route, with_bias)
+            flat = grads.flatten(1)
+            if worth_keeping(flat.numel(), *held):
+                self.kept = flat
+            return row_gramian(flat)
+        size = sum(t.numel() for t in held)
+        block = max(1, max(size, PER_ROW_BLOCK_FLOOR) // per_channel)
+        total: Tensor | None = None
+        biases = []
+        for start in range(0, m.out_channels, block):
+            grads, bias = self._row_grads(route, with_bias, slice(start, start + block))
+            term = row_gramian(grads.flatten(1))
+            total = term if total is None else total.add_(term)
+            biases += [] if bias is None else [bias]
+        self.bias_kept = torch.cat(biases, dim=1) if biases else None
+        assert total is not None
         return total
 
     def per_row_grads(self, name: str) -> Tensor:
