@@ -4,14 +4,16 @@ refused (the probe of ``autogram._separable``); the shapes alone could not tell.
 from __future__ import annotations
 
 import copy
+import weakref
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
 from torch import Tensor, nn
 
 from jacflow.aggregation import ConstantWeighting, UPGradWeighting
-from jacflow.autogram import Engine
+from jacflow.autogram import Engine, _engine
 from tests.autogram.test_engine import assert_exact_gramian, hooked_params, reference_jacobian
 
 _MESSAGE = r"read the output of .* at other samples than their own"
@@ -109,6 +111,31 @@ def test_the_probe_runs_once_per_pattern_of_calls() -> None:
         runs.append(len(seen) - before)
         torch.testing.assert_close(gramian, jacobian @ jacobian.T)
     assert runs == [7, 1]  # (B = 6: 3 binary digits, a probe and its complement each)
+
+
+def test_each_probe_frees_its_gradients_before_the_next(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The probe's backwards run one at a time so that one probe's gradients w.r.t. the
+    outputs are held at once: the previous probe's, kept by the loop's variables, were still
+    alive during the next backward (the small CNN's first step at B = 128: 185 MB, 128 MB
+    freed)."""
+    pull_back = _engine.pull_back
+    alive: list[weakref.ref[Tensor]] = []
+    held_during_backward: list[int] = []
+
+    def tracked(*args: Any, **kwargs: Any) -> tuple[Tensor | None, ...]:
+        if not kwargs.get("row_by_row"):
+            return pull_back(*args, **kwargs)
+        held_during_backward.append(sum(ref() is not None for ref in alive))
+        grads = pull_back(*args, **kwargs)
+        alive[:] = [weakref.ref(g) for g in grads if g is not None]
+        return grads
+
+    monkeypatch.setattr(_engine, "pull_back", tracked)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    engine = Engine(model, batch_dim=0)
+    engine.compute_gramian(model(torch.randn(8, 3, dtype=torch.float64)).pow(2).sum(1))
+    assert held_during_backward == [0] * 6  # (B = 8: 3 binary digits, 2 probes each)
 
 
 class _PooledAt(nn.Module):

@@ -1958,19 +1958,40 @@ def _check_separable(
     samples = [_row_samples(unit, call, num_samples) for unit, call, _ in calls]
     for index, probe in enumerate(probes):
         keep = retain_graph or index < len(probes) - 1
-        with replaying(), _selective_checkpoint_hint():
-            row = cotangents[index : index + 1]
-            grads = pull_back([losses], edges, row, True, keep, row_by_row=True)
-        cursor = 0
-        for (unit, call, dims), call_samples in zip(calls, samples, strict=True):
-            call_grads = _at_outputs(call, grads[cursor : cursor + len(call.edges)])
-            cursor += len(call.edges)
-            for rows, dim, position in zip(call_grads, dims, call.output_positions, strict=True):
-                known = call_samples(position) if dim is None or call.merged > 1 else None
-                if rows is None or (dim is None and known is None):
-                    continue
-                if leaks(rows[0], 0 if dim is None else dim, probe, known):
-                    raise _separation_error(unit, call, position, num_samples, losses)
+        # (in a function: its gradients are freed when it returns, before the next backward;
+        # held by this loop's variables, two probes' were alive at once)
+        leak = _probe_leak(
+            losses, calls, edges, cotangents[index : index + 1], probe, keep, samples
+        )
+        if leak is not None:
+            unit, call, position = leak
+            raise _separation_error(unit, call, position, num_samples, losses)
+
+
+def _probe_leak(
+    losses: Tensor,
+    calls: list[tuple[Unit, Call, list[int | None]]],
+    edges: list[Any],
+    cotangent: Tensor,
+    probe: list[int],
+    keep: bool,
+    samples: list[Callable[[int], Tensor | None]],
+) -> tuple[Unit, Call, int] | None:
+    """The first ``(unit, call, output position)`` whose output the losses of ``probe``'s
+    samples read at another sample (from one probing backward along ``cotangent``)."""
+    with replaying(), _selective_checkpoint_hint():
+        grads = pull_back([losses], edges, cotangent, True, keep, row_by_row=True)
+    cursor = 0
+    for (unit, call, dims), call_samples in zip(calls, samples, strict=True):
+        call_grads = _at_outputs(call, grads[cursor : cursor + len(call.edges)])
+        cursor += len(call.edges)
+        for rows, dim, position in zip(call_grads, dims, call.output_positions, strict=True):
+            known = call_samples(position) if dim is None or call.merged > 1 else None
+            if rows is None or (dim is None and known is None):
+                continue
+            if leaks(rows[0], 0 if dim is None else dim, probe, known):
+                return unit, call, position
+    return None
 
 
 def _row_samples(unit: Unit, call: Call, num_samples: int) -> Callable[[int], Tensor | None]:
