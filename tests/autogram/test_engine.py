@@ -1032,3 +1032,42 @@ def test_flattened_tokens_reordered_by_the_data_are_not_read_merged(reorder: str
             with pytest.raises(ValueError, match="batch size 3"):
                 engine.backward(losses(shift), UPGradWeighting())
     assert all(p.grad is None for p in [*first.parameters(), *head.parameters()])
+
+
+def _reused_conv(conv: nn.Module, x: Tensor) -> Tensor:
+    conv.dilation = (1,)  # (a convolution reused at two dilations in one forward)
+    first = conv(x).pow(2).sum((1, 2))
+    conv.dilation = (2,)
+    return first + conv(x).pow(2).sum((1, 2))
+
+
+def _reused_norm(norm: nn.Module, x: Tensor) -> Tensor:
+    norm.eps = 1e-5
+    first = norm(x).sin().sum((1, 2))
+    norm.eps = 1e-1
+    return first + norm(x).sin().sum((1, 2))
+
+
+@pytest.mark.parametrize(
+    ("module", "losses_of", "change"),
+    [
+        (nn.Conv1d(2, 3, 3, padding=2), _reused_conv, r"dilation: \(1,\) -> \(2,\)"),
+        (nn.LayerNorm(4), _reused_norm, r"eps: 1e-05 -> 0\.1"),
+    ],
+    ids=["conv_dilation", "layer_norm_eps"],
+)
+def test_a_module_called_with_two_settings_in_one_forward_is_named(
+    module: nn.Module, losses_of: Callable[[nn.Module, Tensor], Tensor], change: str
+) -> None:
+    """A module called twice in one forward with an attribute that its closed form reads
+    changed between the calls cannot be differentiated by its rule (which reads the module's
+    attributes once, at the step): refused, as before, but saying so; the error told to change
+    the attributes before the forward, which the user did. Nothing is written."""
+    module = module.double()
+    x = torch.randn(3, 2, 4, dtype=torch.float64)
+    for p in module.parameters():
+        p.grad = torch.ones_like(p)
+    refusal = rf"called with different attributes.*\({change}, "
+    with Engine(module, batch_dim=0) as engine, pytest.raises(ValueError, match=refusal):
+        engine.backward(losses_of(module, x), UPGradWeighting())
+    assert all(torch.equal(p.grad, torch.ones_like(p)) for p in module.parameters())

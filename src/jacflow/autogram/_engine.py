@@ -1337,7 +1337,7 @@ class Engine:
                 _check_no_output_hooks(unit, call, call_grads)
             else:
                 _check_no_legacy_backward_hooks(unit)
-                _check_settings(unit, call)
+                _check_settings(unit, call, index, calls)
             unit.rule.validate(unit.module, call, rows)
             dims = [unit.rule.output_batch_dim(unit.module, call, j) for j in call.output_positions]
             call.merged = _merged_positions(unit, call, rows, dims, not compiled, flattened)
@@ -1798,19 +1798,30 @@ def _check_no_output_hooks(unit: Unit, call: Call, grads: list[Tensor | None]) -
             )
 
 
-def _check_settings(unit: Unit, call: Call) -> None:
+def _check_settings(unit: Unit, call: Call, index: int, calls: Sequence[tuple[int, Call]]) -> None:
     """Refuse a call whose module's attributes that the closed form reads (``Rule.settings``:
     a convolution's stride, padding, ...) were changed since its forward: the rule would
     read the new ones, with the recorded tensors of the old (a shape error, or for a changed
-    padding mode a wrong result, silently)."""
+    padding mode a wrong result, silently). ``calls``: the step's ``(unit index, call)``, of
+    which another of the unit's (``index``) may have been made with the current attributes:
+    the module was called with several settings in one forward (a convolution reused at two
+    dilations), which no change before the forward allows."""
     now = unit.rule.settings(unit.module)
-    if now != call.settings:
+    if now == call.settings:
+        return
+    if any(i == index and other.settings == now for i, other in calls):
         raise ValueError(
-            f"{unit.name}'s attributes that its closed form reads changed between its forward "
-            f"and the step ({_changes(call.settings, now)}): the step would read the new ones "
-            "with the tensors that the old ones made. Change them before the forward, or run "
-            "the forward again after changing them."
+            f"{unit.name} was called with different attributes that its closed form reads in "
+            f"the losses' forward ({_changes(call.settings, now)}, changed between two calls): "
+            "its rule reads the module's attributes once, at the step, so its calls must share "
+            "them. Use one module per setting, or take one step (one forward) per setting."
         )
+    raise ValueError(
+        f"{unit.name}'s attributes that its closed form reads changed between its forward "
+        f"and the step ({_changes(call.settings, now)}): the step would read the new ones "
+        "with the tensors that the old ones made. Change them before the forward, or run "
+        "the forward again after changing them."
+    )
 
 
 def _changes(before: object, after: object) -> str:
