@@ -324,6 +324,14 @@ def test_attention_mask_matches_torch() -> None:
         torch.testing.assert_close(torch.nn.functional.linear(o, w, b), out.detach())
 
 
+def test_shared_left_product_is_the_broadcast_product() -> None:
+    """The per-task ``P^T @ d_o`` with the rows side by side equals torch's broadcasting
+    product (which copies ``P`` once per row); covered end to end by the ``tasks_`` cases."""
+    a = torch.randn(B, H, S, T, dtype=torch.float64)
+    b = torch.randn(4, B, H, T, 3, dtype=torch.float64)
+    torch.testing.assert_close(_attention._shared_left_product(a, b), a @ b, rtol=0, atol=1e-12)
+
+
 def test_weights_changed_in_place_since_the_forward_are_refused() -> None:
     """The closed form reads the projection weights: changed since the forward, they are not
     the ones the forward used."""

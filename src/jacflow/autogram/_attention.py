@@ -190,6 +190,16 @@ def _batch_first(t: Tensor, module: nn.MultiheadAttention) -> Tensor:
     return t if module.batch_first else t.transpose(0, 1)
 
 
+def _shared_left_product(a: Tensor, b: Tensor) -> Tensor:
+    """``a @ b`` for ``a`` (``[N, H, S, T]``) shared by every row of ``b`` (``[R, N, H, T, d]``),
+    as ``[R, N, H, S, d]``: the rows side by side in one product per head, where the
+    broadcasting ``matmul`` copies ``a`` once per row (per task, ``a = P^T``: ``R`` copies of
+    the attention weights, the replay's largest tensors)."""
+    r, d = b.shape[0], b.shape[-1]
+    side_by_side = b.permute(1, 2, 3, 0, 4).flatten(-2)  # [N, H, T, R d]
+    return (a @ side_by_side).unflatten(-1, (r, d)).permute(3, 0, 1, 2, 4)
+
+
 def _projection_terms(
     module: nn.MultiheadAttention, call: Call, args: dict[str, Any], rows: Rows
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -242,13 +252,17 @@ def _projection_terms(
     gather: Callable[[Tensor], Tensor] = (lambda t: t) if rows.per_task else rows.gather
     p_rows, q_rows, k_rows, v_rows = (gather(t) for t in (p, q, k, v))
     d_o = _heads(g @ work(module.out_proj.weight.detach()), heads)
-    dv = p_rows.mT @ d_o
+    dv = _shared_left_product(p.mT, d_o) if rows.per_task else p_rows.mT @ d_o
     dp = d_o @ v_rows.mT
     g_weights = grads.get(1)
     if g_weights is not None:  # the returned weights: P, or its mean over the heads
         g_weights = work(g_weights)
         dp = dp + (g_weights.unsqueeze(-3) / heads if args["average_attn_weights"] else g_weights)
-    ds = p_rows * (dp - (dp * p_rows).sum(-1, keepdim=True))
+    # dS = P * (dP - rowsum(dP * P)) as dP * P - P * rowsum(dP * P), in place in dP (our own
+    # [R, H, T, S] tensor, the largest of the step): three passes over it instead of four, and
+    # no temporaries of its size
+    ds = dp.mul_(p_rows)
+    ds.addcmul_(p_rows, ds.sum(-1, keepdim=True), value=-1)
     dq = _merged(ds @ k_rows) * scale
     dk = _merged(ds.mT @ q_rows) * scale
     dv = _merged(dv)
