@@ -12,7 +12,7 @@ import torch
 from torch import Tensor, nn
 
 from jacflow.aggregation import ConstantWeighting, MeanWeighting, UPGradWeighting
-from jacflow.autogram import Engine, _conv, _linear
+from jacflow.autogram import Engine, _conv, _embedding, _linear
 from jacflow.autogram._conv import ConvContribution
 from jacflow.autogram._linear import UnfoldedContribution
 from jacflow.linalg import _products
@@ -226,6 +226,30 @@ def test_large_vocabulary_embedding_uses_pairwise_form() -> None:
     engine = Engine(embedding, batch_dim=0)
     losses = embedding(ids).sin().sum((1, 2))
     assert_exact_gramian(engine, losses, [embedding.weight])
+
+
+@pytest.mark.parametrize("per_sample", [1, 2])
+def test_large_vocabulary_embedding_by_token_form(
+    per_sample: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The by-token form (its costs set to the products alone, so that it is taken) on tokens
+    in 1, 2, 3 and 5 samples (blocks of 1, 2, 4 and 8 rows with one loss per sample), one twice
+    in a sample, and padding; with ``per_sample`` losses per sample."""
+    for name in ("BY_TOKEN_GATHER_COST", "BY_TOKEN_SCATTER_COST", "BY_TOKEN_SIZE_COST"):
+        monkeypatch.setattr(_embedding, name, 0)
+    taken = []
+    by_token = _embedding._gramian_by_token
+    monkeypatch.setattr(
+        _embedding, "_gramian_by_token", lambda *args: taken.append(1) or by_token(*args)
+    )
+    torch.manual_seed(0)
+    embedding = nn.Embedding(10_000, 3, padding_idx=0).double()
+    ids = torch.randint(20, 10_000, (6, 8))
+    ids[:2, 0], ids[:3, 1], ids[:5, 2], ids[3, 3:5], ids[1:4, 5] = 7, 8, 9, 10, 0
+    engine = Engine(embedding, batch_dim=0)
+    losses = embedding(ids).sin().unflatten(1, (per_sample, -1)).sum((2, 3))
+    assert_exact_gramian(engine, losses, [embedding.weight])
+    assert taken
 
 
 ROUTE_CASES = [

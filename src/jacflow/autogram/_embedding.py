@@ -3,10 +3,14 @@
 Row ``r``'s gradient of the table is ``sum_t e_{x_rt} b_rt^T``: at most ``T`` nonzero rows. After
 summing the backprops of equal tokens within each row (``c_{r,v}``), the Gramian is
 ``G[r, q] = sum_v c_{r,v} . c_{q,v}``. A token of one row only adds ``|c_{r,v}|^2`` to ``G[r, r]``;
-over the tokens that several rows share, two exact ways are used, the cheaper one chosen:
+over the tokens that several rows share, three exact ways are used, the cheapest one chosen:
 
 * dense over the ``n_v`` shared tokens: ``M [R, n_v, p]``, ``G = M M^T``;
-* pairwise over their ``U`` (row, token) pairs: ``(C C^T) * [v_a = v_b]`` scattered to rows.
+* pairwise over their ``U`` (row, token) pairs: ``(C C^T) * [v_a = v_b]`` scattered to rows;
+* by token: each token's rows ``C_v [n_v(rows), p]`` give ``C_v C_v^T``, scattered to rows;
+  tokens with about as many rows (counts rounded up to a power of two, zero-padded) share one
+  batched product. It costs ``sum_v count_v^2 p``: where most shared tokens are in a few of
+  many rows, the dense form's ``M`` is mostly zeros.
 
 ``padding_idx`` receives no gradient and is excluded, like in ``nn.Embedding``'s backward.
 """
@@ -29,6 +33,59 @@ from jacflow.autogram._rules import (
 from jacflow.linalg._products import row_gramian
 
 _WEIGHT = frozenset({"weight"})
+
+
+# The by-token form's costs, in multiply-adds (about 0.03 ns each in the dense form's product):
+# gathering each token's padded block (two passes over ``p`` entries per slot, about 2 ns per
+# entry), scattering each entry of its Gram matrices to the rows (an accumulating index_put,
+# about 15 ns) and each block size's own dispatches (about 50 us). Measured, 1 thread, float32,
+# whole steps against the dense form over the shared tokens: vocabulary 1000, p = 16, T = 16,
+# B = 128: 2.0 against 3.0 ms; vocabulary 50000, p = 256, T = 128, B = 64: 35 against 47 ms; a
+# vocabulary of 300 (each token in about 6 of 32 rows) is left to the dense form (0.62 ms by
+# token against 0.31 ms for the Gramian alone). They only pick between exact forms.
+BY_TOKEN_GATHER_COST = 64
+BY_TOKEN_SCATTER_COST = 500
+BY_TOKEN_SIZE_COST = 1_500_000
+
+
+def _buckets(counts: Tensor) -> Tensor:
+    """Each token's row count rounded up to a power of two: the padded size of its block."""
+    return torch.pow(2, torch.ceil(torch.log2(counts.double()))).to(counts.dtype)
+
+
+def _by_token_cost(buckets: Tensor, sizes: Tensor, p: int) -> int:
+    """Multiply-adds of :func:`_gramian_by_token`, its index passes charged as above."""
+    slots, entries = torch.stack([buckets.sum(), (buckets * buckets).sum()]).tolist()
+    gathers = slots * p * BY_TOKEN_GATHER_COST
+    return gathers + entries * (p + BY_TOKEN_SCATTER_COST) + len(sizes) * BY_TOKEN_SIZE_COST
+
+
+def _gramian_by_token(
+    row: Tensor,
+    position: Tensor,
+    counts: Tensor,
+    buckets: Tensor,
+    sizes: list[int],
+    c: Tensor,
+    r: int,
+) -> Tensor:
+    """``G = sum_v C_v C_v^T`` scattered to the rows, ``C_v`` the summed backprops (``c``) of
+    the ``counts[v]`` pairs of token ``v`` (``position``: each pair's token), one batched
+    product per block size in ``sizes`` (the distinct ``buckets``)."""
+    order = torch.argsort(position, stable=True)  # the pairs, token by token
+    starts = torch.cumsum(counts, 0) - counts
+    gramian = c.new_zeros(r + 1, r + 1)  # (row r: the padding's, dropped)
+    for size in sizes:
+        chosen = (buckets == size).nonzero().squeeze(1)
+        slots = torch.arange(size, device=c.device)
+        present = slots < counts[chosen, None]  # [n, size]
+        pair = order[(starts[chosen, None] + slots).clamp(max=order.shape[0] - 1)]
+        block = torch.where(present.unsqueeze(-1), c[pair], 0.0)  # [n, size, p]
+        rows_of = torch.where(present, row[pair], r)
+        grams = block @ block.mT  # [n, size, size]
+        index = (rows_of.unsqueeze(2).expand_as(grams), rows_of.unsqueeze(1).expand_as(grams))
+        gramian.index_put_(index, grams, accumulate=True)
+    return gramian[:r, :r]
 
 
 class EmbeddingContribution(Contribution):
@@ -74,9 +131,19 @@ class EmbeddingContribution(Contribution):
         own = ~shared
         diagonal = c.new_zeros(r).index_add_(0, row[own], c[own].pow(2).sum(1))
         row, c = row[shared], c[shared]
-        tokens, position = torch.unique(position[shared], return_inverse=True)
+        tokens, position, counts = torch.unique(
+            position[shared], return_inverse=True, return_counts=True
+        )
         n_pairs, n_tokens = c.shape[0], tokens.shape[0]
-        if r * r * n_tokens * p <= n_pairs * n_pairs * (p + r):
+        dense_cost, pairwise_cost = r * r * n_tokens * p, n_pairs * n_pairs * (p + r)
+        by_token = False
+        if min(dense_cost, pairwise_cost) > BY_TOKEN_SIZE_COST:  # (else it cannot pay)
+            buckets = _buckets(counts)
+            sizes = torch.unique(buckets)
+            by_token = _by_token_cost(buckets, sizes, p) < min(dense_cost, pairwise_cost)
+        if by_token:
+            gramian = _gramian_by_token(row, position, counts, buckets, sizes.tolist(), c, r)
+        elif dense_cost <= pairwise_cost:
             dense = c.new_zeros(r, n_tokens, p)
             dense[row, position] = c
             gramian = row_gramian(dense.reshape(r, -1))
