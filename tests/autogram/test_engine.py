@@ -328,6 +328,28 @@ def test_route_choice_follows_the_operation_count() -> None:
         assert contribution._route() == route
 
 
+@pytest.mark.parametrize(
+    ("layer", "size", "route"),
+    [
+        (nn.Conv2d(64, 64, 3, padding=1), 3, "ghost"),
+        (nn.Conv2d(64, 64, 3, padding=1), 6, "conv"),
+        (nn.Conv2d(64, 64, 3, padding=1, groups=64), 1, "conv"),
+    ],
+)
+def test_small_maps_route_counts_the_per_row_gradients_written(
+    layer: nn.Conv2d, size: int, route: str
+) -> None:
+    """B = 32: on 3 x 3 maps the materialising routes write 32 gradients of the whole weight,
+    most of their time there (the grouped convolution took 2.4x the ghost route's step); a
+    depthwise layer on 1 x 1 maps keeps the grouped convolution (the ghost route loops over the
+    64 groups). The Gramian is exact whichever route is taken (the forced-route tests)."""
+    engine = Engine(layer, batch_dim=0)
+    losses = layer(torch.randn(32, 64, size, size)).flatten(1).sum(1)
+    contribution = engine._prepare(losses, False, ())[0][0][1]
+    assert isinstance(contribution, ConvContribution)
+    assert contribution._route() == route
+
+
 def test_parameter_registered_under_two_names_counts_once() -> None:
     """A rule reads a module's own parameters directly; one registered twice is one parameter,
     as in ``named_parameters`` (counting it twice would double its Gramian)."""

@@ -166,20 +166,39 @@ def _blocked(channels: int) -> int:
     return -(-channels // _CHANNEL_BLOCK) * _CHANNEL_BLOCK
 
 
+# Both materialising routes write ``R`` gradients of the whole weight, a pass their
+# multiply-adds do not count: on small maps it is most of their time. The grouped
+# backward-weights kernel takes about 0.4 ns per weight entry written (1 thread, float32,
+# R = 32, 64 -> 64 3x3 on 1x1 maps: 0.44 ms), against 0.02-0.04 ns per multiply-add, and about
+# 4 ns where glibc hands the buffer back to the system at each free and its pages are faulted in
+# again (4.3 ms; see benchmarks/_timing.keep_heap). Charged per entry written at the first
+# figure; it only picks between exact routes (ghost, which writes none, on small maps).
+MATERIALIZED_ENTRY_COST = 16
+
+# The ghost Gramian takes one group at a time (:func:`ghost_gramian`'s loop: a few small products
+# and passes each, about 10 us): charged per group beyond the first (measured, 1 thread, a
+# depthwise 3x3 on 64 channels of 1x1 maps, B = 32: the ghost route 0.7 ms slower than the
+# grouped convolution, its multiply-adds 8% fewer).
+GHOST_GROUP_COST = 300_000
+
+
 def grouped_cost(rows: Rows, positions: int, groups: int, c_in: int, k: int, p: int) -> int:
     """Cost of the per-row gradients by a grouped ``convolution_backward`` (``c_in`` and
-    ``p`` channels per group, kernel volume ``k``) and of their Gramian."""
+    ``p`` channels per group, kernel volume ``k``), of writing them, and of their Gramian."""
     r = rows.num_rows
     block = 1 if c_in == p == 1 else _blocked(c_in) * _blocked(p)
-    return groups * (r * positions * k * block + r * r * c_in * k * p)
+    written = r * c_in * k * p * MATERIALIZED_ENTRY_COST
+    return groups * (r * positions * k * block + written + r * r * c_in * k * p)
 
 
 def unfolded_cost(rows: Rows, positions: int, groups: int, d: int, p: int) -> int:
     """Cost of the per-row gradients by unfolding and one batched matmul, and of their
-    Gramian: the products, the copy of the unfolded inputs, and the Gramian."""
+    Gramian: the products, the copy of the unfolded inputs, the per-row gradients written, and
+    the Gramian."""
     r, s = rows.num_rows, rows.num_samples
     products = (1 if rows.per_task else PER_ROW_SLOWDOWN) * r * positions * d * p
-    return groups * (products + s * positions * d + r * r * d * p)
+    written = r * d * p * MATERIALIZED_ENTRY_COST
+    return groups * (products + s * positions * d + written + r * r * d * p)
 
 
 class ConvContribution(Contribution):
@@ -297,7 +316,8 @@ class ConvContribution(Contribution):
         groups, k = m.groups, math.prod(m.kernel_size)
         c_in, p = m.in_channels // groups, m.out_channels // groups
         costs = {
-            "ghost": ghost_cost(rows, positions, groups, c_in * k, p),
+            "ghost": ghost_cost(rows, positions, groups, c_in * k, p)
+            + (groups - 1) * GHOST_GROUP_COST,
             "conv": grouped_cost(rows, positions, groups, c_in, k, p),
             "unfold": unfolded_cost(rows, positions, groups, c_in * k, p),
         }
