@@ -37,6 +37,7 @@ from jacflow.autogram._rules import (
     Rule,
     add_grads,
     attribute_settings,
+    joined,
     kept_weighted_grads,
     register_rule,
     unbatched_refusal,
@@ -281,8 +282,7 @@ class ConvContribution(Contribution):
             g, _ = self._split(call.grad(), m.out_channels)
             g = g.reshape(r, n, groups, p, -1)[:, :, :, channels]
             gs.append(g.permute(0, 2, 3, 1, 4).reshape(r, groups, g.shape[3], -1))
-        u = us[0] if len(us) == 1 else torch.cat(us, dim=-1)
-        g = gs[0] if len(gs) == 1 else torch.cat(gs, dim=-1)
+        u, g = joined(us, -1), joined(gs, -1)
         if rows.per_task:  # one sample seen by every row: a single product per group
             c = g.shape[2]  # (the block's output channels)
             flat_g = g.transpose(0, 1).reshape(groups, r * c, -1)
@@ -333,7 +333,7 @@ class ConvContribution(Contribution):
             g, _ = self._split(call.grad(), m.out_channels)
             g = g.flatten(3).transpose(2, 3)  # [R, n, L, C_out]
             bps.append(g.reshape(rows.num_rows, -1, groups, m.out_channels // groups))
-        return torch.cat(us, dim=1), torch.cat(bps, dim=1)
+        return joined(us, 1), joined(bps, 1)
 
     def _held(self) -> list[Tensor]:
         return [t for call in self.calls for t in (call.input(), call.grad())]

@@ -28,6 +28,7 @@ from jacflow.autogram._rules import (
     Contribution,
     Rows,
     Rule,
+    joined,
     kept_weighted_grads,
     kernel_gram,
     register_named_rule,
@@ -265,8 +266,7 @@ def unfolded_contribution(
     """Join the calls of one module along the position axis (exact for repeated calls: their
     per-row gradients add up) and wrap them with the module's ``weight`` and ``bias``
     (``weight_shape``: the ``[out, in]`` of the products, where it is not the weight's own)."""
-    u = us[0] if len(us) == 1 else torch.cat(us, dim=1)
-    bp = bps[0] if len(bps) == 1 else torch.cat(bps, dim=1)
+    u, bp = joined(us, 1), joined(bps, 1)
     if weight_shape is None:
         weight: Tensor = getattr(module, "weight")  # noqa: B009 (get_parameter parses a path)
         weight_shape = weight.shape
@@ -336,8 +336,8 @@ def linear_part(
     """A Linear contribution of ``weight`` (and its bias) from the inputs ``us`` and output
     gradients ``grads`` of every call (joined along the positions: their gradients add up), with
     the names of the two parameters that are in ``params``."""
-    u = torch.cat([by_position(x, rows.num_samples, x.shape[-1]) for x in us], dim=1)
-    bp = torch.cat([by_position(g, rows.num_rows, g.shape[-1]) for g in grads], dim=1)
+    u = joined([by_position(x, rows.num_samples, x.shape[-1]) for x in us], 1)
+    bp = joined([by_position(g, rows.num_rows, g.shape[-1]) for g in grads], 1)
     weight_name, bias_name = (n if n in params else None for n in names)
     part = UnfoldedContribution(u, bp, rows, weight.shape, weight_name, bias_name)
     return {n for n in names if n in params}, part

@@ -1030,6 +1030,21 @@ class MaterializedContribution(Contribution):
         return out
 
 
+def joined(tensors: list[Tensor], dim: int) -> Tensor:
+    """The calls' tensors of one layer joined along ``dim`` (their positions): one call's as it
+    is, with no copy (a concatenation of one tensor copies it: per task, the output gradients
+    of every task, e.g. 52 MB and 18 ms for an LSTM's ``[15, 640, 1356]``).
+
+    Example:
+        >>> import torch
+        >>> from jacflow.autogram._rules import joined
+        >>> t = torch.ones(2, 3)
+        >>> joined([t], 1) is t, joined([t, t], 1).shape
+        (True, torch.Size([2, 6]))
+    """
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=dim)
+
+
 def worth_keeping(per_row: int, *held: Tensor) -> bool:
     """Whether per-row gradients of ``per_row`` elements, once formed for the Gramian, should
     be kept until the update (which is then ``weights @ per_row``): only when they are no larger
