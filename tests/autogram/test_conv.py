@@ -7,7 +7,7 @@ import torch
 from torch import Tensor, nn
 
 from jacflow.aggregation import ConstantWeighting
-from jacflow.autogram import Engine, _conv
+from jacflow.autogram import Engine, _linear
 from jacflow.autogram._conv import ConvContribution
 from tests.autogram.test_linear import (
     _losses_of,
@@ -146,7 +146,7 @@ def test_per_row_gradients_larger_than_the_inputs_are_formed_by_blocks(
     kernel of 8 x 8 x 3 x 3 on 2 x 2 maps, called twice) are formed by blocks of output
     channels, each at most their size (here with no floor), their Gramians summed and their
     bias rows joined: exact."""
-    monkeypatch.setattr(_conv, "PER_ROW_BLOCK_FLOOR", 1)
+    monkeypatch.setattr(_linear, "PER_ROW_BLOCK_FLOOR", 1)
     monkeypatch.setattr(ConvContribution, "_route", lambda self: route)
     blocks: list[int] = []
     row_grads = ConvContribution._row_grads

@@ -24,10 +24,10 @@ from torch import Tensor, nn
 from torch.nn.modules.conv import _ConvNd
 
 from jacflow.autogram._linear import (
-    PER_ROW_BLOCK_FLOOR,
     PER_ROW_SLOWDOWN,
     ghost_cost,
     ghost_gramian,
+    gramian_by_blocks,
 )
 from jacflow.autogram._rules import (
     WEIGHT_AND_BIAS,
@@ -354,11 +354,10 @@ class ConvContribution(Contribution):
 
     def _materialized_gramian(self, route: str, with_bias: bool) -> Tensor:
         """The weight's Gramian from its per-row gradients, kept for the update where
-        :func:`worth_keeping`; else, with one group, formed by blocks of output channels, each
-        at most the size of the inputs and output gradients held (or ``PER_ROW_BLOCK_FLOOR``
-        elements), so that the step's memory stays within one more copy of them (a 256 -> 256
-        3 x 3 convolution on 8 x 8 maps at B = 64 holds 2M elements; its per-row gradients
-        have 38M). The per-row bias gradients come from the same passes."""
+        :func:`worth_keeping`; else, with one group, by blocks of output channels
+        (:func:`gramian_by_blocks`: a 256 -> 256 3 x 3 convolution on 8 x 8 maps at B = 64
+        holds 2M elements; its per-row gradients have 38M). The per-row bias gradients come
+        from the same passes."""
         m, held = self.module, self._held()
         per_channel = self.rows.num_rows * m.weight[0].numel()
         if m.groups > 1 or worth_keeping(per_channel * m.out_channels, *held):
@@ -367,17 +366,16 @@ class ConvContribution(Contribution):
             if worth_keeping(flat.numel(), *held):
                 self.kept = flat
             return row_gramian(flat)
+        biases: list[Tensor] = []
+
+        def block_rows(channels: slice) -> Tensor:
+            grads, bias = self._row_grads(route, with_bias, channels)
+            biases.extend([] if bias is None else [bias])
+            return grads
+
         size = sum(t.numel() for t in held)
-        block = max(1, max(size, PER_ROW_BLOCK_FLOOR) // per_channel)
-        total: Tensor | None = None
-        biases = []
-        for start in range(0, m.out_channels, block):
-            grads, bias = self._row_grads(route, with_bias, slice(start, start + block))
-            term = row_gramian(grads.flatten(1))
-            total = term if total is None else total.add_(term)
-            biases += [] if bias is None else [bias]
+        total = gramian_by_blocks(m.out_channels, per_channel, size, block_rows)
         self.bias_kept = torch.cat(biases, dim=1) if biases else None
-        assert total is not None
         return total
 
     def per_row_grads(self, name: str) -> Tensor:

@@ -1966,7 +1966,7 @@ def _check_separable(
         return
     edges = [edge for _, call, _ in calls for edge in call.edges]
     cotangents = probe_cotangents(losses, probes)
-    samples = [_row_samples(unit, call, num_samples) for unit, call, _ in calls]
+    samples = [_row_samples(unit, call, dims, num_samples) for unit, call, dims in calls]
     for index, probe in enumerate(probes):
         keep = retain_graph or index < len(probes) - 1
         # (in a function: its gradients are freed when it returns, before the next backward;
@@ -1986,7 +1986,7 @@ def _probe_leak(
     cotangent: Tensor,
     probe: list[int],
     keep: bool,
-    samples: list[Callable[[int], Tensor | None]],
+    samples: list[list[Tensor | None]],
 ) -> tuple[Unit, Call, int] | None:
     """The first ``(unit, call, output position)`` whose output the losses of ``probe``'s
     samples read at another sample (from one probing backward along ``cotangent``)."""
@@ -1996,8 +1996,8 @@ def _probe_leak(
     for (unit, call, dims), call_samples in zip(calls, samples, strict=True):
         call_grads = _at_outputs(call, grads[cursor : cursor + len(call.edges)])
         cursor += len(call.edges)
-        for rows, dim, position in zip(call_grads, dims, call.output_positions, strict=True):
-            known = call_samples(position) if dim is None or call.merged > 1 else None
+        outputs = zip(call_grads, dims, call.output_positions, call_samples, strict=True)
+        for rows, dim, position, known in outputs:
             if rows is None or (dim is None and known is None):
                 continue
             if leaks(rows[0], 0 if dim is None else dim, probe, known):
@@ -2005,14 +2005,19 @@ def _probe_leak(
     return None
 
 
-def _row_samples(unit: Unit, call: Call, num_samples: int) -> Callable[[int], Tensor | None]:
-    """The sample of each row of the call's output at a position, where its rows are not the
-    batch: the batch merged with positions (sample-major rows), or a packed sequence's data
-    (its rule knows them, else ``None``)."""
+def _row_samples(
+    unit: Unit, call: Call, dims: list[int | None], num_samples: int
+) -> list[Tensor | None]:
+    """For each output of the call whose rows are not the batch (``dims``: ``None``), the
+    sample of each row: the batch merged with positions (sample-major rows), or a packed
+    sequence's data (its rule knows them, else ``None``); ``None`` for the others."""
     if call.merged > 1:
         merged = torch.arange(num_samples).repeat_interleave(call.merged)
-        return lambda position: merged
-    return lambda position: unit.rule.output_samples(unit.module, call, position)
+        return [merged] * len(dims)
+    return [
+        unit.rule.output_samples(unit.module, call, position) if dim is None else None
+        for dim, position in zip(dims, call.output_positions, strict=True)
+    ]
 
 
 def _separation_error(

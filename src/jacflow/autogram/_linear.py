@@ -78,6 +78,32 @@ PER_ROW_SLOWDOWN = 4
 PER_ROW_BLOCK_FLOOR = 2**22
 
 
+def gramian_by_blocks(
+    units: int, per_unit: int, held: int, rows_of: Callable[[slice], Tensor]
+) -> Tensor:
+    """The Gramian of per-row gradients formed by blocks of a layer's ``units`` output features
+    or channels: the sum of the Gramians of ``rows_of(block)`` (``[R, ...]``, ``per_unit``
+    elements per unit), each block of at most ``held`` elements (the inputs and backprops its
+    contribution holds anyway) or :data:`PER_ROW_BLOCK_FLOOR`, so that the step's memory stays
+    within one more copy of them.
+
+    Example:
+        >>> import torch
+        >>> from jacflow.autogram._linear import gramian_by_blocks
+        >>> rows = torch.randn(3, 5, 4, dtype=torch.float64)  # [R, units, per unit / R]
+        >>> blocked = gramian_by_blocks(5, 12, 24, lambda block: rows[:, block])
+        >>> torch.allclose(blocked, rows.flatten(1) @ rows.flatten(1).T)
+        True
+    """
+    block = max(1, max(held, PER_ROW_BLOCK_FLOOR) // per_unit)
+    total: Tensor | None = None
+    for start in range(0, units, block):
+        term = row_gramian(rows_of(slice(start, start + block)).flatten(1))
+        total = term if total is None else total.add_(term)
+    assert total is not None
+    return total
+
+
 def materialized_cost(rows: Rows, positions: int, groups: int, d: int, p: int) -> int:
     """Multiply-adds of materialising the per-row gradients and their Gramian, the first
     weighted by :data:`PER_ROW_SLOWDOWN` per sample."""
@@ -196,24 +222,21 @@ class UnfoldedContribution(Contribution):
 
     def _materialized_gramian(self) -> Tensor:
         """The weight's Gramian from its per-row gradients, kept for the update where
-        :func:`worth_keeping`; else formed by blocks of output features, each at most the size
-        of the inputs and backprops held (or :data:`PER_ROW_BLOCK_FLOOR` elements), so that
-        the step's memory stays within one more copy of them (a transformer's feed-forward
-        layer at B = 128 holds 1.3M elements and its per-row gradients have 8.4M)."""
+        :func:`worth_keeping`; else by blocks of output features (:func:`gramian_by_blocks`: a
+        transformer's feed-forward layer at B = 128 holds 1.3M elements and its per-row
+        gradients have 8.4M)."""
         u, bp, rows = self.u, self.bp, self.rows
         per_feature = rows.num_rows * bp.shape[2] * u.shape[3]  # (elements per output feature)
         p = bp.shape[3]
         if worth_keeping(per_feature * p, u, bp):
             self.kept = per_row_weight_grads(u, bp, rows).flatten(1)
             return row_gramian(self.kept)
-        block = max(1, max(u.numel() + bp.numel(), PER_ROW_BLOCK_FLOOR) // per_feature)
-        total: Tensor | None = None
-        for start in range(0, p, block):
-            part = per_row_weight_grads(u, bp[..., start : start + block], rows).flatten(1)
-            term = row_gramian(part)
-            total = term if total is None else total.add_(term)
-        assert total is not None
-        return total
+        return gramian_by_blocks(
+            p,
+            per_feature,
+            u.numel() + bp.numel(),
+            lambda block: per_row_weight_grads(u, bp[..., block], rows),
+        )
 
     def per_row_grads(self, name: str) -> Tensor:
         if name == self.weight_name:
