@@ -608,8 +608,9 @@ def drop_failing(steps: dict[str, Step]) -> set[str]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="fewer rounds and configurations")
-    parser.add_argument("--no-memory", action="store_true")
-    parser.add_argument(
+    memory = parser.add_mutually_exclusive_group()
+    memory.add_argument("--no-memory", action="store_true")
+    memory.add_argument(
         "--memory-only",
         action="store_true",
         help="peak memory only, no timing (fresh processes: valid on a busy host)",
@@ -652,39 +653,36 @@ def main() -> None:
     for model_name in models:
         for batch in batches:
             methods = iwrm_methods(model_name, batch)
-            if args.memory_only:
-                iwrm_mem.append(iwrm_memory_row(model_name, batch, methods, device))
-                print(iwrm_mem[-1], flush=True)
-                continue
-            steps = iwrm_steps(model_name, batch, methods, device)
-            failed = drop_failing(steps)
-            methods = [m for m in methods if m not in failed]
-            times = interleaved_medians(steps, rounds=rounds, warmup=2, device=device)
-            sgd = times["sgd"]
-            ratio = {k: f"{v / sgd:.2f}x" for k, v in times.items()}
-            ratio.update({k: "fails" for k in failed})
-            qp = weighting_ms(iwrm_gramian(model_name, batch, device), 3 * rounds)
-            spec = {"kind": "iwrm", "model": model_name, "batch": batch, "device": device}
-            alone = alone_ratio(spec, alone_rounds, args.keep_heap, processes)
-            iwrm_rows.append(
-                [
-                    model_name,
-                    str(batch),
-                    f"{sgd:.1f}",
-                    f"{times['jacflow']:.1f}",
-                    f"{qp:.1f}",
-                    f"{(times['jacflow'] - qp) / sgd:.2f}x",
-                    ratio["jacflow"],
-                    alone,
-                    ratio["jacflow_route"],
-                    ratio.get("tjd_autogram", "refused"),
-                    ratio.get("tjd_autojac", "-"),
-                    f"{times['tjd_autogram'] / times['jacflow']:.0f}x"
-                    if "tjd_autogram" in times
-                    else "-",
-                ]
-            )
-            print(iwrm_rows[-1], flush=True)
+            if not args.memory_only:  # (the timed table)
+                steps = iwrm_steps(model_name, batch, methods, device)
+                failed = drop_failing(steps)
+                methods = [m for m in methods if m not in failed]
+                times = interleaved_medians(steps, rounds=rounds, warmup=2, device=device)
+                sgd = times["sgd"]
+                ratio = {k: f"{v / sgd:.2f}x" for k, v in times.items()}
+                ratio.update({k: "fails" for k in failed})
+                qp = weighting_ms(iwrm_gramian(model_name, batch, device), 3 * rounds)
+                spec = {"kind": "iwrm", "model": model_name, "batch": batch, "device": device}
+                alone = alone_ratio(spec, alone_rounds, args.keep_heap, processes)
+                iwrm_rows.append(
+                    [
+                        model_name,
+                        str(batch),
+                        f"{sgd:.1f}",
+                        f"{times['jacflow']:.1f}",
+                        f"{qp:.1f}",
+                        f"{(times['jacflow'] - qp) / sgd:.2f}x",
+                        ratio["jacflow"],
+                        alone,
+                        ratio["jacflow_route"],
+                        ratio.get("tjd_autogram", "refused"),
+                        ratio.get("tjd_autojac", "-"),
+                        f"{times['tjd_autogram'] / times['jacflow']:.0f}x"
+                        if "tjd_autogram" in times
+                        else "-",
+                    ]
+                )
+                print(iwrm_rows[-1], flush=True)
             if not args.no_memory:
                 iwrm_mem.append(iwrm_memory_row(model_name, batch, methods, device))
                 print(iwrm_mem[-1], flush=True)
@@ -697,31 +695,25 @@ def main() -> None:
         for m in ms:
             methods = ["sgd", "jacflow", "tjd_autogram", "tjd_mtl"]
             spec = {"kind": "mtl", "width": width, "batch": batch, "m": m, "device": device}
-            if args.memory_only:
-                mtl_mem.append(
-                    [str(width), str(batch), str(m)]
-                    + [memory_cell({**spec, "method": k}) for k in methods]
+            if not args.memory_only:  # (the timed table)
+                times = interleaved_medians(
+                    mtl_steps(width, batch, m, [*methods, "raw"], device),
+                    rounds=rounds,
+                    warmup=2,
+                    device=device,
                 )
-                print(mtl_mem[-1], flush=True)
-                continue
-            times = interleaved_medians(
-                mtl_steps(width, batch, m, [*methods, "raw"], device),
-                rounds=rounds,
-                warmup=2,
-                device=device,
-            )
-            sgd = times["sgd"]
-            qp = weighting_ms(mtl_gramian(width, batch, m, device), 3 * rounds)
-            alone = alone_ratio(spec, alone_rounds, args.keep_heap, processes)
-            mtl_rows.append(
-                [str(width), str(batch), str(m), f"{sgd:.1f}", f"{qp:.2f}"]
-                + [f"{(times['jacflow'] - qp) / sgd:.2f}x", f"{times['jacflow'] / sgd:.2f}x"]
-                + [alone]
-                + [f"{times[k] / sgd:.2f}x" for k in methods[2:]]
-                + [f"{times['raw'] / sgd:.2f}x"]
-                + [f"{(m + 2) / 3:.2f}x", f"{1.25 * (m + 2) / 3:.2f}x"]
-            )
-            print(mtl_rows[-1], flush=True)
+                sgd = times["sgd"]
+                qp = weighting_ms(mtl_gramian(width, batch, m, device), 3 * rounds)
+                alone = alone_ratio(spec, alone_rounds, args.keep_heap, processes)
+                mtl_rows.append(
+                    [str(width), str(batch), str(m), f"{sgd:.1f}", f"{qp:.2f}"]
+                    + [f"{(times['jacflow'] - qp) / sgd:.2f}x", f"{times['jacflow'] / sgd:.2f}x"]
+                    + [alone]
+                    + [f"{times[k] / sgd:.2f}x" for k in methods[2:]]
+                    + [f"{times['raw'] / sgd:.2f}x"]
+                    + [f"{(m + 2) / 3:.2f}x", f"{1.25 * (m + 2) / 3:.2f}x"]
+                )
+                print(mtl_rows[-1], flush=True)
             if not args.no_memory:
                 mtl_mem.append(
                     [str(width), str(batch), str(m)]
