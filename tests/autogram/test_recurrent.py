@@ -426,10 +426,24 @@ def test_modes_and_weights_as_the_forward_saw_them() -> None:
     assert all(p.grad is None for p in lstm.parameters())
 
 
+def _bfloat16_lstm_runs(packed: bool) -> bool:
+    """Whether torch runs an LSTM under bfloat16 autocast on this CPU (on a padded batch,
+    oneDNN has no such primitive on some hosts: AVX2 without AVX-512, seen on an AMD EPYC)."""
+    lstm, x = nn.LSTM(2, 2), torch.randn(2, 1, 2)
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            lstm(pack_padded_sequence(x, torch.tensor([2]), False) if packed else x)
+    except RuntimeError:
+        return False
+    return True
+
+
 @pytest.mark.parametrize("packed", [False, True])
 def test_lstm_initial_state_under_autocast(packed: bool) -> None:
     """The initial states inside the (h0, c0) tuple, and a packed sequence's data, come in
     bfloat16 under autocast: the replay takes them in the weights' dtype."""
+    if not _bfloat16_lstm_runs(packed):
+        pytest.skip("torch's own LSTM forward under bfloat16 autocast fails on this CPU")
     torch.manual_seed(0)
     init, lstm = nn.Linear(D, H), nn.LSTM(D, H, batch_first=True)
     x = torch.randn(B, T, D)
