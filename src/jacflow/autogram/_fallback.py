@@ -597,7 +597,11 @@ def _as_recorded(module: nn.Module) -> Iterator[None]:
         torch_module._global_forward_pre_hooks = global_pre
 
 
-_CHECKPOINT_GENERATOR = "_checkpoint_without_reentrant_generator"  # (what checkpoint() calls)
+# what checkpoint() calls: torch 2.14 calls the second, which the first now wraps
+_CHECKPOINT_GENERATORS = (
+    "_checkpoint_without_reentrant_generator",
+    "_checkpoint_without_reentrant_generator_impl",
+)
 _replaying = threading.local()  # (depth: the re-runs under way in this thread)
 
 
@@ -606,8 +610,9 @@ def _plain_checkpoints() -> Iterator[None]:
     """A non-reentrant activation checkpoint (``use_reentrant=False``) inside the module runs
     its function plainly in the re-run: torch.func cannot run the saved tensor hooks it is
     made of, and the function's gradient is the checkpoint's. Only in this thread: torch's
-    generator is wrapped once, and the wrapper runs it for every other checkpoint."""
-    _wrap_checkpoint_generator()
+    generators are wrapped once, and the wrappers run them for every other checkpoint."""
+    for name in _CHECKPOINT_GENERATORS:
+        _wrap_checkpoint_generator(name)
     _replaying.depth = getattr(_replaying, "depth", 0) + 1
     try:
         yield
@@ -615,8 +620,8 @@ def _plain_checkpoints() -> Iterator[None]:
         _replaying.depth -= 1
 
 
-def _wrap_checkpoint_generator() -> None:
-    original = getattr(torch_checkpoint, _CHECKPOINT_GENERATOR, None)
+def _wrap_checkpoint_generator(name: str) -> None:
+    original = getattr(torch_checkpoint, name, None)
     if original is None or getattr(original, "_jacflow_wrapper", False):
         return  # (a torch without it, or already wrapped)
 
@@ -628,7 +633,7 @@ def _wrap_checkpoint_generator() -> None:
             yield from original(*args, **kwargs)
 
     wrapper._jacflow_wrapper = True  # type: ignore[attr-defined]
-    setattr(torch_checkpoint, _CHECKPOINT_GENERATOR, wrapper)
+    setattr(torch_checkpoint, name, wrapper)
 
 
 def _check_backward_hooks(module: nn.Module) -> None:
