@@ -360,10 +360,11 @@ class ConvContribution(Contribution):
         from the same passes."""
         m, held = self.module, self._held()
         per_channel = self.rows.num_rows * m.weight[0].numel()
-        if m.groups > 1 or worth_keeping(per_channel * m.out_channels, *held):
+        keep = worth_keeping(per_channel * m.out_channels, *held)  # (all R x weight entries)
+        if m.groups > 1 or keep:
             grads, self.bias_kept = self._row_grads(route, with_bias)
             flat = grads.flatten(1)
-            if worth_keeping(flat.numel(), *held):
+            if keep:
                 self.kept = flat
             return row_gramian(flat)
         biases: list[Tensor] = []
