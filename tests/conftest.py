@@ -10,6 +10,8 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
+from jacflow.autojac._graph import SPARSE_OPERANDS_READABLE
+
 torch.set_num_threads(1)
 
 # The default profile is derandomized: every run (CI included) draws the same examples, so a
@@ -50,11 +52,8 @@ def dtype(request: pytest.FixtureRequest) -> torch.dtype:
     return request.param  # type: ignore[no-any-return]
 
 
-# torch 2.10 gives a saved tensor's data as autograd stored it (`SavedTensor.data`). Earlier
-# releases cannot tell a sparse operand of a product (a graph neural network's adjacency @ x)
-# without running the saved-tensor hooks, so jacflow's routing of sparse products, and these
-# tests of it, need torch 2.10 (docs/getting-started.md says so).
-SPARSE_OPERANDS_READABLE = hasattr(torch._C._autograd.SavedTensor, "data")
+# jacflow's routing of sparse products (a graph neural network's adjacency @ x), and these
+# tests of it, need torch 2.10 (docs/getting-started.md says so): see SPARSE_OPERANDS_READABLE.
 _NEEDS_SPARSE_OPERANDS = (
     "tests/autogram/test_mtl.py::test_a_graph_neural_network_trunk[compute_gramian-generic-coo]",
     "tests/autogram/test_mtl.py::test_a_graph_neural_network_trunk[backward-generic-coo]",

@@ -8,7 +8,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch import nn
+from torch import Tensor, nn
 
 from jacflow import mtl_backward
 from jacflow.aggregation import Constant, UPGrad, UPGradWeighting
@@ -413,6 +413,38 @@ def test_a_graph_neural_network_trunk(layout: str, trunk_kind: str, route: str) 
             engine.backward(torch.stack(losses), UPGradWeighting())
         else:
             mtl_backward(losses, features, A=UPGrad(), engine=engine)
+    update = torch.cat([p.grad.reshape(-1) for p in shared])  # type: ignore[union-attr]
+    torch.testing.assert_close(update, UPGrad()(jacobian))
+
+
+def test_an_unseen_sparse_product_names_the_way_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Torch before 2.10 cannot show jacflow a product's saved sparse operand (emulated on later
+    releases): the engine's batched backward then fails inside torch, and the error names the
+    release that routes it and ``mtl_backward``'s row-by-row option, which gives UPGrad's
+    update of the Jacobian computed row by row with autograd. No ``.grad`` is written by the
+    failed step."""
+    _zoo.hide_sparse_operands(monkeypatch)
+    torch.manual_seed(0)
+    adjacency = _zoo.adjacency("coo")
+    first, second = nn.Linear(3, 4).double(), nn.Linear(4, 4).double()
+    heads = [nn.Linear(4, 1).double() for _ in range(3)]
+    x = torch.randn(7, 3, dtype=torch.float64)
+    shared = [*first.parameters(), *second.parameters()]
+    every = [*shared, *(p for head in heads for p in head.parameters())]
+    hint = r"(?s)Sparse tensors.*torch 2\.10 and later.*engine=engine, parallel_chunk_size=1"
+
+    def step() -> tuple[Tensor, list[Tensor]]:
+        features = adjacency @ second(torch.relu(adjacency @ first(x)))
+        return features, [head(features).pow(2).mean() for head in heads]
+
+    with Engine(first, second, batch_dim=None) as engine:
+        features, losses = step()
+        with pytest.raises(RuntimeError, match=hint):
+            mtl_backward(losses, features, A=UPGrad(), engine=engine)
+        assert all(p.grad is None for p in every)
+        features, losses = step()
+        jacobian = _zoo.rows_by_autograd(losses, shared)
+        mtl_backward(losses, features, A=UPGrad(), engine=engine, parallel_chunk_size=1)
     update = torch.cat([p.grad.reshape(-1) for p in shared])  # type: ignore[union-attr]
     torch.testing.assert_close(update, UPGrad()(jacobian))
 

@@ -10,9 +10,13 @@ import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from jacflow.autogram import _capture
+from jacflow.autojac import _graph, _rows
 
 
 @dataclass(frozen=True)
@@ -138,6 +142,18 @@ def adjacency(layout: str, dtype: torch.dtype = torch.float64, nodes: int = 7) -
     with warnings.catch_warnings():  # (torch: "Sparse CSR tensor support is in beta state")
         warnings.simplefilter("ignore", UserWarning)
         return coo.to_sparse_csr()
+
+
+def hide_sparse_operands(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make jacflow blind to the saved operands of matrix products, as it is on torch before
+    2.10 (no ``SavedTensor.data``): where torch shows them, the walk of the graph is told to
+    skip them, and the error paths to take them for unreadable. On earlier releases this is
+    already so, and nothing is changed."""
+    if not _graph.SPARSE_OPERANDS_READABLE:
+        return
+    monkeypatch.setattr(_graph, "_PRODUCT_OPERANDS", {})
+    monkeypatch.setattr(_rows, "SPARSE_OPERANDS_READABLE", False)
+    monkeypatch.setattr(_capture, "SPARSE_OPERANDS_READABLE", False)
 
 
 class GCN(nn.Module):

@@ -23,6 +23,7 @@ from jacflow.aggregation import (
     UPGrad,
 )
 from jacflow.linalg import QuadprogProjector
+from tests.autojac import _zoo
 from tests.autojac._zoo import ZOO, Case, reference_jacobians
 
 
@@ -540,6 +541,28 @@ def test_a_sparse_input_is_differentiated_row_by_row(chunk: int | None) -> None:
         A=Constant(torch.ones(4, dtype=torch.float64)),
         parallel_chunk_size=chunk,
     )
+    expected = torch.autograd.grad(model(dense).pow(2).sum(), params)
+    for p, e in zip(params, expected):
+        torch.testing.assert_close(p.grad, e, rtol=1e-12, atol=1e-12)
+
+
+def test_an_unseen_sparse_product_names_the_way_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Torch before 2.10 cannot show jacflow a product's saved sparse operand (emulated on later
+    releases): the batched rows then fail inside torch, and the error names the release that
+    routes them and the row-by-row option, which gives autograd's update. The failed call
+    writes no ``.grad``."""
+    _zoo.hide_sparse_operands(monkeypatch)
+    torch.manual_seed(0)
+    dense = torch.randn(4, 3, dtype=torch.float64)
+    dense[dense.abs() < 0.7] = 0
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Tanh()).double()
+    params = list(model.parameters())
+    ones = Constant(torch.ones(4, dtype=torch.float64))
+    hint = r"(?s)Sparse tensors.*torch 2\.10 and later.*this is torch .*parallel_chunk_size=1"
+    with pytest.raises(RuntimeError, match=hint):
+        backward(model(dense.to_sparse()).pow(2).sum(1), A=ones)
+    assert all(p.grad is None for p in params)
+    backward(model(dense.to_sparse()).pow(2).sum(1), A=ones, parallel_chunk_size=1)
     expected = torch.autograd.grad(model(dense).pow(2).sum(), params)
     for p, e in zip(params, expected):
         torch.testing.assert_close(p.grad, e, rtol=1e-12, atol=1e-12)

@@ -21,6 +21,8 @@ from torch import Tensor
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from jacflow.autogram._rules import multi_grad_hook, quiet_vmap_fallback
+from jacflow.autojac._graph import SPARSE_OPERANDS_READABLE
+from jacflow.autojac._rows import sparse_operands_hint, sparse_refusal
 
 # nodes walked per task, looking for the output that the tasks' heads meet at; a longer walk
 # means heads (or a trunk left out of the engine) too large for the task-by-task route to pay
@@ -258,6 +260,11 @@ def pull_back(
                 materialize_grads=False,
             )
     except RuntimeError as error:
+        if batched and not SPARSE_OPERANDS_READABLE and sparse_refusal(error):
+            way_out = (
+                "in a per-task step pass `mtl_backward(..., engine=engine, parallel_chunk_size=1)`"
+            )
+            raise RuntimeError(f"{error}{sparse_operands_hint(way_out)}") from error
         vmap_limit = ("Batching rule not implemented", "inside of vmap")
         if not (batched and any(text in str(error) for text in vmap_limit)):
             raise

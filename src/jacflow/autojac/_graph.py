@@ -262,6 +262,11 @@ _PRODUCT_OPERANDS = {
     "BmmBackward0": ("_saved_self", "_saved_mat2"),
 }
 
+# Torch 2.10 shows a saved tensor as autograd stored it (``SavedTensor.data``), without running
+# saved-tensor hooks. Earlier releases cannot show a product's sparse operand so (unpacking it
+# would run them: a checkpoint's recomputation at every walk), and jacflow does not see it.
+SPARSE_OPERANDS_READABLE = hasattr(torch._C._autograd.SavedTensor, "data")
+
 # Nodes of operations on sparse tensors (learned edge weights: ``sparse_coo_tensor`` of values
 # that require grad, ``torch.sparse.softmax``, ``to_dense``), whose backwards vmap cannot batch
 # either; the others have ``Sparse`` in their names.

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from jacflow.autojac._accumulate import recording
+from jacflow.autojac._graph import SPARSE_OPERANDS_READABLE
 
 
 class VJP(Protocol):
@@ -35,6 +36,20 @@ _VMAP_HINT = (
     "retain the graph, which torch refuses for a graph whose buffers it donates (inductor at "
     "once, aot_eager after a recompilation)."
 )
+
+
+def sparse_operands_hint(way_out: str = "pass `parallel_chunk_size=1`") -> str:
+    """What to do where vmap failed on a sparse product that jacflow could not see (torch
+    before 2.10), appended to torch's error; ``way_out`` names the caller's row-by-row
+    option."""
+    return (
+        "\n\njacflow: the graph holds a product with a sparse operand (a graph neural network's "
+        "adjacency matrix), which vmap cannot batch. jacflow finds such products and "
+        "differentiates their rows one by one on torch 2.10 and later, which show a product's "
+        f"operands as autograd saved them; this is torch {torch.__version__}. Upgrade torch "
+        f"to 2.10 or later, or {way_out} to differentiate row by row without vmap."
+    )
+
 
 _DONATED_HINT = (
     "\n\njacflow: the graph holds torch.compile'd code whose backward runs once only (donated "
@@ -165,8 +180,10 @@ def stacked_vjps(
             try:
                 grads = list(vjp(chunk, batched=True, last=last))
             except RuntimeError as error:
-                if sparse_retry and _sparse_refusal(error):
+                if sparse_retry and sparse_refusal(error):
                     grads = _row_by_row(vjp, chunk, last)
+                elif not SPARSE_OPERANDS_READABLE and sparse_refusal(error):
+                    raise RuntimeError(f"{error}{sparse_operands_hint()}") from error
                 elif SELECTIVE_CHECKPOINT_ERROR in str(error):
                     raise RuntimeError(f"{error}{_SELECTIVE_HINT}") from error
                 elif not vmap_related(error):
@@ -192,15 +209,15 @@ def stacked_vjps(
     return tuple(_joined(r) for r in results)
 
 
-def _sparse_refusal(error: RuntimeError) -> bool:
+def sparse_refusal(error: RuntimeError) -> bool:
     """Whether ``error`` is vmap's failure to batch an operation on sparse tensors: a sparse
     operand it cannot expand to the chunk, or an operation missing for sparse tensors that
     batching needs (``view``).
 
     Example:
-        >>> from jacflow.autojac._rows import _sparse_refusal
+        >>> from jacflow.autojac._rows import sparse_refusal
         >>> error = "Could not run 'aten::view' with arguments from the 'SparseCPU' backend."
-        >>> _sparse_refusal(RuntimeError(error)), _sparse_refusal(RuntimeError("sparse_dim < 0"))
+        >>> sparse_refusal(RuntimeError(error)), sparse_refusal(RuntimeError("sparse_dim < 0"))
         (True, False)
     """
     message = str(error).lower()
