@@ -2,11 +2,16 @@
 
 Speed: one step = zero grads + forward + backward, on a 3-layer MLP of width 1024 with m
 losses; ``sum(losses).backward()`` (SGD) vs ``jacflow.backward(losses, A=Mean())`` vs TorchJD's
-``backward(losses)`` + ``jac_to_grad(params, Mean())``.
+``backward(losses)`` + ``jac_to_grad(params, Mean())``. Then an overhead-bound step (a stack of
+small transformer layers, one loss per sample), where jacflow's work in Python per call (the
+walks of the graph, the writes of ``.grad``) shows: ``losses.mean().backward()`` vs
+``jacflow.backward(losses, A=Mean())`` and ``A=UPGrad()`` vs TorchJD's ``backward(losses)`` +
+``jac_to_grad(params, UPGrad())``.
 Memory: peak RSS increase of ``jacflow.jac`` with m = 100 rows for ``parallel_chunk_size``
 None vs 10, each in a fresh process.
 
-Run: ``.venv/bin/python benchmarks/bench_autojac.py`` (TorchJD from the ``bench`` extra).
+Run: ``.venv/bin/python benchmarks/bench_autojac.py`` (TorchJD from the ``bench`` extra);
+``--deep`` for the overhead-bound table alone.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from _timing import interleaved_medians, setup
 
 import jacflow
-from jacflow.aggregation import Mean
+from jacflow.aggregation import Mean, UPGrad
 
 WIDTH, BATCH = 1024, 64
 
@@ -76,6 +81,51 @@ def speed(m: int) -> dict[str, float]:
     return interleaved_medians(steps)
 
 
+DEEP_LAYERS, DEEP_WIDTH, DEEP_BATCH, DEEP_TOKENS = 4, 64, 8, 16
+
+
+def speed_deep() -> dict[str, float]:
+    """The overhead-bound step (see the module's docstring): a few hundred autograd nodes, a few
+    ms of compute."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(DEEP_WIDTH, 4, 2 * DEEP_WIDTH, dropout=0.0, batch_first=True)
+    model = nn.TransformerEncoder(layer, DEEP_LAYERS, enable_nested_tensor=False)
+    params = list(model.parameters())
+    x = torch.randn(DEEP_BATCH, DEEP_TOKENS, DEEP_WIDTH)
+
+    def losses() -> torch.Tensor:
+        return model(x).pow(2).mean((1, 2))
+
+    def sgd() -> None:
+        model.zero_grad()
+        losses().mean().backward()
+
+    def ours_mean() -> None:
+        model.zero_grad()
+        jacflow.backward(losses(), A=Mean())
+
+    def ours_upgrad() -> None:
+        model.zero_grad()
+        jacflow.backward(losses(), A=UPGrad())
+
+    steps = {"sgd": sgd, "jacflow_mean": ours_mean, "jacflow_upgrad": ours_upgrad}
+    try:
+        import torchjd.aggregation as tagg
+        import torchjd.autojac as tjd
+
+        upgrad = tagg.UPGrad()
+
+        def theirs() -> None:
+            model.zero_grad()
+            tjd.backward(losses(), inputs=params)
+            tjd.jac_to_grad(params, upgrad)
+
+        steps["torchjd_upgrad"] = theirs
+    except ImportError:
+        pass
+    return interleaved_medians(steps, rounds=31)
+
+
 def _peak_child(chunk: str) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(
@@ -99,6 +149,25 @@ def memory(chunk: str) -> dict[str, float]:
     return json.loads(out.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
 
 
+def deep_table() -> None:
+    print(
+        f"\n## Overhead-bound step: {DEEP_LAYERS} transformer layers of width {DEEP_WIDTH}, "
+        f"batch {DEEP_BATCH} x {DEEP_TOKENS} tokens, one loss per sample, 1 thread\n"
+    )
+    print(
+        "| SGD ms | jacflow Mean / SGD | jacflow UPGrad / SGD | TorchJD UPGrad / SGD "
+        "| jacflow UPGrad / TorchJD |"
+    )
+    print("|---|---|---|---|---|")
+    t = speed_deep()
+    tj = t.get("torchjd_upgrad", float("nan"))
+    print(
+        f"| {t['sgd']:.2f} | {t['jacflow_mean'] / t['sgd']:.2f} "
+        f"| {t['jacflow_upgrad'] / t['sgd']:.2f} | {tj / t['sgd']:.2f} "
+        f"| {t['jacflow_upgrad'] / tj:.2f} |"
+    )
+
+
 def main() -> None:
     setup()
     print("## backward(losses, A=Mean()) step time, MLP width 1024, batch 64, 1 thread\n")
@@ -120,6 +189,7 @@ def main() -> None:
             f"| {t['jacflow_jacobian'] / t['sgd']:.2f} | {tj / t['sgd']:.2f} "
             f"| {t['jacflow_jacobian'] / tj:.2f} |"
         )
+    deep_table()
     print("\n## Peak memory of jac(), m = 100 rows, batch 2048, width-256 MLP\n")
     print(
         "Peak RSS of a fresh process that calls jac(), minus the peak of the same process "
@@ -134,7 +204,10 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == "--peak":
+    if sys.argv[1:] == ["--deep"]:  # (the overhead-bound table alone)
+        setup()
+        deep_table()
+    elif len(sys.argv) == 3 and sys.argv[1] == "--peak":
         setup()
         _peak_child(sys.argv[2])
     else:

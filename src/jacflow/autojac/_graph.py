@@ -29,10 +29,15 @@ def leaf_tensors(outputs: Iterable[Tensor], exclude: Iterable[Tensor] = ()) -> t
         if out.grad_fn is None and out.requires_grad and id(out) not in excluded_leaves:
             found.setdefault(id(out), out)
     for node in nodes_until(outputs, exclude):
-        variable = getattr(node, "variable", None)
-        if isinstance(variable, Tensor) and id(variable) not in excluded_leaves:
-            found.setdefault(id(variable), variable)
+        if type(node).__name__ == _ACCUMULATOR:
+            variable = node.variable
+            if id(variable) not in excluded_leaves:
+                found.setdefault(id(variable), variable)
     return tuple(found.values())
+
+
+# the node through which a leaf tensor receives its gradient (its ``variable``)
+_ACCUMULATOR = "AccumulateGrad"
 
 
 def nodes_until(outputs: Sequence[Tensor], exclude: Sequence[Tensor] = ()) -> Iterator[Any]:
@@ -43,29 +48,32 @@ def nodes_until(outputs: Sequence[Tensor], exclude: Sequence[Tensor] = ()) -> It
         (edge.node, edge.output_nr)
         for edge in (get_gradient_edge(t) for t in exclude if t.grad_fn is not None)
     }
-    seen: set[object] = set()
+    seen: set[object] = set()  # (nodes, and (node, output) pairs of the pass-through ones)
     frontier: deque[tuple[Any, int]] = deque()
     for out in outputs:
         if out.grad_fn is not None:
             edge = get_gradient_edge(out)
             if (edge.node, edge.output_nr) not in stop:
                 frontier.append((edge.node, edge.output_nr))
+    # (the loop runs once per node of graphs of thousands: lookups hoisted, no calls per node)
+    pop, push, pass_through = frontier.popleft, frontier.append, _PASS_THROUGH
     while frontier:
-        node, output_nr = frontier.popleft()
-        through = passes_through(node)
+        node, output_nr = pop()
+        name = type(node).__name__
+        through = name in pass_through
         key = (node, output_nr) if through else node
         if key in seen:
             continue
         seen.add(key)
         yield node
-        if isinstance(getattr(node, "variable", None), Tensor):
+        if name == _ACCUMULATOR:
             continue
         children = node.next_functions
         if through:  # (output k is input k: only that input's graph is behind this output)
             children = children[output_nr : output_nr + 1]
         for child, nr in children:
-            if child is not None and (child, nr) not in stop:
-                frontier.append((child, nr))
+            if child is not None and not (stop and (child, nr) in stop):
+                push((child, nr))
 
 
 # the autograd node of torch.compile'd code (AOTAutograd's): one node for the whole graph
@@ -347,13 +355,19 @@ def walk_nodes(starts: Iterable[Any], following: Callable[[Any], Iterable[Any]])
     gives the nodes to visit after it (``None`` entries are skipped)."""
     stack: list[Any] = list(starts)
     seen: dict[int, object] = {}  # (holding the nodes' Python objects: their ids stay theirs)
+    inline = following is children  # (the walk of every node runs per step: no call per node)
     while stack:
         node = stack.pop()
         if node is None or id(node) in seen:
             continue
         seen[id(node)] = node
         yield node
-        stack.extend(following(node))
+        if inline:
+            for child, _ in node.next_functions:
+                if child is not None and id(child) not in seen:
+                    stack.append(child)
+        else:
+            stack.extend(following(node))
 
 
 def children(node: Any) -> Iterator[Any]:
