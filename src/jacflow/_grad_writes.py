@@ -17,9 +17,13 @@ _HAS_GRAD_DTYPE = hasattr(Tensor, "grad_dtype")  # (torch >= 2.10)
 def _extent(t: Tensor) -> tuple[tuple[torch.device, int], int, int] | None:
     """``t``'s storage and the bytes ``[low, high)`` its elements span in it (``None`` where
     nothing can be shared: sparse or empty tensors; torch's strides are never negative)."""
-    if t.layout != torch.strided or t.numel() == 0:
+    count = t.numel()
+    if count == 0 or t.layout != torch.strided:
         return None
-    span = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+    if t.is_contiguous():  # (the usual case, from a flag that torch keeps)
+        span = count
+    else:
+        span = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
     low = t.data_ptr()
     return (t.device, t.untyped_storage().data_ptr()), low, low + span * t.element_size()
 

@@ -177,7 +177,7 @@ def accumulate_grads(
     the tensors' post-accumulate hooks run, once each, as after ``loss.backward()``.
     """
     with recording(updates):
-        converted = [_in_layout(u.to(grad_dtype(t)), t) for t, u in zip(tensors, updates)]
+        converted = [_in_layout(_in_dtype(u, grad_dtype(t)), t) for t, u in zip(tensors, updates)]
         current = [_current_grad(tensor) for tensor in tensors]
         # (only what is stored as it is must be a tensor of its own, laid out as its tensor)
         fresh = [k for k, existing in enumerate(current) if existing is None]
@@ -198,6 +198,11 @@ def accumulate_grads(
         else:
             tensor.grad = update
     run_post_accumulate_hooks(tensors)
+
+
+def _in_dtype(update: Tensor, dtype: torch.dtype) -> Tensor:
+    """``update.to(dtype)``, without the call where it has that dtype (it runs per tensor)."""
+    return update if update.dtype == dtype else update.to(dtype)
 
 
 def _in_layout(update: Tensor, tensor: Tensor) -> Tensor:
