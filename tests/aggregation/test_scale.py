@@ -20,7 +20,7 @@ from torch import Tensor
 
 import jacflow.aggregation as aggregation
 from jacflow.aggregation import Aggregator, GramianWeightedAggregator, GramianWeighting
-from jacflow.aggregation._bases import scale_to_unit_peak
+from jacflow.aggregation._bases import peak_magnitude, scale_to_unit_peak
 from jacflow.aggregation._loss_aware import LossAware
 from jacflow.linalg import QuadprogProjector, TorchProjector
 from tests.aggregation._properties import jacobians
@@ -195,6 +195,28 @@ def test_scale_to_unit_peak(dtype: torch.dtype) -> None:
     for matrix in (torch.zeros(2, 3), torch.zeros(0, 3), torch.tensor([[float("inf"), 1.0]])):
         assert torch.equal(scale_to_unit_peak(matrix.to(dtype)), matrix.to(dtype))
     assert bool(scale_to_unit_peak(torch.tensor([[float("nan"), 1.0]])).isnan()[0, 0])
+
+
+_ENTRIES = st.one_of(
+    st.floats(width=32, allow_nan=True, allow_infinity=True, allow_subnormal=True),
+    st.sampled_from([0.0, -0.0, 1e-45, -3e38]),
+)
+
+
+@given(
+    st.lists(_ENTRIES, min_size=1, max_size=24),
+    st.sampled_from([torch.float16, torch.bfloat16, torch.float32, torch.float64]),
+)
+def test_peak_magnitude_is_the_largest_absolute_entry(
+    entries: list[float], dtype: torch.dtype
+) -> None:
+    """``peak_magnitude`` is ``t.abs().amax()`` bit for bit, NaN where an entry is NaN, for
+    any real entries (signed zeros, subnormals, infinities) and shapes."""
+    t = torch.tensor(entries, dtype=torch.float32).to(dtype)
+    for shaped in (t, t.reshape(1, -1, 1), t.flip(0)):
+        got, expected = peak_magnitude(shaped), shaped.abs().amax()
+        assert got.dtype == expected.dtype
+        assert torch.equal(got, expected) or bool(got.isnan() & expected.isnan())
 
 
 SCALE_READING_AGGREGATORS = sorted(

@@ -70,6 +70,20 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in _HALF_DTYPES else dtype
 
 
+def peak_magnitude(t: Tensor) -> Tensor:
+    """The largest absolute entry of the non-empty real tensor ``t`` (NaN where one is NaN), as
+    ``t.abs().amax()`` without forming ``t.abs()`` (one reduction over ``t``).
+
+    Example:
+        >>> import torch
+        >>> from jacflow.aggregation._bases import peak_magnitude
+        >>> peak_magnitude(torch.tensor([[2.0, -5.0], [1.0, 0.5]]))
+        tensor(5.)
+    """
+    low, high = t.aminmax()
+    return torch.maximum(high, -low)
+
+
 def unit_peak_factor(matrices: Sequence[Tensor], dtype: torch.dtype | None = None) -> Tensor:
     """The power of two (a 0-d tensor of ``dtype``, default the first matrix's) that brings the
     largest absolute entry of ``matrices`` into [1/2, 1); 1 when it is zero or not finite, or
@@ -82,10 +96,12 @@ def unit_peak_factor(matrices: Sequence[Tensor], dtype: torch.dtype | None = Non
         tensor(0.1250)
     """
     dtype = matrices[0].dtype if dtype is None else dtype
-    peaks = [m.detach().abs().amax().to(dtype) for m in matrices if m.numel()]
-    if not peaks:  # (no entry: nothing to scale)
+    # (each matrix's smallest and largest entries, whose largest magnitude is the peak: one
+    # reduction per matrix, without forming |m|; NaN stays NaN)
+    extremes = [e for m in matrices if m.numel() for e in m.detach().aminmax()]
+    if not extremes:  # (no entry: nothing to scale)
         return torch.ones((), dtype=dtype, device=matrices[0].device)
-    peak = torch.stack(peaks).amax()
+    peak = torch.stack(extremes).to(dtype).abs().amax()
     _, exponent = torch.frexp(peak)  # peak = mantissa * 2**exponent, mantissa in [1/2, 1)
     largest = math.frexp(torch.finfo(dtype).max)[1] - 1  # 2**largest is finite
     exponent = torch.where(torch.isfinite(peak), exponent, 0).clamp(min=-largest)
@@ -132,7 +148,7 @@ def peak_out_of_range(gramian: Tensor) -> bool:
         return False
     info = torch.finfo(gramian.dtype)
     # (NaN fails both comparisons)
-    return not info.tiny / info.eps <= float(gramian.detach().abs().amax()) < math.inf
+    return not info.tiny / info.eps <= float(peak_magnitude(gramian.detach())) < math.inf
 
 
 def scale_to_unit_peak(matrix: Tensor) -> Tensor:
