@@ -7,6 +7,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import Tensor, nn
 
 from jacflow import backward, jac_to_grad, mtl_backward
@@ -15,13 +17,16 @@ from jacflow.aggregation import (
     Aggregator,
     ConFIG,
     Constant,
+    DualProj,
     Krum,
     Mean,
     NashMTL,
     Sum,
+    TrimmedMean,
     UPGrad,
 )
 from jacflow.autogram import Engine
+from jacflow.autojac import _aggregate
 
 
 def _problem() -> tuple[Tensor, Tensor, list[Tensor]]:
@@ -376,3 +381,54 @@ def test_an_engine_refuses_krum() -> None:
     losses = [features.sum(), features.pow(2).sum(), features[0].sum()]
     with pytest.raises(ValueError, match="more than their Gramian"):
         mtl_backward(losses, features, A=Krum(0), engine=Engine(trunk, batch_dim=None))
+
+
+_FUSED_OR_NOT = [
+    pytest.param(_aggregate._FUSED_MAX_BYTES, id="concatenated"),
+    pytest.param(0, id="block-by-block"),
+]
+
+
+@pytest.mark.parametrize("limit", _FUSED_OR_NOT)
+@pytest.mark.parametrize(
+    "make",
+    [UPGrad, MGDA, DualProj, Mean, Sum, ConFIG, lambda: Krum(1), lambda: TrimmedMean(1)],
+    ids=["UPGrad", "MGDA", "DualProj", "Mean", "Sum", "ConFIG", "Krum", "TrimmedMean"],
+)
+@settings(max_examples=15)
+@given(
+    rows=st.integers(1, 5),
+    shapes=st.lists(
+        st.lists(st.integers(1, 4), min_size=0, max_size=2).map(tuple), min_size=1, max_size=5
+    ),
+    dtype=st.sampled_from([torch.float32, torch.float64]),
+    seed=st.integers(0, 2**16),
+)
+def test_blocks_are_aggregated_as_the_aggregator_calls_the_jacobian(
+    limit: int,
+    make: Callable[[], Aggregator],
+    rows: int,
+    shapes: list[tuple[int, ...]],
+    dtype: torch.dtype,
+    seed: int,
+) -> None:
+    """A Jacobian split into blocks (one per input) is aggregated as the aggregator aggregates
+    the concatenated matrix, whether the blocks are concatenated first (small Jacobians) or
+    combined one by one: the updates (cut per block, in the blocks' shapes and dtype) and the
+    weights agree up to rounding."""
+    if rows < 4 and not isinstance(make, type):  # (Krum(1), TrimmedMean(1): 4 rows or more)
+        return
+    generator = torch.Generator().manual_seed(seed)
+    blocks = [torch.randn(rows, *shape, generator=generator, dtype=dtype) for shape in shapes]
+    matrix = torch.cat([b.reshape(rows, -1) for b in blocks], dim=1)
+    expected = make()(matrix)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_aggregate, "_FUSED_MAX_BYTES", limit)
+        updates, weights = _aggregate.aggregate_blocks(make(), blocks)
+    tolerance = {"rtol": 1e-4, "atol": 1e-5} if dtype == torch.float32 else {}
+    assert [u.shape for u in updates] == [b.shape[1:] for b in blocks]
+    assert all(u.dtype == dtype for u in updates)
+    got = torch.cat([u.reshape(-1) for u in updates])
+    torch.testing.assert_close(got, expected, **tolerance)
+    if weights is not None:
+        torch.testing.assert_close(weights @ matrix, expected, **tolerance)
