@@ -205,14 +205,15 @@ _ENTRIES = st.one_of(
 
 @given(
     st.lists(_ENTRIES, min_size=1, max_size=24),
+    st.sampled_from([1, 5000]),  # (5000 copies: past the size where the extremes are read)
     st.sampled_from([torch.float16, torch.bfloat16, torch.float32, torch.float64]),
 )
 def test_peak_magnitude_is_the_largest_absolute_entry(
-    entries: list[float], dtype: torch.dtype
+    entries: list[float], copies: int, dtype: torch.dtype
 ) -> None:
     """``peak_magnitude`` is ``t.abs().amax()`` bit for bit, NaN where an entry is NaN, for
     any real entries (signed zeros, subnormals, infinities) and shapes."""
-    t = torch.tensor(entries, dtype=torch.float32).to(dtype)
+    t = torch.tensor(entries, dtype=torch.float32).to(dtype).repeat(copies)
     for shaped in (t, t.reshape(1, -1, 1), t.flip(0)):
         got, expected = peak_magnitude(shaped), shaped.abs().amax()
         assert got.dtype == expected.dtype

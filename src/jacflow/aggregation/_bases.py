@@ -80,6 +80,8 @@ def peak_magnitude(t: Tensor) -> Tensor:
         >>> peak_magnitude(torch.tensor([[2.0, -5.0], [1.0, 0.5]]))
         tensor(5.)
     """
+    if t.numel() <= 4096:  # (a small one, as a Gramian of a few objectives: fewer calls)
+        return t.abs().amax()
     low, high = t.aminmax()
     return torch.maximum(high, -low)
 
