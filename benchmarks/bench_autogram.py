@@ -557,9 +557,14 @@ def iwrm_methods(model_name: str, batch: int) -> list[str]:
     return methods
 
 
+def iwrm_spec(model_name: str, batch: int, device: str) -> dict[str, object]:
+    """A per-sample configuration, as its child processes read it."""
+    return {"kind": "iwrm", "model": model_name, "batch": batch, "device": device}
+
+
 def iwrm_memory_row(model_name: str, batch: int, methods: list[str], device: str) -> list[str]:
     """Peak memory of SGD, jacflow and TorchJD's two routes (``-`` where not run), MB."""
-    spec = {"kind": "iwrm", "model": model_name, "batch": batch, "device": device}
+    spec = iwrm_spec(model_name, batch, device)
     return [model_name, str(batch)] + [
         memory_cell({**spec, "method": m}) if m in methods else "-"
         for m in ("sgd", "jacflow", "tjd_autogram", "tjd_autojac")
@@ -662,7 +667,7 @@ def main() -> None:
                 ratio = {k: f"{v / sgd:.2f}x" for k, v in times.items()}
                 ratio.update({k: "fails" for k in failed})
                 qp = weighting_ms(iwrm_gramian(model_name, batch, device), 3 * rounds)
-                spec = {"kind": "iwrm", "model": model_name, "batch": batch, "device": device}
+                spec = iwrm_spec(model_name, batch, device)
                 alone = alone_ratio(spec, alone_rounds, args.keep_heap, processes)
                 iwrm_rows.append(
                     [
