@@ -277,7 +277,7 @@ def test_dropout_in_training_is_refused(batch_dim: int | None) -> None:
     with Engine(attn, batch_dim=batch_dim) as engine:
         out = attn(x, x, x, need_weights=False)[0]
         losses = out.pow(2).sum(dim=(1, 2)) if batch_dim == 0 else out.pow(2).sum().reshape(1)
-        with pytest.raises(RuntimeError, match=r"dropout=0\.0"):
+        with pytest.raises(ValueError, match=r"dropout=0\.0"):
             engine.compute_gramian(losses)
 
 

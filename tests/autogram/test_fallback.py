@@ -242,7 +242,7 @@ def test_random_draws_of_a_module_generator_are_refused_before_they_draw(
         for step in (engine.compute_gramian, lambda t: engine.backward(t, UPGradWeighting())):
             losses = _losses(batch_dim)(model)
             states = model.inner.generator.get_state(), torch.get_rng_state()
-            with pytest.raises(RuntimeError, match="random operations"):
+            with pytest.raises(ValueError, match="random operations"):
                 step(losses)
             assert torch.equal(states[0], model.inner.generator.get_state())
             assert torch.equal(states[1], torch.get_rng_state())
@@ -409,7 +409,7 @@ def test_random_refusal_advises_randomness_outside_the_module(
     child: bool, batch_dim: int | None
 ) -> None:
     """The advice was a separate module such as nn.Dropout, which as a child is refused too."""
-    message = _assert_refused(_Noisy(child), _losses(batch_dim), batch_dim, RuntimeError, "random")
+    message = _assert_refused(_Noisy(child), _losses(batch_dim), batch_dim, ValueError, "random")
     assert "outside this module" in message and "nn.Sequential(module, nn.Dropout(p))" in message
 
 

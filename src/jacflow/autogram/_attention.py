@@ -314,7 +314,7 @@ class AttentionRule(Rule):
     ) -> Contribution:
         assert isinstance(module, nn.MultiheadAttention)
         if module.dropout > 0 and any(call.trained(module) for call in calls):
-            raise RuntimeError(
+            raise ValueError(
                 f"nn.MultiheadAttention(dropout={module.dropout}) drops attention weights at "
                 "random in training mode, which the engine cannot replay to compute the "
                 "Gramian. Build it with dropout=0.0 (dropout elsewhere in the model is fine), "

@@ -997,7 +997,7 @@ class FallbackRule(Rule):
                         f"batch with torch.func, which failed: {error}. Register a closed form "
                         "for it (jacflow.autogram.register_rule)."
                     ) from error
-                raise RuntimeError(
+                raise ValueError(
                     f"{_no_closed_form(module)}, so the engine "
                     "re-runs it with torch.func, which cannot replay its random operations "
                     "(dropout, noise: the re-run would draw other numbers). Move them outside "

@@ -403,7 +403,7 @@ class RecurrentRule(Rule):
             raise uncovered_refusal(type(module).__name__, module)  # (Engine refuses it first)
         dropped = module.dropout > 0 and module.num_layers > 1
         if dropped and any(call.trained(module) for call in calls):
-            raise RuntimeError(
+            raise ValueError(
                 f"{type(module).__name__}(dropout={module.dropout}) drops values between its "
                 "layers at random in training mode, which the engine cannot replay to compute "
                 "the Gramian. Build it with dropout=0.0, or call .eval() on it."
