@@ -6,12 +6,13 @@ losses; ``sum(losses).backward()`` (SGD) vs ``jacflow.backward(losses, A=Mean())
 small transformer layers, one loss per sample), where jacflow's work in Python per call (the
 walks of the graph, the writes of ``.grad``) shows: ``losses.mean().backward()`` vs
 ``jacflow.backward(losses, A=Mean())`` and ``A=UPGrad()`` vs TorchJD's ``backward(losses)`` +
-``jac_to_grad(params, UPGrad())``.
+``jac_to_grad(params, UPGrad())``; and an overhead-bound multi-task step (a small trunk,
+``mtl_backward`` with UPGrad, against TorchJD's ``mtl_backward`` + ``jac_to_grad``).
 Memory: peak RSS increase of ``jacflow.jac`` with m = 100 rows for ``parallel_chunk_size``
 None vs 10, each in a fresh process.
 
 Run: ``.venv/bin/python benchmarks/bench_autojac.py`` (TorchJD from the ``bench`` extra);
-``--deep`` for the overhead-bound table alone.
+``--deep`` for the overhead-bound tables alone.
 """
 
 from __future__ import annotations
@@ -126,6 +127,59 @@ def speed_deep() -> dict[str, float]:
     return interleaved_medians(steps, rounds=31)
 
 
+SMALL_LAYERS, SMALL_WIDTH, SMALL_BATCH = 6, 64, 32
+
+
+def speed_small_mtl(m: int) -> dict[str, float]:
+    """An overhead-bound multi-task step: ``m`` one-output heads on a small trunk of Linear +
+    ReLU layers, ``mtl_backward`` with UPGrad, no engine."""
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for _ in range(SMALL_LAYERS):
+        layers += [nn.Linear(SMALL_WIDTH, SMALL_WIDTH), nn.ReLU()]
+    trunk = nn.Sequential(*layers)
+    heads = nn.ModuleList([nn.Linear(SMALL_WIDTH, 1) for _ in range(m)])
+    shared, every = list(trunk.parameters()), [*trunk.parameters(), *heads.parameters()]
+    x, y = torch.randn(SMALL_BATCH, SMALL_WIDTH), torch.randn(m, SMALL_BATCH)
+
+    def forward() -> tuple[torch.Tensor, list[torch.Tensor]]:
+        features = trunk(x)
+        return features, [((h(features).squeeze(1) - t) ** 2).mean() for h, t in zip(heads, y)]
+
+    def zero() -> None:
+        for p in every:
+            p.grad = None
+
+    def sgd() -> None:
+        zero()
+        torch.stack(forward()[1]).sum().backward()
+
+    upgrad = UPGrad()
+
+    def ours() -> None:
+        zero()
+        features, losses = forward()
+        jacflow.mtl_backward(losses, features, A=upgrad)
+
+    steps = {"sgd": sgd, "jacflow": ours}
+    try:
+        import torchjd.aggregation as tagg
+        import torchjd.autojac as tjd
+
+        their_upgrad = tagg.UPGrad()
+
+        def theirs() -> None:
+            zero()
+            features, losses = forward()
+            tjd.mtl_backward(losses, features)
+            tjd.jac_to_grad(shared, their_upgrad)
+
+        steps["torchjd"] = theirs
+    except ImportError:
+        pass
+    return interleaved_medians(steps, rounds=101)
+
+
 def _peak_child(chunk: str) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(
@@ -166,6 +220,23 @@ def deep_table() -> None:
         f"| {t['jacflow_upgrad'] / t['sgd']:.2f} | {tj / t['sgd']:.2f} "
         f"| {t['jacflow_upgrad'] / tj:.2f} |"
     )
+    print(
+        f"\n## Overhead-bound multi-task step: {SMALL_LAYERS} Linear + ReLU layers of width "
+        f"{SMALL_WIDTH}, batch {SMALL_BATCH}, m one-output heads, UPGrad, 1 thread\n"
+    )
+    print(
+        "jacflow: `mtl_backward(losses, features, A=UPGrad())` (no engine); TorchJD: its "
+        "`mtl_backward(losses, features)` + `jac_to_grad(trunk, UPGrad())`.\n"
+    )
+    print("| m | SGD ms | jacflow / SGD | TorchJD / SGD | jacflow / TorchJD |")
+    print("|---|---|---|---|---|")
+    for m in (3, 10):
+        t = speed_small_mtl(m)
+        tj = t.get("torchjd", float("nan"))
+        print(
+            f"| {m} | {t['sgd']:.2f} | {t['jacflow'] / t['sgd']:.2f} | {tj / t['sgd']:.2f} "
+            f"| {t['jacflow'] / tj:.2f} |"
+        )
 
 
 def main() -> None:
@@ -204,7 +275,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:] == ["--deep"]:  # (the overhead-bound table alone)
+    if sys.argv[1:] == ["--deep"]:  # (the overhead-bound tables alone)
         setup()
         deep_table()
     elif len(sys.argv) == 3 and sys.argv[1] == "--peak":
