@@ -1,4 +1,5 @@
-"""Aggregation of a Jacobian split into blocks (one per input tensor) without concatenating it."""
+"""Aggregation of a Jacobian split into blocks (one per input tensor), without concatenating
+it where it is large."""
 
 from __future__ import annotations
 
@@ -70,7 +71,8 @@ def aggregate_blocks(
 
     Returns one update per block (shape ``shape``) and the weights when the aggregator is
     weighted. Gramian-based aggregators get ``G = sum_k J_k J_k^T`` and never see the
-    concatenated matrix, which saves a copy of the whole Jacobian. With no rows (``m = 0``),
+    concatenated matrix, which saves a copy of the whole Jacobian; a small one (see
+    ``_FUSED_MAX_BYTES``) is concatenated, which saves calls per block. With no rows (``m = 0``),
     the aggregator gets the empty ``[0, n]`` matrix (the zero update for weighted ones).
     The weights are in the dtype of the aggregator's call on that matrix: float32 for
     half-precision blocks, as the Engine's (weights in float16 would overflow).
