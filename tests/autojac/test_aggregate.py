@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -25,6 +26,7 @@ from jacflow.aggregation import (
     TrimmedMean,
     UPGrad,
 )
+from jacflow.aggregation._bases import unit_peak_factor
 from jacflow.autogram import Engine
 from jacflow.autojac import _aggregate
 
@@ -432,3 +434,39 @@ def test_blocks_are_aggregated_as_the_aggregator_calls_the_jacobian(
     torch.testing.assert_close(got, expected, **tolerance)
     if weights is not None:
         torch.testing.assert_close(weights @ matrix, expected, **tolerance)
+
+
+@settings(max_examples=25)
+@given(
+    rows=st.integers(2, 6),
+    widths=st.lists(st.integers(1, 40), min_size=1, max_size=4),
+    exponent=st.integers(-15, 15),
+    dtype=st.sampled_from([torch.float32, torch.float64]),
+    seed=st.integers(0, 2**16),
+)
+def test_the_gramian_scaled_after_its_products_gives_the_same_weights(
+    rows: int, widths: list[int], exponent: int, dtype: torch.dtype, seed: int
+) -> None:
+    """``factor^2 sum_k J_k J_k^T`` (no scaled copy of the blocks) is the Gramian of the
+    scaled blocks, and UPGrad's weights from it are theirs, bit for bit, for Jacobians whose
+    peak is near 1 (the power of two scales every product and sum exactly)."""
+    generator = torch.Generator().manual_seed(seed)
+    scale = 2.0**exponent
+    blocks = [torch.randn(rows, w, generator=generator, dtype=dtype) * scale for w in widths]
+    gramians: list[Tensor] = []
+
+    def weights() -> Tensor:
+        aggregator = UPGrad()  # (its weighting records the Gramian it gets)
+        aggregator.gramian_weighting.register_forward_pre_hook(
+            lambda _, args: gramians.append(args[0])
+        )
+        return _aggregate._gramian_weights(aggregator, blocks)
+
+    assert _aggregate._scales_after(blocks, unit_peak_factor(blocks))
+    after = weights()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_aggregate, "_SCALED_AFTER", (math.inf, -math.inf))  # (always before)
+        assert not _aggregate._scales_after(blocks, unit_peak_factor(blocks))
+        before = weights()
+    assert torch.equal(gramians[0], gramians[1])
+    assert torch.equal(after, before)
