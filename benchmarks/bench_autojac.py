@@ -21,6 +21,9 @@ import json
 import resource
 import subprocess
 import sys
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
 
 import torch
 from torch import nn
@@ -32,6 +35,35 @@ import jacflow
 from jacflow.aggregation import Mean, UPGrad
 
 WIDTH, BATCH = 1024, 64
+
+
+def _torchjd() -> tuple[ModuleType, ModuleType] | None:
+    """TorchJD's ``autojac`` and ``aggregation`` modules (the ``bench`` extra), or ``None``
+    where it is not installed: its columns then read nan."""
+    try:
+        import torchjd.aggregation as tagg
+        import torchjd.autojac as tjd
+    except ImportError:
+        return None
+    return tjd, tagg
+
+
+def _torchjd_backward(
+    model: nn.Module, losses: Callable[[], Any], params: list[torch.Tensor], aggregator: str
+) -> Callable[[], None] | None:
+    """TorchJD's step: its ``backward(losses)`` + ``jac_to_grad(params, <aggregator>())``."""
+    peer = _torchjd()
+    if peer is None:
+        return None
+    tjd, tagg = peer
+    aggregate = getattr(tagg, aggregator)()
+
+    def step() -> None:
+        model.zero_grad()
+        tjd.backward(losses(), inputs=params)
+        tjd.jac_to_grad(params, aggregate)
+
+    return step
 
 
 def _mlp(m: int) -> nn.Module:
@@ -65,20 +97,9 @@ def speed(m: int) -> dict[str, float]:
         jacflow.jac_to_grad(params, Mean())
 
     steps = {"sgd": sgd, "jacflow": ours, "jacflow_jacobian": ours_jacobian}
-    try:
-        import torchjd.aggregation as tagg
-        import torchjd.autojac as tjd
-
-        mean = tagg.Mean()
-
-        def theirs() -> None:
-            model.zero_grad()
-            tjd.backward(losses(), inputs=params)
-            tjd.jac_to_grad(params, mean)
-
+    theirs = _torchjd_backward(model, losses, params, "Mean")
+    if theirs is not None:
         steps["torchjd"] = theirs
-    except ImportError:
-        pass
     return interleaved_medians(steps)
 
 
@@ -110,20 +131,9 @@ def speed_deep() -> dict[str, float]:
         jacflow.backward(losses(), A=UPGrad())
 
     steps = {"sgd": sgd, "jacflow_mean": ours_mean, "jacflow_upgrad": ours_upgrad}
-    try:
-        import torchjd.aggregation as tagg
-        import torchjd.autojac as tjd
-
-        upgrad = tagg.UPGrad()
-
-        def theirs() -> None:
-            model.zero_grad()
-            tjd.backward(losses(), inputs=params)
-            tjd.jac_to_grad(params, upgrad)
-
+    theirs = _torchjd_backward(model, losses, params, "UPGrad")
+    if theirs is not None:
         steps["torchjd_upgrad"] = theirs
-    except ImportError:
-        pass
     return interleaved_medians(steps, rounds=31)
 
 
@@ -162,10 +172,9 @@ def speed_small_mtl(m: int) -> dict[str, float]:
         jacflow.mtl_backward(losses, features, A=upgrad)
 
     steps = {"sgd": sgd, "jacflow": ours}
-    try:
-        import torchjd.aggregation as tagg
-        import torchjd.autojac as tjd
-
+    peer = _torchjd()
+    if peer is not None:
+        tjd, tagg = peer
         their_upgrad = tagg.UPGrad()
 
         def theirs() -> None:
@@ -175,8 +184,6 @@ def speed_small_mtl(m: int) -> dict[str, float]:
             tjd.jac_to_grad(shared, their_upgrad)
 
         steps["torchjd"] = theirs
-    except ImportError:
-        pass
     return interleaved_medians(steps, rounds=101)
 
 
