@@ -15,7 +15,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from jacflow.autogram import _capture
 from jacflow.autojac import _graph, _rows
 
 
@@ -153,7 +152,6 @@ def hide_sparse_operands(monkeypatch: pytest.MonkeyPatch) -> None:
         return
     monkeypatch.setattr(_graph, "_PRODUCT_OPERANDS", {})
     monkeypatch.setattr(_rows, "SPARSE_OPERANDS_READABLE", False)
-    monkeypatch.setattr(_capture, "SPARSE_OPERANDS_READABLE", False)
 
 
 class GCN(nn.Module):

@@ -21,8 +21,7 @@ from torch import Tensor
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from jacflow.autogram._rules import multi_grad_hook, quiet_vmap_fallback
-from jacflow.autojac._graph import SPARSE_OPERANDS_READABLE
-from jacflow.autojac._rows import sparse_operands_hint, sparse_refusal
+from jacflow.autojac._rows import sparse_operands_hint, unseen_sparse_product
 
 # nodes walked per task, looking for the output that the tasks' heads meet at; a longer walk
 # means heads (or a trunk left out of the engine) too large for the task-by-task route to pay
@@ -260,7 +259,7 @@ def pull_back(
                 materialize_grads=False,
             )
     except RuntimeError as error:
-        if batched and not SPARSE_OPERANDS_READABLE and sparse_refusal(error):
+        if batched and unseen_sparse_product(error):
             way_out = (
                 "in a per-task step pass `mtl_backward(..., engine=engine, parallel_chunk_size=1)`"
             )

@@ -182,7 +182,7 @@ def stacked_vjps(
             except RuntimeError as error:
                 if sparse_retry and sparse_refusal(error):
                     grads = _row_by_row(vjp, chunk, last)
-                elif not SPARSE_OPERANDS_READABLE and sparse_refusal(error):
+                elif unseen_sparse_product(error):
                     raise RuntimeError(f"{error}{sparse_operands_hint()}") from error
                 elif SELECTIVE_CHECKPOINT_ERROR in str(error):
                     raise RuntimeError(f"{error}{_SELECTIVE_HINT}") from error
@@ -222,6 +222,13 @@ def sparse_refusal(error: RuntimeError) -> bool:
     """
     message = str(error).lower()
     return "sparse" in message and (vmap_related(error) or "could not run 'aten::" in message)
+
+
+def unseen_sparse_product(error: RuntimeError) -> bool:
+    """Whether ``error`` is vmap's failure on a sparse product that jacflow could not route row
+    by row: one on a torch that cannot show a product's saved operands (before 2.10; see
+    ``SPARSE_OPERANDS_READABLE``), so that the error gets :func:`sparse_operands_hint`."""
+    return not SPARSE_OPERANDS_READABLE and sparse_refusal(error)
 
 
 def _row_by_row(vjp: VJP, chunk: tuple[Tensor, ...], last: bool) -> list[Tensor | None]:
