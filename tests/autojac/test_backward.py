@@ -530,17 +530,26 @@ def test_a_sparse_input_is_differentiated_row_by_row(chunk: int | None) -> None:
     tensors"): the walk of the graph finds the product's sparse operand and takes the rows one
     by one at every chunk size (before, the default failed with a hint to pass
     ``parallel_chunk_size=1``)."""
-    torch.manual_seed(0)
-    dense = torch.randn(4, 3, dtype=torch.float64)
-    dense[dense.abs() < 0.7] = 0
-    x = dense.to_sparse()
-    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Tanh()).double()
-    params = list(model.parameters())
+    dense, model = _sparse_input_problem()
     backward(
-        model(x).pow(2).sum(1),
+        model(dense.to_sparse()).pow(2).sum(1),
         A=Constant(torch.ones(4, dtype=torch.float64)),
         parallel_chunk_size=chunk,
     )
+    _assert_grads_of_dense_input(dense, model)
+
+
+def _sparse_input_problem() -> tuple[Tensor, torch.nn.Module]:
+    """A ``[4, 3]`` input with zeros (given sparse to the model) and a Linear + Tanh model."""
+    torch.manual_seed(0)
+    dense = torch.randn(4, 3, dtype=torch.float64)
+    dense[dense.abs() < 0.7] = 0
+    return dense, torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Tanh()).double()
+
+
+def _assert_grads_of_dense_input(dense: Tensor, model: torch.nn.Module) -> None:
+    """The model's ``.grad`` are autograd's gradient of the summed losses on the dense input."""
+    params = list(model.parameters())
     expected = torch.autograd.grad(model(dense).pow(2).sum(), params)
     for p, e in zip(params, expected):
         torch.testing.assert_close(p.grad, e, rtol=1e-12, atol=1e-12)
@@ -552,20 +561,14 @@ def test_an_unseen_sparse_product_names_the_way_out(monkeypatch: pytest.MonkeyPa
     routes them and the row-by-row option, which gives autograd's update. The failed call
     writes no ``.grad``."""
     _zoo.hide_sparse_operands(monkeypatch)
-    torch.manual_seed(0)
-    dense = torch.randn(4, 3, dtype=torch.float64)
-    dense[dense.abs() < 0.7] = 0
-    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Tanh()).double()
-    params = list(model.parameters())
+    dense, model = _sparse_input_problem()
     ones = Constant(torch.ones(4, dtype=torch.float64))
     hint = r"(?s)Sparse tensors.*torch 2\.10 and later.*this is torch .*parallel_chunk_size=1"
     with pytest.raises(RuntimeError, match=hint):
         backward(model(dense.to_sparse()).pow(2).sum(1), A=ones)
-    assert all(p.grad is None for p in params)
+    assert all(p.grad is None for p in model.parameters())
     backward(model(dense.to_sparse()).pow(2).sum(1), A=ones, parallel_chunk_size=1)
-    expected = torch.autograd.grad(model(dense).pow(2).sum(), params)
-    for p, e in zip(params, expected):
-        torch.testing.assert_close(p.grad, e, rtol=1e-12, atol=1e-12)
+    _assert_grads_of_dense_input(dense, model)
 
 
 def test_a_checkpointed_block_is_recomputed_once() -> None:
