@@ -178,6 +178,23 @@ def owned(
     ]
 
 
+def added(total: Tensor, grad: Tensor) -> Tensor:
+    """``total + grad`` out of place, either of them sparse: torch adds a sparse tensor to a
+    dense one, not a dense one to a sparse one, so the dense one comes first (the same sum).
+
+    Example:
+        >>> import torch
+        >>> from jacflow._grad_writes import added
+        >>> sparse = torch.eye(2).to_sparse()
+        >>> added(sparse, torch.ones(2, 2)), added(torch.ones(2, 2), sparse).layout
+        (tensor([[2., 1.],
+                [1., 2.]]), torch.strided)
+    """
+    if total.layout != torch.strided and grad.layout == torch.strided:
+        return grad + total
+    return total + grad
+
+
 def grad_dtype(tensor: Tensor) -> torch.dtype:
     """The dtype of the gradient that torch's ``backward`` writes into ``tensor.grad``: a leaf's
     ``grad_dtype`` where one is set (torch >= 2.10, e.g. float32 gradients of a bfloat16

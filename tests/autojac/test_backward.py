@@ -300,6 +300,35 @@ def test_grad_that_cannot_be_written_in_place_is_replaced(layout: str) -> None:
     torch.testing.assert_close(p2.grad, 1 + expected[12:])
 
 
+@pytest.mark.parametrize("existing", ["expanded", "with a graph"])
+@pytest.mark.parametrize("aggregator", [Mean(), Sum(), UPGrad()], ids=str)
+def test_sparse_update_replaces_a_dense_grad_out_of_place(
+    existing: str, aggregator: Aggregator
+) -> None:
+    """A sparse embedding's update (``Mean``'s and ``Sum``'s single weighted backward keeps
+    autograd's sparse gradient) onto a dense ``.grad`` that cannot take it in place failed
+    with torch's "add(sparse, dense) is not supported": the out-of-place sum put the sparse
+    update first. It is ``.grad + update`` now, as autograd's accumulation forms it."""
+    torch.manual_seed(0)
+    table = torch.nn.Embedding(6, 3, sparse=True).double()
+    ids = torch.tensor([1, 2, 2, 5])
+
+    def losses() -> torch.Tensor:
+        rows = table(ids)
+        return torch.stack([rows.pow(2).sum(), rows.sin().sum()])
+
+    rows = [torch.autograd.grad(losses()[i], table.weight)[0].to_dense() for i in range(2)]
+    jacobian = torch.stack([row.flatten() for row in rows])
+    expected = 1 + aggregator(jacobian).reshape(6, 3)
+    ones = torch.ones(1, 1, dtype=torch.float64)
+    if existing == "expanded":
+        table.weight.grad = ones.expand(6, 3)
+    else:  # (from a differentiation with create_graph=True)
+        table.weight.grad = ones.requires_grad_().expand(6, 3) * 1
+    backward(losses(), [table.weight], A=aggregator)
+    torch.testing.assert_close(table.weight.grad.to_dense(), expected)
+
+
 @pytest.mark.parametrize(
     "aggregator", [Mean(), Sum(), UPGrad(), MGDA(), ConFIG(), GradDrop()], ids=str
 )

@@ -79,6 +79,22 @@ def test_shared_head_params_sum_task_gradients() -> None:
         torch.testing.assert_close(p.grad, g)
 
 
+def test_sparse_head_gradient_replaces_a_dense_grad_out_of_place() -> None:
+    """A head of sparse gradient (an ``nn.Embedding(sparse=True)``) whose ``.grad`` is dense
+    and cannot take the sum in place (expanded) failed with torch's "add(sparse, dense) is not
+    supported"; its ``.grad`` is replaced by ``.grad + gradient``, as autograd forms it."""
+    torch.manual_seed(0)
+    trunk, table = nn.Linear(3, 3).double(), nn.Embedding(6, 3, sparse=True).double()
+    ids = torch.tensor([1, 2, 2, 5])
+    features = trunk(torch.randn(4, 3, dtype=torch.float64))
+    products = features * table(ids)
+    losses = [products.sum(), products.pow(2).sum()]
+    (summed,) = torch.autograd.grad(losses[0] + losses[1], table.weight, retain_graph=True)
+    table.weight.grad = torch.ones(1, 1, dtype=torch.float64).expand(6, 3)
+    mtl_backward(losses, features, A=UPGrad())
+    torch.testing.assert_close(table.weight.grad, 1 + summed.to_dense())
+
+
 def test_explicit_params_and_several_features() -> None:
     torch.manual_seed(2)
     a, b = nn.Linear(3, 2), nn.Linear(3, 2)

@@ -20,7 +20,7 @@ from torch.nn.parameter import is_lazy
 from torch.nn.utils.parametrize import is_parametrized
 from torch.utils.hooks import RemovableHandle
 
-from jacflow._grad_writes import grad_dtype, laid_out, owned, run_post_accumulate_hooks
+from jacflow._grad_writes import added, grad_dtype, laid_out, owned, run_post_accumulate_hooks
 from jacflow._warnings import caller_stacklevel
 from jacflow.aggregation import GramianWeighting
 from jacflow.aggregation._bases import peak_out_of_range, runs_forward_hooks, unit_peak_factor
@@ -2624,18 +2624,12 @@ def _sparse_sums(
     for param, grad in updates:
         if id(param) in sparse:
             total = sums.get(id(param), current[id(param)])
-            sums[id(param)] = laid_out(grad, param) if total is None else _added(total, grad)
+            sums[id(param)] = laid_out(grad, param) if total is None else added(total, grad)
     return sums
 
 
 def _is_sparse(grad: Tensor | None) -> bool:
     return grad is not None and grad.is_sparse
-
-
-def _added(total: Tensor, grad: Tensor) -> Tensor:
-    """``total + grad`` out of place, sparse or dense (dense + sparse is; sparse + dense
-    is not, in torch)."""
-    return grad + total if total.is_sparse and not grad.is_sparse else total + grad
 
 
 def _through_param_hooks(updates: list[tuple[Tensor, Tensor]]) -> list[tuple[Tensor, Tensor]]:
@@ -2652,7 +2646,7 @@ def _through_param_hooks(updates: list[tuple[Tensor, Tensor]]) -> list[tuple[Ten
             continue
         grad = _as_update(param, grad)
         if id(param) in pieces:
-            grad = _added(pieces[id(param)][1], grad)
+            grad = added(pieces[id(param)][1], grad)
         pieces[id(param)] = (param, grad)
     for param, grad in pieces.values():
         for hook in list((param._backward_hooks or {}).values()):

@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from jacflow._grad_writes import (
+    added,
     grad_dtype,
     non_overlapping,
     owned,
@@ -82,7 +83,9 @@ def accumulate_jacs(
             jacobians, [*held, *(e for e in existing if e is not None)], None, create_graph
         )
         in_place = _jacs_added_in_place(existing, jacs, held)
-        new = [j if e is None or add else e + j for e, j, add in zip(existing, jacs, in_place)]
+        new = [
+            j if e is None or add else added(e, j) for e, j, add in zip(existing, jacs, in_place)
+        ]
     with torch.no_grad():
         for e, j, add in zip(existing, jacs, in_place):
             if add:
@@ -172,7 +175,7 @@ def accumulate_grads(
 
     Every update is converted to the dtype of torch's gradient (:func:`grad_dtype`: a
     parameter's ``grad_dtype`` where set) and every existing ``.grad`` read and every
-    out-of-place sum (``update + existing``, where the ``.grad`` cannot be written in place)
+    out-of-place sum (``existing + update``, where the ``.grad`` cannot be written in place)
     formed before the first write, so that no write fails after another has been made. Then
     the tensors' post-accumulate hooks run, once each, as after ``loss.backward()``.
     """
@@ -188,7 +191,7 @@ def accumulate_grads(
             converted[k] = update
         in_place = [e is not None and _adds_in_place(e, u) for e, u in zip(current, converted)]
         new = [
-            u if e is None or add else u + e  # (dense + sparse works, sparse + dense does not)
+            u if e is None or add else added(e, u)
             for e, u, add in zip(current, converted, in_place)
         ]
     for tensor, existing, update, add in zip(tensors, current, new, in_place):
