@@ -20,7 +20,8 @@ from torch.nn.utils import parametrize
 from jacflow.aggregation import ConstantWeighting, MeanWeighting, UPGradWeighting
 from jacflow.autogram import Engine, mtl_gramian_step
 from jacflow.autogram import _engine as engine_module
-from jacflow.autogram._fallback import ReplayMismatchError
+from jacflow.autogram._fallback import FallbackRule, ReplayMismatchError
+from jacflow.autogram._rules import Call, Contribution, Rows, Rule, register_rule
 from tests.autogram._zoo import Scale
 from tests.autogram.test_engine import assert_exact_gramian, assert_exact_step, reference_jacobian
 
@@ -354,6 +355,91 @@ def test_batch_size_mismatch() -> None:
     losses = model(X).pow(2).sum(0)  # [2]: not per-sample
     with pytest.raises(ValueError, match=r"batch size 2 of `losses`.*received shape \(4, 5\)"):
         engine.compute_gramian(losses)
+
+
+class _WithStatistic(nn.Module):
+    """A learned scale that also returns a statistic of its batch, as a module returning an
+    auxiliary loss term does: a 0-d one (``scalar``), or one per feature (``[d]``, without
+    the batch dimension), ``detached`` or not."""
+
+    def __init__(self, statistic: str) -> None:
+        super().__init__()
+        self.statistic = statistic
+        self.s = nn.Parameter(torch.linspace(0.5, 1.5, 3, dtype=torch.float64))
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        h = torch.tanh(x * self.s)
+        if self.statistic == "scalar":
+            return h, h.pow(2).mean()
+        return h, h.mean(0).detach() if self.statistic == "detached" else h.mean(0)
+
+
+class _ScaleRule(Rule):
+    """A closed form of :class:`_WithStatistic`'s scale, which reads its first output only:
+    row ``r``'s gradient is the sum over its sample of ``x * (1 - h^2) * dL_r/dh``."""
+
+    def prepare(
+        self, module: nn.Module, params: dict[str, Tensor], calls: list[Call], rows: Rows
+    ) -> Contribution:
+        assert isinstance(module, _WithStatistic)
+        (call,) = calls
+        x = rows.gather(rows.samples(call.input()))
+        h = torch.tanh(x * module.s.detach())
+        return _RowGrads(x * (1 - h**2) * call.grad(0))
+
+
+class _RowGrads(Contribution):
+    def __init__(self, grads: Tensor) -> None:
+        self.grads = grads
+
+    def gramian(self, names: set[str]) -> Tensor | None:
+        return self.grads @ self.grads.T
+
+    def per_row_grads(self, name: str) -> Tensor:
+        return self.grads
+
+    def weighted_grads(self, weights: Tensor) -> dict[str, Tensor]:
+        return {"s": weights @ self.grads}
+
+
+class _ClosedWithStatistic(_WithStatistic):
+    """:class:`_WithStatistic` under the closed form :class:`_ScaleRule`."""
+
+
+register_rule(_ClosedWithStatistic, _ScaleRule())
+
+
+@pytest.mark.parametrize(
+    ("statistic", "closed"), [("scalar", False), ("detached", False), ("per feature", True)]
+)
+def test_an_unread_output_without_the_batch_is_left_out(statistic: str, closed: bool) -> None:
+    """A module that returned, beside its output, a statistic of its batch that the losses do
+    not read (a 0-d auxiliary loss term) was refused per sample, with a message about the
+    losses' shape. The statistic adds nothing to the rows' gradients: the Gramian and the step
+    are exact, under the generic rule and under a closed form (which reads only the outputs
+    it needs, whatever the statistic's shape)."""
+    model = (_ClosedWithStatistic if closed else _WithStatistic)(statistic)
+    with Engine(model, batch_dim=0) as engine:
+
+        def forward() -> Tensor:
+            return model(X)[0].pow(2).sum(1)
+
+        assert isinstance(engine._units[0].rule, _ScaleRule if closed else FallbackRule)
+        assert_exact_step(engine, forward, [model.s])
+
+
+def test_an_unread_output_without_the_batch_under_the_generic_rule() -> None:
+    """Under the generic rule, which re-runs the module sample by sample, an unread output
+    without the batch (not 0-d) is refused with an error that names it as such and the way
+    out (returning it detached, as the test above checks), not the losses' shape; no
+    ``.grad`` is written."""
+    model = _WithStatistic("per feature")
+    with Engine(model, batch_dim=0) as engine:
+        losses = model(X)[0].pow(2).sum(1)
+        match = r"received shape \(3,\) for an output that the losses do not read.*detached"
+        with pytest.raises(ValueError, match=match):
+            engine.backward(losses, UPGradWeighting())
+    assert model.s.grad is None
 
 
 class _FlatHeadLM(nn.Module):

@@ -1343,7 +1343,7 @@ class Engine:
             call.merged = _merged_positions(unit, call, rows, dims, not compiled, flattened)
             if call.merged > 1:  # (laid out by _unmerged; the probe checks the order)
                 dims = [None] * len(dims)
-            _check_batch(unit, call, rows, dims, losses.shape)
+            _check_batch(unit, call, rows, dims, losses.shape, call_grads)
             _check_versions(call)
             _check_same_parameters(unit, call)
             call.reached = [g is not None for g in call_grads]
@@ -2217,14 +2217,37 @@ def _unmerged(call: Call, rows: Rows) -> Call:
 
 
 def _check_batch(
-    unit: Unit, call: Call, rows: Rows, batch_dims: list[int | None], losses_shape: torch.Size
+    unit: Unit,
+    call: Call,
+    rows: Rows,
+    batch_dims: list[int | None],
+    losses_shape: torch.Size,
+    grads: Sequence[Tensor | None],
 ) -> None:
+    """Refuse an output of ``call`` without the losses' batch on its batch dimension, but one
+    that the losses do not read (``grads``: ``None``), as an auxiliary statistic of the batch
+    returned with the output: it adds nothing to the rows' gradients, and no closed form reads
+    it. The generic rule re-runs the module sample by sample, whose outputs must then follow
+    the batch too, but for a 0-d one (a loss term), which a re-run reproduces as it is."""
     if rows.per_task:
         return
     batch = rows.num_samples
-    for shape, dim in zip(call.output_shapes, batch_dims, strict=True):
+    replays = unit.rule.replays()
+    for shape, dim, grad in zip(call.output_shapes, batch_dims, grads, strict=True):
         if dim is None or (len(shape) > dim and shape[dim] == batch):
             continue
+        if grad is None and (not replays or not shape):
+            continue
+        if grad is None and isinstance(unit.rule, FallbackRule):
+            raise ValueError(
+                f"With batch_dim=0, the outputs of {unit.name} ({type(unit.module).__name__}) "
+                f"must have the batch size {batch} on dimension {dim}, received shape "
+                f"{tuple(shape)} for an output that the losses do not read. The module has no "
+                "closed form: the engine re-runs it sample by sample, and every output of the "
+                "re-run must follow the batch (but a 0-d one). Return that output detached "
+                "(out.detach(): it is then not recorded) or compute it outside the module, or "
+                "use batch_dim=None."
+            )
         raise _batch_mismatch(unit, batch, shape, dim, losses_shape)
 
 
