@@ -628,9 +628,11 @@ class Engine:
         modules: the modules whose parameters define the Jacobian. Parameters of other modules
             get no gradient from :meth:`backward` unless passed as ``other_params``.
         batch_dim: ``0``: ``losses[i, ...]`` depend only on sample ``i`` of every hooked
-            module's batch (dimension 0 of its inputs and outputs); one backward then gives every
-            sample's output gradients. ``None``: no such structure (e.g. one loss per task on a
-            shared trunk); one batched backward over the ``m`` losses.
+            module's batch (dimension 0 of its inputs and outputs; an output that the losses do
+            not read may lack it, as a 0-d auxiliary term returned with a module's output, and
+            under the generic rule only a 0-d one); one backward then gives every sample's
+            output gradients. ``None``: no such structure (e.g. one loss per task on a shared
+            trunk); one batched backward over the ``m`` losses.
         ddp: the ``DistributedDataParallel`` wrapping the model, when the modules given are
             inside it (e.g. its trunk; a wrapper among the modules given is found). DDP averages
             the replicas' gradients in hooks of ``backward``, which the engine's step does not
