@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import copy
+import io
+import pickle
 import sys
 from typing import Any
 
@@ -71,6 +74,27 @@ def test_quadprog_projector_errors(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "quadprog", None)
     with pytest.raises(ImportError, match="pip install quadprog"):
         QuadprogProjector()
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle", "torch.save"])
+@pytest.mark.parametrize("projector", [QuadprogProjector(), TorchProjector()], ids=repr)
+def test_projectors_and_their_aggregators_copy_and_pickle(how: str, projector: Any) -> None:
+    """A ``QuadprogProjector`` held the imported ``quadprog`` module: ``copy.deepcopy``, pickle
+    and ``torch.save`` of it, or of an ``UPGrad`` or model holding it (a checkpoint), raised
+    "cannot pickle 'module' object". The copy gives the original's weights."""
+    aggregator = UPGrad(projector=projector)
+    if how == "deepcopy":
+        copied = copy.deepcopy(aggregator)
+    elif how == "pickle":
+        copied = pickle.loads(pickle.dumps(aggregator))
+    else:
+        buffer = io.BytesIO()
+        torch.save(torch.nn.ModuleDict({"aggregator": aggregator}), buffer)
+        buffer.seek(0)
+        copied = torch.load(buffer, weights_only=False)["aggregator"]
+    jacobian = torch.tensor([[-4.0, 1.0, 1.0], [6.0, 1.0, 1.0], [1.0, -3.0, 0.5]])
+    assert type(copied.projector) is type(projector)
+    torch.testing.assert_close(copied(jacobian), aggregator(jacobian), rtol=0, atol=0)
 
 
 def test_torch_projector_rejects_bad_settings() -> None:

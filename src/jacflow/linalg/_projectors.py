@@ -151,6 +151,19 @@ class TorchProjector(DualConeProjector):
         )
 
 
+def _quadprog() -> Any:
+    """The ``quadprog`` module, imported where used: a projector that held it could not be
+    copied or pickled (nor a model or aggregator holding the projector, in a checkpoint)."""
+    try:
+        import quadprog
+    except ImportError as error:
+        raise ImportError(
+            "`QuadprogProjector` needs the quadprog package: `pip install quadprog` (or use "
+            "the default `TorchProjector`)."
+        ) from error
+    return quadprog
+
+
 @final
 class QuadprogProjector(DualConeProjector):
     """Projector solving one quadprog QP per row on the CPU in float64 (TorchJD's numbers).
@@ -181,14 +194,7 @@ class QuadprogProjector(DualConeProjector):
         check_solver_settings(norm_eps, reg_eps, "auto", None, None)
         self.norm_eps = float(norm_eps)
         self.reg_eps = float(reg_eps)
-        try:
-            import quadprog
-        except ImportError as error:
-            raise ImportError(
-                "`QuadprogProjector` needs the quadprog package: `pip install quadprog` (or use "
-                "the default `TorchProjector`)."
-            ) from error
-        self._quadprog: Any = quadprog
+        _quadprog()  # (refused at construction where it is missing)
 
     def __call__(self, u: Tensor, gramian: Tensor) -> Tensor:
         check_float_tensor(u, "u")
@@ -212,13 +218,14 @@ class QuadprogProjector(DualConeProjector):
         g_np = ((g + g.T) / 2).numpy()
         identity = torch.eye(m, dtype=torch.float64, device="cpu").numpy()
         zeros = torch.zeros(m, dtype=torch.float64, device="cpu").numpy()
+        solve_qp = _quadprog().solve_qp
         solutions = []
         for row, finite in zip(rows, finite_rows, strict=True):
             if not finite:  # (as the batched solver: NaN weights for a NaN or infinite row)
                 solutions.append(torch.full((m,), float("nan"), dtype=torch.float64))
                 continue
             try:
-                solution = self._quadprog.solve_qp(g_np, zeros, identity, row)[0]
+                solution = solve_qp(g_np, zeros, identity, row)[0]
             except ValueError as error:
                 raise ValueError(
                     f"quadprog could not solve the projection ({error}); the regularised "
