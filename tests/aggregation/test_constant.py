@@ -59,3 +59,17 @@ def test_device_and_dtype(device: str, dtype: torch.dtype) -> None:
     assert out.device.type == torch.device(device).type and out.dtype == dtype
     tol = 1e-3 if dtype == torch.float32 else 1e-9
     torch.testing.assert_close(out.cpu().double(), expected, atol=tol, rtol=tol)
+
+
+def test_assigning_weights_on_the_aggregator_is_refused() -> None:
+    """``Constant(w).weights = tensor`` hid the method ``weights(matrix)`` of every weighted
+    aggregator, accepted anything unchecked, and the next call failed with "'Tensor' object is
+    not callable". It is refused and names the weighting's hyper-parameter, which takes
+    effect; the aggregator is unchanged."""
+    aggregator = Constant(torch.tensor([1.0, 2.0]))
+    with pytest.raises(AttributeError, match=r"gramian_weighting\.weights = tensor"):
+        aggregator.weights = torch.tensor([3.0, 4.0])  # type: ignore[method-assign, assignment]
+    torch.testing.assert_close(aggregator(torch.eye(2)), torch.tensor([1.0, 2.0]))
+    aggregator.gramian_weighting.weights = torch.tensor([3.0, 4.0])  # type: ignore[assignment]
+    torch.testing.assert_close(aggregator(torch.eye(2)), torch.tensor([3.0, 4.0]))
+    assert str(aggregator) == "Constant([3., 4.])"

@@ -578,6 +578,17 @@ class WeightedAggregator(Aggregator):
         """Weights that this aggregator gives to the rows of ``matrix``."""
         return self.weighting(matrix)
 
+    def __setattr__(self, name: str, value: object) -> None:
+        # (an attribute would hide the method, and the next call fail on it: `Constant(w)`'s
+        # weights are its weighting's hyper-parameter)
+        if name == "weights":
+            raise AttributeError(
+                f"`weights` is the method weights(matrix) of {type(self).__name__}: assigning "
+                "it would hide that method. Constant weights are a hyper-parameter of the "
+                "weighting: `aggregator.gramian_weighting.weights = tensor` (checked there)."
+            )
+        super().__setattr__(name, value)
+
     def check_rows(self, m: int) -> None:
         self.weighting.check_rows(m)
 
