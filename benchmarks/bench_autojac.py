@@ -17,6 +17,7 @@ Run: ``.venv/bin/python benchmarks/bench_autojac.py`` (TorchJD from the ``bench`
 
 from __future__ import annotations
 
+import argparse
 import json
 import resource
 import subprocess
@@ -282,11 +283,15 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:] == ["--deep"]:  # (the overhead-bound tables alone)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--deep", action="store_true", help="the overhead-bound tables alone")
+    parser.add_argument("--peak", help=argparse.SUPPRESS)  # (a child of the memory table)
+    args = parser.parse_args()
+    if args.peak is not None:
+        setup()
+        _peak_child(args.peak)
+    elif args.deep:
         setup()
         deep_table()
-    elif len(sys.argv) == 3 and sys.argv[1] == "--peak":
-        setup()
-        _peak_child(sys.argv[2])
     else:
         main()

@@ -14,6 +14,7 @@ of jacflow's step, by self CPU time).
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import sys
 import time
@@ -47,6 +48,14 @@ def wall_ms(fn: Callable[[], object], repeats: int = 50) -> float:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--table", action="store_true", help="the profiler's table of jacflow's step"
+    )
+    args = parser.parse_args()
+    if not torch.cuda.is_available():  # (`jacflow bench` runs every script: not a failure)
+        print("profile_gpu_step.py profiles a step on a CUDA GPU, and none is available: skipped.")
+        return
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}")
     x = torch.randn(16, device="cuda")
     y = x.cpu()
@@ -66,7 +75,7 @@ def main() -> None:
             counts = {e.key: e.count // 10 for e in events if e.key in CALLS}
             busy = sum(getattr(e, "self_device_time_total", 0) for e in events) / 10 / 1e3
             print(f"{model} B={batch} {method}: {ms:.2f} ms, GPU busy {busy:.2f} ms, {counts}")
-            if method == "jacflow" and "--table" in sys.argv and (model, batch) == CASES[0]:
+            if method == "jacflow" and args.table and (model, batch) == CASES[0]:
                 print(events.table(sort_by="self_cpu_time_total", row_limit=30))
         gramian = iwrm_gramian(model, batch, "cuda")
         host = gramian.cpu()
