@@ -512,3 +512,23 @@ def test_overwrite_refuses_a_comparison_naming_a_run_outside_the_folder(
     assert f"names the run {name!r}, which is not a folder name" in err
     assert (parent / "metrics.json").read_text() == "an earlier run in the parent"
     assert (out / "metrics.json").read_text() == "an earlier run here"  # nothing deleted
+
+
+def test_a_reader_that_stops_early_ends_the_command_without_a_traceback() -> None:
+    """``jacflow aggregators | head -1`` ended with a BrokenPipeError traceback; the command
+    now stops quietly with exit status 1 (Python's convention for EPIPE) when its reader has
+    gone."""
+    read, write = os.pipe()
+    os.close(read)  # (the reader is gone before the first line: every write fails)
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "jacflow", "aggregators"],
+            stdout=write,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        os.close(write)
+    assert done.returncode == 1
+    assert "Traceback" not in done.stderr and "BrokenPipeError" not in done.stderr

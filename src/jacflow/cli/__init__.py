@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 import time
 import warnings
@@ -88,7 +89,11 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
         "--lr", type=_positive_float, help="learning rate (Adam 3e-3; iwrm SGD 0.1)"
     )
     parser.add_argument("--batch-size", type=_positive_int, help="batch size (64; iwrm: 32)")
-    parser.add_argument("--out", type=_out_path, help="run folder (default: runs/<name>-<time>)")
+    parser.add_argument(
+        "--out",
+        type=_out_path,
+        help="run folder (default: runs/train-<aggregator>-<time>, runs/compare-<names>-<time>)",
+    )
     parser.add_argument(
         "--overwrite",
         action="store_true",
@@ -115,7 +120,9 @@ def _parser() -> argparse.ArgumentParser:
     _add_run_options(train)
     compare = commands.add_parser("compare", help="train several aggregators with one seed")
     compare.add_argument(
-        "--aggregators", default="mean,upgrad,mgda", help="comma-separated aggregator names"
+        "--aggregators",
+        default="mean,upgrad,mgda",
+        help="comma-separated aggregator names (default: mean,upgrad,mgda)",
     )
     compare.add_argument("--mode", choices=["mtl", "iwrm"], default="mtl")
     _add_run_options(compare)
@@ -376,3 +383,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except CLIError as error:
         print(f"jacflow {args.command}: error: {error}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # (the reader of the output stopped: `jacflow aggregators | head -1`)
+        # (stdout is flushed again at exit, which would raise once more: it goes to devnull)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
