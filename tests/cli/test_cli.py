@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import importlib.util
+import io
 import json
 import os
 import shutil
@@ -514,10 +516,15 @@ def test_overwrite_refuses_a_comparison_naming_a_run_outside_the_folder(
     assert (out / "metrics.json").read_text() == "an earlier run here"  # nothing deleted
 
 
-def test_a_reader_that_stops_early_ends_the_command_without_a_traceback() -> None:
-    """``jacflow aggregators | head -1`` ended with a BrokenPipeError traceback; the command
-    now stops quietly with exit status 1 (Python's convention for EPIPE) when its reader has
-    gone."""
+@pytest.mark.parametrize("buffered", [True, False])
+def test_a_reader_that_stops_early_ends_the_command_without_a_traceback(buffered: bool) -> None:
+    """``jacflow aggregators | head -1`` ended with a BrokenPipeError traceback (unbuffered) or
+    "Exception ignored ... BrokenPipeError" and exit status 120 (buffered, the output written
+    at exit); the command now stops quietly with exit status 1 (Python's convention for
+    EPIPE) when its reader has gone."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    if not buffered:
+        env["PYTHONUNBUFFERED"] = "1"
     read, write = os.pipe()
     os.close(read)  # (the reader is gone before the first line: every write fails)
     try:
@@ -527,8 +534,23 @@ def test_a_reader_that_stops_early_ends_the_command_without_a_traceback() -> Non
             stderr=subprocess.PIPE,
             text=True,
             timeout=120,
+            env=env,
         )
     finally:
         os.close(write)
     assert done.returncode == 1
-    assert "Traceback" not in done.stderr and "BrokenPipeError" not in done.stderr
+    assert "BrokenPipeError" not in done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_broken_pipe_without_a_stdout_descriptor_is_raised(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where stdout is captured in memory (a notebook, ``redirect_stdout``), a broken pipe is
+    not stdout's: it is raised as it is, not hidden behind an error of the handler."""
+
+    def broken() -> int:
+        raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr("jacflow.cli._cmd_aggregators", broken)
+    with contextlib.redirect_stdout(io.StringIO()), pytest.raises(BrokenPipeError):
+        main(["aggregators"])

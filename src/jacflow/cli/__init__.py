@@ -373,17 +373,35 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(exit_.code or 0) if not isinstance(exit_.code, str) else 2
     torch.set_num_threads(getattr(args, "threads", 1))
     try:
-        if args.command == "train":
-            return _cmd_train(args)
-        if args.command == "compare":
-            return _cmd_compare(args)
-        if args.command == "bench":
-            return _cmd_bench(args)
-        return _cmd_aggregators()
+        code = _run(args)
+        sys.stdout.flush()  # (here: a reader that stopped early shows in the try, not at exit)
+        return code
     except CLIError as error:
         print(f"jacflow {args.command}: error: {error}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # (the reader of the output stopped: `jacflow aggregators | head -1`)
-        # (stdout is flushed again at exit, which would raise once more: it goes to devnull)
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        if not _silenced_stdout():
+            raise
         return 1
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.command == "train":
+        return _cmd_train(args)
+    if args.command == "compare":
+        return _cmd_compare(args)
+    if args.command == "bench":
+        return _cmd_bench(args)
+    return _cmd_aggregators()
+
+
+def _silenced_stdout() -> bool:
+    """Send the rest of stdout to devnull (Python flushes it again at exit, which would raise
+    once more), where it is a file descriptor (not one captured in memory, as in a notebook:
+    then ``False``, and the error is the caller's)."""
+    try:
+        descriptor = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # (io.UnsupportedOperation is both)
+        return False
+    os.dup2(os.open(os.devnull, os.O_WRONLY), descriptor)
+    return True
