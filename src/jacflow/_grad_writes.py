@@ -179,8 +179,9 @@ def owned(
 
 
 def added(total: Tensor, grad: Tensor) -> Tensor:
-    """``total + grad`` out of place, either of them sparse: torch adds a sparse tensor to a
-    dense one, not a dense one to a sparse one, so the dense one comes first (the same sum).
+    """``total + grad`` out of place, either of them sparse (COO, or another sparse layout):
+    torch adds a sparse tensor to a dense one, not a dense one to a sparse one, so the dense
+    one comes first (the same sum, as autograd's accumulation forms it).
 
     Example:
         >>> import torch

@@ -328,3 +328,18 @@ def test_the_claims_of_a_configuration_with_a_preference_hold(
     """Every claim of ``claimed_properties()`` is checked on random 3-row Jacobians."""
     pref_vector = torch.tensor(pref, dtype=torch.float64)
     check_claimed_properties(lambda: make(pref_vector=pref_vector), jacobians(min_m=3, max_m=3))
+
+
+@pytest.mark.parametrize("make", [agg.UPGrad, lambda: agg.WeightedAggregator(agg.MeanWeighting())])
+def test_assigning_weights_on_a_weighted_aggregator_is_refused(make: Callable[[], Any]) -> None:
+    """``weights`` is the method ``weights(matrix)`` of every weighted aggregator: an
+    assignment hid it and the next call failed. It is refused (as a frozen hyper-parameter's
+    is), without the hint of ``Constant``'s weighting, which these do not have, and the
+    aggregator is unchanged."""
+    aggregator = make()
+    matrix = torch.tensor([[-4.0, 1.0, 1.0], [6.0, 1.0, 1.0]])
+    before = aggregator(matrix)
+    with pytest.raises(AttributeError, match=r"would hide that method\. Its weights come from"):
+        aggregator.weights = torch.ones(2)
+    torch.testing.assert_close(aggregator(matrix), before, rtol=0, atol=0)
+    torch.testing.assert_close(before, make()(matrix), rtol=0, atol=0)

@@ -402,29 +402,53 @@ class _RowGrads(Contribution):
         return {"s": weights @ self.grads}
 
 
+class _ReplayingScaleRule(_ScaleRule):
+    """:class:`_ScaleRule`, declared as a rule that replays its module (as the attention and
+    recurrent rules do): the engine records what a replay needs."""
+
+    def replays(self) -> bool:
+        return True
+
+
 class _ClosedWithStatistic(_WithStatistic):
     """:class:`_WithStatistic` under the closed form :class:`_ScaleRule`."""
 
 
+class _ReplayedWithStatistic(_WithStatistic):
+    """:class:`_WithStatistic` under :class:`_ReplayingScaleRule`."""
+
+
 register_rule(_ClosedWithStatistic, _ScaleRule())
+register_rule(_ReplayedWithStatistic, _ReplayingScaleRule())
 
 
 @pytest.mark.parametrize(
-    ("statistic", "closed"), [("scalar", False), ("detached", False), ("per feature", True)]
+    ("statistic", "rule"),
+    [
+        ("scalar", FallbackRule),
+        ("detached", FallbackRule),  # (the way out that the refusal below names)
+        ("per feature", _ScaleRule),
+        ("per feature", _ReplayingScaleRule),
+    ],
 )
-def test_an_unread_output_without_the_batch_is_left_out(statistic: str, closed: bool) -> None:
+def test_an_unread_output_without_the_batch_is_left_out(statistic: str, rule: type) -> None:
     """A module that returned, beside its output, a statistic of its batch that the losses do
     not read (a 0-d auxiliary loss term) was refused per sample, with a message about the
     losses' shape. The statistic adds nothing to the rows' gradients: the Gramian and the step
     are exact, under the generic rule and under a closed form (which reads only the outputs
-    it needs, whatever the statistic's shape)."""
-    model = (_ClosedWithStatistic if closed else _WithStatistic)(statistic)
+    it needs, whatever the statistic's shape), one that replays the module too."""
+    module_type = {
+        FallbackRule: _WithStatistic,
+        _ScaleRule: _ClosedWithStatistic,
+        _ReplayingScaleRule: _ReplayedWithStatistic,
+    }[rule]
+    model = module_type(statistic)
     with Engine(model, batch_dim=0) as engine:
 
         def forward() -> Tensor:
             return model(X)[0].pow(2).sum(1)
 
-        assert isinstance(engine._units[0].rule, _ScaleRule if closed else FallbackRule)
+        assert type(engine._units[0].rule) is rule
         assert_exact_step(engine, forward, [model.s])
 
 

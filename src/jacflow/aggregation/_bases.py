@@ -584,8 +584,7 @@ class WeightedAggregator(Aggregator):
         if name == "weights":
             raise AttributeError(
                 f"`weights` is the method weights(matrix) of {type(self).__name__}: assigning "
-                "it would hide that method. Constant weights are a hyper-parameter of the "
-                "weighting: `aggregator.gramian_weighting.weights = tensor` (checked there)."
+                f"it would hide that method. {_weights_hint(self)}"
             )
         super().__setattr__(name, value)
 
@@ -601,6 +600,19 @@ class WeightedAggregator(Aggregator):
 
     def extra_repr(self) -> str:
         return repr(self.weighting) if type(self) in (WeightedAggregator,) else ""
+
+
+def _weights_hint(aggregator: WeightedAggregator) -> str:
+    """Where the weights of ``aggregator`` are set: a ``Constant``'s on its weighting."""
+    from jacflow.aggregation._constant import ConstantWeighting  # (it builds on this module)
+
+    weighting = getattr(aggregator, "gramian_weighting", aggregator.weighting)
+    if isinstance(weighting, ConstantWeighting):
+        return (
+            "Constant weights are a hyper-parameter of the weighting: "
+            "`aggregator.gramian_weighting.weights = tensor` (checked there)."
+        )
+    return "Its weights come from its weighting; change the weighting's hyper-parameters."
 
 
 class GramianWeightedAggregator(WeightedAggregator):

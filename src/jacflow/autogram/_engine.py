@@ -2228,19 +2228,20 @@ def _check_batch(
 ) -> None:
     """Refuse an output of ``call`` without the losses' batch on its batch dimension, but one
     that the losses do not read (``grads``: ``None``), as an auxiliary statistic of the batch
-    returned with the output: it adds nothing to the rows' gradients, and no closed form reads
-    it. The generic rule re-runs the module sample by sample, whose outputs must then follow
-    the batch too, but for a 0-d one (a loss term), which a re-run reproduces as it is."""
+    returned with the output: it adds nothing to the rows' gradients, and a rule is handed
+    zeros for it. The generic rule re-runs the module sample by sample, whose outputs must
+    then follow the batch too, but for a 0-d one (a loss term), whose re-run is not compared
+    with the forward's."""
     if rows.per_task:
         return
     batch = rows.num_samples
-    replays = unit.rule.replays()
+    generic = isinstance(unit.rule, FallbackRule)
     for shape, dim, grad in zip(call.output_shapes, batch_dims, grads, strict=True):
         if dim is None or (len(shape) > dim and shape[dim] == batch):
             continue
-        if grad is None and (not replays or not shape):
+        if grad is None and not (generic and shape):
             continue
-        if grad is None and isinstance(unit.rule, FallbackRule):
+        if grad is None:
             raise ValueError(
                 f"With batch_dim=0, the outputs of {unit.name} ({type(unit.module).__name__}) "
                 f"must have the batch size {batch} on dimension {dim}, received shape "
