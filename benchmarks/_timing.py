@@ -7,6 +7,7 @@ device's work.
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import ctypes.util
 import statistics
@@ -43,6 +44,16 @@ def keep_heap() -> None:
         raise RuntimeError("--keep-heap needs glibc's mallopt (Linux with glibc).")
     if not (mallopt(_M_TRIM_THRESHOLD, 2**30) and mallopt(_M_MMAP_THRESHOLD, 2**25)):
         raise RuntimeError("glibc's mallopt refused the thresholds of --keep-heap.")
+
+
+def checked_device(parser: argparse.ArgumentParser, device: str) -> str:
+    """A ``--device`` option's value, ``cpu`` or an available ``cuda``; else the parser's usage
+    error (a line and exit status 2, not a traceback later)."""
+    if device not in ("cpu", "cuda"):
+        parser.error(f"--device must be cpu or cuda, received {device!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch sees no CUDA device here")
+    return device
 
 
 def clock(device: torch.device | str = "cpu") -> Callable[[], float]:

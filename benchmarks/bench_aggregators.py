@@ -103,7 +103,14 @@ def main() -> None:
     setup()
     warnings.simplefilter("ignore")  # NashMTL (TorchJD) warns on every call through cvxpy
 
-    names = [name for name in discover() if args.only is None or name in args.only]
+    found = discover()
+    unknown = sorted(set(args.only or ()) - set(found))
+    if unknown:
+        parser.error(
+            f"--only: {', '.join(unknown)} not among the methods of both libraries: "
+            + ", ".join(found)
+        )
+    names = [name for name in found if args.only is None or name in args.only]
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, n = {args.n}, float32")
     print(f"methods found in both libraries: {', '.join(names)}\n")
     print("| method | m | jacflow (ms) | TorchJD (ms) | TorchJD / jacflow |")

@@ -70,7 +70,7 @@ from torch import nn
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 import torchjd
-from _timing import interleaved_medians, keep_heap, setup
+from _timing import checked_device, interleaved_medians, keep_heap, setup
 from torchjd import autogram as tjd_autogram
 from torchjd import autojac as tjd_autojac
 from torchjd.aggregation import UPGrad as TjdUPGrad
@@ -610,6 +610,13 @@ def drop_failing(steps: dict[str, Step]) -> set[str]:
     return failed
 
 
+def _known_model(name: str) -> bool:
+    """Whether :func:`iwrm_problem` builds the per-sample model ``name``."""
+    if name in ("cnn", "transformer", "custom", "gpt2", "opt", *RECURRENT):
+        return True
+    return name.startswith("mlp") and name.removeprefix("mlp").isdigit()
+
+
 def _times_faster(ratio: float) -> str:
     """A ratio of TorchJD's time to jacflow's: two decimals below 10 (``1.24x``), whole above
     (``53x``)."""
@@ -649,8 +656,14 @@ def main() -> None:
         spec = json.loads(args.child)
         (pair_child if spec["task"] == "pair" else memory_child)(spec)
         return
+    device = checked_device(parser, args.device)
+    for model_name in args.models.split(","):
+        if not _known_model(model_name):
+            parser.error(
+                f"--models: unknown model {model_name!r}; known: mlp<width> (e.g. mlp256), cnn, "
+                f"transformer, {', '.join(RECURRENT)}, custom, gpt2, opt"
+            )
     setup()
-    device = args.device
     rounds = 5 if args.quick else (9 if device == "cpu" else 21)
     alone_rounds = 2 * rounds + 1  # (two cheap methods: more rounds for the same time)
     processes = min(1, args.processes) if args.quick else args.processes

@@ -49,7 +49,7 @@ from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from _timing import clock
+from _timing import checked_device, clock
 
 from jacflow.aggregation import UPGradWeighting
 from jacflow.linalg import project_weights
@@ -146,7 +146,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[2, 8, 32, 64, 128, 256, 512])
     parser.add_argument("--torchjd-max-m", type=int, default=512)
-    parser.add_argument("--gramians", nargs="+", default=["gauss", "mlp"])
+    parser.add_argument(
+        "--gramians",
+        nargs="+",
+        default=["gauss", "mlp"],
+        choices=["gauss", "mlp", "lowrank", "digits"],
+    )
     parser.add_argument("--device", default="cpu", help="where the Gramian lies: cpu or cuda")
     parser.add_argument("--dtype", default="float64", choices=["float64", "float32"])
     parser.add_argument(
@@ -157,6 +162,7 @@ def main() -> None:
         help="one row per seed of each Gramian (its name then reads kind/seed)",
     )
     args = parser.parse_args()
+    checked_device(parser, args.device)
     dtype = getattr(torch, args.dtype)
     now = clock(args.device)
     from torchjd.aggregation import UPGradWeighting as TorchJDUPGradWeighting
