@@ -1,4 +1,5 @@
-"""The short labels that ``str`` gives methods, in TorchJD's format (users' logs compare them)."""
+"""The short labels that ``str`` gives methods, in TorchJD's format (users' logs compare them),
+and how errors name a value of the wrong type."""
 
 from __future__ import annotations
 
@@ -29,3 +30,21 @@ def with_vector(name: str, vector: Tensor | None) -> str:
         ('UPGrad([0.2, 0.8])', 'UPGrad')
     """
     return name if vector is None else f"{name}([{vector_label(vector)}])"
+
+
+def received(value: object) -> str:
+    """How an error names ``value``, received where another type was expected: its type, or for
+    a class given where an instance is expected (``A=UPGrad``), the class and the call that
+    makes an instance (its type alone is the metaclass, ``abc.ABCMeta``).
+
+    Example:
+        >>> from jacflow._labels import received
+        >>> from jacflow.aggregation import UPGrad
+        >>> received(UPGrad)
+        'the class UPGrad (an instance is made by calling it: UPGrad())'
+        >>> received(3)
+        "<class 'int'>"
+    """
+    if isinstance(value, type):
+        return f"the class {value.__name__} (an instance is made by calling it: {value.__name__}())"
+    return str(type(value))

@@ -323,10 +323,41 @@ def test_embedding_bag_with_offsets(batch_dim: int | None) -> None:
     assert_exact_gramian(engine, torch.stack([losses.sum(), losses[0] * losses[2]]), [bag.weight])
 
 
-@pytest.mark.parametrize("batch_dim", [1, -1, True, "0"])
-def test_bad_batch_dim(batch_dim: object) -> None:
-    with pytest.raises(ValueError, match=r"`batch_dim` must be 0 or None"):
+@pytest.mark.parametrize(
+    ("batch_dim", "error"),
+    [(1, ValueError), (-1, ValueError), (True, TypeError), ("0", TypeError), (0.0, TypeError)],
+)
+def test_bad_batch_dim(batch_dim: object, error: type[Exception]) -> None:
+    """A value of another type than int (``"0"``, ``True``) is a ``TypeError``, another int a
+    ``ValueError``."""
+    with pytest.raises(error, match=r"`batch_dim` must be 0 or None"):
         Engine(_mlp(), batch_dim=batch_dim)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("refusing", ["constant", "class"])
+def test_a_refused_weighting_leaves_the_forward_for_a_retry(refusing: str) -> None:
+    """A weighting that refuses the number of losses (``ConstantWeighting`` of another size)
+    refused it after the step had taken the forward's recorded calls: the retry with a right
+    weighting found none. It is refused before now (as ``jacflow.backward`` refuses an
+    aggregator's rows before differentiating), as is a weighting's class given for an
+    instance, named as such; the retry gives the exact step and no ``.grad`` was written."""
+    model = _mlp()
+    params = list(model.parameters())
+    with Engine(model, batch_dim=0) as engine:
+        losses = model(X).pow(2).sum(1)
+        if refusing == "constant":
+            weighting: Any = ConstantWeighting(torch.ones(3, dtype=torch.float64))
+            match = "3 `weights` but the input has 4 rows"
+            with pytest.raises(ValueError, match=match):
+                engine.backward(losses, weighting)
+        else:
+            with pytest.raises(TypeError, match=r"the class UPGradWeighting .*UPGradWeighting\(\)"):
+                engine.backward(losses, UPGradWeighting)  # type: ignore[arg-type]
+        assert all(p.grad is None for p in params)
+        jacobian = reference_jacobian(losses, params)
+        weights = engine.backward(losses, UPGradWeighting())
+    torch.testing.assert_close(weights, UPGradWeighting()(jacobian @ jacobian.T))
+    torch.testing.assert_close(torch.cat([p.grad.flatten() for p in params]), weights @ jacobian)
 
 
 def test_bad_modules() -> None:

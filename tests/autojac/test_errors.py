@@ -195,6 +195,18 @@ CASES: list[tuple[str, type[Exception], str, Callable[[Tensor, Tensor, list[Tens
         "`retain_jac` must be a bool",
         lambda w, v, o: jac_to_grad([w], Mean(), retain_jac="yes"),  # type: ignore[arg-type]
     ),
+    (  # (its type was named: <class 'abc.ABCMeta'>)
+        "aggregator class",
+        TypeError,
+        r"received the class UPGrad \(an instance is made by calling it: UPGrad\(\)\)",
+        lambda w, v, o: backward(o, [w], A=UPGrad),  # type: ignore[arg-type]
+    ),
+    (
+        "aggregator class to jac_to_grad",
+        TypeError,
+        r"received the class Mean .*Mean\(\)",
+        lambda w, v, o: jac_to_grad([w], Mean),  # type: ignore[arg-type]
+    ),
 ]
 
 
@@ -369,6 +381,9 @@ def test_mtl_errors_and_nothing_lost() -> None:
         mtl_backward([features.sum(1), losses[1]], features)
     with pytest.raises(TypeError, match="`A` must be"):
         mtl_backward(losses, features, A=3)  # type: ignore[arg-type]
+    # (the way out was `.requires_grad_()`, which on a detached copy leaves the trunk out)
+    with pytest.raises(ValueError, match=r"compute it from the shared parameters.*not detached"):
+        mtl_backward(losses, features.detach(), A=Mean())
     for p in [*trunk.parameters(), *head.parameters()]:
         assert p.grad is None and not hasattr(p, "jac")
 

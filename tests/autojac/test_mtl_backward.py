@@ -144,6 +144,11 @@ def test_engine_path_errors_leave_grads_untouched() -> None:
             )
         with pytest.raises(TypeError, match="`engine` must be"):
             mtl_backward(losses, features, A=UPGrad(), engine=object())  # type: ignore[arg-type]
+    # (the message named mtl_gramian_step, which the user did not call)
+    with Engine(trunk, batch_dim=0) as per_sample:
+        losses, features = _losses(trunk, heads, x)
+        with pytest.raises(ValueError, match=r"mtl_backward with `engine=`\) needs a per-task"):
+            mtl_backward(losses, features, A=UPGrad(), engine=per_sample)
     for p in [*trunk.parameters(), *(q for h in heads for q in h.parameters())]:
         assert p.grad is None and not hasattr(p, "jac")
 

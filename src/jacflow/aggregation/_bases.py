@@ -20,7 +20,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules import module as torch_module
 
-from jacflow._labels import with_vector
+from jacflow._labels import received, with_vector
 from jacflow.aggregation._hyperparameters import (
     Configurable,
     Forwarded,
@@ -372,7 +372,7 @@ def check_weighting(value: object, name: str) -> Weighting:
     """``value`` if it is a :class:`Weighting`, else a ``TypeError``."""
     if not isinstance(value, Weighting):
         raise TypeError(
-            f"`{name}` must be a jacflow.aggregation.Weighting, received {type(value)}."
+            f"`{name}` must be a jacflow.aggregation.Weighting, received {received(value)}."
         )
     return value
 
@@ -496,7 +496,7 @@ def check_gramian_weighting(value: object, name: str = "weighting") -> GramianWe
     """
     if not isinstance(value, GramianWeighting):
         raise TypeError(
-            f"`{name}` must be a jacflow.aggregation.GramianWeighting, received {type(value)}."
+            f"`{name}` must be a jacflow.aggregation.GramianWeighting, received {received(value)}."
         )
     return value
 

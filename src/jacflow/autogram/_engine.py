@@ -21,6 +21,7 @@ from torch.nn.utils.parametrize import is_parametrized
 from torch.utils.hooks import RemovableHandle
 
 from jacflow._grad_writes import added, grad_dtype, laid_out, owned, run_post_accumulate_hooks
+from jacflow._labels import received
 from jacflow._warnings import caller_stacklevel
 from jacflow.aggregation import GramianWeighting
 from jacflow.aggregation._bases import peak_out_of_range, runs_forward_hooks, unit_peak_factor
@@ -672,7 +673,14 @@ class Engine:
         batch_dim: int | None,
         ddp: DistributedDataParallel | None = None,
     ) -> None:
-        if batch_dim is not None and (isinstance(batch_dim, bool) or batch_dim != 0):
+        if batch_dim is not None and (
+            isinstance(batch_dim, bool) or not isinstance(batch_dim, int)
+        ):
+            raise TypeError(
+                f"`batch_dim` must be 0 or None, received {received(batch_dim)}. Pass the int 0 "
+                "(per sample) or None (per task)."
+            )
+        if batch_dim is not None and batch_dim != 0:
             raise ValueError(
                 f"`batch_dim` must be 0 or None, received {batch_dim!r}. Move the batch "
                 "dimension of your inputs and losses to 0."
@@ -1030,10 +1038,13 @@ class Engine:
             if not isinstance(weighting, GramianWeighting):
                 raise TypeError(
                     "`weighting` must be a jacflow.aggregation.GramianWeighting (e.g. "
-                    f"UPGradWeighting()), received {type(weighting)}."
+                    f"UPGradWeighting()), received {received(weighting)}."
                 )
             check_flag(retain_graph, "retain_graph", none_ok=True)  # (see compute_gramian)
             losses = self._checked_losses(losses)
+            # (before the step takes the recorded calls: a refused number of losses leaves the
+            # forward for a retry, as jacflow.backward leaves the graph)
+            weighting.check_rows(losses.numel())
             others, tasks = self._checked_params(other_params, tasks_params)
             unhooked, selections = self._task_inputs(tasks, layout)
             with without_autocast(losses.device.type):  # (the weighting's products too)

@@ -69,7 +69,8 @@ def per_task_step(
         raise TypeError(f"`engine` must be a jacflow.autogram.Engine, received {type(engine)}.")
     if engine.batch_dim is not None:
         raise ValueError(
-            "mtl_gramian_step needs a per-task engine: create it with batch_dim=None, received "
-            f"an engine with batch_dim={engine.batch_dim}."
+            "A per-task step (mtl_gramian_step, or mtl_backward with `engine=`) needs a per-task "
+            f"engine: create it with batch_dim=None, received an engine with "
+            f"batch_dim={engine.batch_dim}."
         )
     return engine._step(losses, weighting, (), tasks_params, retain_graph, layout)

@@ -12,6 +12,7 @@ from collections.abc import Iterable, Sequence
 
 from torch import Tensor
 
+from jacflow._labels import received
 from jacflow.aggregation import Aggregator
 
 
@@ -75,13 +76,15 @@ def check_chunk_size(value: object, name: str) -> int | None:
     return size
 
 
-def check_inputs_require_grad(inputs: tuple[Tensor, ...], name: str) -> None:
+def check_inputs_require_grad(inputs: tuple[Tensor, ...], name: str, fix: str = "") -> None:
+    """Refuse an input that does not require grad; ``fix``: the way out where it is not to call
+    ``.requires_grad_()`` on it (a feature must come from the shared parameters)."""
+    fix = fix or f"Call `.requires_grad_()` on it or remove it from `{name}`."
     for i, tensor in enumerate(inputs):
         if not tensor.requires_grad:
             raise ValueError(
                 f"`{name}[{i}]` (shape {tuple(tensor.shape)}) does not require grad, so no "
-                "Jacobian can be computed with respect to it. Call `.requires_grad_()` on it or "
-                f"remove it from `{name}`."
+                f"Jacobian can be computed with respect to it. {fix}"
             )
 
 
@@ -139,7 +142,7 @@ def check_aggregator(aggregator: object) -> Aggregator | None:
         return aggregator
     raise TypeError(
         f"`A` must be a jacflow.aggregation.Aggregator (e.g. UPGrad()) or None, received "
-        f"{type(aggregator)}."
+        f"{received(aggregator)}."
     )
 
 

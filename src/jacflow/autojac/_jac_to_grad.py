@@ -6,6 +6,7 @@ from collections.abc import Iterable
 
 from torch import Tensor
 
+from jacflow._labels import received
 from jacflow.aggregation import Aggregator
 from jacflow.autojac._accumulate import accumulate_grads, check_jac_field, warn_if_distributed
 from jacflow.autojac._aggregate import aggregate_blocks
@@ -60,7 +61,7 @@ def _resolve_aggregator(A: object, aggregator: object, optimize: object) -> Aggr
     if not isinstance(given, Aggregator):
         raise TypeError(
             f"{name} must be a jacflow.aggregation.Aggregator (e.g. UPGrad()), received "
-            f"{type(given)}."
+            f"{received(given)}."
         )
     check_flag(optimize, "optimize_gramian_computation")
     return given

@@ -46,6 +46,14 @@ if TYPE_CHECKING:
 Hook = Callable[[Tensor], Tensor | None]
 
 
+# (a detached feature made to require grad would take the trunk out of the step, silently)
+_DETACHED_FEATURE = (
+    "A feature is the shared trunk's output: compute it from the shared parameters with grad "
+    "enabled (not under torch.no_grad(), not detached) and pass it as it is; calling "
+    "`.requires_grad_()` on a detached copy would leave the trunk out of the step."
+)
+
+
 def _check_scalar_losses(losses: tuple[Tensor, ...]) -> None:
     for i, loss in enumerate(losses):
         if loss.numel() != 1:
@@ -508,7 +516,7 @@ def _checked(
     check_non_empty(feature_tuple, "features")
     check_unique(feature_tuple, "features")
     check_real(feature_tuple, "features")
-    check_inputs_require_grad(feature_tuple, "features")
+    check_inputs_require_grad(feature_tuple, "features", _DETACHED_FEATURE)
     aggregator = check_aggregator(A)
     if aggregator is not None:  # (before any differentiation: a refusal keeps the graph)
         aggregator.check_rows(len(loss_tuple))

@@ -7,6 +7,7 @@ from typing import Any, final
 import torch
 from torch import Tensor, nn
 
+from jacflow._labels import received
 from jacflow.aggregation import (
     Aggregator,
     GramianWeightedAggregator,
@@ -49,7 +50,7 @@ class AggregatorWatch:
         if not isinstance(aggregator, Aggregator):
             raise TypeError(
                 "`aggregator` must be a jacflow.aggregation.Aggregator, received "
-                f"{type(aggregator)}."
+                f"{received(aggregator)}."
             )
         self.aggregator = aggregator
         self._matrix: Tensor | None = None
