@@ -3,6 +3,8 @@ and how errors name a value of the wrong type."""
 
 from __future__ import annotations
 
+import inspect
+
 from torch import Tensor
 
 
@@ -39,12 +41,28 @@ def received(value: object) -> str:
 
     Example:
         >>> from jacflow._labels import received
-        >>> from jacflow.aggregation import UPGrad
+        >>> from jacflow.aggregation import Constant, UPGrad
         >>> received(UPGrad)
         'the class UPGrad (an instance is made by calling it: UPGrad())'
+        >>> received(Constant)
+        'the class Constant (an instance is made by calling it: Constant(...))'
         >>> received(3)
         "<class 'int'>"
     """
     if isinstance(value, type):
-        return f"the class {value.__name__} (an instance is made by calling it: {value.__name__}())"
+        call = f"{value.__name__}({'...' if _needs_arguments(value) else ''})"
+        return f"the class {value.__name__} (an instance is made by calling it: {call})"
     return str(type(value))
+
+
+def _needs_arguments(cls: type) -> bool:
+    """Whether constructing ``cls`` needs an argument (``Engine(...)``, not ``UPGrad()``)."""
+    try:
+        parameters = inspect.signature(cls).parameters.values()
+    except (TypeError, ValueError):  # (a signature Python cannot read: show none)
+        return False
+    return any(
+        p.default is p.empty
+        and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+        for p in parameters
+    )

@@ -144,6 +144,8 @@ def test_engine_path_errors_leave_grads_untouched() -> None:
             )
         with pytest.raises(TypeError, match="`engine` must be"):
             mtl_backward(losses, features, A=UPGrad(), engine=object())  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match=r"received the class Engine .*Engine\(\.\.\.\)"):
+            mtl_backward(losses, features, A=UPGrad(), engine=Engine)  # type: ignore[arg-type]
     # (the message named mtl_gramian_step, which the user did not call)
     with Engine(trunk, batch_dim=0) as per_sample:
         losses, features = _losses(trunk, heads, x)

@@ -54,6 +54,9 @@ def test_monitor_validates_arguments() -> None:
         Monitor(every=0)
     with pytest.raises(TypeError, match=r"`loggers\[0\]`"):
         Monitor([object()])  # type: ignore[list-item]
+    # (a class for an instance was named by its metaclass)
+    with pytest.raises(TypeError, match=r"received the class CSVLogger .*CSVLogger\(\.\.\.\)"):
+        Monitor([CSVLogger])  # type: ignore[list-item]
     with pytest.raises(ValueError, match="`losses` must hold 2 values"):
         Monitor().record(torch.eye(2), losses=[1.0])
 

@@ -6,6 +6,7 @@ from collections.abc import Iterable
 
 from torch import Tensor
 
+from jacflow._labels import received
 from jacflow.aggregation import GramianWeighting
 from jacflow.autogram._engine import Engine, TaskLayout
 
@@ -66,7 +67,7 @@ def per_task_step(
     """:func:`mtl_gramian_step`, with what ``mtl_backward`` knows of the tasks (see
     :class:`TaskLayout`)."""
     if not isinstance(engine, Engine):
-        raise TypeError(f"`engine` must be a jacflow.autogram.Engine, received {type(engine)}.")
+        raise TypeError(f"`engine` must be a jacflow.autogram.Engine, received {received(engine)}.")
     if engine.batch_dim is not None:
         raise ValueError(
             "A per-task step (mtl_gramian_step, or mtl_backward with `engine=`) needs a per-task "

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from jacflow._labels import received
 from jacflow.aggregation import Aggregator, GramianWeightedAggregator
 from jacflow.aggregation._bases import weights_from_gramian
 from jacflow.autojac._accumulate import (
@@ -541,7 +542,7 @@ def _engine_step(
 
     if not isinstance(engine, Engine):
         raise TypeError(
-            f"`engine` must be a jacflow.autogram.Engine or None, received {type(engine)}."
+            f"`engine` must be a jacflow.autogram.Engine or None, received {received(engine)}."
         )
     if not isinstance(aggregator, GramianWeightedAggregator):
         raise ValueError(

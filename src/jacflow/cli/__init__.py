@@ -122,7 +122,7 @@ def _parser() -> argparse.ArgumentParser:
     compare.add_argument(
         "--aggregators",
         default="mean,upgrad,mgda",
-        help="comma-separated aggregator names (default: mean,upgrad,mgda)",
+        help="comma-separated aggregator names (default: %(default)s)",
     )
     compare.add_argument("--mode", choices=["mtl", "iwrm"], default="mtl")
     _add_run_options(compare)

@@ -8,6 +8,7 @@ from typing import final
 
 from torch import Tensor
 
+from jacflow._labels import received
 from jacflow.monitor._loggers import Logger
 from jacflow.monitor._metrics import ConflictMetrics, conflict_metrics
 
@@ -51,7 +52,8 @@ class Monitor:
         for index, logger in enumerate(loggers):
             if not isinstance(logger, Logger):
                 raise TypeError(
-                    f"`loggers[{index}]` must be a jacflow.monitor.Logger, received {type(logger)}."
+                    f"`loggers[{index}]` must be a jacflow.monitor.Logger, received "
+                    f"{received(logger)}."
                 )
         if not isinstance(every, int) or isinstance(every, bool) or every < 1:
             raise ValueError(f"`every` must be a positive int, received {every!r}.")
