@@ -610,11 +610,13 @@ def drop_failing(steps: dict[str, Step]) -> set[str]:
     return failed
 
 
+# the per-sample models that iwrm_problem builds by name (besides mlp<width>)
+_NAMED_MODELS = ("cnn", "transformer", *RECURRENT, "custom", "gpt2", "opt")
+
+
 def _known_model(name: str) -> bool:
     """Whether :func:`iwrm_problem` builds the per-sample model ``name``."""
-    if name in ("cnn", "transformer", "custom", "gpt2", "opt", *RECURRENT):
-        return True
-    return name.startswith("mlp") and name.removeprefix("mlp").isdigit()
+    return name in _NAMED_MODELS or (name.startswith("mlp") and name.removeprefix("mlp").isdigit())
 
 
 def _times_faster(ratio: float) -> str:
@@ -660,8 +662,8 @@ def main() -> None:
     for model_name in args.models.split(","):
         if not _known_model(model_name):
             parser.error(
-                f"--models: unknown model {model_name!r}; known: mlp<width> (e.g. mlp256), cnn, "
-                f"transformer, {', '.join(RECURRENT)}, custom, gpt2, opt"
+                f"--models: unknown model {model_name!r}; known: mlp<width> (e.g. mlp256), "
+                + ", ".join(_NAMED_MODELS)
             )
     setup()
     rounds = 5 if args.quick else (9 if device == "cpu" else 21)
