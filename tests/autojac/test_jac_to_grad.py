@@ -89,3 +89,29 @@ def test_grad_graph_only_from_a_jacobian_with_one_and_a_differentiable_aggregato
     pref = torch.tensor([0.4, 0.6], dtype=torch.float64, requires_grad=True)
     jac_to_grad([x], UPGrad(pref_vector=pref))
     assert x.grad is not None and not x.grad.requires_grad
+
+
+@pytest.mark.parametrize("aggregator", [Mean(), UPGrad()], ids=str)
+def test_grads_with_a_graph_are_tensors_of_their_own(aggregator: Aggregator) -> None:
+    """From ``.jac`` fields with a graph, each ``.grad`` is its own tensor, as after torch's
+    ``backward(create_graph=True)``: an in-place change of one in grad mode works, and one
+    under ``no_grad`` (a clipping) leaves a penalty built from another differentiable (against
+    the aggregator on the Jacobian built row by row with a graph)."""
+    a = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64, requires_grad=True)
+    b = torch.tensor([0.5, -1.0], dtype=torch.float64, requires_grad=True)
+
+    def losses() -> torch.Tensor:
+        return torch.stack([a.sin().sum() + b.sum(), (a**2).sum() * b.prod()])
+
+    rows = [torch.autograd.grad(loss, [a, b], create_graph=True) for loss in losses()]
+    update = aggregator(torch.stack([torch.cat(row) for row in rows]))
+    (expected,) = torch.autograd.grad(update[3:].pow(2).sum(), b)
+    backward(losses(), create_graph=True)
+    jac_to_grad([a, b], aggregator)
+    assert a.grad is not None and b.grad is not None
+    assert a.grad.untyped_storage().data_ptr() != b.grad.untyped_storage().data_ptr()
+    penalty = b.grad.pow(2).sum()
+    with torch.no_grad():
+        a.grad.mul_(0.5)
+    assert torch.allclose(torch.autograd.grad(penalty, b)[0], expected)
+    a.grad.mul_(2.0)  # (grad mode: an in-place change of a tensor with a graph)

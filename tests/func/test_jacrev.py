@@ -372,3 +372,38 @@ def test_a_sparse_embedding(chunk_size: int | None) -> None:
     )
     assert got.layout == torch.strided
     torch.testing.assert_close(got, expected)
+
+
+@pytest.mark.parametrize(
+    ("func", "args", "argnums", "kind"),
+    [
+        (lambda a: a * 2, (torch.arange(3),), 0, TypeError),
+        (lambda a: a.abs(), (torch.ones(3, dtype=torch.cfloat),), 0, ValueError),
+        (lambda a: a * 1j, (_X,), 0, ValueError),
+        (lambda a: a.long(), (_X,), 0, TypeError),
+        (lambda a: 3, (_X,), 0, TypeError),
+        (lambda a, b: a + b, (_X, _X), (0, -2), ValueError),
+        (lambda a: a, (_X,), 1, ValueError),
+        (lambda a, b: a + b, (_X, _X), [0, 1], TypeError),
+    ],
+    ids=[
+        "int-input",
+        "complex-input",
+        "complex-output",
+        "int-output",
+        "non-tensor-output",
+        "repeated-argnums",
+        "argnums-out-of-range",
+        "argnums-list",
+    ],
+)
+def test_call_refusals_are_also_runtime_errors_as_torch_funcs(
+    func: Callable[..., Any], args: tuple[Any, ...], argnums: Any, kind: type[Exception]
+) -> None:
+    """Every call that torch.func.jacrev refuses with a RuntimeError is refused with a
+    TypeError or ValueError that code catching torch's RuntimeError still catches."""
+    with pytest.raises(RuntimeError):
+        torch.func.jacrev(func, argnums=argnums)(*args)
+    for expected in (kind, RuntimeError):
+        with pytest.raises(expected, match="jacrev: "):
+            jacrev(func, argnums=argnums)(*args)

@@ -138,7 +138,9 @@ def jac_to_grad(
     A.check_rows(jacobians[0].shape[0])
     warn_if_distributed()
     updates, weights = aggregate_blocks(A, jacobians)
-    accumulate_grads(items, updates)
+    # (updates with a graph, from `.jac` fields that hold one, are stored as gradients of a
+    # differentiation that built a graph: each a tensor of its own, as autograd stores them)
+    accumulate_grads(items, updates, create_graph=any(u.requires_grad for u in updates))
     if not retain_jac:
         for t in items:
             del t.jac  # type: ignore[attr-defined]

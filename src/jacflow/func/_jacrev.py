@@ -20,21 +20,32 @@ from jacflow.autojac._checks import check_chunk_size
 from jacflow.autojac._rows import functional_vjp, stacked_vjps
 
 
+class _CallTypeError(TypeError, RuntimeError):
+    """A refusal of a call that :func:`torch.func.jacrev` refuses with a ``RuntimeError``
+    (integer inputs or outputs, non-Tensor leaves, bad ``argnums``): a ``TypeError`` that code
+    written for torch still catches."""
+
+
+class _CallValueError(ValueError, RuntimeError):
+    """As :class:`_CallTypeError`, for a value refused (complex Tensors, ``argnums`` out of
+    range or repeated)."""
+
+
 def _check_argnums(argnums: int | tuple[int, ...], n_args: int) -> tuple[int, ...]:
     nums = (argnums,) if isinstance(argnums, int) else argnums
     if not isinstance(nums, tuple) or not nums or not all(isinstance(a, int) for a in nums):
-        raise TypeError(
+        raise _CallTypeError(
             f"jacrev: `argnums` must be an int or a non-empty tuple of ints, got {argnums!r}."
         )
     for a in nums:
         if not -n_args <= a < n_args:
-            raise ValueError(
+            raise _CallValueError(
                 f"jacrev: `argnums` {a} is out of range for a function called with {n_args} "
                 "positional arguments."
             )
     wrapped = tuple(a % n_args for a in nums)
     if len(set(wrapped)) != len(wrapped):
-        raise ValueError(
+        raise _CallValueError(
             f"jacrev: `argnums` must name each argument once, got {argnums!r} (which refers to "
             f"positions {wrapped} of the {n_args} positional arguments)."
         )
@@ -48,20 +59,20 @@ def _flatten_argument(value: Any, position: int) -> tuple[list[Tensor], TreeSpec
     for path, leaf in with_paths:
         where = f"argument {position}" + (f" (leaf {keystr(path)})" if path else "")
         if not isinstance(leaf, Tensor):
-            raise TypeError(
+            raise _CallTypeError(
                 f"jacrev: {where} must be a Tensor to be differentiated, received "
                 f"{type(leaf)}. Differentiated arguments are Tensors or tuples, lists and dicts "
                 "of Tensors; pass other values through an argument not in `argnums`."
             )
         if leaf.is_complex():
-            raise ValueError(
+            raise _CallValueError(
                 f"jacrev: {where} is complex ({leaf.dtype}); like torch.func.jacrev, jacrev "
                 "differentiates with respect to real Tensors only. Pass torch.view_as_real(z) "
                 "and rebuild z with torch.view_as_complex inside `func` to get the Jacobian "
                 "with respect to its real and imaginary parts."
             )
         if not leaf.is_floating_point():
-            raise TypeError(
+            raise _CallTypeError(
                 f"jacrev: {where} must be a floating-point Tensor to be differentiated, "
                 f"received {leaf.dtype}; convert it with `.float()`."
             )
@@ -75,11 +86,6 @@ def _non_tensors(tree: Any) -> str:
     return ", ".join(sorted(names))
 
 
-class _OutputDtypeError(TypeError, RuntimeError):
-    """A ``TypeError`` that code written for ``torch.func.jacrev``, which raises a
-    ``RuntimeError`` for an integer output, still catches."""
-
-
 def _check_result(result: Any, has_aux: bool) -> Any:
     """``func``'s result, checked before ``torch.func.vjp`` sees it (its errors are
     ``RuntimeError``s that do not say what was received)."""
@@ -87,24 +93,25 @@ def _check_result(result: Any, has_aux: bool) -> Any:
     if has_aux:
         if not isinstance(result, tuple) or len(result) != 2:
             got = f"a tuple of length {len(result)}" if isinstance(result, tuple) else type(result)
-            raise TypeError(
+            raise _CallTypeError(
                 "jacrev: with has_aux=True, `func` must return a pair (output, aux), received "
                 f"{got}."
             )
         output, aux = result
         if bad := _non_tensors(aux):
-            raise TypeError(
-                "jacrev: with has_aux=True, the aux of `func` must be a Tensor or a (nested) "
-                f"tuple of Tensors, received {bad}."
+            raise _CallTypeError(
+                "jacrev: with has_aux=True, the aux of `func` must be a Tensor or a pytree "
+                f"(tuples, lists, dicts) of Tensors, received {bad}."
             )
     if bad := _non_tensors(output):
-        raise TypeError(
-            f"jacrev: `func` must return a Tensor or a (nested) tuple of Tensors, received {bad}."
+        raise _CallTypeError(
+            "jacrev: `func` must return a Tensor or a pytree (tuples, lists, dicts) of Tensors, "
+            f"received {bad}."
         )
     # (torch.func.vjp's own refusal names vjp, not the transform that the caller used)
     for k, out in enumerate(tree_flatten(output)[0]):
         if not (out.is_floating_point() or out.is_complex()):
-            raise _OutputDtypeError(
+            raise _CallTypeError(
                 f"jacrev: output {k} (flattened) of `func` is {out.dtype}; like "
                 "torch.func.jacrev, jacrev differentiates floating-point outputs only. Return "
                 "it as a float (`.float()`), or as aux (`has_aux=True`) to keep it apart."
@@ -130,9 +137,12 @@ def jacrev(
     :func:`torch.func.vmap` and with itself (Hessians), and respects ``torch.no_grad`` inside
     ``func`` but not around the call (it is a function transform). Like
     :func:`torch.func.jacrev`, it refuses complex inputs and outputs (differentiate
-    ``torch.view_as_real`` views instead). A chunk whose pullback vmap cannot batch because of
-    a sparse COO tensor (a product with a graph's adjacency matrix) is differentiated again row
-    by row; torch.func itself fails on sparse CSR tensors.
+    ``torch.view_as_real`` views instead). Its refusals of a call (integer or complex inputs
+    and outputs, non-Tensor leaves, bad ``argnums``) are ``TypeError``s or ``ValueError``s that
+    are also ``RuntimeError``s, which :func:`torch.func.jacrev` raises. A chunk whose pullback
+    vmap cannot batch because of a sparse COO tensor (a product with a graph's adjacency
+    matrix) is differentiated again row by row; torch.func itself fails on sparse CSR
+    tensors.
 
     Args:
         func: takes one or more arguments, at least one a Tensor, and returns one or more
@@ -169,7 +179,7 @@ def jacrev(
         flat_args = [_flatten_argument(args[a], a) for a in nums]
         primals = tuple(leaf for leaves, _ in flat_args for leaf in leaves)
         if not primals:
-            raise ValueError(
+            raise _CallValueError(
                 f"jacrev: the differentiated argument(s) {nums} hold no Tensor (empty "
                 "containers), so there is nothing to differentiate."
             )
@@ -197,7 +207,7 @@ def jacrev(
         flat_out, out_spec = tree_flatten(output)  # (Tensors: checked by _check_result)
         for k, o in enumerate(flat_out):
             if o.is_complex():
-                raise ValueError(
+                raise _CallValueError(
                     f"jacrev: output {k} (flattened) of `func` is complex ({o.dtype}); like "
                     "torch.func.jacrev, jacrev differentiates real outputs only. Return "
                     "torch.view_as_real(output) to get the Jacobian of its real and imaginary "
