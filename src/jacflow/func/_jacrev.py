@@ -31,6 +31,11 @@ class _CallValueError(ValueError, RuntimeError):
     range or repeated)."""
 
 
+class _NotATensorError(TypeError, ValueError):
+    """A differentiated argument that is not a Tensor, which :func:`torch.func.jacrev` refuses
+    with a ``ValueError``."""
+
+
 def _check_argnums(argnums: int | tuple[int, ...], n_args: int) -> tuple[int, ...]:
     nums = (argnums,) if isinstance(argnums, int) else argnums
     if not isinstance(nums, tuple) or not nums or not all(isinstance(a, int) for a in nums):
@@ -59,7 +64,7 @@ def _flatten_argument(value: Any, position: int) -> tuple[list[Tensor], TreeSpec
     for path, leaf in with_paths:
         where = f"argument {position}" + (f" (leaf {keystr(path)})" if path else "")
         if not isinstance(leaf, Tensor):
-            raise _CallTypeError(
+            raise _NotATensorError(
                 f"jacrev: {where} must be a Tensor to be differentiated, received "
                 f"{type(leaf)}. Differentiated arguments are Tensors or tuples, lists and dicts "
                 "of Tensors; pass other values through an argument not in `argnums`."
@@ -139,7 +144,8 @@ def jacrev(
     :func:`torch.func.jacrev`, it refuses complex inputs and outputs (differentiate
     ``torch.view_as_real`` views instead). Its refusals of a call (integer or complex inputs
     and outputs, non-Tensor leaves, bad ``argnums``) are ``TypeError``s or ``ValueError``s that
-    are also ``RuntimeError``s, which :func:`torch.func.jacrev` raises. A chunk whose pullback
+    are also instances of the class :func:`torch.func.jacrev` raises (``RuntimeError``, or
+    ``ValueError`` for a differentiated argument that is not a Tensor). A chunk whose pullback
     vmap cannot batch because of a sparse COO tensor (a product with a graph's adjacency
     matrix) is differentiated again row by row; torch.func itself fails on sparse CSR
     tensors.
