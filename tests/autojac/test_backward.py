@@ -55,6 +55,42 @@ def test_grad_tensors_as_jac_tensors() -> None:
     torch.testing.assert_close(x.grad, 2 * x.detach() * v)
 
 
+def test_none_grad_tensors_of_seeds_003_004() -> None:
+    """``None`` in ``grad_tensors`` (seeds 003/004: for a scalar tensor, or one that does not
+    require grad) means in ``jac_tensors`` what it means in torch's ``backward``."""
+    x = torch.tensor([1.0, 2.0], requires_grad=True)
+
+    def outputs() -> list[Tensor]:
+        return [x**2, (x**3).sum(), torch.ones(3)]  # (the last one does not require grad)
+
+    v = torch.tensor([1.0, 10.0])
+    torch.autograd.backward(outputs()[:2], [v, None])
+    expected, x.grad = x.grad, None
+    backward(outputs(), [x], A=Sum(), jac_tensors=[v[None], None, None])
+    torch.testing.assert_close(x.grad, expected)
+    # (with m rows, each row gets the scalar's gradient: the Jacobian's rows one by one)
+    rows = torch.tensor([[1.0, 0.0], [0.0, 10.0]])
+    (jacobian,) = jac(outputs()[:2], [x], jac_outputs=[rows, None])
+    reference = [
+        torch.autograd.grad([x**2, (x**3).sum()], [x], [r, torch.ones(())])[0] for r in rows
+    ]
+    torch.testing.assert_close(jacobian, torch.stack(reference))
+    # (every entry None: one row, the sum of the outputs' gradients, as torch's default)
+    x.grad = None
+    backward([(x**2).sum(), (x**3).sum()], jac_tensors=[None, None], A=UPGrad())
+    torch.testing.assert_close(x.grad, 2 * x.detach() + 3 * x.detach() ** 2)
+
+
+def test_none_jac_tensors_for_a_tensor_of_several_elements_are_refused() -> None:
+    x = torch.tensor([1.0, 2.0], requires_grad=True)
+    x.grad = before = torch.tensor([5.0, 6.0])
+    with pytest.raises(ValueError, match=r"`jac_tensors\[0\]` is None.*shape \(2,\).*\[m, 2\]"):
+        backward([x**2, x.sum()], jac_tensors=[None, torch.ones(1)], A=Sum())
+    assert x.grad is before and torch.equal(before, torch.tensor([5.0, 6.0]))
+    with pytest.raises(TypeError, match=r"`jac_outputs\[1\]` must be a Tensor or None"):
+        jac([x**2, x.sum()], [x], jac_outputs=[torch.ones(1, 2), 1.0])  # type: ignore[list-item]
+
+
 @pytest.mark.parametrize("case", ZOO, ids=lambda c: c.name)
 @pytest.mark.parametrize("chunk", [None, 1, 3])
 def test_jac_fields_match_reference(case: Case, chunk: int | None) -> None:

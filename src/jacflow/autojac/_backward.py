@@ -22,11 +22,11 @@ from jacflow.autojac._checks import (
     check_chunk_size,
     check_flag,
     check_inputs_not_aggregator,
-    check_jac_outputs,
     check_non_empty,
     check_real,
     check_real_inputs,
     check_unique,
+    checked_cotangents,
     without_repeats,
 )
 from jacflow.autojac._graph import check_reentrant_checkpoints
@@ -149,7 +149,10 @@ def backward(
             backward retains the graph, which inductor refuses at once and ``aot_eager`` after
             a recompilation, e.g. at a smaller last batch).
         jac_tensors: left-multiplies the Jacobian (chain rule, the analog of ``grad_tensors``):
-            one ``[m, *tensor.shape]`` tensor per element of ``tensors``.
+            one ``[m, *tensor.shape]`` tensor per element of ``tensors``. As in
+            ``grad_tensors``, ``None`` may stand for ones for a tensor of one element (``m``
+            ones: the rows of the other entries, or one row when every entry is ``None``) and
+            for zeros for a tensor that does not require grad.
         create_graph: keep the result differentiable, for higher-order derivatives. With
             ``A``, it must be :attr:`~jacflow.aggregation.Aggregator.differentiable` (a
             ``ValueError`` otherwise). The result has its graph under ``torch.no_grad()`` too,
@@ -228,9 +231,7 @@ def backward(
         cotangents = None
         rows = sum(o.numel() for o in outs)
     else:
-        cotangents = as_tensor_tuple(jac_tensors, "jac_tensors")
-        check_real(cotangents, "jac_tensors")
-        rows = check_jac_outputs(cotangents, outs, "jac_tensors", "tensors")
+        cotangents, rows = checked_cotangents(jac_tensors, outs, "jac_tensors", "tensors")
     if aggregator is None:
         check_jac_accumulable(ins, rows, "inputs")
     else:

@@ -32,6 +32,63 @@ def as_tensor_tuple(value: Tensor | Iterable[Tensor], name: str) -> tuple[Tensor
     return items
 
 
+def checked_cotangents(
+    value: Tensor | Iterable[Tensor | None], outputs: tuple[Tensor, ...], name: str, out_name: str
+) -> tuple[tuple[Tensor, ...], int]:
+    """``value`` (``jac_tensors`` or ``jac_outputs``) checked against ``outputs`` (see
+    :func:`check_jac_outputs`), and its number of rows ``m``.
+
+    A ``None`` entry stands for what it stands for in torch's ``grad_tensors``: ones for an
+    output of one element (``m`` of them: the other entries' rows, or one row when every entry
+    is ``None``, the sum of the outputs' gradients) and zeros for an output that does not
+    require grad. For any other output it is refused.
+
+    Example:
+        >>> import torch
+        >>> from jacflow.autojac._checks import checked_cotangents
+        >>> y, s = torch.ones(2, requires_grad=True), torch.ones((), requires_grad=True)
+        >>> cotangents, m = checked_cotangents([torch.eye(2), None], (y, s), "jac", "out")
+        >>> cotangents[1], m
+        (tensor([1., 1.]), 2)
+    """
+    items = (value,) if isinstance(value, Tensor) else _with_nones(value, name)
+    given = [item for item in items if item is not None]
+    check_real(tuple(given), name)
+    check_jac_outputs_count(items, outputs, name, out_name)
+    m = given[0].shape[0] if given and given[0].ndim > 0 else 1
+    filled = []
+    for i, (item, output) in enumerate(zip(items, outputs, strict=True)):
+        if item is None:
+            if output.requires_grad and output.numel() != 1:
+                raise ValueError(
+                    f"`{name}[{i}]` is None, which stands for ones only for an element of "
+                    f"`{out_name}` with one element (and for zeros for one that does not require "
+                    f"grad), as in torch's grad_tensors; `{out_name}[{i}]` has shape "
+                    f"{tuple(output.shape)}. Pass its cotangents, of shape "
+                    f"{rows_shape(output.shape)}."
+                )
+            fill = output.new_ones if output.requires_grad else output.new_zeros
+            item = fill((m, *output.shape))
+        filled.append(item)
+    cotangents = tuple(filled)
+    return cotangents, check_jac_outputs(cotangents, outputs, name, out_name)
+
+
+def _with_nones(value: Iterable[Tensor | None], name: str) -> tuple[Tensor | None, ...]:
+    """``value`` as a tuple of tensors and ``None``s (:func:`checked_cotangents`)."""
+    try:
+        items = tuple(value)
+    except TypeError:
+        raise TypeError(
+            f"`{name}` must be a Tensor or a sequence of Tensors (or None for an output of one "
+            f"element), received {type(value)}."
+        ) from None
+    for i, item in enumerate(items):
+        if item is not None and not isinstance(item, Tensor):
+            raise TypeError(f"`{name}[{i}]` must be a Tensor or None, received {type(item)}.")
+    return items
+
+
 def rows_shape(shape: Sequence[int]) -> str:
     """``[m, *shape]`` written out: ``[m, 2, 3]``, or ``[m]`` for a scalar's."""
     return f"[{', '.join(['m', *map(str, shape)])}]"
@@ -146,6 +203,16 @@ def check_aggregator(aggregator: object) -> Aggregator | None:
     )
 
 
+def check_jac_outputs_count(
+    jac_outputs: Sequence[object], outputs: tuple[Tensor, ...], jac_name: str, out_name: str
+) -> None:
+    if len(jac_outputs) != len(outputs):
+        raise ValueError(
+            f"`{jac_name}` must have one tensor per element of `{out_name}`: expected "
+            f"{len(outputs)}, received {len(jac_outputs)}."
+        )
+
+
 def check_jac_outputs(
     jac_outputs: Sequence[Tensor],
     outputs: tuple[Tensor, ...],
@@ -153,11 +220,7 @@ def check_jac_outputs(
     out_name: str,
 ) -> int:
     """Check that ``jac_outputs[i]`` has shape ``[m, *outputs[i].shape]``; return ``m``."""
-    if len(jac_outputs) != len(outputs):
-        raise ValueError(
-            f"`{jac_name}` must have one tensor per element of `{out_name}`: expected "
-            f"{len(outputs)}, received {len(jac_outputs)}."
-        )
+    check_jac_outputs_count(jac_outputs, outputs, jac_name, out_name)
     rows: int | None = None
     for i, (jac, out) in enumerate(zip(jac_outputs, outputs)):
         if jac.ndim != out.ndim + 1 or jac.shape[1:] != out.shape:

@@ -11,10 +11,10 @@ from jacflow.autojac._checks import (
     check_chunk_size,
     check_flag,
     check_inputs_require_grad,
-    check_jac_outputs,
     check_non_empty,
     check_real,
     check_unique,
+    checked_cotangents,
 )
 from jacflow.autojac._graph import check_reentrant_checkpoints, leaf_tensors, sparse_gradients
 from jacflow.autojac._rows import autograd_vjp, stacked_vjps
@@ -95,7 +95,10 @@ def jac(
             Inputs that ``outputs`` do not depend on get zero Jacobians; an input listed
             several times gets its Jacobian at each place, as in :func:`torch.autograd.grad`.
         jac_outputs: one tensor per output, of shape ``[m, *output.shape]`` with the same
-            ``m`` for all; default: the identity (``m = total numel of outputs``).
+            ``m`` for all; default: the identity (``m = total numel of outputs``). ``None``
+            may stand for ones for an output of one element (``m`` ones; one row when every
+            entry is ``None``) and for zeros for one that does not require grad, as in
+            torch's ``grad_outputs``.
         retain_graph: keep the graph for another differentiation. Default: ``create_graph``.
         parallel_chunk_size: rows differentiated per vmapped call; ``None`` = all at once,
             ``1`` = one plain call per row without vmap. Memory scales with the chunk. The
@@ -157,8 +160,6 @@ def jac(
         cotangents = None
         rows = sum(o.numel() for o in outs)
     else:
-        cotangents = as_tensor_tuple(jac_outputs, "jac_outputs")
-        check_real(cotangents, "jac_outputs")
-        rows = check_jac_outputs(cotangents, outs, "jac_outputs", "outputs")
+        cotangents, rows = checked_cotangents(jac_outputs, outs, "jac_outputs", "outputs")
     retain = create_graph if retain_graph is None else retain_graph
     return compute_jacobians(outs, ins, cotangents, rows, retain, create_graph, chunk_size)
