@@ -143,16 +143,29 @@ def test_nothing_written_when_weighting_fails() -> None:
     assert all(p.grad is None for p in model.parameters())
 
 
-@pytest.mark.parametrize("running", [True, False])
-def test_training_batchnorm_rejected_at_construction(running: bool) -> None:
-    """A BatchNorm in training mode, or in eval mode without running statistics (which then
-    normalises with the batch's), mixes the samples."""
-    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4, track_running_stats=running))
-    if not running:
-        model.eval()
-    with pytest.raises(ValueError, match=r"modules\[0\]\.1 is a BatchNorm1d that normalises"):
+def test_batchnorm_without_running_statistics_rejected_at_construction() -> None:
+    """Without running statistics a BatchNorm normalises with its batch's in every mode: it
+    mixes the samples, whatever the mode of the forward."""
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4, track_running_stats=False)).eval()
+    with pytest.raises(ValueError, match=r"modules\[0\]\.1 is a BatchNorm1d without running"):
         Engine(model, batch_dim=0)
     Engine(model, batch_dim=None).remove()  # per-task mode allows it
+
+
+def test_training_batchnorm_put_in_eval_mode_after_construction() -> None:
+    """A module starts in training mode: created on one, then put in eval mode before the
+    forward of the losses, the engine gives the exact Gramian; the forward of losses in
+    training mode is refused at the step, before anything is written."""
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2)).double()
+    engine = Engine(model, batch_dim=0)
+    losses = model(X).sum(1)
+    with pytest.raises(ValueError, match=r"normalised with its batch's statistics"):
+        engine.compute_gramian(losses)
+    assert all(p.grad is None for p in model.parameters())
+    model.eval()
+    losses = model(X).sum(1)
+    jacobian = reference_jacobian(losses, list(model.parameters()))
+    torch.testing.assert_close(engine.compute_gramian(losses), jacobian @ jacobian.T)
 
 
 def test_batchnorm_switched_to_batch_statistics_rejected_at_step() -> None:

@@ -41,8 +41,8 @@ from jacflow.autogram._fallback import FallbackRule, without_tensor_hooks
 from jacflow.autogram._hooks import (
     Recorder,
     Unit,
-    batch_statistics,
     find_units,
+    running_statistics,
     same_parameters,
 )
 from jacflow.autogram._outside import (
@@ -135,13 +135,16 @@ def _check_modules(modules: tuple[nn.Module, ...], batch_dim: int | None) -> Non
                 continue
             if isinstance(sub, nn.RNNBase) and not covered(sub):
                 raise uncovered_refusal(where, sub)
-            if isinstance(sub, _BatchNorm) and batch_statistics(sub):
+            # (one in training mode with running statistics may be put in eval mode before
+            # the forward of the losses: the step refuses a forward that used batch statistics)
+            if isinstance(sub, _BatchNorm) and not running_statistics(sub):
                 raise ValueError(
-                    f"{where} is a {type(sub).__name__} that normalises with its batch's "
-                    "statistics (training mode, or track_running_stats=False): it mixes the "
-                    "samples of a batch, so per-sample gradients cannot be read from one "
-                    "backward. Replace it (e.g. by GroupNorm or LayerNorm), call .eval() on one "
-                    "with running statistics, or use batch_dim=None."
+                    f"{where} is a {type(sub).__name__} without running statistics "
+                    "(track_running_stats=False), which normalises with its batch's statistics "
+                    "in every mode: it mixes the samples of a batch, so per-sample gradients "
+                    "cannot be read from one backward. Replace it (e.g. by GroupNorm or "
+                    "LayerNorm), build it with running statistics and call .eval() on it, or "
+                    "use batch_dim=None."
                 )
 
 
@@ -647,7 +650,8 @@ class Engine:
             Without it, each replica keeps its own update.
 
     Raises:
-        ValueError: a module mixes the samples (BatchNorm in training mode), or the losses read
+        ValueError: a module mixes the samples (a BatchNorm without running statistics; one
+            in training mode in the forward of the losses, at the step), or the losses read
             a hooked output at other samples than their own, while ``batch_dim=0``; a module is
             compiled; per sample, an embedding with ``scale_grad_by_freq`` under the generic
             rule; a reentrant checkpoint.

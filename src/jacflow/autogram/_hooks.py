@@ -148,8 +148,21 @@ def batch_statistics(module: nn.Module) -> bool:
         >>> batch_statistics(nn.BatchNorm1d(3, track_running_stats=False).eval())
         True
     """
-    running = getattr(module, "running_mean", None) is not None
-    return module.training or not running
+    return module.training or not running_statistics(module)
+
+
+def running_statistics(module: nn.Module) -> bool:
+    """Whether a BatchNorm holds running statistics, which it normalises with in eval mode.
+
+    Example:
+        >>> from torch import nn
+        >>> from jacflow.autogram._hooks import running_statistics
+        >>> running_statistics(nn.BatchNorm1d(3)), running_statistics(nn.BatchNorm1d(3).eval())
+        (True, True)
+        >>> running_statistics(nn.BatchNorm1d(3, track_running_stats=False))
+        False
+    """
+    return getattr(module, "running_mean", None) is not None
 
 
 def _from_fused_rnn(node: Any, depth: int = 3) -> bool:
