@@ -139,6 +139,11 @@ def test_errors() -> None:
         Krum(1.5)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"at least n_byzantine \+ 3 = 4 rows, received 3"):
         Krum(1)(torch.ones(3, 2))
+    with pytest.raises(ValueError, match="received 3; lower `n_byzantine` or aggregate more"):
+        Krum(1)(torch.ones(3, 2))
+    # (with n_byzantine = 0 there is nothing to lower)
+    with pytest.raises(ValueError, match=r"3 rows, received 2; aggregate more rows, or use"):
+        Krum(0)(torch.ones(2, 2))
     with pytest.raises(ValueError, match="lower `n_selected`"):
         Krum(0, 5)(torch.ones(4, 2))
 

@@ -52,9 +52,11 @@ def krum_weights(gramian: Tensor, n_byzantine: int, n_selected: int) -> Tensor:
 
 def _check_rows(m: int, n_byzantine: int, n_selected: int) -> None:
     if m < n_byzantine + 3:
+        # (Krum scores each row by its distances to its m - n_byzantine - 2 nearest others)
+        fix = "lower `n_byzantine` or aggregate more rows" if n_byzantine else "aggregate more rows"
         raise ValueError(
             f"Krum with n_byzantine={n_byzantine} needs at least n_byzantine + 3 = "
-            f"{n_byzantine + 3} rows, received {m}; lower `n_byzantine` or aggregate more rows."
+            f"{n_byzantine + 3} rows, received {m}; {fix}, or use another aggregator."
         )
     if m < n_selected:
         raise ValueError(

@@ -11,7 +11,8 @@ class LossAware(ABC):  # noqa: B024 - a mixin with shared behaviour, no abstract
     """Mixin for methods that need the current losses (MGDA ``loss`` modes, GradNorm, EPO, ...).
 
     Call :meth:`set_losses` with the ``m`` loss values of the step before aggregating; the
-    values are detached and kept until the next call. Aggregating without having set them, or
+    values are detached and kept until the next :meth:`set_losses` (a call without new losses
+    reuses them: set them before each call). Aggregating without having set them, or
     with a number of losses that differs from the number of Jacobian rows, raises a
     ``ValueError``.
 
@@ -27,7 +28,9 @@ class LossAware(ABC):  # noqa: B024 - a mixin with shared behaviour, no abstract
     _losses: Tensor | None = None
 
     def set_losses(self, losses: Tensor) -> None:
-        """Record the loss values (any shape, flattened to ``[m]``) used by the next call."""
+        """Record the loss values (any shape, flattened to ``[m]``) that the calls read until
+        the next ``set_losses``: a call without new losses reuses these, so set them before
+        each call with the losses of its step."""
         if not isinstance(losses, Tensor):
             raise TypeError(f"`losses` must be a torch.Tensor, received {type(losses)}.")
         self._losses = losses.detach().reshape(-1)
