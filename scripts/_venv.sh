@@ -1,6 +1,8 @@
 # Sourced by the set-up scripts: create or reuse .venv and install jacflow with the given extras.
 # torch==2.13.0 is installed first, explicitly, so that pip takes the CPU build from the local
-# wheel cache instead of downloading a multi-GB CUDA build to satisfy `torch>=2.6`.
+# wheel cache (where pip's configuration offers one) instead of the newest torch, a multi-GB
+# CUDA build on Linux, to satisfy `torch>=2.6`; elsewhere pip takes the package index's build
+# of 2.13.0. A torch already in .venv is kept (the README says how to put the CPU build there).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PYTHON="${PYTHON:-python3}"
