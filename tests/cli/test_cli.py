@@ -554,3 +554,101 @@ def test_a_broken_pipe_without_a_stdout_descriptor_is_raised(
     monkeypatch.setattr("jacflow.cli._cmd_aggregators", broken)
     with contextlib.redirect_stdout(io.StringIO()), pytest.raises(BrokenPipeError):
         main(["aggregators"])
+
+
+def _files_under(folder: Path) -> dict[str, str]:
+    return {str(p.relative_to(folder)): p.read_text() for p in folder.rglob("*") if p.is_file()}
+
+
+@pytest.mark.parametrize("command", ["train", "compare"])
+@pytest.mark.parametrize(
+    ("content", "problem"),
+    [
+        ('{"runs": 5}', '"runs" is 5, not a list'),
+        ('{"runs": null}', '"runs" is null, not a list'),
+        ('{"runs": true}', '"runs" is true, not a list'),
+        ('{"runs": "upgrad"}', '"runs" is "upgrad", not a list'),
+        ('{"runs": [{"aggregator": ["a"]}]}', 'run 0 is {"aggregator": ["a"]}, not an object'),
+        ('{"runs": [{"aggregator": "upgrad"}, 5]}', "run 1 is 5, not an object"),
+        ("[]", 'no "runs" entry'),
+        ("{not json", "not valid JSON"),
+    ],
+)
+def test_overwrite_refuses_a_malformed_comparison_and_deletes_nothing(
+    command: str, content: str, problem: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Valid JSON of another shape ("runs" 5, null or true, a list as an aggregator) stopped
+    `--overwrite` with a TypeError traceback, and the other shapes were skipped: the earlier
+    comparison's run folders were then left beside the new run. Each is refused in one line."""
+    out = tmp_path / "run"
+    (out / "upgrad").mkdir(parents=True)
+    (out / "upgrad" / "metrics.json").write_text("an earlier run")
+    (out / "metrics.json").write_text("an earlier run here")
+    (out / "comparison.json").write_text(content)
+    before = _files_under(out)
+    argv = [command, "--epochs", "1", "--quiet", "--no-plots", "--out", str(out), "--overwrite"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert err.startswith(f"jacflow {command}: error: {out / 'comparison.json'} is not a ")
+    assert problem in err and "--overwrite deleted nothing" in err
+    assert _files_under(out) == before
+
+
+@pytest.mark.parametrize("command", ["train", "compare", "bench", "aggregators"])
+def test_an_unknown_option_prints_the_commands_usage(
+    command: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """It printed the top-level usage ("usage: jacflow [-h] COMMAND ...") and "jacflow: error",
+    where docs/cli.md says the command's usage, as for a bad option value."""
+    assert main([command, "--foo", "1"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines[0].startswith(f"usage: jacflow {command} [-h]")
+    assert lines[-1] == f"jacflow {command}: error: unrecognized arguments: --foo 1"
+
+
+def _summary_lines(printed: str) -> dict[str, str]:
+    """The ``key : value`` lines of a printed summary."""
+    pairs = (line.split(" : ", 1) for line in printed.splitlines() if " : " in line)
+    return {key.strip(): value.strip() for key, value in pairs}
+
+
+def test_a_diverged_run_shows_nan_and_a_note_apart_from_not_applicable(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Its NaN losses printed as `n/a`, the token of a value that does not apply (the weights
+    of `config`), and `metrics.json` held `null` for both."""
+    out = tmp_path / "run"
+    argv = ["train", "--aggregator", "config", "--lr", "1e30", "--epochs", "1", "--quiet"]
+    assert main([*argv, "--no-plots", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    summary = _summary_lines(printed)
+    for task in TASKS:  # (Adam's steps of about 1e30 make every loss NaN)
+        assert summary[f"test_loss/{task}"] == "nan"
+        assert summary[f"mean_weight/{task}"] == "n/a"  # (config exposes no weights)
+    assert summary["mean_min_update_cos"] == "n/a"
+    assert "note: the config run diverged" in printed
+    saved = json.loads((out / "metrics.json").read_text())["summary"]
+    assert saved["test_loss/digit"] == "nan" and saved["mean_min_update_cos"] is None
+    assert all(saved[f"mean_weight/{task}"] is None for task in TASKS)
+
+
+def test_a_diverged_comparison_row_shows_nan_where_a_value_applies(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """In the table too: mean's update cosines diverged (`nan`), config has none (`n/a`)."""
+    out = tmp_path / "run"
+    argv = ["compare", "--mode", "iwrm", "--aggregators", "mean,config", "--lr", "1e30"]
+    assert main([*argv, "--epochs", "1", "--quiet", "--no-plots", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    rows = {line.split(" | ")[0]: line.split(" | ") for line in printed.splitlines()}
+    # | aggregator | train_loss | train_acc | test_loss | test_acc | mean_conflict_fraction |
+    # mean_min_update_cos | seconds |
+    assert rows["| mean"][1] == "nan" and rows["| mean"][6] == "nan"
+    assert rows["| config"][1] == "nan" and rows["| config"][6] == "n/a"
+    assert "note: the mean run diverged" in printed
+    assert "note: the config run diverged" in printed
+    runs = json.loads((out / "comparison.json").read_text())["runs"]
+    assert [run["mean_min_update_cos"] for run in runs] == ["nan", None]
+    csv_rows = _read_csv(out / "comparison.csv")
+    assert [row["mean_min_update_cos"] for row in csv_rows] == ["nan", ""]

@@ -84,3 +84,69 @@ def test_bench_builtin_prints_ratio_tables(capsys: pytest.CaptureFixture[str]) -
     assert "| sum().backward() |" in out and "| jacflow UPGrad |" in out
     baseline = next(line for line in out.splitlines() if line.startswith("| sum().backward()"))
     assert baseline.rstrip(" |").endswith("1.0000")  # the baseline's ratio to itself
+
+
+def _fake_repository(root: Path) -> Path:
+    """A jacflow repository at ``root`` whose ``benchmarks/`` holds two scripts."""
+    (root / "pyproject.toml").write_text('[project]\nname = "jacflow"\n')
+    (root / "benchmarks").mkdir()
+    for name in ("bench_a.py", "bench_b.py"):
+        (root / "benchmarks" / name).write_text("print('ratio 1.0')\n")
+    return root / "benchmarks"
+
+
+@pytest.mark.parametrize("option", [["--filter", "bench_a"], ["--timeout", "5"]])
+def test_bench_builtin_refuses_the_options_of_the_scripts(
+    option: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--builtin` ran the whole built-in subset, saying nothing of `--filter` or `--timeout`."""
+    assert main(["bench", "--builtin", *option]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines[0].startswith("usage: jacflow bench [-h]")
+    assert lines[-1].startswith(
+        f"jacflow bench: error: argument {option[0]}: not allowed with argument --builtin"
+    )
+
+
+def test_bench_list_builtin_says_what_the_builtin_subset_runs(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """It said "no benchmark scripts found" in the repository, which has them."""
+    assert main(["bench", "--list", "--builtin"]) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith("no script (--builtin): the built-in subset times one multi-task")
+    assert "UPGrad weights for 2, 8 and 32 objectives" in printed
+
+
+def test_bench_list_filter_lists_the_matches_or_says_none_matches(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A filter matching no script said "no benchmark scripts found; `jacflow bench` runs the
+    built-in subset", where `jacflow bench --filter` refuses it."""
+    folder = _fake_repository(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    assert main(["bench", "--list", "--filter", "_b"]) == 0
+    assert capsys.readouterr().out.splitlines() == [str(folder / "bench_b.py")]
+    assert main(["bench", "--list", "--filter", "zzz"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    expected = f"jacflow bench: error: no benchmark script in {folder} matches --filter 'zzz'."
+    assert captured.err == expected + "\n"
+
+
+@pytest.mark.parametrize("option", [["--filter", "bench_a"], ["--timeout", "5"]])
+def test_bench_without_scripts_refuses_their_options_and_lists_the_builtin_subset(
+    option: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """From an installed package (no benchmarks/ folder), `--filter` and `--timeout` were
+    ignored: the built-in subset ran, and `--list` said so only in part."""
+    monkeypatch.setattr("jacflow.cli._bench.find_benchmarks", lambda: None)
+    assert main(["bench", *option]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"jacflow bench: error: {option[0]} applies to the benchmark scripts")
+    assert "(no benchmarks/ folder of jacflow's repository here)" in err
+    assert err.count("\n") == 1
+    assert main(["bench", "--list"]) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith("no script (no benchmarks/ folder of jacflow's repository here): ")
+    assert "the built-in subset times one multi-task step" in printed

@@ -52,6 +52,8 @@ def _int_at_least(minimum: int, what: str, maximum: int | None = None) -> Callab
 
 
 _positive_int = _int_at_least(1, "a positive integer")
+BENCH_TIMEOUT = 600.0
+"""The seconds each benchmark script may run without ``--timeout``."""
 MAX_SEED = 2**63 - 1
 """The largest ``--seed`` (torch generators take 64-bit seeds; runs also seed ``seed + 1``)."""
 MAX_THREADS = 1024
@@ -104,7 +106,8 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=_threads, default=1, help="torch threads (1)")
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """The ``jacflow`` parser, and the parser of each command by name."""
     parser = argparse.ArgumentParser(
         prog="jacflow", description="Jacobian descent on bundled offline data."
     )
@@ -129,12 +132,30 @@ def _parser() -> argparse.ArgumentParser:
     bench = commands.add_parser("bench", help="run the benchmark suite and print ratio tables")
     bench.add_argument("--builtin", action="store_true", help="run the quick built-in subset")
     bench.add_argument("--filter", help="only scripts whose name contains this text")
-    bench.add_argument("--list", action="store_true", help="list the scripts and exit")
     bench.add_argument(
-        "--timeout", type=_positive_float, default=600.0, help="seconds per script (600)"
+        "--list",
+        action="store_true",
+        help="list what would run (the scripts, or the built-in subset) and exit",
     )
-    commands.add_parser("aggregators", help="list the aggregator names")
-    return parser
+    bench.add_argument(  # (default None: an explicit --timeout with --builtin is refused)
+        "--timeout", type=_positive_float, help=f"seconds per script ({BENCH_TIMEOUT:.0f})"
+    )
+    aggregators = commands.add_parser("aggregators", help="list the aggregator names")
+    by_name = {"train": train, "compare": compare, "bench": bench, "aggregators": aggregators}
+    return parser, by_name
+
+
+def _check_bench_usage(args: argparse.Namespace, bench: argparse.ArgumentParser) -> None:
+    """Refuse, as a usage error of ``bench``, the options that ``--builtin`` would ignore: they
+    select and time the benchmark scripts, and the built-in subset runs none."""
+    if args.command != "bench" or not args.builtin:
+        return
+    for option, value in (("--filter", args.filter), ("--timeout", args.timeout)):
+        if value is not None:
+            bench.error(
+                f"argument {option}: not allowed with argument --builtin (it applies to the "
+                "benchmark scripts, and --builtin runs none)"
+            )
 
 
 def _check_device(name: str) -> str:
@@ -266,6 +287,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
         loggers.append(TensorBoardLogger(out / "tensorboard"))
     from jacflow.cli._report import (
         PLOT_NOTICE,
+        divergence_note,
         format_summary,
         matplotlib_available,
         plot_run,
@@ -284,6 +306,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
         print(PLOT_NOTICE)
     print(f"\nRun folder: {out}")
     print(format_summary(result.summary))
+    note = divergence_note(result)
+    if note:
+        print(note)
     print(f"Files: {', '.join(p.name for p in files)}")
     return 0
 
@@ -329,22 +354,49 @@ def _cmd_compare(args: argparse.Namespace, title: str = "compare") -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from jacflow.cli._bench import benchmark_scripts, builtin_bench, find_benchmarks, run_scripts
+    from jacflow.cli._bench import (
+        BUILTIN_SUBSET,
+        benchmark_scripts,
+        builtin_bench,
+        find_benchmarks,
+        run_scripts,
+    )
 
     folder = None if args.builtin else find_benchmarks()
     scripts = benchmark_scripts(folder, args.filter) if folder is not None else []
-    if args.list:
-        for script in scripts:
-            print(script)
-        if not scripts:
-            print("no benchmark scripts found; `jacflow bench` runs the built-in subset")
-        return 0
     if folder is not None and args.filter and not scripts:
         raise CLIError(f"no benchmark script in {folder} matches --filter {args.filter!r}.")
     if scripts:
+        if args.list:  # (what the same command without --list runs)
+            for script in scripts:
+                print(script)
+            return 0
         print(f"Running {len(scripts)} benchmark script(s) from {folder}")
-        return 1 if run_scripts(scripts, args.timeout) else 0
-    print("Built-in benchmark subset (no benchmarks/ folder found or --builtin given)\n")
+        return (
+            1
+            if run_scripts(scripts, BENCH_TIMEOUT if args.timeout is None else args.timeout)
+            else 0
+        )
+    # the built-in subset (with --builtin, main has refused --filter and --timeout)
+    if args.builtin:
+        reason = "--builtin"
+    elif folder is None:  # (an installed package: the scripts are in jacflow's repository)
+        reason = "no benchmarks/ folder of jacflow's repository here"
+    else:
+        reason = f"no script in {folder}"
+    given = (("--filter", args.filter), ("--timeout", args.timeout))
+    ignored = [option for option, value in given if value is not None]
+    if ignored:
+        several = len(ignored) > 1
+        raise CLIError(
+            f"{' and '.join(ignored)} {'apply' if several else 'applies'} to the benchmark "
+            f"scripts, and there are none to run ({reason}); without {'them' if several else 'it'}"
+            ", `jacflow bench` times the built-in subset."
+        )
+    if args.list:
+        print(f"no script ({reason}): the built-in subset times {BUILTIN_SUBSET}")
+        return 0
+    print(f"Built-in benchmark subset ({reason}): {BUILTIN_SUBSET}\n")
     print(builtin_bench())
     return 0
 
@@ -366,9 +418,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         >>> main(["compare", "--aggregators", "no-such-method"])
         2
     """
-    parser = _parser()
+    parser, commands = _parser()
     try:
-        args = parser.parse_args(None if argv is None else list(argv))
+        args, unknown = parser.parse_known_args(None if argv is None else list(argv))
+        if unknown:  # (parse_args reports them on the top parser, whose usage lists no option)
+            commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
+        _check_bench_usage(args, commands["bench"])
     except SystemExit as exit_:
         return int(exit_.code or 0) if not isinstance(exit_.code, str) else 2
     torch.set_num_threads(getattr(args, "threads", 1))

@@ -20,6 +20,15 @@ from jacflow.cli._data import load_digits
 from jacflow.cli._model import DigitsMTL
 from jacflow.cli._report import markdown_table
 
+BUILTIN_OBJECTIVES = (2, 8, 32)
+"""The numbers of objectives for which the built-in subset times the UPGrad weights."""
+BUILTIN_SUBSET = (
+    "one multi-task step with UPGrad against sum(losses).backward() (and against TorchJD when "
+    f"it is installed), and the UPGrad weights for {', '.join(map(str, BUILTIN_OBJECTIVES[:-1]))} "
+    f"and {BUILTIN_OBJECTIVES[-1]} objectives"
+)
+"""What :func:`builtin_bench` times, in words."""
+
 
 def find_benchmarks(start: Path | None = None) -> Path | None:
     """The ``benchmarks/`` folder of the jacflow repository above ``start`` (default: cwd), or
@@ -146,7 +155,7 @@ def builtin_bench(repeats: int = 50) -> str:
     table += markdown_table(rows, ["method", "ms/step", "ratio vs sum().backward()"])
     weighting = UPGradWeighting()
     weight_rows = []
-    for m in (2, 8, 32):
+    for m in BUILTIN_OBJECTIVES:
         J = torch.randn(m, 200, dtype=torch.float64)
         J[1] = 0.5 * J[1] - J[0]  # at least one conflicting pair: no short-cut in the solver
         gramian = J @ J.T

@@ -9,6 +9,7 @@ from typing import Any
 from jacflow.cli._model import TASKS
 from jacflow.cli._report import (
     PLOT_NOTICE,
+    divergence_note,
     markdown_table,
     matplotlib_available,
     write_csv,
@@ -108,4 +109,8 @@ def compare(
         print(PLOT_NOTICE)
     print(f"\nRun folder: {out}\n")
     print(header + table)
+    for result in results:
+        note = divergence_note(result)
+        if note:
+            print(note)
     return 0

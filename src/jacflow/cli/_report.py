@@ -35,7 +35,7 @@ def write_csv(path: Path, rows: Sequence[dict[str, Any]]) -> None:
 
 def _jsonable(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
-        return None
+        return str(value)  # (JSON has no NaN: "nan", "inf", "-inf", which float() reads back)
     if isinstance(value, dict):
         return {key: _jsonable(item) for key, item in value.items()}
     if isinstance(value, list):
@@ -44,7 +44,19 @@ def _jsonable(value: Any) -> Any:
 
 
 def write_json(path: Path, payload: dict[str, Any]) -> None:
-    """``payload`` as indented JSON, with NaN and infinities written as ``null``."""
+    """``payload`` as indented JSON, with NaN and infinities written as the strings ``"nan"``,
+    ``"inf"`` and ``"-inf"`` (a diverged run's values), and ``None`` as ``null`` (a value that
+    does not apply).
+
+    Example:
+        >>> import tempfile
+        >>> from pathlib import Path
+        >>> from jacflow.cli._report import write_json
+        >>> path = Path(tempfile.mkdtemp()) / "t.json"
+        >>> write_json(path, {"loss": float("nan"), "mean_min_update_cos": None})
+        >>> path.read_text().split()
+        ['{', '"loss":', '"nan",', '"mean_min_update_cos":', 'null', '}']
+    """
     path.write_text(json.dumps(_jsonable(payload), indent=2) + "\n")
 
 
@@ -108,33 +120,38 @@ def plot_run(result: RunResult, out: Path) -> list[Path]:
     return written
 
 
+def _shown(value: Any) -> str:
+    """``value`` as printed: floats with 4 decimals, ``nan`` and ``inf`` as they are (a diverged
+    run), ``n/a`` for ``None`` (not applicable)."""
+    if value is None:
+        return "n/a"
+    if isinstance(value, float):
+        return f"{value:.4f}" if math.isfinite(value) else str(value)
+    return str(value)
+
+
 def format_summary(summary: dict[str, Any]) -> str:
-    """The summary as aligned ``key: value`` lines (floats with 4 decimals, ``n/a`` for NaN and
-    infinities, as in :func:`markdown_table` and the ``null`` of ``metrics.json``).
+    """The summary as aligned ``key: value`` lines (floats with 4 decimals, ``nan`` and ``inf``
+    for the values of a diverged run, ``n/a`` for a value that does not apply, as in
+    :func:`markdown_table`).
 
     Example:
         >>> from jacflow.cli._report import format_summary
         >>> print(format_summary({"aggregator": "upgrad", "digit_acc": 0.91234}))
         aggregator : upgrad
         digit_acc  : 0.9123
-        >>> print(format_summary({"mean_conflict_fraction": float("nan"), "loss": float("inf")}))
-        mean_conflict_fraction : n/a
-        loss                   : n/a
+        >>> print(format_summary({"loss": float("nan"), "mean_min_update_cos": None}))
+        loss                : nan
+        mean_min_update_cos : n/a
     """
     width = max(len(key) for key in summary)
-    lines = []
-    for key, value in summary.items():
-        if isinstance(value, float):
-            text = f"{value:.4f}" if math.isfinite(value) else "n/a"
-        else:
-            text = str(value)
-        lines.append(f"{key.ljust(width)} : {text}")
-    return "\n".join(lines)
+    return "\n".join(f"{key.ljust(width)} : {_shown(value)}" for key, value in summary.items())
 
 
 def markdown_table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
-    """A markdown table of ``rows`` restricted to ``columns`` (floats with 4 decimals, ``n/a``
-    for NaN: e.g. the update cosines of an aggregator that exposes no weights).
+    """A markdown table of ``rows`` restricted to ``columns`` (floats with 4 decimals, ``nan``
+    and ``inf`` for the values of a diverged run, ``n/a`` for ``None``: e.g. the update cosines
+    of an aggregator that exposes no weights).
 
     Example:
         >>> from jacflow.cli._report import markdown_table
@@ -142,15 +159,34 @@ def markdown_table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> st
         | name | acc |
         |---|---|
         | mean | 0.5000 |
-        >>> print(markdown_table([{"acc": float("nan")}], ["acc"]).splitlines()[-1])
-        | n/a |
+        >>> print(markdown_table([{"acc": float("nan"), "cos": None}], ["acc", "cos"]))
+        | acc | cos |
+        |---|---|
+        | nan | n/a |
     """
-
-    def cell(value: Any) -> str:
-        if isinstance(value, float):
-            return f"{value:.4f}" if math.isfinite(value) else "n/a"
-        return str(value)
-
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    lines += ["| " + " | ".join(cell(row.get(c, "")) for c in columns) + " |" for row in rows]
+    lines += ["| " + " | ".join(_shown(row.get(c, "")) for c in columns) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def divergence_note(result: RunResult) -> str | None:
+    """A note line when a loss of ``result`` became NaN or infinite (the run diverged: its
+    values print as ``nan``), ``None`` otherwise.
+
+    Example:
+        >>> from jacflow.cli._report import divergence_note
+        >>> from jacflow.cli._train import RunConfig, RunResult
+        >>> result = RunResult(RunConfig(aggregator="config"), steps=[{"loss": float("nan")}])
+        >>> print(divergence_note(result))
+        note: the config run diverged (its losses became nan or inf); a smaller --lr may avoid it
+        >>> divergence_note(RunResult(RunConfig(), steps=[{"loss": 0.5}])) is None
+        True
+    """
+    rows = [*result.steps, *result.epochs]
+    losses = [value for row in rows for key, value in row.items() if "loss" in key]
+    if all(math.isfinite(value) for value in losses):
+        return None
+    return (
+        f"note: the {result.config.aggregator} run diverged (its losses became nan or inf); a "
+        "smaller --lr may avoid it"
+    )

@@ -81,6 +81,21 @@ def _mean(rows: list[dict[str, float]], key: str) -> float:
     return sum(values) / len(values) if values else float("nan")
 
 
+def _recorded_mean(rows: list[dict[str, float]], key: str) -> float | None:
+    """The mean of ``key`` over ``rows``; ``None`` when no row records it (not applicable: e.g.
+    the weights of an aggregator that exposes none), kept apart from the NaN of a diverged run.
+
+    Example:
+        >>> from jacflow.cli._train import _recorded_mean
+        >>> _recorded_mean([{"a": 1.0}, {"a": 3.0}], "a"), _recorded_mean([{"a": 1.0}], "b")
+        (2.0, None)
+        >>> _recorded_mean([{"a": 1.0}, {"a": float("nan")}], "a")
+        nan
+    """
+    values = [row[key] for row in rows if key in row]
+    return sum(values) / len(values) if values else None
+
+
 def _summary(result: RunResult, mode: str, seconds: float) -> dict[str, Any]:
     return {
         "mode": mode,
@@ -88,8 +103,8 @@ def _summary(result: RunResult, mode: str, seconds: float) -> dict[str, Any]:
         "seconds": seconds,
         "steps": len(result.steps),
         **{key: value for key, value in result.epochs[-1].items() if key != "epoch"},
-        "mean_conflict_fraction": _mean(result.steps, "conflict_fraction"),
-        "mean_min_update_cos": _mean(result.steps, "min_update_cos"),
+        "mean_conflict_fraction": _recorded_mean(result.steps, "conflict_fraction"),
+        "mean_min_update_cos": _recorded_mean(result.steps, "min_update_cos"),
     }
 
 
@@ -160,7 +175,9 @@ def train_mtl(
     watch.remove()
     monitor.close()
     result.summary = _summary(result, "mtl", time.perf_counter() - start)
-    result.summary |= {f"mean_weight/{n}": _mean(result.steps, f"weight/{n}") for n in TASKS}
+    result.summary |= {
+        f"mean_weight/{n}": _recorded_mean(result.steps, f"weight/{n}") for n in TASKS
+    }
     return result
 
 
@@ -312,16 +329,66 @@ def _compared_folders(path: Path) -> list[Path]:
     its ``comparison.json`` names (no other sub-folder, whatever it holds).
 
     Raises:
-        CLIError: when ``comparison.json`` names a run that is not a plain folder name.
+        CLIError: when ``comparison.json`` is not the file a comparison writes (an object whose
+            ``"runs"`` is a list of objects, each naming its ``"aggregator"``), or names a run
+            that is not a plain folder name.
     """
     source = path / "comparison.json"
     try:
-        runs = json.loads(source.read_text()).get("runs", [])
-    except (OSError, ValueError, AttributeError):
+        content = source.read_bytes()
+    except OSError:  # (missing; a folder there is refused with the other run files)
         return []
-    names = {row.get("aggregator") for row in runs if isinstance(row, dict)}
-    checked = [check_run_name(n, source) for n in sorted(n for n in names if isinstance(n, str))]
-    return [path / name for name in checked if (path / name).is_dir()]
+    names = [check_run_name(name, source) for name in _run_names(content, source)]
+    return [path / name for name in sorted(set(names)) if (path / name).is_dir()]
+
+
+def _run_names(content: bytes | str, source: Path) -> list[str]:
+    """The ``"aggregator"`` of every run that ``content``, that of ``source`` (a
+    ``comparison.json``), names.
+
+    Raises:
+        CLIError: naming ``source`` and what is wrong, when ``content`` is not a comparison's JSON
+            (``--overwrite`` would not know which sub-folders to clear: it deletes nothing).
+
+    Example:
+        >>> from pathlib import Path
+        >>> from jacflow.cli._train import _run_names
+        >>> _run_names('{"runs": [{"aggregator": "mean"}]}', Path("comparison.json"))
+        ['mean']
+        >>> _run_names('{"runs": 5}', Path("comparison.json"))
+        Traceback (most recent call last):
+        ...
+        jacflow.cli._errors.CLIError: comparison.json is not a comparison that jacflow wrote ...
+    """
+    from jacflow.cli._errors import CLIError
+
+    def shown(value: object) -> str:  # (short: the message stays one line)
+        text = json.dumps(value)
+        return text if len(text) <= 40 else text[:37] + "..."
+
+    def refuse(problem: str) -> CLIError:
+        return CLIError(
+            f"{source} is not a comparison that jacflow wrote ({problem}; expected "
+            '{"runs": [{"aggregator": NAME}, ...]}); --overwrite deleted nothing. '
+            "Correct or delete that file, then run the command again."
+        )
+
+    try:
+        comparison = json.loads(content)
+    except ValueError:  # (UnicodeDecodeError is one too)
+        raise refuse("not valid JSON") from None
+    if not isinstance(comparison, dict) or "runs" not in comparison:
+        raise refuse('no "runs" entry')
+    runs = comparison["runs"]
+    if not isinstance(runs, list):
+        raise refuse(f'"runs" is {shown(runs)}, not a list')
+    names: list[str] = []
+    for index, run in enumerate(runs):
+        name = run.get("aggregator") if isinstance(run, dict) else None
+        if not isinstance(name, str):
+            raise refuse(f"run {index} is {shown(run)}, not an object with an aggregator name")
+        names.append(name)
+    return names
 
 
 def _positive(losses: Tensor) -> Tensor:
