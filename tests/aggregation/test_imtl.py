@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from jacflow import Stateful
+from jacflow import Stateful, backward
 from jacflow.aggregation import IMTL
-from tests.aggregation._properties import check_claimed_properties, check_degenerate_inputs
+from tests.aggregation._properties import check_claimed_properties, jacobians
 
 
 def _paper_closed_form(grads: torch.Tensor) -> torch.Tensor:
@@ -50,9 +50,32 @@ def test_reset_sets_the_scales_back_to_zero() -> None:
     assert list(imtl.parameters()) == [imtl.imtl_l.log_scale]
 
 
-def test_claimed_properties_and_degenerate_inputs() -> None:
-    check_claimed_properties(lambda: IMTL(2))
-    check_degenerate_inputs(lambda: IMTL(2))
+@pytest.mark.parametrize("m", [1, 2, 5])
+def test_claimed_properties(m: int) -> None:
+    # (n_tasks fixes the number of rows: each size gets its own strategy)
+    check_claimed_properties(lambda: IMTL(m), jacobians(min_m=m, max_m=m))
+
+
+def test_degenerate_inputs() -> None:
+    """check_degenerate_inputs with n_tasks matching each input (it mixes m = 2 and m = 3)."""
+    empty_rows = IMTL(4)(torch.zeros(0, 5))
+    assert empty_rows.shape == (5,) and bool((empty_rows == 0).all())
+    assert IMTL(3)(torch.zeros(3, 0)).shape == (0,)
+    nan_matrix = torch.tensor([[1.0, float("nan")], [0.5, 2.0]])
+    assert not bool(torch.isfinite(IMTL(2)(nan_matrix)).all())
+
+
+def test_a_jacobian_of_another_number_of_rows_is_refused() -> None:
+    """``n_tasks`` is the number of scales: refused by the call and, before it differentiates,
+    by ``jacflow.backward``, which then leaves ``.grad`` unchanged."""
+    with pytest.raises(ValueError, match=r"built with `n_tasks=2`.*received 3 objectives"):
+        IMTL(2)(torch.ones(3, 4))
+    with pytest.raises(ValueError, match=r"received 3 objectives"):
+        IMTL(2).weights(torch.ones(3, 4))
+    p = torch.ones(4, requires_grad=True)
+    with pytest.raises(ValueError, match=r"construct it with `n_tasks=3`"):
+        backward(torch.stack([p.sum(), p.pow(2).sum(), p.sin().sum()]), A=IMTL(2))
+    assert p.grad is None
 
 
 def test_errors_and_repr() -> None:

@@ -74,6 +74,17 @@ class IMTL(GramianWeightedAggregator, Stateful):
         scales = scales.to(device=losses.device)
         return torch.exp(scales) * losses - scales
 
+    def check_rows(self, m: int) -> None:
+        if m and m != self.n_tasks:
+            raise ValueError(
+                f"IMTL was built with `n_tasks={self.n_tasks}` (the size of its scales `imtl_l`) "
+                f"but received {m} objectives; construct it with `n_tasks={m}`."
+            )
+
+    def weights(self, matrix: Tensor) -> Tensor:
+        self.check_rows(matrix.shape[0])
+        return super().weights(matrix)
+
     def reset(self) -> None:
         self.imtl_l.reset()
 
