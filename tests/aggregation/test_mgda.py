@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from scipy.optimize import minimize
 
 from jacflow.aggregation import MGDA, LossAware, MGDAWeighting
+from jacflow.aggregation._mgda import _bordered_solution
 from tests.aggregation._properties import (
     check_claimed_properties,
     check_degenerate_inputs,
@@ -84,6 +85,39 @@ def test_objective_matches_a_generic_solver(m: int, n: int, seed: int) -> None:
     assert float(ours @ G @ ours) <= float(reference @ G @ reference) + 1e-4 * scale
     # The min-norm point itself is unique.
     torch.testing.assert_close(ours @ J, reference @ J, atol=1e-2 * scale**0.5, rtol=0)
+
+
+@settings(max_examples=30)
+@given(st.integers(1, 12), st.integers(0, 12), st.integers(0, 2**31 - 1), st.booleans())
+def test_bordered_solution_is_the_pseudo_inverses(k: int, rank: int, seed: int, dup: bool) -> None:
+    """The KKT systems of the refinement, of Gramians of any rank (duplicated rows too): the
+    LU route, where taken, gives pinv's solution; elsewhere pinv's is returned."""
+    rows = make_jacobian(k, 12, min(rank, k), 1.0, torch.float64, seed)
+    if dup and k > 1:
+        rows[1] = rows[0]
+    norms = rows.norm(dim=1).clamp(min=1e-300)
+    unit = (rows / norms[:, None]) @ (rows / norms[:, None]).T
+    kkt = torch.zeros(k + 1, k + 1, dtype=torch.float64)
+    kkt[:k, :k], kkt[:k, k], kkt[k, :k] = unit, 1.0, 1.0
+    rhs = torch.zeros(k + 1, dtype=torch.float64)
+    rhs[k] = 1.0
+    expected = torch.linalg.pinv(kkt, hermitian=True) @ rhs
+    torch.testing.assert_close(_bordered_solution(kkt, rhs), expected, atol=1e-9, rtol=1e-9)
+
+
+@pytest.mark.parametrize(("m", "rank"), [(120, 120), (120, 60), (60, 200)])
+def test_kkt_with_many_objectives(m: int, rank: int) -> None:
+    """Large supports, where the refinement's systems are solved by LU (full rank) or by the
+    pseudo-inverse (rank m/2): lambda satisfies the KKT conditions on the simplex."""
+    J = make_jacobian(m, max(rank, m), min(rank, m), 1.0, torch.float64, 3)
+    G = J @ J.T
+    lam = MGDA().weights(J)
+    g_lam = G @ lam
+    value = float(lam @ g_lam)
+    tol = 1e-9 * float(G.diagonal().max())
+    assert bool((lam >= 0).all()) and abs(float(lam.sum()) - 1.0) < 1e-12
+    assert bool((g_lam >= value - tol).all())
+    assert float((lam * (g_lam - value)).abs().max()) < tol
 
 
 def test_documented_values() -> None:

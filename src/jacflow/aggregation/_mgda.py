@@ -82,6 +82,26 @@ def two_row_min_norm(gramian: Tensor) -> Tensor:
     return torch.where(denominator > 0, weights, 0.5)
 
 
+def _bordered_solution(kkt: Tensor, rhs: Tensor) -> Tensor:
+    """``pinv(kkt) @ rhs`` for a symmetric ``kkt``: by an LU solve where no pivot of its
+    factorisation is within ``1e-8`` of the largest (a numerically nonsingular system, where
+    the pseudo-inverse cuts nothing and its solution is the inverse's) and the residual is at
+    rounding level, else by the pseudo-inverse (a singular or nearly singular Gramian:
+    duplicated, dependent or zero rows, whose systems have many solutions, of which pinv's is
+    the smallest). An LU solve costs a fraction of the SVD behind ``pinv`` (MGDA at m = 500:
+    4.4 s of pseudo-inverses)."""
+    k = kkt.shape[0]
+    factors, pivots, info = torch.linalg.lu_factor_ex(kkt)
+    diagonal = factors.diagonal().abs()
+    if not bool(info) and bool(diagonal.min() > 1e-8 * diagonal.max()):
+        solution = torch.linalg.lu_solve(factors, pivots, rhs[:, None]).squeeze(1)
+        residual = (kkt @ solution - rhs).abs().max()
+        bound = 16 * k * torch.finfo(kkt.dtype).eps * (kkt.abs().max() * solution.abs().max() + 1)
+        if bool(residual <= bound):
+            return solution
+    return torch.linalg.pinv(kkt, hermitian=True) @ rhs
+
+
 def refine_min_norm(gramian: Tensor, lam: Tensor, max_steps: int) -> Tensor:
     r"""Primal active-set method for :math:`\min_{\lambda \in \Delta_m} \lambda^\top G \lambda`.
 
@@ -126,7 +146,7 @@ def refine_min_norm(gramian: Tensor, lam: Tensor, max_steps: int) -> Tensor:
         kkt[k, :k] = ones
         rhs = torch.zeros(k + 1, dtype=gramian.dtype, device=gramian.device)
         rhs[k] = 1
-        solution = inverse[index] * (torch.linalg.pinv(kkt, hermitian=True) @ rhs)[:k]
+        solution = inverse[index] * _bordered_solution(kkt, rhs)[:k]
         solution = solution / solution.sum()  # (1^T D z = max(D 1) exactly; the sum is 1)
         target = torch.zeros_like(lam)
         target[index] = solution
