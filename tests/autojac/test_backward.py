@@ -89,6 +89,12 @@ def test_none_jac_tensors_for_a_tensor_of_several_elements_are_refused() -> None
     assert x.grad is before and torch.equal(before, torch.tensor([5.0, 6.0]))
     with pytest.raises(TypeError, match=r"`jac_outputs\[1\]` must be a Tensor or None"):
         jac([x**2, x.sum()], [x], jac_outputs=[torch.ones(1, 2), 1.0])  # type: ignore[list-item]
+    # (the messages name the entries given, not a None filled in)
+    with pytest.raises(ValueError, match=r"`jac_tensors\[1\]` is complex"):
+        backward([x.sum(), x**2], jac_tensors=[None, torch.ones(1, 2, dtype=torch.cfloat)])
+    with pytest.raises(ValueError, match=r"`jac_outputs\[1\]` has 4, `jac_outputs\[2\]` has 5"):
+        jac([x.sum(), x**2, x**3], [x], jac_outputs=[None, torch.ones(4, 2), torch.ones(5, 2)])
+    assert x.grad is before and torch.equal(before, torch.tensor([5.0, 6.0]))
 
 
 @pytest.mark.parametrize("case", ZOO, ids=lambda c: c.name)

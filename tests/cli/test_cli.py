@@ -605,6 +605,11 @@ def test_an_unknown_option_prints_the_commands_usage(
     lines = capsys.readouterr().err.strip().splitlines()
     assert lines[0].startswith(f"usage: jacflow {command} [-h]")
     assert lines[-1] == f"jacflow {command}: error: unrecognized arguments: --foo 1"
+    # (given before the command, it is the top level's: its usage and name)
+    assert main(["--foo", command]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines[0].startswith("usage: jacflow [-h]")
+    assert lines[-1] == "jacflow: error: unrecognized arguments: --foo"
 
 
 def _summary_lines(printed: str) -> dict[str, str]:

@@ -84,19 +84,22 @@ def two_row_min_norm(gramian: Tensor) -> Tensor:
 
 def _bordered_solution(kkt: Tensor, rhs: Tensor) -> Tensor:
     """``pinv(kkt) @ rhs`` for a symmetric ``kkt``: by an LU solve where no pivot of its
-    factorisation is within ``1e-8`` of the largest (a numerically nonsingular system, where
-    the pseudo-inverse cuts nothing and its solution is the inverse's) and the residual is at
-    rounding level, else by the pseudo-inverse (a singular or nearly singular Gramian:
-    duplicated, dependent or zero rows, whose systems have many solutions, of which pinv's is
-    the smallest). An LU solve costs a fraction of the SVD behind ``pinv`` (MGDA at m = 500:
+    factorisation is within ``sqrt(eps)`` of the largest (1.5e-8 in float64, 3.5e-4 in
+    float32: a well-conditioned system, where the pseudo-inverse, which cuts below ``k eps``,
+    cuts nothing and its solution is the inverse's, up to the rounding of each) and the
+    residual is at rounding level,
+    else by the pseudo-inverse (a singular or nearly singular Gramian: duplicated, dependent,
+    nearly parallel or zero rows, whose systems have many solutions, of which pinv's is the
+    smallest). An LU solve costs a fraction of the SVD behind ``pinv`` (MGDA at m = 500:
     4.4 s of pseudo-inverses)."""
     k = kkt.shape[0]
+    eps = torch.finfo(kkt.dtype).eps
     factors, pivots, info = torch.linalg.lu_factor_ex(kkt)
     diagonal = factors.diagonal().abs()
-    if not bool(info) and bool(diagonal.min() > 1e-8 * diagonal.max()):
+    if not bool(info) and bool(diagonal.min() > eps**0.5 * diagonal.max()):
         solution = torch.linalg.lu_solve(factors, pivots, rhs[:, None]).squeeze(1)
         residual = (kkt @ solution - rhs).abs().max()
-        bound = 16 * k * torch.finfo(kkt.dtype).eps * (kkt.abs().max() * solution.abs().max() + 1)
+        bound = 16 * k * eps * (kkt.abs().max() * solution.abs().max() + 1)
         if bool(residual <= bound):
             return solution
     return torch.linalg.pinv(kkt, hermitian=True) @ rhs

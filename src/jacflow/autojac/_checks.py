@@ -52,10 +52,11 @@ def checked_cotangents(
         (tensor([1., 1.]), 2)
     """
     items = (value,) if isinstance(value, Tensor) else _with_nones(value, name)
-    given = [item for item in items if item is not None]
-    check_real(tuple(given), name)
-    check_jac_outputs_count(items, outputs, name, out_name)
-    m = given[0].shape[0] if given and given[0].ndim > 0 else 1
+    for i, item in enumerate(items):
+        if item is not None:
+            check_real_tensor(item, f"{name}[{i}]")
+    rows = _checked_rows(items, outputs, name, out_name)
+    m = 1 if rows is None else rows
     filled = []
     for i, (item, output) in enumerate(zip(items, outputs, strict=True)):
         if item is None:
@@ -70,8 +71,7 @@ def checked_cotangents(
             fill = output.new_ones if output.requires_grad else output.new_zeros
             item = fill((m, *output.shape))
         filled.append(item)
-    cotangents = tuple(filled)
-    return cotangents, check_jac_outputs(cotangents, outputs, name, out_name)
+    return tuple(filled), m
 
 
 def _with_nones(value: Iterable[Tensor | None], name: str) -> tuple[Tensor | None, ...]:
@@ -220,21 +220,35 @@ def check_jac_outputs(
     out_name: str,
 ) -> int:
     """Check that ``jac_outputs[i]`` has shape ``[m, *outputs[i].shape]``; return ``m``."""
+    rows = _checked_rows(jac_outputs, outputs, jac_name, out_name)
+    assert rows is not None
+    return rows
+
+
+def _checked_rows(
+    jac_outputs: Sequence[Tensor | None],
+    outputs: tuple[Tensor, ...],
+    jac_name: str,
+    out_name: str,
+) -> int | None:
+    """:func:`check_jac_outputs`, skipping the ``None`` entries (``None`` if all are)."""
     check_jac_outputs_count(jac_outputs, outputs, jac_name, out_name)
-    rows: int | None = None
+    first: tuple[int, int] | None = None  # (the first entry given, its rows)
     for i, (jac, out) in enumerate(zip(jac_outputs, outputs)):
+        if jac is None:
+            continue
         if jac.ndim != out.ndim + 1 or jac.shape[1:] != out.shape:
             raise ValueError(
                 f"`{jac_name}[{i}]` must have shape [m, *{out_name}[{i}].shape] = "
                 f"{rows_shape(out.shape)}, received {tuple(jac.shape)}. Its first "
                 "dimension is the number of rows of the Jacobian."
             )
-        if rows is None:
-            rows = jac.shape[0]
-        elif jac.shape[0] != rows:
+        if first is None:
+            first = (i, jac.shape[0])
+        elif jac.shape[0] != first[1]:
             raise ValueError(
                 f"All tensors of `{jac_name}` must have the same number of rows m (first "
-                f"dimension): `{jac_name}[0]` has {rows}, `{jac_name}[{i}]` has {jac.shape[0]}."
+                f"dimension): `{jac_name}[{first[0]}]` has {first[1]}, `{jac_name}[{i}]` has "
+                f"{jac.shape[0]}."
             )
-    assert rows is not None
-    return rows
+    return None if first is None else first[1]

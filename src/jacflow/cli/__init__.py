@@ -420,9 +420,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     parser, commands = _parser()
     try:
-        args, unknown = parser.parse_known_args(None if argv is None else list(argv))
+        given = sys.argv[1:] if argv is None else list(argv)
+        args, unknown = parser.parse_known_args(given)
         if unknown:  # (parse_args reports them on the top parser, whose usage lists no option)
-            commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
+            # (an option before the command is the top parser's, `jacflow --foo train`)
+            before = given[: given.index(args.command)] if args.command in given else given
+            owner = parser if set(unknown) & set(before) else commands[args.command]
+            owner.error(f"unrecognized arguments: {' '.join(unknown)}")
         _check_bench_usage(args, commands["bench"])
     except SystemExit as exit_:
         return int(exit_.code or 0) if not isinstance(exit_.code, str) else 2
