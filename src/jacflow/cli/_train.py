@@ -77,8 +77,9 @@ def _evaluate_mtl(model: DigitsMTL, images: Tensor, labels: Tensor) -> dict[str,
 
 
 def _mean(rows: list[dict[str, float]], key: str) -> float:
-    values = [row[key] for row in rows if key in row]
-    return sum(values) / len(values) if values else float("nan")
+    """:func:`_recorded_mean`, NaN where no row records ``key`` (the epochs' float columns)."""
+    mean = _recorded_mean(rows, key)
+    return float("nan") if mean is None else mean
 
 
 def _recorded_mean(rows: list[dict[str, float]], key: str) -> float | None:
