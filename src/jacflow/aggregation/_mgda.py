@@ -87,11 +87,10 @@ def _bordered_solution(kkt: Tensor, rhs: Tensor) -> Tensor:
     factorisation is within ``sqrt(eps)`` of the largest (1.5e-8 in float64, 3.5e-4 in
     float32: a well-conditioned system, where the pseudo-inverse, which cuts below ``k eps``,
     cuts nothing and its solution is the inverse's, up to the rounding of each) and the
-    residual is at rounding level,
-    else by the pseudo-inverse (a singular or nearly singular Gramian: duplicated, dependent,
-    nearly parallel or zero rows, whose systems have many solutions, of which pinv's is the
-    smallest). An LU solve costs a fraction of the SVD behind ``pinv`` (MGDA at m = 500:
-    4.4 s of pseudo-inverses)."""
+    residual is at rounding level, else by the pseudo-inverse (a singular or nearly singular
+    Gramian: duplicated, dependent, nearly parallel or zero rows, whose systems have many
+    solutions, of which pinv's is the smallest). An LU solve costs a fraction of the SVD
+    behind ``pinv`` (MGDA at m = 500: 4.4 s of pseudo-inverses)."""
     k = kkt.shape[0]
     eps = torch.finfo(kkt.dtype).eps
     factors, pivots, info = torch.linalg.lu_factor_ex(kkt)

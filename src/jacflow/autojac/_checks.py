@@ -9,6 +9,7 @@ from __future__ import annotations
 import numbers
 import operator
 from collections.abc import Iterable, Sequence
+from typing import cast
 
 from torch import Tensor
 
@@ -18,25 +19,34 @@ from jacflow.aggregation import Aggregator
 
 def as_tensor_tuple(value: Tensor | Iterable[Tensor], name: str) -> tuple[Tensor, ...]:
     """``value`` as a tuple of tensors; a single tensor becomes a 1-tuple."""
+    return cast("tuple[Tensor, ...]", _tensor_items(value, name, none_ok=False))
+
+
+def _tensor_items(
+    value: Tensor | Iterable[Tensor | None], name: str, none_ok: bool
+) -> tuple[Tensor | None, ...]:
+    """:func:`as_tensor_tuple`, with ``None`` items where ``none_ok`` (the cotangents of
+    :func:`checked_cotangents`)."""
     if isinstance(value, Tensor):
         return (value,)
+    whole, each = "a Tensor or a sequence of Tensors", "a Tensor"
+    if none_ok:
+        whole, each = f"{whole} (or None for an output of one element)", f"{each} or None"
     try:
         items = tuple(value)
     except TypeError:
-        raise TypeError(
-            f"`{name}` must be a Tensor or a sequence of Tensors, received {type(value)}."
-        ) from None
+        raise TypeError(f"`{name}` must be {whole}, received {type(value)}.") from None
     for i, item in enumerate(items):
-        if not isinstance(item, Tensor):
-            raise TypeError(f"`{name}[{i}]` must be a Tensor, received {type(item)}.")
+        if not (isinstance(item, Tensor) or (none_ok and item is None)):
+            raise TypeError(f"`{name}[{i}]` must be {each}, received {type(item)}.")
     return items
 
 
 def checked_cotangents(
     value: Tensor | Iterable[Tensor | None], outputs: tuple[Tensor, ...], name: str, out_name: str
 ) -> tuple[tuple[Tensor, ...], int]:
-    """``value`` (``jac_tensors`` or ``jac_outputs``) checked against ``outputs`` (see
-    :func:`check_jac_outputs`), and its number of rows ``m``.
+    """``value`` (``jac_tensors`` or ``jac_outputs``) checked against ``outputs`` (each
+    ``[m, *output.shape]``, with one ``m``), and its number of rows ``m``.
 
     A ``None`` entry stands for what it stands for in torch's ``grad_tensors``: ones for an
     output of one element (``m`` of them: the other entries' rows, or one row when every entry
@@ -51,7 +61,7 @@ def checked_cotangents(
         >>> cotangents[1], m
         (tensor([1., 1.]), 2)
     """
-    items = (value,) if isinstance(value, Tensor) else _with_nones(value, name)
+    items = _tensor_items(value, name, none_ok=True)
     for i, item in enumerate(items):
         if item is not None:
             check_real_tensor(item, f"{name}[{i}]")
@@ -72,21 +82,6 @@ def checked_cotangents(
             item = fill((m, *output.shape))
         filled.append(item)
     return tuple(filled), m
-
-
-def _with_nones(value: Iterable[Tensor | None], name: str) -> tuple[Tensor | None, ...]:
-    """``value`` as a tuple of tensors and ``None``s (:func:`checked_cotangents`)."""
-    try:
-        items = tuple(value)
-    except TypeError:
-        raise TypeError(
-            f"`{name}` must be a Tensor or a sequence of Tensors (or None for an output of one "
-            f"element), received {type(value)}."
-        ) from None
-    for i, item in enumerate(items):
-        if item is not None and not isinstance(item, Tensor):
-            raise TypeError(f"`{name}[{i}]` must be a Tensor or None, received {type(item)}.")
-    return items
 
 
 def rows_shape(shape: Sequence[int]) -> str:
@@ -203,36 +198,19 @@ def check_aggregator(aggregator: object) -> Aggregator | None:
     )
 
 
-def check_jac_outputs_count(
-    jac_outputs: Sequence[object], outputs: tuple[Tensor, ...], jac_name: str, out_name: str
-) -> None:
-    if len(jac_outputs) != len(outputs):
-        raise ValueError(
-            f"`{jac_name}` must have one tensor per element of `{out_name}`: expected "
-            f"{len(outputs)}, received {len(jac_outputs)}."
-        )
-
-
-def check_jac_outputs(
-    jac_outputs: Sequence[Tensor],
-    outputs: tuple[Tensor, ...],
-    jac_name: str,
-    out_name: str,
-) -> int:
-    """Check that ``jac_outputs[i]`` has shape ``[m, *outputs[i].shape]``; return ``m``."""
-    rows = _checked_rows(jac_outputs, outputs, jac_name, out_name)
-    assert rows is not None
-    return rows
-
-
 def _checked_rows(
     jac_outputs: Sequence[Tensor | None],
     outputs: tuple[Tensor, ...],
     jac_name: str,
     out_name: str,
 ) -> int | None:
-    """:func:`check_jac_outputs`, skipping the ``None`` entries (``None`` if all are)."""
-    check_jac_outputs_count(jac_outputs, outputs, jac_name, out_name)
+    """Check that each ``jac_outputs[i]`` given (not ``None``) has shape
+    ``[m, *outputs[i].shape]`` with one ``m``; return ``m`` (``None`` if none is given)."""
+    if len(jac_outputs) != len(outputs):
+        raise ValueError(
+            f"`{jac_name}` must have one tensor per element of `{out_name}`: expected "
+            f"{len(outputs)}, received {len(jac_outputs)}."
+        )
     first: tuple[int, int] | None = None  # (the first entry given, its rows)
     for i, (jac, out) in enumerate(zip(jac_outputs, outputs)):
         if jac is None:
