@@ -20,6 +20,7 @@ from torch import Tensor
 from jacflow.linalg import SolverWarning, project_weights
 from jacflow.linalg import _dual_cone as dual_cone
 from jacflow.linalg import _first_order as first_order
+from jacflow.linalg import _pdas as pdas
 from jacflow.linalg._dual_cone import _normalized, project_diagonal, project_weights_reference
 from jacflow.linalg._first_order import admm_solve
 from jacflow.linalg._lawson_hanson import least_combination
@@ -281,6 +282,24 @@ def _spy_lean(monkeypatch: pytest.MonkeyPatch) -> list[Tensor | None]:
 
     monkeypatch.setattr(dual_cone, "lean_pdas_solve", spy)
     return results
+
+
+@settings(max_examples=60)
+@given(problem=problems(max_m=24))
+def test_lean_pdas_certifies_what_it_returns(problem: tuple[Tensor, Tensor]) -> None:
+    """The lean PDAS (numpy) returns either nothing or the exact projection: every problem
+    kind, duplicated objectives and rank-deficient Gramians included (which it may hand over),
+    against the reference active set's update."""
+    u, gramian = problem
+    rows = u / u.abs().amax(-1, keepdim=True).clamp_min(1e-300)  # (its rows of max-norm 1)
+    g = gramian / gramian.trace().clamp_min(1e-300)
+    v = pdas.lean_pdas_solve(rows, g, 1e-10)
+    if v is None:
+        return
+    assert v.dtype == torch.float64 and v.shape == rows.shape and bool((v >= rows).all())
+    assert_kkt(v, rows, g, rtol=1e-9)
+    ref = project_weights_reference(rows, g)
+    torch.testing.assert_close(v @ g, ref @ g, rtol=0, atol=1e-9)
 
 
 @pytest.mark.parametrize("m", [8, 25])

@@ -167,8 +167,8 @@ _POLISH_ITER = 10
 _POLISH_MAX_FLOP = 3e7
 _DEFAULT_TOL = {torch.float64: 1e-10}  # other dtypes: 1e-6 (their Gramians are that inexact)
 # Problems solved in Python floats (``_host_pdas``) when on the CPU and at most this many
-# multiply-adds of Cholesky factorisations (rows x m^3): there they beat the torch solvers,
-# the lean route's about 20 operations per step included (UPGrad: even at m = 5).
+# multiply-adds of Cholesky factorisations (rows x m^3): there they beat the torch solvers and
+# the lean route, whose numpy loop costs less than its torch wrapping (UPGrad: even at m = 5).
 _HOST_MAX_WORK = 5**4  # UPGrad: m <= 5
 # Other problems on one CPU Gramian of at most this many objectives, outside autograd, first try
 # ``_pdas.lean_pdas_solve`` (masked m x m systems: their cost grows as rows x m^3).
@@ -800,13 +800,14 @@ def project_weights(
     them all to the route above. The tiniest (rows x m^3 at most 625, e.g. UPGrad with up to 5
     objectives) run ``"auto"``'s PDAS one problem at a time in Python floats
     (``jacflow.linalg._host_pdas``, exact Lawson-Hanson where PDAS stalls); the others of up to
-    24 objectives a PDAS of about 20 dispatched operations per step
+    24 objectives a PDAS of about a dozen numpy operations per step
     (``jacflow.linalg._pdas.lean_pdas_solve``): there the batched solvers' fixed cost of some
-    200 operations, not their arithmetic, is the time. Like the batched route's ``"auto"``, both
-    are taken only without an explicit ``max_iter``. Outside autograd, ``"auto"`` problems on one
-    Gramian of at most 128 objectives on an accelerator are copied to the host and solved there
-    (the batched solvers' many small kernels and synchronisations cost more than the copies);
-    the result comes back to the Gramian's device.
+    200 torch operations, not their arithmetic, is the time. Like the batched route's
+    ``"auto"``, both are taken only without an explicit ``max_iter``. Outside autograd,
+    ``"auto"`` problems on one Gramian of at most 128 objectives on an accelerator are copied
+    to the host and solved there (the batched solvers' many small kernels and
+    synchronisations cost more than the copies); the result comes back to the Gramian's
+    device.
 
     Accuracy. Problems are stated and checked in float64 whatever the input dtype (float32
     loses the active set on ill-conditioned Gramians); the result has the promoted dtype of

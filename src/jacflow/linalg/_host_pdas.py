@@ -2,8 +2,8 @@
 
 With a handful of objectives (multi-task learning: m = 3 to 5) the batched torch solvers of
 ``_pdas`` spend their time dispatching some two hundred tensor operations, not computing, and
-even ``_pdas.lean_pdas_solve``'s 40 or more (about 20 a step) cost more than solving in
-Python floats (with more objectives, or more rows, that lean route is faster). This module
+even ``_pdas.lean_pdas_solve`` (a numpy loop, with its torch wrapping) costs more than solving
+in Python floats (with more objectives, or more rows, that lean route is faster). This module
 solves one problem at a time on Python floats:
 
 * the primal-dual active-set iteration of ``_pdas``: a step is one Cholesky factorisation of
