@@ -1197,6 +1197,27 @@ def test_checkpointed_forward_recomputed_by_the_step_is_not_recorded() -> None:
         assert not engine._recorder.calls
 
 
+@pytest.mark.parametrize("batch_dim", [0, None])
+def test_checkpoint_with_dropout_and_several_rows(batch_dim: int | None) -> None:
+    """A checkpointed block with a dropout, in training mode: its backward draws the dropout
+    again (the same mask, from the restored random state), which vmap refuses in a backward
+    batched over the rows ([B, k] losses, or tasks). The rows are pulled back one by one; the
+    Gramian and the update equal the brute force on the same forward."""
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(3, 4), nn.Dropout(0.5), nn.Tanh(), nn.Linear(4, 4)).double()
+    head = nn.Linear(4, 2).double()
+    x = torch.randn(5, 3, dtype=torch.float64)
+    params = [*block.parameters(), *head.parameters()]
+
+    def forward() -> Tensor:
+        torch.manual_seed(1)  # (the same dropout mask at each forward)
+        out = head(torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)).pow(2)
+        return out if batch_dim == 0 else torch.stack([out.sum(), out[0, 1]])
+
+    with Engine(block, head, batch_dim=batch_dim) as engine:
+        assert_exact_step(engine, forward, params)
+
+
 class _Recursive(nn.Module):
     """Calls itself ``fanout`` times per level, on inputs that depend on its parameters or not,
     and keeps every inner output (any of which the losses may read)."""
@@ -1281,6 +1302,40 @@ def test_outputs_computed_from_one_another(batch_dim: int | None) -> None:
         h, _ = module(x)
         losses = losses_of(h.pow(2).sum(1))
         assert_exact_gramian(engine, losses, [module.scale])
+
+
+class _PassesThrough(nn.Module):
+    """Returns ``h`` with its input as it is (the (hidden, residual) pattern), or ``h`` twice."""
+
+    def __init__(self, twice: bool) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 3, dtype=torch.float64))
+        self.twice = twice
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        h = torch.tanh(x) * self.scale
+        return (h, h) if self.twice else (h, x)
+
+
+@pytest.mark.parametrize("batch_dim", [0, None])
+@pytest.mark.parametrize("twice", [False, True])
+def test_an_input_returned_or_one_output_returned_twice(batch_dim: int | None, twice: bool) -> None:
+    """An input returned as it is depends on no parameter of the re-run, and one tensor returned
+    twice is one output: both were refused as outputs computed from one another. The losses read
+    both outputs, each along its own path; the update is exact too."""
+    torch.manual_seed(0)
+    first, block, last = nn.Linear(3, 3).double(), _PassesThrough(twice), nn.Linear(3, 2).double()
+    x = torch.randn(4, 3, dtype=torch.float64)
+    params = [*first.parameters(), *block.parameters(), *last.parameters()]
+
+    def forward() -> Tensor:
+        h, other = block(first(x))
+        out = last(h) + other[:, :2].pow(2)
+        per_sample = out.pow(2).sum(1)
+        return per_sample if batch_dim == 0 else torch.stack([per_sample.sum(), out[1, 0]])
+
+    with Engine(first, block, last, batch_dim=batch_dim) as engine:
+        assert_exact_step(engine, forward, params)
 
 
 class _OnItsOutput(nn.Module):

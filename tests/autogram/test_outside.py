@@ -559,6 +559,47 @@ def test_reentrant_checkpoints_are_refused(hooked: str) -> None:
     assert_exact_gramian(engine, losses(False), params)
 
 
+class _CheckpointsInside(nn.Module):
+    """A module of the generic rule (a parameter of its own) that checkpoints its function."""
+
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.lin, self.scale = nn.Linear(5, 5), nn.Parameter(torch.ones(5))
+        self.reentrant = reentrant
+
+    def forward(self, x: Tensor) -> Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        def function(t: Tensor) -> Tensor:
+            return torch.tanh(self.lin(t)) * self.scale
+
+        return checkpoint(function, x, use_reentrant=self.reentrant)
+
+
+@pytest.mark.parametrize("batch_dim", [0, None])
+def test_a_reentrant_checkpoint_inside_a_generic_module_is_refused_by_the_engine(
+    batch_dim: int | None,
+) -> None:
+    """The graph walk does not look inside a generic-rule call, so torch's own error came out
+    of the engine's backward, naming a call of ``.grad()`` the user did not make. The engine's
+    refusal now, with nothing written; the same module with a non-reentrant checkpoint is
+    exact."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 5), _CheckpointsInside(True), nn.Linear(5, 1)).double()
+    x = torch.randn(4, 5, dtype=torch.float64)
+    engine = Engine(model, batch_dim=batch_dim)
+
+    def losses() -> Tensor:
+        out = model(x)
+        return out.pow(2).sum(1) if batch_dim == 0 else torch.stack([out.sum(), out.pow(2).sum()])
+
+    with pytest.raises(ValueError, match=r"inside one of them.*use_reentrant=False"):
+        engine.backward(losses(), UPGradWeighting())
+    assert all(p.grad is None for p in model.parameters())
+    model[1].reentrant = False
+    assert_exact_gramian(engine, losses(), list(model.parameters()))
+
+
 def test_a_reentrant_checkpoint_below_every_hooked_call_is_accepted() -> None:
     """A reentrant checkpoint of a backbone that the Engine does not hook, below its hooked
     head: the engine's backward stops before it, and every hooked module was called outside

@@ -112,6 +112,13 @@ _COMPILE_HINT = (
     "Create the Engine on the uncompiled module, or use jacflow.autojac.backward with "
     "parallel_chunk_size=1."
 )
+_REENTRANT_REFUSAL = (
+    "The losses' graph holds a reentrant activation checkpoint (torch.utils.checkpoint with "
+    "use_reentrant=True) around or above modules given to the Engine, inside one of them, or "
+    "of a function it cannot look into: the Engine cannot see the calls inside it, and its "
+    "backward writes .grad of the parameters inside it. Use checkpoint(..., "
+    "use_reentrant=False), which the Engine supports."
+)
 
 
 def _check_modules(modules: tuple[nn.Module, ...], batch_dim: int | None) -> None:
@@ -686,8 +693,10 @@ class Engine:
             )
         if batch_dim is not None and batch_dim != 0:
             raise ValueError(
-                f"`batch_dim` must be 0 or None, received {batch_dim!r}. Move the batch "
-                "dimension of your inputs and losses to 0."
+                f"`batch_dim` must be 0 or None, received {batch_dim!r}. Per sample, the "
+                "batch is dimension 0 of the losses and of the modules' inputs and outputs: "
+                "pass the losses with their batch moved there (losses.movedim(batch_dim, 0)); "
+                "the Gramian's rows and the weights then follow that order."
             )
         self.batch_dim = batch_dim
         self._modules = modules
@@ -1191,8 +1200,12 @@ class Engine:
         """
         coupled, outside = self._recorder.coupled, self._recorder.outside
         returned = self._recorder.returned
-        # (ops whose backward vmap cannot batch: the rows are pulled back one by one)
-        row_by_row = row_by_row or self._recorder.fused_rnn or self._recorder.strided_norm
+        # (ops whose backward vmap cannot batch: the rows are pulled back one by one; also a
+        # checkpoint's random draws, which its backward makes again)
+        recorder = self._recorder
+        row_by_row = (
+            row_by_row or recorder.fused_rnn or recorder.strided_norm or recorder.random_checkpoint
+        )
         calls = self._recorder.take()
         self._pending_forwards = 0
         try:
@@ -1311,6 +1324,7 @@ class Engine:
             replaying(),  # (a checkpointed forward recomputed by it is not a forward call)
             _compiled_backward_hint(),
             _selective_checkpoint_hint(),
+            _reentrant_checkpoint_hint(),
             without_tensor_hooks(inputs[len(extra_inputs) :]),
         ):
             grads, extra_grads = capture(
@@ -1465,14 +1479,7 @@ class Engine:
             for module in map(checkpointed_module, checkpoints)
         )
         if inside or checkpoint_above_calls(checkpoints, [call for _, call in calls]):
-            raise ValueError(
-                "The losses' graph holds a reentrant activation checkpoint "
-                "(torch.utils.checkpoint with use_reentrant=True) around or above modules "
-                "given to the Engine (or of a function it cannot look into): the Engine "
-                "cannot see the calls inside it, and its backward writes .grad of the "
-                "parameters inside it. Use checkpoint(..., use_reentrant=False), which the "
-                "Engine supports."
-            )
+            raise ValueError(_REENTRANT_REFUSAL)
 
     def _check_no_outside_use(
         self,
@@ -1930,6 +1937,19 @@ def _compiled_backward_hint() -> Iterator[None]:
             "torch._dynamo.reset()), pass retain_graph=False to compute_gramian if the losses "
             "are not pulled back again, or compile without the modules given to the Engine."
         ) from error
+
+
+@contextlib.contextmanager
+def _reentrant_checkpoint_hint() -> Iterator[None]:
+    """The engine's refusal of a reentrant activation checkpoint that its graph walk cannot
+    see (inside a module under the generic rule), in place of torch's, which names a call of
+    ``.grad()`` that the user did not make."""
+    try:
+        yield
+    except RuntimeError as error:
+        if "use_reentrant=True, torch.utils.checkpoint is incompatible" not in str(error):
+            raise
+        raise ValueError(_REENTRANT_REFUSAL) from error
 
 
 @contextlib.contextmanager

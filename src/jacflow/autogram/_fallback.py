@@ -603,6 +603,9 @@ _CHECKPOINT_GENERATORS = (
     "_checkpoint_without_reentrant_generator_impl",
 )
 _replaying = threading.local()  # (depth: the re-runs under way in this thread)
+# non-reentrant checkpoints whose function drew random numbers, in any thread (a count: see
+# random_checkpoints)
+_RANDOM_CHECKPOINTS = [0]
 
 
 @contextlib.contextmanager
@@ -611,13 +614,51 @@ def _plain_checkpoints() -> Iterator[None]:
     its function plainly in the re-run: torch.func cannot run the saved tensor hooks it is
     made of, and the function's gradient is the checkpoint's. Only in this thread: torch's
     generators are wrapped once, and the wrappers run them for every other checkpoint."""
-    for name in _CHECKPOINT_GENERATORS:
-        _wrap_checkpoint_generator(name)
+    watch_checkpoints()
     _replaying.depth = getattr(_replaying, "depth", 0) + 1
     try:
         yield
     finally:
         _replaying.depth -= 1
+
+
+def watch_checkpoints() -> None:
+    """Count, from now on, the non-reentrant activation checkpoints whose function draws random
+    numbers (dropout): their backward runs the function again, and under vmap, in a backward
+    batched over rows, the draw fails ("random operations inside of vmap"), where one backward
+    per row is exact (the checkpoint restores the random state for each). See
+    :func:`random_checkpoints`."""
+    for name in _CHECKPOINT_GENERATORS:
+        _wrap_checkpoint_generator(name)
+
+
+def random_checkpoints() -> int:
+    """How many checkpoints watched by :func:`watch_checkpoints` drew random numbers so far:
+    a caller compares two readings.
+
+    Example:
+        >>> import torch
+        >>> from torch.utils.checkpoint import checkpoint
+        >>> from jacflow.autogram._fallback import random_checkpoints, watch_checkpoints
+        >>> watch_checkpoints()
+        >>> x, before = torch.ones(3, requires_grad=True), random_checkpoints()
+        >>> y = checkpoint(torch.nn.functional.dropout, x, use_reentrant=False)
+        >>> random_checkpoints() > before
+        True
+        >>> before = random_checkpoints()
+        >>> y = checkpoint(torch.tanh, x, use_reentrant=False)
+        >>> random_checkpoints() > before
+        False
+    """
+    return _RANDOM_CHECKPOINTS[0]
+
+
+def _random_states() -> list[Tensor]:
+    """The CPU's random state, and each initialised accelerator's."""
+    states = [torch.get_rng_state()]
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states += torch.cuda.get_rng_state_all()
+    return states
 
 
 def _wrap_checkpoint_generator(name: str) -> None:
@@ -629,8 +670,12 @@ def _wrap_checkpoint_generator(name: str) -> None:
     def wrapper(*args: Any, **kwargs: Any) -> Iterator[None]:
         if getattr(_replaying, "depth", 0):
             yield  # (checkpoint() runs the function here, and returns its output at the end)
-        else:
-            yield from original(*args, **kwargs)
+            return
+        before = _random_states()
+        yield from original(*args, **kwargs)
+        after = _random_states()
+        if len(after) != len(before) or not all(map(torch.equal, before, after)):
+            _RANDOM_CHECKPOINTS[0] += 1
 
     wrapper._jacflow_wrapper = True  # type: ignore[attr-defined]
     setattr(torch_checkpoint, name, wrapper)
@@ -764,7 +809,9 @@ def _check_independent_outputs(module: nn.Module, call: Call) -> frozenset[int]:
     ``forward``) is the exception: torch computes its ``h'`` from its ``s'`` (the CPU kernel),
     which the user cannot change, so the outputs computed from (indices into ``call.edges``)
     are returned, for the re-run to give them their captured gradients (:func:`_own_gradients`),
-    which is exact."""
+    which is exact. An output that is one of the call's inputs (``return h, x``) counts no
+    path: the re-run's parameters do not reach it. One tensor returned twice is one output,
+    whose captured gradient :func:`_once_each` gives once."""
 
     def reached(c: Call) -> list[Any]:  # (an output the losses do not reach counts no path)
         return [e for e, r in zip(c.edges, c.reached, strict=False) if r]
@@ -775,7 +822,6 @@ def _check_independent_outputs(module: nn.Module, call: Call) -> frozenset[int]:
     ]
     if len(starts) < 2:
         return frozenset()
-    twice = len({(id(e.node), e.output_nr) for e in own}) < len(own)
     inputs = leaves((call.args, call.kwargs))
     # (the dicts hold the nodes: a node's Python object can die and its id be reused)
     boundary = {
@@ -793,8 +839,10 @@ def _check_independent_outputs(module: nn.Module, call: Call) -> frozenset[int]:
         pending, seen = [start], {id(start): start}
         while pending:
             node = pending.pop()
-            if twice or (id(node) in outputs and (node is not start or position >= len(own))):
-                if cell and not twice and position < len(own):
+            if id(node) in boundary:  # (an input: also an output returned as it is, above)
+                continue
+            if id(node) in outputs and (node is not start or position >= len(own)):
+                if cell and position < len(own):
                     upstream.add(positions[id(node)])
                     continue  # (its own gradient replaces what reaches it: no need to go on)
                 raise ValueError(
@@ -807,13 +855,25 @@ def _check_independent_outputs(module: nn.Module, call: Call) -> frozenset[int]:
                     "outside the module), do not call the module on its own output (pass a "
                     "detached copy), or register a closed form (jacflow.autogram.register_rule)."
                 )
-            if id(node) in boundary:
-                continue
             for parent, _ in node.next_functions:
                 if parent is not None and id(parent) not in seen:
                     seen[id(parent)] = parent
                     pending.append(parent)
     return frozenset(upstream)
+
+
+def _once_each(call: Call, cots: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+    """The outputs' cotangents for the re-run, zeros for an output that repeats an earlier
+    one (``return h, h``): both are one tensor, whose captured gradient already sums the
+    paths from each, and the re-run would count it again for the copy."""
+    seen: set[tuple[int, int]] = set()
+    once = []
+    for edge, cot in zip(call.edges, cots, strict=False):
+        key = (id(edge.node), edge.output_nr) if edge is not None else None
+        once.append(torch.zeros_like(cot) if key in seen else cot)
+        if key is not None:
+            seen.add(key)
+    return (*once, *cots[len(once) :])
 
 
 def _with_enclosing_calls(calls: list[Call], rows: Rows) -> list[Call]:
@@ -939,7 +999,7 @@ class FallbackRule(Rule):
         replayed = _with_enclosing_calls(calls, rows)
         for call in replayed:
             upstream = _check_independent_outputs(module, call)
-            cots = tuple(call.grad(j) for j in range(len(call.grads)))
+            cots = _once_each(call, tuple(call.grad(j) for j in range(len(call.grads))))
             try:
                 with (
                     torch.enable_grad(),

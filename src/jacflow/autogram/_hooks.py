@@ -26,7 +26,7 @@ from torch.nn.utils.spectral_norm import SpectralNorm
 from torch.nn.utils.weight_norm import WeightNorm
 from torch.utils.hooks import RemovableHandle
 
-from jacflow.autogram._fallback import FallbackRule
+from jacflow.autogram._fallback import FallbackRule, random_checkpoints, watch_checkpoints
 from jacflow.autogram._flatten import leaves
 from jacflow.autogram._precision import autocast_state
 from jacflow.autogram._rules import (
@@ -337,6 +337,9 @@ class Recorder:
         self.outside: tuple[str, str] | None = None  # (child, unit) of a call outside the unit
         self.fused_rnn = False  # a recurrent layer ran torch's fused kernel (cuDNN, MIOpen)
         self.strided_norm = False  # a GroupNorm ran on a non-contiguous (channels_last) input
+        if not idle:
+            watch_checkpoints()
+        self._random_mark = random_checkpoints()  # (see random_checkpoint)
         # (by id: the index of the unit whose call returned that trainable leaf as it is, a
         # parameter of its own: no node, so no call is recorded, and a step's refusal of its
         # use outside the calls names that cause)
@@ -416,8 +419,11 @@ class Recorder:
     def _flag_outside(
         self, child: str, unit: str, depth: list[int], module: nn.Module, args: Any
     ) -> None:
-        # (inside the unit's forward, the usual case, nothing more is read)
+        # (inside the unit's forward, the usual case, nothing more is read; in a backward, a
+        # checkpoint's recompute of the unit's function, not a forward)
         if depth[0] or self.idle or not torch.is_grad_enabled() or is_replaying():
+            return
+        if torch._C._current_graph_task_id() != -1:
             return
         if any(p.requires_grad for p in module.parameters(recurse=False)):
             self.outside = (child, unit)
@@ -435,6 +441,12 @@ class Recorder:
             for leaf in leaves(output):
                 if isinstance(leaf, Tensor) and leaf.grad_fn is not None:
                     self.coupled.append((label, leaf.grad_fn))
+
+    @property
+    def random_checkpoint(self) -> bool:
+        """Whether a non-reentrant checkpoint drew random numbers since the record started
+        (in any model: at worst, a step pulled back row by row that needed not be)."""
+        return random_checkpoints() != self._random_mark
 
     def watch_fused_rnn(self, module: nn.Module) -> None:
         """Flag grad-enabled forwards of a recurrent layer that may run torch's fused kernel
@@ -577,6 +589,7 @@ class Recorder:
         calls, self.calls = self.calls, []
         self.coupled, self.outside = [], None
         self.fused_rnn = self.strided_norm = False
+        self._random_mark = random_checkpoints()
         self._starts, self.returned = {}, {}
         return calls
 
