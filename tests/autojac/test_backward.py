@@ -103,8 +103,12 @@ def test_jac_fields_match_reference(case: Case, chunk: int | None) -> None:
     inputs, fn = case.build(torch.float64)
     backward(fn(*inputs), inputs, parallel_chunk_size=chunk)
     for t, expected in zip(inputs, reference_jacobians(fn, inputs)):
-        torch.testing.assert_close(t.jac, expected)  # type: ignore[attr-defined]
         assert t.grad is None
+        if case.name == "unused_input" and t.shape == (2, 2):
+            # (no row reaches it: it gets no `.jac`, as torch's backward writes it no `.grad`)
+            assert not hasattr(t, "jac")
+            continue
+        torch.testing.assert_close(t.jac, expected)  # type: ignore[attr-defined]
 
 
 def test_jac_accumulates() -> None:
@@ -683,3 +687,153 @@ def test_mean_and_sum_of_float16_jac_tensors_whose_sum_overflows_float16(A: Aggr
     expected = rows.mean(0) if isinstance(A, Mean) else rows.sum(0)
     assert p.grad is not None and p.grad.dtype == torch.float32
     torch.testing.assert_close(p.grad.double(), expected, rtol=1e-6, atol=0.0)
+
+
+def _partly_reached() -> tuple[list[Tensor], list[Tensor], list[Tensor]]:
+    """Two losses over a trunk and three heads: ``head_a`` reached by the first loss only,
+    ``head_b`` by none (its task absent from the step), ``tail`` (a leaf) by none either.
+    Returns the losses, the reached inputs and the unreached ones."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(6, 3, generator=gen, dtype=torch.float64)
+
+    def leaf(*shape: int) -> Tensor:
+        return torch.randn(*shape, generator=gen, dtype=torch.float64).requires_grad_()
+
+    trunk, head_a, head_b, head_c, tail = leaf(3, 4), leaf(4), leaf(4), leaf(4), leaf(2)
+    f = torch.tanh(x @ trunk)
+    unused = f @ head_b  # (computed, but no loss reads it)
+    del unused
+    losses = [(f @ head_a).pow(2).mean(), (f @ head_c).sin().mean()]
+    return losses, [trunk, head_a, head_c], [head_b, tail]
+
+
+def _reference_rows(losses: list[Tensor], inputs: list[Tensor]) -> list[Tensor]:
+    """Per input, the ``[m, *shape]`` Jacobian from one ``autograd.grad`` per loss (zeros
+    where a loss does not reach the input)."""
+    grads = [
+        torch.autograd.grad(loss, inputs, retain_graph=True, allow_unused=True) for loss in losses
+    ]
+    return [
+        torch.stack([torch.zeros_like(t) if g[k] is None else g[k] for g in grads])
+        for k, t in enumerate(inputs)
+    ]
+
+
+def _aggregated(aggregator: Aggregator, rows: list[Tensor]) -> list[Tensor]:
+    """``aggregator`` on the stacked Jacobian whose column blocks are ``rows``, split back."""
+    matrix = torch.cat([r.flatten(1) for r in rows], dim=1)
+    update = aggregator(matrix)
+    pieces = update.split([r[0].numel() for r in rows])
+    return [p.view_as(r[0]) for p, r in zip(pieces, rows)]
+
+
+@pytest.mark.parametrize(
+    "aggregator",
+    [Mean(), Sum(), UPGrad(), MGDA(), DualProj(), ConFIG(), Constant(torch.tensor([0.3, 2.0]))],
+    ids=str,
+)
+@pytest.mark.parametrize("chunk", [None, 1])
+@pytest.mark.parametrize("existing", [False, True])
+def test_an_unreached_input_keeps_its_grad_as_torch_does(
+    aggregator: Aggregator, chunk: int | None, existing: bool
+) -> None:
+    """An input that no loss reaches got a zero ``.grad`` (momentum and weight decay then moved
+    an unused head); it keeps its ``.grad`` (``None`` stays ``None``, an existing one is not
+    touched), as after ``torch.autograd.backward(loss, inputs=...)``. An input that only some
+    rows reach gets the aggregation of the Jacobian with zeros in the other rows, as before.
+    The Mean/Sum shortcut (one VJP) and the rows (vmapped or one by one) alike. Their
+    post-accumulate hooks do not run either (an optimizer step in such a hook moved them)."""
+    losses, reached, unreached = _partly_reached()
+    inputs = [reached[0], unreached[0], reached[1], unreached[1], reached[2]]
+    held = [torch.full_like(t, 7.0) if existing else None for t in unreached]
+    hooked: list[Tensor] = []
+    for t, g in zip(unreached, held):
+        t.grad = g
+        t.register_post_accumulate_grad_hook(hooked.append)
+    # torch on the same graph: the unreached inputs' `.grad` left alone, their hooks not run
+    torch.autograd.backward(sum(losses), inputs=inputs, retain_graph=True)
+    torch_grads = [t.grad for t in unreached]
+    assert not hooked
+    for t in inputs:
+        t.grad = None
+    for t, g in zip(unreached, held):
+        t.grad = g
+    expected = _aggregated(aggregator, _reference_rows(losses, inputs))
+    backward(losses, inputs, A=aggregator, parallel_chunk_size=chunk)
+    assert not hooked
+    for t, g, from_torch in zip(unreached, held, torch_grads):
+        assert t.grad is g  # (None, or the very tensor it held)
+        assert (from_torch is None) == (g is None)
+        if g is not None:
+            assert torch.equal(g, torch.full_like(t, 7.0)) and torch.equal(from_torch, g)
+    for t, e in zip(inputs, expected):
+        if any(t is r for r in reached):
+            torch.testing.assert_close(t.grad, e)
+    assert reached[1].grad is not None and reached[1].grad.abs().max() > 0
+
+
+@pytest.mark.parametrize("aggregator", [Mean(), UPGrad()], ids=str)
+def test_an_unreached_input_keeps_its_grad_with_create_graph(aggregator: Aggregator) -> None:
+    """With ``create_graph=True`` too: no ``.grad`` for an unreached input, a differentiable
+    one for the reached inputs."""
+    losses, reached, unreached = _partly_reached()
+    backward(losses, [*reached, *unreached], A=aggregator, create_graph=True)
+    assert all(t.grad is None for t in unreached)
+    assert all(t.grad is not None and t.grad.requires_grad for t in reached)
+
+
+def test_no_input_reached_writes_nothing() -> None:
+    """Inputs none of which a loss reaches: nothing written (zeros before), with ``A`` or not,
+    as torch's ``backward(inputs=...)``."""
+    losses, _, unreached = _partly_reached()
+    for aggregator in [Mean(), UPGrad(), None]:
+        backward(losses, unreached, A=aggregator, retain_graph=True)
+        assert all(t.grad is None and not hasattr(t, "jac") for t in unreached)
+    torch.autograd.backward(sum(losses), inputs=unreached)
+    assert all(t.grad is None for t in unreached)
+
+
+@pytest.mark.parametrize("chunk", [None, 1])
+def test_an_unreached_input_gets_no_jac(chunk: int | None) -> None:
+    """Without ``A``, an unreached input got a zero ``.jac``; it gets none (and one it has is
+    left unchanged), the reached inputs their Jacobians. ``jac_to_grad`` then skips it: its
+    ``.grad`` is left as torch's ``backward`` leaves it."""
+    losses, reached, unreached = _partly_reached()
+    kept = torch.ones(2, 2, dtype=torch.float64)
+    unreached[1].jac = kept  # type: ignore[attr-defined]
+    inputs = [*reached, *unreached]
+    rows = _reference_rows(losses, reached)
+    backward(losses, inputs, parallel_chunk_size=chunk, retain_graph=True)
+    assert not hasattr(unreached[0], "jac")
+    assert unreached[1].jac is kept and torch.equal(kept, torch.ones(2, 2, dtype=torch.float64))  # type: ignore[attr-defined]
+    for t, r in zip(reached, rows):
+        torch.testing.assert_close(t.jac, r)  # type: ignore[attr-defined]
+    del unreached[1].jac  # type: ignore[attr-defined]
+    unreached[1].grad = torch.full_like(unreached[1], 7.0)
+    held = unreached[1].grad
+    jac_to_grad(inputs, UPGrad())
+    assert unreached[0].grad is None and unreached[1].grad is held
+    assert torch.equal(held, torch.full_like(unreached[1], 7.0))
+    for t, e in zip(reached, _aggregated(UPGrad(), rows)):
+        torch.testing.assert_close(t.grad, e)
+        assert not hasattr(t, "jac")
+
+
+@pytest.mark.parametrize("aggregator", [Mean(), UPGrad(), None], ids=str)
+def test_empty_jacobian_leaves_an_unreached_input_alone(aggregator: Aggregator | None) -> None:
+    """m = 0: an input that the graph reaches gets zeros (``[0, *shape]`` in ``.jac``), one
+    that it does not reach nothing, as ``y.backward(torch.zeros(0), inputs=...)`` does."""
+    p = torch.randn(2, 3, requires_grad=True)
+    q = torch.randn(3, requires_grad=True)
+    y = (p * 2)[:0]
+    backward(y, [p, q], A=aggregator, retain_graph=True)
+    if aggregator is None:
+        assert p.jac.shape == (0, 2, 3) and not hasattr(q, "jac")  # type: ignore[attr-defined]
+        assert p.grad is None and q.grad is None
+        return
+    reference_p, reference_q = p.detach().requires_grad_(), q.detach().requires_grad_()
+    torch.autograd.backward(
+        (reference_p * 2)[:0], torch.zeros(0, 3), inputs=[reference_p, reference_q]
+    )
+    assert reference_q.grad is None and q.grad is None
+    torch.testing.assert_close(p.grad, reference_p.grad)

@@ -113,8 +113,8 @@ CASES: list[tuple[str, type[Exception], str, Callable[[Tensor, Tensor, list[Tens
     (
         "jac_to_grad without jac",
         ValueError,
-        r"`tensors\[1\]`.*no `.jac`",
-        lambda w, v, o: jac_to_grad([w, v], Mean()),
+        r"No tensor of `tensors` \(shapes \(1,\)\) has a `.jac`",
+        lambda w, v, o: jac_to_grad([v], Mean()),
     ),
     ("jac_to_grad empty", ValueError, "cannot be empty", lambda w, v, o: jac_to_grad([], Mean())),
     (

@@ -115,3 +115,25 @@ def test_grads_with_a_graph_are_tensors_of_their_own(aggregator: Aggregator) -> 
         a.grad.mul_(0.5)
     assert torch.allclose(torch.autograd.grad(penalty, b)[0], expected)
     a.grad.mul_(2.0)  # (grad mode: an in-place change of a tensor with a graph)
+
+
+@pytest.mark.parametrize("aggregator", [UPGrad(), Mean(), ConFIG()], ids=str)
+@pytest.mark.parametrize("existing", [False, True])
+def test_a_tensor_without_jac_is_skipped(aggregator: Aggregator, existing: bool) -> None:
+    """A tensor without ``.jac`` (one that ``backward`` did not reach) was refused; it is
+    skipped, its ``.grad`` left as it is (``None``, or the tensor it held), and the others get
+    the aggregation of their columns, their ``.jac`` deleted."""
+    params, matrix = _params_with_jac()
+    lone = torch.randn(3, requires_grad=True, dtype=torch.float64)
+    held = torch.full_like(lone, 7.0) if existing else None
+    lone.grad = held
+    hooked: list[torch.Tensor] = []
+    lone.register_post_accumulate_grad_hook(hooked.append)
+    jac_to_grad([params[0], lone, params[1]], aggregator)
+    assert lone.grad is held and not hasattr(lone, "jac") and not hooked
+    if held is not None:
+        assert torch.equal(held, torch.full_like(lone, 7.0))
+    update = aggregator(matrix)
+    torch.testing.assert_close(params[0].grad, update[:12].view(3, 4))
+    torch.testing.assert_close(params[1].grad, update[12:])
+    assert all(not hasattr(p, "jac") for p in params)

@@ -348,8 +348,9 @@ def test_engine_unhooked_trunk_joins_the_jacobian(route: str, shared: str) -> No
 
 
 def test_engine_losses_that_read_no_feature() -> None:
-    """Losses none of which reads ``features``: zero Jacobians for the trunk (zeros in
-    ``.grad``) and the heads' gradients, with the engine as without it (it was refused)."""
+    """Losses none of which reads ``features``: the heads' gradients, with the engine as
+    without it (it was refused). No loss reaches the trunk: its ``.grad`` stays ``None``, as
+    after ``sum(losses).backward()``, with the engine or without it (both wrote zeros)."""
     from jacflow.autogram import Engine
 
     trunk, heads, x = _model(torch.float64)
@@ -362,10 +363,13 @@ def test_engine_losses_that_read_no_feature() -> None:
     expected = _expected_grads(forward, shared, tasks_params, UPGrad())
     assert all(expected[id(p)].abs().max() == 0 for p in shared)
     everything = [*shared, *(q for h in heads for q in h.parameters())]
-    checked = [*shared, *(p for params in tasks_params for p in params)]
-    for engine in [None, Engine(trunk, batch_dim=None)]:
-        _step_and_check(forward, engine, everything, checked, expected)
-        assert all(h.bias.grad is None for h in heads)
+    heads_checked = [p for params in tasks_params for p in params]
+    _step_and_check(forward, None, everything, heads_checked, expected)
+    assert all(p.grad is None and not hasattr(p, "jac") for p in shared)
+    assert all(h.bias.grad is None for h in heads)
+    _step_and_check(forward, Engine(trunk, batch_dim=None), everything, heads_checked, expected)
+    assert all(p.grad is None for p in shared)
+    assert all(h.bias.grad is None for h in heads)
     # (losses that read the features, computed before the engine existed: still refused)
     for p in [*shared, *(q for h in heads for q in h.parameters())]:
         p.grad = None
@@ -377,8 +381,9 @@ def test_engine_losses_that_read_no_feature() -> None:
 
 def test_engine_losses_that_read_only_a_parameter_feature() -> None:
     """Losses that read, of the features, only a trunk parameter that the engine does not
-    hook (given as a feature): that parameter's rows, and zeros for the engine's, as without
-    the engine (it was refused: no hooked call in the losses' graph)."""
+    hook (given as a feature): that parameter's rows, as without the engine (it was refused:
+    no hooked call in the losses' graph). No loss reaches the engine's parameters: their
+    ``.grad`` stays ``None``, with the engine or without it (both wrote zeros)."""
     from jacflow.autogram import Engine
 
     torch.manual_seed(3)
@@ -395,8 +400,11 @@ def test_engine_losses_that_read_only_a_parameter_feature() -> None:
     assert expected[id(scale)].abs().max() > 0
     everything = [*shared, *(q for h in heads for q in h.parameters())]
     checked = [*shared, *(p for params in tasks_params for p in params)]
-    for engine in [None, Engine(trunk, batch_dim=None)]:
-        _step_and_check(forward, engine, everything, checked, expected)
+    _step_and_check(forward, None, everything, [scale, *checked[len(shared) :]], expected)
+    assert all(p.grad is None for p in trunk.parameters())
+    engine = Engine(trunk, batch_dim=None)
+    _step_and_check(forward, engine, everything, [scale, *checked[len(shared) :]], expected)
+    assert all(p.grad is None for p in trunk.parameters())
 
 
 @pytest.mark.parametrize("tasks", ["default", "given"])
@@ -819,3 +827,86 @@ def test_a_graph_neural_network_trunk(layout: str) -> None:
     for head, grads in zip(heads, expected_heads):
         for p, g in zip(head.parameters(), grads):
             torch.testing.assert_close(p.grad, g)
+
+
+def _trunk_partly_unreached() -> tuple[
+    Callable[[], tuple[list[Tensor], list[Tensor]]], list[Tensor], list[Tensor], list[nn.Module]
+]:
+    """A forward with two features of which the losses read only the first: ``used`` behind
+    it, ``behind_unread`` behind the second only, and ``t1`` behind neither (listed as
+    shared anyway). Returns the forward, the reached shared parameters, the unreached ones and
+    the heads."""
+    torch.manual_seed(6)
+    t0, t_b, t1 = nn.Linear(3, 4).double(), nn.Linear(3, 4).double(), nn.Linear(3, 4).double()
+    heads = [nn.Linear(4, 1).double(), nn.Linear(4, 2).double()]
+    x = torch.randn(5, 3, dtype=torch.float64)
+
+    def forward() -> tuple[list[Tensor], list[Tensor]]:
+        f, unread = torch.tanh(t0(x)), t_b(x)
+        return [heads[0](f).pow(2).mean(), heads[1](f).sin().mean()], [f, unread]
+
+    return forward, list(t0.parameters()), [*t_b.parameters(), *t1.parameters()], heads
+
+
+@pytest.mark.parametrize("aggregator", [UPGrad(), Mean()], ids=str)
+@pytest.mark.parametrize("chunk", [None, 1])
+@pytest.mark.parametrize("existing", [False, True])
+def test_an_unreached_shared_param_keeps_its_grad_as_torch_does(
+    aggregator: Aggregator, chunk: int | None, existing: bool
+) -> None:
+    """A shared parameter that no loss reaches (behind a feature that no loss reads, or behind
+    no feature) got a zero ``.grad``; it keeps its ``.grad``, as after
+    ``sum(losses).backward(inputs=shared_params)``. The reached ones get ``A`` of the
+    Jacobian, as before. Its post-accumulate hooks do not run, as with torch."""
+    forward, reached, unreached, heads = _trunk_partly_unreached()
+    shared = [*reached, *unreached]
+    held = [torch.full_like(p, 7.0) if existing else None for p in unreached]
+    hooked: list[Tensor] = []
+    for p, g in zip(unreached, held):
+        p.grad = g
+        p.register_post_accumulate_grad_hook(hooked.append)
+    losses, _ = forward()
+    torch.autograd.backward(sum(losses), inputs=shared)
+    torch_grads = [p.grad for p in unreached]
+    assert not hooked
+    for p in shared:
+        p.grad = None
+    for p, g in zip(unreached, held):
+        p.grad = g
+    losses, features = forward()
+    rows = _brute_rows(losses, shared)
+    update = aggregator(torch.cat([r.flatten(1) for r in rows], 1))
+    expected = [u.view_as(p) for u, p in zip(update.split([p.numel() for p in shared]), shared)]
+    mtl_backward(losses, features, A=aggregator, shared_params=shared, parallel_chunk_size=chunk)
+    assert not hooked
+    for p, g, from_torch in zip(unreached, held, torch_grads):
+        assert p.grad is g and (from_torch is None) == (g is None)
+        if g is not None:
+            assert torch.equal(g, torch.full_like(p, 7.0)) and from_torch is g
+    for p, e in zip(reached, expected):
+        torch.testing.assert_close(p.grad, e)
+    for head, loss in zip(heads, losses):
+        # (the heads as before: each its task's gradient)
+        for p, g in zip(head.parameters(), torch.autograd.grad(loss, list(head.parameters()))):
+            torch.testing.assert_close(p.grad, g)
+
+
+def test_an_unreached_shared_param_gets_no_jac() -> None:
+    """Without ``A``, an unreached shared parameter got a zero ``.jac``; it gets none (one it
+    has is left unchanged), and ``jac_to_grad`` then skips it, its ``.grad`` left alone."""
+    forward, reached, unreached, _ = _trunk_partly_unreached()
+    kept = torch.ones(2, *unreached[-1].shape, dtype=torch.float64)
+    unreached[-1].jac = kept  # type: ignore[attr-defined]
+    losses, features = forward()
+    rows = _brute_rows(losses, reached)
+    mtl_backward(losses, features, shared_params=[*reached, *unreached])
+    assert all(not hasattr(p, "jac") for p in unreached[:-1])
+    assert unreached[-1].jac is kept and torch.equal(kept, torch.ones_like(kept))  # type: ignore[attr-defined]
+    for p, r in zip(reached, rows):
+        torch.testing.assert_close(p.jac, r)  # type: ignore[attr-defined]
+    del unreached[-1].jac  # type: ignore[attr-defined]
+    jac_to_grad([*reached, *unreached], UPGrad())
+    assert all(p.grad is None for p in unreached)
+    update = UPGrad()(torch.cat([r.flatten(1) for r in rows], 1))
+    for p, u in zip(reached, update.split([p.numel() for p in reached])):
+        torch.testing.assert_close(p.grad, u.view_as(p))

@@ -1098,8 +1098,6 @@ class Engine:
                     updates = _weighted_grads(contributions, row_weights, buffers)
                     # (the unhooked trunk's hooks ran on each row, as in the Jacobian's rows)
                     trunk_updates = _row_updates(unhooked, trunk_rows, row_weights)
-                    if layout is not None:
-                        trunk_updates += _zero_updates(layout.trunk, [*updates, *trunk_updates])
             # (autograd runs the hooks of the tasks' and the other parameters on their gradients)
             plain = [(p, g) for p, g in zip(tasks, task_grads, strict=True) if g is not None]
             plain += trunk_updates
@@ -2523,23 +2521,13 @@ def _with_rows(gramian: Tensor, rows: Sequence[Tensor | None]) -> Tensor:
 def _row_updates(
     params: Sequence[Tensor], rows: Sequence[Tensor | None], weights: Tensor
 ) -> list[tuple[Tensor, Tensor]]:
-    """``w @ J`` for each parameter given with its rows (zeros where no loss reaches it)."""
-    updates = []
-    for param, grads in zip(params, rows, strict=True):
-        if grads is None:
-            updates.append((param, torch.zeros_like(param)))
-        else:
-            updates.append((param, torch.tensordot(weights.to(grads.dtype), grads, dims=1)))
-    return updates
-
-
-def _zero_updates(
-    params: Sequence[Tensor], updates: list[tuple[Tensor, Tensor]]
-) -> list[tuple[Tensor, Tensor]]:
-    """Zeros for each of ``params`` without an update (no loss reaches it: a zero column of
-    the Jacobian, whose aggregation is zero there)."""
-    updated = {id(p) for p, _ in updates}
-    return [(p, torch.zeros_like(p)) for p in params if id(p) not in updated]
+    """``w @ J`` for each parameter given with its rows; none for one that no loss reaches
+    (its ``.grad`` is left as it is, as by torch's backward)."""
+    return [
+        (param, torch.tensordot(weights.to(grads.dtype), grads, dims=1))
+        for param, grads in zip(params, rows, strict=True)
+        if grads is not None
+    ]
 
 
 def _to_loss_order(gramian: Tensor, order: tuple[Tensor, Tensor] | None) -> Tensor:

@@ -38,17 +38,26 @@ def store(
     inputs: Sequence[Tensor],
     jacobians: Sequence[Tensor],
     aggregator: Aggregator | None,
+    reached: Sequence[bool],
     held: Sequence[Tensor] = (),
     create_graph: bool = False,
 ) -> None:
     """Aggregate into ``.grad`` (with an aggregator) or accumulate into ``.jac``; write last.
     No result shares memory with another or with ``held`` (the caller's tensors), nor, with
-    ``create_graph``, with autograd's gradients (which another's graph may save)."""
+    ``create_graph``, with autograd's gradients (which another's graph may save).
+
+    Only the inputs that a row reaches (``reached``) are written, as torch's ``backward``
+    writes no ``.grad`` for an input off the graph; the aggregator still gets the whole
+    Jacobian (the zero columns of the others too), so the reached inputs' updates do not
+    depend on which inputs are listed. Nothing is aggregated when no input is reached."""
+    kept = [k for k, r in enumerate(reached) if r]
+    if not kept:
+        return
     if aggregator is None:
-        accumulate_jacs(inputs, jacobians, held, create_graph)
+        accumulate_jacs([inputs[k] for k in kept], [jacobians[k] for k in kept], held, create_graph)
         return
     updates, _ = aggregate_blocks(aggregator, jacobians)
-    accumulate_grads(inputs, updates, held, create_graph)
+    accumulate_grads([inputs[k] for k in kept], [updates[k] for k in kept], held, create_graph)
 
 
 def _fixed_weight_update(
@@ -59,8 +68,9 @@ def _fixed_weight_update(
     rows: int,
     retain_graph: bool,
     create_graph: bool,
-) -> list[Tensor] | None:
-    """For Mean and Sum, whose weights do not depend on J: ``J^T w`` as one VJP, exactly.
+) -> list[Tensor | None] | None:
+    """For Mean and Sum, whose weights do not depend on J: ``J^T w`` as one VJP, exactly
+    (``None`` for an input that it does not reach, whose ``.grad`` is left alone).
 
     ``w^T (C J) = (C^T w)^T J``, so the weighted cotangent is differentiated once instead of
     forming the m rows. Returns ``None`` for every other aggregator, where forward hooks
@@ -86,7 +96,7 @@ def _fixed_weight_update(
     grads = autograd_vjp(outputs, inputs, retain_graph, create_graph)(
         combined, batched=False, last=True
     )
-    return [torch.zeros_like(i) if g is None else g for g, i in zip(grads, inputs)]
+    return list(grads)
 
 
 def _weighted_sum(weight: float, cotangents: Tensor, output: Tensor) -> Tensor | None:
@@ -127,6 +137,15 @@ def backward(
     then the inputs' post-accumulate hooks run once each (so do :func:`jac_to_grad`'s and
     :func:`mtl_backward`'s).
 
+    An input that no row reaches (not in the graph behind ``tensors``: an unused head, a
+    branch skipped this step) is left as it is: its ``.grad`` stays ``None`` (or keeps its
+    value), as after ``torch.autograd.backward(loss, inputs=...)``, so an optimizer skips it
+    (no momentum step, no weight decay), and it gets no ``.jac`` (one it has is left
+    unchanged), which :func:`jac_to_grad` then skips. An input that some rows reach is
+    reached: its Jacobian has zeros in the other rows. (TorchJD 0.18 writes zeros there.)
+    With ``A``, the aggregator gets the whole Jacobian, the zero columns of unreached inputs
+    included, and is not called when no input is reached.
+
     Args:
         tensors: the tensor or tensors to differentiate; non-empty, distinct.
         inputs: tensors to differentiate with respect to (one listed several times is taken
@@ -161,9 +180,10 @@ def backward(
             require grad.
 
     If the call fails, every ``.grad`` and ``.jac`` is left as it was. An empty Jacobian
-    (``m = 0``: ``tensors`` have no elements, e.g. the losses of an empty batch) gives
-    ``[0, *t.shape]`` in ``.jac``, or with ``A`` the zero update, added to ``.grad`` (zeros
-    where it was ``None``), as ``y.backward(torch.zeros(0))`` does for an empty ``y``.
+    (``m = 0``: ``tensors`` have no elements, e.g. the losses of an empty batch) gives each
+    input that the graph behind ``tensors`` reaches ``[0, *t.shape]`` in ``.jac``, or with
+    ``A`` the zero update, added to ``.grad`` (zeros where it was ``None``), as
+    ``y.backward(torch.zeros(0))`` does for an empty ``y``; another input is left as it is.
 
     With ``A`` a ``Mean()`` or a ``Sum()`` (not a subclass) that has no forward hook, and no
     gradient hook (``register_hook``) on ``inputs``, the weighted tensors are differentiated
@@ -243,7 +263,13 @@ def backward(
             aggregator, outs, ins, cotangents, rows, retain, create_graph
         )
         if updates is not None:
-            accumulate_grads(ins, updates, cotangents or (), create_graph)
+            written = [(i, u) for i, u in zip(ins, updates) if u is not None]
+            if written:
+                accumulate_grads(
+                    [i for i, _ in written], [u for _, u in written], cotangents or (), create_graph
+                )
             return
-    jacobians = compute_jacobians(outs, ins, cotangents, rows, retain, create_graph, chunk_size)
-    store(ins, jacobians, aggregator, cotangents or (), create_graph)
+    jacobians, reached = compute_jacobians(
+        outs, ins, cotangents, rows, retain, create_graph, chunk_size
+    )
+    store(ins, jacobians, aggregator, reached, cotangents or (), create_graph)

@@ -381,6 +381,26 @@ def _all_nodes(roots: Sequence[Any]) -> dict[int, Any]:
     return {id(node): node for node in walk_nodes(roots, children)}
 
 
+def reached_inputs(outputs: Sequence[Tensor], inputs: Sequence[Tensor]) -> tuple[bool, ...]:
+    """Per input (each requiring grad), whether a backward from ``outputs`` reaches it: it is
+    one of them, or its gradient edge's node lies behind them. For a Jacobian without rows
+    (``m = 0``), where no VJP tells it: an input reached so gets the empty Jacobian (zeros),
+    as torch's ``y.backward(torch.zeros(0))`` writes them for an empty ``y``, and another
+    nothing.
+
+    Example:
+        >>> import torch
+        >>> from jacflow.autojac._graph import reached_inputs
+        >>> a, b = torch.ones(2, requires_grad=True), torch.ones(2, requires_grad=True)
+        >>> reached_inputs([(a * 2)[:0]], [a, b])
+        (True, False)
+    """
+    nodes = _all_nodes([o.grad_fn for o in outputs if o.grad_fn is not None])
+    return tuple(
+        any(t is o for o in outputs) or id(get_gradient_edge(t).node) in nodes for t in inputs
+    )
+
+
 def runs_one(nodes: Sequence[Any], targets: Sequence[Any]) -> bool:
     """Whether a backward to the nodes ``targets`` runs one of ``nodes``: autograd runs a node
     when a target is one of its children or lies below one. One walk for all of ``nodes``,

@@ -16,7 +16,12 @@ from jacflow.autojac._checks import (
     check_unique,
     checked_cotangents,
 )
-from jacflow.autojac._graph import check_reentrant_checkpoints, leaf_tensors, sparse_gradients
+from jacflow.autojac._graph import (
+    check_reentrant_checkpoints,
+    leaf_tensors,
+    reached_inputs,
+    sparse_gradients,
+)
 from jacflow.autojac._rows import autograd_vjp, stacked_vjps
 
 
@@ -52,8 +57,12 @@ def compute_jacobians(
     retain_graph: bool,
     create_graph: bool,
     chunk_size: int | None,
-) -> tuple[Tensor, ...]:
-    """The validated core call shared by ``jac``, ``backward`` and ``mtl_backward``.
+) -> tuple[tuple[Tensor, ...], tuple[bool, ...]]:
+    """The validated core call shared by ``jac``, ``backward`` and ``mtl_backward``: the
+    Jacobians, and per input whether a row reaches it (with no rows: whether the graph behind
+    ``outputs`` does, see :func:`reached_inputs`). ``backward`` and ``mtl_backward`` write only
+    the reached inputs' ``.grad`` and ``.jac``, as torch's ``backward(inputs=...)`` leaves an
+    unreached input's ``.grad`` alone; ``jac`` returns zeros for the others.
 
     A graph whose backward returns sparse gradients (``nn.Embedding(sparse=True)``) or runs
     through sparse tensors (a product with a graph's sparse adjacency matrix) is differentiated
@@ -66,9 +75,12 @@ def compute_jacobians(
         None if jac_outputs is None else tuple(j.to(o.dtype) for j, o in zip(jac_outputs, outputs))
     )
     vjp = autograd_vjp(outputs, inputs, retain_graph, create_graph)
-    return stacked_vjps(
+    jacobians, reached = stacked_vjps(
         vjp, outputs, inputs, rows, chunk_size, cotangents, preallocate=not create_graph
     )
+    if rows == 0:
+        reached = reached_inputs(outputs, inputs)
+    return jacobians, reached
 
 
 def jac(
@@ -162,4 +174,4 @@ def jac(
     else:
         cotangents, rows = checked_cotangents(jac_outputs, outs, "jac_outputs", "outputs")
     retain = create_graph if retain_graph is None else retain_graph
-    return compute_jacobians(outs, ins, cotangents, rows, retain, create_graph, chunk_size)
+    return compute_jacobians(outs, ins, cotangents, rows, retain, create_graph, chunk_size)[0]

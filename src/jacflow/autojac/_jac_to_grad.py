@@ -20,17 +20,24 @@ from jacflow.autojac._checks import (
 )
 
 
-def _checked_jac(tensor: Tensor, i: int) -> Tensor:
-    """The ``.jac`` of ``tensors[i]``, checked to be a dense floating-point ``[m, *tensor.shape]``
-    tensor beside it."""
-    jacobian = getattr(tensor, "jac", None)
-    if jacobian is None:
+def _with_jac(items: tuple[Tensor, ...]) -> list[int]:
+    """The positions of the tensors that hold a ``.jac``; a ``ValueError`` when none does."""
+    present = [i for i, t in enumerate(items) if getattr(t, "jac", None) is not None]
+    if not present:
+        shapes = ", ".join(str(tuple(t.shape)) for t in items[:3])
+        more = ", ..." if len(items) > 3 else ""
         raise ValueError(
-            f"`tensors[{i}]` (shape {tuple(tensor.shape)}) has no `.jac` field. Populate it "
-            "with `jacflow.backward(...)` or `jacflow.mtl_backward(...)` without an "
-            "aggregator first, and pass only tensors that the losses depend on."
+            f"No tensor of `tensors` (shapes {shapes}{more}) has a `.jac` field. Populate them "
+            "with `jacflow.backward(...)` or `jacflow.mtl_backward(...)` without an aggregator "
+            "first (a tensor that the losses do not reach gets none, and is skipped)."
         )
-    jacobian = check_jac_field(jacobian, tensor, f"tensors[{i}]")
+    return present
+
+
+def _checked_jac(tensor: Tensor, i: int) -> Tensor:
+    """The ``.jac`` of ``tensors[i]`` (present), checked to be a dense floating-point
+    ``[m, *tensor.shape]`` tensor beside it."""
+    jacobian = check_jac_field(tensor.jac, tensor, f"tensors[{i}]")  # type: ignore[attr-defined]
     if not jacobian.is_floating_point():
         raise TypeError(
             f"`tensors[{i}].jac` must be a floating-point Tensor, received {jacobian.dtype}. "
@@ -88,8 +95,15 @@ def jac_to_grad(
     as ``.grad`` after torch's ``backward``; it has one then even under ``torch.no_grad()``,
     as after torch's ``backward(create_graph=True)``.
 
-    Every ``.jac`` is checked (present, a dense floating-point ``[m, *t.shape]`` tensor on
-    ``t``'s device, same ``m``) before anything is written: a failed call leaves every
+    A tensor without a ``.jac`` (or with ``.jac = None``) is skipped, its ``.grad`` left as it
+    is: :func:`backward` and :func:`mtl_backward` write none to an input that no loss reaches
+    (an unused head), whose ``.grad`` then stays ``None`` as after torch's ``backward``, and
+    the Jacobian is that of the others' columns. At least one tensor must have a ``.jac`` (a
+    ``ValueError`` otherwise: most likely ``backward`` was not called, or ``jac_to_grad``
+    was called twice). TorchJD 0.18 refuses any tensor without a ``.jac``.
+
+    Every ``.jac`` is checked (a dense floating-point ``[m, *t.shape]`` tensor on ``t``'s
+    device, same ``m``) before anything is written: a failed call leaves every
     ``.grad`` and ``.jac`` as it was. Empty Jacobians
     (``m = 0``) aggregate to the zero update, which is added to ``.grad`` (zeros where it was
     ``None``), with empty weights.
@@ -128,20 +142,23 @@ def jac_to_grad(
     check_unique(items, "tensors")
     check_flag(retain_jac, "retain_jac")
     check_real_inputs(items, "tensors")
-    jacobians = [_checked_jac(t, i) for i, t in enumerate(items)]
-    for i, jacobian in enumerate(jacobians):
+    present = _with_jac(items)
+    jacobians = [_checked_jac(items[i], i) for i in present]
+    first = present[0]
+    for i, jacobian in zip(present, jacobians):
         if jacobian.shape[0] != jacobians[0].shape[0]:
             raise ValueError(
-                "All `.jac` fields must have the same number of rows m: `tensors[0].jac` has "
-                f"{jacobians[0].shape[0]}, `tensors[{i}].jac` has {jacobian.shape[0]}."
+                f"All `.jac` fields must have the same number of rows m: `tensors[{first}].jac` "
+                f"has {jacobians[0].shape[0]}, `tensors[{i}].jac` has {jacobian.shape[0]}."
             )
     A.check_rows(jacobians[0].shape[0])
     warn_if_distributed()
     updates, weights = aggregate_blocks(A, jacobians)
+    written = [items[i] for i in present]
     # (updates with a graph, from `.jac` fields that hold one, are stored as gradients of a
     # differentiation that built a graph: each a tensor of its own, as autograd stores them)
-    accumulate_grads(items, updates, create_graph=any(u.requires_grad for u in updates))
+    accumulate_grads(written, updates, create_graph=any(u.requires_grad for u in updates))
     if not retain_jac:
-        for t in items:
+        for t in written:
             del t.jac  # type: ignore[attr-defined]
     return weights

@@ -219,6 +219,15 @@ def mtl_backward(
     head is differentiated once; the trunk is differentiated once per task, through the
     features (vmapped over tasks, in chunks of ``parallel_chunk_size``).
 
+    A parameter that no loss reaches (a head whose task is absent from this step, a shared
+    parameter behind no feature that a loss reads) is left as it is: its ``.grad`` stays
+    ``None`` (or keeps its value), as after ``sum(losses).backward(inputs=...)``, and a shared
+    one gets no ``.jac`` (one it has is left unchanged), which :func:`jac_to_grad` then skips.
+    A shared parameter that some tasks reach has zeros in the other tasks' rows, and ``A``
+    gets the whole trunk Jacobian (the zero columns of unreached shared parameters included);
+    it is not called when no shared parameter is reached. (TorchJD 0.18 writes zeros to
+    unreached shared parameters; see :func:`backward`.)
+
     Args:
         losses: one scalar loss per task.
         features: the last shared representation(s) that the heads read. One may be computed
@@ -230,6 +239,7 @@ def mtl_backward(
             several heads gets the sum of their gradients). Default: the leaves behind each loss
             that are not behind ``features``.
         shared_params: the trunk parameters, distinct. Default: the leaves behind ``features``.
+            One that no loss reaches through ``features`` keeps its ``.grad`` and ``.jac``.
         retain_graph: keep the graph for another differentiation.
         parallel_chunk_size: tasks differentiated per vmapped trunk call (``1``: no vmap).
             With ``engine``: ``None``, the tasks' rows pulled back in one backward batched with
@@ -261,9 +271,10 @@ def mtl_backward(
             hold the engine's parameters behind ``features``. A head parameter with a gradient
             hook gets its gradient from a backward of its own: the hook sees the sum of its
             tasks' gradients, not each task's part. Losses that read no feature (or only
-            features outside the engine's modules, as a trunk parameter given as one) give
-            zeros to the engine's parameters, as without the engine; a loss that also reads one
-            of them directly (a penalty on it) is refused, as without the engine. ``A`` is not
+            features outside the engine's modules, as a trunk parameter given as one) leave
+            the engine's parameters as they are, and so does any shared parameter that no loss
+            reaches, as without the engine; a loss that also reads one of the engine's
+            parameters directly (a penalty on it) is refused, as without the engine. ``A`` is not
             called on a Jacobian there: its
             ``gramian_weighting`` is called on the Gramian, so forward hooks on that weighting
             run (``monitor.AggregatorWatch`` works), and hooks on ``A`` or ``A.weighting`` do
@@ -347,15 +358,29 @@ def mtl_backward(
         # (the hooks' output at a feature that retains grad, before the pull-back frees the graph)
         hooked = any(f._backward_hooks for f in feature_tuple)
         sums = _summed_grads(loss_tuple, retaining) if retaining and hooked else None
-        jacobians = compute_jacobians(
-            feature_tuple, shared, cotangents, len(loss_tuple), retain_graph, False, chunk_size
-        )
+        # (pulled back from the features that a loss reads only: no task reaches a shared
+        # parameter behind none of those, which keeps its `.grad` and `.jac`, as after
+        # `sum(losses).backward(inputs=shared_params)`)
+        read = [j for j, rows in enumerate(feature_rows) if any(g is not None for g in rows)]
+        jacobians: tuple[Tensor, ...] = ()
+        trunk_reached: tuple[bool, ...] = (False,) * len(shared)
+        if read:
+            jacobians, trunk_reached = compute_jacobians(
+                tuple(feature_tuple[j] for j in read),
+                shared,
+                [cotangents[j] for j in read],
+                len(loss_tuple),
+                retain_graph,
+                False,
+                chunk_size,
+            )
     trunk: list[tuple[Tensor, Tensor]] = []
+    kept = [k for k, r in enumerate(trunk_reached) if r]
     if aggregator is None:
-        accumulate_jacs(shared, jacobians)
-    else:
+        accumulate_jacs([shared[k] for k in kept], [jacobians[k] for k in kept])
+    elif kept:  # (the whole Jacobian aggregated, the unreached parameters' zeros included)
         updates, _ = aggregate_blocks(aggregator, jacobians)
-        trunk = list(zip(shared, updates, strict=True))
+        trunk = [(shared[k], updates[k]) for k in kept]
     if sums is None:  # (no hook: the sum of the tasks' gradients at a retaining feature)
         sums = [
             total.sum(0) if any(g is not None for g in rows) else None
@@ -481,7 +506,7 @@ def _direct_cotangents(
     rows = direct[0].shape[0]
     for j in sorted(nested, key=created, reverse=True):
         later = [i for i in range(len(features)) if created(i) > created(j)]
-        (through,) = compute_jacobians(
+        (through,), _ = compute_jacobians(
             tuple(features[i] for i in later),
             (features[j],),
             [direct[i] for i in later],

@@ -29,7 +29,9 @@ class VJP(Protocol):
 
 _VMAP_HINT = (
     "\n\njacflow: differentiating several rows at once with vmap failed. If the graph comes from "
-    "a torch.compile'd model, an RNN on CUDA or an operation without a batching rule, pass "
+    "a torch.compile'd model, an RNN on CUDA, an operation without a batching rule or an "
+    "activation checkpoint whose function draws random numbers (a dropout in training mode, "
+    "drawn again in the backward), pass "
     "`parallel_chunk_size=1` (or `chunk_size=1` for jacrev) to differentiate row by row "
     "without vmap. With torch.compile, also set "
     "`torch._functorch.config.donated_buffer = False` before compiling: the rows' backwards "
@@ -133,8 +135,11 @@ def stacked_vjps(
     cotangents: Sequence[Tensor] | None = None,
     preallocate: bool = True,
     sparse_retry: bool = False,
-) -> tuple[Tensor, ...]:
-    """The ``rows`` x input Jacobians ``[rows, *input.shape]`` of ``outputs``, one per input.
+) -> tuple[tuple[Tensor, ...], tuple[bool, ...]]:
+    """The ``rows`` x input Jacobians ``[rows, *input.shape]`` of ``outputs``, one per input,
+    and per input whether a row reaches it: ``False`` where every row's VJP gave ``None``
+    (autograd's answer for an input off the graph behind the outputs, whose rows are zeros),
+    and for every input when there are no rows.
 
     Args:
         vjp: differentiates a (batch of) cotangent(s) for the outputs into input gradients.
@@ -153,10 +158,12 @@ def stacked_vjps(
             with side effects runs once more per row).
     """
     if rows == 0:
-        return tuple(torch.zeros((0, *i.shape), dtype=i.dtype, device=i.device) for i in inputs)
+        empty = tuple(torch.zeros((0, *i.shape), dtype=i.dtype, device=i.device) for i in inputs)
+        return empty, (False,) * len(inputs)
     chunks = row_chunks(rows, chunk_size)
     sequential = chunk_size == 1
     results: list[list[Tensor]] = [[] for _ in inputs]
+    reached = [False] * len(inputs)
     buffers: list[Tensor] | None = [] if preallocate and len(chunks) > 1 else None
 
     def cotangents_of(start: int, stop: int) -> tuple[Tensor, ...]:
@@ -191,6 +198,7 @@ def stacked_vjps(
                 else:
                     raise RuntimeError(f"{error}{_VMAP_HINT}") from error
         for j, (grad, inp) in enumerate(zip(grads, inputs)):
+            reached[j] = reached[j] or grad is not None
             block = (
                 torch.zeros((stop - start, *inp.shape), dtype=inp.dtype, device=inp.device)
                 if grad is None
@@ -205,8 +213,8 @@ def stacked_vjps(
             else:
                 results[j].append(block)
     if buffers is not None:
-        return tuple(buffers)
-    return tuple(_joined(r) for r in results)
+        return tuple(buffers), tuple(reached)
+    return tuple(_joined(r) for r in results), tuple(reached)
 
 
 def sparse_refusal(error: RuntimeError) -> bool:

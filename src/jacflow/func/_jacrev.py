@@ -225,7 +225,7 @@ def jacrev(
 
         rows = sum(o.numel() for o in flat_out)
         # stacked_vjps returns [rows, *primal.shape] per primal (the leaves of all the args).
-        stacked = stacked_vjps(
+        stacked, _ = stacked_vjps(
             functional_vjp(pullback_flat),
             flat_out,
             primals,
