@@ -13,7 +13,7 @@ from torch import Tensor, nn
 from jacflow.aggregation import UPGradWeighting
 from jacflow.autogram import Engine
 from tests.autogram._zoo import Scale
-from tests.autogram.test_engine import assert_exact_gramian
+from tests.autogram.test_engine import assert_exact_gramian, reference_jacobian
 
 
 class _TiedLM(nn.Module):
@@ -598,6 +598,35 @@ def test_a_reentrant_checkpoint_inside_a_generic_module_is_refused_by_the_engine
     assert all(p.grad is None for p in model.parameters())
     model[1].reentrant = False
     assert_exact_gramian(engine, losses(), list(model.parameters()))
+
+
+class _CheckpointsItsChild(nn.Module):
+    """A module of the generic rule whose forward checkpoints its child (non-reentrant)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 3))
+
+    def forward(self, x: Tensor) -> Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(self.lin, x, use_reentrant=False).tanh() * self.scale
+
+
+def test_a_checkpoint_recomputed_in_a_users_backward_is_not_an_outside_call() -> None:
+    """A backward of the user's before the step (a reference gradient) recomputes the
+    checkpointed child, outside its unit's forward: that is no forward call, and the step is
+    exact (it was refused as a call of the child outside the unit)."""
+    torch.manual_seed(0)
+    unit, head = _CheckpointsItsChild().double(), nn.Linear(3, 1).double()
+    params = [*unit.parameters(), *head.parameters()]
+    engine = Engine(unit, head, batch_dim=0)
+    losses = head(unit(torch.randn(4, 3, dtype=torch.float64))).pow(2).squeeze(1)
+    jacobian = reference_jacobian(losses, params)
+    weights = engine.backward(losses, UPGradWeighting())
+    update = torch.cat([p.grad.flatten() for p in params])  # type: ignore[union-attr]
+    torch.testing.assert_close(update, weights @ jacobian)
 
 
 def test_a_reentrant_checkpoint_below_every_hooked_call_is_accepted() -> None:

@@ -137,3 +137,30 @@ def test_a_tensor_without_jac_is_skipped(aggregator: Aggregator, existing: bool)
     torch.testing.assert_close(params[0].grad, update[:12].view(3, 4))
     torch.testing.assert_close(params[1].grad, update[12:])
     assert all(not hasattr(p, "jac") for p in params)
+
+
+def test_a_tensor_without_jac_takes_part_as_zero_columns() -> None:
+    """``backward(losses, [unused, w])`` then ``jac_to_grad`` gives the update of
+    ``backward(..., A=...)``: the unreached input (no ``.jac``) takes part as zero columns. With
+    GradDrop, which draws a number per coordinate, aggregating only the others' columns shifted
+    its draws (another update under the same seed)."""
+    from jacflow.aggregation import GradDrop
+
+    def problem() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(0)
+        unused = torch.randn(3, generator=g, requires_grad=True)
+        w = torch.randn(4, generator=g, requires_grad=True)
+        h = torch.randn(6, 4, generator=g) @ w
+        return unused, w, torch.stack([h.sin().sum(), h.pow(2).mean(), -h.sum()])
+
+    unused, w, losses = problem()
+    torch.manual_seed(1)
+    backward(losses, [unused, w], A=GradDrop())
+    direct = w.grad
+    unused, w, losses = problem()
+    backward(losses, [unused, w])
+    assert not hasattr(unused, "jac")
+    torch.manual_seed(1)
+    jac_to_grad([unused, w], GradDrop())
+    assert unused.grad is None and direct is not None
+    torch.testing.assert_close(w.grad, direct, rtol=0, atol=0)

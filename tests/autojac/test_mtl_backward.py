@@ -910,3 +910,35 @@ def test_an_unreached_shared_param_gets_no_jac() -> None:
     update = UPGrad()(torch.cat([r.flatten(1) for r in rows], 1))
     for p, u in zip(reached, update.split([p.numel() for p in reached])):
         torch.testing.assert_close(p.grad, u.view_as(p))
+
+
+@pytest.mark.parametrize("with_engine", [False, True])
+def test_the_aggregator_is_called_when_no_loss_reaches_the_trunk(with_engine: bool) -> None:
+    """Losses that read no feature: ``A``'s weighting runs once per call on both routes (a
+    stateful one advances at every step, a monitor sees every step), and the trunk's ``.grad``
+    stays ``None``. Without the engine it was not called, with it it was."""
+    from jacflow.aggregation import GramianWeightedAggregator, UPGradWeighting
+    from jacflow.autogram import Engine
+
+    torch.manual_seed(0)
+    trunk, heads = nn.Linear(3, 4), [nn.Linear(3, 1), nn.Linear(3, 1)]
+    engine = Engine(trunk, batch_dim=None) if with_engine else None
+    weighting, calls = UPGradWeighting(), []
+    weighting.register_forward_hook(lambda *_: calls.append(1))
+    x = torch.randn(5, 3)
+    features = trunk(x)
+    losses = [h(x).pow(2).mean() for h in heads]
+    mtl_backward(
+        losses,
+        features,
+        A=GramianWeightedAggregator(weighting),
+        tasks_params=[list(h.parameters()) for h in heads],
+        shared_params=list(trunk.parameters()),
+        engine=engine,
+    )
+    assert len(calls) == 1
+    assert all(p.grad is None for p in trunk.parameters())
+    for head in heads:
+        expected = torch.autograd.grad(head(x).pow(2).mean(), list(head.parameters()))
+        for p, g in zip(head.parameters(), expected, strict=True):
+            torch.testing.assert_close(p.grad, g)

@@ -492,7 +492,8 @@ class TaskLayout(NamedTuple):
     gradient it receives, where that is not all of them (``tasks_params[i]`` gets the gradient
     of ``losses[i]``); ``trunk``: the shared parameters (hooked or not: those behind the
     features by default), whose unhooked ones join the Jacobian with a row per task from the
-    step's backward, and each of which gets an update (zeros where no loss reaches it);
+    step's backward, and each of which that a loss reaches gets an update (the others are
+    left as they are, as by torch's backward);
     ``features``: the features, for a step whose losses read none of them; ``row_by_row``:
     the rows pulled back one by one, without vmap (``parallel_chunk_size=1``).
     """

@@ -623,11 +623,14 @@ def _plain_checkpoints() -> Iterator[None]:
 
 
 def watch_checkpoints() -> None:
-    """Count, from now on, the non-reentrant activation checkpoints whose function draws random
-    numbers (dropout): their backward runs the function again, and under vmap, in a backward
-    batched over rows, the draw fails ("random operations inside of vmap"), where one backward
-    per row is exact (the checkpoint restores the random state for each). See
-    :func:`random_checkpoints`."""
+    """Count, from now on, the non-reentrant activation checkpoints of ``torch.utils.checkpoint``
+    whose function draws random numbers (dropout): their backward runs the function again, and
+    under vmap, in a backward batched over rows, the draw fails ("random operations inside of
+    vmap"), where one backward per row is exact (the checkpoint restores the random state for
+    each). See :func:`random_checkpoints`. (Not the composable
+    ``torch.distributed._composable.checkpoint``, FSDP2's, which holds the generator under a
+    name of its own: torch cannot differentiate it twice, so no row-by-row backward would
+    help.)"""
     for name in _CHECKPOINT_GENERATORS:
         _wrap_checkpoint_generator(name)
 
@@ -654,7 +657,8 @@ def random_checkpoints() -> int:
 
 
 def _random_states() -> list[Tensor]:
-    """The CPU's random state, and each initialised accelerator's."""
+    """The CPU's random state, and that of each CUDA device once CUDA is initialised (the
+    draws of other accelerators are not seen)."""
     states = [torch.get_rng_state()]
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         states += torch.cuda.get_rng_state_all()

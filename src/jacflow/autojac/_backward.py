@@ -49,12 +49,14 @@ def store(
     Only the inputs that a row reaches (``reached``) are written, as torch's ``backward``
     writes no ``.grad`` for an input off the graph; the aggregator still gets the whole
     Jacobian (the zero columns of the others too), so the reached inputs' updates do not
-    depend on which inputs are listed. Nothing is aggregated when no input is reached."""
+    depend on which inputs are listed, and is called also when no input is reached (a stateful
+    aggregator advances at every call, as on the engine's route)."""
     kept = [k for k, r in enumerate(reached) if r]
-    if not kept:
-        return
     if aggregator is None:
-        accumulate_jacs([inputs[k] for k in kept], [jacobians[k] for k in kept], held, create_graph)
+        if kept:
+            accumulate_jacs(
+                [inputs[k] for k in kept], [jacobians[k] for k in kept], held, create_graph
+            )
         return
     updates, _ = aggregate_blocks(aggregator, jacobians)
     accumulate_grads([inputs[k] for k in kept], [updates[k] for k in kept], held, create_graph)
@@ -144,7 +146,7 @@ def backward(
     unchanged), which :func:`jac_to_grad` then skips. An input that some rows reach is
     reached: its Jacobian has zeros in the other rows. (TorchJD 0.18 writes zeros there.)
     With ``A``, the aggregator gets the whole Jacobian, the zero columns of unreached inputs
-    included, and is not called when no input is reached.
+    included, also when no input is reached.
 
     Args:
         tensors: the tensor or tensors to differentiate; non-empty, distinct.

@@ -97,8 +97,10 @@ def jac_to_grad(
 
     A tensor without a ``.jac`` (or with ``.jac = None``) is skipped, its ``.grad`` left as it
     is: :func:`backward` and :func:`mtl_backward` write none to an input that no loss reaches
-    (an unused head), whose ``.grad`` then stays ``None`` as after torch's ``backward``, and
-    the Jacobian is that of the others' columns. At least one tensor must have a ``.jac`` (a
+    (an unused head), whose ``.grad`` then stays ``None`` as after torch's ``backward``; it
+    takes part in the aggregation as zero columns, as in ``backward(..., A=...)``, so both
+    routes give the same update (also for an aggregator that reads the columns, as GradDrop's
+    draw per coordinate). At least one tensor must have a ``.jac`` (a
     ``ValueError`` otherwise: most likely ``backward`` was not called, or ``jac_to_grad``
     was called twice). TorchJD 0.18 refuses any tensor without a ``.jac``.
 
@@ -151,10 +153,19 @@ def jac_to_grad(
                 f"All `.jac` fields must have the same number of rows m: `tensors[{first}].jac` "
                 f"has {jacobians[0].shape[0]}, `tensors[{i}].jac` has {jacobian.shape[0]}."
             )
-    A.check_rows(jacobians[0].shape[0])
+    m = jacobians[0].shape[0]
+    A.check_rows(m)
     warn_if_distributed()
-    updates, weights = aggregate_blocks(A, jacobians)
-    written = [items[i] for i in present]
+    # (a tensor without `.jac` takes part as zeros, as in `backward(..., A=...)`: an aggregator
+    # that reads the columns, as GradDrop's draw per coordinate, sees the same matrix)
+    blocks = dict(zip(present, jacobians, strict=True))
+    zeros = jacobians[0].dtype
+    whole = [
+        blocks[i] if i in blocks else t.new_zeros((m, *t.shape), dtype=zeros)
+        for i, t in enumerate(items)
+    ]
+    all_updates, weights = aggregate_blocks(A, whole)
+    written, updates = [items[i] for i in present], [all_updates[i] for i in present]
     # (updates with a graph, from `.jac` fields that hold one, are stored as gradients of a
     # differentiation that built a graph: each a tensor of its own, as autograd stores them)
     accumulate_grads(written, updates, create_graph=any(u.requires_grad for u in updates))

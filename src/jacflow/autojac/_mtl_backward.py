@@ -224,9 +224,10 @@ def mtl_backward(
     ``None`` (or keeps its value), as after ``sum(losses).backward(inputs=...)``, and a shared
     one gets no ``.jac`` (one it has is left unchanged), which :func:`jac_to_grad` then skips.
     A shared parameter that some tasks reach has zeros in the other tasks' rows, and ``A``
-    gets the whole trunk Jacobian (the zero columns of unreached shared parameters included);
-    it is not called when no shared parameter is reached. (TorchJD 0.18 writes zeros to
-    unreached shared parameters; see :func:`backward`.)
+    gets the whole trunk Jacobian (the zero columns of unreached shared parameters included),
+    also when no shared parameter is reached (as with ``engine``: a stateful ``A``
+    advances at every call). (TorchJD 0.18 writes zeros to unreached shared parameters; see
+    :func:`backward`.)
 
     Args:
         losses: one scalar loss per task.
@@ -362,7 +363,10 @@ def mtl_backward(
         # parameter behind none of those, which keeps its `.grad` and `.jac`, as after
         # `sum(losses).backward(inputs=shared_params)`)
         read = [j for j, rows in enumerate(feature_rows) if any(g is not None for g in rows)]
-        jacobians: tuple[Tensor, ...] = ()
+        # (zeros where no loss reads a feature: `A` is called at every step, as with `engine`,
+        # so its state and hooks advance the same on both routes)
+        m = len(loss_tuple)
+        jacobians = tuple(p.new_zeros((m, *p.shape)) for p in shared)
         trunk_reached: tuple[bool, ...] = (False,) * len(shared)
         if read:
             jacobians, trunk_reached = compute_jacobians(
@@ -378,7 +382,7 @@ def mtl_backward(
     kept = [k for k, r in enumerate(trunk_reached) if r]
     if aggregator is None:
         accumulate_jacs([shared[k] for k in kept], [jacobians[k] for k in kept])
-    elif kept:  # (the whole Jacobian aggregated, the unreached parameters' zeros included)
+    else:  # (the whole Jacobian aggregated, the unreached parameters' zeros included)
         updates, _ = aggregate_blocks(aggregator, jacobians)
         trunk = [(shared[k], updates[k]) for k in kept]
     if sums is None:  # (no hook: the sum of the tasks' gradients at a retaining feature)

@@ -216,7 +216,8 @@ def lean_pdas_solve(u: Tensor, g: Tensor, tol: float) -> Tensor | None:
     stopping rule and the residual below do not change when ``G`` is scaled). With a few
     objectives a batched solve costs its dispatched operations, not its arithmetic, so this loop
     runs in numpy on the tensors' memory (an operation there costs 1-2 us against torch's 5-10
-    us on this project's hosts: 3.5-4.5x faster for m = 4 to 12, 1.3x at 24). It takes about a
+    us on this project's hosts: the loop 2-4x faster at m = 6 to 12, 1.1-1.4x at 16 to 24;
+    see docs/performance.md, "Stop 48"). It takes about a
     dozen operations per step (masked ``m x m`` systems, no diagonal shift, no refinement, no
     bookkeeping of best iterates), stops when no active set changes, and checks the KKT
     residual (:func:`kkt_residual`) once, at the end. Ties (``lam_i = 0`` at ``v_i = u_i``, e.g.
