@@ -377,7 +377,10 @@ class MGDA(GramianWeightedAggregator, LossAware):
     the ``normalization`` mode of Sener & Koltun's code: ``"none"`` :math:`c_i = 1`, ``"l2"``
     :math:`c_i = \|g_i\|`, ``"loss"`` :math:`c_i = L_i`, ``"loss+"`` :math:`c_i = L_i \|g_i\|`
     (losses given with :meth:`set_losses`, positive). The update has a non-negative inner product
-    with every row and does not depend on the rows' order.
+    with every row and does not depend on the rows' order. The weights :math:`w = \lambda^* / c`
+    make the update the min-norm point of the scaled rows :math:`g_i / c_i`, as LibMTL does;
+    Sener & Koltun's and Nash-MTL's code multiply the raw losses by :math:`\lambda^*`
+    (:math:`d = J^\top \lambda^*`), another direction where the scales differ.
 
     The Frank-Wolfe iterations (``epsilon``, ``max_iters``, as in TorchJD) only give a starting
     point: an active-set refinement then solves the problem exactly (to rounding), so the KKT

@@ -33,12 +33,15 @@ def active_constraints(preferences: Tensor, index: int, losses: Tensor) -> Tenso
 def pareto_mtl_weights(
     gramian: Tensor, losses: Tensor, preferences: Tensor, index: int, warmup: bool
 ) -> tuple[Tensor, bool]:
-    r"""Pareto MTL weights (normalised to :math:`\sum_i |w_i| = m`) and whether feasible.
+    r"""Pareto MTL weights and whether feasible.
 
     * warm-up (phase 1), some constraint violated: :math:`w = A_I^\top \beta` with
-      :math:`\beta` the MGDA weights of the Gramian :math:`A_I G A_I^\top`;
+      :math:`\beta` the MGDA weights of the Gramian :math:`A_I G A_I^\top`, as they are;
     * otherwise (phase 2): :math:`w = \lambda + A_I^\top \beta` with :math:`(\lambda, \beta)`
-      the MGDA weights of :math:`[I; A_I]\, G\, [I; A_I]^\top`.
+      the MGDA weights of :math:`[I; A_I]\, G\, [I; A_I]^\top`, rescaled to
+      :math:`\sum_i |w_i| = m`.
+
+    (The reference training code rescales the phase-2 weights only.)
     """
     m = gramian.shape[0]
     G = gramian.to(torch.float64)
@@ -46,11 +49,10 @@ def pareto_mtl_weights(
     feasible = A.shape[0] == 0
     if warmup and not feasible:
         beta = mgda_weights(A @ G @ A.T, _MGDA_EPSILON, _MGDA_ITERS)
-        weights = A.T @ beta
-    else:
-        stacked = torch.cat([torch.eye(m, dtype=G.dtype, device=G.device), A])
-        solution = mgda_weights(stacked @ G @ stacked.T, _MGDA_EPSILON, _MGDA_ITERS)
-        weights = stacked.T @ solution
+        return (A.T @ beta).to(gramian.dtype), feasible
+    stacked = torch.cat([torch.eye(m, dtype=G.dtype, device=G.device), A])
+    solution = mgda_weights(stacked @ G @ stacked.T, _MGDA_EPSILON, _MGDA_ITERS)
+    weights = stacked.T @ solution
     total = weights.abs().sum()
     weights = torch.where(total > 0, m * weights / torch.where(total > 0, total, 1.0), weights)
     return weights.to(gramian.dtype), feasible
@@ -183,8 +185,9 @@ class ParetoMTL(GramianWeightedAggregator, LossAware, Stateful):
       :math:`w = \lambda + A_I^\top \beta`, :math:`(\lambda, \beta) =
       \mathrm{MGDA}([I; A_I] G [I; A_I]^\top)`.
 
-    As in the reference training code the weights are rescaled to :math:`\sum_i |w_i| = m`
-    (individual weights may be negative), and the update is :math:`d = J^\top w`.
+    As in the reference training code the phase-2 weights are rescaled to
+    :math:`\sum_i |w_i| = m` (individual weights may be negative) and the phase-1 weights are
+    used as they are; the update is :math:`d = J^\top w`.
 
     Args:
         preferences: ``[K, m]`` non-negative preference vectors, no zero row.
@@ -201,7 +204,7 @@ class ParetoMTL(GramianWeightedAggregator, LossAware, Stateful):
         >>> A = ParetoMTL(torch.tensor([[1., 0.], [1., 1.], [0., 1.]]), index=0)
         >>> A.set_losses(torch.tensor([1., 1.]))
         >>> A(torch.tensor([[1., 0.], [0., 2.]]))
-        tensor([-0.5858,  2.8284])
+        tensor([-0.2929,  1.4142])
     """
 
     properties = frozenset({Property.WEIGHTED})

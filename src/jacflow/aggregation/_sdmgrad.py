@@ -25,8 +25,10 @@ def sdmgrad_inner_loop(
     r"""``n_iter`` steps of projected SGD with momentum on :math:`w \in \Delta`.
 
     The objective is :math:`\frac12 (w + \lambda p)^\top A (w + \lambda p)` with :math:`A` the
-    input divided by the squared mean of :math:`\sqrt{A_{ii}}` (the official scale
-    normalisation); its gradient is :math:`A (w + \lambda p)` (symmetric case).
+    input divided by the squared mean of :math:`\sqrt{A_{ii}}`; its gradient is
+    :math:`A (w + \lambda p)` (symmetric case), as in TorchJD. The official code steps along
+    the gradient of the objective without the half, twice this one: its ``lr`` is half of the
+    same step's ``lr`` here.
     """
     scale = matrix.diagonal().clamp_min(0).sqrt().mean() ** 2
     a = matrix / torch.where(scale > 0, scale, torch.ones_like(scale))
@@ -138,8 +140,13 @@ class SDMGrad(StatefulGramianPreset):
     :math:`J^\top \tilde w`. The paper's stochastic version feeds the weighting with
     :math:`J_1 J_2^\top` from two independent mini-batches (use :class:`SDMGradWeighting`
     directly for that); this aggregator uses the Gramian of the one Jacobian it receives.
-    The input is divided by the squared mean row norm first (official code; TorchJD adds 1e-8
-    to that divisor, which changes the result for Jacobians of norm below about 1e-4).
+    The input is divided by the squared mean row norm first, which makes the weights
+    independent of the Jacobian's scale (the official code adds 1e-4 under each row norm's
+    square root, which halves its steps for rows of norm about 0.01; TorchJD adds 1e-8 to the
+    divisor, which changes the result for Jacobians of norm below about 1e-4). The inner step
+    is ``lr`` times the gradient of the halved objective above, as in TorchJD, with TorchJD's
+    default ``lr=10``; the official code's step is the gradient of the objective without the
+    half, so its ``lr=10`` is ``lr=20`` here.
 
     Args:
         lr, momentum, n_iter, lambda_, pref_vector: see :class:`SDMGradWeighting`.
