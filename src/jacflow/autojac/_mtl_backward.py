@@ -363,11 +363,6 @@ def mtl_backward(
         # parameter behind none of those, which keeps its `.grad` and `.jac`, as after
         # `sum(losses).backward(inputs=shared_params)`)
         read = [j for j, rows in enumerate(feature_rows) if any(g is not None for g in rows)]
-        # (zeros where no loss reads a feature: `A` is called at every step, as with `engine`,
-        # so its state and hooks advance the same on both routes)
-        m = len(loss_tuple)
-        jacobians = tuple(p.new_zeros((m, *p.shape)) for p in shared)
-        trunk_reached: tuple[bool, ...] = (False,) * len(shared)
         if read:
             jacobians, trunk_reached = compute_jacobians(
                 tuple(feature_tuple[j] for j in read),
@@ -378,6 +373,10 @@ def mtl_backward(
                 False,
                 chunk_size,
             )
+        else:  # (zeros: `A` is called at every step, as with `engine`, so its state and hooks
+            # advance the same on both routes)
+            jacobians = tuple(p.new_zeros((len(loss_tuple), *p.shape)) for p in shared)
+            trunk_reached = (False,) * len(shared)
     trunk: list[tuple[Tensor, Tensor]] = []
     kept = [k for k, r in enumerate(trunk_reached) if r]
     if aggregator is None:
