@@ -579,9 +579,28 @@ def test_positions_broadcast_over_the_batch_name_the_position_ids() -> None:
     ids = torch.randint(0, 7, (4, 5))
     model = _PositionsLM()
     engine = Engine(model, batch_dim=0)
-    match = r"received shape \(1, 5, 3\)\..*size 1 there, broadcast.*position_ids=torch\.arange"
+    match = (
+        r"received shape \(1, 5, 3\)\..*size 1 there: if that is broadcast.*"
+        r"position_ids=torch\.arange"
+    )
     _assert_refused(engine, model(ids), list(model.parameters()), match)
     assert_exact_gramian(engine, model(ids, torch.arange(5).expand(4, 5)), list(model.parameters()))
+
+
+def test_one_row_selected_by_an_index_is_not_called_a_broadcast() -> None:
+    """An adaptive softmax whose tail cluster gets one sample per sample: refused (a subset of
+    the rows), and the size-1 hint no longer says the output is broadcast over the batch (a
+    hunt's finding): it names both causes, and the subsets."""
+    torch.manual_seed(0)
+    model = nn.AdaptiveLogSoftmaxWithLoss(6, 10, cutoffs=[3, 6], div_value=2.0).double()
+    x = torch.randn(4, 6, dtype=torch.float64)
+    engine = Engine(model, batch_dim=0)
+    match = (
+        r"received shape \(1, 3\)\..*if that is broadcast.*if it is one row of the batch "
+        r"selected by a mask or an index.*AdaptiveLogSoftmaxWithLoss.*use batch_dim=None"
+    )
+    losses = -model(x, torch.tensor([0, 4, 8, 1])).output
+    _assert_refused(engine, losses, list(model.parameters()), match)
 
 
 def test_bad_weighting() -> None:

@@ -2310,10 +2310,12 @@ def _batch_mismatch(
         )
     if size == 1:
         hints += (
-            "Its output has size 1 there, broadcast over the batch later (position "
-            "embeddings of positions shaped [1, T], as Hugging Face models such as BERT and "
-            "GPT-2 build when no position_ids are given): pass the positions expanded to "
-            "the batch (position_ids=torch.arange(T).expand(B, T)), which is exact. "
+            "Its output has size 1 there: if that is broadcast over the batch later "
+            "(position embeddings of positions shaped [1, T], as Hugging Face models such as "
+            "BERT and GPT-2 build when no position_ids are given), pass the positions "
+            "expanded to the batch (position_ids=torch.arange(T).expand(B, T)), which is "
+            "exact; if it is one row of the batch selected by a mask or an index, see the "
+            "subsets below. "
         )
     # (the generic rule reads the batch on dimension 0 of any module's outputs)
     elsewhere = [k for k, n in enumerate(shape) if n == batch and k != dim]
