@@ -24,6 +24,7 @@ from jacflow.aggregation import (
 )
 from jacflow.linalg import QuadprogProjector
 from tests.autojac import _zoo
+from tests.autojac._held import assert_left_alone, torch_leaves_alone
 from tests.autojac._zoo import ZOO, Case, reference_jacobians
 
 
@@ -745,27 +746,16 @@ def test_an_unreached_input_keeps_its_grad_as_torch_does(
     post-accumulate hooks do not run either (an optimizer step in such a hook moved them)."""
     losses, reached, unreached = _partly_reached()
     inputs = [reached[0], unreached[0], reached[1], unreached[1], reached[2]]
-    held = [torch.full_like(t, 7.0) if existing else None for t in unreached]
-    hooked: list[Tensor] = []
-    for t, g in zip(unreached, held):
-        t.grad = g
-        t.register_post_accumulate_grad_hook(hooked.append)
     # torch on the same graph: the unreached inputs' `.grad` left alone, their hooks not run
-    torch.autograd.backward(sum(losses), inputs=inputs, retain_graph=True)
-    torch_grads = [t.grad for t in unreached]
-    assert not hooked
-    for t in inputs:
-        t.grad = None
-    for t, g in zip(unreached, held):
-        t.grad = g
+    held, hooked = torch_leaves_alone(
+        lambda: torch.autograd.backward(sum(losses), inputs=inputs, retain_graph=True),
+        inputs,
+        unreached,
+        existing,
+    )
     expected = _aggregated(aggregator, _reference_rows(losses, inputs))
     backward(losses, inputs, A=aggregator, parallel_chunk_size=chunk)
-    assert not hooked
-    for t, g, from_torch in zip(unreached, held, torch_grads):
-        assert t.grad is g  # (None, or the very tensor it held)
-        assert (from_torch is None) == (g is None)
-        if g is not None:
-            assert torch.equal(g, torch.full_like(t, 7.0)) and torch.equal(from_torch, g)
+    assert_left_alone(unreached, held, hooked)
     for t, e in zip(inputs, expected):
         if any(t is r for r in reached):
             torch.testing.assert_close(t.grad, e)

@@ -12,6 +12,7 @@ from torch import Tensor, nn
 from jacflow import jac, jac_to_grad, mtl_backward
 from jacflow.aggregation import Aggregator, Mean, UPGrad
 from tests.autojac import _zoo
+from tests.autojac._held import assert_left_alone, torch_leaves_alone
 
 
 def _model(dtype: torch.dtype) -> tuple[nn.Module, list[nn.Module], torch.Tensor]:
@@ -860,29 +861,18 @@ def test_an_unreached_shared_param_keeps_its_grad_as_torch_does(
     Jacobian, as before. Its post-accumulate hooks do not run, as with torch."""
     forward, reached, unreached, heads = _trunk_partly_unreached()
     shared = [*reached, *unreached]
-    held = [torch.full_like(p, 7.0) if existing else None for p in unreached]
-    hooked: list[Tensor] = []
-    for p, g in zip(unreached, held):
-        p.grad = g
-        p.register_post_accumulate_grad_hook(hooked.append)
-    losses, _ = forward()
-    torch.autograd.backward(sum(losses), inputs=shared)
-    torch_grads = [p.grad for p in unreached]
-    assert not hooked
-    for p in shared:
-        p.grad = None
-    for p, g in zip(unreached, held):
-        p.grad = g
+    held, hooked = torch_leaves_alone(
+        lambda: torch.autograd.backward(sum(forward()[0]), inputs=shared),
+        shared,
+        unreached,
+        existing,
+    )
     losses, features = forward()
     rows = _brute_rows(losses, shared)
     update = aggregator(torch.cat([r.flatten(1) for r in rows], 1))
     expected = [u.view_as(p) for u, p in zip(update.split([p.numel() for p in shared]), shared)]
     mtl_backward(losses, features, A=aggregator, shared_params=shared, parallel_chunk_size=chunk)
-    assert not hooked
-    for p, g, from_torch in zip(unreached, held, torch_grads):
-        assert p.grad is g and (from_torch is None) == (g is None)
-        if g is not None:
-            assert torch.equal(g, torch.full_like(p, 7.0)) and from_torch is g
+    assert_left_alone(unreached, held, hooked)
     for p, e in zip(reached, expected):
         torch.testing.assert_close(p.grad, e)
     for head, loss in zip(heads, losses):

@@ -53,10 +53,7 @@ def store(
     aggregator advances at every call, as on the engine's route)."""
     kept = [k for k, r in enumerate(reached) if r]
     if aggregator is None:
-        if kept:
-            accumulate_jacs(
-                [inputs[k] for k in kept], [jacobians[k] for k in kept], held, create_graph
-            )
+        accumulate_jacs([inputs[k] for k in kept], [jacobians[k] for k in kept], held, create_graph)
         return
     updates, _ = aggregate_blocks(aggregator, jacobians)
     accumulate_grads([inputs[k] for k in kept], [updates[k] for k in kept], held, create_graph)
@@ -266,10 +263,9 @@ def backward(
         )
         if updates is not None:
             written = [(i, u) for i, u in zip(ins, updates) if u is not None]
-            if written:
-                accumulate_grads(
-                    [i for i, _ in written], [u for _, u in written], cotangents or (), create_graph
-                )
+            accumulate_grads(
+                [i for i, _ in written], [u for _, u in written], cotangents or (), create_graph
+            )
             return
     jacobians, reached = compute_jacobians(
         outs, ins, cotangents, rows, retain, create_graph, chunk_size

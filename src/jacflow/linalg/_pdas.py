@@ -264,6 +264,7 @@ def lean_pdas_solve(u: Tensor, g: Tensor, tol: float) -> Tensor | None:
             active = following
         else:
             return None
+        # (kkt_residual, in numpy: its torch operations would cost what the loop saves)
         residual = np.abs(np.minimum(v - rows, half_lam / top)).max(-1)
         if not (residual <= tol * np.maximum(np.abs(v).max(-1), 1.0)).all():
             return None
