@@ -8,6 +8,7 @@ independently of the solver on hypothesis-generated Gramians.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -241,6 +242,7 @@ def full_route(monkeypatch: pytest.MonkeyPatch) -> None:
     lean PDAS) whatever the size: the batched solvers, as on an accelerator or under autograd."""
     monkeypatch.setattr(dual_cone, "_HOST_MAX_WORK", -1)
     monkeypatch.setattr(dual_cone, "_LEAN_MAX_M", -1)
+    monkeypatch.setattr(dual_cone, "_LEAN_DUAL_MAX_M", -1)
 
 
 def _forbid(monkeypatch: pytest.MonkeyPatch, *names: str) -> None:
@@ -271,17 +273,36 @@ def test_lean_route_serves_small_problems(m: int, monkeypatch: pytest.MonkeyPatc
     torch.testing.assert_close(diagonal @ g, expected[1] @ g, rtol=0, atol=1e-12)
 
 
-def _spy_lean(monkeypatch: pytest.MonkeyPatch) -> list[Tensor | None]:
-    """Record what each call of the lean PDAS returns."""
+def _spy_lean(
+    monkeypatch: pytest.MonkeyPatch, name: str = "lean_pdas_solve"
+) -> list[Tensor | None]:
+    """Record what each call of the named lean solver of ``_dual_cone`` returns."""
     results: list[Tensor | None] = []
-    solve = dual_cone.lean_pdas_solve
+    solve = getattr(dual_cone, name)
 
     def spy(u: Tensor, g: Tensor, tol: float) -> Tensor | None:
         results.append(solve(u, g, tol))
         return results[-1]
 
-    monkeypatch.setattr(dual_cone, "lean_pdas_solve", spy)
+    monkeypatch.setattr(dual_cone, name, spy)
     return results
+
+
+def assert_lean_certificate(
+    solve: Callable[[Tensor, Tensor, float], Tensor | None], problem: tuple[Tensor, Tensor]
+) -> None:
+    """A lean solver, on ``problem`` stated as it takes it (rows of max-norm 1, trace 1),
+    returns either nothing or the exact projection: the reference active set's update."""
+    u, gramian = problem
+    rows = u / u.abs().amax(-1, keepdim=True).clamp_min(1e-300)  # (its rows of max-norm 1)
+    g = gramian / gramian.trace().clamp_min(1e-300)
+    v = solve(rows, g, 1e-10)
+    if v is None:
+        return
+    assert v.dtype == torch.float64 and v.shape == rows.shape and bool((v >= rows).all())
+    assert_kkt(v, rows, g, rtol=1e-9)
+    ref = project_weights_reference(rows, g)
+    torch.testing.assert_close(v @ g, ref @ g, rtol=0, atol=1e-9)
 
 
 @settings(max_examples=60)
@@ -290,16 +311,7 @@ def test_lean_pdas_certifies_what_it_returns(problem: tuple[Tensor, Tensor]) -> 
     """The lean PDAS (numpy) returns either nothing or the exact projection: every problem
     kind, duplicated objectives and rank-deficient Gramians included (which it may hand over),
     against the reference active set's update."""
-    u, gramian = problem
-    rows = u / u.abs().amax(-1, keepdim=True).clamp_min(1e-300)  # (its rows of max-norm 1)
-    g = gramian / gramian.trace().clamp_min(1e-300)
-    v = pdas.lean_pdas_solve(rows, g, 1e-10)
-    if v is None:
-        return
-    assert v.dtype == torch.float64 and v.shape == rows.shape and bool((v >= rows).all())
-    assert_kkt(v, rows, g, rtol=1e-9)
-    ref = project_weights_reference(rows, g)
-    torch.testing.assert_close(v @ g, ref @ g, rtol=0, atol=1e-9)
+    assert_lean_certificate(pdas.lean_pdas_solve, problem)
 
 
 @pytest.mark.parametrize("m", [8, 25])
@@ -352,6 +364,54 @@ def test_lean_route_keeps_the_trace_rule() -> None:
     torch.testing.assert_close(project_weights(u, g), u, rtol=0, atol=0)
     pref = torch.tensor([1.0, 1.0, 1.0, 1.0, 1.0, 0.0], dtype=torch.float64)
     torch.testing.assert_close(project_diagonal(pref, g), torch.diag(pref), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("m", [25, 28, 32])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_lean_dual_route_serves_upgrads_per_sample_problems(
+    m: int, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """From 25 to 32 objectives, UPGrad's problems on a per-sample Gramian (few active
+    constraints) are solved by the lean dual PDAS alone, to what the batched route gives."""
+    gramian = per_sample_gramian(m, seed=m).to(dtype)
+    pref = torch.rand(m, dtype=dtype, generator=torch.Generator().manual_seed(m)) + 0.5
+    with pytest.MonkeyPatch.context() as patch:
+        full_route(patch)
+        expected = project_diagonal(pref, gramian)
+    results = _spy_lean(monkeypatch, "lean_dual_pdas_solve")
+    _forbid(monkeypatch, "_solve", "solve_rows", "lean_pdas_solve")
+    v = project_diagonal(pref, gramian)
+    assert len(results) == 1 and results[0] is not None
+    assert v.dtype == dtype
+    g = gramian.double() / gramian.double().trace()
+    assert_kkt(
+        v.double(), torch.diag(pref).double(), g, rtol=1e-9 if dtype == torch.float64 else 1e-6
+    )
+    tol = 1e-12 if dtype == torch.float64 else 1e-6
+    torch.testing.assert_close((v.double() @ g), expected.double() @ g, rtol=0, atol=tol)
+
+
+@pytest.mark.parametrize("kind", ["conflicting", "singular", "large"])
+def test_lean_dual_route_hands_over_or_is_not_taken(
+    kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Gramian whose first guess has large active sets (two camps of rows) never reaches the lean
+    dual PDAS; a singular one reaches it and gets no certificate; above 32 objectives it is
+    not tried. The batched route answers, exactly, in every case."""
+    m = 33 if kind == "large" else 32
+    if kind == "conflicting":
+        gramian = make_gramian(m, "conflicting", 1.0, seed=3)
+    else:
+        gramian = per_sample_gramian(m, seed=4)
+        if kind == "singular":  # a duplicated sample: G is singular, the first guess small
+            gramian[1], gramian[:, 1] = gramian[0], gramian[:, 0]
+    results = _spy_lean(monkeypatch, "lean_dual_pdas_solve")
+    u = upgrad_rows(m)
+    v = project_diagonal(torch.full((m,), 1.0 / m, dtype=torch.float64), gramian)
+    assert results == ([None] if kind == "singular" else [])
+    assert_kkt(v, u, gramian, rtol=1e-9)
+    ref = project_weights_reference(u, gramian)
+    torch.testing.assert_close(v @ gramian, ref @ gramian, rtol=0, atol=1e-9)
 
 
 def route_next_call_to_host(monkeypatch: pytest.MonkeyPatch) -> list[bool]:

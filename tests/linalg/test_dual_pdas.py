@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
@@ -19,6 +19,7 @@ from jacflow.linalg._dual_pdas import (
     active_systems_pay,
     distinct_rows,
     dual_pdas_solve,
+    lean_dual_pdas_solve,
     safe_inverse,
 )
 from jacflow.linalg._pdas import (
@@ -28,7 +29,13 @@ from jacflow.linalg._pdas import (
     pad_identity,
     pdas_solve,
 )
-from tests.linalg.test_dual_cone import assert_kkt, make_gramian, upgrad_rows
+from tests.linalg.test_dual_cone import (
+    assert_kkt,
+    assert_lean_certificate,
+    make_gramian,
+    problems,
+    upgrad_rows,
+)
 from tests.linalg.test_lawson_hanson import normalised
 
 
@@ -296,3 +303,52 @@ def test_size_groups_cover_every_problem_once() -> None:
     assert sorted(rows.tolist()) == list(range(counts.numel()))
     for r, size in groups:
         assert int(counts[r].max()) == size
+
+
+@settings(max_examples=60)
+@given(problem=problems(max_m=60, min_m=2))
+@example(problem=(upgrad_rows(40), per_sample_gramian(40, 1)))
+def test_lean_dual_certifies_what_it_returns(problem: tuple[Tensor, Tensor]) -> None:
+    """The lean dual PDAS (numpy) returns either nothing or the exact projection: every problem
+    kind and scale (singular Gramians and large active sets are handed over), against the
+    reference active set's update."""
+    assert_lean_certificate(lean_dual_pdas_solve, problem)
+
+
+@pytest.mark.parametrize("m", [25, 40, 64])
+def test_lean_dual_takes_the_batched_steps(m: int) -> None:
+    """On per-sample Gramians it solves every problem, with the iterates of the torch steps
+    (:func:`dual_pdas_solve` in float64) up to rounding."""
+    for seed in range(3):
+        u, g = normalised(upgrad_rows(m), per_sample_gramian(m, seed))
+        rows = u[0] * m  # (max-norm 1)
+        v = lean_dual_pdas_solve(rows, g[0], 1e-12)
+        assert v is not None, f"seed {seed}"
+        inverse = safe_inverse(g)
+        assert inverse is not None
+        steps, residual, _ = dual_pdas_solve(
+            rows[None], g, inverse, start_at_u(rows[None], g), 8, 1e-12
+        )
+        assert bool((residual <= 1e-12).all())
+        torch.testing.assert_close(v, torch.maximum(steps[0], rows), rtol=0, atol=1e-12)
+
+
+def test_lean_dual_hands_over(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No certificate, hence ``None``: large active sets at the first guess, a singular
+    Gramian (a duplicated sample), steps that would cost too much, or active sets still
+    changing after the last step (an indefinite one: see the docstring's example)."""
+    m = 40
+    u, g = normalised(upgrad_rows(m), per_sample_gramian(m, 0))
+    rows, g = u[0] * m, g[0]
+    assert lean_dual_pdas_solve(rows, g, 1e-12) is not None
+    camps = normalised(upgrad_rows(m), make_gramian(m, "conflicting", 1.0, 0))[1][0]
+    assert lean_dual_pdas_solve(rows, camps, 1e-12) is None
+    singular = g.clone()
+    singular[1], singular[:, 1] = singular[0], singular[:, 0]
+    assert lean_dual_pdas_solve(rows, singular, 1e-12) is None
+    with monkeypatch.context() as patch:
+        patch.setattr(dual_pdas, "_MAX_STEP_FLOP", 0)
+        assert lean_dual_pdas_solve(rows, g, 1e-12) is None
+    with monkeypatch.context() as patch:
+        patch.setattr(dual_pdas, "_LEAN_MAX_ITER", 1)  # (the first guess is not the answer here)
+        assert lean_dual_pdas_solve(rows, g, 1e-12) is None

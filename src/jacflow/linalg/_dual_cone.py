@@ -24,7 +24,12 @@ from torch import Tensor
 
 from jacflow._warnings import caller_stacklevel
 from jacflow.linalg._cholesky import cholesky_ex
-from jacflow.linalg._dual_pdas import active_systems_pay, dual_pdas_solve, safe_inverse
+from jacflow.linalg._dual_pdas import (
+    active_systems_pay,
+    dual_pdas_solve,
+    lean_dual_pdas_solve,
+    safe_inverse,
+)
 from jacflow.linalg._first_order import admm_solve, fista_solve
 from jacflow.linalg._gramian import (
     _normalize_gramian,
@@ -173,6 +178,11 @@ _HOST_MAX_WORK = 5**4  # UPGrad: m <= 5
 # Other problems on one CPU Gramian of at most this many objectives, outside autograd, first try
 # ``_pdas.lean_pdas_solve`` (masked m x m systems: their cost grows as rows x m^3).
 _LEAN_MAX_M = 24
+# Above, UPGrad's problems of up to this many objectives whose first guess of the active sets
+# is small (per-sample Gramians) first try ``_dual_pdas.lean_dual_pdas_solve``: UPGrad's
+# weights 0.70-0.98x the time of the batched route at m = 25 to 32; at 40 mixed (0.83-1.35x by
+# Gramian), at 48 and 64 mostly slower (one-off A/Bs; see docs/performance.md, "Stop 49").
+_LEAN_DUAL_MAX_M = 32
 
 # Problems of at most this many objectives on an accelerator are copied to the host, solved
 # there and copied back: the batched solvers' hundreds of small kernels and their
@@ -721,17 +731,26 @@ def _diagonal_on_host(
 def _lean_route(
     rows: Tensor, scale: Tensor, gramian: Tensor, norm_eps: float, reg_eps: float, tol: float
 ) -> Tensor | None:
-    """``lean_pdas_solve`` on the float64 ``rows`` ``[k, m]`` of max-norm 1 (or 0), which are
-    the problem's rows divided by ``scale`` ``[k, 1]``, and the Gramian normalised as
-    :func:`project_weights` states the problem: the unscaled ``v``, or ``None``. Also ``None``
-    (one host sync) when an entry of the Gramian or a scale is not finite, or their sum
-    overflows: the batched route then gives the NaN rows, by its explicit test rather than by
-    NaNs spreading through the products."""
+    """``lean_pdas_solve`` (up to ``_LEAN_MAX_M`` objectives, else ``lean_dual_pdas_solve``) on
+    the float64 ``rows`` ``[k, m]`` of max-norm 1 (or 0), which are the problem's rows divided
+    by ``scale`` ``[k, 1]``, and the Gramian normalised as :func:`project_weights` states the
+    problem: the unscaled ``v``, or ``None``. Also ``None`` (one host sync) when an entry of the
+    Gramian or a scale is not finite, or their sum overflows: the batched route then gives the
+    NaN rows, by its explicit test rather than by NaNs spreading through the products."""
     g = gramian.to(torch.float64)
     if not math.isfinite(float(g.sum() + scale.sum())):
         return None
-    v = lean_pdas_solve(rows, _normalized(g[None], norm_eps, reg_eps, one_sync=True)[0], tol)
+    solve = lean_pdas_solve if g.shape[-1] <= _LEAN_MAX_M else lean_dual_pdas_solve
+    v = solve(rows, _normalized(g[None], norm_eps, reg_eps, one_sync=True)[0], tol)
     return None if v is None else v * scale
+
+
+def _dual_pays(sign: Tensor, gramian: Tensor) -> bool:
+    """:func:`active_systems_pay` for the first guess of the problems ``sign_i e_i`` (UPGrad's),
+    whose multipliers at ``v = u`` are the rows of ``G`` times ``sign_i``: the test, on the
+    Gramian as given, before the lean dual route converts anything (where it fails, e.g. on
+    Gramians of two camps of objectives, that conversion cost 5-10% of UPGrad's time)."""
+    return active_systems_pay(((sign[:, None] * gramian) > 0).sum(-1), gramian.shape[-1])
 
 
 def _short_routes_apply(
@@ -802,7 +821,10 @@ def project_weights(
     (``jacflow.linalg._host_pdas``, exact Lawson-Hanson where PDAS stalls); the others of up to
     24 objectives a PDAS of about a dozen numpy operations per step
     (``jacflow.linalg._pdas.lean_pdas_solve``): there the batched solvers' fixed cost of some
-    200 torch operations, not their arithmetic, is the time. Like the batched route's
+    200 torch operations, not their arithmetic, is the time. :func:`project_diagonal`'s
+    problems (UPGrad's) of 25 to 32 objectives whose first guess of the active sets is small
+    (per-sample Gramians) first try the dual route's steps in numpy
+    (``jacflow.linalg._dual_pdas.lean_dual_pdas_solve``). Like the batched route's
     ``"auto"``, both are taken only without an explicit ``max_iter``. Outside autograd,
     ``"auto"`` problems on one Gramian of at most 128 objectives on an accelerator are copied
     to the host and solved there (the batched solvers' many small kernels and
@@ -1100,7 +1122,7 @@ def _project_diagonal(
         return on_host
     weights = pref.to(torch.float64)
     sign, scale = torch.sign(weights), weights.abs()[:, None]
-    if short and m <= _LEAN_MAX_M:
+    if short and (m <= _LEAN_MAX_M or (m <= _LEAN_DUAL_MAX_M and _dual_pays(sign, gramian))):
         v = _lean_route(torch.diag(sign), scale, gramian, norm_eps, reg_eps, target)
         if v is not None:
             return v.to(dtype)

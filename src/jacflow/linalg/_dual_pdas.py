@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import itertools
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -30,6 +31,8 @@ from jacflow.linalg._pdas import (
     first_slots,
     gather_blocks,
     kkt_residual,
+    lean_certified,
+    lean_scale,
     pad_identity,
     with_exact_bounds,
 )
@@ -310,3 +313,84 @@ def dual_pdas_solve(
     better = new_residual < residual
     v = torch.where(better[..., None], v, u)
     return v, torch.where(better, new_residual, residual), settled
+
+
+_LEAN_MAX_ITER = 8  # steps of lean_dual_pdas_solve before it hands the problems over
+
+
+def lean_dual_pdas_solve(u: Tensor, g: Tensor, tol: float) -> Tensor | None:
+    """The dual PDAS on one Gramian in numpy, for the CPU's problems of a few dozen objectives.
+
+    ``u`` is ``[k, m]``, its rows of max-norm 1 (or 0), and ``g`` ``[m, m]``, symmetric, both
+    float64 on the CPU (the scale of ``g`` does not matter). The iterates are those of
+    :func:`dual_pdas_solve` in float64, from the same first guess: each step solves every
+    problem's ``H_AA mu_A = u_A`` (``H = G^-1``), gathered into blocks padded to the largest
+    active set, and the next steps only the problems whose active set changed. There the
+    torch steps' fixed cost of some hundred dispatched operations, not their arithmetic, is
+    much of the time, and a numpy operation costs a fraction of a torch one (UPGrad's weights
+    on per-sample Gramians 0.70-0.98x the time at m = 25 to 32; see docs/performance.md,
+    "Stop 49"). The ``m x m`` products and the inverse stay in torch, under its thread
+    settings.
+
+    Returns ``v``, exactly feasible, when every problem's KKT residual with ``g`` is at most
+    ``tol`` (:func:`~jacflow.linalg._pdas.lean_certified`), else ``None``: the active systems
+    do not pay (:func:`active_systems_pay`) or grow costly, ``G`` is not safely invertible
+    (:func:`safe_inverse`'s test), a solve fails, the active sets still change after
+    ``_LEAN_MAX_ITER`` steps, or a result misses ``tol``. The caller then runs the batched
+    solvers, which take those cases.
+
+    Example:
+        >>> import torch
+        >>> from jacflow.linalg._dual_pdas import lean_dual_pdas_solve
+        >>> g = torch.tensor([[1.0, -0.5, 0.0], [-0.5, 1.0, 0.0], [0.0, 0.0, 1.0]])
+        >>> u = torch.eye(3, dtype=torch.float64)
+        >>> lean_dual_pdas_solve(u, g.double(), 1e-12)
+        tensor([[1.0000, 0.5000, 0.0000],
+                [0.5000, 1.0000, 0.0000],
+                [0.0000, 0.0000, 1.0000]], dtype=torch.float64)
+        >>> lean_dual_pdas_solve(u, -g.double(), 1e-12) is None  # not positive definite
+        True
+    """
+    rows, k, m = u.detach().numpy(), u.shape[0], u.shape[1]
+    # (numpy's BLAS would run the m x m products on threads of its own from m = 64 or so)
+    active = (u @ g > 0).numpy()  # PDAS's first guess at v = u (lam > 0), as dual_pdas_solve's
+    counts = active.sum(-1)
+    if not (int(counts.max()) < m - int(counts.min()) and _cheap(k, int(counts.max()))):
+        return None  # (active_systems_pay's test)
+    inverse = safe_inverse(g)
+    if inverse is None:
+        return None
+    with np.errstate(all="ignore"):  # (a NaN fails the final check)
+        lookup, v = inverse.numpy(), rows.copy()
+        moving, pending = np.arange(k), rows  # the problems still iterated, and their rows
+        for _ in range(_LEAN_MAX_ITER):
+            size, n = int(counts.max()), len(moving)
+            if not _cheap(n, size):
+                return None
+            mu = np.zeros_like(pending)
+            if size:
+                # each problem's active indices first, padded with free ones whose blocks are
+                # the identity and right-hand sides 0: their mu is 0, exactly
+                order = np.argsort(~active, axis=1, kind="stable")[:, :size]
+                problems = np.arange(n)[:, None]
+                valid = active[problems, order]
+                pair = valid[:, :, None] & valid[:, None, :]
+                blocks = np.where(pair, lookup[order[:, :, None], order[:, None, :]], np.eye(size))
+                rhs = np.where(valid, pending[problems, order], 0.0)
+                try:  # (no test of the blocks' definiteness: the residual below decides)
+                    mu[problems, order] = np.linalg.solve(blocks, rhs[..., None])[..., 0]
+                except np.linalg.LinAlgError:
+                    return None
+            step = np.where(active, pending, (torch.from_numpy(mu) @ inverse).numpy())
+            v[moving] = step
+            following = (mu > 0) | (step < pending)
+            # (a problem whose active set stays has its answer: the next step would repeat it)
+            changed = (following != active).any(-1)
+            if not changed.any():
+                break
+            moving, pending, active = moving[changed], pending[changed], following[changed]
+            counts = active.sum(-1)
+        else:
+            return None
+        half_lam = (torch.from_numpy(v) @ g).numpy()
+        return lean_certified(v, rows, half_lam, lean_scale(g.numpy()), tol)

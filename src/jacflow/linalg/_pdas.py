@@ -240,8 +240,7 @@ def lean_pdas_solve(u: Tensor, g: Tensor, tol: float) -> Tensor | None:
         True
     """
     rows, gram = u.detach().numpy(), g.detach().numpy()
-    top = float(gram.diagonal().max())  # c / 2, with half the multipliers: lam / 2 = G v
-    top = top if top > 0 else 1.0
+    top = lean_scale(gram)
     identity = np.eye(gram.shape[-1])
     active = rows @ gram >= 0  # PDAS's first guess at v = u, ties active
     with np.errstate(all="ignore"):  # (a NaN fails the final check)
@@ -264,7 +263,24 @@ def lean_pdas_solve(u: Tensor, g: Tensor, tol: float) -> Tensor | None:
             active = following
         else:
             return None
-        # (kkt_residual, in numpy: its torch operations would cost what the loop saves)
+        return lean_certified(v, rows, half_lam, top, tol)
+
+
+def lean_scale(gram: np.ndarray) -> float:
+    """``c / 2`` of :func:`multiplier_scale` for one Gramian in numpy (the lean solvers work
+    with half the multipliers, ``lam / 2 = G v``)."""
+    top = float(gram.diagonal().max())
+    return top if top > 0 else 1.0
+
+
+def lean_certified(
+    v: np.ndarray, rows: np.ndarray, half_lam: np.ndarray, top: float, tol: float
+) -> Tensor | None:
+    """The lean solvers' end: ``max(v, rows)`` as a tensor when every problem's KKT residual
+    (:func:`kkt_residual` in numpy: its torch operations would cost what the loops save, with
+    ``half_lam = v G`` and ``top`` from :func:`lean_scale`) is at most ``tol``, else ``None``
+    (also for a NaN)."""
+    with np.errstate(all="ignore"):
         residual = np.abs(np.minimum(v - rows, half_lam / top)).max(-1)
         if not (residual <= tol * np.maximum(np.abs(v).max(-1), 1.0)).all():
             return None
