@@ -336,15 +336,87 @@ def test_embedding_bag_with_offsets(batch_dim: int | None) -> None:
     assert_exact_gramian(engine, torch.stack([losses.sum(), losses[0] * losses[2]]), [bag.weight])
 
 
-@pytest.mark.parametrize(
-    ("batch_dim", "error"),
-    [(1, ValueError), (-1, ValueError), (True, TypeError), ("0", TypeError), (0.0, TypeError)],
-)
-def test_bad_batch_dim(batch_dim: object, error: type[Exception]) -> None:
-    """A value of another type than int (``"0"``, ``True``) is a ``TypeError``, another int a
-    ``ValueError``."""
-    with pytest.raises(error, match=r"`batch_dim` must be 0 or None"):
+@pytest.mark.parametrize("batch_dim", [True, "0", 0.0])
+def test_bad_batch_dim(batch_dim: object) -> None:
+    """A value of another type than int or None (``"0"``, ``True``) is a ``TypeError``."""
+    with pytest.raises(TypeError, match=r"`batch_dim` must be an int or None"):
         Engine(_mlp(), batch_dim=batch_dim)  # type: ignore[arg-type]
+
+
+def _losses_with_batch_at(out: Tensor, layout: str) -> Tensor:
+    """Per-sample losses from ``out`` (``[B, 2]``) with the batch elsewhere than first."""
+    if layout == "[k, B]":
+        return out.T.pow(2)
+    if layout == "[k, 1, B]":
+        return out.pow(2).T.unsqueeze(1)
+    return torch.stack([out.pow(2), out.tanh()], 1).permute(2, 1, 0)  # [k, 2, B]
+
+
+@pytest.mark.parametrize(
+    ("layout", "batch_dim"),
+    [("[k, B]", 1), ("[k, B]", -1), ("[k, 1, B]", 2), ("[k, 2, B]", -1)],
+)
+def test_batch_dim_of_the_losses_anywhere(layout: str, batch_dim: int) -> None:
+    """Per sample with the losses' batch at ``batch_dim`` (the modules' at 0): the Gramian is
+    the brute-force ``J J^T`` of ``losses.flatten()``, in that order, as TorchJD's, and the step
+    writes ``w @ J`` with the weights of that Gramian, returned in the losses' shape. The
+    weighting below weighs each loss by its place, so that any other order shows."""
+    model = _mlp()
+    params = list(model.parameters())
+    losses = _losses_with_batch_at(model(X), layout)
+    m = losses.numel()
+    jacobian = reference_jacobian(losses, params)
+    by_place = ConstantWeighting(torch.linspace(0.5, 2.0, m, dtype=torch.float64))
+    with Engine(model, batch_dim=batch_dim) as engine:
+        gramian = engine.compute_gramian(_losses_with_batch_at(model(X), layout))
+        torch.testing.assert_close(gramian, jacobian @ jacobian.T)
+        weights = engine.backward(_losses_with_batch_at(model(X), layout), UPGradWeighting())
+        assert weights.shape == losses.shape
+        update = torch.cat([p.grad.flatten() for p in params])  # type: ignore[union-attr]
+        torch.testing.assert_close(update, weights.flatten() @ jacobian)
+        # (the weights of a singular Gramian are not unique, the update is: [k, 2, B] has rank 8)
+        expected = UPGradWeighting()(jacobian @ jacobian.T) @ jacobian
+        torch.testing.assert_close(update, expected, rtol=0, atol=1e-8)
+        model.zero_grad()
+        weights = engine.backward(_losses_with_batch_at(model(X), layout), by_place)
+        update = torch.cat([p.grad.flatten() for p in params])  # type: ignore[union-attr]
+        torch.testing.assert_close(update, by_place.weights @ jacobian)
+
+
+def test_batch_dim_other_params_follow_the_given_order() -> None:
+    """``other_params`` get ``sum_i w_i grad(losses_i)`` with ``w`` in the losses' own order."""
+    model, head = _mlp(), nn.Linear(2, 2).double()
+    weighting = ConstantWeighting(torch.linspace(0.5, 2.0, 8, dtype=torch.float64))
+    with Engine(model, batch_dim=1) as engine:
+        engine.backward(head(model(X)).T.pow(2), weighting, other_params=head.parameters())
+    losses = head(model(X)).T.pow(2)
+    jacobian = reference_jacobian(losses, list(head.parameters()))
+    update = torch.cat([p.grad.flatten() for p in head.parameters()])  # type: ignore[union-attr]
+    torch.testing.assert_close(update, weighting.weights @ jacobian)
+
+
+def test_batch_dim_out_of_the_losses_range_is_refused() -> None:
+    """A ``batch_dim`` the losses do not have is refused, naming the shape, and the forward
+    stays for a retry with the right one."""
+    model = _mlp()
+    params = list(model.parameters())
+    with Engine(model, batch_dim=2) as engine:
+        losses = model(X).T.pow(2)
+        _assert_refused(engine, losses, params, r"must have a dimension 2, received shape \(2, 4\)")
+        engine.batch_dim = 1
+        engine.backward(losses, UPGradWeighting())
+    assert all(p.grad is not None for p in params)
+
+
+@pytest.mark.parametrize("reorder", ["sort", "index"])
+def test_batch_dim_reordered_losses_are_refused_through_the_move(reorder: str) -> None:
+    """Losses reordered along the batch before a transpose that puts it at ``batch_dim`` are
+    refused, as at dimension 0: the check follows the batch through the transposes."""
+    model = _mlp()
+    with Engine(model, batch_dim=1) as engine:
+        out = model(X).pow(2)
+        out = out.sort(0).values if reorder == "sort" else out[torch.tensor([1, 0, 3, 2])]
+        _assert_refused(engine, out.T, list(model.parameters()), r"reordered along the batch")
 
 
 @pytest.mark.parametrize("refusing", ["constant", "class"])
@@ -397,7 +469,7 @@ def test_batch_size_mismatch() -> None:
     model = _mlp()
     engine = Engine(model, batch_dim=0)
     losses = model(X).pow(2).sum(0)  # [2]: not per-sample
-    with pytest.raises(ValueError, match=r"batch size 2 of `losses`.*received shape \(4, 5\)"):
+    with pytest.raises(ValueError, match=r"batch size 2 on dimension 0, received shape \(4, 5\)"):
         engine.compute_gramian(losses)
 
 
@@ -548,9 +620,10 @@ def test_batch_size_mismatch_names_the_losses_shape_and_common_causes(case: str)
     losses = out.sum(1)[:3] if case == "sliced" else out.mean(0)
     shape = r"\(3,\)" if case == "sliced" else r"\(2,\)"
     match = (
-        rf"dimension 0 of `losses` is the batch.*`losses` \(shape {shape}\).*received shape "
-        r"\(4, 5\)\. (Read as the batch merged .*)?If `losses` are not per sample along their "
-        r"dimension 0 \(sliced.*reduced over the batch.*pass the per-sample losses, batch first"
+        rf"dimension batch_dim of `losses` is the batch \(shape {shape} with it first\).*"
+        r"received shape \(4, 5\)\. (Read as the batch merged .*)?If `losses` are laid out "
+        r"otherwise \(\[k, B\] with batch_dim=0: pass batch_dim=1\), or are not per sample "
+        r"\(sliced.*reduced over the batch.*pass the per-sample losses"
     )
     _assert_refused(engine, losses, list(model.parameters()), match)
 

@@ -316,7 +316,7 @@ def test_a_learned_initial_state_in_a_module_of_its_own(batch_first: bool) -> No
         assert_exact_gramian(engine, model(x), list(model.parameters()))
         return
     refusal = (
-        r"_WithInitialState.init \(_InitialState\) must have the batch size 3 .* received shape "
+        r"_WithInitialState.init \(_InitialState\) must have its batch size 3 .* received shape "
         r"\(2, 3, 4\)\..* If the batch is on dimension 1 of that output, the generic rule reads "
         r"it on dimension 0 .*: return it batch first and transpose it after the call"
     )

@@ -9,7 +9,7 @@ import warnings
 import weakref
 from collections.abc import Callable, Container, Iterable, Iterator, Sequence
 from types import TracebackType
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import torch
 from torch import Tensor, nn
@@ -206,8 +206,9 @@ def _check_real_parameters(unit: Unit, params: dict[str, Tensor]) -> None:
 def _check_losses(
     losses: object, batch_dim: int | None, holds_samples: Callable[[Any], bool]
 ) -> Tensor:
-    """``losses``, checked (``holds_samples``: whether autograd's node reaches the hooked
-    modules' outputs, see :func:`_check_not_ordered_by_value`)."""
+    """``losses``, checked, with the batch (dimension ``batch_dim``) moved to dimension 0 (a
+    view), as the step takes them (``holds_samples``: whether autograd's node reaches the
+    hooked modules' outputs, see :func:`_check_not_ordered_by_value`)."""
     if not isinstance(losses, Tensor):
         raise TypeError(f"`losses` must be a torch.Tensor, received {type(losses)}.")
     if losses.numel() == 0:
@@ -225,14 +226,23 @@ def _check_losses(
         raise ValueError(
             "`losses` does not require grad: compute it from the hooked modules with grad enabled."
         )
-    if batch_dim is not None and losses.ndim == 0:
+    if batch_dim is None:
+        return losses
+    if losses.ndim == 0:
         raise ValueError(
-            "With batch_dim=0, `losses` must have a batch dimension (shape [B, ...]), received a "
-            "scalar. Pass the per-sample losses (reduction='none'), or use batch_dim=None."
+            f"With batch_dim={batch_dim}, `losses` must have a batch dimension (shape [B, ...]), "
+            "received a scalar. Pass the per-sample losses (reduction='none'), or use "
+            "batch_dim=None."
         )
-    if batch_dim is not None:
-        _check_not_ordered_by_value(losses, holds_samples)
-    return losses
+    if not -losses.ndim <= batch_dim < losses.ndim:
+        raise ValueError(
+            f"With batch_dim={batch_dim}, `losses` must have a dimension {batch_dim}, received "
+            f"shape {tuple(losses.shape)}. Pass the dimension of the losses that holds the batch "
+            "(e.g. 0 for [B] or [B, k] losses, 1 for [k, B])."
+        )
+    batch_first = losses.movedim(batch_dim, 0) if batch_dim % losses.ndim else losses
+    _check_not_ordered_by_value(batch_first, holds_samples)
+    return batch_first
 
 
 # autograd's nodes of the ops that order or select values along a dimension
@@ -295,25 +305,33 @@ def _check_not_ordered_by_value(losses: Tensor, holds_samples: Callable[[Any], b
     computed from other parameters only (``w[y]`` with as many classes as samples, whose labels
     may form a permutation) cannot move a sample's share of the Gramian."""
     batch = losses.shape[0]
-    # (each node with whether the walk came past an operation of several tensors, and past a
-    # slice of columns)
-    frontier: list[tuple[Any, bool, bool]] = [(losses.grad_fn, False, False)]
+    # (each node with whether the walk came past an operation of several tensors, past a slice
+    # of columns, and the dimension of its output that holds the batch: 0 but after a
+    # transpose or permutation, such as the one that moved the batch of `Engine(batch_dim=d)`)
+    frontier: list[tuple[Any, bool, bool, int]] = [(losses.grad_fn, False, False, 0)]
     looked_at = 0
     while frontier and looked_at < _MAX_LOOKED_AT:
-        node, beside, columns = frontier.pop()
+        node, beside, columns, axis = frontier.pop()
         looked_at += not _whole_slice(node)
-        if _keeps_positions(node):
+        before = _axis_before(node, axis)
+        if before is not None:
+            frontier.append((node.next_functions[0][0], beside, columns, before))
+        elif axis:  # (elsewhere than dimension 0: followed through one-tensor elementwise ops)
+            inputs = [n for n, _ in node.next_functions if n is not None]
+            if type(node).__name__ in _ELEMENTWISE_NODES and len(inputs) == 1:
+                frontier.append((inputs[0], beside, columns, axis))
+        elif _keeps_positions(node):
             inputs = [n for n, _ in node.next_functions if n is not None]
             sliced = columns or _slices_columns(node)
-            frontier += [(n, beside or len(inputs) > 1, sliced) for n in inputs]
+            frontier += [(n, beside or len(inputs) > 1, sliced, 0) for n in inputs]
         elif _reorders_batch(
             node, batch, permutations_only=beside, columns_sliced=columns
         ) and holds_samples(node):  # (the walk of the graph below: only when it matters)
             raise ValueError(
-                "With batch_dim=0, `losses` were reordered along the batch (sorted by value, or "
-                "indexed, gathered or selected by positions): each loss then belongs to another "
-                "sample than its place says, which the engine cannot follow. Pass the losses in "
-                "the samples' order and weight or select them in the weighting (a "
+                "Per sample (batch_dim set), `losses` were reordered along the batch (sorted by "
+                "value, or indexed, gathered or selected by positions): each loss then belongs "
+                "to another sample than its place says, which the engine cannot follow. Pass the "
+                "losses in the samples' order and weight or select them in the weighting (a "
                 "GramianWeighting of your own), or use jacflow.backward."
             )
 
@@ -397,6 +415,24 @@ def _signed(dim: int) -> int:
     """A dimension or an index saved by autograd (``-1`` is saved as ``2**64 - 1``)."""
     dim = int(dim)
     return dim - 2**64 if dim >= 2**63 else dim
+
+
+def _axis_before(node: Any, axis: int) -> int | None:
+    """The dimension of the input of autograd's ``node`` that its output's ``axis`` comes
+    from, when ``node`` is a permutation or transpose of dimensions (``movedim``, ``.T``,
+    ``transpose`` with dimensions counted from the front); else ``None``."""
+    name = type(node).__name__
+    if name == "PermuteBackward0":
+        dims = node._saved_dims
+        return _signed(dims[axis]) % len(dims)
+    if name == "TBackward0":
+        return 1 - axis if axis < 2 else None
+    if name == "TransposeBackward0":
+        pair = (_signed(node._saved_dim0), _signed(node._saved_dim1))
+        if min(pair) < 0:  # (no sizes saved to count a dimension from the back)
+            return None
+        return pair[1] if axis == pair[0] else pair[0] if axis == pair[1] else axis
+    return None
 
 
 def _reorders_batch(
@@ -643,8 +679,12 @@ class Engine:
             module's batch (dimension 0 of its inputs and outputs; an output that the losses do
             not read may lack it, as a 0-d auxiliary term returned with a module's output, and
             under the generic rule only a 0-d one); one backward then gives every sample's
-            output gradients. ``None``: no such structure (e.g. one loss per task on a shared
-            trunk); one batched backward over the ``m`` losses.
+            output gradients. Another dimension ``d`` (negative ones count from the back) says
+            that the losses hold the batch there (``[k, B]`` losses: ``1``); the modules' batch
+            stays their dimension 0. The Gramian's rows and the weights follow
+            ``losses.flatten()`` whatever ``d``, as TorchJD's do. ``None``: no such structure
+            (e.g. one loss per task on a shared trunk); one batched backward over the ``m``
+            losses.
         ddp: the ``DistributedDataParallel`` wrapping the model, when the modules given are
             inside it (e.g. its trunk; a wrapper among the modules given is found). DDP averages
             the replicas' gradients in hooks of ``backward``, which the engine's step does not
@@ -689,15 +729,9 @@ class Engine:
             isinstance(batch_dim, bool) or not isinstance(batch_dim, int)
         ):
             raise TypeError(
-                f"`batch_dim` must be 0 or None, received {received(batch_dim)}. Pass the int 0 "
-                "(per sample) or None (per task)."
-            )
-        if batch_dim is not None and batch_dim != 0:
-            raise ValueError(
-                f"`batch_dim` must be 0 or None, received {batch_dim!r}. Per sample, the "
-                "batch is dimension 0 of the losses and of the modules' inputs and outputs: "
-                "pass the losses with their batch moved there (losses.movedim(batch_dim, 0)); "
-                "the Gramian's rows and the weights then follow that order."
+                f"`batch_dim` must be an int or None, received {received(batch_dim)}. Pass the "
+                "dimension of the losses that holds the batch (per sample, usually 0) or None "
+                "(per task)."
             )
         self.batch_dim = batch_dim
         self._modules = modules
@@ -956,8 +990,8 @@ class Engine:
         hooked parameters.
 
         Args:
-            losses: any shape, ``m = losses.numel()``; with ``batch_dim=0`` its dimension 0 is
-                the batch.
+            losses: any shape, ``m = losses.numel()``; per sample, its dimension
+                ``batch_dim`` is the batch.
             retain_graph: keep the graph (default ``True``) so that ``losses.backward(weights)``
                 can follow, as in TorchJD.
 
@@ -977,10 +1011,11 @@ class Engine:
         # (checked before the step takes the recorded calls: autograd's error on another value
         # is a raw one, and the failed step would have used up the forward)
         check_flag(retain_graph, "retain_graph", none_ok=True)
-        losses = self._checked_losses(losses)
+        given, losses = self._checked_losses(losses)
         # (autograd.grad needs no grad mode: no graph of the grads)
         with torch.no_grad(), without_autocast(losses.device.type):
             contributions, rows, order = self._prepare(losses, retain_graph, ())[:3]
+            order = _in_given_order(order, given, self.batch_dim)
             return _to_loss_order(_assemble(contributions, rows, losses), order)
 
     def backward(
@@ -1055,7 +1090,7 @@ class Engine:
                     f"UPGradWeighting()), received {received(weighting)}."
                 )
             check_flag(retain_graph, "retain_graph", none_ok=True)  # (see compute_gramian)
-            losses = self._checked_losses(losses)
+            given, losses = self._checked_losses(losses)
             # (before the step takes the recorded calls: a refused number of losses leaves the
             # forward for a retry, as jacflow.backward leaves the graph)
             weighting.check_rows(losses.numel())
@@ -1073,6 +1108,7 @@ class Engine:
                         layout is not None and layout.row_by_row,
                     )
                     contributions, rows, order, extra_grads, captured_bytes = prepared
+                    order = _in_given_order(order, given, self.batch_dim)
                     task_grads, trunk_rows = extra_grads[: len(tasks)], extra_grads[len(tasks) :]
                     gramian = _to_loss_order(_assemble(contributions, rows, losses), order)
                     gramian = _with_rows(gramian, trunk_rows)
@@ -1104,9 +1140,9 @@ class Engine:
             plain += trunk_updates
             if others:
                 extra = torch.autograd.grad(
-                    losses,
+                    given,
                     others,
-                    grad_outputs=weights.reshape(losses.shape).to(losses.dtype),
+                    grad_outputs=weights.reshape(given.shape).to(given.dtype),
                     retain_graph=retain_graph,
                     allow_unused=True,
                 )
@@ -1124,7 +1160,7 @@ class Engine:
                     meetings.meet(last=True)
                     written, updates = averaged_grads(updates, self._replicas)
             _accumulate(updates, written, reached)
-            return weights.reshape(losses.shape)
+            return weights.reshape(given.shape)
 
     @contextlib.contextmanager
     def _meeting(self) -> Iterator[Meetings | None]:
@@ -1259,7 +1295,7 @@ class Engine:
             raise ValueError(
                 f"{mixing} normalised with its batch's statistics during the forward of "
                 "`losses` (training mode, or track_running_stats=False): it mixes the samples, "
-                "so the per-sample engine (batch_dim=0) cannot be used. Call .eval() on one "
+                "so the per-sample engine (batch_dim set) cannot be used. Call .eval() on one "
                 "with running statistics, replace it (e.g. by GroupNorm), or use "
                 "batch_dim=None."
             )
@@ -1561,11 +1597,13 @@ class Engine:
         """Whether the unit's rule re-runs its module's own forward (the generic rule)."""
         return isinstance(self._units[index].rule, FallbackRule)
 
-    def _checked_losses(self, losses: object) -> Tensor:
+    def _checked_losses(self, losses: object) -> tuple[Tensor, Tensor]:
+        """``losses`` checked, as given and with their batch first (see :func:`_check_losses`)."""
         self._checked = False  # (a step, even one that fails: look for a change again)
         if self._removed:
             raise RuntimeError("This Engine was removed; create a new one before the forward.")
-        return _check_losses(losses, self.batch_dim, self._holds_samples)
+        batch_first = _check_losses(losses, self.batch_dim, self._holds_samples)
+        return cast(Tensor, losses), batch_first
 
     def _holds_samples(self, node: Any) -> bool:
         """Whether autograd's ``node`` reaches a hooked module's output or parameter."""
@@ -2072,7 +2110,7 @@ def _separation_error(
             "...]), flatten it batch first. ",
         )
     return ValueError(
-        f"Per sample (batch_dim=0), the losses read the output of {unit.name} "
+        f"Per sample (batch_dim set), the losses read the output of {unit.name} "
         f"({type(unit.module).__name__}) at other samples than their own, so its "
         "per-sample gradients are not those of one backward's rows. Either its input "
         "has no batch dimension and a first size equal to the batch size (position "
@@ -2327,14 +2365,15 @@ def _batch_mismatch(
             "returned as [B, num_layers, H] and transposed by the caller). "
         )
     return ValueError(
-        f"With batch_dim=0, dimension 0 of `losses` is the batch: the outputs of "
-        f"{unit.name} ({type(unit.module).__name__}) must have the batch size {batch} of "
-        f"`losses` (shape {tuple(losses_shape)}) on dimension {dim}, received shape "
-        f"{tuple(shape)}. {read}If `losses` are not per sample along their dimension 0 "
-        "(sliced, as losses[:3]; reduced over the batch, as out.mean(0); or laid out [k, B]), "
-        "pass the per-sample losses, batch first, and select or weight them in the weighting "
-        f"(a GramianWeighting of your own). {hints}Expand a tensor without the batch "
-        "dimension to the batch before the call (e.g. positions.expand(B, T)), or use "
+        f"Per sample, dimension batch_dim of `losses` is the batch (shape "
+        f"{tuple(losses_shape)} with it first): the outputs of {unit.name} "
+        f"({type(unit.module).__name__}) must have its batch size {batch} on dimension {dim}, "
+        f"received shape {tuple(shape)}. {read}If `losses` are laid out otherwise ([k, B] "
+        "with batch_dim=0: pass batch_dim=1), or are not per sample (sliced, as losses[:3]; "
+        "reduced over the batch, as out.mean(0)), pass the per-sample losses and select or "
+        f"weight them in the weighting (a GramianWeighting of your own). {hints}Expand a "
+        "tensor without the batch dimension to the batch before the call (e.g. "
+        "positions.expand(B, T)), or use "
         "batch_dim=None for modules that do not batch there. If the module was called on "
         "several batches whose losses are concatenated, call it once on the concatenated "
         "inputs (or use batch_dim=None). If it was called on a subset of the batch's rows "
@@ -2531,6 +2570,24 @@ def _row_updates(
         for param, grads in zip(params, rows, strict=True)
         if grads is not None
     ]
+
+
+def _in_given_order(
+    order: tuple[Tensor, Tensor] | None, losses: Tensor, batch_dim: int | None
+) -> tuple[Tensor, Tensor] | None:
+    """The row<->loss permutations ``order`` of the losses with their batch moved first (see
+    :func:`_check_losses`) made those of ``losses`` as given, whose flattened order the Gramian
+    and the weights follow, as TorchJD's do."""
+    if batch_dim is None or batch_dim % losses.ndim == 0:
+        return order
+    index = torch.arange(losses.numel(), device=losses.device)
+    given_of_moved = index.reshape(losses.shape).movedim(batch_dim, 0).reshape(-1)
+    moved_of_given = torch.empty_like(given_of_moved)
+    moved_of_given[given_of_moved] = index
+    if order is None:
+        return moved_of_given, given_of_moved
+    row_of_loss, loss_of_row = order
+    return row_of_loss[moved_of_given], given_of_moved[loss_of_row]
 
 
 def _to_loss_order(gramian: Tensor, order: tuple[Tensor, Tensor] | None) -> Tensor:
