@@ -447,7 +447,12 @@ def test_mtl_loss_using_a_shared_parameter_directly(engine: bool) -> None:
     features = trunk(torch.ones(4, 2))
     losses = [head(features).mean() + trunk[0].bias.pow(2).sum(), features.pow(2).mean()]
     name = "the parameter Sequential.0.bias" if engine else r"a parameter of shape \(3,\)"
-    advice = "The engine sees its modules' parameters" if engine else "pass what the loss reads"
+    advice = (
+        r"an activation of the trunk, pass it as a feature too \(`features=\[h, f\]`\).*The "
+        "engine sees its modules' parameters"
+        if engine
+        else "pass what the loss reads"
+    )
     with pytest.raises(
         ValueError, match=rf"`losses\[0\]` uses {name} outside `features`.*{advice}"
     ):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import numpy as np
@@ -932,3 +933,81 @@ def test_the_aggregator_is_called_when_no_loss_reaches_the_trunk(with_engine: bo
         expected = torch.autograd.grad(head(x).pow(2).mean(), list(head.parameters()))
         for p, g in zip(head.parameters(), expected, strict=True):
             torch.testing.assert_close(p.grad, g)
+
+
+@pytest.mark.parametrize("with_engine", [False, True])
+@pytest.mark.parametrize("frozen", ["engine_layer", "head"])
+def test_a_parameter_frozen_after_the_forward_is_left_out(frozen: str, with_engine: bool) -> None:
+    """A parameter frozen between the forward and the step (a freeze schedule) is left out of
+    the step, as ``torch.autograd.backward`` leaves it, with or without the engine: the others
+    get the brute-force update of the losses' Jacobian without it. It raised torch's error on
+    ``autograd.grad`` of a tensor that does not require grad."""
+    from jacflow.autogram import Engine
+
+    torch.manual_seed(6)
+    trunk = nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 6)).double()
+    heads = [nn.Linear(6, 1).double() for _ in range(2)]
+    x = torch.randn(8, 5, dtype=torch.float64)
+    cold = trunk[0].weight if frozen == "engine_layer" else heads[0].weight
+
+    def forward() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        f = trunk(x)
+        return [h(f).pow(2).mean() for h in heads], [f]
+
+    shared = [p for p in trunk.parameters() if p is not cold]
+    tasks = [[p for p in h.parameters() if p is not cold] for h in heads]
+    expected = _expected_grads(forward, shared, tasks, UPGrad())
+    with Engine(trunk, batch_dim=None) if with_engine else contextlib.nullcontext() as engine:
+        losses, features = forward()
+        cold.requires_grad_(False)
+        mtl_backward(losses, features, A=UPGrad(), engine=engine)
+    assert cold.grad is None
+    _assert_grads([*shared, *(p for params in tasks for p in params)], expected)
+
+
+def test_a_frozen_leaf_is_not_an_input_of_jac() -> None:
+    """``jac(outputs)`` (every leaf that requires grad) leaves out a leaf frozen since the
+    forward, as ``torch.autograd.backward`` does; the others' Jacobians are the brute force's."""
+    torch.manual_seed(7)
+    layer = nn.Linear(3, 2).double()
+    out = layer(torch.randn(4, 3, dtype=torch.float64)).pow(2).sum(0)
+    layer.weight.requires_grad_(False)
+    expected = _brute_rows(list(out), [layer.bias])[0]
+    (jacobian,) = jac(out)
+    torch.testing.assert_close(jacobian, expected)
+
+
+@pytest.mark.parametrize("hooked", [False, True])
+@pytest.mark.parametrize("route", ["by_task", "batched"])
+def test_engine_task_param_that_its_tasks_do_not_reach_is_left_alone(
+    route: str, hooked: bool
+) -> None:
+    """A parameter listed in ``tasks_params`` for a task whose loss does not reach it (read by
+    another task only) keeps its ``.grad`` with the engine as without it, as torch leaves an
+    input that the losses do not reach; no hook of its runs. The engine's backward, batched over
+    the tasks, gave it a zero ``.grad``. The other parameters get the brute-force step."""
+    from jacflow.autogram import Engine
+
+    torch.manual_seed(8)
+    trunk = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 6)).double()
+    heads = [nn.Linear(6, 1).double() for _ in range(2)]
+    side = nn.Linear(6, 1).double()  # read by task 0, listed under task 1
+    x = torch.randn(7, 4, dtype=torch.float64)
+
+    def forward() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        f = trunk(x)
+        g = trunk[1](trunk[0](x)) if route == "batched" else f  # (a second hooked output)
+        losses = [(heads[0](f) + side(f)).pow(2).mean(), heads[1](g).sin().mean()]
+        return losses, [f] if route == "by_task" else [g, f]
+
+    tasks_params = [list(heads[0].parameters()), [*heads[1].parameters(), *side.parameters()]]
+    shared = list(trunk.parameters())
+    expected = _expected_grads(forward, shared, [tasks_params[0], tasks_params[1][:2]], UPGrad())
+    calls: list[Tensor] = []
+    if hooked:
+        side.weight.register_hook(calls.append)
+    with Engine(trunk, batch_dim=None) as engine:
+        losses, features = forward()
+        mtl_backward(losses, features, A=UPGrad(), tasks_params=tasks_params, engine=engine)
+    assert side.weight.grad is None and side.bias.grad is None and not calls
+    _assert_grads([*shared, *tasks_params[0], *tasks_params[1][:2]], expected)

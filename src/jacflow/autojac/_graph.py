@@ -31,7 +31,8 @@ def leaf_tensors(outputs: Iterable[Tensor], exclude: Iterable[Tensor] = ()) -> t
     for node in nodes_until(outputs, exclude):
         if type(node).__name__ == _ACCUMULATOR:
             variable = node.variable
-            if id(variable) not in excluded_leaves:
+            # (one frozen since the forward keeps its node; torch's backward then skips it)
+            if id(variable) not in excluded_leaves and variable.requires_grad:
                 found.setdefault(id(variable), variable)
     return tuple(found.values())
 

@@ -193,9 +193,11 @@ def _overlap_message(
             "of a chunk): each task's use of it then counts in its row."
         )
     return message + (
-        "The engine sees its modules' parameters through their calls only: compute such a term "
-        "apart (a backward of its own, outside the aggregation), or step without the engine and "
-        "add that parameter to `features` (`features=[f, param]`)."
+        "If the loss reads an activation of the trunk, pass it as a feature too "
+        "(`features=[h, f]`), which the engine takes. The engine sees its modules' parameters "
+        "through their calls only: for a parameter read directly, compute such a term apart (a "
+        "backward of its own, outside the aggregation), or step without the engine and add "
+        "that parameter to `features` (`features=[f, param]`)."
     )
 
 
@@ -271,7 +273,9 @@ def mtl_backward(
             the engine), and given ``shared_params`` must
             hold the engine's parameters behind ``features``. A head parameter with a gradient
             hook gets its gradient from a backward of its own: the hook sees the sum of its
-            tasks' gradients, not each task's part. Losses that read no feature (or only
+            tasks' gradients, not each task's part (without the engine, as in TorchJD, it runs
+            on each task's: for a parameter of several tasks and a hook that is not linear, the
+            two differ). Losses that read no feature (or only
             features outside the engine's modules, as a trunk parameter given as one) leave
             the engine's parameters as they are, and so does any shared parameter that no loss
             reaches, as without the engine; a loss that also reads one of the engine's
@@ -610,6 +614,8 @@ def _engine_step(
     # (a task parameter gets the gradient of its tasks' losses only; with both defaults, the
     # other losses do not reach it, and that of all the losses is the same)
     explicit = tasks_params is not None or shared_params is not None
+    if explicit:  # (a task parameter that its tasks' losses do not reach is left as it is)
+        heads = _reached_heads(losses, features, heads)
     layout = TaskLayout(_task_rows(heads) if explicit else {}, shared, features, chunk_size == 1)
     stacked = torch.stack([loss.reshape(()) for loss in losses])
     retaining = _retaining(features, shared)
@@ -644,6 +650,16 @@ def _check_engine_params_shared(
                 "is not in it. Leave `shared_params` to its default (the leaves behind "
                 "`features`), or add the engine's modules' parameters to it."
             )
+
+
+def _reached_heads(
+    losses: tuple[Tensor, ...], features: tuple[Tensor, ...], heads: list[tuple[Tensor, ...]]
+) -> list[tuple[Tensor, ...]]:
+    """Each task's parameters that its loss reaches (not through ``features``): the engine's
+    backward, batched over the tasks, gives the others a zero gradient where torch, and the
+    route without the engine, leave their ``.grad`` as it is."""
+    reached = [{id(p) for p in leaf_tensors([loss], exclude=features)} for loss in losses]
+    return [tuple(p for p in ps if id(p) in r) for ps, r in zip(heads, reached, strict=True)]
 
 
 def _task_rows(heads: list[tuple[Tensor, ...]]) -> dict[int, tuple[int, ...]]:
