@@ -335,8 +335,8 @@ def test_lean_dual_takes_the_batched_steps(m: int) -> None:
 
 def test_lean_dual_hands_over(monkeypatch: pytest.MonkeyPatch) -> None:
     """No certificate, hence ``None``: large active sets at the first guess, a singular
-    Gramian (a duplicated sample), steps that would cost too much, or active sets still
-    changing after the last step (an indefinite one: see the docstring's example)."""
+    Gramian (a duplicated sample), steps that would cost too much, or a last iterate that
+    misses the tolerance (an indefinite Gramian: see the docstring's example)."""
     m = 40
     u, g = normalised(upgrad_rows(m), per_sample_gramian(m, 0))
     rows, g = u[0] * m, g[0]
@@ -352,3 +352,26 @@ def test_lean_dual_hands_over(monkeypatch: pytest.MonkeyPatch) -> None:
     with monkeypatch.context() as patch:
         patch.setattr(dual_pdas, "_LEAN_MAX_ITER", 1)  # (the first guess is not the answer here)
         assert lean_dual_pdas_solve(rows, g, 1e-12) is None
+    empty = lean_dual_pdas_solve(rows[:0], g, 1e-12)
+    assert empty is not None and empty.shape == (0, m)
+
+
+@pytest.mark.parametrize("seed", [0, 2, 3, 6])
+def test_lean_dual_certifies_its_last_iterate(seed: int) -> None:
+    """Gramians with exact zeros (sparse ternary Jacobians): rounding on the ties keeps
+    flipping an active set of answers that are already right, up to the last step; that
+    iterate is certified and returned (it was handed over, costing the batched route's time
+    again), and it is the exact projection. A Gramian that requires grad is read as it is."""
+    gen = torch.Generator().manual_seed(seed)
+    m, n = 25 + seed % 8, 33 + seed
+    j = torch.randint(-1, 2, (m, n), generator=gen).double()
+    j = j * (torch.rand(m, n, generator=gen) < 0.15)
+    j[j.abs().sum(1) == 0, 0] = 1.0
+    g = j @ j.T / (j @ j.T).trace()
+    rows = torch.eye(m, dtype=torch.float64)
+    v = lean_dual_pdas_solve(rows, g.requires_grad_(), 1e-10)
+    assert v is not None
+    g = g.detach()
+    assert_kkt(v, rows, g, rtol=1e-9)
+    ref = project_weights_reference(rows, g)
+    torch.testing.assert_close(v @ g, ref @ g, rtol=0, atol=1e-9)

@@ -180,8 +180,8 @@ _HOST_MAX_WORK = 5**4  # UPGrad: m <= 5
 _LEAN_MAX_M = 24
 # Above, UPGrad's problems of up to this many objectives whose first guess of the active sets
 # is small (per-sample Gramians) first try ``_dual_pdas.lean_dual_pdas_solve``: UPGrad's
-# weights 0.70-0.98x the time of the batched route at m = 25 to 32; at 40 mixed (0.83-1.35x by
-# Gramian), at 48 and 64 mostly slower (one-off A/Bs; see docs/performance.md, "Stop 49").
+# weights 0.70-0.98x the time of the batched route at m = 25 to 32; at 40 and 48 mixed
+# (0.83-1.35x by Gramian), at 64 slower (one-off A/Bs; see docs/performance.md, "Stop 49").
 _LEAN_DUAL_MAX_M = 32
 
 # Problems of at most this many objectives on an accelerator are copied to the host, solved
@@ -756,8 +756,8 @@ def _dual_pays(sign: Tensor, gramian: Tensor) -> bool:
 def _short_routes_apply(
     gramian: Tensor, differentiable: bool, method: str, max_iter: int | None
 ) -> bool:
-    """Whether ``"auto"`` first tries the Python floats or the lean PDAS: one CPU Gramian,
-    outside autograd, no explicit iteration cap."""
+    """Whether ``"auto"`` first tries the short routes (the Python floats, the lean PDAS, the
+    lean dual PDAS): one CPU Gramian, outside autograd, no explicit iteration cap."""
     return (
         gramian.device.type == "cpu"
         and gramian.ndim == 2

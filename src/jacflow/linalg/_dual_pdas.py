@@ -335,9 +335,9 @@ def lean_dual_pdas_solve(u: Tensor, g: Tensor, tol: float) -> Tensor | None:
     Returns ``v``, exactly feasible, when every problem's KKT residual with ``g`` is at most
     ``tol`` (:func:`~jacflow.linalg._pdas.lean_certified`), else ``None``: the active systems
     do not pay (:func:`active_systems_pay`) or grow costly, ``G`` is not safely invertible
-    (:func:`safe_inverse`'s test), a solve fails, the active sets still change after
-    ``_LEAN_MAX_ITER`` steps, or a result misses ``tol``. The caller then runs the batched
-    solvers, which take those cases.
+    (:func:`safe_inverse`'s test), a solve fails, or a result misses ``tol`` (also the last
+    iterate when the active sets still change after ``_LEAN_MAX_ITER`` steps). The caller then
+    runs the batched solvers, which take those cases.
 
     Example:
         >>> import torch
@@ -351,7 +351,10 @@ def lean_dual_pdas_solve(u: Tensor, g: Tensor, tol: float) -> Tensor | None:
         >>> lean_dual_pdas_solve(u, -g.double(), 1e-12) is None  # not positive definite
         True
     """
-    rows, k, m = u.detach().numpy(), u.shape[0], u.shape[1]
+    u, g = u.detach(), g.detach()
+    rows, k, m = u.numpy(), u.shape[0], u.shape[1]
+    if not k:
+        return u.clone()
     # (numpy's BLAS would run the m x m products on threads of its own from m = 64 or so)
     active = (u @ g > 0).numpy()  # PDAS's first guess at v = u (lam > 0), as dual_pdas_solve's
     counts = active.sum(-1)
@@ -390,7 +393,7 @@ def lean_dual_pdas_solve(u: Tensor, g: Tensor, tol: float) -> Tensor | None:
                 break
             moving, pending, active = moving[changed], pending[changed], following[changed]
             counts = active.sum(-1)
-        else:
-            return None
+        # (also after the last step: on exact ties, rounding may flip an active set of an
+        # answer that is already right)
         half_lam = (torch.from_numpy(v) @ g).numpy()
         return lean_certified(v, rows, half_lam, lean_scale(g.numpy()), tol)
