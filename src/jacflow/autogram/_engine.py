@@ -2531,9 +2531,10 @@ def _functional_use_hint(name: str) -> str:
     """The hint of a step whose losses read the hooked parameter ``name`` but no hooked call:
     a use that the engine cannot see, unless the forward was taken by an earlier step."""
     return (
-        f"The losses read the hooked parameter {name}: if not through its module's forward "
-        "(a functional call on it in another module's forward, as F.conv2d(x, conv.weight) "
-        "or F.linear(x, layer.weight)), that use is not recorded: call the module itself "
+        f"The losses read the hooked parameter {name}. Unless an earlier step took this "
+        "forward's calls (see above), they read it outside its module's forward (a "
+        "functional call on it in another module's forward, as F.conv2d(x, conv.weight) or "
+        "F.linear(x, layer.weight)), a use that is not recorded: call the module itself "
         "(conv(x)), or give the Engine a module with parameters of its own that makes the "
         "call (its generic rule covers the uses inside its forward)."
     )
