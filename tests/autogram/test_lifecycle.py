@@ -408,15 +408,34 @@ def test_batch_dim_out_of_the_losses_range_is_refused() -> None:
     assert all(p.grad is not None for p in params)
 
 
-@pytest.mark.parametrize("reorder", ["sort", "index"])
+@pytest.mark.parametrize("reorder", ["sort", "index", "sort_after", "index_after", "gather"])
 def test_batch_dim_reordered_losses_are_refused_through_the_move(reorder: str) -> None:
-    """Losses reordered along the batch before a transpose that puts it at ``batch_dim`` are
-    refused, as at dimension 0: the check follows the batch through the transposes."""
+    """Losses reordered along the batch, before the transpose that puts it at ``batch_dim`` or
+    after it, are refused as at dimension 0 (with that refusal, not the separation probe's):
+    the check follows the batch through the transposes."""
     model = _mlp()
+    perm = torch.tensor([1, 0, 3, 2])
     with Engine(model, batch_dim=1) as engine:
         out = model(X).pow(2)
-        out = out.sort(0).values if reorder == "sort" else out[torch.tensor([1, 0, 3, 2])]
-        _assert_refused(engine, out.T, list(model.parameters()), r"reordered along the batch")
+        if reorder == "sort":
+            losses = out.sort(0).values.T
+        elif reorder == "index":
+            losses = out[perm].T
+        elif reorder == "sort_after":
+            losses = out.T.sort(1).values
+        elif reorder == "index_after":
+            losses = out.T[:, perm]
+        else:
+            losses = out.T.gather(1, perm.expand(2, 4))
+        _assert_refused(engine, losses, list(model.parameters()), r"reordered along the batch")
+
+
+def test_batch_dim_reordering_the_other_dimension_is_exact() -> None:
+    """A reordering along the losses' other dimension (the tasks of ``[k, B]``) is no
+    reordering of the samples: accepted, and the Gramian is the brute force's."""
+    model = _mlp()
+    with Engine(model, batch_dim=1) as engine:
+        assert_exact_gramian(engine, model(X).pow(2).T.flip(0)[[1, 0]], list(model.parameters()))
 
 
 @pytest.mark.parametrize("refusing", ["constant", "class"])

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from jacflow import jac, jac_to_grad, mtl_backward
+from jacflow import backward, jac, jac_to_grad, mtl_backward
 from jacflow.aggregation import Aggregator, Mean, UPGrad
 from tests.autojac import _zoo
 from tests.autojac._held import assert_left_alone, torch_leaves_alone
@@ -1011,3 +1011,48 @@ def test_engine_task_param_that_its_tasks_do_not_reach_is_left_alone(
         mtl_backward(losses, features, A=UPGrad(), tasks_params=tasks_params, engine=engine)
     assert side.weight.grad is None and side.bias.grad is None and not calls
     _assert_grads([*shared, *tasks_params[0], *tasks_params[1][:2]], expected)
+
+
+@pytest.mark.parametrize("with_engine", [False, True])
+def test_a_task_parameter_behind_the_features_gets_its_tasks_gradient(with_engine: bool) -> None:
+    """A parameter between the engine's modules and the features (a projection), listed as a
+    task's, gets that task's loss's gradient, with or without the engine (the check of which
+    tasks reach a parameter walks the heads only, and kept it out)."""
+    from jacflow.autogram import Engine
+
+    torch.manual_seed(9)
+    trunk, proj = nn.Linear(4, 5).double(), nn.Linear(5, 5).double()
+    heads = [nn.Linear(5, 1).double() for _ in range(2)]
+    x = torch.randn(6, 4, dtype=torch.float64)
+    with Engine(trunk, batch_dim=None) if with_engine else contextlib.nullcontext() as engine:
+        features = proj(trunk(x))
+        losses = [heads[0](features).pow(2).mean(), heads[1](features).sin().mean()]
+        expected = torch.autograd.grad(losses[0], list(proj.parameters()), retain_graph=True)
+        tasks_params = [[*heads[0].parameters(), *proj.parameters()], list(heads[1].parameters())]
+        mtl_backward(
+            losses,
+            [features],
+            A=UPGrad(),
+            tasks_params=tasks_params,
+            shared_params=list(trunk.parameters()),
+            engine=engine,
+        )
+    for p, e in zip(proj.parameters(), expected, strict=True):
+        torch.testing.assert_close(p.grad, e)
+
+
+def test_a_trunk_frozen_since_the_forward_is_named() -> None:
+    """Every trunk parameter frozen since the forward, no engine: a refusal that gives that
+    cause (it named `shared_params`, which the caller did not pass), and no ``.grad``
+    written; ``backward`` with every leaf frozen likewise (it named `inputs`)."""
+    torch.manual_seed(10)
+    trunk, head = nn.Linear(4, 5).double(), nn.Linear(5, 1).double()
+    features = trunk(torch.randn(6, 4, dtype=torch.float64))
+    losses = [head(features).pow(2).mean(), head(features).sin().mean()]
+    trunk.requires_grad_(False)
+    with pytest.raises(ValueError, match=r"No parameter behind `features` requires grad"):
+        mtl_backward(losses, [features], A=UPGrad())
+    assert all(p.grad is None for p in [*trunk.parameters(), *head.parameters()])
+    head.requires_grad_(False)
+    with pytest.raises(ValueError, match=r"reach no leaf tensor that requires grad"):
+        backward(losses, A=UPGrad())

@@ -305,7 +305,7 @@ class AttentionRule(Rule):
         if not module.batch_first:
             raise ValueError(
                 "nn.MultiheadAttention(batch_first=False) takes the batch on dimension 1, but "
-                "the per-sample engine (batch_dim=0) reads it on dimension 0. Build it with "
+                "the per-sample engine (batch_dim set) reads it on dimension 0. Build it with "
                 "batch_first=True, or use batch_dim=None."
             )
 

@@ -217,7 +217,7 @@ def frequency_refusal(module: nn.Module, where: str) -> ValueError | None:
             return ValueError(
                 f"{inner} is an embedding with scale_grad_by_freq=True under the generic rule: "
                 "its gradient is divided by its tokens' counts over the whole batch, and the "
-                "rule re-runs it sample by sample (batch_dim=0), counting one sample's tokens "
+                "rule re-runs it sample by sample (batch_dim set), counting one sample's tokens "
                 "only. "
                 + (
                     "Give the nn.Embedding a unit of its own (move the parameters of the module "

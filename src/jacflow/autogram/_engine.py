@@ -176,12 +176,12 @@ def _check_generic_units(units: list[Unit]) -> None:
                         f"closed form does not read ({', '.join(unread)}; e.g. a weight that a "
                         "forward pre-hook computes from them, as AWD-LSTM's WeightDrop does), so "
                         "it falls to the generic rule, which cannot re-run it sample by sample "
-                        "with batch_dim=0. Use batch_dim=None, or jacflow.autojac.backward."
+                        "(batch_dim set). Use batch_dim=None, or jacflow.autojac.backward."
                     )
                 raise ValueError(
                     f"{where} is a {type(sub).__name__} under the generic rule (inside a module "
                     f"with parameters of its own, or parametrised), which cannot re-run it "
-                    "sample by sample with batch_dim=0. Move those parameters into a module of "
+                    "sample by sample (batch_dim set). Move those parameters into a module of "
                     "their own (e.g. a learned initial state: a module that returns it batch "
                     "first, [B, num_layers, H], which the caller transposes to the layer's "
                     "[num_layers, B, H]), or use batch_dim=None."
@@ -317,8 +317,12 @@ def _check_not_ordered_by_value(losses: Tensor, holds_samples: Callable[[Any], b
         if before is not None:
             frontier.append((node.next_functions[0][0], beside, columns, before))
         elif axis:  # (elsewhere than dimension 0: followed through one-tensor elementwise ops)
+            positions = _positions_along_batch(node, batch, axis)
             inputs = [n for n, _ in node.next_functions if n is not None]
-            if type(node).__name__ in _ELEMENTWISE_NODES and len(inputs) == 1:
+            if positions is not None:  # (one reordering there, not a chain of them)
+                if not _in_place_order(positions) and holds_samples(node):
+                    raise _reordered_losses()
+            elif type(node).__name__ in _ELEMENTWISE_NODES and len(inputs) == 1:
                 frontier.append((inputs[0], beside, columns, axis))
         elif _keeps_positions(node):
             inputs = [n for n, _ in node.next_functions if n is not None]
@@ -327,13 +331,17 @@ def _check_not_ordered_by_value(losses: Tensor, holds_samples: Callable[[Any], b
         elif _reorders_batch(
             node, batch, permutations_only=beside, columns_sliced=columns
         ) and holds_samples(node):  # (the walk of the graph below: only when it matters)
-            raise ValueError(
-                "Per sample (batch_dim set), `losses` were reordered along the batch (sorted by "
-                "value, or indexed, gathered or selected by positions): each loss then belongs "
-                "to another sample than its place says, which the engine cannot follow. Pass the "
-                "losses in the samples' order and weight or select them in the weighting (a "
-                "GramianWeighting of your own), or use jacflow.backward."
-            )
+            raise _reordered_losses()
+
+
+def _reordered_losses() -> ValueError:
+    return ValueError(
+        "Per sample (batch_dim set), `losses` were reordered along the batch (sorted by value, "
+        "or indexed, gathered or selected by positions): each loss then belongs to another "
+        "sample than its place says, which the engine cannot follow. Pass the losses in the "
+        "samples' order and weight or select them in the weighting (a GramianWeighting of your "
+        "own), or use jacflow.backward."
+    )
 
 
 def _reaches_hooked(node: Any, calls: Iterable[Call], params: Container[int]) -> bool:
@@ -476,22 +484,30 @@ def _permutation(order: Tensor, batch: int) -> bool:
     return bool((order.sort(dim=0).values == own).all())
 
 
-def _positions_along_batch(node: Any, batch: int) -> Tensor | None:
-    """The positions along dimension 0 at which ``node``'s op takes the entries of its input
-    of ``batch`` rows (a sort's permutation, an index's, a gather's or an index_select's), or
-    ``None`` when it does not reorder such an input along dimension 0."""
+def _positions_along_batch(node: Any, batch: int, axis: int = 0) -> Tensor | None:
+    """The positions along dimension ``axis`` (put first) at which ``node``'s op takes the
+    entries of its input of ``batch`` entries there (a sort's permutation, an index's, a
+    gather's or an index_select's), or ``None`` when it does not reorder such an input along
+    that dimension."""
     name = type(node).__name__
     if name in _BY_VALUE_NODES or name in ("GatherBackward0", "IndexSelectBackward0"):
         shape = getattr(node, "_saved_self_sym_sizes", None)
         shape = tuple(shape) if shape is not None else tuple(node._saved_self.shape)
-        if not shape or _signed(node._saved_dim) % len(shape) != 0 or shape[0] != batch:
+        if not shape or _signed(node._saved_dim) % len(shape) != axis or shape[axis] != batch:
             return None
-        return node._saved_indices if name in _BY_VALUE_NODES else node._saved_index
-    if name == "IndexBackward0" and node._saved_indices:
-        first = node._saved_indices[0]
-        if first is None or first.dtype == torch.bool or node._saved_self_sym_sizes[0] != batch:
+        index = node._saved_indices if name in _BY_VALUE_NODES else node._saved_index
+        return index.movedim(axis, 0) if index.ndim > 1 else index
+    if name == "IndexBackward0" and len(node._saved_indices) > axis:
+        indices = node._saved_indices
+        taken = indices[axis]
+        if (
+            taken is None
+            or taken.dtype == torch.bool
+            or any(i is not None for i in indices[:axis])  # (x[i, j]: not along one dimension)
+            or node._saved_self_sym_sizes[axis] != batch
+        ):
             return None
-        return first
+        return taken
     return None
 
 
@@ -2315,8 +2331,9 @@ def _check_batch(
             continue
         if grad is None:
             raise ValueError(
-                f"With batch_dim=0, the outputs of {unit.name} ({type(unit.module).__name__}) "
-                f"must have the batch size {batch} on dimension {dim}, received shape "
+                f"Per sample (batch_dim set), the outputs of {unit.name} "
+                f"({type(unit.module).__name__}) must have the batch size {batch} on dimension "
+                f"{dim}, received shape "
                 f"{tuple(shape)} for an output that the losses do not read. The module has no "
                 "closed form: the engine re-runs it sample by sample, and every output of the "
                 "re-run must follow the batch (but a 0-d one). Return that output detached "

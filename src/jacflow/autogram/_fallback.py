@@ -307,7 +307,7 @@ def _check_one_sample_shapes(
         if output.squeeze(0).shape != cot.shape:
             raise ReplayMismatchError(
                 f"{_no_closed_form(module)}, so the engine re-runs it sample by sample "
-                f"(batch_dim=0), on a batch of one, which gave an output of shape "
+                f"(batch_dim set), on a batch of one, which gave an output of shape "
                 f"{list(output.shape)} where {[1, *cot.shape]} was expected: its outputs do not "
                 "follow the batch on dimension 0 of its tensor arguments (an argument with the "
                 "batch on another dimension, as [T, B, d], or an output transposed so; no "
@@ -928,7 +928,7 @@ def _check_samples_splittable(module: nn.Module, calls: list[Call], num_samples:
                     f"{type(module).__name__} was given a {type(leaf).__name__} holding "
                     "tensors of the batch, which torch's pytree does not open (a subclass of "
                     "tuple, list or dict, or a dataclass): the generic rule re-runs the "
-                    "module sample by sample (batch_dim=0) and could not split them. Pass "
+                    "module sample by sample (batch_dim set) and could not split them. Pass "
                     "the tensors as arguments (or in a plain tuple, list or dict), register "
                     "the type with torch.utils._pytree.register_pytree_node, or use "
                     "batch_dim=None. (A tensor there that is not per sample but whose first "
@@ -937,7 +937,7 @@ def _check_samples_splittable(module: nn.Module, calls: list[Call], num_samples:
     if isinstance(module, nn.EmbeddingBag) and any(call.input().ndim == 1 for call in calls):
         raise ValueError(
             "EmbeddingBag was called with one flat input and `offsets`: the generic rule "
-            "re-runs it sample by sample (batch_dim=0) and cannot split such bags by sample. "
+            "re-runs it sample by sample (batch_dim set) and cannot split such bags by sample. "
             "Pass the bags as a 2-D input [B, bag_size] (padded with its padding_idx), or use "
             "batch_dim=None."
         )
@@ -1044,7 +1044,7 @@ class FallbackRule(Rule):
                             f"{_no_closed_form(module)} and multiplies by a sparse tensor (a "
                             "graph's adjacency matrix?), so the engine re-runs it sample by "
                             "sample under torch.func's vmap, which failed on the sparse product: "
-                            f"{error}. Per sample (batch_dim=0), a product with a sparse matrix "
+                            f"{error}. Per sample (batch_dim set), a product with a sparse matrix "
                             "over the samples (the nodes of a graph) mixes them. Use "
                             "batch_dim=None (per task), or jacflow.backward, which takes such "
                             "products row by row."

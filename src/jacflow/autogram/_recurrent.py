@@ -100,7 +100,7 @@ def uncovered_refusal(where: str, module: nn.RNNBase) -> ValueError:
     return ValueError(
         f"{where} is a {type(module).__name__} subclass with its own forward, permute_hidden or "
         "_update_flat_weights: no closed form covers it, and the per-sample engine "
-        "(batch_dim=0) cannot re-run it sample by sample. Use batch_dim=None, or "
+        "(batch_dim set) cannot re-run it sample by sample. Use batch_dim=None, or "
         "jacflow.autojac.backward."
     )
 

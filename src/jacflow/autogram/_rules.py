@@ -752,7 +752,7 @@ def unbatched_refusal(module: nn.Module, x: Tensor) -> ValueError:
     """
     return ValueError(
         f"{type(module).__name__} received an unbatched input of shape {tuple(x.shape)}: the "
-        "per-sample engine (batch_dim=0) needs the batch on dimension 0 of each hooked call's "
+        "per-sample engine (batch_dim set) needs the batch on dimension 0 of each hooked call's "
         "input. Either the input lacks that dimension (a single sample: x.unsqueeze(0); a loop "
         "calling the module on one sample at a time: call it once on the batch), or it is not "
         "per sample: a tensor shared by all samples (a learned token: expand it to the batch "

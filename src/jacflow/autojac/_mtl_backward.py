@@ -339,6 +339,13 @@ def mtl_backward(
         losses, features, A, parallel_chunk_size
     )
     heads, shared = _resolve_params(loss_tuple, feature_tuple, tasks_params, shared_params)
+    if shared_params is None and not shared:
+        raise ValueError(
+            "No parameter behind `features` requires grad: every leaf tensor that the features "
+            "depend on was frozen (requires_grad=False) since the forward, so there is no "
+            "trunk Jacobian to form. Unfreeze one, or step the heads alone "
+            "(sum(losses).backward(), or mtl_backward(..., engine=engine), which steps them)."
+        )
     check_non_empty(shared, "shared_params")
     check_reentrant_checkpoints(loss_tuple, [*(p for ps in heads for p in ps), *shared], "losses")
     if aggregator is None:
@@ -655,10 +662,13 @@ def _check_engine_params_shared(
 def _reached_heads(
     losses: tuple[Tensor, ...], features: tuple[Tensor, ...], heads: list[tuple[Tensor, ...]]
 ) -> list[tuple[Tensor, ...]]:
-    """Each task's parameters that its loss reaches (not through ``features``): the engine's
-    backward, batched over the tasks, gives the others a zero gradient where torch, and the
-    route without the engine, leave their ``.grad`` as it is."""
-    reached = [{id(p) for p in leaf_tensors([loss], exclude=features)} for loss in losses]
+    """Each task's parameters that its loss may reach: in its head (a walk that stops at
+    ``features``), or behind the features (a projection between the engine's modules and the
+    features listed as a task's). The engine's backward, batched over the tasks, gives the
+    others a zero gradient where torch, and the route without the engine, leave their
+    ``.grad`` as it is."""
+    behind = {id(p) for p in leaf_tensors(features)}
+    reached = [behind | {id(p) for p in leaf_tensors([loss], exclude=features)} for loss in losses]
     return [tuple(p for p in ps if id(p) in r) for ps, r in zip(heads, reached, strict=True)]
 
 
