@@ -733,6 +733,17 @@ class Engine:
         ...     weights = engine.backward(losses, UPGradWeighting())
         >>> weights.shape, model[0].weight.grad.shape
         (torch.Size([5]), torch.Size([4, 3]))
+
+        Losses laid out ``[k, B]`` (one row per objective) hold the batch on dimension 1; the
+        Gramian and the weights follow ``losses.flatten()``:
+
+        >>> layer = nn.Linear(3, 2)
+        >>> with Engine(layer, batch_dim=1) as engine:
+        ...     losses = layer(x).pow(2).T  # [2, 5]
+        ...     gramian = engine.compute_gramian(losses)
+        ...     weights = engine.backward(layer(x).pow(2).T, UPGradWeighting())
+        >>> gramian.shape, weights.shape
+        (torch.Size([10, 10]), torch.Size([2, 5]))
     """
 
     def __init__(
