@@ -356,10 +356,11 @@ def lean_dual_pdas_solve(u: Tensor, g: Tensor, tol: float) -> Tensor | None:
     if not k:
         return u.clone()
     # (numpy's BLAS would run the m x m products on threads of its own from m = 64 or so)
-    active = (u @ g > 0).numpy()  # PDAS's first guess at v = u (lam > 0), as dual_pdas_solve's
+    guess = u @ g > 0  # PDAS's first guess at v = u (lam > 0), as dual_pdas_solve's
+    if not active_systems_pay(guess.sum(-1), m):
+        return None
+    active = guess.numpy()
     counts = active.sum(-1)
-    if not (int(counts.max()) < m - int(counts.min()) and _cheap(k, int(counts.max()))):
-        return None  # (active_systems_pay's test)
     inverse = safe_inverse(g)
     if inverse is None:
         return None
