@@ -430,6 +430,29 @@ def test_batch_dim_reordered_losses_are_refused_through_the_move(reorder: str) -
         _assert_refused(engine, losses, list(model.parameters()), r"reordered along the batch")
 
 
+@pytest.mark.parametrize("chain", ["index", "index_after_scaling", "index_select"])
+def test_batch_dim_reorderings_that_cancel_out_are_exact(chain: str) -> None:
+    """After the transpose that puts the batch at ``batch_dim``, a chain of reorderings along
+    it that leaves each loss at its own place (a permutation then its inverse, through an
+    elementwise op or not) is accepted and exact, as at dimension 0 (it was refused); one that
+    does not cancel out is refused."""
+    model = _mlp()
+    params = list(model.parameters())
+    perm, inverse = torch.tensor([2, 0, 3, 1]), torch.tensor([1, 3, 0, 2])
+    with Engine(model, batch_dim=1) as engine:
+
+        def losses_of(second: Tensor) -> Tensor:
+            out = model(X).pow(2).T
+            if chain == "index":
+                return out[:, perm][:, second]
+            if chain == "index_after_scaling":
+                return (2.0 * out[:, perm]).exp()[:, second]
+            return out.index_select(1, perm).index_select(1, second)
+
+        assert_exact_gramian(engine, losses_of(inverse), params)
+        _assert_refused(engine, losses_of(perm), params, r"reordered along the batch")
+
+
 def test_batch_dim_reordering_the_other_dimension_is_exact() -> None:
     """A reordering along the losses' other dimension (the tasks of ``[k, B]``) is no
     reordering of the samples: accepted, and the Gramian is the brute force's."""

@@ -386,3 +386,26 @@ def test_jac_to_grad_writes_in_grad_dtype_and_none_accepts_the_tensors_dtype() -
     jac_to_grad([a, b], UPGrad())
     assert a.grad is not None and b.grad is not None
     assert (a.grad.dtype, b.grad.dtype) == (torch.bfloat16, torch.float32)
+
+
+@pytest.mark.parametrize("call", ["upgrad", "mean", "mtl_backward"])
+def test_the_hook_of_an_unreached_input_does_not_run(call: str) -> None:
+    """As after torch's ``backward(inputs=...)``: an input that no loss reaches keeps its
+    ``.grad`` and its post-accumulate hook does not run; the reached inputs' hooks run once."""
+    torch.manual_seed(0)
+    used, unused, head = (torch.randn(3, requires_grad=True) for _ in range(3))
+    ran: list[int] = []
+    for i, p in enumerate((used, unused, head)):
+        p.grad = torch.full_like(p, 7.0)
+        p.register_post_accumulate_grad_hook(lambda _, i=i: ran.append(i))
+    torch.autograd.backward([(used * head).sum()], inputs=[used, unused, head])
+    assert sorted(ran) == [0, 2] and torch.equal(unused.grad, torch.full((3,), 7.0))
+    ran.clear()
+    features = used * 2
+    losses = [(features * head).sum(), features.pow(2).sum()]
+    if call == "mtl_backward":
+        mtl_backward(losses, features, A=UPGrad(), shared_params=[used, unused])
+    else:
+        backward(losses, [used, unused, head], A=UPGrad() if call == "upgrad" else Mean())
+    assert sorted(ran) == [0, 2]
+    assert torch.equal(unused.grad, torch.full((3,), 7.0))

@@ -317,12 +317,11 @@ def _check_not_ordered_by_value(losses: Tensor, holds_samples: Callable[[Any], b
         if before is not None:
             frontier.append((node.next_functions[0][0], beside, columns, before))
         elif axis:  # (elsewhere than dimension 0: followed through one-tensor elementwise ops)
-            positions = _positions_along_batch(node, batch, axis)
             inputs = [n for n, _ in node.next_functions if n is not None]
-            if positions is not None:  # (one reordering there, not a chain of them)
-                if not _in_place_order(positions) and holds_samples(node):
+            if _positions_along_batch(node, batch, axis) is not None:
+                if _reorders_batch(node, batch, beside, axis=axis) and holds_samples(node):
                     raise _reordered_losses()
-            elif type(node).__name__ in _ELEMENTWISE_NODES and len(inputs) == 1:
+            elif _elementwise_of_one(node, axis):
                 frontier.append((inputs[0], beside, columns, axis))
         elif _keeps_positions(node):
             inputs = [n for n, _ in node.next_functions if n is not None]
@@ -444,24 +443,29 @@ def _axis_before(node: Any, axis: int) -> int | None:
 
 
 def _reorders_batch(
-    node: Any, batch: int, permutations_only: bool, columns_sliced: bool = False
+    node: Any, batch: int, permutations_only: bool, columns_sliced: bool = False, axis: int = 0
 ) -> bool:
-    """Whether the chain of reorderings along dimension 0 of tensors of ``batch`` rows that
-    starts at autograd's ``node`` (sorts, and takes of entries at given positions, one after
-    the other) leaves the entries elsewhere than at their own positions (with
-    ``permutations_only``, only where the chain is a permutation of the rows). A reordering of
-    a matrix's rows after a slice of its columns (``columns_sliced``) is not judged: only the
-    kept columns' order would count, which is not followed."""
+    """Whether the chain of reorderings along dimension ``axis`` of tensors of ``batch``
+    entries there that starts at autograd's ``node`` (sorts, and takes of entries at given
+    positions, one after the other) leaves the entries elsewhere than at their own positions
+    (with ``permutations_only``, only where the chain is a permutation of the rows). A
+    reordering of a matrix's rows after a slice of its columns (``columns_sliced``) is not
+    judged: only the kept columns' order would count, which is not followed. Between two
+    reorderings elsewhere than along dimension 0, only one-tensor elementwise operations are
+    looked through."""
     order: Tensor | None = None  # (positions in the chain's input of the losses' entries)
     looked_at = 0
     while looked_at < _MAX_LOOKED_AT:
         looked_at += not _whole_slice(node)
         inputs = [n for n, _ in node.next_functions if n is not None]
-        if _keeps_positions(node) and len(inputs) == 1:
+        if axis == 0 and _keeps_positions(node) and len(inputs) == 1:
             columns_sliced = columns_sliced or _slices_columns(node)
             node = inputs[0]  # (between two reorderings: ``(2 * x[p])[q]``)
             continue
-        positions = _positions_along_batch(node, batch)
+        if _elementwise_of_one(node, axis):
+            node = inputs[0]
+            continue
+        positions = _positions_along_batch(node, batch, axis)
         if positions is None:
             break
         if positions.ndim != 1:  # (a reordering of a matrix's rows: not followed)
@@ -474,6 +478,15 @@ def _reorders_batch(
     if order is None or _in_place_order(order):
         return False
     return not permutations_only or _permutation(order, batch)
+
+
+def _elementwise_of_one(node: Any, axis: int) -> bool:
+    """Whether autograd's ``node`` is an elementwise operation of one tensor, the steps that
+    the walks take elsewhere than along dimension 0 (``axis``), where positions along the
+    other dimensions are not followed."""
+    if not axis or type(node).__name__ not in _ELEMENTWISE_NODES:
+        return False
+    return sum(n is not None for n, _ in node.next_functions) == 1
 
 
 def _permutation(order: Tensor, batch: int) -> bool:

@@ -164,14 +164,15 @@ def _adds_in_place(existing: Tensor, update: Tensor) -> bool:
 
 def accumulate_grads(
     tensors: Sequence[Tensor],
-    updates: Sequence[Tensor],
+    updates: Sequence[Tensor | None],
     held: Sequence[Tensor] = (),
     create_graph: bool = False,
 ) -> None:
     """Add ``updates[i]`` to ``tensors[i].grad`` (or set it when it is ``None``), each new
     ``.grad`` a tensor of its own in its tensor's layout (see :func:`owned`; ``held``: the
     caller's tensors; ``create_graph``: gradients of a differentiation that built a graph, all
-    copied).
+    copied). A ``None`` update leaves its tensor alone (an input that no row reaches, whose
+    ``.grad`` torch's ``backward`` would not write either).
 
     Every update is converted to the dtype of torch's gradient (:func:`grad_dtype`: a
     parameter's ``grad_dtype`` where set) and every existing ``.grad`` read and every
@@ -179,8 +180,10 @@ def accumulate_grads(
     formed before the first write, so that no write fails after another has been made. Then
     the tensors' post-accumulate hooks run, once each, as after ``loss.backward()``.
     """
-    with recording(updates):
-        converted = [_in_layout(_in_dtype(u, grad_dtype(t)), t) for t, u in zip(tensors, updates)]
+    pairs = [(t, u) for t, u in zip(tensors, updates, strict=True) if u is not None]
+    tensors, kept = [t for t, _ in pairs], [u for _, u in pairs]
+    with recording(kept):
+        converted = [_in_layout(_in_dtype(u, grad_dtype(t)), t) for t, u in pairs]
         current = [_current_grad(tensor) for tensor in tensors]
         # (only what is stored as it is must be a tensor of its own, laid out as its tensor)
         fresh = [k for k, existing in enumerate(current) if existing is None]

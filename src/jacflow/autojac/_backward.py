@@ -51,12 +51,14 @@ def store(
     Jacobian (the zero columns of the others too), so the reached inputs' updates do not
     depend on which inputs are listed, and is called also when no input is reached (a stateful
     aggregator advances at every call, as on the engine's route)."""
-    kept = [k for k, r in enumerate(reached) if r]
     if aggregator is None:
+        kept = [k for k, r in enumerate(reached) if r]
         accumulate_jacs([inputs[k] for k in kept], [jacobians[k] for k in kept], held, create_graph)
         return
     updates, _ = aggregate_blocks(aggregator, jacobians)
-    accumulate_grads([inputs[k] for k in kept], [updates[k] for k in kept], held, create_graph)
+    accumulate_grads(
+        inputs, [u if r else None for u, r in zip(updates, reached)], held, create_graph
+    )
 
 
 def _fixed_weight_update(
@@ -268,10 +270,7 @@ def backward(
             aggregator, outs, ins, cotangents, rows, retain, create_graph
         )
         if updates is not None:
-            written = [(i, u) for i, u in zip(ins, updates) if u is not None]
-            accumulate_grads(
-                [i for i, _ in written], [u for _, u in written], cotangents or (), create_graph
-            )
+            accumulate_grads(ins, updates, cotangents or (), create_graph)
             return
     jacobians, reached = compute_jacobians(
         outs, ins, cotangents, rows, retain, create_graph, chunk_size

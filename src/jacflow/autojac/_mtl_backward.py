@@ -388,23 +388,23 @@ def mtl_backward(
             # advance the same on both routes)
             jacobians = tuple(p.new_zeros((len(loss_tuple), *p.shape)) for p in shared)
             trunk_reached = (False,) * len(shared)
-    trunk: list[tuple[Tensor, Tensor]] = []
-    kept = [k for k, r in enumerate(trunk_reached) if r]
+    trunk: list[tuple[Tensor, Tensor | None]] = []
     if aggregator is None:
+        kept = [k for k, r in enumerate(trunk_reached) if r]
         accumulate_jacs([shared[k] for k in kept], [jacobians[k] for k in kept])
     else:  # (the whole Jacobian aggregated, the unreached parameters' zeros included)
         updates, _ = aggregate_blocks(aggregator, jacobians)
-        trunk = [(shared[k], updates[k]) for k in kept]
+        trunk = [(p, u if r else None) for p, u, r in zip(shared, updates, trunk_reached)]
     if sums is None:  # (no hook: the sum of the tasks' gradients at a retaining feature)
         sums = [
             total.sum(0) if any(g is not None for g in rows) else None
             for f, total, rows in zip(feature_tuple, totals, feature_rows)
             if any(f is r for r in retaining)
         ]
-    # (a retaining feature that a loss reaches gets the sum of their gradients, once)
-    reached = [(f, g) for f, g in zip(retaining, sums) if g is not None]
-    # (the trunk's and the heads' .grad in one write: a failure leaves all of them as they were)
-    written = [*trunk, *head_grads, *reached]
+    # (the trunk's, the heads' and the retaining features' .grad in one write: a failure leaves
+    # all of them as they were; a None, for one that no loss reaches, leaves it alone, and a
+    # retaining feature that a loss reaches gets the sum of their gradients, once)
+    written = [*trunk, *head_grads, *zip(retaining, sums)]
     accumulate_grads([p for p, _ in written], [g for _, g in written])
 
 
@@ -638,8 +638,7 @@ def _engine_step(
             retain_graph,
             layout,
         )
-    reached = [(f, g) for f, g in zip(retaining, sums) if g is not None]
-    accumulate_grads([f for f, _ in reached], [g for _, g in reached])
+    accumulate_grads(retaining, sums)
 
 
 def _check_engine_params_shared(
