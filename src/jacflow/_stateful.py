@@ -55,6 +55,7 @@ class SavesState:
     """The names of the attributes that hold state besides buffers and parameters."""
 
     def get_extra_state(self) -> dict[str, Any]:
+        """The attributes named in :attr:`saved_state`, for ``state_dict()``."""
         # (copies: a state_dict kept in memory is a snapshot, not a view of state that later
         # calls update in place, while its counters stay as they were)
         return {name: copy.deepcopy(getattr(self, name)) for name in self.saved_state}
@@ -75,6 +76,8 @@ class SavesState:
             self._apply_saved(pending)
 
     def set_extra_state(self, state: Any) -> None:
+        """Restore the attributes of :meth:`get_extra_state` (``load_state_dict``), once the
+        module's own tensors have loaded without error; a state of other names is refused."""
         self._check_saved(state)
         if "_jacflow_loading" in self.__dict__:  # (applied once the load succeeded)
             self.__dict__["_jacflow_loading"] = state

@@ -397,6 +397,7 @@ class _Composition(Weighting):
 
     @property
     def differentiable(self) -> bool:
+        """The inner weighting's (``fn`` is recorded by autograd)."""
         return self.weighting.differentiable
 
     def forward(self, stat: Tensor) -> Tensor:
@@ -537,6 +538,7 @@ class GramianOfJacobianWeighting(Weighting):
 
     @property
     def differentiable(self) -> bool:
+        """The Gramian weighting's (the Gramian ``J J^T`` is recorded by autograd)."""
         return self.gramian_weighting.differentiable
 
     def forward(self, stat: Tensor) -> Tensor:
@@ -593,6 +595,8 @@ class WeightedAggregator(Aggregator):
 
     @property
     def differentiable(self) -> bool:
+        """The weighting's, unless the method computes its update without autograd
+        (:attr:`without_autograd`)."""
         return not self.without_autograd and self.weighting.differentiable
 
     def forward(self, matrix: Tensor) -> Tensor:
