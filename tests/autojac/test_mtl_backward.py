@@ -1044,7 +1044,8 @@ def test_a_task_parameter_behind_the_features_gets_its_tasks_gradient(with_engin
 def test_a_trunk_frozen_since_the_forward_is_named() -> None:
     """Every trunk parameter frozen since the forward, no engine: a refusal that gives that
     cause (it named `shared_params`, which the caller did not pass), and no ``.grad``
-    written; ``backward`` with every leaf frozen likewise (it named `inputs`)."""
+    written; ``backward`` with every leaf frozen likewise (it named `inputs`), and ``jac``
+    (it returned no Jacobian)."""
     torch.manual_seed(10)
     trunk, head = nn.Linear(4, 5).double(), nn.Linear(5, 1).double()
     features = trunk(torch.randn(6, 4, dtype=torch.float64))
@@ -1054,5 +1055,8 @@ def test_a_trunk_frozen_since_the_forward_is_named() -> None:
         mtl_backward(losses, [features], A=UPGrad())
     assert all(p.grad is None for p in [*trunk.parameters(), *head.parameters()])
     head.requires_grad_(False)
-    with pytest.raises(ValueError, match=r"reach no leaf tensor that requires grad"):
+    with pytest.raises(ValueError, match=r"`tensors` reach no leaf tensor that requires grad"):
         backward(losses, A=UPGrad())
+    # (``jac`` likewise: it returned no Jacobian, as if there were nothing to differentiate)
+    with pytest.raises(ValueError, match=r"`outputs` reach no leaf tensor that requires grad"):
+        jac(losses)

@@ -244,12 +244,6 @@ def backward(
     chunk_size = check_chunk_size(parallel_chunk_size, "parallel_chunk_size")
     check_inputs_not_aggregator(inputs)
     ins = without_repeats(resolve_inputs(outs, inputs, "tensors", "inputs"))
-    if inputs is None and not ins:
-        raise ValueError(
-            "`tensors` reach no leaf tensor that requires grad: every one behind them was "
-            "frozen (requires_grad=False) since the forward, so there is nothing to "
-            "differentiate. Unfreeze the parameters to train, or skip the step."
-        )
     check_non_empty(ins, "inputs")
     check_reentrant_checkpoints(outs, ins, "tensors")
     if aggregator is not None:

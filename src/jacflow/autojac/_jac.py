@@ -37,7 +37,15 @@ def resolve_inputs(
                     f"it depends on cannot be found. Pass `{in_name}` explicitly, or make sure "
                     f"`{out_name}[{i}]` is computed from tensors that require grad."
                 )
-        return leaf_tensors(outputs)  # (a leaf output requiring grad is its own input)
+        leaves = leaf_tensors(outputs)  # (a leaf output requiring grad is its own input)
+        if not leaves:  # (as torch.autograd.grad refuses empty inputs)
+            raise ValueError(
+                f"`{out_name}` reach no leaf tensor that requires grad: every one behind them "
+                "was frozen (requires_grad=False) since the forward, so there is nothing to "
+                f"differentiate. Unfreeze the parameters to differentiate, pass `{in_name}` "
+                "(non-leaf tensors too), or skip the call."
+            )
+        return leaves
     resolved = as_tensor_tuple(inputs, in_name)
     check_inputs_require_grad(resolved, in_name)
     if outputs and not any(out.requires_grad for out in outputs):
