@@ -198,7 +198,9 @@ class Aggregator(Configurable, ABC):
     """Maps a Jacobian matrix ``[m, n]`` (one row per objective) to one update vector ``[n]``.
 
     Subclasses implement :meth:`forward`; calling the aggregator validates the input first.
-    ``m = 0`` is allowed and gives the zero vector for every method that is weighted.
+    ``m = 0`` is allowed and gives the zero vector for every method that is weighted (except
+    those built for a given number of objectives, as ``IMTL``, ``NashMTL`` and ``ParetoMTL``,
+    which need at least one).
     A float16 or bfloat16 matrix is aggregated in float32 (``forward`` and its hooks see the
     float32 copy) and the update is returned in the input's dtype.
 

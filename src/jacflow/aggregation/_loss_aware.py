@@ -18,7 +18,7 @@ class LossAware(ABC):  # noqa: B024 - a mixin with shared behaviour, no abstract
 
     Example:
         >>> import torch
-        >>> from jacflow.aggregation._loss_aware import LossAware
+        >>> from jacflow.aggregation import LossAware
         >>> class Echo(LossAware):
         ...     pass
         >>> e = Echo(); e.set_losses(torch.tensor([1., 2.])); e.require_losses(2)

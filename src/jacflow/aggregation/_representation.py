@@ -36,6 +36,13 @@ def representation_gramian(
     One backward pass to the features per loss (the graph is retained); a loss that does not
     depend on the features gives a zero row.
 
+    Args:
+        losses: the ``m`` scalar losses, as a ``[m]`` tensor or a sequence of scalars.
+        features: the shared representation ``z`` (one tensor or several), requiring grad.
+
+    Returns:
+        The ``[m, m]`` Gramian, in the features' dtype and on their device, without a graph.
+
     Example:
         >>> import torch
         >>> from jacflow.aggregation import representation_gramian
@@ -85,7 +92,8 @@ def representation_weights(
     its own loss gradient scaled by :math:`w_i`. This costs one backward pass to ``z`` per
     loss instead of one through the trunk, and for MGDA it minimises an upper bound of the
     parameter-level objective. When ``weighting`` is :class:`LossAware`, its losses are set
-    from ``losses`` first.
+    from ``losses`` first; a wrapper of one (``Periodic(MGDAWeighting("loss"))``) is not
+    loss-aware itself: set the inner weighting's losses before the call.
 
     Args:
         losses: the ``m`` scalar losses, as a ``[m]`` tensor or a sequence of scalars.

@@ -1089,8 +1089,16 @@ class Engine:
         refers to it any more (``zero_grad()`` dropped it): that memory stays allocated between
         steps, as with ``zero_grad(set_to_none=False)``, until :meth:`remove`.
 
+        Args:
+            losses: any shape, ``m = losses.numel()``; per sample, its dimension
+                ``batch_dim`` is the batch.
+            weighting: the Gramian weighting that gives the weights (e.g.
+                ``UPGradWeighting()``).
+            other_params: parameters outside the hooked modules to step too (see above).
+            retain_graph: keep the graph of ``losses`` for another differentiation.
+
         Returns:
-            The weights, with the shape of ``losses``.
+            The weights, with the shape of ``losses`` (in the order of ``losses.flatten()``).
 
         Example:
             >>> import torch

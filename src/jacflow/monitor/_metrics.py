@@ -122,7 +122,9 @@ def conflicting_pairs(gramian: Tensor) -> int:
 
 
 def norm_ratio(gramian: Tensor) -> float:
-    """Ratio ``max_i ||g_i|| / min_i ||g_i||`` of the largest to the smallest gradient norm.
+    """Ratio ``max_i ||g_i|| / min_i ||g_i||`` of the largest to the smallest gradient norm:
+    ``inf`` where one gradient is zero and the others not, ``nan`` where all are zero or there
+    is no objective.
 
     Example:
         >>> import torch

@@ -288,7 +288,9 @@ class Scalarizer(Configurable, ABC):
 
     **Non-finite losses.** A NaN or an infinite loss (``-inf`` included) gives a non-finite
     value, never an error: it is a step that an AMP ``GradScaler`` skips, and the stateful
-    methods leave their state untouched by it.
+    methods leave their state untouched by it. The exception is a ``-inf`` loss in the maxima
+    of :class:`Tchebycheff` and :class:`STCH`, which it never wins: their value and gradient
+    stay finite, as the maximum's (check the losses themselves to skip such a step).
 
     Example:
         >>> import torch

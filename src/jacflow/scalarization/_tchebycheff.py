@@ -78,7 +78,8 @@ class AugmentedTchebycheff(Scalarizer):
 
     Args:
         rho: the augmentation coefficient :math:`\rho \ge 0` (typically small, e.g. ``1e-3``;
-            ``0`` gives :class:`Tchebycheff`).
+            ``0`` gives :class:`Tchebycheff` on finite losses; a ``-inf`` loss gives NaN here,
+            through ``0 * -inf``, where the maximum alone stays finite).
         weights: the preference :math:`\lambda`, one entry per loss; ``None`` gives ``1/m``.
         reference: the ideal point :math:`z^*`, one entry per loss; ``None`` gives zero.
 
