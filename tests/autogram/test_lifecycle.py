@@ -503,8 +503,29 @@ def test_bad_losses() -> None:
         engine.compute_gramian(torch.ones(3))
     with pytest.raises(ValueError, match=r"received a scalar"):
         engine.compute_gramian(_losses(model, X).sum())
-    with pytest.raises(ValueError, match=r"at least one element"):
-        engine.compute_gramian(torch.ones(0, requires_grad=True))
+    with pytest.raises(ValueError, match=r"one element per task"):
+        Engine(model, batch_dim=None).compute_gramian(torch.ones(0, requires_grad=True))
+
+
+@pytest.mark.parametrize("clear", [False, True])
+def test_an_empty_batch_is_refused_with_the_way_out(clear: bool) -> None:
+    """A batch of no sample (every sample filtered out) is refused, naming the empty batch and
+    the way out (skip the step), with ``.grad`` untouched; the next step, after
+    ``engine.clear()`` or not, is the brute force's."""
+    model = _mlp()
+    params = list(model.parameters())
+    with Engine(model, batch_dim=0) as engine:
+        empty = _losses(model, X[:0])
+        for step in (
+            engine.compute_gramian,
+            lambda losses: engine.backward(losses, UPGradWeighting()),
+        ):
+            with pytest.raises(ValueError, match=r"hold no sample \(shape \(0,\)\).*Skip the step"):
+                step(empty)
+        assert all(p.grad is None for p in params)
+        if clear:
+            engine.clear()
+        assert_exact_gramian(engine, _losses(model, X), params)
 
 
 def test_batch_size_mismatch() -> None:

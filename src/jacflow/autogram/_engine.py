@@ -212,7 +212,16 @@ def _check_losses(
     if not isinstance(losses, Tensor):
         raise TypeError(f"`losses` must be a torch.Tensor, received {type(losses)}.")
     if losses.numel() == 0:
-        raise ValueError(f"`losses` must have at least one element, received shape {losses.shape}.")
+        if batch_dim is None:
+            raise ValueError(
+                f"`losses` must have one element per task, received shape {tuple(losses.shape)}."
+            )
+        # (jacflow.backward takes the zero step there; the engine's rules need a sample)
+        raise ValueError(
+            f"`losses` hold no sample (shape {tuple(losses.shape)}): an empty batch has no "
+            "Gramian to weigh. Skip the step for this batch; engine.clear() drops its forward's "
+            "recorded calls."
+        )
     # (the backward of complex losses differentiates their real part: the imaginary part's
     # rows were dropped from the Gramian and the update, silently)
     check_real_tensor(losses, "losses")
@@ -711,7 +720,9 @@ class Engine:
             output gradients. Another dimension ``d`` (negative ones count from the back) says
             that the losses hold the batch there (``[k, B]`` losses: ``1``); the modules' batch
             stays their dimension 0. The Gramian's rows and the weights follow
-            ``losses.flatten()`` whatever ``d``, as TorchJD's do. ``None``: no such structure
+            ``losses.flatten()`` whatever ``d``, as TorchJD's do. An empty batch is refused
+            (skip its step), where ``jacflow.backward`` takes the zero step. ``None``: no such
+            structure
             (e.g. one loss per task on a shared trunk); one batched backward over the ``m``
             losses.
         ddp: the ``DistributedDataParallel`` wrapping the model, when the modules given are
