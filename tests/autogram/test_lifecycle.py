@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
-from jacflow.aggregation import ConstantWeighting, MeanWeighting, UPGradWeighting
+from jacflow.aggregation import ConstantWeighting, MeanWeighting, UPGrad, UPGradWeighting
 from jacflow.autogram import Engine, mtl_gramian_step
 from jacflow.autogram import _engine as engine_module
 from jacflow.autogram._fallback import FallbackRule, ReplayMismatchError
@@ -499,6 +499,8 @@ def test_bad_losses() -> None:
     engine = Engine(model, batch_dim=0)
     with pytest.raises(TypeError, match=r"`losses` must be a torch.Tensor"):
         engine.compute_gramian([1.0])  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"received <class 'list'> \(.*torch\.stack\(losses\)\)"):
+        engine.compute_gramian(list(_losses(model, X)))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"does not require grad"):
         engine.compute_gramian(torch.ones(3))
     with pytest.raises(ValueError, match=r"received a scalar"):
@@ -744,6 +746,13 @@ def test_bad_weighting() -> None:
     engine = Engine(model, batch_dim=0)
     with pytest.raises(TypeError, match=r"GramianWeighting"):
         engine.backward(_losses(model, X), lambda g: g.sum(0))  # type: ignore[arg-type]
+    # (an aggregator given for its weighting: the message names the one it holds)
+    match = (
+        r"It is an aggregator: pass its Gramian weighting, its `\.gramian_weighting` \(a UPGradW"
+    )
+    with pytest.raises(TypeError, match=match):
+        engine.backward(_losses(model, X), UPGrad())  # type: ignore[arg-type]
+    assert all(p.grad is None for p in model.parameters())
 
 
 def test_input_modified_in_place_after_forward() -> None:

@@ -498,8 +498,17 @@ def check_gramian_weighting(value: object, name: str = "weighting") -> GramianWe
         MeanWeighting()
     """
     if not isinstance(value, GramianWeighting):
+        # (an aggregator built on a Gramian weighting holds the one to pass: UPGrad's)
+        inner = getattr(value, "gramian_weighting", None)
+        hint = (
+            " It is an aggregator: pass its Gramian weighting, its `.gramian_weighting` (a "
+            f"{type(inner).__name__})."
+            if isinstance(inner, GramianWeighting)
+            else ""
+        )
         raise TypeError(
-            f"`{name}` must be a jacflow.aggregation.GramianWeighting, received {received(value)}."
+            f"`{name}` must be a jacflow.aggregation.GramianWeighting (e.g. UPGradWeighting()), "
+            f"received {received(value)}.{hint}"
         )
     return value
 

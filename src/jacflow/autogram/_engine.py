@@ -24,7 +24,12 @@ from jacflow._grad_writes import added, grad_dtype, laid_out, owned, run_post_ac
 from jacflow._labels import received
 from jacflow._warnings import caller_stacklevel
 from jacflow.aggregation import GramianWeighting
-from jacflow.aggregation._bases import peak_out_of_range, runs_forward_hooks, unit_peak_factor
+from jacflow.aggregation._bases import (
+    check_gramian_weighting,
+    peak_out_of_range,
+    runs_forward_hooks,
+    unit_peak_factor,
+)
 from jacflow.autogram._buffers import GradientBuffers, worth_reusing
 from jacflow.autogram._capture import EACH, Selection, capture, pull_back
 from jacflow.autogram._distributed import (
@@ -210,7 +215,12 @@ def _check_losses(
     view), as the step takes them (``holds_samples``: whether autograd's node reaches the
     hooked modules' outputs, see :func:`_check_not_ordered_by_value`)."""
     if not isinstance(losses, Tensor):
-        raise TypeError(f"`losses` must be a torch.Tensor, received {type(losses)}.")
+        stack = (
+            " (one tensor of them: torch.stack(losses))"
+            if isinstance(losses, (list, tuple))
+            else ""
+        )
+        raise TypeError(f"`losses` must be a torch.Tensor, received {type(losses)}{stack}.")
     if losses.numel() == 0:
         if batch_dim is None:
             raise ValueError(
@@ -1143,11 +1153,7 @@ class Engine:
         if not self._replicas:
             warn_without_wrapper()
         with self._meeting() as meetings:
-            if not isinstance(weighting, GramianWeighting):
-                raise TypeError(
-                    "`weighting` must be a jacflow.aggregation.GramianWeighting (e.g. "
-                    f"UPGradWeighting()), received {received(weighting)}."
-                )
+            check_gramian_weighting(weighting)
             check_flag(retain_graph, "retain_graph", none_ok=True)  # (see compute_gramian)
             given, losses = self._checked_losses(losses)
             # (before the step takes the recorded calls: a refused number of losses leaves the
@@ -2557,7 +2563,13 @@ def _parameter_list(params: Iterable[Tensor], name: str) -> list[Tensor]:
     unique: dict[int, Tensor] = {}
     for param in params:
         if not isinstance(param, Tensor):
-            hint = " (pass its .parameters())" if isinstance(param, nn.Module) else ""
+            hint = (
+                " (pass its .parameters())"
+                if isinstance(param, nn.Module)
+                else " (one flat iterable: chain the lists, [p for ps in lists for p in ps])"
+                if isinstance(param, (list, tuple))
+                else ""
+            )
             raise TypeError(
                 f"`{name}` must hold tensors (parameters), received a {type(param).__name__}{hint}."
             )
