@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
-from jacflow.aggregation import ConstantWeighting, MeanWeighting, UPGrad, UPGradWeighting
+from jacflow.aggregation import ConstantWeighting, Krum, MeanWeighting, UPGrad, UPGradWeighting
 from jacflow.autogram import Engine, mtl_gramian_step
 from jacflow.autogram import _engine as engine_module
 from jacflow.autogram._fallback import FallbackRule, ReplayMismatchError
@@ -451,6 +451,16 @@ def test_batch_dim_reorderings_that_cancel_out_are_exact(chain: str) -> None:
 
         assert_exact_gramian(engine, losses_of(inverse), params)
         _assert_refused(engine, losses_of(perm), params, r"reordered along the batch")
+        # (a reordering below the pair that cancels out is still seen: the walk ended there)
+        below = torch.tensor([1, 0, 3, 2])
+        out = model(X)[below].pow(2).T
+        _assert_refused(engine, out[:, perm][:, inverse], params, r"reordered along the batch")
+        # (so is one above a gather in place, which replaced the order composed above it)
+        identity = torch.arange(4).expand(2, 4)
+        out = model(X).pow(2).T
+        _assert_refused(
+            engine, out.gather(1, identity)[:, below], params, r"reordered along the batch"
+        )
 
 
 def test_batch_dim_reordering_the_other_dimension_is_exact() -> None:
@@ -525,6 +535,11 @@ def test_an_empty_batch_is_refused_with_the_way_out(clear: bool) -> None:
             with pytest.raises(ValueError, match=r"hold no sample \(shape \(0,\)\).*Skip the step"):
                 step(empty)
         assert all(p.grad is None for p in params)
+        # (no task's losses for a full batch: not an empty batch)
+        engine.batch_dim = 1
+        with pytest.raises(ValueError, match=r"at least one element, received shape \(0, 4\)"):
+            engine.compute_gramian(_losses(model, X)[None][:0])
+        engine.batch_dim = 0
         if clear:
             engine.clear()
         assert_exact_gramian(engine, _losses(model, X), params)
@@ -752,6 +767,13 @@ def test_bad_weighting() -> None:
     )
     with pytest.raises(TypeError, match=match):
         engine.backward(_losses(model, X), UPGrad())  # type: ignore[arg-type]
+    # (UPGrad's weighting of J holds it too; Krum's weights read more than the Gramian, so its
+    # `.gramian_weighting` would select other rows: not suggested)
+    match = r"It weights the Jacobian through the Gramian: pass its `\.gramian_weighting`"
+    with pytest.raises(TypeError, match=match):
+        engine.backward(_losses(model, X), UPGrad().weighting)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"Krum'>\. It is an aggregator whose weights do not come"):
+        engine.backward(_losses(model, X), Krum(1, 2))  # type: ignore[arg-type]
     assert all(p.grad is None for p in model.parameters())
 
 
@@ -2630,6 +2652,17 @@ _REORDERINGS: dict[str, Callable[[Tensor], Tensor]] = {
         out[:, 0] > 0, out.sum(1)[torch.tensor([1, 0, 2, 3])], 0.0
     ),
     "swap unsqueezed": lambda out: out.sum(1)[torch.tensor([1, 0, 2, 3])][:, None],
+    # (a chain that cancels out, or a gather in place, above a reordering: the walk goes on
+    # past it; it ended there, and the reordering below was missed)
+    "swap below a cancelling pair, past transposes": lambda out: out[
+        torch.tensor([1, 0, 2, 3])
+    ].T.T[torch.tensor([2, 0, 3, 1])][torch.tensor([1, 3, 0, 2])],
+    "swap below a gather in place": lambda out: out[torch.tensor([1, 0, 2, 3])].gather(
+        0, torch.arange(4)[:, None].expand(4, 2)
+    ),
+    "swap above a gather in place": lambda out: out.gather(
+        0, torch.arange(4)[:, None].expand(4, 2)
+    )[torch.tensor([1, 0, 2, 3])],
     "swap, whole slice": lambda out: out.sum(1)[torch.tensor([1, 0, 2, 3])][0:4],
     "swap, whole step slice": lambda out: out.sum(1)[torch.tensor([1, 0, 2, 3])][::1],
     "swap, whole slice from the end": lambda out: out.sum(1)[torch.tensor([1, 0, 2, 3])][-4:],
@@ -2792,3 +2825,54 @@ def test_a_module_called_on_a_subset_of_the_rows_is_refused_with_the_reason() ->
         routed[:2] = expert(h[:2])
         with pytest.raises(ValueError, match=r"subset of the batch's rows .* batch_dim=None"):
             engine.compute_gramian(routed.pow(2).sum(1))
+
+
+_CHAIN_PERMS = [torch.tensor(p) for p in ([2, 0, 3, 1], [1, 3, 0, 2], [3, 2, 1, 0], [0, 1, 2, 3])]
+
+
+def _apply_op(op: str, t: Tensor) -> Tensor:
+    """One op of a chain on a ``[4, 2]`` or ``[2, 4]`` tensor whose batch (of 4) is the
+    dimension of size 4: a transpose, an elementwise op, or a take along the batch."""
+    if op == "T":
+        return t.T
+    if op == "exp":
+        return t.exp() if t.is_floating_point() and t.requires_grad else t
+    axis = 0 if t.shape[0] == 4 else 1
+    perm = _CHAIN_PERMS[int(op[-1])]
+    if op.startswith("index"):
+        return t[perm] if axis == 0 else t[:, perm]
+    if op.startswith("select"):
+        return t.index_select(axis, perm)
+    index = perm[:, None].expand(4, 2) if axis == 0 else perm[None].expand(2, 4)
+    return t.gather(axis, index)
+
+
+@given(
+    st.lists(
+        st.sampled_from(
+            [
+                "T",
+                "exp",
+                *(f"{kind}{i}" for kind in ("index", "select", "gather") for i in range(4)),
+            ]
+        ),
+        min_size=1,
+        max_size=6,
+    )
+)
+@settings(max_examples=200, deadline=None)
+def test_the_reordering_check_never_accepts_a_reordered_batch(ops: list[str]) -> None:
+    """Soundness of the check on chains of transposes, elementwise ops and takes along the
+    batch (as the losses of ``batch_dim`` 0 or 1 reach it): where it accepts, every loss is at
+    its own sample's place, as the sample indices carried through the same chain show."""
+    t = torch.randn(4, 2, dtype=torch.float64, requires_grad=True)
+    samples = torch.arange(4)[:, None].expand(4, 2)  # (each entry's sample)
+    for op in ops:
+        t, samples = _apply_op(op, t), _apply_op(op, samples)
+    batch_first = t if t.shape[0] == 4 else t.movedim(1, 0)
+    samples = samples if samples.shape[0] == 4 else samples.movedim(1, 0)
+    try:
+        engine_module._check_not_ordered_by_value(batch_first, lambda _: True)
+    except ValueError:
+        return
+    assert torch.equal(samples, torch.arange(4)[:, None].expand(4, 2))

@@ -256,6 +256,7 @@ def test_task_parameters_repeated_or_frozen() -> None:
         ("heads", TypeError, "`tasks_params` must hold .*pass its .parameters"),
         ("module", TypeError, "`tasks_params` must be an iterable of parameters"),
         ("per_task", TypeError, r"`tasks_params` must hold .*received a list \(one flat iterable"),
+        ("generators", TypeError, r"received a generator \(one flat iterable"),
         ("computed", ValueError, "`tasks_params` must hold leaf tensors"),
     ],
 )
@@ -268,6 +269,7 @@ def test_bad_task_parameters_are_refused(
         "module": heads[0],
         "computed": [heads[0].weight * 2],
         "per_task": [list(head.parameters()) for head in heads],  # (mtl_backward's layout)
+        "generators": [head.parameters() for head in heads],
     }.get(str(tasks_params), tasks_params)
     engine = Engine(trunk, batch_dim=None)
     features = trunk(x)

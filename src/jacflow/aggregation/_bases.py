@@ -199,8 +199,7 @@ class Aggregator(Configurable, ABC):
 
     Subclasses implement :meth:`forward`; calling the aggregator validates the input first.
     ``m = 0`` is allowed and gives the zero vector for every method that is weighted (except
-    those built for a given number of objectives, as ``IMTL``, ``NashMTL`` and ``ParetoMTL``,
-    which need at least one).
+    ``ParetoMTL`` with preference vectors of one entry or more per objective: they fix ``m``).
     A float16 or bfloat16 matrix is aggregated in float32 (``forward`` and its hooks see the
     float32 copy) and the update is returned in the input's dtype.
 
@@ -498,19 +497,34 @@ def check_gramian_weighting(value: object, name: str = "weighting") -> GramianWe
         MeanWeighting()
     """
     if not isinstance(value, GramianWeighting):
-        # (an aggregator built on a Gramian weighting holds the one to pass: UPGrad's)
-        inner = getattr(value, "gramian_weighting", None)
-        hint = (
-            " It is an aggregator: pass its Gramian weighting, its `.gramian_weighting` (a "
-            f"{type(inner).__name__})."
-            if isinstance(inner, GramianWeighting)
-            else ""
-        )
         raise TypeError(
             f"`{name}` must be a jacflow.aggregation.GramianWeighting (e.g. UPGradWeighting()), "
-            f"received {received(value)}.{hint}"
+            f"received {received(value)}.{_gramian_weighting_hint(value)}"
         )
     return value
+
+
+def _gramian_weighting_hint(value: object) -> str:
+    """Where ``value`` holds the Gramian weighting to pass (UPGrad's, or that of UPGrad's
+    weighting of ``J``), the way to it; for another aggregator, why it has none."""
+    inner = getattr(value, "gramian_weighting", None)
+    library = type(value).__module__.startswith("jacflow.")  # (not a subclass of one's own)
+    if isinstance(value, Aggregator):
+        if weights_from_gramian(value) and library:
+            return (
+                " It is an aggregator: pass its Gramian weighting, its `.gramian_weighting` (a "
+                f"{type(inner).__name__})."
+            )
+        return (
+            " It is an aggregator whose weights do not come from the Gramian alone (or whose "
+            "forward is one's own), so it has no Gramian weighting to pass here."
+        )
+    if type(value) is GramianOfJacobianWeighting and isinstance(inner, GramianWeighting):
+        return (
+            " It weights the Jacobian through the Gramian: pass its `.gramian_weighting` (a "
+            f"{type(inner).__name__})."
+        )
+    return ""
 
 
 class GramianOfJacobianWeighting(Weighting):

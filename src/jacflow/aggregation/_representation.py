@@ -92,8 +92,8 @@ def representation_weights(
     its own loss gradient scaled by :math:`w_i`. This costs one backward pass to ``z`` per
     loss instead of one through the trunk, and for MGDA it minimises an upper bound of the
     parameter-level objective. When ``weighting`` is :class:`LossAware`, its losses are set
-    from ``losses`` first; a wrapper of one (``Periodic(MGDAWeighting("loss"))``) is not
-    loss-aware itself: set the inner weighting's losses before the call.
+    from ``losses`` first; a wrapper of one (``Periodic(MGDAWeighting(normalization="loss"),
+    every=2)``) is not loss-aware itself: set the inner weighting's losses before the call.
 
     Args:
         losses: the ``m`` scalar losses, as a ``[m]`` tensor or a sequence of scalars.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import math
 import warnings
 import weakref
@@ -215,16 +216,20 @@ def _check_losses(
     view), as the step takes them (``holds_samples``: whether autograd's node reaches the
     hooked modules' outputs, see :func:`_check_not_ordered_by_value`)."""
     if not isinstance(losses, Tensor):
-        stack = (
-            " (one tensor of them: torch.stack(losses))"
-            if isinstance(losses, (list, tuple))
-            else ""
-        )
-        raise TypeError(f"`losses` must be a torch.Tensor, received {type(losses)}{stack}.")
+        hint = ""
+        listed = list(losses) if isinstance(losses, (list, tuple)) else []
+        if listed and all(isinstance(t, Tensor) for t in listed):
+            hint = " (pass the tensor itself)" if len(listed) == 1 else " (torch.stack(losses))"
+        raise TypeError(f"`losses` must be a torch.Tensor, received {type(losses)}{hint}.")
     if losses.numel() == 0:
         if batch_dim is None:
             raise ValueError(
                 f"`losses` must have one element per task, received shape {tuple(losses.shape)}."
+            )
+        if not -losses.ndim <= batch_dim < losses.ndim or losses.shape[batch_dim]:
+            raise ValueError(  # (e.g. [0, B]: the samples are there, their losses not)
+                f"`losses` must have at least one element, received shape "
+                f"{tuple(losses.shape)}: with batch_dim={batch_dim}, pass each sample's losses."
             )
         # (jacflow.backward takes the zero step there; the engine's rules need a sample)
         raise ValueError(
@@ -338,18 +343,24 @@ def _check_not_ordered_by_value(losses: Tensor, holds_samples: Callable[[Any], b
         elif axis:  # (elsewhere than dimension 0: followed through one-tensor elementwise ops)
             inputs = [n for n, _ in node.next_functions if n is not None]
             if _positions_along_batch(node, batch, axis) is not None:
-                if _reorders_batch(node, batch, beside, axis=axis) and holds_samples(node):
+                chain = _reordering_chain(node, batch, beside, axis=axis)
+                if chain.reorders and holds_samples(node):
                     raise _reordered_losses()
+                if chain.after is not None:  # (each entry back at its place: walked on)
+                    frontier.append((chain.after, beside, columns, axis))
             elif _elementwise_of_one(node, axis):
                 frontier.append((inputs[0], beside, columns, axis))
         elif _keeps_positions(node):
             inputs = [n for n, _ in node.next_functions if n is not None]
             sliced = columns or _slices_columns(node)
             frontier += [(n, beside or len(inputs) > 1, sliced, 0) for n in inputs]
-        elif _reorders_batch(
-            node, batch, permutations_only=beside, columns_sliced=columns
-        ) and holds_samples(node):  # (the walk of the graph below: only when it matters)
-            raise _reordered_losses()
+        else:
+            chain = _reordering_chain(node, batch, permutations_only=beside, columns_sliced=columns)
+            # (the walk of the graph below, holds_samples: only when it matters)
+            if chain.reorders and holds_samples(node):
+                raise _reordered_losses()
+            if chain.after is not None:
+                frontier.append((chain.after, beside, chain.columns_sliced, 0))
 
 
 def _reordered_losses() -> ValueError:
@@ -461,17 +472,27 @@ def _axis_before(node: Any, axis: int) -> int | None:
     return None
 
 
-def _reorders_batch(
+class _Chain(NamedTuple):
+    """What :func:`_reordering_chain` finds: whether the chain moves entries (``reorders``);
+    where it ends with each entry back at its own place, the node below it, for the walk to
+    go on (``after``; else ``None``); and whether it passed a slice of columns."""
+
+    reorders: bool
+    after: Any | None = None
+    columns_sliced: bool = False
+
+
+def _reordering_chain(
     node: Any, batch: int, permutations_only: bool, columns_sliced: bool = False, axis: int = 0
-) -> bool:
-    """Whether the chain of reorderings along dimension ``axis`` of tensors of ``batch``
-    entries there that starts at autograd's ``node`` (sorts, and takes of entries at given
-    positions, one after the other) leaves the entries elsewhere than at their own positions
-    (with ``permutations_only``, only where the chain is a permutation of the rows). A
-    reordering of a matrix's rows after a slice of its columns (``columns_sliced``) is not
-    judged: only the kept columns' order would count, which is not followed. Between two
-    reorderings elsewhere than along dimension 0, only one-tensor elementwise operations are
-    looked through."""
+) -> _Chain:
+    """The chain of reorderings along dimension ``axis`` of tensors of ``batch`` entries there
+    that starts at autograd's ``node`` (sorts, and takes of entries at given positions, one
+    after the other): it ``reorders`` where it leaves the entries elsewhere than at their own
+    positions (with ``permutations_only``, only where it is a permutation of the rows). A
+    reordering of a matrix's rows ends the chain (its rows are not followed further), and one
+    after a slice of its columns (``columns_sliced``) is not judged: only the kept columns'
+    order would count, which is not followed. Between two reorderings elsewhere than along
+    dimension 0, only one-tensor elementwise operations are looked through."""
     order: Tensor | None = None  # (positions in the chain's input of the losses' entries)
     looked_at = 0
     while looked_at < _MAX_LOOKED_AT:
@@ -487,16 +508,25 @@ def _reorders_batch(
         positions = _positions_along_batch(node, batch, axis)
         if positions is None:
             break
-        if positions.ndim != 1:  # (a reordering of a matrix's rows: not followed)
-            if columns_sliced:
-                return False
-            order = positions
-            break
+        if positions.ndim != 1 and columns_sliced:
+            return _Chain(False)
+        # (a matrix's rows, composed with the order above, column by column)
         order = positions if order is None else positions[order]
         node = node.next_functions[0][0]
-    if order is None or _in_place_order(order):
-        return False
-    return not permutations_only or _permutation(order, batch)
+        if positions.ndim != 1:
+            break
+    else:  # (out of budget: nothing below is judged)
+        return _Chain(order is not None and _moves(order, permutations_only, batch))
+    if order is None:
+        return _Chain(False)
+    if _in_place_order(order):
+        return _Chain(False, node, columns_sliced)
+    return _Chain(_moves(order, permutations_only, batch))
+
+
+def _moves(order: Tensor, permutations_only: bool, batch: int) -> bool:
+    """Whether ``order`` (not in place) counts as a reordering (see :func:`_reordering_chain`)."""
+    return not _in_place_order(order) and (not permutations_only or _permutation(order, batch))
 
 
 def _elementwise_of_one(node: Any, axis: int) -> bool:
@@ -2567,7 +2597,7 @@ def _parameter_list(params: Iterable[Tensor], name: str) -> list[Tensor]:
                 " (pass its .parameters())"
                 if isinstance(param, nn.Module)
                 else " (one flat iterable: chain the lists, [p for ps in lists for p in ps])"
-                if isinstance(param, (list, tuple))
+                if isinstance(param, (list, tuple)) or inspect.isgenerator(param)
                 else ""
             )
             raise TypeError(

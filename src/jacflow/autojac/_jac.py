@@ -134,6 +134,10 @@ def jac(
             cannot vmap their backward), and its rows are densified: the Jacobian is dense.
         create_graph: build the graph of the result, for higher-order derivatives.
 
+    With ``inputs=None``, outputs whose leaves were all frozen (``requires_grad=False``) since
+    the forward are refused (``ValueError``), as by :func:`backward`: nothing would be
+    differentiated.
+
     No ``.grad`` is written: an input that called ``retain_grad()`` keeps its ``.grad`` (torch's
     hook writes it during the differentiation; it is put back). A tensor between ``outputs`` and
     ``inputs`` that called ``retain_grad()`` is left to that hook, as in :func:`backward`: the sum
