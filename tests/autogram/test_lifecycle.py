@@ -2876,3 +2876,40 @@ def test_the_reordering_check_never_accepts_a_reordered_batch(ops: list[str]) ->
     except ValueError:
         return
     assert torch.equal(samples, torch.arange(4)[:, None].expand(4, 2))
+
+
+class _Critic(nn.Module):
+    """A generator and a critic in one model; the critic frozen around its call in the
+    generator's loss (the usual GAN toggle), trainable again after it unless told not to."""
+
+    def __init__(self, unfreeze: bool) -> None:
+        super().__init__()
+        self.generator, self.critic = nn.Linear(3, 4).double(), nn.Linear(4, 2).double()
+        self.unfreeze = unfreeze
+
+    def forward(self, x: Tensor) -> Tensor:
+        fake = torch.tanh(self.generator(x))
+        self.critic.requires_grad_(False)
+        out = self.critic(fake)
+        self.critic.requires_grad_(self.unfreeze)
+        return out
+
+
+@pytest.mark.parametrize("batch_dim", [0, None])
+def test_a_module_frozen_for_its_call_only_is_refused(batch_dim: int | None) -> None:
+    """A closed-form module frozen around its call and trainable at the step: autograd gives
+    its parameters no gradient from that call, the closed form gave them one (a wrong Gramian
+    and a ``.grad`` on the critic). Refused, naming the module; kept frozen to the step, the
+    step is exact (its parameters left out)."""
+    torch.manual_seed(0)
+    model = _Critic(unfreeze=True)
+    with Engine(model, batch_dim=batch_dim) as engine:
+        out = model(X).pow(2)
+        losses = out.sum(1) if batch_dim == 0 else out.mean(0)
+        match = r"_Critic.critic \(Linear\) was called with parameters frozen.*Engine\(generator\)"
+        _assert_refused(engine, losses, list(model.parameters()), match)
+    model = _Critic(unfreeze=False)
+    with Engine(model, batch_dim=batch_dim) as engine:
+        out = model(X).pow(2)
+        losses = out.sum(1) if batch_dim == 0 else out.mean(0)
+        assert_exact_gramian(engine, losses, list(model.generator.parameters()))

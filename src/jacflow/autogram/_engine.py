@@ -581,6 +581,24 @@ def _in_place_order(index: Tensor) -> bool:
     return bool((index == own.reshape(-1, *[1] * (index.ndim - 1))).all())
 
 
+def _check_frozen_during_calls(with_units: list[tuple[Unit, Call]]) -> None:
+    """Refuse a step whose forward called a hooked module while some of its parameters were
+    frozen (``requires_grad_(False)`` around the call, as for a GAN's discriminator under the
+    generator's loss) that are trainable again now: autograd gives them no gradient from that
+    call, while the closed forms would give every call of the module its share."""
+    for unit, call in with_units:
+        # (the generic rule re-runs the call from its graph, which holds no frozen parameter)
+        if any(p.requires_grad for p in call.frozen) and not isinstance(unit.rule, FallbackRule):
+            raise ValueError(
+                f"{unit.name or type(unit.module).__name__} ({type(unit.module).__name__}) was "
+                "called with parameters frozen (requires_grad=False) during this forward, "
+                "which are trainable again at the step: their gradient from that call is none, "
+                "which the engine's closed forms cannot tell. Give the Engine only the modules "
+                "that these losses train (e.g. Engine(generator) for a generator's step), or "
+                "keep the parameters frozen until the step."
+            )
+
+
 def _check_weights(weights: object, m: int, weighting: GramianWeighting) -> Tensor:
     if not isinstance(weights, Tensor) or weights.shape != (m,):
         shape = tuple(weights.shape) if isinstance(weights, Tensor) else type(weights)
@@ -1396,6 +1414,7 @@ class Engine:
             )
         # (before the backward: autograd may fail on such a view)
         with_units = [(self._units[index], call) for index, call in calls]
+        _check_frozen_during_calls(with_units)
         _check_strided_inputs(with_units, self.batch_dim)
         _check_hooks_under_view_ops(losses, with_units)
         _check_output_views(losses, with_units)

@@ -377,7 +377,9 @@ class Recorder:
         replays = unit.rule.replays()
         if replays:  # (first: before other pre-hooks, e.g. spectral_norm's, change the module)
             self._pre_hook(unit.module, self._start, prepend=True)
-        record = partial(self._record, index, replays, unit.rule.settings)
+        record = partial(
+            self._record, index, replays, unit.rule.settings, tuple(unit.params().values())
+        )
         # (always: a call that raises still takes its start off the stack; first: the module's
         # own output, before a user's hook replaces it)
         handle = unit.module.register_forward_hook(
@@ -496,6 +498,7 @@ class Recorder:
         index: int,
         replays: bool,
         settings: Callable[[nn.Module], Hashable],
+        params: tuple[Tensor, ...],
         module: nn.Module,
         args: Any,
         kwargs: Any,
@@ -542,6 +545,9 @@ class Recorder:
             training=module.training,
             preceded=preceded,
         )
+        frozen = [p for p in params if not p.requires_grad]
+        if frozen:  # (rare: a module frozen for this call only, e.g. a GAN's discriminator)
+            call.frozen = frozen
         call.output_hooks = []
         for i, j in enumerate(positions):
             leaf, base = flat[j], flat[j]._base

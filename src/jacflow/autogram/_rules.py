@@ -231,6 +231,9 @@ class Call:
     parent: Call | None = None
     # which recorded outputs the losses reach (set with ``grads``)
     reached: list[bool] = field(default_factory=list)
+    # the unit's parameters (trainable when it was hooked) that were frozen during this call
+    # (``requires_grad_(False)`` around it): the call gives them no gradient
+    frozen: list[Tensor] = field(default_factory=list)
     # per sample: the positions merged with the batch on dimension 0 of a call of a module
     # that maps rows one by one (``Rule.maps_rows``), given its batch flattened with them
     # (``x.view(-1, d)``, batch first); 1: none
