@@ -51,6 +51,27 @@ def test_a_negative_padding_index_counts_from_the_end(batch_dim: int | None) -> 
     assert_exact_backward(embedding, lambda m: row_losses(m(ids).sin(), batch_dim), batch_dim)
 
 
+class _Tabular(nn.Module):
+    """A numeric feature and a categorical one given no width (``nn.Embedding(5, 0)``, as
+    size rules such as ``min(50, cardinality // 2)`` give a single-valued column)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.categorical, self.numeric = nn.Embedding(5, 0).double(), nn.Linear(3, 2).double()
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return self.numeric(x) + self.categorical(ids).sum((1, 2)).unsqueeze(1)
+
+
+@pytest.mark.parametrize("batch_dim", [0, None])
+def test_an_embedding_of_zero_width_is_exact(batch_dim: int | None) -> None:
+    """Its closed form reshaped the rows' gradients with ``-1`` for the positions, which
+    torch refuses for a tensor of no element: the step crashed with torch's reshape error."""
+    torch.manual_seed(0)
+    x, ids = torch.randn(4, 3, dtype=torch.float64), torch.randint(0, 5, (4, 6))
+    assert_exact_backward(_Tabular(), lambda m: row_losses(m(x, ids).sin(), batch_dim), batch_dim)
+
+
 def test_tokens_of_one_row_only_add_to_its_diagonal(monkeypatch: pytest.MonkeyPatch) -> None:
     """A token that one row reads alone adds to that row's diagonal entry only: the dense form
     runs over the tokens that several rows share (it ran over every token of the batch, R x

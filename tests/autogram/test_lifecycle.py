@@ -2913,3 +2913,72 @@ def test_a_module_frozen_for_its_call_only_is_refused(batch_dim: int | None) -> 
         out = model(X).pow(2)
         losses = out.sum(1) if batch_dim == 0 else out.mean(0)
         assert_exact_gramian(engine, losses, list(model.generator.parameters()))
+
+
+class _Centred(nn.Module):
+    """Mixes the samples outside its hooked layers: ``h - h.mean(0)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(3, 5).double(), nn.Linear(5, 2).double()
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = torch.tanh(self.a(x))
+        return self.b(h - h.mean(0))
+
+
+@pytest.mark.parametrize("corrupt", ["one entry", "one sample"])
+def test_a_non_finite_probe_does_not_turn_the_mixing_check_off(corrupt: str) -> None:
+    """A batch with a NaN (a corrupt sample, an overflow) made the probe that refuses losses
+    mixing the samples give no verdict, and the pattern was then marked as checked: the later
+    clean steps of that model were accepted with a wrong Gramian. The probe now judges the
+    finite entries, and a probe with no verdict is run again at the next step."""
+    torch.manual_seed(0)
+    model = _Centred()
+    corrupted = X.clone()
+    if corrupt == "one entry":
+        corrupted[2, 0] = float("nan")
+    else:
+        corrupted[2] = float("nan")
+    with Engine(model, batch_dim=0) as engine:
+        try:
+            engine.compute_gramian(model(corrupted).pow(2).sum(1))
+        except ValueError as error:  # (where the finite entries show the mixing)
+            assert "at other samples than their own" in str(error)
+            assert corrupt == "one entry"
+        with pytest.raises(ValueError, match=r"at other samples than their own"):
+            engine.compute_gramian(model(X).pow(2).sum(1))
+
+
+def test_a_hook_that_changes_the_losses_gradient_in_place_leaves_later_steps_exact() -> None:
+    """Per task, the identity cotangents are kept from step to step; a gradient hook on the
+    losses that changed its gradient in place at one step changed them, and every later step
+    (without the hook) had a wrong Gramian. They are built again when changed."""
+    model = _mlp()
+    params = list(model.parameters())
+    with Engine(model, batch_dim=None) as engine:
+        for step in range(3):
+            losses = model(X).pow(2).sum(0)
+            if step == 1:
+                losses.register_hook(lambda grad: grad.clamp_(max=0.5))
+                engine.compute_gramian(losses)
+                continue
+            assert_exact_gramian(engine, losses, params)
+
+
+@pytest.mark.parametrize("layout", ["[B, k]", "per task", "generic"])
+def test_steps_under_anomaly_mode_are_exact(layout: str) -> None:
+    """Under ``torch.autograd.detect_anomaly()`` (whose NaN check of each backward's output
+    vmap cannot batch), the rows are pulled back one by one: the steps that batched them
+    failed with an error blaming cuDNN or hooks."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), Scale(4), nn.Linear(4, 2)).double()
+    modules = [model] if layout == "generic" else [model[0], model[2]]
+    params = [p for module in modules for p in module.parameters()]
+    engine = Engine(*modules, batch_dim=None if layout == "per task" else 0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (anomaly mode's own warning, at its creation)
+        anomaly = torch.autograd.detect_anomaly()
+    with engine, anomaly:
+        out = model(X).pow(2)
+        assert_exact_gramian(engine, out.mean(0) if layout == "per task" else out, params)

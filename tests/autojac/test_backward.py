@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 
 import pytest
@@ -827,3 +828,21 @@ def test_empty_jacobian_leaves_an_unreached_input_alone(aggregator: Aggregator |
     )
     assert reference_q.grad is None and q.grad is None
     torch.testing.assert_close(p.grad, reference_p.grad)
+
+
+def test_rows_under_anomaly_mode_are_the_jacobians() -> None:
+    """Under ``torch.autograd.detect_anomaly()``, whose NaN check of each backward's output
+    vmap cannot batch, the rows go one by one (they failed with vmap's error): ``jac`` gives
+    the row-by-row Jacobians of ``torch.autograd.grad``."""
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(3, 2).double()
+    x = torch.randn(4, 3, dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (anomaly mode's own warning, at its creation)
+        anomaly = torch.autograd.detect_anomaly()
+    with anomaly:
+        out = layer(x).pow(2).sum(0)
+        jacobians = jac(out, list(layer.parameters()), retain_graph=True)
+    for jacobian, param in zip(jacobians, layer.parameters(), strict=True):
+        rows = [torch.autograd.grad(o, param, retain_graph=True)[0] for o in out]
+        torch.testing.assert_close(jacobian, torch.stack(rows))

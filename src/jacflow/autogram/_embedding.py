@@ -120,7 +120,8 @@ class EmbeddingContribution(Contribution):
         # (without padding, the backprops as they are: a mask copied all R T p of them, the
         # tasks' gradients of every token per task)
         unique, inverse = torch.unique(keys.flatten(), return_inverse=True)
-        c = self.bp.new_zeros(unique.shape[0], p).index_add_(0, inverse, backprops.reshape(-1, p))
+        flat = backprops.reshape(inverse.shape[0], p)  # (not -1: ambiguous at p = 0)
+        c = self.bp.new_zeros(unique.shape[0], p).index_add_(0, inverse, flat)
         return unique // self.num_embeddings, unique % self.num_embeddings, c
 
     def gramian(self, names: set[str]) -> Tensor | None:
@@ -151,7 +152,7 @@ class EmbeddingContribution(Contribution):
         elif dense_cost <= pairwise_cost:
             dense = c.new_zeros(r, n_tokens, p)
             dense[row, position] = c
-            gramian = row_gramian(dense.reshape(r, -1))
+            gramian = row_gramian(dense.reshape(r, n_tokens * p))
         else:
             same = (position.unsqueeze(1) == position.unsqueeze(0)).to(c.dtype)
             pair_gram = (c @ c.T) * same
@@ -256,7 +257,8 @@ class EmbeddingRule(Rule):
         ids, bps = [], []
         for call in calls:
             x = rows.samples(call.input()).reshape(rows.num_samples, -1)
-            bp = call.grad().reshape(rows.num_rows, -1, module.weight.shape[1])
+            # (the positions from the ids: -1 is ambiguous for an embedding of zero width)
+            bp = call.grad().reshape(rows.num_rows, x.shape[1], module.weight.shape[1])
             ids.append(x)
             bps.append(_by_frequency(x, bp, rows) if module.scale_grad_by_freq else bp)
         return EmbeddingContribution(joined(ids, 1), joined(bps, 1), rows, module)

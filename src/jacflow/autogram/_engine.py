@@ -1349,10 +1349,15 @@ class Engine:
         coupled, outside = self._recorder.coupled, self._recorder.outside
         returned = self._recorder.returned
         # (ops whose backward vmap cannot batch: the rows are pulled back one by one; also a
-        # checkpoint's random draws, which its backward makes again)
+        # checkpoint's random draws, which its backward makes again, and anomaly mode, whose
+        # check of each backward's output for NaN vmap cannot batch)
         recorder = self._recorder
         row_by_row = (
-            row_by_row or recorder.fused_rnn or recorder.strided_norm or recorder.random_checkpoint
+            row_by_row
+            or recorder.fused_rnn
+            or recorder.strided_norm
+            or recorder.random_checkpoint
+            or torch.is_anomaly_enabled()
         )
         calls = self._recorder.take()
         self._pending_forwards = 0
@@ -1530,8 +1535,12 @@ class Engine:
             call.grads = _rows_shaped(call_grads, call, rows, dims)
             reached.setdefault(index, []).append(call)
             batch_dims.append((unit, call, dims))
-        if probing and batch_dims:
-            _check_separable(losses, batch_dims, rows.num_samples, retain_graph)
+        # (a probe that met non-finite gradients gave no verdict: the next step probes again)
+        if (
+            probing
+            and batch_dims
+            and _check_separable(losses, batch_dims, rows.num_samples, retain_graph)
+        ):
             if len(self._separable_checked) >= _MAX_PATTERNS:
                 self._separable_checked.clear()
             self._separable_checked.add(probed)
@@ -1730,10 +1739,11 @@ class Engine:
         device = losses.device
         if self.batch_dim is None:
             # the same few task counts come back every step: build their cotangents once
-            # (autograd only reads them)
+            # (autograd only reads them; built again where a hook or an autograd.Function at
+            # the losses changed them in place)
             key = (losses.shape, losses.dtype, device)
             cached = self._per_task_rows.get(key)
-            if cached is None:
+            if cached is None or cached[1]._version:
                 eye = torch.eye(m, dtype=losses.dtype, device=device).reshape(m, *losses.shape)
                 if m == 1:
                     eye = eye[0]
@@ -2141,9 +2151,10 @@ def _check_separable(
     calls: list[tuple[Unit, Call, list[int | None]]],
     num_samples: int,
     retain_graph: bool,
-) -> None:
+) -> bool:
     """Refuse a per-sample step in which the losses read a reached call's output at other
-    samples than their own (see ``_separable``), from probing backwards, one row by one (as
+    samples than their own (see ``_separable``); else whether every probe gave a verdict
+    (see :func:`leaks`). From probing backwards, one row by one (as
     the step's own, not under vmap), of the losses of the samples of each of
     :func:`probe_sets`. Each probe's gradients are checked and dropped before the next
     backward: held together, they took 2 ceil(log2 B) copies of the step's output gradients
@@ -2151,8 +2162,9 @@ def _check_separable(
     graph unless ``retain_graph``."""
     probes = probe_sets(num_samples)
     if not probes:  # (one sample: nothing to mix)
-        return
+        return True
     edges = [edge for _, call, _ in calls for edge in call.edges]
+    conclusive = True
     cotangents = probe_cotangents(losses, probes)
     samples = [_row_samples(unit, call, dims, num_samples) for unit, call, dims in calls]
     for index, probe in enumerate(probes):
@@ -2162,9 +2174,12 @@ def _check_separable(
         leak = _probe_leak(
             losses, calls, edges, cotangents[index : index + 1], probe, keep, samples
         )
-        if leak is not None:
+        if leak is None:
+            conclusive = False
+        elif leak:
             unit, call, position = leak
             raise _separation_error(unit, call, position, num_samples, losses)
+    return conclusive
 
 
 def _probe_leak(
@@ -2175,12 +2190,13 @@ def _probe_leak(
     probe: list[int],
     keep: bool,
     samples: list[list[Tensor | None]],
-) -> tuple[Unit, Call, int] | None:
+) -> tuple[Unit, Call, int] | tuple[()] | None:
     """The first ``(unit, call, output position)`` whose output the losses of ``probe``'s
-    samples read at another sample (from one probing backward along ``cotangent``)."""
+    samples read at another sample (from one probing backward along ``cotangent``); else
+    ``()``, or ``None`` where an output gave no verdict (see :func:`leaks`)."""
     with replaying(), _selective_checkpoint_hint():
         grads = pull_back([losses], edges, cotangent, True, keep, row_by_row=True)
-    cursor = 0
+    cursor, unsure = 0, False
     for (unit, call, dims), call_samples in zip(calls, samples, strict=True):
         call_grads = _at_outputs(call, grads[cursor : cursor + len(call.edges)])
         cursor += len(call.edges)
@@ -2188,9 +2204,11 @@ def _probe_leak(
         for rows, dim, position, known in outputs:
             if rows is None or (dim is None and known is None):
                 continue
-            if leaks(rows[0], 0 if dim is None else dim, probe, known):
+            verdict = leaks(rows[0], 0 if dim is None else dim, probe, known)
+            if verdict:
                 return unit, call, position
-    return None
+            unsure = unsure or verdict is None
+    return None if unsure else ()
 
 
 def _row_samples(

@@ -64,10 +64,14 @@ def probe_cotangents(losses: Tensor, sets: list[list[int]]) -> Tensor:
     return cotangents
 
 
-def leaks(grad: Tensor, dim: int, samples: list[int], row_samples: Tensor | None = None) -> bool:
+def leaks(
+    grad: Tensor, dim: int, samples: list[int], row_samples: Tensor | None = None
+) -> bool | None:
     """Whether ``grad``, the probing losses' gradient w.r.t. an output whose batch is on
-    ``dim``, is nonzero at a sample outside ``samples`` (not judged where it is not finite:
-    the step propagates NaN as it is). ``row_samples``: for an output without a batch
+    ``dim``, is nonzero at a finite entry of a sample outside ``samples``; ``None`` (no
+    verdict) where it is zero at every finite entry there and some entry there is not finite
+    (the step propagates NaN as it is; a later step probes again). ``row_samples``: for an
+    output without a batch
     dimension (a packed sequence's data), the sample of each of its entries along ``dim``.
 
     Example:
@@ -79,6 +83,10 @@ def leaks(grad: Tensor, dim: int, samples: list[int], row_samples: Tensor | None
         True
         >>> leaks(torch.tensor([[1.0], [2.0], [0.0]]), 0, [1], torch.tensor([1, 1, 0]))
         False
+        >>> leaks(torch.tensor([[1.0, 2.0], [float("nan"), 0.5], [3.0, 0.0]]), 0, [0, 2])
+        True
+        >>> print(leaks(torch.tensor([[1.0, 2.0], [float("nan"), 0.0], [3.0, 0.0]]), 0, [0, 2]))
+        None
     """
     if row_samples is None:
         others = torch.ones(grad.shape[dim], dtype=torch.bool, device=grad.device)
@@ -87,5 +95,7 @@ def leaks(grad: Tensor, dim: int, samples: list[int], row_samples: Tensor | None
         chosen = torch.tensor(samples, dtype=row_samples.dtype, device=row_samples.device)
         others = ~torch.isin(row_samples, chosen).to(grad.device)
     rest = grad.movedim(dim, 0)[others]
-    nonzero, finite = bool(rest.count_nonzero()), bool(torch.isfinite(rest).all())
-    return nonzero and finite
+    finite = torch.isfinite(rest)
+    if rest[finite].count_nonzero():
+        return True
+    return False if bool(finite.all()) else None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+import torch
 from torch import Tensor
 
 from jacflow.autojac._checks import (
@@ -75,9 +76,11 @@ def compute_jacobians(
     A graph whose backward returns sparse gradients (``nn.Embedding(sparse=True)``) or runs
     through sparse tensors (a product with a graph's sparse adjacency matrix) is differentiated
     row by row whatever ``chunk_size``: torch cannot batch those backwards with vmap. The rows
-    are densified, so the Jacobians are dense.
+    are densified, so the Jacobians are dense. So is any graph under
+    ``torch.autograd.detect_anomaly()``, whose check of each backward's output for NaN vmap
+    cannot batch.
     """
-    if chunk_size != 1 and sparse_gradients(outputs, inputs):
+    if chunk_size != 1 and (torch.is_anomaly_enabled() or sparse_gradients(outputs, inputs)):
         chunk_size = 1
     cotangents = (
         None if jac_outputs is None else tuple(j.to(o.dtype) for j, o in zip(jac_outputs, outputs))
