@@ -15,6 +15,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor, nn
+from torch.nn import functional as F
 from torch.nn.utils import parametrize
 
 from jacflow.aggregation import ConstantWeighting, Krum, MeanWeighting, UPGrad, UPGradWeighting
@@ -2982,3 +2983,43 @@ def test_steps_under_anomaly_mode_are_exact(layout: str) -> None:
     with engine, anomaly:
         out = model(X).pow(2)
         assert_exact_gramian(engine, out.mean(0) if layout == "per task" else out, params)
+
+
+class _Mixer(nn.Module):
+    """A generic-rule module that, behind a flag, also reads another hooked layer's weight
+    (not a child of its own): a use outside that layer's calls."""
+
+    def __init__(self, other: nn.Linear) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.linspace(-0.5, 0.5, 9, dtype=torch.float64).reshape(3, 3))
+        self.other = [other]  # (a list: not registered as a child)
+        self.reads_other = False
+
+    def forward(self, h: Tensor) -> Tensor:
+        out = torch.tanh(h @ self.w)
+        return out + F.linear(h, self.other[0].weight) if self.reads_other else out
+
+
+@pytest.mark.parametrize("batch_dim", [0, None])
+def test_a_generic_module_that_starts_reading_another_weight_is_refused(
+    batch_dim: int | None,
+) -> None:
+    """The check of hooked parameters used outside their modules' calls ran once per pattern,
+    keyed by the graph outside the calls: a generic-rule module whose forward started to read
+    another hooked layer's weight at a later step kept the key, and the step missed that use
+    (a wrong Gramian). The calls that the generic rule re-runs are now walked through."""
+    layer = nn.Linear(3, 3).double()
+    mixer = _Mixer(layer)
+    model = nn.Sequential(mixer, layer)
+    with Engine(model, batch_dim=batch_dim) as engine:
+        out = model(X).pow(2)
+        assert_exact_gramian(
+            engine,
+            out.sum(1) if batch_dim == 0 else out.mean(0),
+            [*mixer.parameters(), *layer.parameters()],
+        )
+        mixer.reads_other = True
+        out = model(X).pow(2)
+        losses = out.sum(1) if batch_dim == 0 else out.mean(0)
+        match = r"Sequential.1.weight is used outside the forward calls of the hooked modules"
+        _assert_refused(engine, losses, list(model.parameters()), match)

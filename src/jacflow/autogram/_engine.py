@@ -1424,7 +1424,8 @@ class Engine:
         _check_hooks_under_view_ops(losses, with_units)
         _check_output_views(losses, with_units)
         # (the checks below hold for a pattern of calls and the graph around them)
-        outside_key = outside_calls(losses, [c for _, c in calls], self._hooked_names())
+        reruns = {k for k, (index, _) in enumerate(calls) if self._reruns(index)}
+        outside_key = outside_calls(losses, [c for _, c in calls], self._hooked_names(), reruns)
         pattern = (tuple(i for i, _ in calls), outside_key)
         if REENTRANT_CHECKPOINT in pattern[1]:
             self._check_reentrant_checkpoints(losses, calls)

@@ -175,7 +175,10 @@ def used_outside(
 
 
 def outside_calls(
-    losses: Tensor, calls: Sequence[Call], params: Mapping[int, str] | None = None
+    losses: Tensor,
+    calls: Sequence[Call],
+    params: Mapping[int, str] | None = None,
+    inside: Collection[int] = (),
 ) -> tuple[object, ...]:
     """The losses' graph outside the recorded ``calls``, as a key: the type of each node in a
     walk that steps over each call (from its outputs' nodes to its inputs', as
@@ -186,7 +189,10 @@ def outside_calls(
     losses, a mixing of the samples or a functional use of a weight changes it (also one on
     a hooked parameter in place of another leaf of the same shape of graph). A
     :data:`SPARSE_OPERATION` follows each node of an operation on sparse tensors (a product
-    with a sparse adjacency matrix), whose backward vmap cannot batch.
+    with a sparse adjacency matrix), whose backward vmap cannot batch. The calls at the
+    positions ``inside`` (those the generic rule re-runs) are walked through, not over: a
+    hooked parameter that such a call starts to read (another layer's weight behind a flag)
+    changes the key too.
 
     Example:
         >>> import torch
@@ -201,6 +207,8 @@ def outside_calls(
     """
     ends: dict[int, int] = {}  # a call's output node -> the call's position
     for position, call in enumerate(calls):
+        if position in inside:
+            continue
         for edge in call.edges:
             ends.setdefault(id(edge.node), position)
     key: list[object] = []
