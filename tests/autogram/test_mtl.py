@@ -462,3 +462,17 @@ def test_a_graph_neural_network_per_node_is_refused() -> None:
         with pytest.raises(ValueError, match="at other samples than their own"):
             engine.backward(losses, UPGradWeighting())
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_a_hook_on_losses_stacked_from_scalars_runs() -> None:
+    """Losses stacked from the tasks' scalars take a route with one backward per head, which
+    starts below the stack: a gradient hook on the stacked losses was skipped there (the
+    Gramian without it), while the batched route and autograd run it."""
+    trunk, heads, x = _trunk_and_heads()
+    engine = Engine(trunk, batch_dim=None)
+    features = trunk(x)
+    losses = torch.stack([head(features).pow(2).mean() for head in heads])
+    scale = torch.tensor([0.5, 3.0], dtype=torch.float64)
+    losses.register_hook(lambda grad: grad * scale)
+    jacobian = reference_jacobian(losses, list(trunk.parameters()))  # (the hook runs in it)
+    torch.testing.assert_close(engine.compute_gramian(losses), jacobian @ jacobian.T)

@@ -326,6 +326,8 @@ def _task_heads(
     root = losses.grad_fn
     if losses.ndim != 1 or losses.device.type not in _BY_TASK_DEVICES:
         return None
+    if losses._backward_hooks:  # (the heads' backwards start below the stack: they skip it)
+        return None
     if type(root).__name__ != "StackBackward0":
         return None
     branches: list[Any] = list(root.next_functions)  # type: ignore[union-attr]
