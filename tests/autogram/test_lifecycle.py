@@ -3023,3 +3023,26 @@ def test_a_generic_module_that_starts_reading_another_weight_is_refused(
         losses = out.sum(1) if batch_dim == 0 else out.mean(0)
         match = r"Sequential.1.weight is used outside the forward calls of the hooked modules"
         _assert_refused(engine, losses, list(model.parameters()), match)
+
+
+@pytest.mark.parametrize("passing", ["frozen attack", "teacher through functional_call"])
+def test_a_forward_in_a_passing_state_before_the_step_forward_is_exact(passing: str) -> None:
+    """A grad-enabled forward made in a passing state before the training forward (the
+    model frozen for an attack on its inputs; a teacher's pass through ``functional_call``
+    with detached tensors) hooked the modules for that state at the one look between steps,
+    and every step was then refused ("run the forward again"). The look is made at every
+    grad-enabled forward with no call pending: each step is the brute force's."""
+    model = _mlp()
+    params = list(model.parameters())
+    with Engine(model, batch_dim=0) as engine:
+        for _ in range(2):
+            if passing == "frozen attack":
+                model.requires_grad_(False)
+                x = X.clone().requires_grad_()
+                attack = torch.autograd.grad(model(x).pow(2).sum(), x)[0]
+                model.requires_grad_(True)
+                inputs, target = X + 0.01 * attack.sign(), 0.0
+            else:
+                detached = {name: p.detach().clone() for name, p in model.named_parameters()}
+                inputs, target = X, torch.func.functional_call(model, detached, (X,)).sin()
+            assert_exact_gramian(engine, (model(inputs) - target).pow(2).sum(1), params)

@@ -707,7 +707,9 @@ class Engine:
     rule, the uses inside its calls are its own). Frozen parameters
     (``requires_grad=False``) are left out, also those frozen between a forward and its step;
     a module unfrozen later (a backbone after a warm-up) is hooked at the next forward of the
-    given modules.
+    given modules with no call pending. A module frozen around one of its calls only and
+    trainable at the step (a GAN's critic under the generator's loss) is refused: give the
+    Engine the modules that the losses train.
 
     Per sample, the first step of each pattern of recorded calls (the hooked modules called, and
     the losses' graph around their calls) and batch size checks that every loss reads the hooked
@@ -858,7 +860,6 @@ class Engine:
         self._watched: list[nn.Module] = []
         self._layout: list[tuple[nn.Module, type, frozenset[str]]] = []
         self._snapshot_at: tuple[Any, ...] = ()
-        self._checked = False  # (the change was looked for since the last step)
         # the patterns of recorded calls whose steps passed the check of outside uses: the
         # losses' graph is walked again only for a new pattern
         self._outside_checked: set[Pattern] = set()
@@ -984,14 +985,16 @@ class Engine:
 
     def _rehook_if_changed(self, module: nn.Module, args: Any) -> None:
         # (not with calls pending, whose units would change: the step refuses them instead;
-        # nor for a forward that records nothing; looked for once between steps)
+        # nor for a forward that records nothing. At every grad-enabled forward with none
+        # pending, not once between steps: one made in a passing state (the model frozen for
+        # an attack on its inputs, a teacher's pass through functional_call with detached
+        # tensors) hooks the modules for it, and the next forward hooks them back)
         if self._recorder.calls and torch.is_grad_enabled() and not is_replaying():
             self._note_pending_forward()
         if self._recorder.calls or self._recorder.idle or is_replaying():
             return
-        if not torch.is_grad_enabled() or self._checked:
+        if not torch.is_grad_enabled():
             return
-        self._checked = True
         if not self._changed():
             return
         if self._hooked_again():
@@ -1030,7 +1033,9 @@ class Engine:
             "parameters frozen under a rule that covered its children, while calls of a "
             "forward were pending), so not all of its calls were recorded. The Engine has "
             "hooked them again: run the forward again. (It hooks them again at the start of a "
-            "forward of a module given to it when no call is pending.)"
+            "forward of a module given to it when no call is pending.) Where parameters were "
+            "frozen for a part of the forward only (a GAN's critic under the generator's "
+            "loss), give the Engine only the modules that these losses train."
         )
 
     # ----------------------------------------------------------------------------- lifecycle
@@ -1065,7 +1070,6 @@ class Engine:
         """Drop the calls recorded so far (e.g. after grad-enabled forwards you won't use)."""
         self._recorder.take()
         self._pending_forwards = 0
-        self._checked = False
 
     def _note_pending_forward(self) -> None:
         """Count a forward started while earlier ones' calls wait for a step, and warn once
@@ -1723,7 +1727,6 @@ class Engine:
 
     def _checked_losses(self, losses: object) -> tuple[Tensor, Tensor]:
         """``losses`` checked, as given and with their batch first (see :func:`_check_losses`)."""
-        self._checked = False  # (a step, even one that fails: look for a change again)
         if self._removed:
             raise RuntimeError("This Engine was removed; create a new one before the forward.")
         batch_first = _check_losses(losses, self.batch_dim, self._holds_samples)
