@@ -3046,3 +3046,30 @@ def test_a_forward_in_a_passing_state_before_the_step_forward_is_exact(passing: 
                 detached = {name: p.detach().clone() for name, p in model.named_parameters()}
                 inputs, target = X, torch.func.functional_call(model, detached, (X,)).sin()
             assert_exact_gramian(engine, (model(inputs) - target).pow(2).sum(1), params)
+
+
+def test_hooked_modules_run_under_vmap_get_a_refusal_that_names_it() -> None:
+    """A forward that maps the model over the samples with ``torch.func.vmap`` records no
+    call (the outputs carry no graph inside the transform): the refusal said only to create
+    the Engine before the forward; it now names the transform and the way out."""
+    model = _mlp()
+    with Engine(model, batch_dim=0) as engine:
+        losses = torch.func.vmap(model)(X).pow(2).sum(1)
+        match = r"No forward call.*ran under a torch.func transform \(vmap, jvp, grad\)"
+        _assert_refused(engine, losses, list(model.parameters()), match)
+        # (the next step, without the transform, records its calls again)
+        assert_exact_gramian(engine, model(X).pow(2).sum(1), list(model.parameters()))
+
+
+@pytest.mark.parametrize("compile_with", ["script", "trace"])
+def test_a_torchscript_module_is_refused_at_construction(compile_with: str) -> None:
+    """A TorchScript module runs no Python forward hooks: a scripted one crashed the
+    constructor with torch's error, a traced one was refused at the step for "no forward
+    call" without naming TorchScript."""
+    model = _mlp()
+    scripted = torch.jit.script(model) if compile_with == "script" else torch.jit.trace(model, X)
+    with pytest.raises(TypeError, match=r"modules\[0\] is a TorchScript module.*eager module"):
+        Engine(scripted, batch_dim=0)
+    outer = nn.Sequential(scripted)
+    with pytest.raises(TypeError, match=r"modules\[0\]\.0 is a TorchScript module"):
+        Engine(outer, batch_dim=0)

@@ -137,6 +137,13 @@ def _check_modules(modules: tuple[nn.Module, ...], batch_dim: int | None) -> Non
             where = f"modules[{i}]" + (f".{name}" if name else "")
             if type(sub).__name__ == "OptimizedModule" or getattr(sub, "_compiled_call_impl", None):
                 raise ValueError(f"{where} is compiled. {_COMPILE_HINT}")
+            if isinstance(sub, torch.jit.ScriptModule):  # (scripted or traced)
+                raise TypeError(
+                    f"{where} is a TorchScript module (torch.jit.script or torch.jit.trace), "
+                    "which runs no Python forward hooks: the engine could record none of its "
+                    "calls. Give the Engine the eager module (before scripting or tracing), or "
+                    "use jacflow.backward."
+                )
             if any(is_lazy(t) for t in [*sub.parameters(False), *sub.buffers(False)]):
                 raise ValueError(
                     f"{where} is a lazy module whose parameters are not initialised yet: its "
@@ -579,6 +586,13 @@ def _in_place_order(index: Tensor) -> bool:
         return False
     own = torch.arange(index.shape[0], device=index.device)
     return bool((index == own.reshape(-1, *[1] * (index.ndim - 1))).all())
+
+
+_TRANSFORM_HINT = (
+    "The hooked modules ran under a torch.func transform (vmap, jvp, grad) in the forward, "
+    "where their outputs carry no graph that the engine can record: call them outside it (a "
+    "batched forward instead of vmap over samples), or use jacflow.backward."
+)
 
 
 def _check_frozen_during_calls(with_units: list[tuple[Unit, Call]]) -> None:
@@ -1594,6 +1608,7 @@ class Engine:
                 + (f" {_COMPILED_BEFORE_HINT}" if compiled else "")
                 + (f" {_PARAMETER_FEATURE_HINT}" if features is not None else "")
                 + (f" {_functional_use_hint(read)}" if read is not None else "")
+                + (f" {_TRANSFORM_HINT}" if self._recorder.took_under_transform else "")
             )
         for index, unit_calls in recorded.items():
             if index in reached:  # from its first reached call on (calls nested in another

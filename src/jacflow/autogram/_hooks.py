@@ -336,6 +336,9 @@ class Recorder:
         self.coupled: list[tuple[str, Any]] = []
         self.outside: tuple[str, str] | None = None  # (child, unit) of a call outside the unit
         self.fused_rnn = False  # a recurrent layer ran torch's fused kernel (cuDNN, MIOpen)
+        # a hooked module ran under a torch.func transform (vmap, jvp), where no call can be
+        # recorded (its output has no graph there), since the last step; and at that step
+        self.under_transform = self.took_under_transform = False
         self.strided_norm = False  # a GroupNorm ran on a non-contiguous (channels_last) input
         if not idle:
             watch_checkpoints()
@@ -508,6 +511,8 @@ class Recorder:
             return
         if torch.compiler.is_compiling():
             _run_outside_graphs()
+        if torch._C._functorch.maybe_current_level() is not None:
+            self.under_transform = True
         preceded = self._foreign_hook_first(module)
         pending = self._starts.get(id(module)) if replays else None
         start = pending.pop() if pending else None
@@ -593,6 +598,7 @@ class Recorder:
     def take(self) -> list[tuple[int, Call]]:
         """The recorded calls; the record starts afresh."""
         calls, self.calls = self.calls, []
+        self.took_under_transform, self.under_transform = self.under_transform, False
         self.coupled, self.outside = [], None
         self.fused_rnn = self.strided_norm = False
         self._random_mark = random_checkpoints()
