@@ -587,3 +587,30 @@ def test_a_lossy_saved_tensor_hook_is_named_in_the_mismatch() -> None:
             losses = module(x).pow(2).sum(1)
         with pytest.raises(ReplayMismatchError, match=r"saved-tensor hooks.*bfloat16"):
             engine.backward(losses, UPGradWeighting())
+
+
+@pytest.mark.skipif(
+    not hasattr(torch._C._autograd, "_top_saved_tensors_default_hooks"),
+    reason="torch before 2.7 does not tell whether default saved-tensor hooks are active",
+)
+def test_a_step_run_inside_save_on_cpu_is_told_to_leave_it() -> None:
+    """The whole training step inside ``save_on_cpu`` (as in torch's example): the generic
+    rule's re-run runs under its hooks, which torch.func refuses; the refusal said to take
+    them out of the module's forward, though they were around the step. It says to run the
+    step outside them now; the same forward with the step outside is exact."""
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(3, 8), _TanhProduct()).double()
+    x = torch.randn(4, 3, dtype=torch.float64)
+    params = list(module.parameters())
+    with Engine(module, batch_dim=0) as engine:
+        with torch.autograd.graph.save_on_cpu():
+            losses = module(x).pow(2).sum(1)
+            with pytest.raises(
+                RuntimeError, match=r"active around the step .* run the step outside"
+            ):
+                engine.backward(losses, UPGradWeighting())
+        assert all(p.grad is None for p in params)
+        with torch.autograd.graph.save_on_cpu():
+            losses = module(x).pow(2).sum(1)
+        jacobian = reference_jacobian(losses, params)
+        torch.testing.assert_close(engine.compute_gramian(losses), jacobian @ jacobian.T)

@@ -956,6 +956,15 @@ def _unsupported_by_torch_func(module: nn.Module, error: RuntimeError) -> Runtim
     elif "saved tensor hooks" in str(error):
         what = "saved tensor hooks (torch.autograd.graph.saved_tensors_hooks, save_on_cpu)"
         advice = "Take them out of its forward (around the whole forward, they may stay)"
+        # (torch 2.7 and later tell whether default hooks are active)
+        top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+        if top is not None and top(False) is not None:
+            # (active at the step itself: the re-run, made by the step, runs under them)
+            advice = (
+                "They are active around the step (engine.backward or compute_gramian) itself: "
+                "run the step outside the saved_tensors_hooks or save_on_cpu context (around "
+                "the forward alone, they may stay)"
+            )
     else:
         return None
     return RuntimeError(
