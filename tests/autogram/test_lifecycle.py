@@ -3073,3 +3073,45 @@ def test_a_torchscript_module_is_refused_at_construction(compile_with: str) -> N
     outer = nn.Sequential(scripted)
     with pytest.raises(TypeError, match=r"modules\[0\]\.0 is a TorchScript module"):
         Engine(outer, batch_dim=0)
+
+
+@pytest.mark.parametrize("when", ["before the Engine", "after the Engine"])
+def test_a_forward_patched_on_a_registered_class_loses_the_closed_form(
+    when: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``nn.Linear.forward`` patched on the class (or on a subclass after the Engine hooked
+    it) kept Linear's closed form, which assumes ``x @ W^T + b``: a wrong Gramian. Such a
+    module now takes the generic rule, whose re-run follows the patched forward."""
+
+    class Linear(nn.Linear):
+        pass
+
+    def squared(self: nn.Linear, x: Tensor) -> Tensor:
+        return F.linear(x, self.weight * self.weight.abs(), self.bias)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    params = list(model.parameters())
+    if when == "before the Engine":
+        monkeypatch.setattr(nn.Linear, "forward", squared)
+    with Engine(model, batch_dim=0) as engine:
+        if when == "after the Engine":
+            monkeypatch.setattr(Linear, "forward", squared)
+        assert_exact_gramian(engine, model(X).pow(2).sum(1), params)
+
+
+def test_calls_on_a_frozen_model_that_the_losses_do_not_read_are_left_out() -> None:
+    """An attack's forward on the frozen model, recorded (its outputs require grad through the
+    input) but not read by the losses, then the training forward: the refusal of a module
+    frozen during a call looked at every recorded call and refused each step; it looks at the
+    calls the losses read only. (The Engine on a container whose own forward is never called,
+    so that no forward looks for changed modules.)"""
+    model = _mlp()
+    params = list(model.parameters())
+    with Engine(nn.ModuleDict({"net": model}), batch_dim=0) as engine:
+        for _ in range(2):
+            model.requires_grad_(False)
+            x = X.clone().requires_grad_()
+            attack = torch.autograd.grad(model(x).pow(2).sum(), x)[0]
+            model.requires_grad_(True)
+            assert_exact_gramian(engine, model(X + 0.01 * attack.sign()).pow(2).sum(1), params)

@@ -70,6 +70,7 @@ from jacflow.autogram._rules import (
     Rows,
     backward_hooks,
     check_replayed_calls,
+    class_methods,
     find_rule,
     is_replaying,
     methods_set_on,
@@ -595,22 +596,22 @@ _TRANSFORM_HINT = (
 )
 
 
-def _check_frozen_during_calls(with_units: list[tuple[Unit, Call]]) -> None:
-    """Refuse a step whose forward called a hooked module while some of its parameters were
-    frozen (``requires_grad_(False)`` around the call, as for a GAN's discriminator under the
-    generator's loss) that are trainable again now: autograd gives them no gradient from that
-    call, while the closed forms would give every call of the module its share."""
-    for unit, call in with_units:
-        # (the generic rule re-runs the call from its graph, which holds no frozen parameter)
-        if any(p.requires_grad for p in call.frozen) and not isinstance(unit.rule, FallbackRule):
-            raise ValueError(
-                f"{unit.name or type(unit.module).__name__} ({type(unit.module).__name__}) was "
-                "called with parameters frozen (requires_grad=False) during this forward, "
-                "which are trainable again at the step: their gradient from that call is none, "
-                "which the engine's closed forms cannot tell. Give the Engine only the modules "
-                "that these losses train (e.g. Engine(generator) for a generator's step), or "
-                "keep the parameters frozen until the step."
-            )
+def _check_not_frozen_during(unit: Unit, call: Call) -> None:
+    """Refuse a step whose losses read a call of a hooked module made while some of its
+    parameters were frozen (``requires_grad_(False)`` around the call, as for a GAN's
+    discriminator under the generator's loss) that are trainable again now: autograd gives them
+    no gradient from that call, while the closed forms would give every call of the module its
+    share. (Calls that the losses do not read, an attack's on a frozen model, are left out.)"""
+    # (the generic rule re-runs the call from its graph, which holds no frozen parameter)
+    if any(p.requires_grad for p in call.frozen) and not isinstance(unit.rule, FallbackRule):
+        raise ValueError(
+            f"{unit.name or type(unit.module).__name__} ({type(unit.module).__name__}) was "
+            "called with parameters frozen (requires_grad=False) during this forward, "
+            "which are trainable again at the step: their gradient from that call is none, "
+            "which the engine's closed forms cannot tell. Give the Engine only the modules "
+            "that these losses train (e.g. Engine(generator) for a generator's step), or "
+            "keep the parameters frozen until the step."
+        )
 
 
 def _check_weights(weights: object, m: int, weighting: GramianWeighting) -> Tensor:
@@ -975,6 +976,7 @@ class Engine:
                 sub,
                 type(sub),
                 methods_set_on(sub),
+                class_methods(sub),
                 tuple(sub._modules.items()),
                 tuple(
                     (n, id(p), p.requires_grad) for n, p in sub._parameters.items() if p is not None
@@ -1437,7 +1439,6 @@ class Engine:
             )
         # (before the backward: autograd may fail on such a view)
         with_units = [(self._units[index], call) for index, call in calls]
-        _check_frozen_during_calls(with_units)
         _check_strided_inputs(with_units, self.batch_dim)
         _check_hooks_under_view_ops(losses, with_units)
         _check_output_views(losses, with_units)
@@ -1550,6 +1551,7 @@ class Engine:
             _check_batch(unit, call, rows, dims, losses.shape, call_grads)
             _check_versions(call)
             _check_same_parameters(unit, call)
+            _check_not_frozen_during(unit, call)
             call.reached = [g is not None for g in call_grads]
             call.grads = _rows_shaped(call_grads, call, rows, dims)
             reached.setdefault(index, []).append(call)

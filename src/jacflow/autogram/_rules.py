@@ -739,6 +739,9 @@ _RULES: dict[type[nn.Module], Rule] = {}
 _NAMED_RULES: dict[str, Rule] = {}
 # the methods some rule's module type must keep (``forward`` and the rules' delegates)
 _KEPT_METHODS: dict[str, None] = {"forward": None}
+# each registered type's methods that its rule relies on, as they were at its registration
+# (a patch of the type itself, `nn.Linear.forward = ...`, then reads as another computation)
+_ORIGINAL_METHODS: dict[type, dict[str, object]] = {}
 WEIGHT_AND_BIAS = frozenset({"weight", "bias"})
 
 
@@ -827,6 +830,8 @@ def register_rule(module_type: type[nn.Module], rule: Rule) -> None:
     """
     _RULES[module_type] = rule
     _KEPT_METHODS.update(dict.fromkeys(rule.delegates()))
+    names = ("forward", *rule.delegates())
+    _ORIGINAL_METHODS[module_type] = {name: getattr(module_type, name, None) for name in names}
 
 
 def register_named_rule(qualified_name: str, rule: Rule) -> None:
@@ -882,10 +887,20 @@ def find_rule(module: nn.Module) -> Rule | None:
 
 def _keeps_methods(module: nn.Module, klass: type, names: tuple[str, ...]) -> bool:
     """Whether ``module`` runs ``klass``'s own methods ``names``: none set on the instance,
-    none overridden by a subclass."""
+    none overridden by a subclass, none patched on ``klass`` since its rule was registered
+    (a type registered by name: since its first lookup)."""
+    originals = _ORIGINAL_METHODS.setdefault(klass, {n: getattr(klass, n, None) for n in names})
     return not any(name in module.__dict__ for name in names) and all(
-        getattr(type(module), name) is getattr(klass, name) for name in names
+        getattr(type(module), name, None) is originals.get(name, getattr(klass, name, None))
+        for name in names
     )
+
+
+def class_methods(module: nn.Module) -> tuple[object, ...]:
+    """The methods that rules rely on (``forward``, :meth:`Rule.delegates`) as ``module``'s
+    type has them (which the engine watches: patching one changes its rule)."""
+    cls = type(module)
+    return tuple(getattr(cls, name, None) for name in _KEPT_METHODS)
 
 
 def unread_parameters(module: nn.Module, rule: Rule) -> list[str]:
