@@ -70,10 +70,9 @@ from jacflow.autogram._rules import (
     Rows,
     backward_hooks,
     check_replayed_calls,
-    class_methods,
     find_rule,
     is_replaying,
-    methods_set_on,
+    kept_methods,
     multi_grad_hook,
     no_hook,
     replaying,
@@ -967,16 +966,16 @@ class Engine:
         return changed
 
     def _snapshot(self) -> tuple[Any, ...]:
-        """Per module (held, compared by identity): its type, which of the methods the rules
-        rely on its instance has of its own (``forward``, ``_conv_forward``), its children by
+        """Per module (held, compared by identity): its type, the methods the rules rely on
+        (``forward``, ``_conv_forward``) as its type has them and whether its instance has
+        one of its own, its children by
         name, its parameters by name with their flags, and
         its forward pre-hooks (pruning, old weight norms). Equal, no unit changed."""
         return tuple(
             (
                 sub,
                 type(sub),
-                methods_set_on(sub),
-                class_methods(sub),
+                kept_methods(sub),
                 tuple(sub._modules.items()),
                 tuple(
                     (n, id(p), p.requires_grad) for n, p in sub._parameters.items() if p is not None
@@ -1551,7 +1550,8 @@ class Engine:
             _check_batch(unit, call, rows, dims, losses.shape, call_grads)
             _check_versions(call)
             _check_same_parameters(unit, call)
-            _check_not_frozen_during(unit, call)
+            if call.frozen:  # (rare: see the function)
+                _check_not_frozen_during(unit, call)
             call.reached = [g is not None for g in call_grads]
             call.grads = _rows_shaped(call_grads, call, rows, dims)
             reached.setdefault(index, []).append(call)

@@ -847,19 +847,22 @@ def register_named_rule(qualified_name: str, rule: Rule) -> None:
     _KEPT_METHODS.update(dict.fromkeys(rule.delegates()))
 
 
-def methods_set_on(module: nn.Module) -> tuple[str, ...]:
-    """Which methods that a rule relies on (``forward``, :meth:`Rule.delegates`) are set on
-    ``module``'s instance (which the engine watches: setting one changes its rule).
+def kept_methods(module: nn.Module) -> tuple[tuple[object, bool], ...]:
+    """Per method that a rule relies on (``forward``, :meth:`Rule.delegates`): ``module``'s
+    type's, and whether one is set on the instance (which the engine watches: patching or
+    setting one changes its rule).
 
     Example:
         >>> from torch import nn
-        >>> from jacflow.autogram._rules import methods_set_on
+        >>> from jacflow.autogram._rules import kept_methods
         >>> conv = nn.Conv2d(1, 1, 3)
+        >>> before = kept_methods(conv)
         >>> conv._conv_forward = lambda x, w, b: x
-        >>> methods_set_on(conv)
-        ('_conv_forward',)
+        >>> [set_on for (_, set_on) in kept_methods(conv)] != [s for (_, s) in before]
+        True
     """
-    return tuple(name for name in _KEPT_METHODS if name in module.__dict__)
+    cls, own = type(module), module.__dict__
+    return tuple([(getattr(cls, name, None), name in own) for name in _KEPT_METHODS])
 
 
 def find_rule(module: nn.Module) -> Rule | None:
@@ -894,13 +897,6 @@ def _keeps_methods(module: nn.Module, klass: type, names: tuple[str, ...]) -> bo
         getattr(type(module), name, None) is originals.get(name, getattr(klass, name, None))
         for name in names
     )
-
-
-def class_methods(module: nn.Module) -> tuple[object, ...]:
-    """The methods that rules rely on (``forward``, :meth:`Rule.delegates`) as ``module``'s
-    type has them (which the engine watches: patching one changes its rule)."""
-    cls = type(module)
-    return tuple(getattr(cls, name, None) for name in _KEPT_METHODS)
 
 
 def unread_parameters(module: nn.Module, rule: Rule) -> list[str]:
