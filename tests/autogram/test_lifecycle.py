@@ -3026,16 +3026,23 @@ def test_a_generic_module_that_starts_reading_another_weight_is_refused(
 
 
 @pytest.mark.parametrize("passing", ["frozen attack", "teacher through functional_call"])
-def test_a_forward_in_a_passing_state_before_the_step_forward_is_exact(passing: str) -> None:
+def test_a_forward_in_a_passing_state_before_the_step_forward_is_exact(
+    passing: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A grad-enabled forward made in a passing state before the training forward (the
     model frozen for an attack on its inputs; a teacher's pass through ``functional_call``
     with detached tensors) hooked the modules for that state at the one look between steps,
     and every step was then refused ("run the forward again"). The look is made at every
-    grad-enabled forward with no call pending: each step is the brute force's."""
+    grad-enabled forward with no call pending: each step is the brute force's, and the
+    checks made once per pattern (the probe of the samples' separation) are not made again
+    when the modules are hooked back to a layout seen before."""
     model = _mlp()
     params = list(model.parameters())
+    probes: list[int] = []
+    check = engine_module._check_separable
+    monkeypatch.setattr(engine_module, "_check_separable", lambda *a: probes.append(1) or check(*a))
     with Engine(model, batch_dim=0) as engine:
-        for _ in range(2):
+        for _ in range(3):
             if passing == "frozen attack":
                 model.requires_grad_(False)
                 x = X.clone().requires_grad_()
@@ -3046,6 +3053,7 @@ def test_a_forward_in_a_passing_state_before_the_step_forward_is_exact(passing: 
                 detached = {name: p.detach().clone() for name, p in model.named_parameters()}
                 inputs, target = X, torch.func.functional_call(model, detached, (X,)).sin()
             assert_exact_gramian(engine, (model(inputs) - target).pow(2).sum(1), params)
+    assert len(probes) == 1
 
 
 def test_hooked_modules_run_under_vmap_get_a_refusal_that_names_it() -> None:
@@ -3073,6 +3081,10 @@ def test_a_torchscript_module_is_refused_at_construction(compile_with: str) -> N
     outer = nn.Sequential(scripted)
     with pytest.raises(TypeError, match=r"modules\[0\]\.0 is a TorchScript module"):
         Engine(outer, batch_dim=0)
+    # (one without a trainable parameter is no unit: the model around it is exact, as before)
+    model = nn.Sequential(nn.Linear(3, 4), torch.jit.script(nn.Tanh()), nn.Linear(4, 2)).double()
+    with Engine(model, batch_dim=0) as engine:
+        assert_exact_gramian(engine, model(X).pow(2).sum(1), list(model.parameters()))
 
 
 @pytest.mark.parametrize("when", ["before the Engine", "after the Engine"])

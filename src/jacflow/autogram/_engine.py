@@ -137,7 +137,9 @@ def _check_modules(modules: tuple[nn.Module, ...], batch_dim: int | None) -> Non
             where = f"modules[{i}]" + (f".{name}" if name else "")
             if type(sub).__name__ == "OptimizedModule" or getattr(sub, "_compiled_call_impl", None):
                 raise ValueError(f"{where} is compiled. {_COMPILE_HINT}")
-            if isinstance(sub, torch.jit.ScriptModule):  # (scripted or traced)
+            # (scripted or traced, with a trainable parameter: one without is no unit's)
+            scripted = isinstance(sub, torch.jit.ScriptModule)
+            if scripted and any(p.requires_grad for p in sub.parameters()):
                 raise TypeError(
                     f"{where} is a TorchScript module (torch.jit.script or torch.jit.trace), "
                     "which runs no Python forward hooks: the engine could record none of its "
@@ -650,6 +652,14 @@ class TaskLayout(NamedTuple):
     row_by_row: bool = False
 
 
+_MAX_LAYOUTS = 4  # (the layouts whose checked patterns are kept)
+
+
+def _layout_key(layout: list[tuple[nn.Module, type, frozenset[str]]]) -> tuple[Any, ...]:
+    """A hashable key of a layout of units (its modules, held by the engine, by identity)."""
+    return tuple((id(module), rule, names) for module, rule, names in layout)
+
+
 def _layout(units: list[Unit]) -> list[tuple[nn.Module, type, frozenset[str]]]:
     """Each unit's module (held: its id stays its own), rule type and trainable parameters'
     names: another layout calls for hooking the modules again (a parameter added to a hooked
@@ -880,6 +890,8 @@ class Engine:
         # (and, per sample, those whose losses read each output at its own sample only)
         self._separable_checked: set[tuple[Pattern, int, tuple[bool, ...]]] = set()
         self._hook_error: Exception | None = None  # (of hooking them again at a forward)
+        # (the sets above of the other layouts of units hooked before, see _hook_modules)
+        self._checked_by_layout: dict[tuple[Any, ...], tuple[set[Any], set[Any]]] = {}
         # (a step's forward ran with parameters frozen since: hooked again after the step)
         self._frozen_since_hooked = False
         self._pending_forwards = 0  # (see _note_pending_forward)
@@ -912,9 +924,18 @@ class Engine:
         self._recorder.remove()
         self._units = units
         self._step_names = None
+        # (the patterns checked hold for a layout of units: kept for one hooked again later, as
+        # the model's after a frozen attack's or a functional_call teacher's forward)
+        if len(self._checked_by_layout) >= _MAX_LAYOUTS:
+            self._checked_by_layout.clear()
+        self._checked_by_layout[_layout_key(self._layout)] = (
+            self._outside_checked,
+            self._separable_checked,
+        )
         self._layout = _layout(units)
-        self._outside_checked.clear()
-        self._separable_checked.clear()
+        self._outside_checked, self._separable_checked = self._checked_by_layout.pop(
+            _layout_key(self._layout), (set(), set())
+        )
         self._hook_error = None
         for index, unit in enumerate(self._units):
             self._recorder.hook(index, unit)
