@@ -539,11 +539,15 @@ def _moves(order: Tensor, permutations_only: bool, batch: int) -> bool:
 
 
 def _elementwise_of_one(node: Any, axis: int) -> bool:
-    """Whether autograd's ``node`` is an elementwise operation of one tensor, the steps that
-    the walks take elsewhere than along dimension 0 (``axis``), where positions along the
-    other dimensions are not followed."""
-    if not axis or type(node).__name__ not in _ELEMENTWISE_NODES:
+    """Whether autograd's ``node`` is an elementwise operation of one tensor, or a slice along
+    another dimension than ``axis`` (torch 2.6 to 2.8 record a whole one for ``x[:, p]``): the
+    steps that the walks take elsewhere than along dimension 0 (``axis``), where positions
+    along the other dimensions are not followed."""
+    name = type(node).__name__
+    if not axis or (name not in _ELEMENTWISE_NODES and name != "SliceBackward0"):
         return False
+    if name == "SliceBackward0":
+        return _signed(node._saved_dim) % len(node._saved_self_sym_sizes) != axis
     return sum(n is not None for n, _ in node.next_functions) == 1
 
 
