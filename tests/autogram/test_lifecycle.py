@@ -3075,14 +3075,21 @@ def test_a_torchscript_module_is_refused_at_construction(compile_with: str) -> N
     constructor with torch's error, a traced one was refused at the step for "no forward
     call" without naming TorchScript."""
     model = _mlp()
-    scripted = torch.jit.script(model) if compile_with == "script" else torch.jit.trace(model, X)
+    with warnings.catch_warnings():  # (torch 2.14 deprecates TorchScript, trace_method too)
+        warnings.simplefilter("ignore", FutureWarning)
+        scripted = (
+            torch.jit.script(model) if compile_with == "script" else torch.jit.trace(model, X)
+        )
     with pytest.raises(TypeError, match=r"modules\[0\] is a TorchScript module.*eager module"):
         Engine(scripted, batch_dim=0)
     outer = nn.Sequential(scripted)
     with pytest.raises(TypeError, match=r"modules\[0\]\.0 is a TorchScript module"):
         Engine(outer, batch_dim=0)
     # (one without a trainable parameter is no unit: the model around it is exact, as before)
-    model = nn.Sequential(nn.Linear(3, 4), torch.jit.script(nn.Tanh()), nn.Linear(4, 2)).double()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        activation = torch.jit.script(nn.Tanh())
+    model = nn.Sequential(nn.Linear(3, 4), activation, nn.Linear(4, 2)).double()
     with Engine(model, batch_dim=0) as engine:
         assert_exact_gramian(engine, model(X).pow(2).sum(1), list(model.parameters()))
 
