@@ -660,8 +660,9 @@ _MAX_LAYOUTS = 4  # (the layouts whose checked patterns are kept)
 
 
 def _layout_key(layout: list[tuple[nn.Module, type, frozenset[str]]]) -> tuple[Any, ...]:
-    """A hashable key of a layout of units (its modules, held by the engine, by identity)."""
-    return tuple((id(module), rule, names) for module, rule, names in layout)
+    """A hashable key of a layout of units, its modules by weak reference: it keeps none of
+    them alive, and one collected never matches a new module that takes its ``id``."""
+    return tuple((weakref.ref(module), rule, names) for module, rule, names in layout)
 
 
 def _layout(units: list[Unit]) -> list[tuple[nn.Module, type, frozenset[str]]]:
