@@ -349,7 +349,7 @@ def _check_not_ordered_by_value(losses: Tensor, holds_samples: Callable[[Any], b
         before = _axis_before(node, axis)
         if before is not None:
             frontier.append((node.next_functions[0][0], beside, columns, before))
-        elif axis:  # (elsewhere than dimension 0: followed through one-tensor elementwise ops)
+        elif axis:  # (elsewhere than dimension 0: followed through _passes_along's steps only)
             inputs = [n for n, _ in node.next_functions if n is not None]
             if _positions_along_batch(node, batch, axis) is not None:
                 chain = _reordering_chain(node, batch, beside, axis=axis)
@@ -357,7 +357,7 @@ def _check_not_ordered_by_value(losses: Tensor, holds_samples: Callable[[Any], b
                     raise _reordered_losses()
                 if chain.after is not None:  # (each entry back at its place: walked on)
                     frontier.append((chain.after, beside, columns, axis))
-            elif _elementwise_of_one(node, axis):
+            elif _passes_along(node, axis):
                 frontier.append((inputs[0], beside, columns, axis))
         elif _keeps_positions(node):
             inputs = [n for n, _ in node.next_functions if n is not None]
@@ -501,7 +501,7 @@ def _reordering_chain(
     reordering of a matrix's rows ends the chain (its rows are not followed further), and one
     after a slice of its columns (``columns_sliced``) is not judged: only the kept columns'
     order would count, which is not followed. Between two reorderings elsewhere than along
-    dimension 0, only one-tensor elementwise operations are looked through."""
+    dimension 0, only the steps of :func:`_passes_along` are looked through."""
     order: Tensor | None = None  # (positions in the chain's input of the losses' entries)
     looked_at = 0
     while looked_at < _MAX_LOOKED_AT:
@@ -511,7 +511,7 @@ def _reordering_chain(
             columns_sliced = columns_sliced or _slices_columns(node)
             node = inputs[0]  # (between two reorderings: ``(2 * x[p])[q]``)
             continue
-        if _elementwise_of_one(node, axis):
+        if _passes_along(node, axis):
             node = inputs[0]
             continue
         positions = _positions_along_batch(node, batch, axis)
@@ -538,11 +538,11 @@ def _moves(order: Tensor, permutations_only: bool, batch: int) -> bool:
     return not _in_place_order(order) and (not permutations_only or _permutation(order, batch))
 
 
-def _elementwise_of_one(node: Any, axis: int) -> bool:
-    """Whether autograd's ``node`` is an elementwise operation of one tensor, or a slice along
-    another dimension than ``axis`` (torch 2.6 to 2.8 record a whole one for ``x[:, p]``): the
-    steps that the walks take elsewhere than along dimension 0 (``axis``), where positions
-    along the other dimensions are not followed."""
+def _passes_along(node: Any, axis: int) -> bool:
+    """Whether autograd's ``node`` leaves each entry at its position along ``axis`` (not 0):
+    an elementwise operation of one tensor, or a slice along another dimension (torch 2.6 to
+    2.8 record a whole one for ``x[:, p]``). The walks take only these steps there, where
+    positions along the other dimensions are not followed."""
     name = type(node).__name__
     if not axis or (name not in _ELEMENTWISE_NODES and name != "SliceBackward0"):
         return False
@@ -811,9 +811,8 @@ class Engine:
             stays their dimension 0. The Gramian's rows and the weights follow
             ``losses.flatten()`` whatever ``d``, as TorchJD's do. An empty batch is refused
             (skip its step), where ``jacflow.backward`` takes the zero step. ``None``: no such
-            structure
-            (e.g. one loss per task on a shared trunk); one batched backward over the ``m``
-            losses.
+            structure (e.g. one loss per task on a shared trunk); one batched backward over the
+            ``m`` losses.
         ddp: the ``DistributedDataParallel`` wrapping the model, when the modules given are
             inside it (e.g. its trunk; a wrapper among the modules given is found). DDP averages
             the replicas' gradients in hooks of ``backward``, which the engine's step does not
@@ -993,10 +992,9 @@ class Engine:
 
     def _snapshot(self) -> tuple[Any, ...]:
         """Per module (held, compared by identity): its type, the methods the rules rely on
-        (``forward``, ``_conv_forward``) as its type has them and whether its instance has
-        one of its own, its children by
-        name, its parameters by name with their flags, and
-        its forward pre-hooks (pruning, old weight norms). Equal, no unit changed."""
+        (``forward``, ``_conv_forward``) as its type has them and whether its instance has one
+        of its own, its children by name, its parameters by name with their flags, and its
+        forward pre-hooks (pruning, old weight norms). Equal, no unit changed."""
         return tuple(
             (
                 sub,
@@ -2218,14 +2216,13 @@ def _check_separable(
         keep = retain_graph or index < len(probes) - 1
         # (in a function: its gradients are freed when it returns, before the next backward;
         # held by this loop's variables, two probes' were alive at once)
-        leak = _probe_leak(
+        leak, sure = _probe_leak(
             losses, calls, edges, cotangents[index : index + 1], probe, keep, samples
         )
-        if leak is None:
-            conclusive = False
-        elif leak:
+        if leak is not None:
             unit, call, position = leak
             raise _separation_error(unit, call, position, num_samples, losses)
+        conclusive = conclusive and sure
     return conclusive
 
 
@@ -2237,13 +2234,13 @@ def _probe_leak(
     probe: list[int],
     keep: bool,
     samples: list[list[Tensor | None]],
-) -> tuple[Unit, Call, int] | tuple[()] | None:
+) -> tuple[tuple[Unit, Call, int] | None, bool]:
     """The first ``(unit, call, output position)`` whose output the losses of ``probe``'s
-    samples read at another sample (from one probing backward along ``cotangent``); else
-    ``()``, or ``None`` where an output gave no verdict (see :func:`leaks`)."""
+    samples read at another sample (from one probing backward along ``cotangent``), or
+    ``None``; and whether every output gave a verdict (see :func:`leaks`)."""
     with replaying(), _selective_checkpoint_hint():
         grads = pull_back([losses], edges, cotangent, True, keep, row_by_row=True)
-    cursor, unsure = 0, False
+    cursor, sure = 0, True
     for (unit, call, dims), call_samples in zip(calls, samples, strict=True):
         call_grads = _at_outputs(call, grads[cursor : cursor + len(call.edges)])
         cursor += len(call.edges)
@@ -2253,9 +2250,9 @@ def _probe_leak(
                 continue
             verdict = leaks(rows[0], 0 if dim is None else dim, probe, known)
             if verdict:
-                return unit, call, position
-            unsure = unsure or verdict is None
-    return None if unsure else ()
+                return (unit, call, position), sure
+            sure = sure and verdict is not None
+    return None, sure
 
 
 def _row_samples(

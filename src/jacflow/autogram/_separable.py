@@ -71,8 +71,8 @@ def leaks(
     ``dim``, is nonzero at a finite entry of a sample outside ``samples``; ``None`` (no
     verdict) where it is zero at every finite entry there and some entry there is not finite
     (the step propagates NaN as it is; a later step probes again). ``row_samples``: for an
-    output without a batch
-    dimension (a packed sequence's data), the sample of each of its entries along ``dim``.
+    output without a batch dimension (a packed sequence's data), the sample of each of its
+    entries along ``dim``.
 
     Example:
         >>> import torch
