@@ -830,8 +830,7 @@ def register_rule(module_type: type[nn.Module], rule: Rule) -> None:
     """
     _RULES[module_type] = rule
     _KEPT_METHODS.update(dict.fromkeys(rule.delegates()))
-    names = ("forward", *rule.delegates())
-    _ORIGINAL_METHODS[module_type] = {name: getattr(module_type, name, None) for name in names}
+    _ORIGINAL_METHODS[module_type] = _methods_of(module_type, ("forward", *rule.delegates()))
 
 
 def register_named_rule(qualified_name: str, rule: Rule) -> None:
@@ -892,11 +891,16 @@ def _keeps_methods(module: nn.Module, klass: type, names: tuple[str, ...]) -> bo
     """Whether ``module`` runs ``klass``'s own methods ``names``: none set on the instance,
     none overridden by a subclass, none patched on ``klass`` since its rule was registered
     (a type registered by name: since its first lookup)."""
-    originals = _ORIGINAL_METHODS.setdefault(klass, {n: getattr(klass, n, None) for n in names})
+    originals = _ORIGINAL_METHODS.setdefault(klass, _methods_of(klass, names))
     return not any(name in module.__dict__ for name in names) and all(
         getattr(type(module), name, None) is originals.get(name, getattr(klass, name, None))
         for name in names
     )
+
+
+def _methods_of(klass: type, names: tuple[str, ...]) -> dict[str, object]:
+    """``klass``'s attributes ``names`` (``None`` where it has none)."""
+    return {name: getattr(klass, name, None) for name in names}
 
 
 def unread_parameters(module: nn.Module, rule: Rule) -> list[str]:
