@@ -622,7 +622,9 @@ def _engine_step(
     # other losses do not reach it, and that of all the losses is the same)
     explicit = tasks_params is not None or shared_params is not None
     if explicit:  # (a task parameter that its tasks' losses do not reach is left as it is)
-        heads = _reached_heads(losses, features, heads)
+        # (the default shared parameters are the leaves behind the features: not walked again)
+        behind = shared if shared_params is None else leaf_tensors(features)
+        heads = _reached_heads(losses, features, heads, behind)
     layout = TaskLayout(_task_rows(heads) if explicit else {}, shared, features, chunk_size == 1)
     stacked = torch.stack([loss.reshape(()) for loss in losses])
     retaining = _retaining(features, shared)
@@ -659,15 +661,18 @@ def _check_engine_params_shared(
 
 
 def _reached_heads(
-    losses: tuple[Tensor, ...], features: tuple[Tensor, ...], heads: list[tuple[Tensor, ...]]
+    losses: tuple[Tensor, ...],
+    features: tuple[Tensor, ...],
+    heads: list[tuple[Tensor, ...]],
+    behind: tuple[Tensor, ...],
 ) -> list[tuple[Tensor, ...]]:
     """Each task's parameters that its loss may reach: in its head (a walk that stops at
-    ``features``), or behind the features (a projection between the engine's modules and the
-    features listed as a task's). The engine's backward, batched over the tasks, gives the
-    others a zero gradient where torch, and the route without the engine, leave their
-    ``.grad`` as it is."""
-    behind = {id(p) for p in leaf_tensors(features)}
-    reached = [behind | {id(p) for p in leaf_tensors([loss], exclude=features)} for loss in losses]
+    ``features``), or ``behind`` the features (their leaves: a projection between the
+    engine's modules and the features listed as a task's). The engine's backward, batched
+    over the tasks, gives the others a zero gradient where torch, and the route without the
+    engine, leave their ``.grad`` as it is."""
+    ids = {id(p) for p in behind}
+    reached = [ids | {id(p) for p in leaf_tensors([loss], exclude=features)} for loss in losses]
     return [tuple(p for p in ps if id(p) in r) for ps, r in zip(heads, reached, strict=True)]
 
 
