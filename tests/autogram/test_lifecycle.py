@@ -1795,21 +1795,28 @@ def test_unfrozen_parameters_are_hooked(frozen: str, batch_dim: int | None) -> N
     torch.testing.assert_close(got, expected)
 
 
-def test_parameters_unfrozen_between_forward_and_step_are_refused() -> None:
-    """Unfrozen after the forward, too late to hook its calls: refused before anything is
-    written, and the next forward is hooked again and exact."""
+def test_parameters_unfrozen_between_forward_and_step() -> None:
+    """Unfrozen after the forward, which they took no part in: the step is autograd's, with
+    no gradient for them (it was refused), and the next forward is hooked again and exact."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3)).double()
     model[0].requires_grad_(False)
     engine = Engine(model, batch_dim=0)
     x = torch.randn(5, 4, dtype=torch.float64)
-    out = model(x)
+    forward = lambda: model(x).pow(2).sum(1)  # noqa: E731
+    losses = forward()
     model[0].requires_grad_(True)
-    with pytest.raises(ValueError, match="modules changed since it hooked them"):
-        engine.backward(out.pow(2).sum(1), UPGradWeighting())
-    assert all(p.grad is None for p in model.parameters())
-    losses = model(x).pow(2).sum(1)
-    assert_exact_gramian(engine, losses, list(model.parameters()))
+    assert_exact_gramian(engine, losses, list(model[2].parameters()))
+    model[0].requires_grad_(False)
+    losses = forward()
+    model[0].requires_grad_(True)
+    expected = reference_jacobian(losses, list(model[2].parameters()))
+    weights = engine.backward(losses, UPGradWeighting())
+    assert all(p.grad is None for p in model[0].parameters())
+    actual = torch.cat([p.grad.flatten() for p in model[2].parameters()])  # type: ignore[union-attr]
+    torch.testing.assert_close(actual, weights @ expected)
+    model.zero_grad(set_to_none=True)
+    assert_exact_step(engine, forward, list(model.parameters()))
     copy.deepcopy(model)(x)  # (a copy of the hooked model carries no engine)
 
 
@@ -2052,9 +2059,9 @@ class _Backbone(nn.Module):
 def test_unfrozen_after_a_step_that_froze_parameters_of_its_forward() -> None:
     """A step that takes parameters frozen after its forward hooks the modules again at its
     end, also where no forward would (an ``nn.ModuleList`` whose modules the loop calls): a
-    module frozen during the next forward and unfrozen before its step is refused, as without
-    the first freeze (with the old hooks it was taken, its share of the Gramian read through
-    a graph that has none), and the step after it is exact."""
+    module frozen during the next forward and unfrozen before its step gets no gradient from
+    it, as from autograd (with the old hooks its share of the Gramian was read through a graph
+    that has none; then it was refused), and the step after it is exact."""
     torch.manual_seed(0)
     model = nn.ModuleList([nn.Linear(4, 8), nn.Tanh(), Scale(8), nn.Linear(8, 3)]).double()
     engine = Engine(model, batch_dim=0)
@@ -2072,9 +2079,7 @@ def test_unfrozen_after_a_step_that_froze_parameters_of_its_forward() -> None:
     model.zero_grad()
     losses = losses_of()
     model[2].requires_grad_(True)
-    with pytest.raises(ValueError, match="modules changed since it hooked them"):
-        engine.backward(losses, MeanWeighting())
-    assert all(p.grad is None for p in model.parameters())
+    assert_exact_gramian(engine, losses, [p for i in (0, 3) for p in model[i].parameters()])
     assert_exact_step(engine, losses_of, list(model.parameters()))
 
 
@@ -2880,40 +2885,62 @@ def test_the_reordering_check_never_accepts_a_reordered_batch(ops: list[str]) ->
 
 
 class _Critic(nn.Module):
-    """A generator and a critic in one model; the critic frozen around its call in the
-    generator's loss (the usual GAN toggle), trainable again after it unless told not to."""
+    """A generator and a critic in one model; the critic (or its weight only) frozen around
+    its call in the generator's loss (the usual GAN toggle), trainable again after it unless
+    told not to."""
 
-    def __init__(self, unfreeze: bool) -> None:
+    def __init__(self, unfreeze: bool, part: str = "critic") -> None:
         super().__init__()
         self.generator, self.critic = nn.Linear(3, 4).double(), nn.Linear(4, 2).double()
-        self.unfreeze = unfreeze
+        self.unfreeze, self.part = unfreeze, part
 
     def forward(self, x: Tensor) -> Tensor:
         fake = torch.tanh(self.generator(x))
-        self.critic.requires_grad_(False)
-        out = self.critic(fake)
-        self.critic.requires_grad_(self.unfreeze)
+        frozen = self.critic if self.part == "critic" else self.critic.weight
+        frozen.requires_grad_(False)
+        out = self.critic(fake) + self.critic(x[:, :1].expand(-1, 4))
+        frozen.requires_grad_(self.unfreeze)
         return out
 
 
 @pytest.mark.parametrize("batch_dim", [0, None])
-def test_a_module_frozen_for_its_call_only_is_refused(batch_dim: int | None) -> None:
-    """A closed-form module frozen around its call and trainable at the step: autograd gives
-    its parameters no gradient from that call, the closed form gave them one (a wrong Gramian
-    and a ``.grad`` on the critic). Refused, naming the module; kept frozen to the step, the
-    step is exact (its parameters left out)."""
+@pytest.mark.parametrize("unfreeze", [True, False])
+def test_a_module_frozen_for_its_call_only(batch_dim: int | None, unfreeze: bool) -> None:
+    """A closed-form module frozen around its calls and trainable again at the step (or not):
+    autograd gives its parameters no gradient from those calls. Its closed form gave them one
+    (a wrong Gramian and a ``.grad`` on the critic); then the step was refused. Now those
+    calls are left out, as autograd leaves them."""
     torch.manual_seed(0)
-    model = _Critic(unfreeze=True)
+    model = _Critic(unfreeze=unfreeze)
+    params = list(model.generator.parameters())
+    with Engine(model, batch_dim=batch_dim) as engine:
+
+        def forward() -> Tensor:
+            out = model(X).pow(2)
+            return out.sum(1) if batch_dim == 0 else out.mean(0)
+
+        assert_exact_step(engine, forward, params)
+    assert all(p.grad is None for p in model.critic.parameters())
+
+
+@pytest.mark.parametrize("batch_dim", [0, None])
+def test_a_module_partly_frozen_for_its_call_only_is_refused(batch_dim: int | None) -> None:
+    """A module with some of its parameters frozen around its call and trainable again at the
+    step: the closed forms cannot leave out a part of a call's parameters. Refused, naming the
+    module; kept frozen to the step, the step is exact (the frozen ones left out)."""
+    torch.manual_seed(0)
+    model = _Critic(unfreeze=True, part="weight")
     with Engine(model, batch_dim=batch_dim) as engine:
         out = model(X).pow(2)
         losses = out.sum(1) if batch_dim == 0 else out.mean(0)
-        match = r"_Critic.critic \(Linear\) was called with parameters frozen.*Engine\(generator\)"
+        match = r"_Critic.critic \(Linear\) was called with some of its parameters frozen"
         _assert_refused(engine, losses, list(model.parameters()), match)
-    model = _Critic(unfreeze=False)
+    model = _Critic(unfreeze=False, part="weight")
     with Engine(model, batch_dim=batch_dim) as engine:
         out = model(X).pow(2)
         losses = out.sum(1) if batch_dim == 0 else out.mean(0)
-        assert_exact_gramian(engine, losses, list(model.generator.parameters()))
+        params = [*model.generator.parameters(), model.critic.bias]
+        assert_exact_gramian(engine, losses, params)
 
 
 class _Centred(nn.Module):
@@ -3134,3 +3161,44 @@ def test_calls_on_a_frozen_model_that_the_losses_do_not_read_are_left_out() -> N
             attack = torch.autograd.grad(model(x).pow(2).sum(), x)[0]
             model.requires_grad_(True)
             assert_exact_gramian(engine, model(X + 0.01 * attack.sign()).pow(2).sum(1), params)
+
+
+@pytest.mark.parametrize("batch_dim", [0, None])
+def test_a_gan_loop_with_one_engine_on_both_networks(batch_dim: int | None) -> None:
+    """``Engine(generator, critic)``: the critic's step, then the generator's with the critic
+    frozen for its forward and trainable again before the step (the order of many GAN loops).
+    The generator's step was refused at every iteration ("modules changed"); it is
+    autograd's now, the critic left alone. Unfrozen in the middle of the forward and called
+    trainable, the critic's calls were not recorded: still refused."""
+    torch.manual_seed(0)
+    generator = nn.Sequential(nn.Linear(3, 6), nn.Tanh(), nn.Linear(6, 4)).double()
+    critic = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 1)).double()
+    engine = Engine(generator, critic, batch_dim=batch_dim)
+    z, real = torch.randn(4, 3, dtype=torch.float64), torch.randn(4, 4, dtype=torch.float64)
+
+    def reduced(per_sample: Tensor) -> Tensor:
+        return per_sample if batch_dim == 0 else torch.stack([per_sample.sum(), per_sample[0]])
+
+    def critic_losses() -> Tensor:
+        fake = generator(z).detach()
+        return reduced((critic(real) - 1).pow(2).squeeze(1) + critic(fake).pow(2).squeeze(1))
+
+    def generator_losses() -> Tensor:
+        critic.requires_grad_(False)
+        losses = reduced((critic(generator(z)) - 1).pow(2).squeeze(1))
+        critic.requires_grad_(True)
+        return losses
+
+    generator_params, critic_params = list(generator.parameters()), list(critic.parameters())
+    for _ in range(2):
+        assert_exact_step(engine, critic_losses, critic_params)
+        assert all(p.grad is None for p in generator_params)
+        critic.zero_grad(set_to_none=True)
+        assert_exact_step(engine, generator_losses, generator_params)
+        assert all(p.grad is None for p in critic_params)
+        generator.zero_grad(set_to_none=True)
+    critic.requires_grad_(False)
+    fake = generator(z)
+    critic.requires_grad_(True)
+    losses = reduced((critic(fake) - 1).pow(2).squeeze(1))
+    _assert_refused(engine, losses, generator_params + critic_params, "modules changed since")

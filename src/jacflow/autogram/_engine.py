@@ -603,19 +603,21 @@ _TRANSFORM_HINT = (
 
 def _check_not_frozen_during(unit: Unit, call: Call) -> None:
     """Refuse a step whose losses read a call of a hooked module made while some of its
-    parameters were frozen (``requires_grad_(False)`` around the call, as for a GAN's
-    discriminator under the generator's loss) that are trainable again now: autograd gives them
-    no gradient from that call, while the closed forms would give every call of the module its
-    share. (Calls that the losses do not read, an attack's on a frozen model, are left out.)"""
+    parameters were frozen (``requires_grad_(False)`` around the call) that are trainable again
+    now: autograd gives them no gradient from that call, while the closed forms would give
+    every call of the module its share. (A call with all of them frozen, a GAN's critic under
+    the generator's loss, is left out of the step; so are calls that the losses do not read,
+    an attack's on a frozen model.)"""
     # (the generic rule re-runs the call from its graph, which holds no frozen parameter)
     if any(p.requires_grad for p in call.frozen) and not isinstance(unit.rule, FallbackRule):
         raise ValueError(
             f"{unit.name or type(unit.module).__name__} ({type(unit.module).__name__}) was "
-            "called with parameters frozen (requires_grad=False) during this forward, "
-            "which are trainable again at the step: their gradient from that call is none, "
-            "which the engine's closed forms cannot tell. Give the Engine only the modules "
-            "that these losses train (e.g. Engine(generator) for a generator's step), or "
-            "keep the parameters frozen until the step."
+            "called with some of its parameters frozen (requires_grad=False) during this "
+            "forward, which are trainable again at the step: their gradient from that call "
+            "is none, which the engine's closed forms cannot tell for a part of a module's "
+            "parameters. Freeze all of the module's parameters around the call (such a call "
+            "is left out of the step), keep them frozen until the step, or give the Engine "
+            "only the modules that these losses train."
         )
 
 
@@ -736,9 +738,10 @@ class Engine:
     rule, the uses inside its calls are its own). Frozen parameters
     (``requires_grad=False``) are left out, also those frozen between a forward and its step;
     a module unfrozen later (a backbone after a warm-up) is hooked at the next forward of the
-    given modules with no call pending. A module frozen around one of its calls only and
-    trainable at the step (a GAN's critic under the generator's loss) is refused: give the
-    Engine the modules that the losses train.
+    given modules with no call pending. As with autograd, parameters frozen during a call, or
+    during the whole forward and unfrozen before the step (a GAN's critic under the
+    generator's loss), get nothing from it: such calls are left out. A module with only some
+    of its parameters frozen around a call and trainable at the step is refused.
 
     Per sample, the first step of each pattern of recorded calls (the hooked modules called, and
     the losses' graph around their calls) and batch size checks that every loss reads the hooked
@@ -896,8 +899,9 @@ class Engine:
         self._hook_error: Exception | None = None  # (of hooking them again at a forward)
         # (the sets above of the other layouts of units hooked before, see _hook_modules)
         self._checked_by_layout: dict[tuple[Any, ...], tuple[set[Any], set[Any]]] = {}
-        # (a step's forward ran with parameters frozen since: hooked again after the step)
-        self._frozen_since_hooked = False
+        # (a step's forward ran with the modules changed since, its calls still exact (see
+        # _calls_still_exact): hooked again after the step)
+        self._hook_after_step = False
         self._pending_forwards = 0  # (see _note_pending_forward)
         self._warned_pending = False
         # (DistributedDataParallel wrappers: the step takes their averaging over the replicas)
@@ -1010,17 +1014,27 @@ class Engine:
             for sub in root.modules()
         )
 
-    def _only_frozen(self) -> bool:
-        """Whether the modules changed since they were hooked only by parameters frozen: the
-        units found now are the hooked ones less their frozen parameters (and those left with
-        none), and the layers watched are the same. The calls recorded then give the exact
-        step without them (a unit reads its trainable parameters at the step)."""
+    def _calls_still_exact(self, losses: Tensor) -> bool:
+        """Whether the modules changed since they were hooked only in ways that leave the calls
+        recorded exact for ``losses``: parameters frozen (the units found now are the hooked
+        ones less those, and those left with none), and modules not hooked then made trainable
+        whose parameters ``losses`` do not reach (frozen for the forward, as a GAN's critic for
+        the generator's, and unfrozen before the step: autograd gives them no gradient); the
+        layers watched the same. A unit reads its trainable parameters at the step."""
         try:
             units = find_units(self._modules)
         except ValueError:
             return False
-        narrowed = _narrowed(self._units, self._layout)
-        return _layout(units) == narrowed and self._to_watch() == self._watched
+        hooked = {id(module) for module, _, _ in self._layout}
+        kept = [unit for unit in units if id(unit.module) in hooked]
+        if _layout(kept) != _narrowed(self._units, self._layout):
+            return False
+        if self._to_watch() != self._watched:
+            return False
+        added = [p for u in units if id(u.module) not in hooked for p in u.params().values()]
+        nodes = (get_gradient_edge(p).node for p in added)
+        targets: dict[int, tuple[str, object]] = {id(node): ("", node) for node in nodes}
+        return not targets or first_reached(losses, targets) is None
 
     def _rehook_if_changed(self, module: nn.Module, args: Any) -> None:
         # (not with calls pending, whose units would change: the step refuses them instead;
@@ -1049,15 +1063,16 @@ class Engine:
             return False
         return True
 
-    def _check_unchanged(self) -> None:
+    def _check_unchanged(self, losses: Tensor) -> None:
         """Refuse a step whose forward ran with the modules changed since they were hooked
         (its calls were not all recorded), after hooking them again for the next forward. One
-        that only froze parameters is not refused: the step hooks them again at its end (its
+        whose changes leave the calls exact (parameters frozen, or modules made trainable that
+        the losses do not reach) is not refused: the step hooks them again at its end (its
         calls taken, none is pending then)."""
         if not self._changed():
             return
-        if self._only_frozen():
-            self._frozen_since_hooked = True
+        if self._calls_still_exact(losses):
+            self._hook_after_step = True
             return
         error = self._hook_error
         try:
@@ -1073,8 +1088,8 @@ class Engine:
             "forward were pending), so not all of its calls were recorded. The Engine has "
             "hooked them again: run the forward again. (It hooks them again at the start of a "
             "forward of a module given to it when no call is pending.) Where parameters were "
-            "frozen for a part of the forward only (a GAN's critic under the generator's "
-            "loss), give the Engine only the modules that these losses train."
+            "unfrozen in the middle of the forward and used trainable after it, unfreeze them "
+            "before the forward, or give the Engine only the modules that these losses train."
         )
 
     # ----------------------------------------------------------------------------- lifecycle
@@ -1420,8 +1435,8 @@ class Engine:
         finally:  # (the tree of a module's calls of itself is a reference cycle)
             for _, call in calls:
                 call.parent, call.children = None, []
-            if self._frozen_since_hooked:  # (so that a parameter unfrozen later is seen)
-                self._frozen_since_hooked = False
+            if self._hook_after_step:  # (so that the changes are seen by the next forward)
+                self._hook_after_step = False
                 self._hooked_again()
 
     def _prepare_calls(
@@ -1439,7 +1454,7 @@ class Engine:
     ) -> _Prepared:
         """:meth:`_prepare` on the ``calls`` taken from the recorder (and its other notes:
         see :class:`Recorder`)."""
-        self._check_unchanged()
+        self._check_unchanged(losses)
         if outside is not None:
             child, parent = outside
             raise ValueError(
@@ -1552,6 +1567,8 @@ class Engine:
             unit = self._units[index]
             if all(g is None for g in call_grads):
                 continue
+            if call.all_frozen and not isinstance(unit.rule, FallbackRule):
+                continue  # (autograd gives its parameters nothing from this call; see below)
             if call.preceded:
                 raise ValueError(
                     f"A forward hook ran before the Engine's on {unit.name} (one registered with "

@@ -552,7 +552,7 @@ class Recorder:
         )
         frozen = [p for p in params if not p.requires_grad]
         if frozen:  # (rare: a module frozen for this call only, e.g. a GAN's discriminator)
-            call.frozen = frozen
+            call.frozen, call.all_frozen = frozen, len(frozen) == len(params)
         call.output_hooks = []
         for i, j in enumerate(positions):
             leaf, base = flat[j], flat[j]._base

@@ -232,8 +232,11 @@ class Call:
     # which recorded outputs the losses reach (set with ``grads``)
     reached: list[bool] = field(default_factory=list)
     # the unit's parameters (trainable when it was hooked) that were frozen during this call
-    # (``requires_grad_(False)`` around it): the call gives them no gradient
+    # (``requires_grad_(False)`` around it): the call gives them no gradient; ``all_frozen``:
+    # every one of them was (the call adds nothing to the Gramian: a GAN's critic under the
+    # generator's loss)
     frozen: list[Tensor] = field(default_factory=list)
+    all_frozen: bool = False
     # per sample: the positions merged with the batch on dimension 0 of a call of a module
     # that maps rows one by one (``Rule.maps_rows``), given its batch flattened with them
     # (``x.view(-1, d)``, batch first); 1: none
