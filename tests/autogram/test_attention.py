@@ -15,7 +15,7 @@ from torch import Tensor, nn
 from jacflow.aggregation import ConstantWeighting, MeanWeighting
 from jacflow.autogram import Call, Engine, Rows, _attention
 from tests.autogram._zoo import Built, Case
-from tests.autogram.test_engine import assert_float32_gramian, check_case
+from tests.autogram.test_engine import assert_exact_step, assert_float32_gramian, check_case
 from tests.autogram.test_linear import assert_change_refused, assert_exact_backward, row_losses
 
 B, T, S, E, H = 3, 4, 5, 6, 2
@@ -161,6 +161,20 @@ CASES = [
     _case(
         "tasks_cross_seq_first", _cross, _kw(key_padding_mask="padding"), None, batch_first=False
     ),
+    # per sample, sequence first ([T, B, E], nn.Transformer's default): it was refused
+    _case(
+        "causal_seq_first",
+        _self,
+        _kw(attn_mask="causal", is_causal=True, need_weights=False),
+        batch_first=False,
+    ),
+    _case(
+        "cross_seq_first_weights_used",
+        _cross,
+        _kw(key_padding_mask="padding", average_attn_weights=False),
+        use_weights=True,
+        batch_first=False,
+    ),
     _case("tasks_weights_used", _self, _kw(average_attn_weights=False), None, use_weights=True),
     # outside the closed form: the generic rule, same checks
     _case("generic_bias_kv", _self, _kw(need_weights=False), add_bias_kv=True),
@@ -242,17 +256,55 @@ def test_frozen_projections() -> None:
 
 
 @pytest.mark.parametrize("positions", [B, T])
-def test_sequence_first_in_per_sample_mode_is_refused(positions: int) -> None:
-    """batch_first=False batches on dimension 1: with as many positions as samples the shape
-    check cannot tell, so the rule refuses it rather than mix the samples, with its own
-    message whatever the number of positions (before the generic check of the batch size)."""
-    attn = nn.MultiheadAttention(E, H)  # batch_first=False
-    x = torch.randn(positions, B, E)
+@pytest.mark.parametrize("generic", [False, True])
+def test_sequence_first_in_per_sample_mode(positions: int, generic: bool) -> None:
+    """batch_first=False batches on dimension 1, which the rule names as the output's batch
+    dimension: exact in closed form, also with as many positions as samples (it was refused).
+    A configuration outside the closed form (``add_bias_kv``) takes the generic rule, which
+    splits dimension 0: refused with its own message, whatever the number of positions."""
+    torch.manual_seed(0)
+    attn = nn.MultiheadAttention(E, H, add_bias_kv=generic).double()  # batch_first=False
+    x = torch.randn(positions, B, E, dtype=torch.float64)
+
+    def forward() -> Tensor:
+        return attn(x, x, x)[0].pow(2).sum(dim=(0, 2))
+
     with Engine(attn, batch_dim=0) as engine:
-        losses = attn(x, x, x)[0].pow(2).sum(dim=(0, 2))
+        if not generic:
+            assert_exact_step(engine, forward, list(attn.parameters()))
+            return
         with pytest.raises(ValueError, match="batch_first=True"):
-            engine.backward(losses, MeanWeighting())
+            engine.backward(forward(), MeanWeighting())
     assert attn.in_proj_weight.grad is None
+
+
+@pytest.mark.parametrize("layer", ["encoder", "decoder"])
+@pytest.mark.parametrize("batch_first", [False, True])
+def test_transformer_layers_per_sample(layer: str, batch_first: bool) -> None:
+    """``nn.TransformerEncoderLayer`` and ``DecoderLayer`` per sample, sequence first (their
+    default: the attention, the Linear layers and the LayerNorms on ``[T, B, E]``; refused
+    before) and batch first, with a causal mask."""
+    torch.manual_seed(0)
+    options: dict[str, Any] = {"dim_feedforward": 8, "dropout": 0.0, "batch_first": batch_first}
+    if layer == "encoder":
+        model: nn.Module = nn.TransformerEncoderLayer(E, H, **options).double()
+    else:
+        model = nn.TransformerDecoderLayer(E, H, **options).double()
+    x = torch.randn(T, B, E, dtype=torch.float64)
+    memory = torch.randn(S, B, E, dtype=torch.float64)
+    if batch_first:
+        x, memory = x.transpose(0, 1), memory.transpose(0, 1)
+    mask = nn.Transformer.generate_square_subsequent_mask(T, dtype=torch.float64)
+
+    def forward() -> Tensor:
+        if layer == "encoder":
+            out = model(x, src_mask=mask, is_causal=True)
+        else:
+            out = model(x, memory, tgt_mask=mask, tgt_is_causal=True)
+        return out.pow(2).sum(dim=(1, 2) if batch_first else (0, 2))
+
+    with Engine(model, batch_dim=0) as engine:
+        assert_exact_step(engine, forward, list(model.parameters()))
 
 
 @pytest.mark.parametrize("batch_first", [True, False])
@@ -316,6 +368,7 @@ def test_attention_mask_matches_torch() -> None:
         model.attn.register_forward_hook(record, with_kwargs=True)
         model(torch.randn(B, T, E, dtype=torch.float64), torch.randn(B, S, E, dtype=torch.float64))
         args, kwargs, out = calls[0]
+        out = out if model.attn.batch_first else out.transpose(0, 1)  # (as the rule's o)
         call = Call(args, kwargs, [0], [out.shape], [None], [], [torch.zeros_like(out)])
         rows = Rows(B, B, None, per_task=False)
         args = _attention._arguments(call)
@@ -477,3 +530,33 @@ def test_attributes_changed_after_the_forward_are_refused(
     assert_change_refused(attn, losses_of, lambda: setattr(attn, name, value), batch_dim, name)
     if exact:
         assert_exact_backward(attn, losses_of, batch_dim)
+
+
+@pytest.mark.filterwarnings("ignore:enable_nested_tensor is True")
+def test_a_whole_sequence_first_transformer_per_sample() -> None:
+    """``nn.Transformer`` as built by default (sequence first), between a shared ``nn.Embedding``
+    of ``[T, B]`` ids and a Linear head, one loss per sample (refused before at its first
+    attention): exact over two steps."""
+    torch.manual_seed(0)
+    embed, head = nn.Embedding(11, 2 * E), nn.Linear(2 * E, 11)
+    transformer = nn.Transformer(
+        d_model=2 * E,
+        nhead=H,
+        num_encoder_layers=2,
+        num_decoder_layers=1,
+        dim_feedforward=8,
+        dropout=0.0,
+    )
+    model = nn.ModuleList([embed, transformer, head]).double()
+    src, tgt = torch.randint(0, 11, (S, B)), torch.randint(0, 11, (T, B))
+    mask = nn.Transformer.generate_square_subsequent_mask(T, dtype=torch.float64)
+
+    def forward() -> Tensor:
+        out = head(transformer(embed(src), embed(tgt), tgt_mask=mask))  # [T, B, 11]
+        losses = nn.functional.cross_entropy(out.permute(1, 2, 0), tgt.T, reduction="none")
+        return losses.mean(1)
+
+    with Engine(model, batch_dim=0) as engine:
+        for _ in range(2):
+            assert_exact_step(engine, forward, list(model.parameters()))
+            model.zero_grad(set_to_none=True)

@@ -6,7 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from jacflow.autogram import _embedding
+from jacflow.autogram import Engine, _embedding
+from tests.autogram.test_engine import assert_exact_step
 from tests.autogram.test_linear import assert_change_refused, assert_exact_backward, row_losses
 
 # an attribute of an Embedding(7, 3) set between its forward and the step, and whether a
@@ -86,3 +87,21 @@ def test_tokens_of_one_row_only_add_to_its_diagonal(monkeypatch: pytest.MonkeyPa
     ids[:, 0] = ids[1, 1] = 5  # the one token of several rows (twice in row 1)
     assert_exact_backward(embedding, lambda m: row_losses(m(ids).sin(), 0), 0)
     assert widths == [4, 4]  # (the Gramian's and the step's: one shared token of width 4)
+
+
+@pytest.mark.parametrize("scale_grad_by_freq", [False, True])
+def test_sequence_first_ids_per_sample(scale_grad_by_freq: bool) -> None:
+    """Ids ``[T, B]`` (sequence first, as for ``nn.Transformer``'s default layers) into an
+    Embedding and a Linear: per sample, each reads the batch on dimension 1 (refused before:
+    "must have its batch size on dimension 0")."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Embedding(7, 4, scale_grad_by_freq=scale_grad_by_freq), nn.Tanh(), nn.Linear(4, 2)
+    ).double()
+    ids = torch.randint(0, 7, (5, 3))
+
+    def forward() -> torch.Tensor:
+        return model(ids).pow(2).sum(dim=(0, 2))
+
+    with Engine(model, batch_dim=0) as engine:
+        assert_exact_step(engine, forward, list(model.parameters()))

@@ -262,3 +262,66 @@ def test_per_row_gradients_larger_than_the_inputs_are_formed_by_blocks(
     x = torch.randn(*shape, dtype=torch.float64)
     assert_exact_backward(layer, _losses_of(x, batch_dim, k), batch_dim)
     assert len(blocks) >= 6 and max(blocks) < 96  # (two steps: the Gramian's and backward's)
+
+
+class _SequenceFirst(nn.Module):
+    """Linear layers and a LayerNorm on ``[T, B, ...]`` inputs, as ``nn.Transformer``'s layers
+    by default; ``losses`` per sample: ``[B]``, or ``[B, 2]`` with ``two``."""
+
+    def __init__(self, norm_over_batch: bool = False, two: bool = False) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 5), nn.Linear(5, 3)
+        self.norm = nn.LayerNorm((B_SEQ, 5) if norm_over_batch else 5)
+        self.two = two
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = self.b(torch.tanh(self.norm(self.a(x))))  # [T, B, (h,) 3]
+        per_sample = out.movedim(1, 0).flatten(1)
+        if self.two:
+            return torch.stack([per_sample.pow(2).sum(1), per_sample.sin().sum(1)], 1)
+        return per_sample.pow(2).sum(1)
+
+
+B_SEQ = 3
+
+
+@pytest.mark.parametrize("shape", [(5, B_SEQ, 4), (2, B_SEQ, 2, 4), (6, B_SEQ, 4)])
+@pytest.mark.parametrize("two", [False, True])
+def test_sequence_first_calls_per_sample(shape: tuple[int, ...], two: bool) -> None:
+    """Per sample, Linear and LayerNorm calls on sequence-first inputs (the batch on
+    dimension 1, ``T != B``; with heads; ``T = 2 B``, which might be read as a merged batch)
+    read the batch where it is (they were refused: "must have its batch size on dimension
+    0"), for ``[B]`` and ``[B, k]`` losses."""
+    torch.manual_seed(0)
+    model = _SequenceFirst(two=two).double()
+    x = torch.randn(*shape, dtype=torch.float64)
+    assert_exact_backward(model, lambda m: m(x), 0)
+
+
+def test_sequence_first_with_as_many_positions_as_samples() -> None:
+    """With ``T = B`` the shapes cannot tell: dimension 0 is read, and the probe refuses the
+    mixing that this reads; after steps with ``T != B``, the first step with ``T = B`` is
+    probed again (another layout of the batch), not taken with the wrong reading."""
+    torch.manual_seed(0)
+    model = _SequenceFirst().double()
+    with Engine(model, batch_dim=0) as engine:
+        for _ in range(2):
+            engine.compute_gramian(model(torch.randn(5, B_SEQ, 4, dtype=torch.float64)))
+        params = list(model.parameters())
+        for p in params:
+            p.grad = None
+        losses = model(torch.randn(B_SEQ, B_SEQ, 4, dtype=torch.float64))
+        with pytest.raises(ValueError, match="at other samples than their own"):
+            engine.backward(losses, ConstantWeighting(torch.ones(B_SEQ, dtype=torch.float64)))
+        assert all(p.grad is None for p in params)
+
+
+def test_a_norm_over_the_batch_of_a_sequence_first_input_is_refused() -> None:
+    """A LayerNorm over ``(B, d)`` of a ``[T, B, d]`` input normalises across the samples:
+    not read as sequence first, refused by the batch check."""
+    torch.manual_seed(0)
+    model = _SequenceFirst(norm_over_batch=True).double()
+    x = torch.randn(5, B_SEQ, 4, dtype=torch.float64)
+    refusal = "must have its batch size 3 on dimension 0"
+    with Engine(model, batch_dim=0) as engine, pytest.raises(ValueError, match=refusal):
+        engine.compute_gramian(model(x))

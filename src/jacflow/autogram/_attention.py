@@ -302,12 +302,11 @@ class AttentionRule(Rule):
         query = _arguments(call)["query"]
         if isinstance(query, Tensor) and query.dim() != 3:
             raise unbatched_refusal(module, query)
-        if not module.batch_first:
-            raise ValueError(
-                "nn.MultiheadAttention(batch_first=False) takes the batch on dimension 1, but "
-                "the per-sample engine (batch_dim set) reads it on dimension 0. Build it with "
-                "batch_first=True, or use batch_dim=None."
-            )
+
+    def output_batch_dim(self, module: nn.Module, call: Call, position: int) -> int | None:
+        assert isinstance(module, nn.MultiheadAttention)
+        # (the output [T, N, E] sequence first; the weights [N, (H,) T, S] batch first)
+        return 1 if position == 0 and not module.batch_first else 0
 
     def prepare(
         self, module: nn.Module, params: dict[str, Tensor], calls: list[Call], rows: Rows
@@ -324,6 +323,13 @@ class AttentionRule(Rule):
         if not _covered(module, params, calls, arguments):
             if rows.per_task:
                 return _GENERIC.prepare(module, params, calls, rows)
+            if not module.batch_first:  # (the generic rule splits the inputs' dimension 0)
+                raise ValueError(
+                    "nn.MultiheadAttention(batch_first=False) takes the batch on dimension 1, "
+                    "which the per-sample engine (batch_dim set) reads in closed form only: "
+                    "this configuration of it takes the generic rule, which reads the batch "
+                    "on dimension 0. Build it with batch_first=True, or use batch_dim=None."
+                )
             split = [_with_sample_masks(call, module.num_heads, rows.num_samples) for call in calls]
             handle = module.register_forward_pre_hook(
                 _flattened_mask, with_kwargs=True, prepend=True

@@ -246,6 +246,9 @@ class EmbeddingRule(Rule):
     def parameter_names(self, module: nn.Module) -> frozenset[str]:
         return _WEIGHT
 
+    def maps_rows(self, module: nn.Module) -> bool:
+        return True  # (each id to its row: ids [T, B] read sequence first, as Linear's inputs)
+
     def settings(self, module: nn.Module) -> Hashable:
         # (which token gets no gradient, the division by the counts, the gradient's layout)
         return attribute_settings(module, ("padding_idx", "scale_grad_by_freq", "sparse"))

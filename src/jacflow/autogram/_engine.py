@@ -895,7 +895,8 @@ class Engine:
         # losses' graph is walked again only for a new pattern
         self._outside_checked: set[Pattern] = set()
         # (and, per sample, those whose losses read each output at its own sample only)
-        self._separable_checked: set[tuple[Pattern, int, tuple[bool, ...]]] = set()
+        # (keyed with the batch size and where each output's batch lies, see _prepare_calls)
+        self._separable_checked: set[tuple[Pattern, int, tuple[Any, ...]]] = set()
         self._hook_error: Exception | None = None  # (of hooking them again at a forward)
         # (the sets above of the other layouts of units hooked before, see _hook_modules)
         self._checked_by_layout: dict[tuple[Any, ...], tuple[set[Any], set[Any]]] = {}
@@ -1514,13 +1515,18 @@ class Engine:
         probing = not rows.per_task and rows.num_samples > 1 and not compiled
         # (a pattern is probed again for another batch size: other pairs of samples; and where
         # a call's outputs start merging the batch with positions (see _merged_positions): at
-        # one position, positions first ([T B], torch.stack over T) reads as batch first)
+        # one position, positions first ([T B], torch.stack over T) reads as batch first; or
+        # hold it elsewhere than on dimension 0 (see _sequence_first): with T = B, sequence
+        # first reads as batch first)
         batch = max(rows.num_samples, 1)
-        merging = tuple(
-            any(len(s) > 1 and _merges_batch(s[0], batch) for s in c.output_shapes)
+        layouts = tuple(
+            tuple(
+                (len(s) > 1 and _merges_batch(s[0], batch), _batch_elsewhere(s, batch))
+                for s in c.output_shapes
+            )
             for _, c in calls
         )
-        probed = (pattern, int(losses.shape[0]) if losses.dim() else 1, merging)
+        probed = (pattern, int(losses.shape[0]) if losses.dim() else 1, layouts)
         probing = probing and probed not in self._separable_checked
         # (per sample, one row per sample, the backward also takes the gradient of the
         # generic-rule units' own parameters: the reference of the rule's check of their rows,
@@ -1586,8 +1592,10 @@ class Engine:
             unit.rule.validate(unit.module, call, rows)
             dims = [unit.rule.output_batch_dim(unit.module, call, j) for j in call.output_positions]
             call.merged = _merged_positions(unit, call, rows, dims, not compiled, flattened)
-            if call.merged > 1:  # (laid out by _unmerged; the probe checks the order)
+            if call.merged > 1:  # (laid out by _batch_first_call; the probe checks the order)
                 dims = [None] * len(dims)
+            elif (at := _sequence_first(unit, call, rows, dims)) is not None:
+                dims, call.batch_at = [at], at  # (laid out by _batch_moved_first)
             _check_batch(unit, call, rows, dims, losses.shape, call_grads)
             _check_versions(call)
             _check_same_parameters(unit, call)
@@ -1677,7 +1685,7 @@ class Engine:
                     if call.autocast is not None or work != dtype:
                         upcast(call, work)
             rule = unit.rule
-            unit_calls = [_unmerged(call, rows) if call.merged > 1 else call for call in unit_calls]
+            unit_calls = [_batch_first_call(call, rows) for call in unit_calls]
             if isinstance(rule, FallbackRule) and index in references:
                 reference = {name: references[index][name] for name in params}
                 contribution = rule.prepare(unit.module, params, unit_calls, rows, reference)
@@ -2468,19 +2476,64 @@ def _flattened_rows(x: Tensor, size: int, flattened: set[tuple[Any, int]]) -> bo
     return found
 
 
-def _unmerged(call: Call, rows: Rows) -> Call:
-    """A merged call (:func:`_merged_positions`) as the rule reads one on ``[B, k, ...]``: its
-    input and its rows' output gradients (``[B k, ...]``, one row per sample) with the batch
-    taken apart from the positions."""
-    batch, k = rows.num_samples, call.merged
-    x = call.input()
-    x = x.reshape(batch, k, *x.shape[1:])
-    grads = [None if g is None else g.reshape(batch, k, *g.shape[1:]) for g in call.grads]
+def _batch_first_call(call: Call, rows: Rows) -> Call:
+    """``call`` as its rule reads it, batch first: a merged call (:func:`_merged_positions`) as
+    one on ``[B, k, ...]``, its input and its rows' output gradients (``[B k, ...]``, one row
+    per sample) with the batch taken apart from the positions; a sequence-first call
+    (:func:`_sequence_first`) with its input's batch moved first (its gradients are, by
+    :func:`_rows_shaped`); any other call as it is."""
+    if call.merged > 1:
+        batch, k = rows.num_samples, call.merged
+        x = call.input()
+        x = x.reshape(batch, k, *x.shape[1:])
+        grads = [None if g is None else g.reshape(batch, k, *g.shape[1:]) for g in call.grads]
+        return _with_input(call, x, grads=grads, merged=1)
+    if call.batch_at:
+        return _with_input(call, call.input().movedim(call.batch_at, 0), batch_at=0)
+    return call
+
+
+def _with_input(call: Call, x: Tensor, **changes: Any) -> Call:
+    """``call`` with ``x`` as its input (and ``changes`` to its other fields)."""
     if call.args:
         args, kwargs = (x, *call.args[1:]), call.kwargs
     else:  # (passed by keyword: Call.input reads the first)
         args, kwargs = call.args, {**call.kwargs, next(iter(call.kwargs)): x}
-    return dataclasses.replace(call, args=args, kwargs=kwargs, grads=grads, merged=1)
+    return dataclasses.replace(call, args=args, kwargs=kwargs, **changes)
+
+
+def _sequence_first(unit: Unit, call: Call, rows: Rows, batch_dims: list[int | None]) -> int | None:
+    """Per sample, the dimension ``d > 0`` that holds the batch in a call of a module that maps
+    rows one by one (:meth:`Rule.maps_rows`: a Linear, a LayerNorm over the last dimensions,
+    an Embedding) on a sequence-first input (``[T, B, d]``, as ``nn.Transformer``'s layers by
+    default), where dimension 0 does not: the only leading dimension of the batch's size, the
+    input's and the output's alike, and one that a norm does not normalise over. ``None``
+    otherwise (then dimension 0 is read: a batch elsewhere with ``T = B`` is refused by the
+    probe)."""
+    if rows.per_task or batch_dims != [0] or not unit.rule.maps_rows(unit.module):
+        return None
+    (shape,) = call.output_shapes
+    at = _batch_elsewhere(shape, rows.num_samples)
+    x = call.first_argument()
+    if at is None or not isinstance(x, Tensor):
+        return None
+    # (an Embedding's ids have one dimension less than its output)
+    if x.dim() <= at or x.shape[: at + 1] != shape[: at + 1]:
+        return None
+    normalized = getattr(unit.module, "normalized_shape", None)
+    if normalized is not None and len(normalized) >= x.dim() - at:
+        return None
+    return at
+
+
+def _batch_elsewhere(shape: torch.Size, batch: int) -> int | None:
+    """The only leading dimension ``d > 0`` of ``shape`` (not its last) of size ``batch``,
+    where dimension 0 is not of that size; else ``None``: the calls :func:`_sequence_first`
+    may read so, and the probe's key holds."""
+    if len(shape) < 3 or shape[0] == batch:
+        return None
+    found = [d for d in range(1, len(shape) - 1) if shape[d] == batch]
+    return found[0] if len(found) == 1 else None
 
 
 def _check_batch(

@@ -241,6 +241,10 @@ class Call:
     # that maps rows one by one (``Rule.maps_rows``), given its batch flattened with them
     # (``x.view(-1, d)``, batch first); 1: none
     merged: int = 1
+    # per sample: the dimension that holds the batch in the input and output of a call of a
+    # module that maps rows, when it is not dimension 0 (``[T, B, d]``, sequence first, as
+    # ``nn.Transformer``'s layers by default); the rule is handed the input with it moved first
+    batch_at: int = 0
     # each recorded output's dict of gradient hooks, opened by the engine with a no-op hook of
     # its own (``no_hook``: a user's hooks registered later land in it), else ``None``
     output_hooks: list[dict[Any, Any]] | None = None
@@ -705,7 +709,9 @@ class Rule(ABC):
         other dimensions (``x.view(-1, d)``, ``[B k, d]``, as language models' heads and OPT's
         layers are called) is then read as one on ``[B, k, d]``, batch first; the engine's
         check of the first step of each pattern of calls refuses another order (``[k B, d]``,
-        the samples interleaved). Default ``False``: such a call is refused.
+        the samples interleaved). A call on a sequence-first input (``[T, B, d]``, the batch
+        on the only leading dimension of its size, ``T != B``) is read with the batch moved
+        first, which that check confirms too. Default ``False``: such calls are refused.
 
         Example:
             >>> from torch import nn
