@@ -223,3 +223,20 @@ def test_flattened_tokens_read_through_compiled_code_are_refused_by_name() -> No
             engine.backward(losses, UPGradWeighting())
     assert head.weight.grad is None and head.bias.grad is None
     torch._dynamo.reset()
+
+
+def test_sequence_first_calls_read_through_compiled_code_are_refused_by_name() -> None:
+    """A Linear on a sequence-first input (``[T, B, d]``) is read with the batch on dimension 1
+    only where the engine can probe the order (with ``T = B`` by chance, a tensor that is
+    not sequence first would read so too): through compiled code, it is refused with ``.grad``
+    untouched, and the message says why."""
+    torch.manual_seed(0)
+    head = nn.Linear(3, 2).double()
+    squash = torch.compile(lambda out: torch.tanh(out).pow(2), backend="aot_eager")
+    hidden = torch.randn(5, 4, 3, dtype=torch.float64)
+    with Engine(head, batch_dim=0) as engine:
+        losses = squash(head(hidden)).sum(dim=(0, 2))
+        with pytest.raises(ValueError, match=r"sequence first.*compile'd code lies between"):
+            engine.backward(losses, UPGradWeighting())
+    assert head.weight.grad is None and head.bias.grad is None
+    torch._dynamo.reset()

@@ -1594,7 +1594,7 @@ class Engine:
             call.merged = _merged_positions(unit, call, rows, dims, not compiled, flattened)
             if call.merged > 1:  # (laid out by _batch_first_call; the probe checks the order)
                 dims = [None] * len(dims)
-            elif (at := _sequence_first(unit, call, rows, dims)) is not None:
+            elif (at := _sequence_first(unit, call, rows, dims, not compiled)) is not None:
                 dims, call.batch_at = [at], at  # (laid out by _batch_moved_first)
             _check_batch(unit, call, rows, dims, losses.shape, call_grads)
             _check_versions(call)
@@ -2502,15 +2502,19 @@ def _with_input(call: Call, x: Tensor, **changes: Any) -> Call:
     return dataclasses.replace(call, args=args, kwargs=kwargs, **changes)
 
 
-def _sequence_first(unit: Unit, call: Call, rows: Rows, batch_dims: list[int | None]) -> int | None:
+def _sequence_first(
+    unit: Unit, call: Call, rows: Rows, batch_dims: list[int | None], checked: bool
+) -> int | None:
     """Per sample, the dimension ``d > 0`` that holds the batch in a call of a module that maps
     rows one by one (:meth:`Rule.maps_rows`: a Linear, a LayerNorm over the last dimensions,
     an Embedding) on a sequence-first input (``[T, B, d]``, as ``nn.Transformer``'s layers by
     default), where dimension 0 does not: the only leading dimension of the batch's size, the
     input's and the output's alike, and one that a norm does not normalise over. ``None``
     otherwise (then dimension 0 is read: a batch elsewhere with ``T = B`` is refused by the
-    probe)."""
-    if rows.per_task or batch_dims != [0] or not unit.rule.maps_rows(unit.module):
+    probe), and where the probe does not run (``checked``: not for compiled code), which alone
+    tells a sequence-first call from one whose dimension 1 has the batch's size by chance
+    (position embeddings of ``[1, T]`` ids with ``T = B``)."""
+    if rows.per_task or not checked or batch_dims != [0] or not unit.rule.maps_rows(unit.module):
         return None
     (shape,) = call.output_shapes
     at = _batch_elsewhere(shape, rows.num_samples)
@@ -2610,6 +2614,14 @@ def _batch_mismatch(
             f"reads it on dimension {dim} of the module's outputs: return it batch first and "
             "transpose it after the call (e.g. a recurrent layer's learned initial state "
             "returned as [B, num_layers, H] and transposed by the caller). "
+        )
+    elif elsewhere and dim == 0 and unit.rule.maps_rows(unit.module):
+        hints += (
+            f"If the batch is on dimension {elsewhere[0]} of that output (sequence first, "
+            "[T, B, d]), the engine reads it there by itself where that is the only leading "
+            "dimension of the batch's size, dimension 0 is not, and no torch.compile'd code "
+            "lies between it and the losses, whose backward the engine cannot probe for the "
+            "order; else transpose it to batch first ([B, T, d]), which is exact. "
         )
     return ValueError(
         f"Per sample, dimension batch_dim of `losses` is the batch (shape "
