@@ -3164,7 +3164,76 @@ def test_calls_on_a_frozen_model_that_the_losses_do_not_read_are_left_out() -> N
 
 
 @pytest.mark.parametrize("batch_dim", [0, None])
-def test_a_gan_loop_with_one_engine_on_both_networks(batch_dim: int | None) -> None:
+@pytest.mark.parametrize("order", ["frozen_first", "frozen_second"])
+def test_a_generic_module_called_trainable_and_frozen(batch_dim: int | None, order: str) -> None:
+    """A module under the generic rule called twice, trainable and frozen around the other
+    call: autograd gives it the trainable call's share only. Its re-run gave it both calls'
+    per task (a wrong Gramian) and failed per sample; the frozen call is now left out. With
+    only some of its parameters frozen around a call, it is refused."""
+    torch.manual_seed(0)
+    pre, scale = nn.Linear(3, 3).double(), _ScaleShift().double()
+
+    def forward(frozen: nn.Module | Tensor) -> Tensor:
+        h = pre(X)
+        if order == "frozen_second":
+            trained = scale(2 * h)
+        frozen.requires_grad_(False)
+        out = scale(h)
+        frozen.requires_grad_(True)
+        if order == "frozen_first":
+            trained = scale(2 * h)
+        losses = (out * trained).pow(2).sum(1)
+        return losses if batch_dim == 0 else torch.stack([losses.sum(), losses[0]])
+
+    params = [*pre.parameters(), *scale.parameters()]
+    with Engine(pre, scale, batch_dim=batch_dim) as engine:
+        assert_exact_step(engine, lambda: forward(scale), params)
+        for p in params:
+            p.grad = None
+        first = next(scale.parameters())
+        match = r"_ScaleShift\) was called with some of its parameters frozen"
+        _assert_refused(engine, forward(first), params, match)
+
+
+@pytest.mark.parametrize("batch_dim", [0, None])
+def test_a_step_whose_calls_were_all_frozen_is_zero(batch_dim: int | None) -> None:
+    """Every call that the losses read was made with its module frozen, trainable again at the
+    step: autograd gives a zero Jacobian, the engine a zero Gramian and no ``.grad`` (it said
+    that no forward call of its modules was in the losses' graph)."""
+    model = _Critic(unfreeze=True)
+    with Engine(model.critic, batch_dim=batch_dim) as engine:
+        out = model(X).pow(2)
+        losses = out.sum(1) if batch_dim == 0 else out.mean(0)
+        m = losses.numel()
+        assert torch.equal(engine.compute_gramian(losses), torch.zeros(m, m, dtype=torch.float64))
+    assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize("batch_dim", [0, None])
+def test_parameters_replaced_then_frozen_around_a_call(batch_dim: int | None) -> None:
+    """Parameters replaced under their names (``load_state_dict(assign=True)``, resuming) and
+    then frozen around a call: the freezing was read from the old ones, and the call's share
+    given to the new ones. Read from those the module holds at the call, the call is left
+    out."""
+    torch.manual_seed(0)
+    model = _Critic(unfreeze=True)
+    state = {k: v.clone() + 0.5 for k, v in model.critic.state_dict().items()}
+    with Engine(model, batch_dim=batch_dim) as engine:
+        model.critic.load_state_dict(state, assign=True)
+
+        def forward() -> Tensor:
+            out = model(X).pow(2)
+            return out.sum(1) if batch_dim == 0 else out.mean(0)
+
+        assert_exact_step(engine, forward, list(model.generator.parameters()))
+    assert all(p.grad is None for p in model.critic.parameters())
+
+
+@pytest.mark.parametrize("batch_dim", [0, None])
+@pytest.mark.parametrize("critic_kind", ["plain", "spectral_norm"])
+def test_a_gan_loop_with_one_engine_on_both_networks(
+    batch_dim: int | None, critic_kind: str
+) -> None:
     """``Engine(generator, critic)``: the critic's step, then the generator's with the critic
     frozen for its forward and trainable again before the step (the order of many GAN loops).
     The generator's step was refused at every iteration ("modules changed"); it is
@@ -3173,6 +3242,8 @@ def test_a_gan_loop_with_one_engine_on_both_networks(batch_dim: int | None) -> N
     torch.manual_seed(0)
     generator = nn.Sequential(nn.Linear(3, 6), nn.Tanh(), nn.Linear(6, 4)).double()
     critic = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 1)).double()
+    if critic_kind == "spectral_norm":  # (a generic-rule unit with no parameter when frozen)
+        parametrize.register_parametrization(critic[0], "weight", _Halved())
     engine = Engine(generator, critic, batch_dim=batch_dim)
     z, real = torch.randn(4, 3, dtype=torch.float64), torch.randn(4, 4, dtype=torch.float64)
 
@@ -3202,3 +3273,21 @@ def test_a_gan_loop_with_one_engine_on_both_networks(batch_dim: int | None) -> N
     critic.requires_grad_(True)
     losses = reduced((critic(fake) - 1).pow(2).squeeze(1))
     _assert_refused(engine, losses, generator_params + critic_params, "modules changed since")
+
+
+class _Halved(nn.Module):
+    """A parametrization (as ``spectral_norm``'s, without its power iteration's state)."""
+
+    def forward(self, weight: Tensor) -> Tensor:
+        return weight / 2
+
+
+class _ScaleShift(nn.Module):
+    """``x * s + t``: two parameters of its own, without a closed form (the generic rule)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.s, self.t = nn.Parameter(torch.linspace(0.5, 1.5, 3)), nn.Parameter(torch.ones(3))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * self.s + self.t

@@ -605,19 +605,20 @@ def _check_not_frozen_during(unit: Unit, call: Call) -> None:
     """Refuse a step whose losses read a call of a hooked module made while some of its
     parameters were frozen (``requires_grad_(False)`` around the call) that are trainable again
     now: autograd gives them no gradient from that call, while the closed forms would give
-    every call of the module its share. (A call with all of them frozen, a GAN's critic under
-    the generator's loss, is left out of the step; so are calls that the losses do not read,
-    an attack's on a frozen model.)"""
-    # (the generic rule re-runs the call from its graph, which holds no frozen parameter)
-    if any(p.requires_grad for p in call.frozen) and not isinstance(unit.rule, FallbackRule):
+    every call of the module its share, and the generic rule's re-run differentiates the call
+    by all of them. (A call with all of them frozen, a GAN's critic under the generator's
+    loss, is left out of the step; so are calls that the losses do not read, an attack's on a
+    frozen model.)"""
+    if any(p.requires_grad for p in call.frozen):
         raise ValueError(
             f"{unit.name or type(unit.module).__name__} ({type(unit.module).__name__}) was "
             "called with some of its parameters frozen (requires_grad=False) during this "
             "forward, which are trainable again at the step: their gradient from that call "
-            "is none, which the engine's closed forms cannot tell for a part of a module's "
-            "parameters. Freeze all of the module's parameters around the call (such a call "
-            "is left out of the step), keep them frozen until the step, or give the Engine "
-            "only the modules that these losses train."
+            "is none, which the engine cannot tell for a part of a module's parameters "
+            "(its closed forms and its generic rule see the module's calls). Freeze all of "
+            "the module's parameters around the call (such a call is left out of the step), "
+            "keep them frozen until the step, or give the Engine only the modules that these "
+            "losses train."
         )
 
 
@@ -738,10 +739,11 @@ class Engine:
     rule, the uses inside its calls are its own). Frozen parameters
     (``requires_grad=False``) are left out, also those frozen between a forward and its step;
     a module unfrozen later (a backbone after a warm-up) is hooked at the next forward of the
-    given modules with no call pending. As with autograd, parameters frozen during a call, or
-    during the whole forward and unfrozen before the step (a GAN's critic under the
-    generator's loss), get nothing from it: such calls are left out. A module with only some
-    of its parameters frozen around a call and trainable at the step is refused.
+    given modules with no call pending. As with autograd, a module frozen around its calls,
+    or for the whole forward and made trainable before the step (a GAN's critic under the
+    generator's loss), gets nothing from them: such calls are left out. A module with only
+    some of its parameters frozen around a call, or made trainable after the forward while
+    others of its parameters were trainable in it, is refused.
 
     Per sample, the first step of each pattern of recorded calls (the hooked modules called, and
     the losses' graph around their calls) and batch size checks that every loss reads the hooked
@@ -1026,9 +1028,15 @@ class Engine:
             units = find_units(self._modules)
         except ValueError:
             return False
-        hooked = {id(module) for module, _, _ in self._layout}
-        kept = [unit for unit in units if id(unit.module) in hooked]
-        if _layout(kept) != _narrowed(self._units, self._layout):
+        # (a unit hooked with no trainable parameter, a parametrized module frozen then, counts
+        # as not hooked: its generic rule keeps only the parameters that its calls reach)
+        if any(not names and rule is not FallbackRule for _, rule, names in self._layout):
+            return False
+        with_params = [(u, entry) for u, entry in zip(self._units, self._layout) if entry[2]]
+        hooked = {id(module) for _, (module, _, _) in with_params}
+        kept = [unit for unit in units if id(unit.module) in hooked and unit.params()]
+        narrowed = _narrowed([u for u, _ in with_params], [entry for _, entry in with_params])
+        if _layout(kept) != narrowed:
             return False
         if self._to_watch() != self._watched:
             return False
@@ -1088,9 +1096,12 @@ class Engine:
             "parameters frozen under a rule that covered its children, while calls of a "
             "forward were pending), so not all of its calls were recorded. The Engine has "
             "hooked them again: run the forward again. (It hooks them again at the start of a "
-            "forward of a module given to it when no call is pending.) Where parameters were "
-            "unfrozen in the middle of the forward and used trainable after it, unfreeze them "
-            "before the forward, or give the Engine only the modules that these losses train."
+            "forward of a module given to it when no call is pending.) A whole module frozen "
+            "for the forward and made trainable before the step is taken (left out, as "
+            "autograd leaves it) where the losses do not reach it; where this happens at every "
+            "step, change the freezing so that the forward's and the step's agree: unfreeze "
+            "before the forward what it uses trainable, freeze a module as a whole, or keep "
+            "it frozen until the step."
         )
 
     # ----------------------------------------------------------------------------- lifecycle
@@ -1561,6 +1572,7 @@ class Engine:
         extra_grads = extra_grads[: len(extra_inputs)]
         captured_bytes = sum(g.numel() * g.element_size() for g in grads if g is not None)
         reached: dict[int, list[Call]] = {}
+        frozen_calls = False  # (whether calls made with their parameters frozen were left out)
         recorded: dict[int, list[Call]] = {}  # (the replayed units' calls, reached or not)
         batch_dims: list[tuple[Unit, Call, list[int | None]]] = []  # (of the reached calls)
         flattened: set[tuple[Any, int]] = set()  # (see _flattened_rows)
@@ -1573,8 +1585,6 @@ class Engine:
             unit = self._units[index]
             if all(g is None for g in call_grads):
                 continue
-            if call.all_frozen and not isinstance(unit.rule, FallbackRule):
-                continue  # (autograd gives its parameters nothing from this call; see below)
             if call.preceded:
                 raise ValueError(
                     f"A forward hook ran before the Engine's on {unit.name} (one registered with "
@@ -1584,6 +1594,9 @@ class Engine:
                     "without prepend=True (after the Engine's), or on a module the Engine does "
                     "not hook, or remove the global hook while the Engine is attached."
                 )
+            if call.all_frozen:  # (autograd gives its parameters nothing from this call)
+                frozen_calls = True
+                continue
             if self._reruns(index):
                 _check_no_output_hooks(unit, call, call_grads)
             else:
@@ -1620,7 +1633,7 @@ class Engine:
                 "(its generic rule, with torch.func): the calls of that re-run are not recorded. "
                 "Take the step outside the module's forward."
             )
-        if not reached and not self._units:  # (every parameter frozen: a zero Gramian)
+        if not reached and (not self._units or frozen_calls):  # (every parameter frozen: 0)
             return [], rows, order, extra_grads, captured_bytes
         if (
             not reached

@@ -65,6 +65,13 @@ class Unit:
         return {n: p for n, p in own.items() if p.requires_grad}
 
 
+def _slot(module: nn.Module, name: str) -> tuple[nn.Module, str]:
+    """The module that holds the parameter ``name`` of ``module`` (a dotted name, as
+    ``named_parameters`` gives it) and its name there."""
+    prefix, _, own = name.rpartition(".")
+    return (module.get_submodule(prefix) if prefix else module), own
+
+
 def find_units(modules: tuple[nn.Module, ...]) -> list[Unit]:
     """Hook points: a module with a closed-form rule (for its direct trainable parameters, or
     any of its trainable parameters if the rule covers the children), else a module with direct
@@ -380,9 +387,10 @@ class Recorder:
         replays = unit.rule.replays()
         if replays:  # (first: before other pre-hooks, e.g. spectral_norm's, change the module)
             self._pre_hook(unit.module, self._start, prepend=True)
-        record = partial(
-            self._record, index, replays, unit.rule.settings, tuple(unit.params().values())
-        )
+        # (each parameter by its owner and name: one replaced under its name later, as by
+        # load_state_dict(assign=True), is read as it is at the call)
+        slots = tuple(_slot(unit.module, name) for name in unit.params())
+        record = partial(self._record, index, replays, unit.rule.settings, slots)
         # (always: a call that raises still takes its start off the stack; first: the module's
         # own output, before a user's hook replaces it)
         handle = unit.module.register_forward_hook(
@@ -501,7 +509,7 @@ class Recorder:
         index: int,
         replays: bool,
         settings: Callable[[nn.Module], Hashable],
-        params: tuple[Tensor, ...],
+        slots: tuple[tuple[nn.Module, str], ...],
         module: nn.Module,
         args: Any,
         kwargs: Any,
@@ -550,7 +558,8 @@ class Recorder:
             training=module.training,
             preceded=preceded,
         )
-        frozen = [p for p in params if not p.requires_grad]
+        params = [owner._parameters.get(name) for owner, name in slots]
+        frozen: list[Tensor] = [p for p in params if p is not None and not p.requires_grad]
         if frozen:  # (rare: a module frozen for this call only, e.g. a GAN's discriminator)
             call.frozen, call.all_frozen = frozen, len(frozen) == len(params)
         call.output_hooks = []
