@@ -311,7 +311,7 @@ def test_sequence_first_with_as_many_positions_as_samples() -> None:
         for p in params:
             p.grad = None
         losses = model(torch.randn(B_SEQ, B_SEQ, 4, dtype=torch.float64))
-        with pytest.raises(ValueError, match="at other samples than their own"):
+        with pytest.raises(ValueError, match=r"at other samples.*sequence first \(\[T, B, d\]\)"):
             engine.backward(losses, ConstantWeighting(torch.ones(B_SEQ, dtype=torch.float64)))
         assert all(p.grad is None for p in params)
 
@@ -325,3 +325,32 @@ def test_a_norm_over_the_batch_of_a_sequence_first_input_is_refused() -> None:
     refusal = "must have its batch size 3 on dimension 0"
     with Engine(model, batch_dim=0) as engine, pytest.raises(ValueError, match=refusal):
         engine.compute_gramian(model(x))
+
+
+def test_a_table_with_a_dimension_of_the_batch_size_is_not_read_as_sequence_first() -> None:
+    """A parameter table ``[k, C, d]`` with ``C = B`` by chance, projected by a hooked Linear
+    and read by each loss at its label: the probe of a first step whose labels are
+    ``arange(B)`` would pass, and later steps with other labels be wrong. Such a table is not
+    read as sequence first: refused by the batch check."""
+    torch.manual_seed(0)
+    enc, proj = nn.Linear(3, 3).double(), nn.Linear(3, 3).double()
+    table = nn.Parameter(torch.randn(2, B_SEQ, 3, dtype=torch.float64))
+    x = torch.randn(B_SEQ, 3, dtype=torch.float64)
+    with Engine(enc, proj, batch_dim=0) as engine:
+        picked = proj(table)[:, torch.arange(B_SEQ)].sum(0)
+        with pytest.raises(ValueError, match="must have its batch size 3 on dimension 0"):
+            engine.compute_gramian((enc(x) * picked).sum(1))
+
+
+def test_position_ids_of_one_row_as_long_as_the_batch() -> None:
+    """Position ids ``[1, T]`` with ``T = B``: their embedding's dimension 1 has the batch's
+    size and is read as sequence first; the probe refuses it, and the message names that
+    reading and the way out."""
+    torch.manual_seed(0)
+    tokens, positions = nn.Embedding(5, 4).double(), nn.Embedding(B_SEQ, 4).double()
+    ids = torch.randint(0, 5, (B_SEQ, B_SEQ))
+    with Engine(tokens, positions, batch_dim=0) as engine:
+        h = tokens(ids) + positions(torch.arange(B_SEQ)[None])
+        refusal = r"Read as sequence first, with the batch on dimension 1.*expand"
+        with pytest.raises(ValueError, match=refusal):
+            engine.compute_gramian(h.pow(2).sum(dim=(1, 2)))

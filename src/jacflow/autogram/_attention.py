@@ -20,7 +20,9 @@ cross-attention, key-padding and attention masks (boolean or additive), ``is_cau
 returned attention weights, batched inputs. Anything else (``bias_k``/``bias_v``,
 ``add_zero_attn``, separate projection weights, a parametrised ``out_proj``, autocast, unbatched
 inputs per task, a subclass with its own ``forward``) goes to the generic rule (per sample, with
-a 3-D ``attn_mask`` split by sample: :func:`_with_sample_masks`). Dropout in
+a 3-D ``attn_mask`` split by sample: :func:`_with_sample_masks`; per sample with
+``batch_first=False`` it is refused, naming what the closed form does not cover, since the
+generic rule splits dimension 0). Dropout in
 training mode is refused (its random mask cannot be replayed), and so are unbatched inputs per
 sample (``batch_dim=0``).
 """
@@ -109,25 +111,30 @@ def _flattened_mask(
 _PROJECTIONS = frozenset({"in_proj_weight", "in_proj_bias", "out_proj.weight", "out_proj.bias"})
 
 
-def _covered(
+def _uncovered(
     module: nn.MultiheadAttention,
     params: dict[str, Tensor],
     calls: list[Call],
     arguments: list[dict[str, Any]],
-) -> bool:
-    """Whether every call (with its ``arguments``) is one the closed form reproduces exactly."""
+) -> str | None:
+    """What in the module or a call (with its ``arguments``) the closed form does not
+    reproduce exactly; ``None`` where it does them all."""
     if type(module).forward is not nn.MultiheadAttention.forward:
-        return False
-    if not module._qkv_same_embed_dim or module.bias_k is not None or module.add_zero_attn:
-        return False
+        return "a forward of its own"
+    if not module._qkv_same_embed_dim:
+        return "kdim or vdim other than embed_dim"
+    if module.bias_k is not None or module.add_zero_attn:
+        return "add_bias_kv" if module.bias_k is not None else "add_zero_attn"
     if not params.keys() <= _PROJECTIONS:  # e.g. a parametrised out_proj's parameters
-        return False
+        return "parameters other than its projections' (a parametrised out_proj)"
     for call, args in zip(calls, arguments, strict=True):
-        if call.autocast is not None or not set(call.output_positions) <= {0, 1}:
-            return False
-        if any(args[name].dim() != 3 for name in ("query", "key", "value")):
-            return False
-    return True
+        if call.autocast is not None:
+            return "a call under autocast"
+        if not set(call.output_positions) <= {0, 1} or any(
+            args[name].dim() != 3 for name in ("query", "key", "value")
+        ):
+            return "a call on unbatched inputs"
+    return None
 
 
 def _heads(t: Tensor, heads: int) -> Tensor:
@@ -320,15 +327,17 @@ class AttentionRule(Rule):
                 "or call .eval() on it."
             )
         arguments = [_arguments(call) for call in calls]
-        if not _covered(module, params, calls, arguments):
+        uncovered = _uncovered(module, params, calls, arguments)
+        if uncovered is not None:
             if rows.per_task:
                 return _GENERIC.prepare(module, params, calls, rows)
             if not module.batch_first:  # (the generic rule splits the inputs' dimension 0)
                 raise ValueError(
                     "nn.MultiheadAttention(batch_first=False) takes the batch on dimension 1, "
-                    "which the per-sample engine (batch_dim set) reads in closed form only: "
-                    "this configuration of it takes the generic rule, which reads the batch "
-                    "on dimension 0. Build it with batch_first=True, or use batch_dim=None."
+                    "which the per-sample engine (batch_dim set) reads in closed form only, "
+                    f"and the closed form does not cover {uncovered}: the generic rule, "
+                    "which it takes then, reads the batch on dimension 0. Build it with "
+                    "batch_first=True, or use batch_dim=None."
                 )
             split = [_with_sample_masks(call, module.num_heads, rows.num_samples) for call in calls]
             handle = module.register_forward_pre_hook(

@@ -1577,7 +1577,7 @@ class Engine:
         batch_dims: list[tuple[Unit, Call, list[int | None]]] = []  # (of the reached calls)
         flattened: set[tuple[Any, int]] = set()  # (see _flattened_rows)
         cursor = 0
-        for index, call in calls:
+        for (index, call), layout in zip(calls, layouts, strict=True):
             if call.modes is not None:
                 recorded.setdefault(index, []).append(call)
             call_grads = _at_outputs(call, grads[cursor : cursor + len(call.edges)])
@@ -1605,10 +1605,13 @@ class Engine:
             unit.rule.validate(unit.module, call, rows)
             dims = [unit.rule.output_batch_dim(unit.module, call, j) for j in call.output_positions]
             call.merged = _merged_positions(unit, call, rows, dims, not compiled, flattened)
+            call.batch_at = 0
             if call.merged > 1:  # (laid out by _batch_first_call; the probe checks the order)
                 dims = [None] * len(dims)
-            elif (at := _sequence_first(unit, call, rows, dims, not compiled)) is not None:
-                dims, call.batch_at = [at], at  # (laid out by _batch_moved_first)
+            elif dims == [0] and layout[0][1] is not None and not compiled:  # (one output)
+                at = _sequence_first(unit, call, rows, layout[0][1], self._modules)
+                if at is not None:  # (laid out by _batch_first_call; the probe checks it)
+                    dims, call.batch_at = [at], at
             _check_batch(unit, call, rows, dims, losses.shape, call_grads)
             _check_versions(call)
             _check_same_parameters(unit, call)
@@ -2323,13 +2326,32 @@ def _separation_error(
             "samples than their own: if it was flattened in another order ([k, B, "
             "...]), flatten it batch first. ",
         )
+    shape = call.output_shapes[call.output_positions.index(position)]
+    if call.batch_at:  # (see _sequence_first)
+        cause = (
+            f"Read as sequence first, with the batch on dimension {call.batch_at} (the only "
+            "leading dimension of the batch's size), its rows are read by the losses at "
+            "other samples than their own. Either that dimension is not the batch (position "
+            "embeddings of ids shaped [1, T] with T == B): expand the input to the batch "
+            "first (e.g. positions.expand(B, T))"
+        )
+    else:
+        cause = (
+            "Either its input has no batch dimension and a first size equal to the batch "
+            "size (position embeddings of torch.arange(T) with T == B, a table kept as a "
+            "buffer or a parameter): expand it to the batch first (e.g. "
+            "positions.expand(B, T))"
+        )
+        if len(shape) > 2 and num_samples in shape[1:-1] and unit.rule.maps_rows(unit.module):
+            cause += (
+                "; or it is sequence first ([T, B, d]) with as many positions as samples, "
+                "which its shape cannot tell from batch first (read so where T != B): "
+                "transpose it to batch first ([B, T, d]) or pad the positions"
+            )
     return ValueError(
         f"Per sample (batch_dim set), the losses read the output of {unit.name} "
         f"({type(unit.module).__name__}) at other samples than their own, so its "
-        "per-sample gradients are not those of one backward's rows. Either its input "
-        "has no batch dimension and a first size equal to the batch size (position "
-        "embeddings of torch.arange(T) with T == B, a table kept as a buffer or a "
-        "parameter): expand it to the batch first (e.g. positions.expand(B, T)); or "
+        f"per-sample gradients are not those of one backward's rows. {cause}; or "
         "something after it mixes the samples (a loss over pairs of samples, a "
         "BatchNorm in training mode outside the Engine's modules, h - h.mean(0)). "
         "Use batch_dim=None for such models."
@@ -2516,29 +2538,30 @@ def _with_input(call: Call, x: Tensor, **changes: Any) -> Call:
 
 
 def _sequence_first(
-    unit: Unit, call: Call, rows: Rows, batch_dims: list[int | None], checked: bool
+    unit: Unit, call: Call, rows: Rows, at: int, modules: Sequence[nn.Module]
 ) -> int | None:
-    """Per sample, the dimension ``d > 0`` that holds the batch in a call of a module that maps
-    rows one by one (:meth:`Rule.maps_rows`: a Linear, a LayerNorm over the last dimensions,
-    an Embedding) on a sequence-first input (``[T, B, d]``, as ``nn.Transformer``'s layers by
-    default), where dimension 0 does not: the only leading dimension of the batch's size, the
-    input's and the output's alike, and one that a norm does not normalise over. ``None``
-    otherwise (then dimension 0 is read: a batch elsewhere with ``T = B`` is refused by the
-    probe), and where the probe does not run (``checked``: not for compiled code), which alone
-    tells a sequence-first call from one whose dimension 1 has the batch's size by chance
-    (position embeddings of ``[1, T]`` ids with ``T = B``)."""
-    if rows.per_task or not checked or batch_dims != [0] or not unit.rule.maps_rows(unit.module):
+    """Per sample, ``at`` where the batch lies on dimension ``at > 0`` (the only leading
+    dimension of its size, see :func:`_batch_elsewhere`) of the one output of a call of a
+    module that maps rows one by one (:meth:`Rule.maps_rows`: a Linear, a LayerNorm over the
+    last dimensions, an Embedding) on a sequence-first input (``[T, B, d]``, as
+    ``nn.Transformer``'s layers by default), and on its input alike, which is not a table
+    kept as a parameter or a buffer (whose rows the losses may pick by labels, which the probe
+    of one step cannot rule out) and not normalised over that dimension. ``None`` otherwise
+    (then dimension 0 is read: a batch elsewhere with ``T = B`` is refused by the probe).
+    Only where the probe runs (not for compiled code), which alone tells a sequence-first call
+    from one whose dimension ``at`` has the batch's size by chance (position embeddings of
+    ``[1, T]`` ids with ``T = B``)."""
+    if rows.per_task or not unit.rule.maps_rows(unit.module):
         return None
-    (shape,) = call.output_shapes
-    at = _batch_elsewhere(shape, rows.num_samples)
     x = call.first_argument()
-    if at is None or not isinstance(x, Tensor):
-        return None
+    (shape,) = call.output_shapes
     # (an Embedding's ids have one dimension less than its output)
-    if x.dim() <= at or x.shape[: at + 1] != shape[: at + 1]:
+    if not isinstance(x, Tensor) or x.dim() <= at or x.shape[: at + 1] != shape[: at + 1]:
         return None
     normalized = getattr(unit.module, "normalized_shape", None)
     if normalized is not None and len(normalized) >= x.dim() - at:
+        return None
+    if isinstance(x, nn.Parameter) or any(x is b for m in modules for b in m.buffers()):
         return None
     return at
 
