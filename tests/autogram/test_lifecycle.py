@@ -3291,3 +3291,27 @@ class _ScaleShift(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return x * self.s + self.t
+
+
+@pytest.mark.parametrize("unfreeze", [True, False])
+def test_a_parametrized_critic_frozen_for_the_forward_on_twice_the_batch(unfreeze: bool) -> None:
+    """Per sample, a parametrized critic (a unit with no trainable parameter while frozen)
+    frozen for the generator's forward and called on ``cat([real, fake])``, ``2 B`` rows: its
+    calls are left out, as those of a plain frozen critic are (its rows, not the batch's, were
+    refused: "must have its batch size")."""
+    torch.manual_seed(0)
+    generator = nn.Linear(3, 4).double()
+    critic = nn.Linear(4, 1).double()
+    parametrize.register_parametrization(critic, "weight", _Halved())
+    real = torch.randn(4, 4, dtype=torch.float64)
+    with Engine(generator, critic, batch_dim=0) as engine:
+
+        def forward() -> Tensor:
+            critic.requires_grad_(False)
+            scores = critic(torch.cat([real, torch.tanh(generator(X))]))
+            critic.requires_grad_(unfreeze)
+            return (scores[4:] - scores[:4]).squeeze(1).pow(2)
+
+        assert_exact_step(engine, forward, list(generator.parameters()))
+    critic.requires_grad_(True)
+    assert all(p.grad is None for p in critic.parameters())

@@ -1671,7 +1671,10 @@ class Engine:
                 "recorded since the previous one: a second step on the same forward "
                 "(compute_gramian then backward, a retry after a failed step, or a step for "
                 "each of two forwards run before either) finds none; run the forward before "
-                "each step."
+                "each step. So does a step after another one on the same forward whose losses "
+                "did not read these calls (a GAN's critic step on fake.detach() took the "
+                "generator's call, which the generator's step then reads): take the steps in "
+                "the other order, or use one engine per network."
                 + (f" {_COMPILED_BEFORE_HINT}" if compiled else "")
                 + (f" {_PARAMETER_FEATURE_HINT}" if features is not None else "")
                 + (f" {_functional_use_hint(read)}" if read is not None else "")

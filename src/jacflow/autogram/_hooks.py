@@ -560,7 +560,9 @@ class Recorder:
         )
         params = [owner._parameters.get(name) for owner, name in slots]
         frozen: list[Tensor] = [p for p in params if p is not None and not p.requires_grad]
-        if frozen:  # (rare: a module frozen for this call only, e.g. a GAN's discriminator)
+        # (rare: a module frozen for this call only, e.g. a GAN's discriminator; or a unit
+        # hooked with no trainable parameter, a parametrized module frozen then)
+        if frozen or not params:
             call.frozen, call.all_frozen = frozen, len(frozen) == len(params)
         call.output_hooks = []
         for i, j in enumerate(positions):
