@@ -3315,3 +3315,21 @@ def test_a_parametrized_critic_frozen_for_the_forward_on_twice_the_batch(unfreez
         assert_exact_step(engine, forward, list(generator.parameters()))
     critic.requires_grad_(True)
     assert all(p.grad is None for p in critic.parameters())
+
+
+@pytest.mark.parametrize("batch_dim", [0, None])
+def test_a_hook_run_before_the_engines_that_freezes_the_module_is_refused(
+    batch_dim: int | None,
+) -> None:
+    """A forward hook run before the engine's (``prepend=True`` after the Engine) that freezes
+    the module after its call: the call's graph holds the parameters, yet the call was read as
+    one made frozen and left out (a wrong Gramian). The refusal of such a hook comes first."""
+    torch.manual_seed(0)
+    pre, layer = nn.Linear(3, 4).double(), nn.Linear(4, 2).double()
+    params = [*pre.parameters(), *layer.parameters()]
+    with Engine(pre, layer, batch_dim=batch_dim) as engine:
+        layer.register_forward_hook(lambda m, i, o: m.requires_grad_(False) and None, prepend=True)
+        out = layer(torch.tanh(pre(X))).pow(2)
+        layer.requires_grad_(True)
+        losses = out.sum(1) if batch_dim == 0 else out.mean(0)
+        _assert_refused(engine, losses, params, "A forward hook ran before the Engine's")
