@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import inspect
 import math
 import warnings
@@ -524,18 +525,13 @@ def _reordering_chain(
         node = node.next_functions[0][0]
         if positions.ndim != 1:
             break
-    else:  # (out of budget: nothing below is judged)
-        return _Chain(order is not None and _moves(order, permutations_only, batch))
+    else:  # (out of budget: nothing below is judged, the walk does not go on)
+        node = None
     if order is None:
         return _Chain(False)
     if _in_place_order(order):
         return _Chain(False, node, columns_sliced)
-    return _Chain(_moves(order, permutations_only, batch))
-
-
-def _moves(order: Tensor, permutations_only: bool, batch: int) -> bool:
-    """Whether ``order`` (not in place) counts as a reordering (see :func:`_reordering_chain`)."""
-    return not _in_place_order(order) and (not permutations_only or _permutation(order, batch))
+    return _Chain(not permutations_only or _permutation(order, batch))
 
 
 def _passes_along(node: Any, axis: int) -> bool:
@@ -1576,6 +1572,10 @@ class Engine:
         recorded: dict[int, list[Call]] = {}  # (the replayed units' calls, reached or not)
         batch_dims: list[tuple[Unit, Call, list[int | None]]] = []  # (of the reached calls)
         flattened: set[tuple[Any, int]] = set()  # (see _flattened_rows)
+        modules = self._modules
+        # (the modules' buffers, which _sequence_first never reads so: found once a step, and
+        # only where a call may be sequence first)
+        buffer_ids = functools.cache(lambda: {id(b) for m in modules for b in m.buffers()})
         cursor = 0
         for (index, call), layout in zip(calls, layouts, strict=True):
             if call.modes is not None:
@@ -1609,7 +1609,7 @@ class Engine:
             if call.merged > 1:  # (laid out by _batch_first_call; the probe checks the order)
                 dims = [None] * len(dims)
             elif dims == [0] and layout[0][1] is not None and not compiled:  # (one output)
-                at = _sequence_first(unit, call, rows, layout[0][1], self._modules)
+                at = _sequence_first(unit, call, rows, layout[0][1], buffer_ids)
                 if at is not None:  # (laid out by _batch_first_call; the probe checks it)
                     dims, call.batch_at = [at], at
             _check_batch(unit, call, rows, dims, losses.shape, call_grads)
@@ -2541,7 +2541,7 @@ def _with_input(call: Call, x: Tensor, **changes: Any) -> Call:
 
 
 def _sequence_first(
-    unit: Unit, call: Call, rows: Rows, at: int, modules: Sequence[nn.Module]
+    unit: Unit, call: Call, rows: Rows, at: int, buffer_ids: Callable[[], set[int]]
 ) -> int | None:
     """Per sample, ``at`` where the batch lies on dimension ``at > 0`` (the only leading
     dimension of its size, see :func:`_batch_elsewhere`) of the one output of a call of a
@@ -2564,7 +2564,7 @@ def _sequence_first(
     normalized = getattr(unit.module, "normalized_shape", None)
     if normalized is not None and len(normalized) >= x.dim() - at:
         return None
-    if isinstance(x, nn.Parameter) or any(x is b for m in modules for b in m.buffers()):
+    if isinstance(x, nn.Parameter) or id(x) in buffer_ids():  # (``buffer_ids``: the modules')
         return None
     return at
 
@@ -2658,7 +2658,8 @@ def _batch_mismatch(
         hints += (
             f"If the batch is on dimension {elsewhere[0]} of that output (sequence first, "
             "[T, B, d]), the engine reads it there by itself where that is the only leading "
-            "dimension of the batch's size, dimension 0 is not, and no torch.compile'd code "
+            "dimension of the batch's size, dimension 0 is not, the input is not a parameter "
+            "or a buffer, and no torch.compile'd code "
             "lies between it and the losses, whose backward the engine cannot probe for the "
             "order; else transpose it to batch first ([B, T, d]), which is exact. "
         )
