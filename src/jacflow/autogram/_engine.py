@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import inspect
 import math
 import warnings
@@ -1572,10 +1571,15 @@ class Engine:
         recorded: dict[int, list[Call]] = {}  # (the replayed units' calls, reached or not)
         batch_dims: list[tuple[Unit, Call, list[int | None]]] = []  # (of the reached calls)
         flattened: set[tuple[Any, int]] = set()  # (see _flattened_rows)
-        modules = self._modules
-        # (the modules' buffers, which _sequence_first never reads so: found once a step, and
-        # only where a call may be sequence first)
-        buffer_ids = functools.cache(lambda: {id(b) for m in modules for b in m.buffers()})
+        found: list[set[int]] = []
+
+        def buffer_ids() -> set[int]:
+            """The modules' buffers, which _sequence_first never reads so: found once a step,
+            and only where a call may be sequence first (no call on the usual path)."""
+            if not found:
+                found.append({id(b) for m in self._modules for b in m.buffers()})
+            return found[0]
+
         cursor = 0
         for (index, call), layout in zip(calls, layouts, strict=True):
             if call.modes is not None:
